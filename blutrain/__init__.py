@@ -1,0 +1,28 @@
+"""blutrain: a deep-learning training framework with PyTorch's surface and a whole-graph compiler, Nova."""
+from blutrain.dtypes import (DType as dtype, bool_ as bool, int32, int64, float16, bfloat16, float32, float64,
+                             promote_types, result_type)
+from blutrain.device import Device as device
+from blutrain.tensor import Tensor
+from blutrain.ops import (no_grad, enable_grad, set_grad_enabled, is_grad_enabled, full, zeros, ones, empty, full_like,
+                          zeros_like, ones_like, empty_like, arange, linspace, eye, tensor, as_tensor, from_numpy,
+                          from_dlpack, Generator, manual_seed, rand, randn, randint, rand_like, randn_like, exp, log,
+                          sqrt, rsqrt, abs, sin, cos, tanh, sigmoid, relu, erf, sign, floor, add, sub, mul, div, pow,
+                          maximum, minimum, eq, ne, lt, le, gt, ge, logical_and, logical_or, logical_not, where, clamp,
+                          clip, masked_fill, lerp, sum, mean, var, std, amax, amin, argmax, argmin, max, min, logsumexp,
+                          cumsum, all, any, reshape, permute, transpose, squeeze, unsqueeze, flatten, narrow, split,
+                          chunk, unbind, cat, stack, nonzero, matmul, softmax, log_softmax, gather, scatter_add,
+                          index_select, tril, triu, isnan, isfinite)
+from blutrain.ops import default_generator
+from blutrain import autograd
+
+half, float, long, int, double, bool_ = float16, float32, int64, int32, float64, bool
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+  # submodules that pull in more (nn, optim, models, data) load on first use
+  import importlib
+  if name in ("nn", "optim", "models", "data", "cuda", "amp", "utils"):
+    return importlib.import_module(f"blutrain.{name}")
+  raise AttributeError(f"module 'blutrain' has no attribute {name!r}")

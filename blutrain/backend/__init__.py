@@ -1,0 +1,28 @@
+"""Backends hold storage and kernels, never math. `get(device)` finds the one for a device.
+
+A backend module provides:
+  kernels: dict[str, Callable]        op name -> kernel(*arrays, **attrs) -> array
+  empty(numel, dtype) -> data          a flat buffer
+  from_numpy(array) -> data            a flat copy of a host array
+  view(data, shape, strides, offset, dtype) -> array   what kernels take (strides in elements)
+  to_numpy(array) -> np.ndarray        host copy of a kernel array
+  wrap(array) -> (data, shape, strides, offset)        a kernel result as storage and layout
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from blutrain.device import Device
+
+_loaded: dict[str, ModuleType] = {}
+
+
+def get(device: Device) -> ModuleType:
+  if (mod := _loaded.get(device.type)) is None:
+    try:
+      mod = _loaded[device.type] = importlib.import_module(f"blutrain.backend.{device.type}")
+    except ImportError as e:
+      raise RuntimeError(f"device {device} is not available: the {device.type} backend could not load ({e}). "
+                         f"Use device='cpu', or install the 'cuda' extra on a machine with an NVIDIA GPU.") from e
+  return mod

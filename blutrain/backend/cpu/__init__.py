@@ -1,0 +1,37 @@
+"""The CPU backend: flat numpy buffers, strided numpy views, and the numpy kernels of `kernels.py`."""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from blutrain.backend.cpu.kernels import kernels  # noqa: F401  (the backend's kernel table)
+from blutrain.tensor import contiguous_strides
+
+
+def view(data: np.ndarray, shape, strides, offset: int, dtype) -> np.ndarray:
+  """A numpy view of a flat buffer (strides in elements); plain reshape for the common contiguous case."""
+  if offset == 0 and data.size == int(np.prod(shape)) and tuple(strides) == contiguous_strides(shape):
+    return data.reshape(shape)
+  item = data.itemsize
+  return as_strided(data[offset:], shape=shape, strides=tuple(s * item for s in strides))
+
+
+def wrap(array, dtype) -> tuple:
+  """A kernel's result as (flat buffer, shape, strides, offset); shares memory when it is C-contiguous."""
+  arr = np.asarray(array)
+  if arr.dtype != dtype.np: arr = arr.astype(dtype.np)
+  if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
+  return arr.reshape(-1), arr.shape, contiguous_strides(arr.shape), 0
+
+
+def empty(numel: int, dtype) -> np.ndarray: return np.empty(numel, dtype.np)
+def from_numpy(array: np.ndarray) -> np.ndarray: return np.array(array, copy=True)
+def to_numpy(array: np.ndarray) -> np.ndarray: return array
+def from_dlpack(ext) -> np.ndarray: return np.from_dlpack(ext)
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None: np.copyto(dst, src, casting="unsafe")
+
+
+def dlpack(array: np.ndarray, stream=None, **kw):
+  if array.dtype.kind == "V" or array.dtype.name == "bfloat16":
+    raise TypeError("DLPack export of bfloat16 CPU tensors is not supported by numpy; convert with .float() first")
+  return array.__dlpack__(**kw)

@@ -1,0 +1,223 @@
+"""NumPy kernels, one per primitive of `blutrain.ops`, keyed by op name.
+
+Kernels take numpy arrays (strided views, possibly broadcast) and the op's attributes and return a new array;
+the caller casts it to the dtype the op's rule gives. float16 and bfloat16 inputs are computed in float32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import ml_dtypes
+import numpy as np
+
+_HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _errstate(fn):
+  @functools.wraps(fn)
+  def k(*a, **kw):
+    with np.errstate(all="ignore"): return fn(*a, **kw)
+  return k
+
+
+# *** elementwise ***
+
+def _erf(x: np.ndarray) -> np.ndarray:
+  """erf: exact (math.erf) in float64; in float32 Abramowitz & Stegun 7.1.26 (abs. error < 1.5e-7, below
+  float32's resolution near 1)."""
+  if x.dtype == np.float64: return np.vectorize(math.erf, otypes=[np.float64])(x)
+  a = np.abs(x)
+  t = 1.0 / (1.0 + 0.3275911 * a)
+  poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+  return np.sign(x) * (1.0 - poly * np.exp(-a * a))
+
+
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+
+
+def _gelu(x, approximate):
+  if approximate == "tanh": return 0.5 * x * (1.0 + np.tanh(_SQRT_2_PI * (x + 0.044715 * x ** 3)))
+  return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def _gelu_backward(g, x, approximate):
+  if approximate == "tanh":
+    t = np.tanh(_SQRT_2_PI * (x + 0.044715 * x ** 3))
+    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x))
+  cdf = 0.5 * (1.0 + _erf(x / math.sqrt(2.0)))
+  return g * (cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
+
+
+def _sigmoid(x): return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def _cumsum(x, dim, reverse=False):
+  return np.flip(np.cumsum(np.flip(x, dim), dim), dim) if reverse else np.cumsum(x, dim)
+
+
+# *** indexing ***
+
+def _check_bounds(op: str, idx: np.ndarray, size: int, dim: int) -> None:
+  if idx.size and (idx.min() < -size or idx.max() >= size):
+    bad = idx[(idx < -size) | (idx >= size)].flat[0]
+    raise IndexError(f"{op}: index {bad} is out of bounds for dimension {dim} with size {size}")
+
+
+def _key(x, idx, positions):
+  key = [slice(None)] * x.ndim
+  for p, i in zip(positions, idx):
+    _check_bounds("index", i, x.shape[p], p)
+    key[p] = i
+  return tuple(key)
+
+
+def _index_backward(g, *idx, shape, positions):
+  out = np.zeros(shape, g.dtype)
+  np.add.at(out, _key(out, idx, positions), g)
+  return out
+
+
+def _index_put(x, v, *idx, positions):
+  out = np.array(x, copy=True)
+  out[_key(out, idx, positions)] = v
+  return out
+
+
+def _slice_backward(g, shape, index):
+  out = np.zeros(shape, g.dtype)
+  out[tuple(slice(*i) for i in index)] = g
+  return out
+
+
+def _along(index: np.ndarray, dim: int) -> tuple:
+  """Full index tuple for gather/scatter: index along dim, the positions elsewhere."""
+  key = list(np.indices(index.shape, sparse=True))
+  key[dim] = index
+  return tuple(key)
+
+
+def _gather(x, index, dim):
+  _check_bounds("gather", index, x.shape[dim], dim)
+  return x[_along(index, dim)]
+
+
+def _scatter_add(x, index, src, dim):
+  _check_bounds("scatter_add", index, x.shape[dim], dim)
+  out = np.array(x, copy=True)
+  np.add.at(out, _along(index, dim), src[tuple(slice(0, n) for n in index.shape)])
+  return out
+
+
+def _embedding(weight, idx):
+  _check_bounds("embedding", idx, weight.shape[0], 0)
+  return weight[idx]
+
+
+def _embedding_backward(g, idx, num):
+  out = np.zeros((num, g.shape[-1]), g.dtype)
+  np.add.at(out, idx.reshape(-1), g.reshape(-1, g.shape[-1]))
+  return out
+
+
+# *** normalization and losses ***
+
+def _softmax(x, dim):
+  e = np.exp(x - np.max(x, axis=dim, keepdims=True))
+  return e / np.sum(e, axis=dim, keepdims=True)
+
+
+def _log_softmax(x, dim):
+  shifted = x - np.max(x, axis=dim, keepdims=True)
+  return shifted - np.log(np.sum(np.exp(shifted), axis=dim, keepdims=True))
+
+
+def _layer_norm(x, w, b, n, eps):
+  axes = tuple(range(x.ndim - n, x.ndim))
+  mu = x.mean(axis=axes, keepdims=True)
+  xc = x - mu
+  out = xc / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + eps)
+  if w is not None: out = out * w
+  if b is not None: out = out + b
+  return out
+
+
+def _valid_targets(op, target, ignore_index, num_classes):
+  valid = target != ignore_index
+  _check_bounds(op, np.where(valid, target, 0), num_classes, 1)
+  if (target[valid] < 0).any(): raise IndexError(f"{op}: negative target {target[valid].min()}")
+  return valid, np.where(valid, target, 0)
+
+
+def _cross_entropy(logits, target, ignore_index):
+  valid, t = _valid_targets("cross_entropy", target, ignore_index, logits.shape[1])
+  m = logits.max(axis=1)
+  lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
+  return np.where(valid, lse - logits[np.arange(len(t)), t], 0.0)
+
+
+def _cross_entropy_backward(g, logits, target, ignore_index):
+  valid, t = _valid_targets("cross_entropy", target, ignore_index, logits.shape[1])
+  p = _softmax(logits, 1)
+  p[np.arange(len(t)), t] -= 1.0
+  return p * (g * valid)[:, None]
+
+
+# *** random ***
+
+def _rng(seed, offset) -> np.random.Generator:
+  """Philox keyed by the seed, advanced past `offset` draws (each draw has a 256-bit block of its own)."""
+  return np.random.Generator(np.random.Philox(key=seed).advance(offset))
+
+
+def _matmul(a, b):
+  if a.dtype.kind in "iub": return np.matmul(a.astype(np.int64), b.astype(np.int64))
+  return np.matmul(a, b)
+
+
+kernels = {
+  # creation and random
+  "full": lambda *, shape, value, dtype: np.full(shape, value, dtype.np),
+  "arange": lambda *, start, step, shape, dtype: (start + step * np.arange(shape[0], dtype=np.float64)
+                                                  if dtype.is_floating_point else start + step * np.arange(shape[0])),
+  "rand": lambda *, shape, dtype, seed, offset: _rng(seed, offset).random(shape, dtype=np.float32),
+  "randn": lambda *, shape, dtype, seed, offset: _rng(seed, offset).standard_normal(shape, dtype=np.float32),
+  "randint": lambda *, shape, dtype, seed, offset, low, high: _rng(seed, offset).integers(low, high, shape),
+  "bernoulli": lambda *, shape, dtype, seed, offset, p: _rng(seed, offset).random(shape, dtype=np.float32) < p,
+  # unary
+  "neg": np.negative, "exp": _errstate(np.exp), "log": _errstate(np.log), "sqrt": _errstate(np.sqrt),
+  "rsqrt": _errstate(lambda x: 1.0 / np.sqrt(x)), "abs": np.abs, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
+  "sigmoid": _sigmoid, "relu": lambda x: np.maximum(x, 0), "erf": _erf, "floor": np.floor,
+  "gelu": _errstate(_gelu), "gelu_backward": _errstate(_gelu_backward),
+  "logical_not": np.logical_not, "cast": lambda x, dtype: x.astype(dtype.np), "copy": lambda x: np.array(x, copy=True),
+  # binary
+  "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _errstate(np.divide), "pow": _errstate(np.power),
+  "maximum": np.maximum, "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
+  "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "logical_and": np.logical_and,
+  "logical_or": np.logical_or, "logical_xor": np.logical_xor, "where": np.where,
+  # reductions
+  "sum": lambda x, dims, keepdim, dtype: np.sum(x, axis=dims, keepdims=keepdim),
+  "amax": lambda x, dims, keepdim: np.max(x, axis=dims, keepdims=keepdim),
+  "amin": lambda x, dims, keepdim: np.min(x, axis=dims, keepdims=keepdim),
+  "argmax": lambda x, dim, keepdim: np.argmax(x, axis=dim, keepdims=keepdim),
+  "argmin": lambda x, dim, keepdim: np.argmin(x, axis=dim, keepdims=keepdim),
+  "cumsum": _cumsum,
+  # movement and indexing
+  "slice_backward": _slice_backward, "cat": lambda *xs, dim: np.concatenate(xs, axis=dim),
+  "index": lambda x, *idx, positions: x[_key(x, idx, positions)], "index_backward": _index_backward,
+  "index_put": _index_put, "gather": _gather, "scatter_add": _scatter_add, "embedding": _embedding,
+  "embedding_backward": _embedding_backward,
+  # linear algebra, normalization, losses
+  "matmul": _matmul, "softmax": _errstate(_softmax), "log_softmax": _errstate(_log_softmax), "layer_norm": _layer_norm,
+  "cross_entropy": _errstate(_cross_entropy), "cross_entropy_backward": _errstate(_cross_entropy_backward),
+}
+
+
+def _upcast_halves(fn):
+  @functools.wraps(fn)
+  def kernel(*arrays, **attrs):
+    return fn(*(a.astype(np.float32) if a is not None and a.dtype in _HALF else a for a in arrays), **attrs)
+  return kernel
+
+
+kernels = {name: _upcast_halves(fn) for name, fn in kernels.items()}

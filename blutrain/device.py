@@ -1,0 +1,28 @@
+"""Devices: `cpu` and `cuda:N`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Device:
+  """Where a tensor's storage lives, as `torch.device`: `Device("cuda", 0)` prints as `cuda:0`."""
+  type: str
+  index: int | None = None
+
+  def __str__(self) -> str: return self.type if self.index is None else f"{self.type}:{self.index}"
+  def __repr__(self) -> str: return f"device(type='{self.type}'" + ("" if self.index is None else f", index={self.index}") + ")"
+
+
+cpu = Device("cpu")
+
+
+def to_device(d: str | Device | None) -> Device:
+  """Parse 'cpu', 'cuda', 'cuda:1' or a Device; `cuda` means the current GPU, `cuda:0`."""
+  if d is None: return cpu
+  if isinstance(d, Device): return d
+  if isinstance(d, str):
+    kind, _, idx = d.partition(":")
+    if kind == "cpu" and not idx: return cpu
+    if kind == "cuda" and (not idx or idx.isdigit()): return Device("cuda", int(idx or 0))
+  raise ValueError(f"unknown device {d!r}; expected 'cpu', 'cuda' or 'cuda:N'")

@@ -1,0 +1,182 @@
+"""The op registry and `apply`, the one door every primitive goes through.
+
+A primitive is an `Op`: a name, a rule from input tensors to the output's shape and dtype, a VJP written
+with other ops (one gradient per input, None where there is none), and, for view ops, a layout rule
+that makes the output share the input's storage. Kernels live in the backends, keyed by the op name.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from blutrain import backend
+from blutrain.dtypes import DType
+from blutrain.tensor import Tensor
+
+Shape = tuple[int, ...]
+
+
+@dataclass(eq=False)
+class Op:
+  name: str
+  rule: Callable[..., tuple[Shape, DType]]
+  vjp: Callable[..., tuple] | None = None   # (g, out, *inputs, **attrs) -> one gradient per input
+  view: Callable[..., tuple] | None = None  # (x, **attrs) -> (shape, strides, offset) sharing x's storage
+  saves: tuple[int, ...] | None = None       # inputs the VJP reads (None: all); the rest reach it as Avals
+  saves_output: bool = False                 # the VJP reads `out`; otherwise it gets None
+  differentiable: bool = True                # False: outputs never require grad (comparisons, argmax)
+
+  def __call__(self, *inputs, **attrs) -> Tensor: return apply(self, *inputs, **attrs)
+  def __repr__(self) -> str: return f"Op({self.name})"
+
+
+registry: dict[str, Op] = {}
+
+
+def op(name: str, rule, vjp=None, **kw) -> Op:
+  """Declare a primitive; its name is unique across the library, the backends and Nova's dialect."""
+  assert name not in registry, f"op {name} declared twice"
+  registry[name] = o = Op(name, rule, vjp, **kw)
+  return o
+
+
+# *** grad mode ***
+
+class _GradMode(threading.local):
+  enabled = True
+
+
+grad_mode = _GradMode()
+
+
+def is_grad_enabled() -> bool: return grad_mode.enabled
+
+
+class set_grad_enabled:
+  """Context manager (and decorator) that turns gradient recording on or off, as torch.set_grad_enabled."""
+  def __init__(self, mode: bool): self.mode, self.prev = bool(mode), []
+  def __enter__(self): self.prev.append(grad_mode.enabled); grad_mode.enabled = self.mode
+  def __exit__(self, *exc): grad_mode.enabled = self.prev.pop()
+
+  def __call__(self, fn):
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+      with type(self)(self.mode): return fn(*a, **k)
+    return wrapper
+
+
+class no_grad(set_grad_enabled):
+  """Disable gradient recording inside the block: `with bt.no_grad(): ...` or `@bt.no_grad()`."""
+  def __init__(self): super().__init__(False)
+
+
+class enable_grad(set_grad_enabled):
+  """Enable gradient recording inside the block, even under `no_grad`."""
+  def __init__(self): super().__init__(True)
+
+
+# *** apply ***
+
+@dataclass(frozen=True)
+class Aval:
+  """What a VJP may know of an input it does not save: shape, dtype, device."""
+  shape: Shape
+  dtype: DType
+  device: Any
+  @property
+  def ndim(self) -> int: return len(self.shape)
+
+
+@dataclass(eq=False)
+class Node:
+  """One tape entry. `parents` are the gradient edges (a Node, a leaf Tensor that requires grad, or None);
+  `saved` holds only the inputs the VJP reads (the others as Avals) and `out`, detached so the tape
+  holds no cycle, when the VJP reads the output. `versions` catch in-place changes to what was saved."""
+  op: Op
+  attrs: dict[str, Any]
+  parents: tuple
+  saved: tuple | None
+  versions: tuple
+  out: Tensor | None
+  aval: Aval
+  retained: Any = None  # weakref to the output when retain_grad() asked for its .grad
+  hooks: list | None = None
+  freed: bool = False
+
+
+def _device_of(op_: Op, inputs) -> Any:
+  devs = {t.device for t in inputs if t is not None}
+  if len(devs) > 1:
+    desc = ", ".join(f"{tuple(t.shape)} {t.dtype.name} on {t.device}" for t in inputs if t is not None)
+    raise RuntimeError(f"{op_.name}: expected all tensors on one device, got {desc}. Move them with .to(device).")
+  return devs.pop() if devs else None
+
+
+def _edge(t: Tensor | None):
+  if t is None or not t.requires_grad: return None
+  return t if t._node is None else t._node
+
+
+def _record(op_: Op, inputs, attrs, out: Tensor) -> None:
+  keep = range(len(inputs)) if op_.saves is None else op_.saves
+  saved = tuple(t if (i in keep or t is None) else Aval(t.shape, t.dtype, t.device) for i, t in enumerate(inputs))
+  held = [t for t in saved if isinstance(t, Tensor)]
+  saved_out = out.detach() if op_.saves_output else None
+  if saved_out is not None: held.append(saved_out)
+  out.requires_grad = True
+  out._node = Node(op_, attrs, tuple(_edge(t) for t in inputs), saved, tuple((t, t._storage.version) for t in held),
+                   saved_out, Aval(out.shape, out.dtype, out.device))
+
+
+def apply(op_: Op, *inputs: Tensor | None, device=None, **attrs) -> Tensor:
+  """Run a primitive: check devices, infer the output by the op's rule, run the backend kernel (or make a
+  view), and record a tape node when gradients are needed."""
+  dev = _device_of(op_, inputs) or device
+  shape, dtype = op_.rule(*inputs, **attrs)
+  if op_.view is not None:
+    x = inputs[0]
+    vshape, strides, offset = op_.view(x, **attrs)
+    out = Tensor._make(x._storage, vshape, strides, offset, dtype)
+  else:
+    kernel = backend.get(dev).kernels.get(op_.name)
+    if kernel is None: raise NotImplementedError(f"{op_.name}: no kernel on the {dev.type} backend")
+    out = Tensor._wrap(kernel(*(None if t is None else t._array() for t in inputs), **attrs), dev, dtype)
+    assert out.shape == shape, f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {shape}"
+  if (op_.vjp is not None and op_.differentiable and grad_mode.enabled
+      and any(t is not None and t.requires_grad for t in inputs)):
+    _record(op_, inputs, attrs, out)
+  return out
+
+
+# *** helpers shared by the op modules ***
+
+def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
+  """NumPy/PyTorch broadcasting; the error names the op and both shapes."""
+  ndim = max((len(s) for s in shapes), default=0)
+  out = []
+  for i in range(-ndim, 0):
+    sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
+    if len(sizes) > 1:
+      raise ValueError(f"{op}: shapes {' and '.join(str(tuple(s)) for s in shapes)} cannot broadcast "
+                       f"(sizes {sorted(sizes)} in dimension {i})")
+    out.append(sizes.pop() if sizes else 1)
+  return tuple(out)
+
+
+def normalize_dim(dim: int, ndim: int, op: str) -> int:
+  n = max(ndim, 1)
+  if not -n <= dim < n:
+    raise IndexError(f"{op}: dimension {dim} out of range for a tensor with {ndim} dimensions (expected [{-n}, {n - 1}])")
+  return dim % n
+
+
+def normalize_dims(dim, ndim: int, op: str) -> tuple[int, ...]:
+  """None -> all dims; an int or a sequence -> sorted, unique, non-negative dims."""
+  if dim is None: return tuple(range(ndim))
+  dims = (dim,) if isinstance(dim, int) else tuple(dim)
+  out = tuple(sorted({normalize_dim(d, ndim, op) for d in dims}))
+  if len(out) != len(dims): raise ValueError(f"{op}: dimension repeated in {dims}")
+  return out

@@ -1,0 +1,262 @@
+"""Tensor creation, the counter-based random generator, device transfer and in-place writes."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from blutrain import backend, dtypes, ops
+from blutrain.device import Device, to_device as parse_device
+from blutrain.dtypes import DType
+from blutrain.ops.core import Shape, _record, grad_mode, op
+from blutrain.tensor import Tensor
+
+
+def _shape(size: Sequence) -> Shape:
+  if len(size) == 1 and isinstance(size[0], (tuple, list)): size = tuple(size[0])
+  shape = tuple(int(s) for s in size)
+  if any(s < 0 for s in shape): raise ValueError(f"negative dimension in shape {shape}")
+  return shape
+
+
+def _creation_rule(*, shape, dtype, **_): return shape, dtype
+
+
+# *** constants ***
+
+full_op = op("full", _creation_rule)             # attrs: shape, value, dtype
+arange_op = op("arange", _creation_rule)         # attrs: start, step, shape, dtype
+
+
+def full(size: Sequence[int], fill_value, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  """A tensor of `size` filled with `fill_value`; the dtype follows the value (bool, int64, float32) by default."""
+  dt = dtypes.to_dtype(dtype) if dtype is not None else dtypes.scalar_dtype(fill_value)
+  t = full_op(device=parse_device(device), shape=_shape((size,) if isinstance(size, int) else tuple(size)),
+              value=fill_value, dtype=dt)
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def zeros(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  """A tensor of zeros, `bt.zeros(2, 3)` or `bt.zeros((2, 3))`."""
+  return full(_shape(size), 0, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
+
+
+def ones(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  """A tensor of ones."""
+  return full(_shape(size), 1, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
+
+
+def empty(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  """A tensor whose values are not to be relied on (zeros here)."""
+  return zeros(*size, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def full_like(x: Tensor, fill_value, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  return full(x.shape, fill_value, dtype=dtype or x.dtype, device=device or x.device, requires_grad=requires_grad)
+
+
+def zeros_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  return full_like(x, 0, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def ones_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  return full_like(x, 1, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def empty_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  return zeros_like(x, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  """Values from `start` to `end` (exclusive) by `step`: `bt.arange(5)`, `bt.arange(1, 2, 0.25)`."""
+  if end is None: start, end = 0, start
+  if step == 0: raise ValueError("arange: step must be nonzero")
+  n = max(0, math.ceil((end - start) / step))
+  dt = dtypes.to_dtype(dtype) if dtype is not None else dtypes.result_type(start, end, step)
+  t = arange_op(device=parse_device(device), start=start, step=step, shape=(n,), dtype=dt)
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def linspace(start: float, end: float, steps: int, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  """`steps` evenly spaced values from `start` to `end`, both included."""
+  step = (end - start) / (steps - 1) if steps > 1 else 0.0
+  t = arange(steps, dtype=dtypes.float32, device=device) * step + start
+  if steps > 1: t = ops.where(arange(steps, device=device) == steps - 1, float(end), t)  # exact last value
+  t = t.to(dtype or dtypes.default_float)
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def eye(n: int, m: int | None = None, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  """The identity matrix, n x m."""
+  rows, cols = arange(n, device=device), arange(n if m is None else m, device=device)
+  t = (rows.unsqueeze(1) == cols.unsqueeze(0)).to(dtype or dtypes.default_float)
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+# *** host data ***
+
+def tensor(data: Any, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+  """A new tensor copied from data: nested lists, numbers, numpy arrays or tensors."""
+  if isinstance(data, Tensor):
+    t = data.detach().to(device or data.device, dtype or data.dtype).clone()
+  else:
+    arr = np.asarray(data) if not isinstance(data, np.ndarray) else data
+    if dtype is not None: arr = arr.astype(dtypes.to_dtype(dtype).np)
+    elif arr.dtype == np.float64: arr = arr.astype(np.float32)   # Python floats default to float32, as in PyTorch
+    t = from_numpy(np.array(arr, copy=True)).to(parse_device(device))
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def as_tensor(data: Any, dtype=None, device=None) -> Tensor:
+  """Like `tensor` but without a copy when `data` already is a tensor of that dtype and device."""
+  if isinstance(data, Tensor): return data.to(device or data.device, dtype or data.dtype)
+  return tensor(data, dtype=dtype, device=device)
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+  """A CPU tensor sharing memory with a numpy array (copied only if its dtype needs conversion)."""
+  if not isinstance(array, np.ndarray): raise TypeError(f"from_numpy: expected np.ndarray, got {type(array).__name__}")
+  dt = dtypes.to_dtype(array.dtype)
+  return Tensor._wrap(array, parse_device("cpu"), dt)
+
+
+def from_dlpack(ext: Any) -> Tensor:
+  """A tensor sharing memory with any DLPack producer (numpy, PyTorch, JAX, CuPy)."""
+  dev_type, index = ext.__dlpack_device__()
+  device = parse_device("cpu") if int(dev_type) == 1 else Device("cuda", int(index))
+  array = backend.get(device).from_dlpack(ext)
+  return Tensor._wrap(array, device, dtypes.to_dtype(array.dtype))
+
+
+def as_tensor_like(x, like: Tensor) -> Tensor:
+  """A Python number or array as a tensor of `like`'s dtype and device; a tensor passes through."""
+  if isinstance(x, Tensor): return x
+  if isinstance(x, (bool, int, float)): return full((), x, dtype=like.dtype, device=like.device)
+  return tensor(x, dtype=like.dtype, device=like.device)
+
+
+# *** device transfer ***
+
+def to_device(x: Tensor, device: Device) -> Tensor:
+  """Copy to another device; differentiable (the gradient goes back to the source device)."""
+  out = Tensor._wrap(backend.get(device).from_numpy(x.detach().numpy()), device, x.dtype)
+  if grad_mode.enabled and x.requires_grad: _record(to_device_op, (x,), {"device": device}, out)
+  return out
+
+
+to_device_op = op("to_device", lambda x, device: (x.shape, x.dtype), lambda g, out, x, device: (to_device(g, x.device),),
+                  saves=())
+
+
+# *** random numbers ***
+
+class Generator:
+  """A counter-based (Philox) random generator, as PyTorch's CUDA one: a seed and an offset that every draw
+  advances. The same (seed, offset) gives the same numbers on every backend and under Nova's capture."""
+
+  def __init__(self, device=None):
+    self.device = parse_device(device)
+    self.seed, self.offset = 67280421310721, 0
+
+  def manual_seed(self, seed: int) -> Generator:
+    self.seed, self.offset = int(seed) & (2**64 - 1), 0
+    return self
+
+  def initial_seed(self) -> int: return self.seed
+  def get_state(self) -> Tensor: return tensor([self.seed, self.offset], dtype=dtypes.int64)
+  def set_state(self, state: Tensor) -> None: self.seed, self.offset = (int(v) for v in state.tolist())
+
+  def _take(self, n: int) -> tuple[int, int]:
+    """Reserve n numbers: return (seed, offset) for the draw and advance past it."""
+    seed, offset = self.seed, self.offset
+    self.offset += n
+    return seed, offset
+
+
+default_generator = Generator()
+
+
+def manual_seed(seed: int) -> Generator:
+  """Seed the default generator (and so every random op without an explicit generator)."""
+  return default_generator.manual_seed(seed)
+
+
+def _random_rule(*, shape, dtype, **_): return shape, dtype
+
+
+rand_op = op("rand", _random_rule)            # uniform [0, 1); attrs: shape, dtype, seed, offset
+randn_op = op("randn", _random_rule)          # standard normal
+randint_op = op("randint", _random_rule)      # attrs also: low, high
+bernoulli_op = op("bernoulli", _random_rule)  # attrs also: p; bool-valued as dtype says
+
+
+def _draw(op_, shape, dtype, device, generator, **attrs) -> Tensor:
+  seed, offset = (generator or default_generator)._take(math.prod(shape))
+  return op_(device=parse_device(device), shape=shape, dtype=dtype, seed=seed, offset=offset, **attrs)
+
+
+def rand(*size, dtype=None, device=None, generator: Generator | None = None, requires_grad: bool = False) -> Tensor:
+  """Uniform samples on [0, 1)."""
+  t = _draw(rand_op, _shape(size), dtypes.to_dtype(dtype or dtypes.default_float), device, generator)
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def randn(*size, dtype=None, device=None, generator: Generator | None = None, requires_grad: bool = False) -> Tensor:
+  """Standard normal samples."""
+  t = _draw(randn_op, _shape(size), dtypes.to_dtype(dtype or dtypes.default_float), device, generator)
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def randint(low: int, high: int | None = None, size=(), *, dtype=None, device=None,
+            generator: Generator | None = None) -> Tensor:
+  """Integers uniform on [low, high): `bt.randint(10, (3,))` or `bt.randint(2, 10, (3,))`."""
+  if high is None: low, high = 0, low
+  if high <= low: raise ValueError(f"randint: empty range [{low}, {high})")
+  return _draw(randint_op, _shape((size,) if isinstance(size, int) else tuple(size)),
+               dtypes.to_dtype(dtype or dtypes.int64), device, generator, low=int(low), high=int(high))
+
+
+def bernoulli_mask(shape, p: float, *, device=None, generator: Generator | None = None) -> Tensor:
+  """A bool tensor whose entries are True with probability p."""
+  return _draw(bernoulli_op, tuple(shape), dtypes.bool_, device, generator, p=float(p))
+
+
+def rand_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
+  return rand(x.shape, dtype=dtype or x.dtype, device=x.device, generator=generator)
+
+
+def randn_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
+  return randn(x.shape, dtype=dtype or x.dtype, device=x.device, generator=generator)
+
+
+# *** in-place writes ***
+
+def inplace(x: Tensor, fn) -> Tensor:
+  """Run `fn(old)` out of place and write the result into x's storage, bumping its version.
+
+  The tape then sees x as the result of fn; a later backward that needs the overwritten values finds the
+  version changed and says so, as PyTorch's autograd does."""
+  recording = grad_mode.enabled
+  if recording and x.requires_grad and x.is_leaf:
+    raise RuntimeError(f"a leaf tensor that requires grad (shape {x.shape}) is being used in an in-place operation; "
+                       "wrap the update in `with bt.no_grad():` or use an out-of-place op")
+  if recording and x._node is not None and x._node.op.view is not None:
+    raise RuntimeError(f"in-place op on a view ({x._node.op.name}) of a tensor that requires grad; "
+                       "use an out-of-place op (e.g. torch-style `x = x.masked_fill(...)`)")
+  old = Tensor._make(x._storage, x.shape, x._strides, x._offset, x.dtype)
+  old.requires_grad, old._node = x.requires_grad, x._node
+  new = fn(old)
+  if new.dtype is not x.dtype:
+    if dtypes.promote_types(new.dtype, x.dtype) is not x.dtype and not (x.dtype.category == new.dtype.category == 2):
+      raise RuntimeError(f"in-place op: result type {new.dtype.name} can't be cast to the tensor's dtype {x.dtype.name}")
+    new = new.to(x.dtype)
+  if new.shape != x.shape:
+    try: new = new.expand(x.shape)
+    except ValueError: raise RuntimeError(f"in-place op: result of shape {new.shape} does not fit the tensor's shape {x.shape}") from None
+  backend.get(x.device).copy_into(x._array(), new.detach()._array())
+  x._storage.version += 1
+  if recording and new.requires_grad:
+    x.requires_grad, x._node = True, new._node
+  return x
+

@@ -1,0 +1,209 @@
+"""Elementwise primitives (unary, binary with broadcasting, compare, where, cast) and their composites."""
+from __future__ import annotations
+
+import math
+
+from blutrain import dtypes, ops
+from blutrain.dtypes import DType
+from blutrain.ops.core import broadcast_shapes, op
+from blutrain.tensor import Tensor
+
+
+def _same(x, **_): return x.shape, x.dtype
+
+
+def _floating(x: Tensor) -> Tensor:
+  """Integer and bool inputs of float functions (exp, sqrt, ...) are promoted to float32, as in PyTorch."""
+  return x if x.dtype.is_floating_point else x.to(dtypes.default_float)
+
+
+# *** unary ***
+
+neg = op("neg", _same, lambda g, out, x: (-g,), saves=())
+exp_op = op("exp", _same, lambda g, out, x: (g * out,), saves=(), saves_output=True)
+log_op = op("log", _same, lambda g, out, x: (g / x,))
+sqrt_op = op("sqrt", _same, lambda g, out, x: (g / (2 * out),), saves=(), saves_output=True)
+rsqrt_op = op("rsqrt", _same, lambda g, out, x: (-0.5 * g * out * out * out,), saves=(), saves_output=True)
+abs = op("abs", _same, lambda g, out, x: (g * sign(x),))
+sin_op = op("sin", _same, lambda g, out, x: (g * cos(x),))
+cos_op = op("cos", _same, lambda g, out, x: (-g * sin(x),))
+tanh_op = op("tanh", _same, lambda g, out, x: (g * (1 - out * out),), saves=(), saves_output=True)
+sigmoid_op = op("sigmoid", _same, lambda g, out, x: (g * out * (1 - out),), saves=(), saves_output=True)
+relu = op("relu", _same, lambda g, out, x: (where(out > 0, g, 0.0),), saves=(), saves_output=True)
+erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),))
+floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=())
+gelu_backward = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype))
+gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
+             lambda g, out, x, approximate: (gelu_backward(g, x, approximate=approximate),))
+
+
+def exp(x: Tensor) -> Tensor: return exp_op(_floating(x))
+def log(x: Tensor) -> Tensor: return log_op(_floating(x))
+def sqrt(x: Tensor) -> Tensor: return sqrt_op(_floating(x))
+def rsqrt(x: Tensor) -> Tensor: return rsqrt_op(_floating(x))
+def sin(x: Tensor) -> Tensor: return sin_op(_floating(x))
+def cos(x: Tensor) -> Tensor: return cos_op(_floating(x))
+def tanh(x: Tensor) -> Tensor: return tanh_op(_floating(x))
+def sigmoid(x: Tensor) -> Tensor: return sigmoid_op(_floating(x))
+def erf(x: Tensor) -> Tensor: return erf_op(_floating(x))
+def floor(x: Tensor) -> Tensor: return x if not x.dtype.is_floating_point else floor_op(x)
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+  """GELU: x * Phi(x) (`approximate="none"`, erf) or its tanh approximation (`approximate="tanh"`)."""
+  if approximate not in ("none", "tanh"): raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+  return gelu_op(_floating(x), approximate=approximate)
+
+
+def zeros_like_grad(g: Tensor) -> Tensor: return g * 0
+def silu(x: Tensor) -> Tensor: return x * sigmoid(x)                         # x * sigmoid(x)
+def sign(x: Tensor) -> Tensor: return (x > 0).to(x.dtype) - (x < 0).to(x.dtype)
+def square(x: Tensor) -> Tensor: return x * x
+def reciprocal(x: Tensor) -> Tensor: return 1 / _floating(x)
+
+
+# *** binary ***
+
+def _binary_rule(x, y, **_) -> tuple:
+  return broadcast_shapes(x.shape, y.shape, op="elementwise op"), x.dtype
+
+
+def _compare_rule(x, y, **_) -> tuple:
+  return broadcast_shapes(x.shape, y.shape, op="comparison"), dtypes.bool_
+
+
+def _unbroadcast(g: Tensor, x) -> Tensor:
+  """Sum a broadcast gradient back to the input's shape."""
+  return g if g.shape == tuple(x.shape) else ops.sum_to(g, x.shape)
+
+
+def _max_vjp(g, out, x, y):
+  """Ties split the gradient evenly, as torch.maximum's does."""
+  share = (x == y).to(g.dtype) * 0.5 + (out == x).to(g.dtype) * ((x != y).to(g.dtype))
+  return _unbroadcast(g * share, x), _unbroadcast(g * (1 - share), y)
+
+
+add_op = op("add", _binary_rule, lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(g, y)), saves=())
+sub_op = op("sub", _binary_rule, lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(-g, y)), saves=())
+mul_op = op("mul", _binary_rule, lambda g, out, x, y: (_unbroadcast(g * y, x), _unbroadcast(g * x, y)))
+div_op = op("div", _binary_rule, lambda g, out, x, y: (_unbroadcast(g / y, x), _unbroadcast(-g * out / y, y)),
+            saves=(1,), saves_output=True)
+pow_op = op("pow", _binary_rule, lambda g, out, x, y: (
+  _unbroadcast(g * y * pow_op(x, y - 1), x),
+  _unbroadcast(g * out * log(where(x > 0, x, 1.0)), y)), saves_output=True)
+maximum_op = op("maximum", _binary_rule, _max_vjp, saves_output=True)
+minimum_op = op("minimum", _binary_rule, _max_vjp, saves_output=True)
+
+_cmp = {name: op(name, _compare_rule, differentiable=False)
+        for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor")}
+logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differentiable=False)
+
+
+def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor]:
+  """Bring tensors and Python numbers to one dtype (PyTorch's promotion) and one device."""
+  dt = dtype or dtypes.result_type(*xs)
+  like = next((x for x in xs if isinstance(x, Tensor)), None)
+  if like is None: raise TypeError(f"{op_name}: expected at least one tensor, got {[type(x).__name__ for x in xs]}")
+  out = []
+  for x in xs:
+    if isinstance(x, Tensor): out.append(x if x.dtype is dt else x.to(dt))
+    elif isinstance(x, (bool, int, float)): out.append(ops.full((), x, dtype=dt, device=like.device))
+    else: raise TypeError(f"{op_name}: unsupported operand of type {type(x).__name__}")
+  return out
+
+
+def add(x, y, *, alpha=1) -> Tensor:
+  """x + alpha * y, broadcasting."""
+  return add_op(*operands("add", x, y if alpha == 1 else y * alpha))
+
+
+def sub(x, y, *, alpha=1) -> Tensor:
+  """x - alpha * y, broadcasting."""
+  return sub_op(*operands("sub", x, y if alpha == 1 else y * alpha))
+
+
+def mul(x, y) -> Tensor: return mul_op(*operands("mul", x, y))
+
+
+def div(x, y) -> Tensor:
+  """True division; integer inputs give float32."""
+  dt = dtypes.result_type(x, y)
+  return div_op(*operands("div", x, y, dtype=dt if dt.is_floating_point else dtypes.default_float))
+
+
+def pow(x, y) -> Tensor:
+  """x ** y; an integer base with a float exponent gives float32."""
+  return pow_op(*operands("pow", x, y))
+
+
+def maximum(x, y) -> Tensor: return maximum_op(*operands("maximum", x, y))
+def minimum(x, y) -> Tensor: return minimum_op(*operands("minimum", x, y))
+def eq(x, y) -> Tensor: return _cmp["eq"](*operands("eq", x, y))
+def ne(x, y) -> Tensor: return _cmp["ne"](*operands("ne", x, y))
+def lt(x, y) -> Tensor: return _cmp["lt"](*operands("lt", x, y))
+def le(x, y) -> Tensor: return _cmp["le"](*operands("le", x, y))
+def gt(x, y) -> Tensor: return _cmp["gt"](*operands("gt", x, y))
+def ge(x, y) -> Tensor: return _cmp["ge"](*operands("ge", x, y))
+def logical_and(x, y) -> Tensor: return _cmp["logical_and"](*operands("logical_and", x, y, dtype=dtypes.bool_))
+def logical_or(x, y) -> Tensor: return _cmp["logical_or"](*operands("logical_or", x, y, dtype=dtypes.bool_))
+def logical_xor(x, y) -> Tensor: return _cmp["logical_xor"](*operands("logical_xor", x, y, dtype=dtypes.bool_))
+def logical_not(x: Tensor) -> Tensor: return logical_not_op(x.to(dtypes.bool_))
+def isnan(x: Tensor) -> Tensor: return x != x
+def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs(x) < float("inf")) if x.dtype.is_floating_point else ops.ones_like(x, dtype=dtypes.bool_)
+
+
+# *** where, cast, copy ***
+
+def _where_rule(c, x, y):
+  return broadcast_shapes(c.shape, x.shape, y.shape, op="where"), x.dtype
+
+
+where_op = op("where", _where_rule, lambda g, out, c, x, y: (
+  None, _unbroadcast(where_op(c, g, ops.zeros_like(g)), x), _unbroadcast(where_op(c, ops.zeros_like(g), g), y)), saves=(0,))
+
+
+def where(condition: Tensor, x, y) -> Tensor:
+  """Elementwise `x if condition else y`, broadcasting all three."""
+  if not isinstance(condition, Tensor) or condition.dtype is not dtypes.bool_:
+    raise TypeError(f"where: condition must be a bool tensor, got {getattr(condition, 'dtype', type(condition).__name__)}")
+  x, y = operands("where", x, y)
+  return where_op(condition, x, y)
+
+
+cast_op = op("cast", lambda x, dtype: (x.shape, dtype), lambda g, out, x, dtype: (g.to(x.dtype),), saves=())
+copy = op("copy", _same, lambda g, out, x: (g,), saves=())
+
+
+def cast(x: Tensor, dtype: DType) -> Tensor:
+  """x converted to dtype (`Tensor.to(dtype)`); gradients flow only between floating types."""
+  out = cast_op(x, dtype=dtype)
+  if not dtype.is_floating_point and out.requires_grad: out.requires_grad, out._node = False, None
+  return out
+
+
+# *** composites ***
+
+def clamp(x: Tensor, min=None, max=None) -> Tensor:
+  """Limit x to [min, max]; the gradient passes where min <= x <= max."""
+  if min is None and max is None: raise ValueError("clamp: at least one of min and max must be given")
+  if min is not None: x = where(x < min, min, x) if not isinstance(min, Tensor) else where(x < min, min.to(x.dtype), x)
+  if max is not None: x = where(x > max, max, x) if not isinstance(max, Tensor) else where(x > max, max.to(x.dtype), x)
+  return x
+
+
+clip = clamp
+
+
+def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
+  """x with `value` where mask is True (mask broadcasts to x)."""
+  if not isinstance(mask, Tensor) or mask.dtype is not dtypes.bool_:
+    raise TypeError(f"masked_fill: mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+  out = where(mask, ops.as_tensor_like(value, x).to(x.dtype), x)
+  if out.shape != x.shape:
+    raise ValueError(f"masked_fill: mask of shape {mask.shape} does not broadcast to the tensor's shape {x.shape}")
+  return out
+
+
+def lerp(x: Tensor, end, weight) -> Tensor:
+  """x + weight * (end - x)."""
+  return x + weight * (end - x)

@@ -1,0 +1,36 @@
+"""Matrix multiplication: batched, broadcasting, with PyTorch's 1-D rules."""
+from __future__ import annotations
+
+from blutrain import dtypes, ops
+from blutrain.ops.core import broadcast_shapes, op
+from blutrain.tensor import Tensor
+
+
+def _matmul_rule(a, b):
+  if a.shape[-1] != b.shape[-2]:
+    raise ValueError(f"matmul: cannot contract {tuple(a.shape)} with {tuple(b.shape)}: {a.shape[-1]} != {b.shape[-2]} "
+                     f"({a.dtype.name}, {b.dtype.name}, {a.device})")
+  batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], op="matmul")
+  return batch + (a.shape[-2], b.shape[-1]), a.dtype
+
+
+matmul_op = op("matmul", _matmul_rule, lambda g, out, a, b: (
+  ops.sum_to(matmul_op(g, b.mT), a.shape), ops.sum_to(matmul_op(a.mT, g), b.shape)))
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+  """a @ b. 1-D operands are promoted to a row (left) or a column (right) and that dim removed after;
+  leading dims broadcast as batch dims."""
+  if not isinstance(a, Tensor) or not isinstance(b, Tensor):
+    raise TypeError(f"matmul: expected two tensors, got {type(a).__name__} and {type(b).__name__}")
+  if a.ndim == 0 or b.ndim == 0: raise ValueError(f"matmul: both arguments need at least 1 dimension, got {a.shape} and {b.shape}")
+  if a.dtype is not b.dtype:
+    raise TypeError(f"matmul: expected both operands of one dtype, got {a.dtype.name} and {b.dtype.name} "
+                    f"(shapes {tuple(a.shape)}, {tuple(b.shape)}); convert one with .to(dtype)")
+  if a.dtype is dtypes.bool_: raise TypeError("matmul: bool operands are not supported")
+  a2 = a.unsqueeze(0) if a.ndim == 1 else a
+  b2 = b.unsqueeze(-1) if b.ndim == 1 else b
+  out = matmul_op(a2, b2)
+  if b.ndim == 1: out = out.squeeze(-1)
+  if a.ndim == 1: out = out.squeeze(-2 if b.ndim > 1 else -1)
+  return out

@@ -1,0 +1,349 @@
+"""Movement: views that share storage (view, permute, expand, slice), cat, and indexing."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from blutrain import dtypes, ops
+from blutrain.ops.core import broadcast_shapes, grad_mode, normalize_dim, normalize_dims, op
+from blutrain.tensor import Tensor, contiguous_strides
+
+
+# *** views ***
+
+def _infer_shape(x, shape, name: str) -> tuple[int, ...]:
+  numel, shape = math.prod(x.shape), tuple(shape)
+  if shape.count(-1) > 1: raise ValueError(f"{name}: only one dimension can be -1, got {shape}")
+  if -1 in shape:
+    rest = math.prod(n for n in shape if n != -1)
+    if rest == 0 or numel % rest:
+      raise ValueError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
+    shape = tuple(numel // rest if n == -1 else n for n in shape)
+  if math.prod(shape) != numel:
+    raise ValueError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
+  return shape
+
+
+def view_strides(old_shape, old_strides, new_shape) -> tuple[int, ...] | None:
+  """Strides that let `new_shape` view the same memory as (old_shape, old_strides), or None when the view
+  needs a copy. Each run of old dims that is contiguous within itself may be split or merged freely."""
+  if math.prod(old_shape) <= 1 or math.prod(new_shape) == 0: return contiguous_strides(new_shape)
+  dims = [(n, s) for n, s in zip(old_shape, old_strides) if n != 1]
+  chunks, out = [], []  # chunks: [numel, innermost stride] of runs of old dims contiguous within themselves
+  for n, s in dims:
+    if chunks and chunks[-1][1] == n * s: chunks[-1] = [chunks[-1][0] * n, s]
+    else: chunks.append([n, s])
+  new = [n for n in new_shape]
+  i = len(new) - 1
+  for numel, stride in reversed(chunks):
+    acc = 1
+    while i >= 0 and (acc < numel or new[i] == 1):
+      out.append(acc * stride)
+      acc *= new[i]
+      i -= 1
+    if acc != numel: return None
+  while i >= 0:  # leading unit dims
+    out.append(out[-1] if out else 1)
+    i -= 1
+  return tuple(reversed(out))
+
+
+def _view_rule(x, shape): return shape, x.dtype
+
+
+def _view_layout(x, shape):
+  return shape, view_strides(x.shape, x._strides, shape), x._offset
+
+
+view_op = op("view", _view_rule, lambda g, out, x, shape: (g.reshape(x.shape),), view=_view_layout, saves=())
+
+
+def view(x: Tensor, shape) -> Tensor:
+  """A view of x with a new shape; fails when the layout needs a copy (then use reshape)."""
+  shape = _infer_shape(x, shape, "view")
+  if shape == x.shape: return x
+  if view_strides(x.shape, x._strides, shape) is None:
+    raise RuntimeError(f"view: shape {shape} is not compatible with input of shape {x.shape} and strides {x._strides}; "
+                       "use .reshape(...) instead")
+  return view_op(x, shape=shape)
+
+
+def reshape(x: Tensor, shape) -> Tensor:
+  """x with a new shape: a view when the layout allows, else a copy."""
+  shape = _infer_shape(x, shape, "reshape")
+  if shape == x.shape: return x
+  if view_strides(x.shape, x._strides, shape) is None: x = ops.copy(x)
+  return view_op(x, shape=shape)
+
+
+def _permute_rule(x, dims):
+  if sorted(dims) != list(range(x.ndim)):
+    raise ValueError(f"permute: {dims} is not a permutation of the {x.ndim} dimensions of a tensor of shape {x.shape}")
+  return tuple(x.shape[d] for d in dims), x.dtype
+
+
+def _permute_vjp(g, out, x, dims):
+  inverse = [0] * len(dims)
+  for i, d in enumerate(dims): inverse[d] = i
+  return (permute_op(g, dims=tuple(inverse)),)
+
+
+permute_op = op("permute", _permute_rule, _permute_vjp, saves=(),
+                view=lambda x, dims: (tuple(x.shape[d] for d in dims), tuple(x._strides[d] for d in dims), x._offset))
+
+
+def permute(x: Tensor, dims) -> Tensor:
+  """A view with the dims reordered."""
+  dims = tuple(normalize_dim(d, x.ndim, "permute") for d in dims)
+  return x if dims == tuple(range(x.ndim)) else permute_op(x, dims=dims)
+
+
+def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
+  """A view with two dims swapped."""
+  dims = list(range(x.ndim))
+  a, b = normalize_dim(dim0, x.ndim, "transpose"), normalize_dim(dim1, x.ndim, "transpose")
+  dims[a], dims[b] = dims[b], dims[a]
+  return permute(x, dims)
+
+
+def _expand_rule(x, shape):
+  lead = len(shape) - x.ndim
+  if lead < 0 or any(n != s and n != 1 for n, s in zip(x.shape, shape[lead:])):
+    raise ValueError(f"expand: cannot expand shape {x.shape} to {shape} (only size-1 dims can grow)")
+  return shape, x.dtype
+
+
+def _expand_layout(x, shape):
+  lead = len(shape) - x.ndim
+  strides = (0,) * lead + tuple(0 if n == 1 and s != 1 else st for n, s, st in zip(x.shape, shape[lead:], x._strides))
+  return shape, strides, x._offset
+
+
+expand_op = op("expand", _expand_rule, lambda g, out, x, shape: (ops.sum_to(g, x.shape),), view=_expand_layout, saves=())
+
+
+def expand(x: Tensor, shape) -> Tensor:
+  """A broadcast view (stride 0 along grown dims); -1 keeps a size."""
+  shape = tuple(shape)
+  lead = len(shape) - x.ndim
+  shape = tuple(x.shape[i - lead] if n == -1 and i >= lead else n for i, n in enumerate(shape))
+  return x if shape == x.shape else expand_op(x, shape=shape)
+
+
+def _slice_rule(x, index):
+  return tuple(max(0, -(-(stop - start) // step)) for start, stop, step in index), x.dtype
+
+
+def _slice_layout(x, index):
+  shape, _ = _slice_rule(x, index)
+  strides = tuple(st * step for st, (_, _, step) in zip(x._strides, index))
+  return shape, strides, x._offset + sum(st * start for st, (start, _, _) in zip(x._strides, index) if start)
+
+
+slice_backward = op("slice_backward", lambda g, shape, index: (shape, g.dtype),
+                    lambda g2, out, g, shape, index: (slice_op(g2, index=index),), saves=())
+slice_op = op("slice", _slice_rule, lambda g, out, x, index: (slice_backward(g, shape=x.shape, index=index),),
+              view=_slice_layout, saves=())
+
+
+def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
+  """A view of `length` entries of dim from `start`."""
+  d = normalize_dim(dim, x.ndim, "narrow")
+  if start < 0: start += x.shape[d]
+  if not (0 <= start and start + length <= x.shape[d] and length >= 0):
+    raise IndexError(f"narrow: start {start} + length {length} exceeds dimension {dim} of size {x.shape[d]}")
+  index = tuple((start, start + length, 1) if i == d else (0, n, 1) for i, n in enumerate(x.shape))
+  return slice_op(x, index=index)
+
+
+def squeeze(x: Tensor, dim=None) -> Tensor:
+  """Drop size-1 dims (all, or those named in dim)."""
+  dims = normalize_dims(dim, x.ndim, "squeeze") if x.ndim else ()
+  return reshape(x, tuple(n for i, n in enumerate(x.shape) if not (i in dims and n == 1)))
+
+
+def unsqueeze(x: Tensor, dim: int) -> Tensor:
+  """Insert a size-1 dim at `dim`."""
+  d = normalize_dim(dim, x.ndim + 1, "unsqueeze")
+  return view_op(x, shape=x.shape[:d] + (1,) + x.shape[d:])
+
+
+def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+  """Merge dims start_dim..end_dim into one."""
+  if x.ndim == 0: return reshape(x, (1,))
+  s, e = normalize_dim(start_dim, x.ndim, "flatten"), normalize_dim(end_dim, x.ndim, "flatten")
+  return reshape(x, x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:])
+
+
+def unflatten(x: Tensor, dim: int, sizes: tuple) -> Tensor:
+  """Split dim into `sizes` (one may be -1)."""
+  d = normalize_dim(dim, x.ndim, "unflatten")
+  return reshape(x, x.shape[:d] + tuple(sizes) + x.shape[d + 1:])
+
+
+def split(x: Tensor, split_size, dim: int = 0) -> tuple[Tensor, ...]:
+  """Views of consecutive pieces along dim: each of `split_size`, or of the listed sizes."""
+  d = normalize_dim(dim, x.ndim, "split")
+  n = x.shape[d]
+  sizes = [split_size] * (n // split_size) + ([n % split_size] if n % split_size else []) if isinstance(split_size, int) \
+          else list(split_size)
+  if sum(sizes) != n: raise ValueError(f"split: sizes {sizes} do not add up to dimension {dim} of size {n}")
+  starts = [sum(sizes[:i]) for i in range(len(sizes))]
+  return tuple(narrow(x, d, s, k) for s, k in zip(starts, sizes))
+
+
+def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+  """`chunks` nearly equal views along dim (the last may be smaller)."""
+  n = x.shape[normalize_dim(dim, x.ndim, "chunk")]
+  return split(x, max(1, -(-n // chunks)), dim)
+
+
+def unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
+  """The slices along dim, with dim removed."""
+  d = normalize_dim(dim, x.ndim, "unbind")
+  return tuple(squeeze(s, d) for s in split(x, 1, d))
+
+
+def repeat(x: Tensor, *sizes) -> Tensor:
+  """Tile x: `x.repeat(2, 1)` repeats along dim 0 twice."""
+  sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes
+  if len(sizes) < x.ndim: raise ValueError(f"repeat: {len(sizes)} sizes for a tensor with {x.ndim} dims")
+  x = reshape(x, (1,) * (len(sizes) - x.ndim) + x.shape)
+  grown = expand(reshape(x, tuple(v for n in x.shape for v in (1, n))), tuple(v for r, n in zip(sizes, x.shape) for v in (r, n)))
+  return reshape(grown, tuple(r * n for r, n in zip(sizes, x.shape)))
+
+
+# *** cat ***
+
+def _cat_rule(*xs, dim):
+  first = xs[0]
+  for x in xs[1:]:
+    if x.ndim != first.ndim or any(a != b for i, (a, b) in enumerate(zip(x.shape, first.shape)) if i != dim):
+      raise ValueError(f"cat: shapes {[tuple(t.shape) for t in xs]} differ outside dimension {dim}")
+  return first.shape[:dim] + (sum(x.shape[dim] for x in xs),) + first.shape[dim + 1:], first.dtype
+
+
+def _cat_vjp(g, out, *xs, dim):
+  starts = [0]
+  for x in xs: starts.append(starts[-1] + x.shape[dim])
+  return tuple(narrow(g, dim, s, x.shape[dim]) for s, x in zip(starts, xs))
+
+
+cat_op = op("cat", _cat_rule, _cat_vjp, saves=())
+
+
+def cat(tensors, dim: int = 0) -> Tensor:
+  """Concatenate along an existing dim."""
+  tensors = [t for t in tensors]
+  if not tensors: raise ValueError("cat: expected a non-empty list of tensors")
+  tensors = ops.operands("cat", *tensors)
+  return cat_op(*tensors, dim=normalize_dim(dim, tensors[0].ndim, "cat"))
+
+
+def stack(tensors, dim: int = 0) -> Tensor:
+  """Join along a new dim."""
+  tensors = list(tensors)
+  if not tensors: raise ValueError("stack: expected a non-empty list of tensors")
+  shapes = {tuple(t.shape) for t in tensors}
+  if len(shapes) > 1: raise ValueError(f"stack: expects tensors of equal shape, got {sorted(shapes)}")
+  d = normalize_dim(dim, tensors[0].ndim + 1, "stack")
+  return cat([unsqueeze(t, d) for t in tensors], d)
+
+
+# *** advanced indexing ***
+
+def _index_shape(shape, idx_shapes, positions):
+  """NumPy's rule: broadcast index shapes replace the indexed dims, in place when those are adjacent,
+  else at the front."""
+  b = broadcast_shapes(*idx_shapes, op="index")
+  rest = [n for i, n in enumerate(shape) if i not in positions]
+  if list(positions) == list(range(positions[0], positions[0] + len(positions))):
+    p = positions[0]
+    return tuple(rest[:p]) + b + tuple(rest[p:])
+  return b + tuple(rest)
+
+
+def _index_rule(x, *idx, positions):
+  for t in idx:
+    if t.dtype.category != 1: raise TypeError(f"index: tensors used as indices must be integer, got {t.dtype.name}")
+  return _index_shape(x.shape, [t.shape for t in idx], positions), x.dtype
+
+
+index_backward = op("index_backward", lambda g, *idx, shape, positions: (shape, g.dtype),
+                    lambda g2, out, g, *idx, shape, positions: (index_op(g2, *idx, positions=positions),) + (None,) * len(idx),
+                    saves=None)
+index_op = op("index", _index_rule, lambda g, out, x, *idx, positions: (
+  index_backward(g, *idx, shape=x.shape, positions=positions),) + (None,) * len(idx), saves=None)
+index_put = op("index_put", lambda x, v, *idx, positions: (x.shape, x.dtype), differentiable=False)
+
+
+def _parse_key(x: Tensor, key):
+  """Split an index into the basic part, applied as one slice view plus a reshape, and the tensor indices
+  that remain: returns (view, [(dim in view, index tensor)])."""
+  key = key if isinstance(key, tuple) else (key,)
+  key = tuple(ops.tensor(k, dtype=dtypes.int64, device=x.device) if isinstance(k, list) else k for k in key)
+  used = sum(k.ndim if isinstance(k, Tensor) and k.dtype is dtypes.bool_ else 0 if k is None or k is Ellipsis else 1 for k in key)
+  if used > x.ndim: raise IndexError(f"too many indices for a tensor of dimension {x.ndim} (got {used})")
+  if sum(k is Ellipsis for k in key) > 1: raise IndexError("an index can only have a single ellipsis ('...')")
+  if Ellipsis in [k for k in key if not isinstance(k, Tensor)]:
+    i = next(i for i, k in enumerate(key) if k is Ellipsis)
+    key = key[:i] + (slice(None),) * (x.ndim - used) + key[i + 1:]
+  key = key + (slice(None),) * (x.ndim - used)
+  index, out_shape, adv, d = [(0, n, 1) for n in x.shape], [], [], 0
+  for k in key:
+    if k is None: out_shape.append(1)
+    elif isinstance(k, Tensor) and k.dtype is dtypes.bool_:
+      if k.shape != x.shape[d:d + k.ndim]:
+        raise IndexError(f"boolean mask of shape {k.shape} does not match the indexed shape {x.shape[d:d + k.ndim]}")
+      for nz in ops.nonzero(k, as_tuple=True):
+        adv.append((len(out_shape), nz))
+        out_shape.append(x.shape[d])
+        d += 1
+    elif isinstance(k, Tensor):
+      adv.append((len(out_shape), k))
+      out_shape.append(x.shape[d])
+      d += 1
+    elif isinstance(k, slice):
+      start, stop, step = k.indices(x.shape[d])
+      if step <= 0: raise ValueError(f"slice step must be positive, got {k.step}")
+      index[d] = (start, max(start, stop), step)
+      out_shape.append(max(0, -(-(stop - start) // step)))
+      d += 1
+    elif isinstance(k, int) and not isinstance(k, bool):
+      n = x.shape[d]
+      if not -n <= k < n: raise IndexError(f"index {k} is out of bounds for dimension {d} with size {n}")
+      index[d] = (k % n, k % n + 1, 1)
+      d += 1
+    else:
+      raise TypeError(f"unsupported index of type {type(k).__name__}: use ints, slices, None, ..., or integer/bool tensors")
+  y = x if all(i == (0, n, 1) for i, n in zip(index, x.shape)) else slice_op(x, index=tuple(index))
+  return reshape(y, tuple(out_shape)), adv
+
+
+def getitem(x: Tensor, key) -> Tensor:
+  """x[key] with PyTorch's semantics: basic indices give views, tensor indices gather."""
+  y, adv = _parse_key(x, key)
+  if not adv: return y
+  return index_op(y, *(t for _, t in adv), positions=tuple(p for p, _ in adv))
+
+
+def setitem(x: Tensor, key, value) -> None:
+  """x[key] = value, in place."""
+  if grad_mode.enabled and isinstance(value, Tensor) and value.requires_grad:
+    raise RuntimeError("x[key] = value with a value that requires grad is not supported; build the tensor with "
+                       "where/cat/scatter_add instead, or assign under bt.no_grad()")
+  with ops.no_grad():
+    y, adv = _parse_key(x, key)
+  value = ops.as_tensor_like(value, x)
+  if not adv:
+    ops.inplace(y, lambda old: value.to(x.dtype).expand(old.shape) if value.shape != old.shape else value.to(x.dtype))
+    return
+  ops.inplace(y, lambda old: index_put(old, value.to(x.dtype), *(t for _, t in adv), positions=tuple(p for p, _ in adv)))
+
+
+def nonzero(x: Tensor, *, as_tuple: bool = False):
+  """Indices of the nonzero entries: (count, ndim), or a tuple of ndim index vectors. The count depends on the
+  data, so this reads the values back to the host and cannot be compiled."""
+  idx = ops.from_numpy(np.argwhere(x.detach().numpy()).astype(np.int64)).to(x.device)
+  return tuple(idx[:, i] for i in range(x.ndim)) if as_tuple else idx

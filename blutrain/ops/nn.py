@@ -1,0 +1,240 @@
+"""Neural-network primitives (softmax, layer_norm, embedding, gather/scatter, cross_entropy) and composites."""
+from __future__ import annotations
+
+import math
+
+from blutrain import dtypes, ops
+from blutrain.ops.core import normalize_dim, op
+from blutrain.tensor import Tensor
+
+
+def _same_dim(x, dim): return x.shape, x.dtype
+
+
+# *** softmax ***
+
+softmax_op = op("softmax", _same_dim, lambda g, out, x, dim: (out * (g - (g * out).sum(dim, keepdim=True)),),
+                saves=(), saves_output=True)
+log_softmax_op = op("log_softmax", _same_dim, lambda g, out, x, dim: (g - ops.exp(out) * g.sum(dim, keepdim=True),),
+                    saves=(), saves_output=True)
+
+
+def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
+  """exp(x) / sum(exp(x)) along dim, computed stably."""
+  x = x.to(dtype) if dtype is not None else ops.elementwise._floating(x)
+  return softmax_op(x, dim=normalize_dim(dim, x.ndim, "softmax"))
+
+
+def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
+  """x - logsumexp(x) along dim."""
+  x = x.to(dtype) if dtype is not None else ops.elementwise._floating(x)
+  return log_softmax_op(x, dim=normalize_dim(dim, x.ndim, "log_softmax"))
+
+
+# *** normalization ***
+
+def _layer_norm_rule(x, w, b, n, eps):
+  for name, p in (("weight", w), ("bias", b)):
+    if p is not None and p.shape != x.shape[x.ndim - n:]:
+      raise ValueError(f"layer_norm: {name} of shape {p.shape} does not match normalized shape {x.shape[x.ndim - n:]}")
+  return x.shape, x.dtype
+
+
+def _layer_norm_vjp(g, out, x, w, b, n, eps):
+  dims = tuple(range(x.ndim - n, x.ndim))
+  batch = tuple(range(x.ndim - n))
+  mu = x.mean(dims, keepdim=True)
+  rstd = ops.rsqrt(x.var(dims, keepdim=True, correction=0) + eps)
+  xhat = (x - mu) * rstd
+  gx = g * w if w is not None else g
+  dx = rstd * (gx - gx.mean(dims, keepdim=True) - xhat * (gx * xhat).mean(dims, keepdim=True))
+  dw = (g * xhat).sum(batch) if w is not None else None
+  db = g.sum(batch) if b is not None else None
+  return dx, dw, db
+
+
+layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1))
+
+
+def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+  """(x - mean) / sqrt(var + eps) * weight + bias over the trailing `normalized_shape` dims."""
+  shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+  if tuple(x.shape[x.ndim - len(shape):]) != shape:
+    raise ValueError(f"layer_norm: normalized_shape {shape} does not match the trailing dims of input {x.shape}")
+  return layer_norm_op(x, weight, bias, n=len(shape), eps=float(eps))
+
+
+def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+  """x / sqrt(mean(x^2) + eps) * weight over the trailing dims (eps defaults to the dtype's epsilon)."""
+  shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+  dims = tuple(range(x.ndim - len(shape), x.ndim))
+  eps = eps if eps is not None else float(__import__("numpy").finfo(x.dtype.np).eps)
+  out = x * ops.rsqrt((x * x).mean(dims, keepdim=True) + eps)
+  return out * weight if weight is not None else out
+
+
+# *** gather, scatter, embedding ***
+
+def _gather_rule(x, dim, index):
+  if index.ndim != x.ndim: raise ValueError(f"gather: index has {index.ndim} dims, input {x.ndim}")
+  return index.shape, x.dtype
+
+
+def _scatter_add_rule(x, index, src, dim):
+  if not (index.ndim == src.ndim == x.ndim): raise ValueError(f"scatter_add: input, index and src need the same number of dims, got {x.shape}, {index.shape}, {src.shape}")
+  return x.shape, x.dtype
+
+
+scatter_add_op = op("scatter_add", _scatter_add_rule, lambda g, out, x, index, src, dim: (
+  g, None, gather_op(g, index, dim=dim) if index.shape == src.shape else None), saves=(1,))
+gather_op = op("gather", lambda x, index, dim: _gather_rule(x, dim, index), lambda g, out, x, index, dim: (
+  scatter_add_op(ops.zeros_like(g, dtype=g.dtype).expand(x.shape).contiguous(), index, g, dim=dim), None), saves=(1,))
+
+
+def _check_index(name: str, index: Tensor) -> None:
+  if not isinstance(index, Tensor) or index.dtype.category != 1:
+    raise TypeError(f"{name}: index must be an integer tensor, got {getattr(index, 'dtype', type(index).__name__)}")
+
+
+def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
+  """out[i][j] = x[index[i][j]][j] for dim=0 (and likewise along any dim)."""
+  _check_index("gather", index)
+  return gather_op(x, index, dim=normalize_dim(dim, x.ndim, "gather"))
+
+
+def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+  """x with src added at the positions index names along dim."""
+  _check_index("scatter_add", index)
+  return scatter_add_op(x, index, src.to(x.dtype), dim=normalize_dim(dim, x.ndim, "scatter_add"))
+
+
+def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+  """The entries of dim listed in the 1-D `index`."""
+  _check_index("index_select", index)
+  d = normalize_dim(dim, x.ndim, "index_select")
+  return x[(slice(None),) * d + (index.reshape(-1),)]
+
+
+def _embedding_rule(weight, idx):
+  if weight.ndim != 2: raise ValueError(f"embedding: weight must be 2-D, got shape {weight.shape}")
+  return idx.shape + (weight.shape[1],), weight.dtype
+
+
+embedding_backward = op("embedding_backward", lambda g, idx, num: ((num, g.shape[-1]), g.dtype))
+embedding_op = op("embedding", _embedding_rule, lambda g, out, weight, idx: (
+  embedding_backward(g, idx, num=weight.shape[0]), None), saves=(1,))
+
+
+def embedding(input: Tensor, weight: Tensor) -> Tensor:
+  """Rows of `weight` picked by the integer tensor `input`: shape input.shape + (dim,)."""
+  _check_index("embedding", input)
+  return embedding_op(weight, input)
+
+
+def one_hot(x: Tensor, num_classes: int = -1) -> Tensor:
+  """int64 one-hot encoding along a new last dim."""
+  _check_index("one_hot", x)
+  if num_classes < 0: num_classes = int(x.max().item()) + 1
+  return (x.unsqueeze(-1) == ops.arange(num_classes, device=x.device)).to(dtypes.int64)
+
+
+# *** losses ***
+
+def _cross_entropy_rule(logits, target, ignore_index):
+  if logits.ndim != 2 or target.shape != logits.shape[:1]:
+    raise ValueError(f"cross_entropy: expected logits (N, C) and target (N,), got {logits.shape} and {target.shape}")
+  return target.shape, logits.dtype
+
+
+cross_entropy_backward = op("cross_entropy_backward", lambda g, logits, target, ignore_index: (logits.shape, logits.dtype))
+cross_entropy_op = op("cross_entropy", _cross_entropy_rule, lambda g, out, logits, target, ignore_index: (
+  cross_entropy_backward(g, logits, target, ignore_index=ignore_index), None))
+
+
+def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+  """Softmax cross-entropy of logits `input` (N, C) or (N, C, d...) against class indices `target`;
+  targets equal to ignore_index count neither in the loss nor in the mean."""
+  _check_index("cross_entropy", target)
+  if reduction not in ("mean", "sum", "none"): raise ValueError(f"cross_entropy: unknown reduction {reduction!r}")
+  if input.ndim == 1: input, target = input.unsqueeze(0), target.reshape(1)
+  elif input.ndim > 2: input = input.permute(0, *range(2, input.ndim), 1)  # (N, C, d...) -> (N, d..., C)
+  if target.shape != input.shape[:-1]:
+    raise ValueError(f"cross_entropy: target of shape {tuple(target.shape)} does not match logits of shape {tuple(input.shape)}")
+  lead = target.shape
+  input, target = input.reshape(-1, input.shape[-1]), target.reshape(-1)
+  losses = cross_entropy_op(ops.elementwise._floating(input), target, ignore_index=ignore_index)
+  if reduction == "none": return losses.reshape(lead)
+  if reduction == "sum": return losses.sum()
+  return losses.sum() / (target != ignore_index).sum().to(losses.dtype)
+
+
+def nll_loss(input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+  """Negative log-likelihood of log-probabilities `input` (N, C) at class indices `target`."""
+  valid = target != ignore_index
+  picked = -gather(input, 1, ops.where(valid, target, 0).unsqueeze(1)).squeeze(1) * valid.to(input.dtype)
+  if reduction == "none": return picked
+  if reduction == "sum": return picked.sum()
+  return picked.sum() / valid.sum().to(input.dtype)
+
+
+def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+  """Mean squared error."""
+  sq = (input - target) * (input - target)
+  return sq.mean() if reduction == "mean" else sq.sum() if reduction == "sum" else sq
+
+
+# *** dropout, masks, attention ***
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator=None) -> Tensor:
+  """Zero each element with probability p and scale the rest by 1/(1-p) (identity when not training)."""
+  if not 0.0 <= p <= 1.0: raise ValueError(f"dropout: probability must be in [0, 1], got {p}")
+  if not training or p == 0.0: return x
+  if p == 1.0: return x * 0.0
+  keep = ops.bernoulli_mask(x.shape, 1.0 - p, device=x.device, generator=generator)
+  return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def _band(x: Tensor, diagonal: int, lower: bool) -> Tensor:
+  if x.ndim < 2: raise ValueError(f"{'tril' if lower else 'triu'}: expected at least 2 dims, got shape {x.shape}")
+  rows = ops.arange(x.shape[-2], device=x.device).unsqueeze(1)
+  cols = ops.arange(x.shape[-1], device=x.device).unsqueeze(0)
+  keep = (cols - rows <= diagonal) if lower else (cols - rows >= diagonal)
+  return ops.where(keep, x, ops.zeros((), dtype=x.dtype, device=x.device))
+
+
+def tril(x: Tensor, diagonal: int = 0) -> Tensor:
+  """The lower triangle (entries with col - row <= diagonal); the rest zero."""
+  return _band(x, diagonal, lower=True)
+
+
+def triu(x: Tensor, diagonal: int = 0) -> Tensor:
+  """The upper triangle (entries with col - row >= diagonal); the rest zero."""
+  return _band(x, diagonal, lower=False)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+  """x @ weight.T + bias, as nn.Linear."""
+  out = ops.matmul(x, weight.mT)
+  return out + bias if bias is not None else out
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None) -> Tensor:
+  """softmax(q k^T * scale + mask) v over (..., L, E) queries and (..., S, E) keys.
+
+  `attn_mask` is bool (True takes part) or float (added to the scores); `is_causal` masks keys after each
+  query (top-left aligned, as PyTorch). Dropout applies to the attention weights."""
+  if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
+    raise ValueError(f"scaled_dot_product_attention: incompatible shapes q {query.shape}, k {key.shape}, v {value.shape}")
+  if is_causal and attn_mask is not None: raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal")
+  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+  scores = ops.matmul(query, key.mT) * scale
+  if is_causal:
+    L, S = query.shape[-2], key.shape[-2]
+    attn_mask = ops.tril(ops.ones(L, S, dtype=dtypes.bool_, device=query.device))
+  if attn_mask is not None:
+    scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype is dtypes.bool_ else scores + attn_mask
+  weights = softmax(scores, -1)
+  if dropout_p > 0.0: weights = dropout(weights, dropout_p)
+  return ops.matmul(weights, value)

@@ -1,0 +1,155 @@
+"""Reductions over dims (sum, amax, amin, argmax, argmin, cumsum) and their composites."""
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+from blutrain import dtypes, ops
+from blutrain.ops.core import normalize_dim, normalize_dims, op
+from blutrain.tensor import Tensor
+
+values_indices = namedtuple("values_indices", ["values", "indices"])
+
+
+def _reduced_shape(shape, dims, keepdim):
+  return tuple(1 if i in dims else n for i, n in enumerate(shape)) if keepdim else \
+         tuple(n for i, n in enumerate(shape) if i not in dims)
+
+
+def _reduce_rule(x, dims, keepdim, dtype=None):
+  return _reduced_shape(x.shape, dims, keepdim), dtype or x.dtype
+
+
+def _restore(g: Tensor, x, dims, keepdim) -> Tensor:
+  """A reduced gradient reshaped to keepdim form, ready to broadcast against x."""
+  return g if keepdim else g.reshape(_reduced_shape(x.shape, dims, True))
+
+
+sum_op = op("sum", _reduce_rule, lambda g, out, x, dims, keepdim, dtype=None: (
+  _restore(g, x, dims, keepdim).expand(x.shape).to(x.dtype),), saves=())
+
+
+def _extreme_vjp(g, out, x, dims, keepdim):
+  """The gradient is shared evenly among the positions that reached the extreme, as torch.amax does."""
+  hit = (x == _restore(out, x, dims, keepdim)).to(g.dtype)
+  return (hit * (_restore(g, x, dims, keepdim) / hit.sum(dims, keepdim=True)),)
+
+
+amax_op = op("amax", _reduce_rule, _extreme_vjp, saves_output=True)
+amin_op = op("amin", _reduce_rule, _extreme_vjp, saves_output=True)
+argmax_op = op("argmax", lambda x, dim, keepdim: (_reduced_shape(x.shape, (dim,), keepdim), dtypes.int64), differentiable=False)
+argmin_op = op("argmin", lambda x, dim, keepdim: (_reduced_shape(x.shape, (dim,), keepdim), dtypes.int64), differentiable=False)
+cumsum_op = op("cumsum", lambda x, dim, reverse=False: (x.shape, x.dtype),
+               lambda g, out, x, dim, reverse=False: (cumsum_op(g, dim=dim, reverse=not reverse),), saves=())
+
+
+def sum(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
+  """Sum over `dim` (an int, a tuple, or None for all). Integer and bool inputs sum in int64, as in PyTorch."""
+  dims = normalize_dims(dim, x.ndim, "sum")
+  out_dtype = dtypes.to_dtype(dtype) if dtype is not None else (x.dtype if x.dtype.is_floating_point else dtypes.int64)
+  return sum_op(x, dims=dims, keepdim=keepdim, dtype=out_dtype)
+
+
+def mean(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
+  """Arithmetic mean over `dim`."""
+  if not dtypes.to_dtype(dtype or x.dtype).is_floating_point:
+    raise RuntimeError(f"mean: expected a floating point tensor or dtype, got {x.dtype.name}; use x.float().mean()")
+  dims = normalize_dims(dim, x.ndim, "mean")
+  n = math.prod(x.shape[d] for d in dims)
+  return sum(x, dims, keepdim, dtype=dtype) / n if n else sum(x, dims, keepdim, dtype=dtype) * float("nan")
+
+
+def var(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbiased: bool | None = None) -> Tensor:
+  """Variance over `dim` with Bessel's `correction` (1 by default, as torch.var)."""
+  if unbiased is not None: correction = int(unbiased)
+  dims = normalize_dims(dim, x.ndim, "var")
+  n = math.prod(x.shape[d] for d in dims)
+  centered = x - mean(x, dims, keepdim=True)
+  squares = sum(centered * centered, dims, keepdim)
+  return squares / (n - correction) if n > correction else squares * float("nan")
+
+
+def std(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbiased: bool | None = None) -> Tensor:
+  """Standard deviation: sqrt(var)."""
+  return ops.sqrt(var(x, dim, keepdim, correction=correction, unbiased=unbiased))
+
+
+def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+  """Maximum over `dim` (gradient split evenly among ties)."""
+  _nonempty(x, dim, "amax")
+  return amax_op(x, dims=normalize_dims(dim, x.ndim, "amax"), keepdim=keepdim)
+
+
+def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+  """Minimum over `dim`."""
+  _nonempty(x, dim, "amin")
+  return amin_op(x, dims=normalize_dims(dim, x.ndim, "amin"), keepdim=keepdim)
+
+
+def _nonempty(x: Tensor, dim, name: str) -> None:
+  dims = normalize_dims(dim, x.ndim, name)
+  if 0 in (x.shape[d] for d in dims):
+    raise IndexError(f"{name}: cannot reduce over an empty dimension of a tensor of shape {x.shape}")
+
+
+def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+  """Index of the maximum along `dim` (of the flattened tensor when dim is None)."""
+  if dim is None: return argmax_op(x.reshape(-1), dim=0, keepdim=False)
+  _nonempty(x, dim, "argmax")
+  return argmax_op(x, dim=normalize_dim(dim, x.ndim, "argmax"), keepdim=keepdim)
+
+
+def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+  """Index of the minimum along `dim`."""
+  if dim is None: return argmin_op(x.reshape(-1), dim=0, keepdim=False)
+  _nonempty(x, dim, "argmin")
+  return argmin_op(x, dim=normalize_dim(dim, x.ndim, "argmin"), keepdim=keepdim)
+
+
+def max(x: Tensor, dim=None, keepdim: bool = False):
+  """`x.max()` is the largest value; `x.max(dim)` gives (values, indices); `x.max(other)` is maximum."""
+  if isinstance(dim, Tensor): return ops.maximum(x, dim)
+  if dim is None: return amax(x)
+  return values_indices(amax(x, dim, keepdim), argmax(x, dim, keepdim))
+
+
+def min(x: Tensor, dim=None, keepdim: bool = False):
+  """`x.min()`, `x.min(dim)` -> (values, indices), or `x.min(other)`."""
+  if isinstance(dim, Tensor): return ops.minimum(x, dim)
+  if dim is None: return amin(x)
+  return values_indices(amin(x, dim, keepdim), argmin(x, dim, keepdim))
+
+
+def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
+  """log(sum(exp(x))) over dim, computed stably around the maximum."""
+  dims = normalize_dims(dim, x.ndim, "logsumexp")
+  m = amax(x.detach(), dims, keepdim=True)
+  m = ops.where(ops.isfinite(m), m, 0.0)
+  out = ops.log(sum(ops.exp(x - m), dims, keepdim=True)) + m
+  return out if keepdim else out.squeeze(dims)
+
+
+def cumsum(x: Tensor, dim: int, *, dtype=None) -> Tensor:
+  """Running sum along dim."""
+  if dtype is not None: x = x.to(dtype)
+  elif not x.dtype.is_floating_point: x = x.to(dtypes.int64)
+  return cumsum_op(x, dim=normalize_dim(dim, x.ndim, "cumsum"))
+
+
+def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+  """True where every element along dim is nonzero."""
+  return sum((x == 0).to(dtypes.int64), dim, keepdim) == 0
+
+
+def any(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+  """True where some element along dim is nonzero."""
+  return sum((x != 0).to(dtypes.int64), dim, keepdim) > 0
+
+
+def sum_to(x: Tensor, shape) -> Tensor:
+  """Sum a broadcast tensor back to `shape` (the VJP of broadcasting)."""
+  shape = tuple(shape)
+  lead = x.ndim - len(shape)
+  dims = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1 and x.shape[lead + i] != 1)
+  out = sum_op(x, dims=dims, keepdim=True, dtype=x.dtype) if dims else x
+  return out.reshape(shape) if out.shape != shape else out
