@@ -1,0 +1,115 @@
+"""Checkpoints: tensors in safetensors files, everything else in JSON, written atomically.
+
+A checkpoint is a directory `step_000500/` holding `model.safetensors`, `optimizer.safetensors` and
+`state.json`. It is written into a temporary directory and renamed into place, and the `latest` pointer is
+replaced atomically after it, so a crash leaves either the old checkpoint or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+import blutrain as bt
+
+LATEST = "latest"
+
+
+# *** nested state <-> (JSON, tensors) ***
+
+def _flatten(obj: Any, tensors: dict[str, np.ndarray], path: str) -> Any:
+  """JSON-ready copy of obj; its tensors go into `tensors` under their path and leave a reference behind."""
+  if isinstance(obj, bt.Tensor):
+    tensors[path] = np.ascontiguousarray(obj.detach().cpu().numpy())
+    return {"__tensor__": path}
+  if isinstance(obj, dict):
+    if all(isinstance(k, str) for k in obj): return {k: _flatten(v, tensors, f"{path}.{k}") for k, v in obj.items()}
+    return {"__items__": [[k, _flatten(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+  if isinstance(obj, (list, tuple)):
+    return {"__tuple__" if isinstance(obj, tuple) else "__list__": [_flatten(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+  if isinstance(obj, np.generic): return obj.item()
+  return obj
+
+
+def _unflatten(obj: Any, tensors: dict[str, np.ndarray]) -> Any:
+  if isinstance(obj, dict):
+    if "__tensor__" in obj: return bt.from_numpy(tensors[obj["__tensor__"]])
+    if "__items__" in obj: return {k: _unflatten(v, tensors) for k, v in obj["__items__"]}
+    if "__tuple__" in obj: return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+    if "__list__" in obj: return [_unflatten(v, tensors) for v in obj["__list__"]]
+    return {k: _unflatten(v, tensors) for k, v in obj.items()}
+  return obj
+
+
+def _fsync_write(path: Path, text: str) -> None:
+  with open(path, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+# *** save / load ***
+
+def save_checkpoint(directory: str | os.PathLike, step: int, model_state: dict[str, bt.Tensor],
+                    optimizer_state: dict | None = None, state: dict | None = None, keep: int = 2) -> Path:
+  """Write checkpoint `step` under `directory` atomically and point `latest` at it; keep the newest `keep`.
+
+  Args:
+    model_state: `model.state_dict()`.
+    optimizer_state: `optimizer.state_dict()` (tensors and hyperparameters), or None.
+    state: JSON-able trainer state (step, RNG states, config, tokenizer, scheduler).
+  """
+  root = Path(directory)
+  root.mkdir(parents=True, exist_ok=True)
+  final = root / f"step_{step:06d}"
+  tmp = root / f".tmp-{final.name}-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
+  save_file({k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+  opt_tensors: dict[str, np.ndarray] = {}
+  opt_json = _flatten(optimizer_state, opt_tensors, "optimizer") if optimizer_state is not None else None
+  save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+  _fsync_write(tmp / "state.json", json.dumps({"step": step, "state": state or {}, "optimizer": opt_json}, indent=1))
+  if final.exists():
+    shutil.rmtree(final)
+  os.replace(tmp, final)
+  pointer = root / f".{LATEST}.tmp"
+  _fsync_write(pointer, final.name)
+  os.replace(pointer, root / LATEST)
+  for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep] if keep > 0 else []:
+    shutil.rmtree(old, ignore_errors=True)
+  return final
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+  """The checkpoint directory for `path`: a checkpoint itself, or a directory whose `latest` (or a
+  `checkpoints/latest` below it) names one."""
+  p = Path(path)
+  for root in (p, p / "checkpoints"):
+    if (root / "state.json").is_file(): return root
+    if (root / LATEST).is_file():
+      target = root / (root / LATEST).read_text().strip()
+      if (target / "state.json").is_file(): return target
+      raise FileNotFoundError(f"checkpoint pointer {root / LATEST} names {target}, which is missing or incomplete")
+  raise FileNotFoundError(f"no checkpoint found at {p} (looked for state.json and a 'latest' pointer, also under "
+                          f"{p / 'checkpoints'}); train first, or pass the directory that `blutrain train` wrote")
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, bt.Tensor], dict | None, dict, int]:
+  """Read a checkpoint: (model_state, optimizer_state or None, trainer state, step)."""
+  ckpt = find_checkpoint(path)
+  try:
+    meta = json.loads((ckpt / "state.json").read_text())
+    model_state = {k: bt.from_numpy(v) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    opt_tensors = load_file(str(ckpt / "optimizer.safetensors"))
+  except (OSError, ValueError, KeyError, SafetensorError) as e:
+    raise RuntimeError(f"checkpoint {ckpt} is corrupt or incomplete ({type(e).__name__}: {e}); "
+                       f"delete it or resume from an earlier one") from e
+  optimizer_state = _unflatten(meta["optimizer"], opt_tensors) if meta.get("optimizer") is not None else None
+  return model_state, optimizer_state, meta.get("state", {}), int(meta["step"])

@@ -1,0 +1,129 @@
+"""`blutrain train | sample | info`."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from dataclasses import fields
+
+
+def _train(args: argparse.Namespace) -> int:
+  from blutrain.train import Trainer, TrainConfig, config_from_args
+  opts = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+  cfg = config_from_args(**opts)
+  trainer = Trainer(cfg, resume=args.resume)
+  device = trainer.device
+  params = trainer.model.num_params()
+  print(f"blutrain train: {cfg.preset} ({params / 1e6:.2f}M parameters), {trainer.tokenizer.name} tokenizer with "
+        f"{trainer.tokenizer.vocab_size} tokens, batch {cfg.batch_size} x {trainer.block_size}, device {device}, "
+        f"steps {trainer.step} -> {cfg.steps}, output {cfg.output}")
+  result = trainer.fit()
+  print(f"done: step {result['step']}, val loss {result['val_loss']:.4f}; checkpoints, metrics.csv, metrics.jsonl, "
+        f"loss.png and sample.txt are in {cfg.output}")
+  print("--- sample ---")
+  print(result["sample"])
+  return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+  import blutrain as bt
+  from blutrain import checkpoint, data
+  from blutrain.models import GPT, GPTConfig
+  from blutrain.train import default_device, generate_text
+  model_state, _, state, step = checkpoint.load_checkpoint(args.checkpoint)
+  device = args.device if args.device != "auto" else default_device()
+  model = GPT(GPTConfig(**state["model_config"]))
+  model.load_state_dict(model_state)
+  model.to(device)
+  tokenizer = data.tokenizer_from_dict(state["tokenizer"])
+  generator = bt.Generator().manual_seed(args.seed)
+  for i in range(args.num_samples):
+    text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
+                         device, generator)
+    print(text if args.num_samples == 1 else f"--- sample {i + 1} (checkpoint step {step}) ---\n{text}")
+  return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+  from importlib import metadata
+  import blutrain as bt
+  from blutrain.train import default_device
+  print(f"blutrain {bt.__version__}  python {platform.python_version()}  {platform.system()} {platform.machine()}")
+  for pkg in ("numpy", "ml_dtypes", "safetensors", "tokenizers", "tqdm", "matplotlib", "triton", "xdsl",
+              "cuda-core", "nvmath-python", "nccl4py", "mpi4py"):
+    try: version = metadata.version(pkg)
+    except metadata.PackageNotFoundError: version = "not installed"
+    print(f"  {pkg:<14} {version}")
+  from blutrain.ops import registry
+  from blutrain.backend import cpu
+  print(f"backends:\n  cpu   {len(cpu.kernels)} kernels for {len(registry)} primitives, {os.cpu_count()} cores")
+  try:
+    cuda = bt.backend.get(bt.device("cuda", 0))
+    print(f"  cuda  {cuda.describe()}")
+  except (RuntimeError, AttributeError) as e:
+    print(f"  cuda  unavailable ({str(e).split(':')[0]})")
+  print(f"default device: {default_device()}")
+  return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="blutrain", description="Train and sample GPT models with blutrain.")
+  sub = p.add_subparsers(dest="command", required=True)
+
+  t = sub.add_parser("train", help="train a GPT on a text corpus (default: char-level GPT on Tiny Shakespeare)")
+  t.add_argument("--preset", help="model preset: char-tiny, char-small (default), char-medium, gpt2, gpt2-medium, ...")
+  t.add_argument("--corpus", help="'tinyshakespeare' (bundled, default) or a path to a text file")
+  t.add_argument("--tokenizer", choices=["char", "bpe"], help="default: char for char-* presets, bpe otherwise")
+  t.add_argument("--bpe-vocab-size", type=int)
+  t.add_argument("--batch-size", "-b", type=int)
+  t.add_argument("--block-size", type=int, help="context length (default: the preset's)")
+  t.add_argument("--steps", type=int)
+  t.add_argument("--lr", type=float, help="peak learning rate (linear warmup, then cosine decay)")
+  t.add_argument("--warmup-steps", type=int)
+  t.add_argument("--weight-decay", type=float)
+  t.add_argument("--grad-clip", type=float)
+  t.add_argument("--dropout", type=float)
+  t.add_argument("--device", help="auto (default: cuda when available), cpu, cuda, cuda:N")
+  t.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+  t.add_argument("--seed", type=int)
+  t.add_argument("--out-dir", help="output directory (default: runs/<preset>)")
+  t.add_argument("--eval-interval", type=int)
+  t.add_argument("--eval-batches", type=int)
+  t.add_argument("--log-interval", type=int)
+  t.add_argument("--sample-tokens", type=int)
+  t.add_argument("--compile", action="store_true", default=None, help="compile the training step with Nova")
+  t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output directory")
+  t.set_defaults(func=_train)
+
+  s = sub.add_parser("sample", help="generate text from a checkpoint")
+  s.add_argument("--checkpoint", required=True, help="a run's output directory or a checkpoint directory")
+  s.add_argument("--prompt", default="\n")
+  s.add_argument("--max-new-tokens", type=int, default=300)
+  s.add_argument("--temperature", type=float, default=0.8)
+  s.add_argument("--top-k", type=int, default=40, help="0 disables top-k filtering")
+  s.add_argument("--num-samples", type=int, default=1)
+  s.add_argument("--seed", type=int, default=1337)
+  s.add_argument("--device", default="auto")
+  s.set_defaults(func=_sample)
+
+  i = sub.add_parser("info", help="versions, devices and backends")
+  i.set_defaults(func=_info)
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    return args.func(args)
+  except (FileNotFoundError, RuntimeError, ValueError) as e:
+    if os.environ.get("BLUTRAIN_DEBUG"): raise
+    print(f"blutrain {args.command}: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"blutrain {args.command}: interrupted", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

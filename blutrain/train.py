@@ -1,0 +1,222 @@
+"""The training loop behind `blutrain train`: GPT on a text corpus, with evaluation, checkpoints that resume
+exactly, metrics (JSONL and CSV), a loss-curve plot and a sample at the end."""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+import blutrain as bt
+from blutrain import checkpoint, data
+from blutrain.models import GPT, GPTConfig, PRESETS
+
+
+@dataclass
+class TrainConfig:
+  """Everything a run depends on; saved with each checkpoint. Defaults train the CPU char-level model."""
+  preset: str = "char-small"
+  corpus: str = "tinyshakespeare"
+  tokenizer: str = ""             # "char" or "bpe"; empty: char for char-* presets, bpe otherwise
+  bpe_vocab_size: int = 8192
+  batch_size: int = 32
+  block_size: int = 0             # 0: the preset's
+  steps: int = 1500
+  lr: float = 2e-3
+  min_lr_ratio: float = 0.1
+  warmup_steps: int = 100
+  weight_decay: float = 0.1
+  beta2: float = 0.99
+  grad_clip: float = 1.0
+  dropout: float = 0.0
+  device: str = "auto"
+  dtype: str = "float32"          # parameter dtype (float32, bfloat16, float16): the whole model in that dtype
+  seed: int = 1337
+  out_dir: str = ""               # empty: runs/<preset>
+  eval_interval: int = 250
+  eval_batches: int = 20
+  log_interval: int = 10
+  sample_tokens: int = 300
+  compile: bool = False
+  extra: dict = field(default_factory=dict)
+
+  @property
+  def output(self) -> Path: return Path(self.out_dir or f"runs/{self.preset}")
+
+
+def default_device() -> str:
+  """cuda when a GPU and the CUDA backend are available, else cpu."""
+  try:
+    return "cuda" if bt.backend.get(bt.device("cuda", 0)).is_available() else "cpu"
+  except (RuntimeError, AttributeError):
+    return "cpu"
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
+  if cfg.preset not in PRESETS: raise ValueError(f"unknown preset {cfg.preset!r}; choose from {', '.join(PRESETS)}")
+  shape = dict(PRESETS[cfg.preset], dropout=cfg.dropout)
+  if cfg.block_size: shape["block_size"] = cfg.block_size
+  if not cfg.preset.startswith("gpt2"): shape["vocab_size"] = vocab_size
+  elif vocab_size > GPTConfig.vocab_size: shape["vocab_size"] = -(-vocab_size // 64) * 64
+  return GPT(GPTConfig(**shape))
+
+
+class Trainer:
+  """One run: `Trainer(cfg).fit()`; `resume=True` continues from the newest checkpoint in the output dir."""
+
+  def __init__(self, cfg: TrainConfig, resume: bool = False, quiet: bool = False):
+    if cfg.compile:
+      raise RuntimeError("--compile: Nova, the whole-step compiler, is not available in this version yet; "
+                         "run without --compile")
+    self.cfg, self.quiet = cfg, quiet
+    self.device = cfg.device if cfg.device != "auto" else default_device()
+    self.out = cfg.output
+    self.out.mkdir(parents=True, exist_ok=True)
+    bt.manual_seed(cfg.seed)
+    text = data.load_text(cfg.corpus)
+    kind = cfg.tokenizer or ("char" if cfg.preset.startswith("char") else "bpe")
+    self.tokenizer = data.get_tokenizer(kind, text, vocab_size=cfg.bpe_vocab_size)
+    train_path, val_path = data.prepare(text, self.tokenizer, self.out / "data")
+    self.model = build_model(cfg, self.tokenizer.vocab_size).to(self.device, bt.dtypes.to_dtype(cfg.dtype))
+    self.block_size = self.model.config.block_size
+    self.train_data, self.val_data = data.load_tokens(train_path), data.load_tokens(val_path)
+    self.optimizer = self.model.configure_optimizers(cfg.weight_decay, cfg.lr, betas=(0.9, cfg.beta2))
+    self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    self.batch_rng = np.random.default_rng(cfg.seed)
+    self.step, self.history = 0, []
+    if resume: self._restore()
+
+  # *** checkpoints ***
+
+  def _state(self) -> dict:
+    return {"config": asdict(self.cfg), "model_config": self.model.config.to_dict(),
+            "tokenizer": self.tokenizer.to_dict(), "scheduler": self.scheduler.state_dict(),
+            "batch_rng": self.batch_rng.bit_generator.state,
+            "generator": [bt.default_generator.seed, bt.default_generator.offset], "history": self.history}
+
+  def save(self) -> Path:
+    return checkpoint.save_checkpoint(self.out / "checkpoints", self.step, self.model.state_dict(),
+                                      self.optimizer.state_dict(), self._state())
+
+  def _restore(self) -> None:
+    model_state, opt_state, state, step = checkpoint.load_checkpoint(self.out)
+    if state.get("model_config") != self.model.config.to_dict():
+      raise RuntimeError(f"--resume: the checkpoint's model {state.get('model_config')} differs from this run's "
+                         f"{self.model.config.to_dict()}; use the same preset and flags, or another --out-dir")
+    self.model.load_state_dict(model_state)
+    self.optimizer.load_state_dict(opt_state)
+    self.scheduler.load_state_dict(state["scheduler"])
+    self.batch_rng.bit_generator.state = state["batch_rng"]
+    bt.default_generator.seed, bt.default_generator.offset = state["generator"]
+    self.step, self.history = step, state["history"]
+
+  # *** loop ***
+
+  def batch(self, split: str = "train"):
+    return data.get_batch(self.train_data if split == "train" else self.val_data, self.cfg.batch_size,
+                          self.block_size, self.batch_rng, self.device)
+
+  @bt.no_grad()
+  def evaluate(self) -> float:
+    self.model.eval()
+    losses = [self.model(x, y)[1].item() for x, y in data.iterate_eval_batches(
+      self.val_data, self.cfg.batch_size, self.block_size, self.cfg.eval_batches, self.device)]
+    self.model.train()
+    return float(np.mean(losses))
+
+  def train_step(self) -> float:
+    x, y = self.batch()
+    _, loss = self.model(x, y)
+    loss.backward()
+    if self.cfg.grad_clip > 0: bt.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+    self.optimizer.step()
+    self.optimizer.zero_grad(set_to_none=True)
+    self.scheduler.step()
+    return loss.item()
+
+  def fit(self) -> dict:
+    """Train to `cfg.steps`; returns the final metrics."""
+    from tqdm import tqdm
+    cfg, tokens_per_step = self.cfg, self.cfg.batch_size * self.block_size
+    (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, unit="step", dynamic_ncols=True)
+    window_start, window_steps = time.perf_counter(), 0
+    while self.step < cfg.steps:
+      loss = self.train_step()
+      self.step += 1
+      window_steps += 1
+      if self.step % cfg.log_interval == 0 or self.step == cfg.steps:
+        elapsed = time.perf_counter() - window_start
+        tok_s = window_steps * tokens_per_step / max(elapsed, 1e-9)
+        self._log({"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
+                   "step_ms": 1e3 * elapsed / window_steps})
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        window_start, window_steps = time.perf_counter(), 0
+      if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
+        val = self.evaluate()
+        self._log({"step": self.step, "val_loss": val})
+        bar.write(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
+        self.save()
+        window_start = time.perf_counter()
+      bar.update(1)
+    bar.close()
+    self._plot()
+    sample = self.sample("\n", cfg.sample_tokens)
+    (self.out / "sample.txt").write_text(sample)
+    vals = [r["val_loss"] for r in self.history if "val_loss" in r]
+    return {"step": self.step, "val_loss": vals[-1] if vals else None, "sample": sample}
+
+  def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40) -> str:
+    return generate_text(self.model, self.tokenizer, prompt, max_new_tokens, temperature, top_k, self.device)
+
+  # *** metrics ***
+
+  def _log(self, row: dict) -> None:
+    row = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
+    self.history.append(row)
+    with open(self.out / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
+    columns = ["step", "loss", "val_loss", "lr", "tokens_per_s", "step_ms"]
+    with open(self.out / "metrics.csv", "w", newline="") as f:
+      w = csv.DictWriter(f, columns)
+      w.writeheader()
+      w.writerows({k: r.get(k, "") for k in columns} for r in self.history)
+
+  def _plot(self) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+    if train: ax.plot(*zip(*train), label="train", lw=1)
+    if val: ax.plot(*zip(*val), "o-", label="val")
+    ax.set(xlabel="step", ylabel="loss", title=f"{self.cfg.preset} on {self.cfg.corpus}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(self.out / "loss.png", dpi=120)
+    plt.close(fig)
+
+
+def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
+                  top_k: int | None = 40, device="cpu", generator: bt.Generator | None = None) -> str:
+  """Continue `prompt` by `max_new_tokens` sampled tokens and decode the whole text."""
+  ids = tokenizer.encode(prompt) or [0]
+  idx = bt.tensor([ids], dtype=bt.int64, device=device)
+  model.eval()
+  out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+  model.train()
+  return tokenizer.decode(out[0].tolist())
+
+
+def config_from_args(**kwargs) -> TrainConfig:
+  """A TrainConfig from keyword arguments, ignoring None (flags not given)."""
+  names = {f.name for f in fields(TrainConfig)}
+  unknown = set(kwargs) - names
+  if unknown: raise TypeError(f"unknown training options {sorted(unknown)}")
+  return TrainConfig(**{k: v for k, v in kwargs.items() if v is not None})
+
+
