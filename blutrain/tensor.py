@@ -34,7 +34,7 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 class Tensor:
   """An n-dimensional array with autograd, as `torch.Tensor`. Create one with `bt.tensor`, `bt.zeros`, ..."""
   __slots__ = ("_storage", "shape", "_strides", "_offset", "dtype", "requires_grad", "grad", "_node",
-               "_retains_grad", "_hooks", "__weakref__")
+               "_retains_grad", "_hooks", "_view", "__weakref__")
   __array_priority__ = 1000  # numpy scalars on the left defer to our operators
 
   # *** construction ***
@@ -43,17 +43,22 @@ class Tensor:
   def _make(cls, storage: Storage, shape, strides, offset: int, dtype: DType) -> Tensor:
     t = object.__new__(cls)
     t._storage, t.shape, t._strides, t._offset, t.dtype = storage, tuple(shape), tuple(strides), offset, dtype
-    t.requires_grad, t.grad, t._node, t._retains_grad, t._hooks = False, None, None, False, None
+    t.requires_grad, t.grad, t._node, t._retains_grad, t._hooks, t._view = False, None, None, False, None, None
     return t
 
   @classmethod
   def _wrap(cls, array: Any, device: Device, dtype: DType) -> Tensor:
-    data, shape, strides, offset = backend.get(device).wrap(array, dtype)
-    return cls._make(Storage(data, device), shape, strides, offset, dtype)
+    data, shape, strides, offset, view = backend.get(device).wrap(array, dtype)
+    t = cls._make(Storage(data, device), shape, strides, offset, dtype)
+    t._view = view
+    return t
 
   def _array(self) -> Any:
-    """The backend's array for this view (a numpy strided view on the CPU), which kernels take."""
-    return backend.get(self.device).view(self._storage.data, self.shape, self._strides, self._offset, self.dtype)
+    """The backend's array for this view (a numpy strided view on the CPU), which kernels take. Layout never
+    changes after creation, so it is made once."""
+    if self._view is None:
+      self._view = backend.get(self.device).view(self._storage.data, self.shape, self._strides, self._offset, self.dtype)
+    return self._view
 
   # *** properties ***
 
@@ -83,8 +88,8 @@ class Tensor:
   def data(self) -> Tensor: return self.detach()
   @data.setter
   def data(self, other: Tensor) -> None:
-    self._storage, self.shape, self._strides, self._offset, self.dtype = (
-      other._storage, other.shape, other._strides, other._offset, other.dtype)
+    self._storage, self.shape, self._strides, self._offset, self.dtype, self._view = (
+      other._storage, other.shape, other._strides, other._offset, other.dtype, other._view)
   @property
   def T(self) -> Tensor: return self.permute(*reversed(range(self.ndim)))
   @property
@@ -319,5 +324,10 @@ _FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign sq
 
 from blutrain import ops  # noqa: E402  (ops are built on Tensor)
 
+def _method(fn):
+  """An op as a method; primitives (`Op` objects, not functions) need the wrapper to receive `self`."""
+  return fn if isinstance(fn, type(_method)) else lambda self, *args, **kwargs: fn(self, *args, **kwargs)
+
+
 for _name in _FORWARDED:
-  setattr(Tensor, _name, getattr(ops, _name))
+  setattr(Tensor, _name, _method(getattr(ops, _name)))

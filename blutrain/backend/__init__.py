@@ -6,7 +6,7 @@ A backend module provides:
   from_numpy(array) -> data            a flat copy of a host array
   view(data, shape, strides, offset, dtype) -> array   what kernels take (strides in elements)
   to_numpy(array) -> np.ndarray        host copy of a kernel array
-  wrap(array) -> (data, shape, strides, offset)        a kernel result as storage and layout
+  wrap(array, dtype) -> (data, shape, strides, offset, view)   a kernel result as storage, layout and view
 """
 from __future__ import annotations
 

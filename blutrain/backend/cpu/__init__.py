@@ -1,6 +1,8 @@
 """The CPU backend: flat numpy buffers, strided numpy views, and the numpy kernels of `kernels.py`."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
@@ -10,18 +12,18 @@ from blutrain.tensor import contiguous_strides
 
 def view(data: np.ndarray, shape, strides, offset: int, dtype) -> np.ndarray:
   """A numpy view of a flat buffer (strides in elements); plain reshape for the common contiguous case."""
-  if offset == 0 and data.size == int(np.prod(shape)) and tuple(strides) == contiguous_strides(shape):
+  if offset == 0 and data.size == math.prod(shape) and tuple(strides) == contiguous_strides(shape):
     return data.reshape(shape)
   item = data.itemsize
   return as_strided(data[offset:], shape=shape, strides=tuple(s * item for s in strides))
 
 
 def wrap(array, dtype) -> tuple:
-  """A kernel's result as (flat buffer, shape, strides, offset); shares memory when it is C-contiguous."""
+  """A kernel's result as (flat buffer, shape, strides, offset, view); shares memory when it is C-contiguous."""
   arr = np.asarray(array)
   if arr.dtype != dtype.np: arr = arr.astype(dtype.np)
   if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
-  return arr.reshape(-1), arr.shape, contiguous_strides(arr.shape), 0
+  return arr.reshape(-1), arr.shape, contiguous_strides(arr.shape), 0, arr
 
 
 def empty(numel: int, dtype) -> np.ndarray: return np.empty(numel, dtype.np)
