@@ -174,9 +174,9 @@ def normalize_dim(dim: int, ndim: int, op: str) -> int:
 
 
 def normalize_dims(dim, ndim: int, op: str) -> tuple[int, ...]:
-  """None -> all dims; an int or a sequence -> sorted, unique, non-negative dims."""
-  if dim is None: return tuple(range(ndim))
-  dims = (dim,) if isinstance(dim, int) else tuple(dim)
+  """None or () -> all dims (as PyTorch's reductions); an int or a sequence -> sorted, unique, non-negative dims."""
+  dims = (dim,) if isinstance(dim, int) else tuple(dim) if dim is not None else ()
+  if not dims: return tuple(range(ndim))
   out = tuple(sorted({normalize_dim(d, ndim, op) for d in dims}))
   if len(out) != len(dims): raise ValueError(f"{op}: dimension repeated in {dims}")
   return out

@@ -110,21 +110,31 @@ def max(x: Tensor, dim=None, keepdim: bool = False):
   """`x.max()` is the largest value; `x.max(dim)` gives (values, indices); `x.max(other)` is maximum."""
   if isinstance(dim, Tensor): return ops.maximum(x, dim)
   if dim is None: return amax(x)
-  return values_indices(amax(x, dim, keepdim), argmax(x, dim, keepdim))
+  return _select(x, argmax(x, dim, keepdim=True), dim, keepdim)
 
 
 def min(x: Tensor, dim=None, keepdim: bool = False):
   """`x.min()`, `x.min(dim)` -> (values, indices), or `x.min(other)`."""
   if isinstance(dim, Tensor): return ops.minimum(x, dim)
   if dim is None: return amin(x)
-  return values_indices(amin(x, dim, keepdim), argmin(x, dim, keepdim))
+  return _select(x, argmin(x, dim, keepdim=True), dim, keepdim)
+
+
+def _select(x: Tensor, idx: Tensor, dim: int, keepdim: bool):
+  """(values, indices) of max/min along dim; values are gathered so that, as in PyTorch, the gradient goes
+  to the returned index only (amax/amin share it among ties)."""
+  values = ops.gather(x, dim, idx)
+  return values_indices(values, idx) if keepdim else values_indices(values.squeeze(dim), idx.squeeze(dim))
 
 
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
   """log(sum(exp(x))) over dim, computed stably around the maximum."""
   dims = normalize_dims(dim, x.ndim, "logsumexp")
-  m = amax(x.detach(), dims, keepdim=True)
-  m = ops.where(ops.isfinite(m), m, 0.0)
+  if x.numel() == 0:  # the empty sum gives log(0) = -inf, as torch's
+    m = ops.zeros(_reduced_shape(x.shape, dims, True), dtype=x.dtype, device=x.device)
+  else:
+    m = amax(x.detach(), dims, keepdim=True)
+    m = ops.where(ops.isfinite(m), m, 0.0)
   out = ops.log(sum(ops.exp(x - m), dims, keepdim=True)) + m
   return out if keepdim else out.squeeze(dims)
 
@@ -133,7 +143,8 @@ def cumsum(x: Tensor, dim: int, *, dtype=None) -> Tensor:
   """Running sum along dim."""
   if dtype is not None: x = x.to(dtype)
   elif not x.dtype.is_floating_point: x = x.to(dtypes.int64)
-  return cumsum_op(x, dim=normalize_dim(dim, x.ndim, "cumsum"))
+  d = normalize_dim(dim, x.ndim, "cumsum")
+  return cumsum_op(x, dim=d) if x.ndim else cumsum_op(x.reshape(1), dim=0).reshape(())
 
 
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
