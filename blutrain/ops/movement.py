@@ -286,10 +286,8 @@ def _parse_key(x: Tensor, key):
   used = sum(k.ndim if isinstance(k, Tensor) and k.dtype is dtypes.bool_ else 0 if k is None or k is Ellipsis else 1 for k in key)
   if used > x.ndim: raise IndexError(f"too many indices for a tensor of dimension {x.ndim} (got {used})")
   if sum(k is Ellipsis for k in key) > 1: raise IndexError("an index can only have a single ellipsis ('...')")
-  if Ellipsis in [k for k in key if not isinstance(k, Tensor)]:
-    i = next(i for i, k in enumerate(key) if k is Ellipsis)
-    key = key[:i] + (slice(None),) * (x.ndim - used) + key[i + 1:]
-  key = key + (slice(None),) * (x.ndim - used)
+  i = next((i for i, k in enumerate(key) if k is Ellipsis), len(key))
+  key = key[:i] + (slice(None),) * (x.ndim - used) + key[i + 1:]
   index, out_shape, adv, d = [(0, n, 1) for n in x.shape], [], [], 0
   for k in key:
     if k is None: out_shape.append(1)
