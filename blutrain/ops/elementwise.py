@@ -166,6 +166,8 @@ def where(condition: Tensor, x, y) -> Tensor:
   """Elementwise `x if condition else y`, broadcasting all three."""
   if not isinstance(condition, Tensor) or condition.dtype is not dtypes.bool_:
     raise TypeError(f"where: condition must be a bool tensor, got {getattr(condition, 'dtype', type(condition).__name__)}")
+  if not isinstance(x, Tensor) and not isinstance(y, Tensor):
+    x = ops.full((), x, dtype=dtypes.result_type(x, y), device=condition.device)
   x, y = operands("where", x, y)
   return where_op(condition, x, y)
 
