@@ -10,8 +10,8 @@ import tokenizers
 
 import blutrain as bt
 from blutrain.data import (EOT, BPETokenizer, CharTokenizer, Tokenizer, TokenDataset, bundled_corpora, get_batch,
-                           get_tokenizer, iterate_eval_batches, load_text, prepare, token_dtype, tokenizer_from_dict,
-                           train_bpe)
+                           get_tokenizer, iterate_eval_batches, load_text, load_tokens, prepare, token_dtype,
+                           tokenizer_from_dict, train_bpe)
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +187,8 @@ def test_token_dataset(text, tmp_path):
   train_path, _ = prepare(text[:10_000], CharTokenizer(text), tmp_path)
   ds = TokenDataset(train_path, 32)
   assert isinstance(ds.data, np.memmap) and len(ds) == 9_000 - 32
+  tokens = load_tokens(train_path)
+  assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16 and (tokens == ds.data).all()
   x, y = ds[5]
   assert x.shape == y.shape == (32,) and x.dtype == bt.int64
   np.testing.assert_array_equal(x.numpy(), ds.data[5:37])

@@ -65,6 +65,18 @@ def _matches(meta: dict[str, Any], key: str, train_path: Path, val_path: Path) -
              for p, n in ((train_path, "train_tokens"), (val_path, "val_tokens")))
 
 
+def load_tokens(path: str | os.PathLike, dtype: str | np.dtype | None = None) -> np.memmap:
+  """The tokens of a `.bin` file, memory-mapped read-only; the dtype by default from the `meta.json` beside it."""
+  path = Path(path)
+  if not path.is_file(): raise FileNotFoundError(f"load_tokens: no token file at {str(path)!r}; run prepare() first")
+  if dtype is None:
+    meta_path = path.parent / META
+    if not meta_path.is_file():
+      raise FileNotFoundError(f"load_tokens: no {META} beside {str(path)!r} to read the dtype from; pass dtype=")
+    dtype = json.loads(meta_path.read_text(encoding="utf-8"))["dtype"]
+  return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
 class TokenDataset:
   """A memory-mapped token file: `len(ds)` windows of `block_size + 1` tokens; `ds[i]` is the pair (x, y).
 
@@ -75,18 +87,10 @@ class TokenDataset:
 
   Attributes:
     data (np.memmap): the tokens, read-only; pass `ds` or `ds.data` to `get_batch`.
-    meta (dict): the `meta.json` beside the file (`{}` when absent and dtype is given).
   """
 
   def __init__(self, path: str | os.PathLike, block_size: int, dtype: str | np.dtype | None = None):
-    path = Path(path)
-    if not path.is_file(): raise FileNotFoundError(f"TokenDataset: no token file at {str(path)!r}; run prepare() first")
-    meta_path = path.parent / META
-    self.meta: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
-    if dtype is None and "dtype" not in self.meta:
-      raise FileNotFoundError(f"TokenDataset: no {META} beside {str(path)!r} to read the dtype from; pass dtype=")
-    self.path, self.block_size = path, block_size
-    self.data = np.memmap(path, dtype=np.dtype(dtype or self.meta["dtype"]), mode="r")
+    self.path, self.block_size, self.data = Path(path), block_size, load_tokens(path, dtype)
     _check_len(self.data, block_size, "TokenDataset")
 
   def __len__(self) -> int: return len(self.data) - self.block_size
