@@ -155,6 +155,7 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, **attrs) -> Tensor:
 
 def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
   """NumPy/PyTorch broadcasting; the error names the op and both shapes."""
+  if all(s == shapes[0] for s in shapes[1:]): return tuple(shapes[0])
   ndim = max((len(s) for s in shapes), default=0)
   out = []
   for i in range(-ndim, 0):
