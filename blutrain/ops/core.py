@@ -64,7 +64,7 @@ class set_grad_enabled:
 
     @functools.wraps(fn)
     def wrapper(*a, **k):
-      with type(self)(self.mode): return fn(*a, **k)
+      with set_grad_enabled(self.mode): return fn(*a, **k)
     return wrapper
 
 
