@@ -1,0 +1,81 @@
+"""Adam and AdamW."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from blutrain import ops
+from blutrain.optim.optimizer import Optimizer, ParamsT
+from blutrain.tensor import Tensor
+
+
+class Adam(Optimizer):
+  """Adam, as `torch.optim.Adam`, with PyTorch's update at step t (g negated first when `maximize`):
+
+    p = p * (1 - lr * weight_decay) (decoupled) or g = g + weight_decay * p (otherwise)
+    m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g^2;  (amsgrad: v_max = max(v_max, v), used for v)
+    p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+  State per parameter: `step` (a Python int, counted as PyTorch's), `exp_avg`, `exp_avg_sq` and, with amsgrad,
+  `max_exp_avg_sq`, in the parameter's dtype.
+
+  Args:
+    params: parameters or parameter groups.
+    lr: learning rate.
+    betas: decay rates of the first and second moment averages.
+    eps: added to the denominator.
+    weight_decay: L2 penalty (added to the gradient) or, with `decoupled_weight_decay`, AdamW's decay.
+    amsgrad: use the maximum of past second moments.
+    maximize: ascend instead of descend.
+    foreach, fused: accepted for PyTorch compatibility; every setting runs the same per-parameter update.
+    decoupled_weight_decay: decay the parameter directly (AdamW) instead of adding to the gradient.
+  """
+
+  def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+               weight_decay: float = 0, amsgrad: bool = False, *, foreach: bool | None = None, maximize: bool = False,
+               fused: bool | None = None, decoupled_weight_decay: bool = False) -> None:
+    if lr < 0.0: raise ValueError(f"Invalid learning rate: {lr}")
+    if eps < 0.0: raise ValueError(f"Invalid epsilon value: {eps}")
+    for i, beta in enumerate(betas):
+      if not 0.0 <= beta < 1.0: raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    if weight_decay < 0.0: raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if fused and foreach: raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                  maximize=maximize, foreach=foreach, fused=fused,
+                                  decoupled_weight_decay=decoupled_weight_decay))
+
+  def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    lr, (beta1, beta2), weight_decay = group["lr"], group["betas"], group["weight_decay"]
+    if not state:
+      state["step"], state["exp_avg"], state["exp_avg_sq"] = 0, ops.zeros_like(p), ops.zeros_like(p)
+      if group["amsgrad"]: state["max_exp_avg_sq"] = ops.zeros_like(p)
+    if group["maximize"]: grad = -grad
+    state["step"] += 1
+    step = state["step"]
+    if weight_decay != 0:
+      if group["decoupled_weight_decay"]: p.mul_(1 - lr * weight_decay)
+      else: grad = grad.add(p, alpha=weight_decay)
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if group["amsgrad"]:
+      exp_avg_sq = state["max_exp_avg_sq"].copy_(ops.maximum(state["max_exp_avg_sq"], exp_avg_sq))
+    # bias corrections in Python floats (double precision), as PyTorch's eager update computes them
+    bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["eps"])
+    p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+class AdamW(Adam):
+  """AdamW, as `torch.optim.AdamW`: Adam with decoupled weight decay, p = p * (1 - lr * weight_decay) before the
+  Adam step (the decay skips the moment estimates). Arguments as Adam's; weight_decay defaults to 1e-2.
+
+  Example:
+    >>> opt = optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+  """
+
+  def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+               weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+               foreach: bool | None = None, fused: bool | None = None) -> None:
+    super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize, fused=fused,
+                     decoupled_weight_decay=True)
