@@ -102,10 +102,14 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | 
     for t, g in direct:
       _accumulate(leaf_grads, id(t), g)
       leaves[id(t)] = t
+    fresh: set[int] = set()
     for key, g in leaf_grads.items():
       leaf = leaves[key]
-      g = _run_hooks(leaf._hooks, g)
-      leaf.grad = g.detach() if leaf.grad is None else leaf.grad + g
+      g = _run_hooks(leaf._hooks, g).detach()
+      if leaf.grad is not None: leaf.grad.add_(g); continue
+      if not g.is_contiguous() or g._offset or id(g._storage) in fresh: g = ops.copy(g)  # own, dense memory
+      fresh.add(id(g._storage))
+      leaf.grad = g
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph: bool | None = None, allow_unused: bool = False) -> tuple:

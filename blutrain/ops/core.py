@@ -53,6 +53,13 @@ grad_mode = _GradMode()
 def is_grad_enabled() -> bool: return grad_mode.enabled
 
 
+class _Capture(threading.local):
+  trace = None  # the active Nova capture (blutrain.nova.capture.Trace), or None: ops run eagerly
+
+
+capture = _Capture()
+
+
 class set_grad_enabled:
   """Context manager (and decorator) that turns gradient recording on or off, as torch.set_grad_enabled."""
   def __init__(self, mode: bool): self.mode, self.prev = bool(mode), []
@@ -131,12 +138,15 @@ def _record(op_: Op, inputs, attrs, out: Tensor) -> None:
                    saved_out, Aval(out.shape, out.dtype, out.device))
 
 
-def apply(op_: Op, *inputs: Tensor | None, device=None, **attrs) -> Tensor:
+def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Tensor:
   """Run a primitive: check devices, infer the output by the op's rule, run the backend kernel (or make a
-  view), and record a tape node when gradients are needed."""
+  view), and record a tape node when gradients are needed. Under a Nova capture the op is recorded into the
+  graph instead of run. `rng` names the generator a random op draws from (capture makes its state an input)."""
   dev = _device_of(op_, inputs) or device
   shape, dtype = op_.rule(*inputs, **attrs)
-  if op_.view is not None:
+  if capture.trace is not None:
+    out = capture.trace.emit(op_, inputs, attrs, shape, dtype, dev, rng)
+  elif op_.view is not None:
     x = inputs[0]
     vshape, strides, offset = op_.view(x, **attrs)
     out = Tensor._make(x._storage, vshape, strides, offset, dtype)
@@ -149,6 +159,19 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, **attrs) -> Tensor:
       and any(t is not None and t.requires_grad for t in inputs)):
     _record(op_, inputs, attrs, out)
   return out
+
+
+def write(x: Tensor, new: Tensor) -> None:
+  """The last step of every in-place op: store `new` (x's shape and dtype) into x's memory, bump its version."""
+  if capture.trace is not None: capture.trace.write(x, new)
+  else: backend.get(x.device).copy_into(x._array(), new._array())
+  x._storage.version += 1
+
+
+def dynamic_scalar(value: Callable[[], float], device) -> float | Tensor:
+  """A number that may change between calls of a compiled function without changing its graph, such as a
+  scheduled learning rate: eagerly `value()`, under capture a 0-d float32 input read by `value()` at each call."""
+  return value() if capture.trace is None else capture.trace.scalar_input(value, device)
 
 
 # *** helpers shared by the op modules ***

@@ -9,7 +9,7 @@ import numpy as np
 from blutrain import backend, dtypes, ops
 from blutrain.device import Device, to_device as parse_device
 from blutrain.dtypes import DType
-from blutrain.ops.core import Shape, _record, grad_mode, op
+from blutrain.ops.core import Shape, _record, grad_mode, op, write
 from blutrain.tensor import Tensor
 
 
@@ -101,9 +101,10 @@ def tensor(data: Any, *, dtype=None, device=None, requires_grad: bool = False) -
   if isinstance(data, Tensor):
     t = data.detach().to(device or data.device, dtype or data.dtype).clone()
   else:
-    arr = np.asarray(data) if not isinstance(data, np.ndarray) else data
+    arr = np.asarray(data)
     if dtype is not None: arr = arr.astype(dtypes.to_dtype(dtype).np)
-    elif arr.dtype == np.float64: arr = arr.astype(np.float32)   # Python floats default to float32, as in PyTorch
+    elif arr.dtype == np.float64 and not isinstance(data, (np.ndarray, np.generic)):
+      arr = arr.astype(np.float32)  # Python floats default to float32; numpy's float64 stays, as in PyTorch
     t = from_numpy(np.array(arr, copy=True)).to(parse_device(device))
   return t.requires_grad_(requires_grad) if requires_grad else t
 
@@ -192,8 +193,9 @@ bernoulli_op = op("bernoulli", _random_rule)  # attrs also: p; bool-valued as dt
 
 
 def _draw(op_, shape, dtype, device, generator, **attrs) -> Tensor:
-  seed, offset = (generator or default_generator)._take(math.prod(shape))
-  return op_(device=parse_device(device), shape=shape, dtype=dtype, seed=seed, offset=offset, **attrs)
+  gen = generator or default_generator
+  seed, offset = gen._take(math.prod(shape))
+  return op_(device=parse_device(device), rng=gen, shape=shape, dtype=dtype, seed=seed, offset=offset, **attrs)
 
 
 def rand(*size, dtype=None, device=None, generator: Generator | None = None, requires_grad: bool = False) -> Tensor:
@@ -254,8 +256,7 @@ def inplace(x: Tensor, fn) -> Tensor:
   if new.shape != x.shape:
     try: new = new.expand(x.shape)
     except ValueError: raise RuntimeError(f"in-place op: result of shape {new.shape} does not fit the tensor's shape {x.shape}") from None
-  backend.get(x.device).copy_into(x._array(), new.detach()._array())
-  x._storage.version += 1
+  write(x, new.detach())
   if recording and new.requires_grad:
     x.requires_grad, x._node = True, new._node
   return x

@@ -1,0 +1,53 @@
+"""The captured graph: what capture produces and the IR builder consumes.
+
+A Graph is a list of equations in program order over SSA values. Each equation applies one primitive of
+`blutrain.ops` (its name is the op's registry key) to input values with the op's attributes, and defines one
+value. Inputs are the step's arguments plus every tensor read from outside (parameters, gradients, optimizer
+state, dynamic scalars such as the learning rate); outputs are returned tensors and the new values of the
+tensors updated in place, which the runtime writes back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from blutrain.dtypes import DType
+
+
+@dataclass(eq=False)
+class Value:
+  """An SSA value: a tensor of static shape and dtype. `id` orders values within one graph."""
+  id: int
+  shape: tuple[int, ...]
+  dtype: DType
+
+  def __repr__(self) -> str: return f"%{self.id}:{self.dtype.name}{list(self.shape)}"
+
+
+@dataclass(eq=False)
+class Equation:
+  """`out = op(*inputs, **attrs)`. An input is None where the op takes an optional tensor (layer_norm's bias).
+
+  Attribute values are ints, floats, bools, strings, None, DTypes, or (nested) tuples of those."""
+  op: str
+  inputs: list[Value | None]
+  attrs: dict[str, Any]
+  out: Value
+
+
+@dataclass(eq=False)
+class Graph:
+  """A whole captured function: `outputs = f(*inputs)`, single device, value semantics throughout."""
+  inputs: list[Value] = field(default_factory=list)
+  equations: list[Equation] = field(default_factory=list)
+  outputs: list[Value] = field(default_factory=list)
+  device: Any = None
+
+  def __str__(self) -> str:
+    lines = [f"graph({', '.join(map(repr, self.inputs))}):"]
+    for eq in self.equations:
+      args = ", ".join("None" if v is None else f"%{v.id}" for v in eq.inputs)
+      attrs = "".join(f", {k}={v!r}" for k, v in eq.attrs.items())
+      lines.append(f"  {eq.out!r} = {eq.op}({args}{attrs})")
+    lines.append(f"  return {', '.join(f'%{v.id}' for v in self.outputs)}")
+    return "\n".join(lines)
