@@ -22,13 +22,15 @@ log_softmax_op = op("log_softmax", _same_dim, lambda g, out, x, dim: (g - ops.ex
 def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
   """exp(x) / sum(exp(x)) along dim, computed stably."""
   x = x.to(dtype) if dtype is not None else ops.elementwise._floating(x)
-  return softmax_op(x, dim=normalize_dim(dim, x.ndim, "softmax"))
+  d = normalize_dim(dim, x.ndim, "softmax")
+  return softmax_op(x, dim=d) if x.ndim else softmax_op(x.reshape(1), dim=0).reshape(())
 
 
 def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
   """x - logsumexp(x) along dim."""
   x = x.to(dtype) if dtype is not None else ops.elementwise._floating(x)
-  return log_softmax_op(x, dim=normalize_dim(dim, x.ndim, "log_softmax"))
+  d = normalize_dim(dim, x.ndim, "log_softmax")
+  return log_softmax_op(x, dim=d) if x.ndim else log_softmax_op(x.reshape(1), dim=0).reshape(())
 
 
 # *** normalization ***
@@ -89,7 +91,7 @@ def _scatter_add_rule(x, index, src, dim):
 scatter_add_op = op("scatter_add", _scatter_add_rule, lambda g, out, x, index, src, dim: (
   g, None, gather_op(g, index, dim=dim) if index.shape == src.shape else None), saves=(1,))
 gather_op = op("gather", lambda x, index, dim: _gather_rule(x, dim, index), lambda g, out, x, index, dim: (
-  scatter_add_op(ops.zeros_like(g, dtype=g.dtype).expand(x.shape).contiguous(), index, g, dim=dim), None), saves=(1,))
+  scatter_add_op(ops.zeros(x.shape, dtype=g.dtype, device=g.device), index, g, dim=dim), None), saves=(1,))
 
 
 def _check_index(name: str, index: Tensor) -> None:
@@ -157,11 +159,12 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100, reduc
   targets equal to ignore_index count neither in the loss nor in the mean."""
   _check_index("cross_entropy", target)
   if reduction not in ("mean", "sum", "none"): raise ValueError(f"cross_entropy: unknown reduction {reduction!r}")
-  if input.ndim == 1: input, target = input.unsqueeze(0), target.reshape(1)
-  elif input.ndim > 2: input = input.permute(0, *range(2, input.ndim), 1)  # (N, C, d...) -> (N, d..., C)
-  if target.shape != input.shape[:-1]:
-    raise ValueError(f"cross_entropy: target of shape {tuple(target.shape)} does not match logits of shape {tuple(input.shape)}")
-  lead = target.shape
+  if input.ndim == 0: raise ValueError("cross_entropy: expected logits of shape (C,), (N, C) or (N, C, d...), got a 0-d tensor")
+  lead = input.shape[:1] + input.shape[2:] if input.ndim > 1 else ()
+  if tuple(target.shape) != lead:
+    raise ValueError(f"cross_entropy: target of shape {tuple(target.shape)} does not match logits of shape "
+                     f"{tuple(input.shape)}; expected a target of shape {lead}")
+  if input.ndim > 2: input = input.permute(0, *range(2, input.ndim), 1)  # (N, C, d...) -> (N, d..., C)
   input, target = input.reshape(-1, input.shape[-1]), target.reshape(-1)
   losses = cross_entropy_op(ops.elementwise._floating(input), target, ignore_index=ignore_index)
   if reduction == "none": return losses.reshape(lead)
