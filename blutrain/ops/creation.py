@@ -256,6 +256,8 @@ def inplace(x: Tensor, fn) -> Tensor:
   if new.shape != x.shape:
     try: new = new.expand(x.shape)
     except ValueError: raise RuntimeError(f"in-place op: result of shape {new.shape} does not fit the tensor's shape {x.shape}") from None
+  if recording and new.requires_grad and new._node is not None and new._node.op.view is not None:
+    new = ops.copy(new)  # x now holds its own values, not a view of new's input
   write(x, new.detach())
   if recording and new.requires_grad:
     x.requires_grad, x._node = True, new._node

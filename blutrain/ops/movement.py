@@ -291,6 +291,9 @@ def _parse_key(x: Tensor, key):
   index, out_shape, adv, d = [(0, n, 1) for n in x.shape], [], [], 0
   for k in key:
     if k is None: out_shape.append(1)
+    elif isinstance(k, Tensor) and k.dtype is dtypes.bool_ and k.ndim == 0:  # a new dim of size 1 (True) or 0
+      adv.append((len(out_shape), ops.nonzero(k.reshape(1), as_tuple=True)[0]))
+      out_shape.append(1)
     elif isinstance(k, Tensor) and k.dtype is dtypes.bool_:
       if k.shape != x.shape[d:d + k.ndim]:
         raise IndexError(f"boolean mask of shape {k.shape} does not match the indexed shape {x.shape[d:d + k.ndim]}")
@@ -327,17 +330,41 @@ def getitem(x: Tensor, key) -> Tensor:
 
 
 def setitem(x: Tensor, key, value) -> None:
-  """x[key] = value, in place."""
-  if grad_mode.enabled and isinstance(value, Tensor) and value.requires_grad:
-    raise RuntimeError("x[key] = value with a value that requires grad is not supported; build the tensor with "
-                       "where/cat/scatter_add instead, or assign under bt.no_grad()")
+  """x[key] = value, in place. When x or value requires grad, x's graph continues through the write: the
+  gradient reaches value at the written positions and x's history elsewhere."""
+  value = ops.as_tensor_like(value, x)
+  if grad_mode.enabled and (x.requires_grad or value.requires_grad):
+    with ops.no_grad():
+      pos = getitem(ops.arange(x.numel(), device=x.device).reshape(x.shape), key)
+    ops.inplace(x, lambda old: _put(old, pos, _fit(value, pos.shape).to(x.dtype)))
+    return
   with ops.no_grad():
     y, adv = _parse_key(x, key)
-  value = ops.as_tensor_like(value, x)
-  if not adv:
-    ops.inplace(y, lambda old: value.to(x.dtype).expand(old.shape) if value.shape != old.shape else value.to(x.dtype))
-    return
-  ops.inplace(y, lambda old: index_put(old, value.to(x.dtype), *(t for _, t in adv), positions=tuple(p for p, _ in adv)))
+    if not adv:
+      ops.inplace(y, lambda old: _fit(value, old.shape).to(x.dtype))
+      return
+    idx, positions = tuple(t for _, t in adv), tuple(p for p, _ in adv)
+    region = _index_shape(y.shape, [t.shape for t in idx], positions)
+    ops.inplace(y, lambda old: index_put(old, _fit(value, region).to(x.dtype), *idx, positions=positions))
+
+
+def _fit(value: Tensor, shape) -> Tensor:
+  """value broadcast to the indexed region's shape; leading size-1 dims of value may be dropped, as in PyTorch."""
+  while value.ndim > len(shape) and value.shape[0] == 1: value = value.squeeze(0)
+  try:
+    return value.expand(shape)
+  except ValueError:
+    raise ValueError(f"setitem: a value of shape {tuple(value.shape)} cannot be assigned to an indexed region of "
+                     f"shape {tuple(shape)}") from None
+
+
+def _put(x: Tensor, pos: Tensor, value: Tensor) -> Tensor:
+  """x with value written at the flat positions pos (same shape as value), differentiable in x and value.
+  Repeated positions sum, where PyTorch leaves the result undefined."""
+  pos, n = pos.reshape(-1), x.numel()
+  written = ops.scatter_add(ops.zeros(n, dtype=dtypes.int64, device=x.device), 0, pos, ops.ones_like(pos)) > 0
+  placed = ops.scatter_add(ops.zeros(n, dtype=x.dtype, device=x.device), 0, pos, value.reshape(-1))
+  return ops.where(written.reshape(x.shape), placed.reshape(x.shape), x)
 
 
 def nonzero(x: Tensor, *, as_tuple: bool = False):
