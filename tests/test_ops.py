@@ -316,3 +316,414 @@ def test_logsumexp_inf():
   tx, bx = torch.tensor(x), bt.tensor(x, dtype=bt.float64)
   assert_close(bx.logsumexp(1), tx.logsumexp(1))
   helper_test_op([(3, 4)], lambda x: (x * 300).logsumexp(1))
+
+
+# *** matmul ***
+
+@pytest.mark.parametrize("shapes", [((4,), (4,)), ((3, 4), (4,)), ((4,), (4, 5)), ((3, 4), (4, 5)), ((2, 3, 4), (4, 5)),
+                                    ((3, 4), (2, 4, 5)), ((2, 3, 4), (2, 4, 5)), ((2, 1, 3, 4), (5, 4, 2)),
+                                    ((4,), (2, 4, 5)), ((2, 3, 4), (4,)), ((0, 4), (4, 3)), ((3, 0), (0, 2)),
+                                    ((1, 1), (1, 1))])
+def test_matmul(shapes):
+  helper_test_op(list(shapes), lambda a, b: a @ b)
+
+
+def test_matmul_layouts():
+  helper_test_op([(5, 6), (6, 7)], lambda a, b: a @ b, layouts=LAYOUTS)
+  helper_test_op([(2, 5, 6), (6, 7)], lambda a, b: a.matmul(b), layouts=LAYOUTS)
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float16, bt.bfloat16])
+def test_matmul_dtypes(dtype):
+  helper_test_op([(3, 8), (8, 5)], lambda a, b: a @ b, dtype=dtype, tol_scale=4)
+
+
+def test_matmul_int():
+  helper_test_op([Int((3, 4), -3, 3), Int((4, 2), -3, 3)], lambda a, b: a @ b, grad=False)
+
+
+@given(st.integers(1, 3), st.integers(0, 4), st.integers(1, 4), st.integers(0, 4), st.booleans())
+def test_matmul_property(batch, m, k, n, broadcast):
+  helper_test_op([(batch, m, k), (k, n) if broadcast else (batch, k, n)], lambda a, b: a @ b)
+
+
+# *** softmax, normalization ***
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax(name, dim):
+  helper_test_op([(3, 4, 5)], lambda x: getattr(x, name)(dim), layouts=LAYOUTS, low=-5, high=5)
+  helper_test_op([(3, 4, 5)], lambda x: getattr(x, name)(dim), dtype=bt.bfloat16)
+  helper_test_op([(3, 4, 5)], lambda x: getattr(x, name)(dim), dtype=bt.float64)
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax_extreme(name):
+  x = np.array([[1000.0, 0.0, -1000.0], [-np.inf, 0.0, 1.0], [5.0, 5.0, 5.0]])
+  helper_test_op([x], lambda x: getattr(x, name)(-1))
+  helper_test_op([(0, 3)], lambda x: getattr(x, name)(-1))
+  helper_test_op([()], lambda x: getattr(x, name)(0))
+
+
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("shape_n", [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 5), (3, 5)), ((3, 1), (1,))])
+def test_layer_norm(shape_n, affine):
+  shape, n = shape_n
+  specs = [shape] + ([n] if affine[0] else []) + ([n] if affine[1] else [])
+
+  def fn(lib, F):
+    def f(x, *params):
+      params = list(params)
+      w = params.pop(0) if affine[0] else None
+      b = params.pop(0) if affine[1] else None
+      return F.layer_norm(x, n, w, b, eps=1e-5) if lib is torch else ops.layer_norm(x, n, w, b, eps=1e-5)
+    return f
+  helper_test_op(specs, fn(torch, F), fn(bt, None), tol_scale=10)
+  helper_test_op(specs, fn(torch, F), fn(bt, None), dtype=bt.float64)
+
+
+def test_layer_norm_layouts():
+  helper_test_op([(4, 6), (6,), (6,)], lambda x, w, b: F.layer_norm(x, (6,), w, b),
+                 lambda x, w, b: ops.layer_norm(x, (6,), w, b), layouts=LAYOUTS, tol_scale=10)
+
+
+@pytest.mark.parametrize("dtype", [bt.float16, bt.bfloat16])
+def test_layer_norm_half(dtype):
+  helper_test_op([(4, 16), (16,), (16,)], lambda x, w, b: F.layer_norm(x, (16,), w, b),
+                 lambda x, w, b: ops.layer_norm(x, (16,), w, b), dtype=dtype, tol_scale=2)
+
+
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_rms_norm(weight, eps):
+  specs = [(3, 4, 8)] + ([(8,)] if weight else [])
+  helper_test_op(specs, lambda x, *w: F.rms_norm(x, (8,), *w, eps=eps), lambda x, *w: ops.rms_norm(x, (8,), *w, eps=eps),
+                 tol_scale=10)
+  helper_test_op(specs, lambda x, *w: F.rms_norm(x, (4, 8), *([w[0].expand(4, 8)] if w else []), eps=eps),
+                 lambda x, *w: ops.rms_norm(x, (4, 8), *([w[0].expand(4, 8)] if w else []), eps=eps), tol_scale=10)
+
+
+# *** gather, scatter, embedding, one_hot ***
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_gather(dim):
+  helper_test_op([(4, 5), Int((3, 2), 0, 4)], lambda x, i: x.gather(dim, i))
+  helper_test_op([(4, 5, 3), Int((4, 5, 3), 0, 3)], lambda x, i: x.gather(dim, i), layouts=LAYOUTS)
+
+
+def test_gather_repeated_indices():
+  helper_test_op([(3, 4), np.array([[0, 0, 0, 0], [2, 2, 1, 0]])], lambda x, i: x.gather(0, i))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_scatter_add(dim):
+  helper_test_op([(4, 5), Int((4, 5), 0, 4), (4, 5)], lambda x, i, s: x.scatter_add(dim, i, s))
+  helper_test_op([(4, 5), Int((2, 3), 0, 4), (2, 3)], lambda x, i, s: x.scatter_add(dim, i, s))
+
+
+def test_scatter_add_src_larger_than_index():
+  helper_test_op([(4, 5), Int((2, 3), 0, 4), (3, 5)], lambda x, i, s: x.scatter_add(0, i, s), grad=False)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_index_select(dim):
+  helper_test_op([(4, 5, 3), Int((6,), 0, 3)], lambda x, i: x.index_select(dim, i), layouts=LAYOUTS)
+  helper_test_op([(4, 5, 3), Int((), 0, 3)], lambda x, i: x.index_select(dim, i))
+  helper_test_op([(4, 5, 3), Int((0,), 0, 3)], lambda x, i: x.index_select(dim, i))
+
+
+@pytest.mark.parametrize("idx_shape", [(5,), (2, 3), (), (0,)])
+def test_embedding(idx_shape):
+  helper_test_op([Int(idx_shape, 0, 7), (7, 4)], lambda i, w: F.embedding(i, w), lambda i, w: ops.embedding(i, w))
+
+
+def test_embedding_layouts_and_dtypes():
+  helper_test_op([Int((2, 3), 0, 7), (7, 4)], lambda i, w: F.embedding(i, w), lambda i, w: ops.embedding(i, w),
+                 layouts=LAYOUTS)
+  helper_test_op([Int((2, 3), 0, 7, bt.int32), (7, 4)], lambda i, w: F.embedding(i, w), lambda i, w: ops.embedding(i, w),
+                 dtype=bt.bfloat16)
+
+
+@pytest.mark.parametrize("num_classes", [-1, 6])
+def test_one_hot(num_classes):
+  helper_test_op([Int((3, 4), 0, 5)], lambda i: F.one_hot(i, num_classes), lambda i: ops.one_hot(i, num_classes),
+                 grad=False)
+
+
+# *** dropout ***
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_statistics(p):
+  x = bt.ones(200, 500)
+  y = ops.dropout(x, p)
+  zeroed = (y == 0).float().mean().item()
+  assert abs(zeroed - p) < 0.01, f"fraction zeroed {zeroed} for p={p}"
+  assert abs(y.mean().item() - 1.0) < 0.03, f"mean {y.mean().item()} not preserved for p={p}"
+  kept = y[y != 0]
+  np.testing.assert_allclose(kept.numpy(), 1 / (1 - p), rtol=1e-6)
+
+
+def test_dropout_seeding_and_grad():
+  x = bt.randn(50, 40, requires_grad=True)
+  bt.manual_seed(3)
+  a = ops.dropout(x, 0.3)
+  bt.manual_seed(3)
+  b = ops.dropout(x, 0.3)
+  c = ops.dropout(x, 0.3)
+  assert (a == b).all().item() and not (a == c).all().item()
+  g = bt.Generator().manual_seed(5)
+  d = ops.dropout(x, 0.3, generator=g)
+  e = ops.dropout(x, 0.3, generator=bt.Generator().manual_seed(5))
+  assert (d == e).all().item()
+  a.sum().backward()
+  np.testing.assert_allclose(x.grad.numpy(), (a.detach() != 0).float().numpy() / 0.7, rtol=1e-6)
+
+
+def test_dropout_edges():
+  x = bt.randn(4, 5)
+  assert ops.dropout(x, 0.5, training=False) is x
+  assert (ops.dropout(x, 0.0) == x).all().item()
+  assert (ops.dropout(x, 1.0) == 0).all().item()
+  with pytest.raises(ValueError, match="dropout"): ops.dropout(x, 1.5)
+
+
+# *** losses ***
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(5, 7), (3, 4, 6), (2, 3, 4, 5), (7,)])
+def test_cross_entropy(shape, reduction):
+  tshape = (shape[0],) + shape[2:] if len(shape) > 1 else ()
+  fn = lambda x, t: F.cross_entropy(x, t, reduction=reduction)
+  helper_test_op([shape, Int(tshape, 0, shape[1] if len(shape) > 1 else shape[0])], fn,
+                 lambda x, t: ops.cross_entropy(x, t, reduction=reduction), low=-4, high=4)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_cross_entropy_ignore_index(reduction, ignore_index):
+  t = np.array([0, -100, 2, 3, 2, -100, 1])
+  if ignore_index == 2: t = np.where(t == -100, 2, t)
+  helper_test_op([(7, 4), t], lambda x, t: F.cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction),
+                 lambda x, t: ops.cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction))
+  t3 = np.array([[0, ignore_index, 2], [3, 1, ignore_index]])
+  helper_test_op([(2, 4, 3), t3], lambda x, t: F.cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction),
+                 lambda x, t: ops.cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction))
+
+
+def test_cross_entropy_layouts_and_dtypes():
+  f = lambda x, t: F.cross_entropy(x, t)
+  g = lambda x, t: ops.cross_entropy(x, t)
+  helper_test_op([(6, 5), Int((6,), 0, 5)], f, g, layouts=LAYOUTS)
+  helper_test_op([(6, 5), Int((6,), 0, 5)], f, g, dtype=bt.bfloat16)
+  helper_test_op([(6, 5), Int((6,), 0, 5)], f, g, dtype=bt.float64)
+  helper_test_op([(6, 5), Int((6,), 0, 5, bt.int32)], lambda x, t: F.cross_entropy(x, t.long()), g)
+
+
+def test_cross_entropy_all_ignored():
+  helper_test_op([(3, 4), np.array([-100, -100, -100])], lambda x, t: F.cross_entropy(x, t),
+                 lambda x, t: ops.cross_entropy(x, t), grad=False)
+
+
+def test_nll_mse():
+  helper_test_op([(5, 4), np.array([0, 3, -100, 1, 1])], lambda x, t: F.nll_loss(x.log_softmax(-1), t),
+                 lambda x, t: ops.nll_loss(x.log_softmax(-1), t))
+  for red in ("mean", "sum", "none"):
+    helper_test_op([(3, 4), (3, 4)], lambda x, y: F.mse_loss(x, y, reduction=red), lambda x, y: ops.mse_loss(x, y, reduction=red))
+
+
+# *** attention ***
+
+def _sdpa(lib, **kw):
+  f = F.scaled_dot_product_attention if lib is torch else ops.scaled_dot_product_attention
+  return lambda q, k, v, *m: f(q, k, v, *m, **kw)
+
+
+@pytest.mark.parametrize("shapes", [((2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8)), ((4, 8), (6, 8), (6, 3)),
+                                    ((2, 1, 4, 8), (2, 3, 6, 8), (2, 3, 6, 4))])
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"scale": 0.3}])
+def test_sdpa(shapes, kw):
+  helper_test_op(list(shapes), _sdpa(torch, **kw), _sdpa(bt, **kw), tol_scale=5)
+
+
+def test_sdpa_masks():
+  shapes = [(2, 3, 5, 8), (2, 3, 6, 8), (2, 3, 6, 8)]
+  mask = np.random.default_rng(1).random((5, 6)) < 0.7
+  mask[:, 0] = True
+  helper_test_op(shapes + [mask], _sdpa(torch), _sdpa(bt), tol_scale=5)
+  helper_test_op(shapes + [Bool((2, 1, 5, 6), 0.9)], _sdpa(torch), _sdpa(bt), tol_scale=5, seed=3)
+  fmask = np.random.default_rng(2).standard_normal((3, 5, 6)).astype(np.float32)
+  helper_test_op(shapes + [fmask], _sdpa(torch), _sdpa(bt), tol_scale=5)
+
+
+def test_sdpa_layouts():
+  helper_test_op([(2, 5, 8), (2, 6, 8), (2, 6, 8)], _sdpa(torch, is_causal=True), _sdpa(bt, is_causal=True),
+                 layouts=LAYOUTS, tol_scale=5)
+
+
+# *** triu, tril, cat, stack, split, chunk ***
+
+@pytest.mark.parametrize("diagonal", [-2, -1, 0, 1, 3])
+@pytest.mark.parametrize("name", ["triu", "tril"])
+def test_triangle(name, diagonal):
+  helper_test_op([(4, 5)], lambda x: getattr(x, name)(diagonal), layouts=LAYOUTS)
+  helper_test_op([(2, 3, 3)], lambda x: getattr(x, name)(diagonal))
+  helper_test_op([Int((3, 3), 0, 9)], lambda x: getattr(x, name)(diagonal), grad=False)
+  helper_test_op([Bool((3, 3))], lambda x: getattr(x, name)(diagonal), grad=False)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cat_stack(dim):
+  helper_test_op([(2, 3), (2, 3), (2, 3)], lambda a, b, c: torch.cat([a, b, c], dim) if isinstance(a, torch.Tensor)
+                 else bt.cat([a, b, c], dim), layouts=LAYOUTS)
+  helper_test_op([(2, 3), (2, 3)], lambda a, b: torch.stack([a, b], dim) if isinstance(a, torch.Tensor)
+                 else bt.stack([a, b], dim), layouts=LAYOUTS)
+
+
+def test_cat_sizes():
+  helper_test_op([(2, 3), (0, 3), (4, 3)], lambda *xs: torch.cat(xs), lambda *xs: bt.cat(xs))
+  helper_test_op([(2, 1), (2, 4)], lambda *xs: torch.cat(xs, 1), lambda *xs: bt.cat(xs, 1))
+  helper_test_op([(2,)], lambda x: torch.cat([x]), lambda x: bt.cat([x]))
+  helper_test_op([(2, 3), Int((2, 3), 0, 5)], lambda a, b: torch.cat([a, b]), lambda a, b: bt.cat([a, b]))
+  helper_test_op([()], lambda x: torch.stack([x, x * 2, x]), lambda x: bt.stack([x, x * 2, x]))
+
+
+@pytest.mark.parametrize("arg", [1, 2, 3, 5, [1, 4], [0, 5], [2, 2, 1]])
+def test_split(arg):
+  helper_test_op([(5, 3)], lambda x: x.split(arg))
+  helper_test_op([(3, 5)], lambda x: x.split(arg, -1), layouts=LAYOUTS)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 6])
+def test_chunk(chunks):
+  helper_test_op([(5, 3)], lambda x: x.chunk(chunks))
+  helper_test_op([(3, 6)], lambda x: x.chunk(chunks, 1), layouts=LAYOUTS)
+
+
+def test_unbind_repeat():
+  helper_test_op([(3, 4)], lambda x: x.unbind(1))
+  helper_test_op([(3, 4)], lambda x: x.repeat(2, 1, 3))
+  helper_test_op([(3,)], lambda x: x.repeat(2))
+
+
+# *** indexing ***
+
+BASIC_KEYS = [1, -1, (1, 2), (-2, -1), slice(1, 3), slice(None, None, 2), slice(1, None, 3), slice(-3, None),
+              slice(None, 100), slice(5, 2), (), (Ellipsis, 1), None, (slice(None), None, 1), (Ellipsis, None),
+              (1, Ellipsis, 2), (None, Ellipsis, None), (slice(None), slice(1, None, 2), -1), (-4, slice(None, -1)),
+              (Ellipsis,), (slice(None, None, 3), None, slice(2, 4), 0)]
+
+
+@pytest.mark.parametrize("key", BASIC_KEYS, ids=repr)
+def test_getitem_basic(key):
+  helper_test_op([(4, 5, 6)], lambda x: x[key], layouts=LAYOUTS)
+
+
+def test_getitem_0d_and_1d():
+  helper_test_op([()], lambda x: x[None])
+  helper_test_op([()], lambda x: x[...])
+  helper_test_op([(5,)], lambda x: x[-5])
+  helper_test_op([(5,)], lambda x: x[::4])
+
+
+TENSOR_KEYS = {
+  "first": (lambda x, i: x[i], Int((3,), -4, 4)),
+  "second": (lambda x, i: x[:, i], Int((2, 3), 0, 5)),
+  "last": (lambda x, i: x[..., i], Int((7,), -6, 6)),
+  "with_int": (lambda x, i: x[1, i], Int((3,), 0, 5)),
+  "int_after": (lambda x, i: x[i, :, -1], Int((2, 2), 0, 4)),
+  "with_none": (lambda x, i: x[None, i], Int((3,), 0, 4)),
+  "with_slice": (lambda x, i: x[1:, i, ::2], Int((4,), 0, 5)),
+  "repeated": (lambda x, i: x[i], np.array([0, 0, 2, 0])),
+  "scalar": (lambda x, i: x[i], Int((), 0, 4)),
+  "empty": (lambda x, i: x[:, i], np.zeros((0,), np.int64)),
+  "two_adjacent": (lambda x, i: x[i, i + 1], Int((3,), 0, 3)),
+  "two_apart": (lambda x, i: x[i, :, i], Int((2, 3), 0, 4)),
+  "two_apart_none": (lambda x, i: x[:, i, None, i], Int((5,), 0, 4)),
+  "broadcast": (lambda x, i: x[i.reshape(-1, 1), i.reshape(1, -1) + 1], Int((3,), 0, 4)),
+  "int32": (lambda x, i: x[i], Int((3,), 0, 4, bt.int32)),
+}
+
+
+@pytest.mark.parametrize("name", TENSOR_KEYS)
+def test_getitem_tensor(name):
+  fn, spec = TENSOR_KEYS[name]
+  helper_test_op([(4, 5, 6), spec], fn, layouts=LAYOUTS)
+
+
+def test_getitem_lists():
+  helper_test_op([(4, 5)], lambda x: x[[0, 2, -1]])
+  helper_test_op([(4, 5)], lambda x: x[[0, 2], [1, 1]])
+  helper_test_op([(4, 5)], lambda x: x[:, [3]])
+
+
+@pytest.mark.parametrize("name", ["full", "first", "second", "with_slice", "with_int", "all_false", "0d"])
+def test_getitem_bool_mask(name):
+  cases = {"full": (lambda x, m: x[m], Bool((4, 5, 6))), "first": (lambda x, m: x[m], Bool((4,))),
+           "second": (lambda x, m: x[:, m], Bool((5,))), "with_slice": (lambda x, m: x[1:, m], Bool((5, 6))),
+           "with_int": (lambda x, m: x[m, 2], Bool((4,))), "all_false": (lambda x, m: x[m], Bool((4, 5), 0.0)),
+           "0d": (lambda x, m: x[m], Bool(()))}
+  fn, spec = cases[name]
+  helper_test_op([(4, 5, 6), spec], fn, layouts=LAYOUTS)
+
+
+def test_getitem_mask_from_comparison():
+  helper_test_op([(6, 7)], lambda x: x[x > 0.5])
+  helper_test_op([(6, 7)], lambda x: x[(x > 0).all(1)] if isinstance(x, torch.Tensor) else x[(x > 0).all(1)])
+
+
+def test_getitem_is_a_view():
+  x = bt.arange(24).reshape(2, 3, 4)
+  for key in [1, (slice(None), 1), (Ellipsis, slice(1, None, 2)), (None, 0)]:
+    assert x[key]._storage is x._storage
+
+
+@pytest.mark.parametrize("key,value", [(1, 5.0), ((slice(None), slice(1, 3)), (2, 6)), ((Ellipsis, 0), (5,)),
+                                       (-1, (5, 6)), ((1, 2, 3), -1.5), (slice(None, None, 2), (1, 6)),
+                                       ((None, 2), (6,))], ids=repr)
+def test_setitem_basic(key, value):
+  for layout in ("contiguous", "transposed"):
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((4, 5, 6) if layout == "contiguous" else (4, 6, 5))
+    v = value if isinstance(value, float) else rng.standard_normal(value)
+    t, b = torch.tensor(base), bt.tensor(base, dtype=bt.float64)
+    if layout == "transposed": t, b = t.transpose(-1, -2), b.transpose(-1, -2)
+    t[key] = v if isinstance(v, float) else torch.tensor(v)
+    b[key] = v if isinstance(v, float) else bt.tensor(v, dtype=bt.float64)
+    assert_close(b, t)
+
+
+@pytest.mark.parametrize("case", ["tensor_idx", "tensor_idx_2", "mask", "mask_tensor_value", "list", "int_value"])
+def test_setitem_advanced(case):
+  rng = np.random.default_rng(0)
+  base = rng.standard_normal((4, 5))
+  idx = np.array([0, 2, -1])
+  mask = rng.random((4, 5)) < 0.5
+  for lib, new in ((torch, lambda a: torch.tensor(a)), (bt, lambda a: bt.tensor(a))):
+    x = new(base)
+    if case == "tensor_idx": x[new(idx)] = 7.0
+    elif case == "tensor_idx_2": x[new(idx), 1:3] = new(np.ones((3, 2)) * 2)
+    elif case == "mask": x[new(mask)] = 0.0
+    elif case == "mask_tensor_value": x[new(mask)] = new(np.arange(mask.sum()) * 1.0)
+    elif case == "list": x[[1, 3]] = new(np.arange(5.0))
+    elif case == "int_value": x[new(mask)] = 3
+    if lib is torch: want = x
+    else: got = x
+  assert_close(got, want)
+
+
+def test_setitem_dtype_cast_and_int_tensor():
+  x, t = bt.zeros(3, dtype=bt.int64), torch.zeros(3, dtype=torch.int64)
+  x[1], t[1] = 2.7, 2.7
+  assert_close(x, t)
+  y = bt.zeros(2, 3)
+  y[0] = bt.tensor([1, 2, 3])
+  assert y.tolist() == [[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]
+
+
+def test_setitem_grad_through_nonleaf():
+  def fn(x):
+    y = x * 2
+    y[1] = 0.0
+    y[:, 0] = 5.0
+    return y * x
+  helper_test_op([(3, 4)], fn)
