@@ -23,6 +23,26 @@ class Storage:
     self.data, self.device, self.version = data, device, 0
 
 
+class Traced:
+  """The storage of a tensor under Nova's capture: no values, only its place in the graph being built."""
+  __slots__ = ("value", "viewed")
+
+  def __init__(self, value: Any):
+    self.value, self.viewed = value, False
+
+
+class GraphBreakError(RuntimeError):
+  """Raised when code under `bt.compile` needs a tensor's values in Python (.item(), .numpy(), `if t > 0:`,
+  printing): the graph cannot depend on them."""
+
+  def __init__(self, t: Tensor):
+    super().__init__(
+      f"graph break: the values of a {t.dtype.name} tensor of shape {tuple(t.shape)} were read in Python (.item(), "
+      ".tolist(), .numpy(), printing or Python control flow on a tensor) inside a function compiled with bt.compile, or "
+      "a tensor made inside it was kept and used after it. Move the read out of the compiled function (return the "
+      "tensor and read it after the call), or use tensor ops (bt.where) instead of Python branches.")
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
   strides, acc = [], 1
   for n in reversed(shape):
@@ -57,6 +77,7 @@ class Tensor:
     """The backend's array for this view (a numpy strided view on the CPU), which kernels take. Layout never
     changes after creation, so it is made once."""
     if self._view is None:
+      if type(self._storage.data) is Traced: raise GraphBreakError(self)
       self._view = backend.get(self.device).view(self._storage.data, self.shape, self._strides, self._offset, self.dtype)
     return self._view
 
@@ -133,13 +154,13 @@ class Tensor:
     return (1, 0) if self.device.type == "cpu" else (2, self.device.index or 0)
 
   def __repr__(self) -> str:
-    if self.numel() == 0: body = f"[], size={self.shape}"
+    if self.numel() == 0: body = "[]" if self.ndim == 1 else f"[], size={self.shape}"
     else:
       arr = self.detach().float().numpy() if self.dtype in (dtypes.bfloat16,) else self.detach().numpy()
       body = np.array2string(arr, separator=", ", precision=4, threshold=200, edgeitems=3, prefix="tensor(")
     extra = []
     if self.device.type != "cpu": extra.append(f"device='{self.device}'")
-    if self.dtype not in (dtypes.float32, dtypes.int64, dtypes.bool_) or self.numel() == 0:
+    if self.dtype not in (dtypes.float32, dtypes.int64, dtypes.bool_) or (self.numel() == 0 and self.dtype is not dtypes.float32):
       extra.append(f"dtype={self.dtype!r}")
     if self._node is not None: extra.append(f"grad_fn=<{self._node.op.name}>")
     elif self.requires_grad: extra.append("requires_grad=True")
