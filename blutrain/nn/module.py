@@ -125,7 +125,7 @@ class Module:
     params, buffers, modules = d.get("_parameters"), d.get("_buffers"), d.get("_modules")
     if isinstance(value, Parameter):
       if params is None: raise AttributeError("cannot assign parameters before Module.__init__() call")
-      self._forget(name)
+      self._forget(name, keep="_parameters")
       params[name] = value
     elif params is not None and name in params:
       if value is not None:
@@ -133,7 +133,7 @@ class Module:
       params[name] = None
     elif isinstance(value, Module):
       if modules is None: raise AttributeError("cannot assign module before Module.__init__() call")
-      self._forget(name)
+      self._forget(name, keep="_modules")
       modules[name] = value
     elif modules is not None and name in modules:
       if value is not None:
@@ -146,10 +146,11 @@ class Module:
     else:
       object.__setattr__(self, name, value)
 
-  def _forget(self, name: str) -> None:
-    """Drop `name` from every registry and the instance dict, so that an assignment re-registers it."""
+  def _forget(self, name: str, keep: str) -> None:
+    """Drop `name` from the instance dict and the registries other than `keep` (where it keeps its position)."""
     self.__dict__.pop(name, None)
-    for reg in ("_parameters", "_buffers", "_modules"): self.__dict__[reg].pop(name, None)
+    for reg in ("_parameters", "_buffers", "_modules"):
+      if reg != keep: self.__dict__[reg].pop(name, None)
     self._non_persistent_buffers_set.discard(name)
 
   def __getattr__(self, name: str) -> Any:
@@ -292,7 +293,8 @@ class Module:
   def train(self, mode: bool = True) -> Module:
     """Set training mode (dropout active) on this module and every descendant."""
     if not isinstance(mode, bool): raise ValueError("training mode is expected to be boolean")
-    for m in self.modules(): m.__dict__["training"] = mode
+    self.training = mode
+    for child in self.children(): child.train(mode)
     return self
 
   def eval(self) -> Module: return self.train(False)

@@ -89,7 +89,7 @@ class Optimizer:
     for g in self.param_groups:
       for p in g["params"]: index.setdefault(id(p), len(index))
       groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]})
-    return {"state": {index[id(p)]: s for p, s in self.state.items() if id(p) in index}, "param_groups": groups}
+    return {"state": {index[id(p)]: s for p, s in self.state.items() if s and id(p) in index}, "param_groups": groups}
 
   def load_state_dict(self, state_dict: dict[str, Any]) -> None:
     """Restore hyperparameters and state saved by `state_dict`, matching parameters by position. State tensors

@@ -1,0 +1,378 @@
+"""optim: SGD, Adam and AdamW step by step against torch.optim from the same init and gradients; state_dict round
+trips (own and PyTorch's); the Optimizer base's checks; LR schedules against torch.optim.lr_scheduler."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import blutrain as bt
+from blutrain import nn, optim
+from blutrain.optim import lr_scheduler
+
+SHAPES = [(4, 3), (5,), (2, 3, 2)]
+
+
+def make_params(seed: int = 0):
+  """The same random parameters as blutrain Parameters and torch Parameters."""
+  rng = np.random.default_rng(seed)
+  arrays = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+  return [nn.Parameter(bt.tensor(a)) for a in arrays], [torch.nn.Parameter(torch.tensor(a)) for a in arrays]
+
+
+def set_grads(bparams, tparams, rng, skip: int | None = None) -> None:
+  """Random gradients, the same on both sides; parameter `skip` gets none (the optimizer must leave it alone)."""
+  for i, (b, t) in enumerate(zip(bparams, tparams)):
+    if i == skip:
+      b.grad, t.grad = None, None
+      continue
+    g = rng.standard_normal(b.shape).astype(np.float32)
+    b.grad, t.grad = bt.tensor(g), torch.tensor(g)
+
+
+def assert_params_equal(bparams, tparams, what: str, rtol=1e-6, atol=1e-7) -> None:
+  for i, (b, t) in enumerate(zip(bparams, tparams)):
+    np.testing.assert_allclose(b.detach().numpy(), t.detach().numpy(), rtol=rtol, atol=atol, err_msg=f"{what}, param {i}")
+
+
+def run_against_torch(bt_cls, torch_cls, kwargs, steps: int = 5, torch_kwargs=None) -> tuple:
+  bparams, tparams = make_params()
+  bopt, topt = bt_cls(bparams, **kwargs), torch_cls(tparams, **(torch_kwargs or kwargs))
+  rng = np.random.default_rng(1)
+  for step in range(steps):
+    set_grads(bparams, tparams, rng, skip=1 if step == 2 else None)
+    bopt.step(); topt.step()
+    assert_params_equal(bparams, tparams, f"step {step}")
+  return bopt, topt
+
+
+SGD_CONFIGS = [dict(lr=0.1), dict(lr=0.1, momentum=0.9), dict(lr=0.05, momentum=0.9, dampening=0.3),
+               dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01), dict(lr=0.1, weight_decay=0.1, maximize=True),
+               dict(lr=0.1, momentum=0.5, maximize=True, weight_decay=0.05)]
+
+
+@pytest.mark.parametrize("kwargs", SGD_CONFIGS)
+def test_sgd_matches_torch(kwargs):
+  bopt, topt = run_against_torch(optim.SGD, torch.optim.SGD, kwargs)
+  if kwargs.get("momentum"):
+    for b, t in zip(bopt.param_groups[0]["params"], topt.param_groups[0]["params"]):
+      np.testing.assert_allclose(bopt.state[b]["momentum_buffer"].numpy(), topt.state[t]["momentum_buffer"].numpy(),
+                                 rtol=1e-6, atol=1e-7)
+
+
+ADAM_CONFIGS = [dict(lr=1e-2), dict(lr=1e-2, amsgrad=True), dict(lr=1e-2, weight_decay=0.1),
+                dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-6, maximize=True), dict(lr=0.1, weight_decay=0.05, amsgrad=True)]
+
+
+def assert_adam_state(bopt, topt) -> None:
+  for b, t in zip(bopt.param_groups[0]["params"], topt.param_groups[0]["params"]):
+    bs, ts = bopt.state[b], topt.state[t]
+    assert set(bs) == set(ts)
+    assert bs["step"] == int(ts["step"].item())
+    for key in set(bs) - {"step"}:
+      np.testing.assert_allclose(bs[key].numpy(), ts[key].numpy(), rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+@pytest.mark.parametrize("kwargs", ADAM_CONFIGS)
+def test_adam_matches_torch(kwargs):
+  assert_adam_state(*run_against_torch(optim.Adam, torch.optim.Adam, kwargs))
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(lr=1e-2, weight_decay=0.1), dict(lr=0.1, amsgrad=True),
+                                    dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, maximize=True, fused=None)])
+def test_adamw_matches_torch(kwargs):
+  assert_adam_state(*run_against_torch(optim.AdamW, torch.optim.AdamW, kwargs, steps=6))
+
+
+def test_adam_decoupled_is_adamw():
+  run_against_torch(optim.Adam, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+                    torch_kwargs=dict(lr=1e-2, weight_decay=0.1))
+
+
+def test_param_groups_match_torch():
+  """nanoGPT's two groups (decay on matrices only) with a per-group lr."""
+  bparams, tparams = make_params()
+
+  def groups(ps):
+    return [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1, "lr": 3e-2},
+            {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}]
+  bopt = optim.AdamW(groups(bparams), lr=1e-2, betas=(0.9, 0.95))
+  topt = torch.optim.AdamW(groups(tparams), lr=1e-2, betas=(0.9, 0.95))
+  assert [g["lr"] for g in bopt.param_groups] == [3e-2, 1e-2] and bopt.param_groups[1]["betas"] == (0.9, 0.95)
+  rng = np.random.default_rng(2)
+  for step in range(5):
+    set_grads(bparams, tparams, rng)
+    bopt.step(); topt.step()
+    assert_params_equal(bparams, tparams, f"step {step}")
+
+
+def test_fused_and_foreach_flags():
+  bparams, _ = make_params()
+  assert optim.AdamW(bparams, fused=True).param_groups[0]["fused"] is True
+  assert optim.SGD(bparams, foreach=False).param_groups[0]["foreach"] is False
+  with pytest.raises(RuntimeError, match="cannot be `True` together"): optim.Adam(bparams, fused=True, foreach=True)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(lr=-1.0), "learning rate"), (dict(betas=(1.0, 0.9)), "beta parameter at index 0"),
+                                          (dict(betas=(0.9, -0.1)), "index 1"), (dict(eps=-1.0), "epsilon"),
+                                          (dict(weight_decay=-0.1), "weight_decay")])
+def test_adam_invalid_hyperparameters(kwargs, match):
+  with pytest.raises(ValueError, match=match): optim.Adam(make_params()[0], **kwargs)
+
+
+def test_sgd_invalid_hyperparameters():
+  ps = make_params()[0]
+  with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
+    optim.SGD(ps, lr=0.1, nesterov=True)
+  with pytest.raises(ValueError, match="Nesterov"): optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
+  with pytest.raises(ValueError, match="momentum value"): optim.SGD(ps, momentum=-0.5)
+  with pytest.raises(ValueError, match="learning rate"): optim.SGD(ps, lr=-0.5)
+
+
+# *** state_dict ***
+
+def test_state_dict_format_matches_torch():
+  bopt, topt = run_against_torch(optim.AdamW, torch.optim.AdamW, dict(lr=1e-2, amsgrad=True), steps=2)
+  bsd, tsd = bopt.state_dict(), topt.state_dict()
+  assert set(bsd) == {"state", "param_groups"}
+  assert list(bsd["state"]) == list(tsd["state"]) == [0, 1, 2]
+  assert [g["params"] for g in bsd["param_groups"]] == [g["params"] for g in tsd["param_groups"]] == [[0, 1, 2]]
+  assert set(bsd["param_groups"][0]) <= set(tsd["param_groups"][0])
+  assert {k: v for k, v in bsd["param_groups"][0].items()} == {k: tsd["param_groups"][0][k] for k in bsd["param_groups"][0]}
+  for i in range(3): assert set(bsd["state"][i]) == set(tsd["state"][i])
+  sgd = optim.SGD(make_params()[0], lr=0.1)
+  assert sgd.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("cls,kwargs", [(optim.AdamW, dict(lr=1e-2, weight_decay=0.1)), (optim.Adam, dict(lr=1e-2, amsgrad=True)),
+                                        (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True))])
+def test_state_dict_round_trip_resumes_exactly(cls, kwargs):
+  """Save after 3 steps, load into a fresh optimizer over a copy of the parameters, go on: identical to the
+  uninterrupted run, bit for bit."""
+  params, _ = make_params()
+  opt = cls(params, **kwargs)
+  rng = np.random.default_rng(5)
+  grads = [[rng.standard_normal(s).astype(np.float32) for s in SHAPES] for _ in range(6)]
+
+  def step(o, ps, gs):
+    for p, g in zip(ps, gs): p.grad = bt.tensor(g)
+    o.step()
+  for gs in grads[:3]: step(opt, params, gs)
+  saved = opt.state_dict()
+  # what a checkpoint does: tensors leave as numpy arrays and come back as new tensors
+  saved = {"state": {i: {k: (bt.tensor(v.numpy()) if isinstance(v, bt.Tensor) else v) for k, v in s.items()}
+                     for i, s in saved["state"].items()}, "param_groups": saved["param_groups"]}
+  resumed_params = [nn.Parameter(bt.tensor(p.detach().numpy())) for p in params]
+  resumed = cls(resumed_params, lr=123.0)
+  resumed.load_state_dict(saved)
+  assert resumed.param_groups[0]["lr"] == kwargs["lr"] and resumed.param_groups[0]["params"][0] is resumed_params[0]
+  for gs in grads[3:]:
+    step(opt, params, gs)
+    step(resumed, resumed_params, gs)
+  for a, b in zip(params, resumed_params): np.testing.assert_array_equal(a.detach().numpy(), b.detach().numpy())
+
+
+def test_load_state_dict_copies_state():
+  """Loading one optimizer's live state_dict into another must not make them share moment tensors."""
+  bparams, _ = make_params()
+  a = optim.Adam(bparams, lr=1e-2)
+  set_grads(bparams, make_params()[1], np.random.default_rng(0))
+  a.step()
+  b = optim.Adam(make_params()[0], lr=1e-2)
+  b.load_state_dict(a.state_dict())
+  pa, pb = a.param_groups[0]["params"][0], b.param_groups[0]["params"][0]
+  assert b.state[pb]["exp_avg"]._storage is not a.state[pa]["exp_avg"]._storage
+  assert b.state[pb]["step"] == 1
+
+
+def test_load_torch_state_dict_continues_like_torch():
+  """A PyTorch optimizer's state_dict (0-d tensor `step`), converted tensor by tensor, resumes as torch does."""
+  bparams, tparams = make_params()
+  topt = torch.optim.AdamW(tparams, lr=1e-2, weight_decay=0.1)
+  rng = np.random.default_rng(3)
+  for _ in range(3):
+    set_grads(bparams, tparams, rng)
+    topt.step()
+  with torch.no_grad():
+    for b, t in zip(bparams, tparams): b.data = bt.tensor(t.numpy())
+  tsd = topt.state_dict()
+  bopt = optim.AdamW(bparams)
+  bopt.load_state_dict({"state": {i: {k: bt.tensor(v.numpy()) for k, v in s.items()} for i, s in tsd["state"].items()},
+                        "param_groups": tsd["param_groups"]})
+  assert bopt.state[bparams[0]]["step"] == 3
+  for step in range(3):
+    set_grads(bparams, tparams, rng)
+    bopt.step(); topt.step()
+    assert_params_equal(bparams, tparams, f"resumed step {step}")
+
+
+def test_load_state_dict_mismatch_errors():
+  bparams, _ = make_params()
+  opt = optim.SGD([{"params": bparams[:2]}, {"params": bparams[2:]}], lr=0.1)
+  with pytest.raises(ValueError, match="different number of parameter groups: 1 in the state dict, 2 in the optimizer"):
+    opt.load_state_dict(optim.SGD(bparams, lr=0.1).state_dict())
+  other = optim.SGD([{"params": bparams[:1]}, {"params": bparams[1:]}], lr=0.1)
+  with pytest.raises(ValueError, match="doesn't match the size of optimizer's group: group 0 has 1 parameters in the "
+                                       "state dict, 2 in the optimizer"):
+    opt.load_state_dict(other.state_dict())
+  with pytest.raises(KeyError, match="parameter 7"):
+    opt.load_state_dict({"state": {7: {}}, "param_groups": opt.state_dict()["param_groups"]})
+
+
+# *** the Optimizer base ***
+
+def test_optimizer_construction_checks():
+  ps = make_params()[0]
+  with pytest.raises(ValueError, match="empty parameter list"): optim.SGD([], lr=0.1)
+  with pytest.raises(TypeError, match="iterable of Tensors or dicts"): optim.SGD(ps[0], lr=0.1)
+  with pytest.raises(TypeError, match="ordered collections"): optim.SGD([{"params": set(ps)}], lr=0.1)
+  with pytest.raises(ValueError, match="more than one parameter group"): optim.SGD([{"params": ps}, {"params": ps[:1]}], lr=0.1)
+  with pytest.raises(ValueError, match="non-leaf"): optim.SGD([ps[0] * 2], lr=0.1)
+  with pytest.raises(TypeError, match="only optimize Tensors"): optim.SGD([1.0], lr=0.1)
+  with pytest.warns(UserWarning, match="duplicate parameters"): optim.SGD([ps[0], ps[0]], lr=0.1)
+  opt = optim.SGD(iter(ps[:2]), lr=0.1)  # a generator, like model.parameters()
+  opt.add_param_group({"params": ps[2], "lr": 0.5})
+  assert opt.param_groups[1]["lr"] == 0.5 and opt.param_groups[1]["momentum"] == 0 and opt.param_groups[1]["params"] == [ps[2]]
+  assert "SGD (\nParameter Group 0\n" in repr(opt) and "    lr: 0.5" in repr(opt)
+
+
+def test_zero_grad_and_closure():
+  ps = make_params()[0]
+  opt = optim.SGD(ps, lr=0.1)
+  for p in ps: p.grad = bt.ones(p.shape)
+  opt.zero_grad(set_to_none=False)
+  assert all(float(p.grad.abs().sum()) == 0 for p in ps)
+  opt.zero_grad()
+  assert all(p.grad is None for p in ps)
+  before = [p.detach().numpy().copy() for p in ps]
+
+  def closure():
+    assert bt.is_grad_enabled()
+    loss = sum((p * p).sum() for p in ps)
+    loss.backward()
+    return loss
+  loss = opt.step(closure)
+  assert isinstance(loss, bt.Tensor) and bt.is_grad_enabled()
+  for b, p in zip(before, ps): np.testing.assert_allclose(p.detach().numpy(), b - 0.1 * 2 * b, rtol=1e-6)
+
+
+def test_optimizer_follows_module_load_and_to():
+  """load_state_dict and Module.to change parameters in place, so the optimizer still updates the model's."""
+  model = nn.Linear(3, 2)
+  opt = optim.SGD(model.parameters(), lr=1.0)
+  model.load_state_dict(nn.Linear(3, 2).state_dict())
+  model.to(bt.float64)
+  model(bt.randn(4, 3, dtype=bt.float64)).sum().backward()
+  before = model.weight.detach().numpy().copy()
+  opt.step()
+  np.testing.assert_allclose(model.weight.detach().numpy(), before - model.weight.grad.numpy())
+
+
+def test_train_a_regression_to_convergence():
+  """End to end: Linear + AdamW + clip + warmup_cosine fit a noiseless linear map."""
+  rng = np.random.default_rng(0)
+  w_true = rng.standard_normal((2, 4)).astype(np.float32)
+  x = rng.standard_normal((64, 4)).astype(np.float32)
+  X, Y = bt.tensor(x), bt.tensor(x @ w_true.T)
+  model = nn.Linear(4, 2)
+  opt = optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)
+  sched = lr_scheduler.warmup_cosine(opt, warmup_steps=5, total_steps=150, min_lr_ratio=0.01)
+  for _ in range(150):
+    loss = nn.functional.mse_loss(model(X), Y)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); opt.zero_grad(); sched.step()
+  assert loss.item() < 1e-4
+
+
+# *** LR schedules against torch.optim.lr_scheduler ***
+
+SCHEDULES = {
+  "lambda": lambda lib, o: lib.LambdaLR(o, lambda e: 0.95 ** e),
+  "lambda_per_group": lambda lib, o: lib.LambdaLR(o, [lambda e: 1 / (e + 1), lambda e: 0.5 + 0.1 * (e % 3)]),
+  "step": lambda lib, o: lib.StepLR(o, step_size=3, gamma=0.5),
+  "cosine": lambda lib, o: lib.CosineAnnealingLR(o, T_max=10, eta_min=1e-3),
+  "linear": lambda lib, o: lib.LinearLR(o, start_factor=0.25, total_iters=4),
+  "linear_decay": lambda lib, o: lib.LinearLR(o, start_factor=1.0, end_factor=0.1, total_iters=8),
+  "sequential": lambda lib, o: lib.SequentialLR(o, [lib.LinearLR(o, start_factor=0.1, total_iters=5),
+                                                    lib.CosineAnnealingLR(o, T_max=12, eta_min=1e-4)], milestones=[5]),
+  "sequential3": lambda lib, o: lib.SequentialLR(o, [lib.LinearLR(o, start_factor=0.5, total_iters=3),
+                                                     lib.StepLR(o, step_size=2, gamma=0.9),
+                                                     lib.CosineAnnealingLR(o, T_max=6)], milestones=[3, 9]),
+}
+
+
+def two_group_optimizers():
+  bparams, tparams = make_params()
+  return (optim.SGD([{"params": bparams[:2]}, {"params": bparams[2:], "lr": 0.01}], lr=0.1),
+          torch.optim.SGD([{"params": tparams[:2]}, {"params": tparams[2:], "lr": 0.01}], lr=0.1))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_scheduler_matches_torch(name):
+  bopt, topt = two_group_optimizers()
+  bsched, tsched = SCHEDULES[name](lr_scheduler, bopt), SCHEDULES[name](torch.optim.lr_scheduler, topt)
+  for step in range(25):
+    np.testing.assert_allclose(bsched.get_last_lr(), tsched.get_last_lr(), rtol=1e-9, atol=1e-12, err_msg=f"step {step}")
+    assert [g["lr"] for g in bopt.param_groups] == bsched.get_last_lr()
+    topt.step(); bopt.step()
+    bsched.step(); tsched.step()
+  assert [g["initial_lr"] for g in bopt.param_groups] == [0.1, 0.01]
+
+
+@pytest.mark.parametrize("name", ["step", "cosine", "sequential", "lambda"])
+def test_scheduler_state_dict_round_trip(name):
+  bopt, _ = two_group_optimizers()
+  sched = SCHEDULES[name](lr_scheduler, bopt)
+  for _ in range(7): sched.step()
+  saved = sched.state_dict()
+  assert "optimizer" not in saved and saved["last_epoch"] == 7
+  other_opt, _ = two_group_optimizers()
+  other = SCHEDULES[name](lr_scheduler, other_opt)
+  other.load_state_dict(saved)
+  for _ in range(10):
+    sched.step(); other.step()
+    assert other.get_last_lr() == sched.get_last_lr()
+    assert [g["lr"] for g in other_opt.param_groups] == sched.get_last_lr()
+
+
+def test_warmup_cosine_values():
+  bopt, _ = two_group_optimizers()
+  sched = lr_scheduler.warmup_cosine(bopt, warmup_steps=4, total_steps=20, min_lr_ratio=0.1)
+  factors = []
+  for _ in range(25):
+    factors.append(sched.get_last_lr()[0] / 0.1)
+    assert sched.get_last_lr()[1] == pytest.approx(0.01 * factors[-1], rel=1e-12)
+    sched.step()
+  np.testing.assert_allclose(factors[:5], [0.25, 0.5, 0.75, 1.0, 1.0], rtol=1e-12)
+  for step in range(4, 20):
+    want = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 4) / 16))
+    assert factors[step] == pytest.approx(want, rel=1e-12)
+  assert all(a >= b for a, b in zip(factors[3:], factors[4:])) and factors[20:] == [pytest.approx(0.1)] * 5
+  with pytest.raises(ValueError, match="warmup_steps <= total_steps"): lr_scheduler.warmup_cosine(bopt, 10, 5)
+
+
+def test_warmup_cosine_state_dict_keeps_its_shape():
+  """The multiplier is an object, so LambdaLR's state_dict carries warmup and total steps into a new scheduler."""
+  bopt, _ = two_group_optimizers()
+  sched = lr_scheduler.warmup_cosine(bopt, warmup_steps=3, total_steps=30)
+  for _ in range(6): sched.step()
+  other_opt, _ = two_group_optimizers()
+  other = lr_scheduler.warmup_cosine(other_opt, warmup_steps=1, total_steps=2)
+  other.load_state_dict(sched.state_dict())
+  for _ in range(5):
+    sched.step(); other.step()
+    assert other.get_last_lr() == sched.get_last_lr()
+
+
+def test_scheduler_checks():
+  bopt, _ = two_group_optimizers()
+  with pytest.raises(KeyError, match="initial_lr"): lr_scheduler.StepLR(bopt, 2, last_epoch=4)
+  with pytest.raises(ValueError, match="Expected 2 lr_lambdas, but got 1"): lr_scheduler.LambdaLR(bopt, [lambda e: 1.0])
+  with pytest.raises(ValueError, match="Starting multiplicative factor"): lr_scheduler.LinearLR(bopt, start_factor=0)
+  with pytest.raises(ValueError, match="number of milestone"):
+    lr_scheduler.SequentialLR(bopt, [lr_scheduler.StepLR(bopt, 2)], milestones=[3])
+  with pytest.raises(TypeError, match="not an Optimizer"): lr_scheduler.StepLR(object(), 2)
+  lr_scheduler.StepLR(bopt, step_size=2, gamma=0.5)  # records each group's initial_lr
+  resumed = lr_scheduler.StepLR(bopt, step_size=2, gamma=0.5, last_epoch=4)
+  assert resumed.last_epoch == 5 and resumed.get_last_lr() == [0.1 * 0.25, 0.01 * 0.25]
