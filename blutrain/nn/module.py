@@ -1,6 +1,7 @@
 """Module and Parameter: the containers of model state, with PyTorch's registration, traversal and state_dict."""
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, namedtuple
 from typing import Any, Callable, Iterator
 
@@ -29,6 +30,9 @@ class Parameter(Tensor):
 
 
 _IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+_hook_ids = itertools.count()
 
 
 class _RemovableHandle:
@@ -73,13 +77,13 @@ class Module:
 
   def register_forward_pre_hook(self, hook: Callable) -> _RemovableHandle:
     """Call `hook(module, args)` before forward; a returned value replaces the positional args."""
-    key = id(hook)
+    key = next(_hook_ids)
     self._forward_pre_hooks[key] = hook
     return _RemovableHandle(self._forward_pre_hooks, key)
 
   def register_forward_hook(self, hook: Callable) -> _RemovableHandle:
     """Call `hook(module, args, output)` after forward; a returned value replaces the output."""
-    key = id(hook)
+    key = next(_hook_ids)
     self._forward_hooks[key] = hook
     return _RemovableHandle(self._forward_hooks, key)
 

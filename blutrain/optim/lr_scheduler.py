@@ -117,13 +117,16 @@ class LinearLR(LRScheduler):
   def __init__(self, optimizer: Optimizer, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
                total_iters: int = 5, last_epoch: int = -1) -> None:
     if not 0 < start_factor <= 1:
-      raise ValueError(f"Starting multiplicative factor expected to be greater than 0 and less or equal to 1, got {start_factor}")
-    if not 0 <= end_factor <= 1: raise ValueError(f"Ending multiplicative factor expected to be between 0 and 1, got {end_factor}")
+      raise ValueError("Starting multiplicative factor expected to be greater than 0 and less or equal to 1, "
+                       f"got {start_factor}")
+    if not 0 <= end_factor <= 1:
+      raise ValueError(f"Ending multiplicative factor expected to be between 0 and 1, got {end_factor}")
     self.start_factor, self.end_factor, self.total_iters = start_factor, end_factor, total_iters
     super().__init__(optimizer, last_epoch)
 
   def get_lr(self) -> list[float]:
-    factor = self.start_factor + (self.end_factor - self.start_factor) * min(self.total_iters, self.last_epoch) / self.total_iters
+    progress = min(self.total_iters, self.last_epoch) / self.total_iters
+    factor = self.start_factor + (self.end_factor - self.start_factor) * progress
     return [base * factor for base in self.base_lrs]
 
 

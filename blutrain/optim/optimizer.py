@@ -46,8 +46,10 @@ class Optimizer:
                       "in sets will change between runs. Please use a list instead.")
     params = param_group["params"] = [params] if isinstance(params, Tensor) else list(params)
     for p in params:
-      if not isinstance(p, Tensor): raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {type(p).__name__}")
-      if not p.is_leaf: raise ValueError(f"can't optimize a non-leaf Tensor (shape {p.shape}, produced by {p.grad_fn.op.name})")
+      if not isinstance(p, Tensor):
+        raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {type(p).__name__}")
+      if not p.is_leaf:
+        raise ValueError(f"can't optimize a non-leaf Tensor (shape {p.shape}, produced by {p.grad_fn.op.name})")
     if len({id(p) for p in params}) != len(params):
       warnings.warn("optimizer contains a parameter group with duplicate parameters; in future, this will cause an "
                     "error", stacklevel=3)
