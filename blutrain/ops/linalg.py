@@ -1,6 +1,8 @@
 """Matrix multiplication: batched, broadcasting, with PyTorch's 1-D rules."""
 from __future__ import annotations
 
+import math
+
 from blutrain import dtypes, ops
 from blutrain.ops.core import broadcast_shapes, op
 from blutrain.tensor import Tensor
@@ -14,8 +16,16 @@ def _matmul_rule(a, b):
   return batch + (a.shape[-2], b.shape[-1]), a.dtype
 
 
-matmul_op = op("matmul", _matmul_rule, lambda g, out, a, b: (
-  ops.sum_to(matmul_op(g, b.mT), a.shape), ops.sum_to(matmul_op(a.mT, g), b.shape)))
+def _matmul_vjp(g, out, a, b):
+  if b.ndim == 2 and a.ndim > 2:  # a weight shared by the batch: fold the batch into one contraction
+    rows = math.prod(a.shape[:-1])
+    db = matmul_op(a.reshape(rows, a.shape[-1]).mT, g.reshape(rows, g.shape[-1]))
+  else:
+    db = ops.sum_to(matmul_op(a.mT, g), b.shape)
+  return ops.sum_to(matmul_op(g, b.mT), a.shape), db
+
+
+matmul_op = op("matmul", _matmul_rule, _matmul_vjp)
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:

@@ -25,12 +25,23 @@ def _errstate(fn):
 
 def _erf(x: np.ndarray) -> np.ndarray:
   """erf: exact (math.erf) in float64; in float32 Abramowitz & Stegun 7.1.26 (abs. error < 1.5e-7, below
-  float32's resolution near 1)."""
+  float32's resolution near 1), evaluated in place to spare temporaries."""
   if x.dtype == np.float64: return np.vectorize(math.erf, otypes=[np.float64])(x)
+  if x.ndim == 0: return _erf(x.reshape(1)).reshape(())
   a = np.abs(x)
-  t = 1.0 / (1.0 + 0.3275911 * a)
-  poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-  return np.sign(x) * (1.0 - poly * np.exp(-a * a))
+  t = a * np.float32(0.3275911)
+  t += 1
+  np.reciprocal(t, out=t)
+  poly = t * np.float32(1.061405429)
+  for c in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+    poly += np.float32(c)
+    poly *= t
+  np.square(a, out=a)
+  np.negative(a, out=a)
+  np.exp(a, out=a)
+  poly *= a
+  np.subtract(1, poly, out=poly)
+  return np.copysign(poly, x, out=poly)
 
 
 _SQRT_2_PI = math.sqrt(2.0 / math.pi)
@@ -171,7 +182,9 @@ def _rng(seed, offset) -> np.random.Generator:
 
 
 def _matmul(a, b):
-  if a.dtype.kind in "iub": return np.matmul(a.astype(np.int64), b.astype(np.int64))
+  if a.dtype.kind in "iub": a, b = a.astype(np.int64), b.astype(np.int64)
+  if b.ndim == 2 and a.ndim > 2:  # NOTE: one GEMM over the folded batch; numpy loops per matrix otherwise (4x slower)
+    return (a.reshape(math.prod(a.shape[:-1]), a.shape[-1]) @ b).reshape(a.shape[:-1] + b.shape[-1:])
   return np.matmul(a, b)
 
 
