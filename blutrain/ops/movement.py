@@ -27,26 +27,23 @@ def _infer_shape(x, shape, name: str) -> tuple[int, ...]:
 
 def view_strides(old_shape, old_strides, new_shape) -> tuple[int, ...] | None:
   """Strides that let `new_shape` view the same memory as (old_shape, old_strides), or None when the view
-  needs a copy. Each run of old dims that is contiguous within itself may be split or merged freely."""
-  if math.prod(old_shape) <= 1 or math.prod(new_shape) == 0: return contiguous_strides(new_shape)
-  dims = [(n, s) for n, s in zip(old_shape, old_strides) if n != 1]
-  chunks, out = [], []  # chunks: [numel, innermost stride] of runs of old dims contiguous within themselves
-  for n, s in dims:
-    if chunks and chunks[-1][1] == n * s: chunks[-1] = [chunks[-1][0] * n, s]
-    else: chunks.append([n, s])
-  new = [n for n in new_shape]
-  i = len(new) - 1
-  for numel, stride in reversed(chunks):
-    acc = 1
-    while i >= 0 and (acc < numel or new[i] == 1):
-      out.append(acc * stride)
-      acc *= new[i]
-      i -= 1
-    if acc != numel: return None
-  while i >= 0:  # leading unit dims
-    out.append(out[-1] if out else 1)
-    i -= 1
-  return tuple(reversed(out))
+  needs a copy. PyTorch's rule (computeStride), so strides match its own: the old dims fall into chunks that
+  are contiguous within themselves (size-1 dims never break one); consecutive new dims must cover each chunk."""
+  if not old_shape: return (1,) * len(new_shape)
+  if math.prod(old_shape) == 0:
+    return tuple(old_strides) if tuple(old_shape) == tuple(new_shape) else contiguous_strides(new_shape)
+  out = [0] * len(new_shape)
+  view_d, chunk_stride, chunk_numel, view_numel = len(new_shape) - 1, old_strides[-1], 1, 1
+  for d in range(len(old_shape) - 1, -1, -1):
+    chunk_numel *= old_shape[d]
+    if d == 0 or (old_shape[d - 1] != 1 and old_strides[d - 1] != chunk_numel * chunk_stride):  # a chunk ends
+      while view_d >= 0 and (view_numel < chunk_numel or new_shape[view_d] == 1):
+        out[view_d] = view_numel * chunk_stride
+        view_numel *= new_shape[view_d]
+        view_d -= 1
+      if view_numel != chunk_numel: return None
+      if d > 0: chunk_stride, chunk_numel, view_numel = old_strides[d - 1], 1, 1
+  return tuple(out) if view_d == -1 else None
 
 
 def _view_rule(x, shape): return shape, x.dtype
@@ -62,18 +59,19 @@ view_op = op("view", _view_rule, lambda g, out, x, shape: (g.reshape(x.shape),),
 def view(x: Tensor, shape) -> Tensor:
   """A view of x with a new shape; fails when the layout needs a copy (then use reshape)."""
   shape = _infer_shape(x, shape, "view")
-  if shape == x.shape: return x
-  if view_strides(x.shape, x._strides, shape) is None:
+  strides = view_strides(x.shape, x._strides, shape)
+  if strides is None:
     raise RuntimeError(f"view: shape {shape} is not compatible with input of shape {x.shape} and strides {x._strides}; "
                        "use .reshape(...) instead")
-  return view_op(x, shape=shape)
+  return x if (shape, strides) == (x.shape, x._strides) else view_op(x, shape=shape)
 
 
 def reshape(x: Tensor, shape) -> Tensor:
   """x with a new shape: a view when the layout allows, else a copy."""
   shape = _infer_shape(x, shape, "reshape")
-  if shape == x.shape: return x
-  if view_strides(x.shape, x._strides, shape) is None: x = ops.copy(x)
+  strides = view_strides(x.shape, x._strides, shape)
+  if strides is None: x = ops.copy(x)
+  elif (shape, strides) == (x.shape, x._strides): return x
   return view_op(x, shape=shape)
 
 
@@ -319,7 +317,7 @@ def _parse_key(x: Tensor, key):
     else:
       raise TypeError(f"unsupported index of type {type(k).__name__}: use ints, slices, None, ..., or integer/bool tensors")
   y = x if all(i == (0, n, 1) for i, n in zip(index, x.shape)) else slice_op(x, index=tuple(index))
-  return reshape(y, tuple(out_shape)), adv
+  return (y if y.shape == tuple(out_shape) else reshape(y, tuple(out_shape))), adv
 
 
 def getitem(x: Tensor, key) -> Tensor:
