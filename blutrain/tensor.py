@@ -97,7 +97,7 @@ class Tensor:
     return self._strides if dim is None else self._strides[_wrap_dim(dim, self.ndim, "stride")]
   def storage_offset(self) -> int: return self._offset
   def is_contiguous(self) -> bool:
-    return all(st == cs for n, st, cs in zip(self.shape, self._strides, contiguous_strides(self.shape)) if n != 1)
+    return self.numel() == 0 or all(st == cs for n, st, cs in zip(self.shape, self._strides, contiguous_strides(self.shape)) if n != 1)
   def is_floating_point(self) -> bool: return self.dtype.is_floating_point
   @property
   def is_leaf(self) -> bool: return self._node is None
