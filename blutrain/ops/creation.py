@@ -72,6 +72,8 @@ def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: b
   """Values from `start` to `end` (exclusive) by `step`: `bt.arange(5)`, `bt.arange(1, 2, 0.25)`."""
   if end is None: start, end = 0, start
   if step == 0: raise ValueError("arange: step must be nonzero")
+  if (end - start) * step < 0:
+    raise ValueError(f"arange: the range from {start} to {end} is inconsistent with the sign of step {step}")
   n = max(0, math.ceil((end - start) / step))
   dt = dtypes.to_dtype(dtype) if dtype is not None else dtypes.result_type(start, end, step)
   t = arange_op(device=parse_device(device), start=start, step=step, shape=(n,), dtype=dt)
@@ -213,6 +215,7 @@ def randn(*size, dtype=None, device=None, generator: Generator | None = None, re
 def randint(low: int, high: int | None = None, size=(), *, dtype=None, device=None,
             generator: Generator | None = None) -> Tensor:
   """Integers uniform on [low, high): `bt.randint(10, (3,))` or `bt.randint(2, 10, (3,))`."""
+  if isinstance(high, (tuple, list)): high, size = None, high  # randint(high, size), as torch.randint
   if high is None: low, high = 0, low
   if high <= low: raise ValueError(f"randint: empty range [{low}, {high})")
   return _draw(randint_op, _shape((size,) if isinstance(size, int) else tuple(size)),
