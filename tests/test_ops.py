@@ -727,3 +727,70 @@ def test_setitem_grad_through_nonleaf():
     y[:, 0] = 5.0
     return y * x
   helper_test_op([(3, 4)], fn)
+
+
+# *** VJPs against float64 finite differences ***
+
+_mv = ops.movement
+VJP_CASES = {
+  "neg": (lambda x: -x, [(3, 4)], {}),
+  "exp": (lambda x: x.exp(), [(3, 4)], {}),
+  "log": (lambda x: x.log(), [(3, 4)], {"low": 0.5}),
+  "sqrt": (lambda x: x.sqrt(), [(3, 4)], {"low": 0.5}),
+  "rsqrt": (lambda x: x.rsqrt(), [(3, 4)], {"low": 0.5}),
+  "abs": (lambda x: x.abs(), [(3, 4)], {}),
+  "sin": (lambda x: x.sin(), [(3, 4)], {}),
+  "cos": (lambda x: x.cos(), [(3, 4)], {}),
+  "tanh": (lambda x: x.tanh(), [(3, 4)], {}),
+  "sigmoid": (lambda x: x.sigmoid(), [(3, 4)], {}),
+  "relu": (lambda x: x.relu(), [(3, 4)], {}),
+  "erf": (lambda x: x.erf(), [(3, 4)], {}),
+  "floor": (lambda x: x.floor() * x, [(3, 4)], {}),
+  "gelu": (lambda x: ops.gelu(x), [(3, 4)], {}),
+  "gelu_tanh": (lambda x: ops.gelu(x, approximate="tanh"), [(3, 4)], {}),
+  "add": (lambda x, y: x + y, [(3, 4), (4,)], {}),
+  "sub": (lambda x, y: x - y, [(3, 1), (4,)], {}),
+  "mul": (lambda x, y: x * y, [(2, 3, 4), (3, 1)], {}),
+  "div": (lambda x, y: x / y, [(3, 4), (3, 4)], {"low": 0.5}),
+  "pow": (lambda x, y: x ** y, [(3, 4), (4,)], {"low": 0.5}),
+  "maximum": (lambda x, y: x.maximum(y), [(3, 4), (3, 4)], {}),
+  "minimum": (lambda x, y: x.minimum(y), [(3, 4), (4,)], {}),
+  "where": (lambda c, x, y: bt.where(c, x, y), [Bool((3, 4)), (3, 4), (4,)], {}),
+  "copy": (lambda x: x.clone() * x, [(3, 4)], {}),
+  "sum": (lambda x: x.sum((0, 2)), [(2, 3, 4)], {}),
+  "amax": (lambda x: x.amax(1), [(3, 4)], {}),
+  "amin": (lambda x: x.amin((0, 1), keepdim=True), [(3, 4)], {}),
+  "cumsum": (lambda x: x.cumsum(1), [(3, 4)], {}),
+  "view": (lambda x: x.view(2, 6) * x.view(2, 6), [(3, 4)], {}),
+  "permute": (lambda x: x.permute(2, 0, 1), [(2, 3, 4)], {}),
+  "expand": (lambda x: x.expand(2, 3, 4), [(3, 1)], {}),
+  "slice": (lambda x: x[1:, ::2], [(3, 5)], {}),
+  "slice_backward": (lambda g: _mv.slice_backward(g, shape=(4, 5), index=((1, 4, 1), (0, 5, 2))), [(3, 3)], {}),
+  "cat": (lambda x, y: bt.cat([x, y, x], 1), [(3, 4), (3, 2)], {}),
+  "index": (lambda x, i: x[i, 1:], [(5, 3), np.array([0, 4, 4, -1])], {}),
+  "index_backward": (lambda g, i: _mv.index_backward(g, i, shape=(5, 3), positions=(0,)), [(4, 3), np.array([0, 4, 4, 2])], {}),
+  "matmul": (lambda a, b: a @ b, [(2, 3, 4), (4, 5)], {}),
+  "softmax": (lambda x: x.softmax(-1), [(3, 4)], {}),
+  "log_softmax": (lambda x: x.log_softmax(0), [(3, 4)], {}),
+  "layer_norm": (lambda x, w, b: ops.layer_norm(x, (4,), w, b), [(3, 4), (4,), (4,)], {}),
+  "scatter_add": (lambda x, i, s: x.scatter_add(1, i, s), [(3, 4), np.array([[0, 3], [1, 1], [2, 0]]), (3, 2)], {}),
+  "gather": (lambda x, i: x.gather(0, i), [(3, 4), np.array([[0, 2, 2, 1], [1, 1, 0, 2]])], {}),
+  "embedding": (lambda i, w: ops.embedding(i, w), [np.array([[1, 0], [3, 3]]), (4, 5)], {}),
+  "cross_entropy": (lambda x, t: ops.cross_entropy(x, t, reduction="none"), [(4, 5), np.array([0, 4, -100, 2])], {}),
+}
+
+
+@pytest.mark.parametrize("name", VJP_CASES)
+def test_vjp_finite_differences(name):
+  fn, specs, kw = VJP_CASES[name]
+  check_vjp(fn, specs, **kw)
+
+
+def test_vjp_cast():
+  check_vjp(lambda x: x.to(bt.float32).to(bt.float64) * 3, [(3, 4)], eps=1e-2, rtol=1e-5, atol=1e-5)
+
+
+def test_every_primitive_with_a_vjp_is_checked():
+  differentiable = {n for n, o in ops.registry.items() if o.vjp is not None and o.differentiable}
+  covered = set(VJP_CASES) | {"cast", "to_device"}  # to_device needs a second device
+  assert differentiable <= covered, f"primitives without a finite-difference check: {sorted(differentiable - covered)}"
