@@ -53,7 +53,7 @@ class GradOf:
 class Scalar:
   """A dynamic scalar (`ops.dynamic_scalar`), read by calling `value` at each call."""
   value: Callable[[], float]
-  def array(self, args: list) -> np.ndarray: return np.asarray(self.value(), np.float32)
+  def array(self, args: list) -> np.ndarray: return np.asarray(self.value(), np.float64)
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Trace:
     return v
 
   def scalar_input(self, value: Callable[[], float], device) -> Tensor:
-    return self._traced(self._input((), dtypes.float32, Scalar(value)), device)
+    return self._traced(self._input((), dtypes.float64, Scalar(value)), device)
 
   # *** the hooks ops call ***
 

@@ -170,7 +170,8 @@ def write(x: Tensor, new: Tensor) -> None:
 
 def dynamic_scalar(value: Callable[[], float], device) -> float | Tensor:
   """A number that may change between calls of a compiled function without changing its graph, such as a
-  scheduled learning rate: eagerly `value()`, under capture a 0-d float32 input read by `value()` at each call."""
+  scheduled learning rate: eagerly `value()`, under capture a 0-d float64 input read by `value()` at each call
+  (float64, like a Python number: with a float32 tensor it gives float32)."""
   return value() if capture.trace is None else capture.trace.scalar_input(value, device)
 
 

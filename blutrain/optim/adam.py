@@ -1,10 +1,9 @@
 """Adam and AdamW."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from blutrain import ops
+from blutrain import dtypes, ops
 from blutrain.optim.optimizer import Optimizer, ParamsT
 from blutrain.tensor import Tensor
 
@@ -16,7 +15,7 @@ class Adam(Optimizer):
     m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g^2;  (amsgrad: v_max = max(v_max, v), used for v)
     p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-  State per parameter: `step` (a Python int, counted as PyTorch's), `exp_avg`, `exp_avg_sq` and, with amsgrad,
+  State per parameter: `step` (a 0-d float64 tensor, as PyTorch's), `exp_avg`, `exp_avg_sq` and, with amsgrad,
   `max_exp_avg_sq`, in the parameter's dtype.
 
   Args:
@@ -45,13 +44,14 @@ class Adam(Optimizer):
                                   decoupled_weight_decay=decoupled_weight_decay))
 
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-    lr, (beta1, beta2), weight_decay = group["lr"], group["betas"], group["weight_decay"]
+    (beta1, beta2), weight_decay = group["betas"], group["weight_decay"]
+    lr = ops.dynamic_scalar(lambda: group["lr"], p.device)
     if not state:
-      state["step"], state["exp_avg"], state["exp_avg_sq"] = 0, ops.zeros_like(p), ops.zeros_like(p)
+      state["step"] = ops.zeros((), dtype=dtypes.float64, device=p.device)
+      state["exp_avg"], state["exp_avg_sq"] = ops.zeros_like(p), ops.zeros_like(p)
       if group["amsgrad"]: state["max_exp_avg_sq"] = ops.zeros_like(p)
     if group["maximize"]: grad = -grad
-    state["step"] += 1
-    step = state["step"]
+    step = state["step"].add_(1)
     if weight_decay != 0:
       if group["decoupled_weight_decay"]: p.mul_(1 - lr * weight_decay)
       else: grad = grad.add(p, alpha=weight_decay)
@@ -60,9 +60,10 @@ class Adam(Optimizer):
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     if group["amsgrad"]:
       exp_avg_sq = state["max_exp_avg_sq"].copy_(ops.maximum(state["max_exp_avg_sq"], exp_avg_sq))
-    # bias corrections in Python floats (double precision), as PyTorch's eager update computes them
+    # NOTE: bias corrections from a float64 step tensor: as exact as PyTorch's Python floats, and a graph input
+    # (not a constant) when the step is compiled
     bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["eps"])
+    denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()).add_(group["eps"])
     p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 

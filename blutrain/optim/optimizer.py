@@ -6,6 +6,7 @@ import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
+from blutrain import dtypes, ops
 from blutrain.ops import enable_grad, no_grad
 from blutrain.tensor import Tensor
 
@@ -124,9 +125,9 @@ class Optimizer:
 
 
 def _load_value(p: Tensor, key: str, value: Any) -> Any:
-  """A loaded state entry: `step` as a Python number (PyTorch saves a 0-d tensor), tensors copied onto p's device
-  (and to p's dtype when p is floating point), anything else as is."""
-  if key == "step": return value.item() if isinstance(value, Tensor) else value
+  """A loaded state entry: `step` as a 0-d float64 tensor on p's device (PyTorch saves a float32 one), other
+  tensors copied onto p's device (and to p's dtype when p is floating point), anything else as is."""
+  if key == "step": return ops.tensor(float(value), dtype=dtypes.float64, device=p.device)
   if not isinstance(value, Tensor): return copy.deepcopy(value)
   value = value.to(p.device, p.dtype) if p.is_floating_point() else value.to(p.device)
   return value.detach().clone()

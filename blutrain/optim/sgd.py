@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from blutrain import ops
 from blutrain.optim.optimizer import Optimizer, ParamsT
 from blutrain.tensor import Tensor
 
@@ -46,4 +47,4 @@ class SGD(Optimizer):
       if buf is None: buf = state["momentum_buffer"] = grad.clone()
       else: buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
       grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-    p.add_(grad, alpha=-group["lr"])
+    p.add_(grad, alpha=-ops.dynamic_scalar(lambda: group["lr"], p.device))

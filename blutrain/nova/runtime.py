@@ -1,0 +1,273 @@
+"""`bt.compile`: guard, capture, compile (with a disk cache keyed by structural hash) and replay.
+
+A compiled function's first call runs eagerly: it creates optimizer state and settles which gradients
+exist. The next call captures the whole step into a Graph, compiles it and runs it; later calls with the same
+guard replay it. Returned tensors are plain values detached from autograd: Nova compiles whole steps, so
+backward runs inside the compiled function.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from blutrain import backend
+from blutrain.device import Device
+from blutrain.nova import capture
+from blutrain.nova.capture import StaleGraph, Trace
+from blutrain.ops import core
+from blutrain.tensor import Tensor, Traced
+
+
+# *** pytrees of call arguments and results ***
+
+def flatten(x: Any) -> tuple[list, Any]:
+  """Leaves (tensors and other values) and a structure to rebuild from them; tuples, lists, dicts recurse."""
+  leaves: list = []
+
+  def walk(v):
+    if isinstance(v, (tuple, list)): return (type(v), [walk(e) for e in v])
+    if isinstance(v, dict): return (dict, [(k, walk(e)) for k, e in v.items()])
+    leaves.append(v)
+    return None
+  return leaves, walk(x)
+
+
+def unflatten(tree: Any, leaves: list) -> Any:
+  it = iter(leaves)
+
+  def build(t):
+    if t is None: return next(it)
+    kind, items = t
+    if kind is dict: return {k: build(e) for k, e in items}
+    return kind(build(e) for e in items)
+  return build(tree)
+
+
+# *** what a function touches: modules and optimizers (duck-typed: nova sits below nn and optim) ***
+
+def _is_module(x) -> bool: return hasattr(x, "named_parameters") and hasattr(x, "training")
+def _is_optimizer(x) -> bool: return hasattr(x, "param_groups") and hasattr(x, "state")
+
+
+def discover(fn: Callable, leaves: list) -> tuple[list, list]:
+  """Modules and optimizers `fn` reaches: itself, its bound object (and that object's attributes), its
+  closure cells, the globals its code names, and the call's arguments."""
+  roots = list(leaves) + [fn]
+  func = fn
+  if hasattr(fn, "__self__"):
+    roots.append(fn.__self__)
+    roots.extend(vars(fn.__self__).values() if hasattr(fn.__self__, "__dict__") else ())
+    func = fn.__func__
+  code = getattr(func, "__code__", None)
+  if code is not None:
+    roots.extend(c.cell_contents for c in func.__closure__ or () if c.cell_contents is not None)
+    roots.extend(func.__globals__[n] for n in code.co_names if n in func.__globals__)
+  modules, optimizers, seen = [], [], set()
+  for obj in roots:
+    if id(obj) in seen: continue
+    seen.add(id(obj))
+    if _is_module(obj): modules.append(obj)
+    elif _is_optimizer(obj): optimizers.append(obj)
+  return modules, optimizers
+
+
+def _params(modules, optimizers) -> list[Tensor]:
+  seen, out = set(), []
+  for p in [p for m in modules for p in m.parameters()] + [p for o in optimizers for g in o.param_groups for p in g["params"]]:
+    if id(p) not in seen:
+      seen.add(id(p))
+      out.append(p)
+  return out
+
+
+def _hashable(v: Any) -> Any:
+  try:
+    hash(v)
+    return (type(v).__name__, v)
+  except TypeError:
+    return (type(v).__name__, id(v))
+
+
+# *** the executable ***
+
+def _root(a: np.ndarray) -> np.ndarray:
+  while isinstance(a.base, np.ndarray): a = a.base
+  return a
+
+
+class Executable:
+  """A compiled graph bound to where its inputs come from and where its outputs go."""
+
+  def __init__(self, fn: Callable, trace: Trace, spec: list, out_tree: Any, device: Device, info: dict):
+    self.fn, self.sources, self.spec, self.out_tree, self.device, self.info = fn, trace.sources, spec, out_tree, device, info
+    self.rng_advance = trace.rng_advance
+    self.out_dtypes = [v.dtype for v in trace.graph.outputs]
+
+  def _input(self, source, leaves) -> np.ndarray:
+    return source.array(leaves) if hasattr(source, "array") else source.tensor(leaves)._array()
+
+  def run(self, leaves: list) -> Any:
+    inputs = [self._input(s, leaves) for s in self.sources]
+    outs = self.fn(*inputs)
+    owned = {id(_root(a)) for a in inputs}
+    outs = [np.array(a) if id(_root(a)) in owned else a for a in outs]  # never hand out views of inputs
+    be = backend.get(self.device)
+    returned = []
+    for (kind, where), arr, dtype in zip(self.spec, outs, self.out_dtypes):
+      if kind == "return": returned.append(Tensor._wrap(arr, self.device, dtype))
+      elif kind == "write":
+        t = where.tensor(leaves)
+        be.copy_into(t._array(), arr)
+        t._storage.version += 1
+      else:
+        p = where()
+        if p is None: raise StaleGraph("a parameter the compiled graph updates was freed")
+        p.grad = Tensor._wrap(arr, self.device, dtype)
+    for gen, n in self.rng_advance: gen.offset += n
+    return unflatten(self.out_tree, returned)
+
+
+# *** compile with a disk cache ***
+
+def cache_dir() -> Path:
+  """Where compiled graphs are kept: $BLUTRAIN_CACHE_DIR, else ~/.cache/blutrain."""
+  return Path(os.environ.get("BLUTRAIN_CACHE_DIR") or Path.home() / ".cache" / "blutrain")
+
+
+def build(graph, dump_dir: str | None) -> tuple[Callable, dict]:
+  """Compile a captured graph to a CPU function, reusing the generated code cached under its structural hash.
+  A cache entry that cannot be read or loaded is ignored and rebuilt."""
+  from blutrain.nova import codegen_cpu, hashing, pipeline
+  t0 = time.perf_counter()
+  key = hashing.graph_key(graph)
+  path = cache_dir() / "nova" / f"v{hashing.FORMAT_VERSION}" / f"{key}.py"
+  info: dict = {"key": key, "hash_s": time.perf_counter() - t0}
+  if path.is_file() and not dump_dir:
+    try:
+      fn = codegen_cpu.load(path.read_text())
+      info.update(cache="hit", source=str(path))
+      return fn, info
+    except Exception:  # NOTE: any damage to a cache file (truncated, edited) just means a rebuild
+      path.unlink(missing_ok=True)
+  compiled = pipeline.compile_graph(graph, dump_dir=dump_dir)
+  info.update(cache="miss", source=str(path), counts_before=compiled.counts_before, counts_after=compiled.counts_after,
+              timings=compiled.timings)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(compiled.source)
+    os.replace(tmp, path)
+  except OSError:
+    info["cache"] = "miss (not written)"
+  return compiled.fn, info
+
+
+class Compiled:
+  """The callable `bt.compile(fn)` returns. `.info` describes the last capture (timings, op counts, cache)."""
+
+  def __init__(self, fn: Callable, dump_ir: str | None = None):
+    self.fn, self.dump_ir = fn, dump_ir
+    self._entries: dict = {}
+    self._warm = False
+    self._found: tuple[list, list] | None = None
+    self.captures = 0
+    self.info: dict = {}
+    functools.update_wrapper(self, fn, updated=())
+
+  def _guard(self, leaves: list, tree: Any) -> tuple:
+    modules, optimizers = self._found
+    params = _params(modules, optimizers)
+    return (tree, core.grad_mode.enabled,
+            tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
+            tuple((id(p), p.grad is None) for p in params),
+            tuple(m.training for top in modules for m in top.modules()),
+            tuple(tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr"))) for o in optimizers
+                  for g in o.param_groups),
+            tuple(id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)))
+
+  def __call__(self, *args, **kwargs):
+    leaves, tree = flatten((args, kwargs))
+    if self._found is None: self._found = discover(self.fn, leaves)
+    if not self._warm:
+      self._warm = True
+      return self.fn(*args, **kwargs)
+    key = self._guard(leaves, tree)
+    exe = self._entries.get(key)
+    if exe is None: exe = self._entries[key] = self._capture(args, kwargs, leaves)
+    try:
+      return exe.run(leaves)
+    except StaleGraph:
+      self._entries.pop(key, None)
+      exe = self._entries[key] = self._capture(args, kwargs, leaves)
+      return exe.run(leaves)
+
+  def _capture(self, args, kwargs, leaves) -> Executable:
+    modules, optimizers = self._found
+    params = _params(modules, optimizers)
+    device = next((x.device for x in leaves if isinstance(x, Tensor)), None) or (params[0].device if params else Device("cpu"))
+    if device.type != "cpu":
+      raise NotImplementedError(f"bt.compile: Nova's {device.type} target is not built yet; run this step eagerly or on the CPU")
+    saved_grads = [(p, p.grad) for p in params]
+    trace = Trace(device, {id(p.grad): p for p in params if p.grad is not None})
+    for i, x in enumerate(leaves):
+      if isinstance(x, Tensor): trace.bind_arg(i, x)
+    t0 = time.perf_counter()
+    core.capture.trace = trace
+    try:
+      out = self.fn(*args, **kwargs)
+    except BaseException:
+      for p, g in saved_grads: p.grad = g
+      raise
+    finally:
+      core.capture.trace = None
+    out_leaves, out_tree = flatten(out)
+    returned = [x for x in out_leaves if isinstance(x, Tensor)]
+    if any(x.requires_grad and x._node is not None for x in returned) and core.grad_mode.enabled \
+       and not any(leaf.grad is not None for leaf in trace.leaves.values()):
+      for p, g in saved_grads: p.grad = g
+      raise RuntimeError("bt.compile: the compiled function returns tensors that require grad but runs no backward. "
+                         "Nova compiles whole steps: put loss.backward() and the optimizer step inside the compiled "
+                         "function, or call it under bt.no_grad() for inference.")
+    if len(returned) != len(out_leaves):
+      raise TypeError("bt.compile: a compiled function may return tensors (in tuples, lists or dicts) only, got "
+                      f"{[type(x).__name__ for x in out_leaves if not isinstance(x, Tensor)]}")
+    spec = trace.finish(returned)
+    capture_s = time.perf_counter() - t0
+    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"))
+    info.update(capture_s=capture_s, equations=len(trace.graph.equations), inputs=len(trace.graph.inputs),
+                outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
+    self.captures += 1
+    self.info = info
+    return Executable(fn, trace, spec, out_tree, device, info)
+
+
+def compile(fn: Callable | None = None, *, dump_ir: str | None = None):
+  """Compile a function (a whole training step, an inference function) or a module's forward with Nova.
+
+  The first call runs eagerly; the second captures forward, backward and optimizer update into one graph,
+  optimizes it and runs it; later calls replay it while the guard (argument shapes, dtypes, devices,
+  requires_grad, parameters and their gradients, training flags, optimizer hyperparameters except the
+  learning rate, which is read at each call) holds, and recapture when it does not.
+
+  Args:
+    fn: the function or module; used as `@bt.compile` or `bt.compile(dump_ir="dir")(fn)`.
+    dump_ir: a directory for the MLIR of the graph after capture and after each pass (also $BLUTRAIN_DUMP_IR).
+
+  Example:
+    >>> @bt.compile
+    ... def train_step(x, y):
+    ...   _, loss = model(x, y)
+    ...   loss.backward()
+    ...   opt.step(); opt.zero_grad()
+    ...   return loss
+  """
+  if fn is None: return lambda f: Compiled(f, dump_ir)
+  return Compiled(fn, dump_ir)
+
+
+__all__ = ["compile", "Compiled", "Executable", "cache_dir", "capture", "Traced"]
