@@ -186,8 +186,8 @@ class Compiled:
             tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
             tuple((id(p), p.grad is None) for p in params),
             tuple(m.training for top in modules for m in top.modules()),
-            tuple(tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr"))) for o in optimizers
-                  for g in o.param_groups),
+            tuple((id(g),) + tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr")))
+                  for o in optimizers for g in o.param_groups),
             tuple(id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)))
 
   def __call__(self, *args, **kwargs):
