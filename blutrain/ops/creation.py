@@ -259,8 +259,14 @@ def inplace(x: Tensor, fn) -> Tensor:
   if new.shape != x.shape:
     try: new = new.expand(x.shape)
     except ValueError: raise RuntimeError(f"in-place op: result of shape {new.shape} does not fit the tensor's shape {x.shape}") from None
-  if recording and new.requires_grad and new._node is not None and new._node.op.view is not None:
-    new = ops.copy(new)  # x now holds its own values, not a view of new's input
+  if recording and new.requires_grad:
+    if new._node is not None and new._node.op.view is not None:
+      new = ops.copy(new)  # x now holds its own values, not a view of new's input
+    # nodes that fn recorded may have saved `old` (mul_ saves it), which aliases x's memory: before the write,
+    # `old` gets a copy of its values at the version they saved, as PyTorch keeps the original for such VJPs
+    snap = ops.copy(old.detach())
+    snap._storage.version = x._storage.version
+    old._storage, old._strides, old._offset, old._view = snap._storage, snap._strides, snap._offset, snap._view
   write(x, new.detach())
   if recording and new.requires_grad:
     x.requires_grad, x._node = True, new._node
