@@ -1,0 +1,14 @@
+"""Nova's passes over a `nova` module, each a named xDSL `ModulePass` (the name labels its IR dump):
+
+  canonicalize   algebraic identities and view/permute/expand/cast chain folding    (canonicalize.py)
+  fold           ops of splats (`nova.full`) into splats                            (fold.py)
+  cse            one op per distinct computation                                    (cse.py)
+  dce            drop unused ops                                                    (dce.py)
+"""
+from blutrain.nova.passes.base import NovaPass, PatternPass
+from blutrain.nova.passes.canonicalize import CanonicalizePass
+from blutrain.nova.passes.cse import CSEPass
+from blutrain.nova.passes.dce import DCEPass
+from blutrain.nova.passes.fold import FoldPass
+
+PASSES: dict[str, type[NovaPass]] = {p.name: p for p in (CanonicalizePass, FoldPass, CSEPass, DCEPass)}

@@ -1,0 +1,129 @@
+"""The compiler's driver: graph -> nova IR -> passes -> graph -> numpy source -> callable.
+
+`optimize` runs the passes: canonicalize and fold alternate until fold finds nothing to fold (each reaches its own
+fixed point with one worklist walk, and only fold's new splats can expose new identities such as x * 1), then cse
+and dce once (neither exposes anything new: patterns look at the producers of operands, which cse only swaps for
+identical ones). With a dump directory every stage is written in MLIR syntax: `00-captured.mlir`,
+`01-canonicalize.mlir`, `02-fold.mlir`, ...
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from xdsl.dialects.builtin import ModuleOp
+
+from blutrain.nova import codegen_cpu, hashing
+from blutrain.nova.dialect import NovaOp
+from blutrain.nova.graph import Graph
+from blutrain.nova.ir import function, print_module, to_graph, to_module
+from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, NovaPass
+
+MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
+
+
+def op_counts(module: ModuleOp) -> dict[str, int]:
+  """How many ops of each kind the module's function holds, by op name (`add`, `matmul`, ...)."""
+  return dict(sorted(Counter(op.opname for op in function(module).body.block.ops if isinstance(op, NovaOp)).items()))
+
+
+class _Dumper:
+  """Writes `NN-<stage>.mlir` files into a directory, numbered in order; does nothing without a directory."""
+
+  def __init__(self, directory: str | os.PathLike | None):
+    self.dir = Path(directory) if directory else None
+    self.n = 0
+    if self.dir: self.dir.mkdir(parents=True, exist_ok=True)
+
+  def __call__(self, stage: str, module: ModuleOp) -> None:
+    if self.dir: (self.dir / f"{self.n:02d}-{stage}.mlir").write_text(print_module(module))
+    self.n += 1
+
+
+def optimize(module: ModuleOp, dump_dir: str | os.PathLike | None = None, verify: bool = False) -> ModuleOp:
+  """Run Nova's passes on `module` in place (and return it).
+
+  Args:
+    module: a nova module, as `ir.to_module` builds it.
+    dump_dir: when given, the module is written there after capture and after every pass.
+    verify: verify the module (types, properties, shape rules) before and after every pass.
+  """
+  dump = _Dumper(dump_dir)
+  dump("captured", module)
+
+  def run(p: NovaPass) -> bool:
+    changed = p.run(module)
+    if verify: module.verify()
+    dump(p.name, module)
+    return changed
+
+  if verify: module.verify()
+  for _ in range(MAX_ROUNDS):
+    run(CanonicalizePass())
+    if not run(FoldPass()): break
+  run(CSEPass())
+  run(DCEPass())
+  return module
+
+
+@dataclass(eq=False)
+class CompiledGraph:
+  """A graph compiled for the CPU: `fn(*arrays) -> tuple of arrays`, with what it took to get there.
+
+  Attributes:
+    key: structural hash of the captured graph (`hashing.graph_key`).
+    source: the generated Python source of `fn`.
+    fn: the compiled step.
+    graph: the optimized graph `source` was generated from.
+    counts_before, counts_after: op counts of the captured and the optimized IR.
+    timings: seconds per phase (hash, build, optimize, lower, codegen, load).
+  """
+  key: str
+  source: str
+  fn: Callable
+  graph: Graph
+  counts_before: dict[str, int]
+  counts_after: dict[str, int]
+  timings: dict[str, float] = field(default_factory=dict)
+
+
+def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verify: bool | None = None) -> CompiledGraph:
+  """Compile a captured graph to a numpy function.
+
+  Args:
+    graph: the captured graph.
+    dump_dir: where to write the IR after capture and each pass, and the generated `step.py`
+      (default: the `BLUTRAIN_DUMP_IR` environment variable; none when unset).
+    verify: verify the IR before and after every pass (default: `BLUTRAIN_NOVA_VERIFY=1`; off, since the shape
+      rules already ran at capture).
+  """
+  dump_dir = dump_dir or os.environ.get("BLUTRAIN_DUMP_IR") or None
+  verify = os.environ.get("BLUTRAIN_NOVA_VERIFY") == "1" if verify is None else verify
+  timings: dict[str, float] = {}
+  t = time.perf_counter()
+
+  def lap(phase: str) -> None:
+    nonlocal t
+    now = time.perf_counter()
+    timings[phase], t = now - t, now
+
+  key = hashing.graph_key(graph)
+  lap("hash")
+  module = to_module(graph)
+  counts_before = op_counts(module)
+  lap("build")
+  optimize(module, dump_dir, verify)
+  counts_after = op_counts(module)
+  lap("optimize")
+  optimized = to_graph(module, graph.device)
+  lap("lower")
+  source = codegen_cpu.generate(optimized)
+  if dump_dir: (Path(dump_dir) / "step.py").write_text(source)
+  lap("codegen")
+  fn = codegen_cpu.load(source)
+  lap("load")
+  return CompiledGraph(key, source, fn, optimized, counts_before, counts_after, timings)

@@ -1,0 +1,194 @@
+"""Graphs for the compiler's tests, built by hand the way capture records them: each equation's output shape and
+dtype come from the op's own rule in `blutrain.ops`."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import blutrain as bt
+from blutrain import dtypes
+from blutrain.dtypes import DType
+from blutrain.nova.graph import Equation, Graph, Value
+from blutrain.ops import registry
+from blutrain.ops.core import Aval
+
+
+class Builder:
+  """Records equations into a Graph: `b = Builder(); x = b.input((4, 8)); y = b("exp", x); b.output(y)`."""
+
+  def __init__(self):
+    self.graph = Graph()
+    self.next_id = 0
+
+  def _value(self, shape, dtype) -> Value:
+    v = Value(self.next_id, tuple(shape), dtype)
+    self.next_id += 1
+    return v
+
+  def input(self, shape, dtype: DType = dtypes.float32) -> Value:
+    v = self._value(shape, dtype)
+    self.graph.inputs.append(v)
+    return v
+
+  def rng(self) -> Value:
+    """A generator state input: (seed, base offset) as int64[2]."""
+    return self.input((2,), dtypes.int64)
+
+  def __call__(self, op: str, *inputs: Value | None, **attrs) -> Value:
+    args = [] if op in ("rand", "randn", "randint", "bernoulli") else \
+           [None if v is None else Aval(v.shape, v.dtype, None) for v in inputs]
+    shape, dtype = registry[op].rule(*args, **attrs)
+    out = self._value(shape, dtype)
+    self.graph.equations.append(Equation(op, list(inputs), dict(attrs), out))
+    return out
+
+  def full(self, shape, value, dtype: DType = dtypes.float32) -> Value:
+    return self("full", shape=tuple(shape), value=value, dtype=dtype)
+
+  def output(self, *values: Value) -> Graph:
+    self.graph.outputs.extend(values)
+    return self.graph
+
+
+def linear(b: Builder, x: Value, w: Value, bias: Value | None = None) -> Value:
+  """x @ w.T (+ bias), as nn.Linear records it."""
+  out = b("matmul", x, b("permute", w, dims=(1, 0)))
+  return b("add", out, bias) if bias is not None else out
+
+
+def block(b: Builder, x: Value, params: list[Value], n_head: int) -> Value:
+  """One pre-LayerNorm transformer block (attention with a causal mask, GELU MLP) and a sum-of-squares loss term's
+  backward through the MLP, about 60 equations."""
+  ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fc2_w, fc2_b = params
+  B, T, C = x.shape
+  hd = C // n_head
+  h = b("layer_norm", x, ln1_w, ln1_b, n=1, eps=1e-5)
+  qkv = linear(b, h, attn_w, attn_b)
+  heads = []
+  for i in range(3):
+    part = b("slice", qkv, index=((0, B, 1), (0, T, 1), (i * C, (i + 1) * C, 1)))
+    heads.append(b("permute", b("view", part, shape=(B, T, n_head, hd)), dims=(0, 2, 1, 3)))
+  q, k, v = heads
+  att = b("mul", b("matmul", q, b("permute", k, dims=(0, 1, 3, 2))), b.full((), 1.0 / math.sqrt(hd)))
+  rows = b("view", b("arange", start=0, step=1, shape=(T,), dtype=dtypes.int64), shape=(T, 1))
+  cols = b("view", b("arange", start=0, step=1, shape=(T,), dtype=dtypes.int64), shape=(1, T))
+  mask = b("le", b("sub", cols, rows), b.full((), 0, dtypes.int64))
+  att = b("where", mask, att, b.full((), float("-inf")))
+  att = b("softmax", att, dim=3)
+  y = b("matmul", att, v)
+  y = b("view", b("copy", b("permute", y, dims=(0, 2, 1, 3))), shape=(B, T, C))
+  x = b("add", x, linear(b, y, proj_w, proj_b))
+  h = b("layer_norm", x, ln2_w, ln2_b, n=1, eps=1e-5)
+  pre = linear(b, h, fc_w, fc_b)
+  act = b("gelu", pre, approximate="tanh")
+  out = b("add", x, linear(b, act, fc2_w, fc2_b))
+  # a backward fragment: d(sum(out^2))/d(pre), through the second linear and GELU
+  g = b("mul", out, b.full((), 2.0))
+  g_act = b("matmul", g, fc2_w)
+  g_pre = b("gelu_backward", g_act, pre, approximate="tanh")
+  g_w = b("sum", b("matmul", b("permute", g_pre, dims=(0, 2, 1)), h), dims=(0,), keepdim=False, dtype=dtypes.float32)
+  return b("add", out, b("mul", b("sum", g_w, dims=(0, 1), keepdim=False, dtype=dtypes.float32), b.full((), 0.0)))
+
+
+def block_params(b: Builder, C: int) -> list[Value]:
+  shapes = [(C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,), (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
+  return [b.input(s) for s in shapes]
+
+
+def gpt_like(n_layer: int = 2, B: int = 2, T: int = 8, C: int = 16, n_head: int = 2, vocab: int = 32):
+  """A GPT-like forward (embeddings, n_layer blocks, LayerNorm, tied head, cross-entropy). Returns the graph and,
+  per block, (block input, params, block output) for subgraph hashing."""
+  b = Builder()
+  idx, targets = b.input((B, T), dtypes.int64), b.input((B * T,), dtypes.int64)
+  wte, wpe = b.input((vocab, C)), b.input((T, C))
+  pos = b("arange", start=0, step=1, shape=(T,), dtype=dtypes.int64)
+  x = b("add", b("embedding", wte, idx), b("embedding", wpe, pos))
+  blocks = []
+  for _ in range(n_layer):
+    params = block_params(b, C)
+    y = block(b, x, params, n_head)
+    blocks.append((x, params, y))
+    x = y
+  x = b("layer_norm", x, None, None, n=1, eps=1e-5)
+  logits = b("view", b("matmul", x, b("permute", wte, dims=(1, 0))), shape=(B * T, vocab))
+  losses = b("cross_entropy", logits, targets, ignore_index=-100)
+  loss = b("div", b("sum", losses, dims=(0,), keepdim=False, dtype=dtypes.float32), b.full((), float(B * T)))
+  return b.output(loss, logits), blocks
+
+
+# *** every primitive once ***
+
+def every_op() -> tuple[Graph, list[np.ndarray]]:
+  """A graph that applies every primitive of blutrain.ops (but to_device) at least once, every output returned,
+  with seeded inputs that keep indices in range and logs finite."""
+  rs = np.random.default_rng(0)
+  b, arrays = Builder(), []
+
+  def arg(array: np.ndarray) -> Value:
+    arrays.append(array)
+    return b.input(array.shape, dtypes.to_dtype(array.dtype))
+
+  f32 = dtypes.float32
+  x, y, pos = arg(rs.standard_normal((3, 4), np.float32)), arg(rs.standard_normal((4,), np.float32)), \
+              arg(rs.uniform(0.5, 2.0, (3, 4)).astype(np.float32))
+  mask, other = arg(rs.random((3, 4)) < 0.5), arg(rs.random((3, 4)) < 0.5)
+  idx, rows = arg(rs.integers(0, 3, (5,))), arg(rs.integers(0, 3, (2, 4)))
+  w, bias, weight = arg(rs.standard_normal((4,), np.float32)), arg(rs.standard_normal((4,), np.float32)), \
+                    arg(rs.standard_normal((10, 4), np.float32))
+  tokens, target = arg(rs.integers(0, 10, (2, 3))), arg(np.array([1, -100, 3]))
+  rng = arg(np.array([1234, 56], np.int64))
+  outs = [b.full((2, 3), 1.5), b.full((), True, dtypes.bool_), b.full((2,), 7, dtypes.int32),
+          b("arange", start=0, step=2, shape=(5,), dtype=dtypes.int64),
+          b("arange", start=0.5, step=0.25, shape=(4,), dtype=f32),
+          b("rand", rng, shape=(3, 4), dtype=f32, offset=0), b("randn", rng, shape=(3, 4), dtype=f32, offset=12),
+          b("randint", rng, shape=(5,), dtype=dtypes.int64, offset=24, low=-3, high=10),
+          b("bernoulli", rng, shape=(3, 4), dtype=dtypes.bool_, offset=29, p=0.3)]
+  for name in ("neg", "exp", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "abs", "copy"): outs.append(b(name, x))
+  for name in ("log", "sqrt", "rsqrt"): outs.append(b(name, pos))
+  outs += [b("gelu", x, approximate="none"), b("gelu", x, approximate="tanh"),
+           b("gelu_backward", pos, x, approximate="none"), b("gelu_backward", pos, x, approximate="tanh"),
+           b("logical_not", mask), b("cast", x, dtype=dtypes.float64), b("cast", x, dtype=dtypes.int32)]
+  half, bhalf = b("cast", x, dtype=dtypes.float16), b("cast", x, dtype=dtypes.bfloat16)
+  outs += [b("add", half, b("cast", y, dtype=dtypes.float16)), b("exp", bhalf), b("matmul", bhalf, b("permute", bhalf, dims=(1, 0)))]
+  for name in ("add", "sub", "mul", "div", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"): outs.append(b(name, x, y))
+  outs.append(b("pow", pos, y))
+  for name in ("logical_and", "logical_or", "logical_xor"): outs.append(b(name, mask, other))
+  outs += [b("where", mask, x, y),
+           b("sum", x, dims=(1,), keepdim=False, dtype=f32), b("sum", mask, dims=(0, 1), keepdim=True, dtype=dtypes.int64),
+           b("amax", x, dims=(0,), keepdim=True), b("amin", x, dims=(0, 1), keepdim=False),
+           b("argmax", x, dim=1, keepdim=False), b("argmin", x, dim=0, keepdim=True),
+           b("cumsum", x, dim=1), b("cumsum", x, dim=0, reverse=True),
+           b("view", x, shape=(2, 6)), b("permute", x, dims=(1, 0)), b("expand", b("view", y, shape=(1, 4)), shape=(2, 3, 4)),
+           b("slice", x, index=((0, 3, 2), (1, 4, 1))),
+           b("slice_backward", b("slice", x, index=((0, 3, 2), (1, 4, 1))), shape=(3, 4), index=((0, 3, 2), (1, 4, 1))),
+           b("cat", x, pos, x, dim=0), b("index", x, idx, positions=(0,)), b("index", x, idx, idx, positions=(0, 1)),
+           b("index_backward", b("index", x, idx, positions=(0,)), idx, shape=(3, 4), positions=(0,)),
+           b("index_put", x, b.full((5, 4), 2.0), idx, positions=(0,)),
+           b("matmul", x, b("permute", pos, dims=(1, 0))), b("softmax", x, dim=1), b("log_softmax", x, dim=0),
+           b("layer_norm", x, w, bias, n=1, eps=1e-5), b("layer_norm", x, None, None, n=2, eps=1e-6),
+           b("layer_norm", x, w, None, n=1, eps=1e-5), b("layer_norm", x, None, bias, n=1, eps=1e-5),
+           b("scatter_add", x, rows, pos, dim=0), b("gather", x, rows, dim=0),
+           b("embedding", weight, tokens), b("embedding_backward", b("embedding", weight, tokens), tokens, num=10),
+           b("cross_entropy", x, target, ignore_index=-100),
+           b("cross_entropy_backward", b("exp", b("sum", x, dims=(1,), keepdim=False, dtype=f32)), x, target, ignore_index=-100)]
+  return b.output(*outs), arrays
+
+
+# *** the eager reference ***
+
+def evaluate(graph: Graph, arrays: list[np.ndarray]) -> list[np.ndarray]:
+  """Run a graph with blutrain's eager ops (views by striding, kernels through `apply`), random ops following
+  capture's convention: the input holds (seed, base offset) and `offset` is relative to it."""
+  cpu = bt.device("cpu")
+  env = {v: bt.from_numpy(np.array(a)) for v, a in zip(graph.inputs, arrays)}
+  with bt.no_grad():
+    for eq in graph.equations:
+      op = registry[eq.op]
+      if eq.op in ("rand", "randn", "randint", "bernoulli"):
+        seed, base = (int(s) for s in env[eq.inputs[0]].numpy())
+        out = op(device=cpu, **(eq.attrs | {"seed": seed, "offset": base + eq.attrs["offset"]}))
+      else:
+        out = op(*(None if v is None else env[v] for v in eq.inputs), device=cpu, **eq.attrs)
+      env[eq.out] = out
+  return [env[v].numpy() for v in graph.outputs]
