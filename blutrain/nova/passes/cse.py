@@ -1,4 +1,4 @@
-"""Common subexpression elimination: one op per distinct (name, operands, properties, result type)."""
+"""Common subexpression elimination: one op per distinct (name, operands, properties)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +20,8 @@ def _prop_key(a: Attribute):
 @dataclass(frozen=True)
 class CSEPass(NovaPass):
   """Replace an op by an earlier identical one, in one forward walk. As MLIR's CSE on one block of Pure ops, with
-  the one difference that float properties compare by bit pattern (`_prop_key`)."""
+  the one difference that float properties compare by bit pattern (`_prop_key`). The result type is not part of
+  the key: the shape rule makes it a function of the rest."""
   name = "cse"
 
   def run(self, module: ModuleOp) -> bool:
@@ -30,7 +31,7 @@ class CSEPass(NovaPass):
     for op in list(block.ops):
       if not isinstance(op, NovaOp): continue
       props = tuple((k, _prop_key(a)) for k, a in sorted(op.properties.items()))
-      key = (op.name, tuple(op.operands), op.result.type, props)
+      key = (op.name, tuple(op.operands), props)
       if (first := seen.setdefault(key, op)) is not op:
         op.result.replace_all_uses_with(first.result)
         block.erase_op(op)
