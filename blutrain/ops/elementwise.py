@@ -64,12 +64,9 @@ def reciprocal(x: Tensor) -> Tensor: return 1 / _floating(x)
 
 # *** binary ***
 
-def _binary_rule(x, y, **_) -> tuple:
-  return broadcast_shapes(x.shape, y.shape, op="elementwise op"), x.dtype
-
-
-def _compare_rule(x, y, **_) -> tuple:
-  return broadcast_shapes(x.shape, y.shape, op="comparison"), dtypes.bool_
+def _binary_rule(name: str, out_dtype: DType | None = None):
+  """The rule of a broadcasting binary op; its errors name the op."""
+  return lambda x, y, **_: (broadcast_shapes(x.shape, y.shape, op=name), out_dtype or x.dtype)
 
 
 def _unbroadcast(g: Tensor, x) -> Tensor:
@@ -83,18 +80,18 @@ def _max_vjp(g, out, x, y):
   return _unbroadcast(g * share, x), _unbroadcast(g * (1 - share), y)
 
 
-add_op = op("add", _binary_rule, lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(g, y)), saves=())
-sub_op = op("sub", _binary_rule, lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(-g, y)), saves=())
-mul_op = op("mul", _binary_rule, lambda g, out, x, y: (_unbroadcast(g * y, x), _unbroadcast(g * x, y)))
-div_op = op("div", _binary_rule, lambda g, out, x, y: (_unbroadcast(g / y, x), _unbroadcast(-g * out / y, y)),
+add_op = op("add", _binary_rule("add"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(g, y)), saves=())
+sub_op = op("sub", _binary_rule("sub"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(-g, y)), saves=())
+mul_op = op("mul", _binary_rule("mul"), lambda g, out, x, y: (_unbroadcast(g * y, x), _unbroadcast(g * x, y)))
+div_op = op("div", _binary_rule("div"), lambda g, out, x, y: (_unbroadcast(g / y, x), _unbroadcast(-g * out / y, y)),
             saves=(1,), saves_output=True)
-pow_op = op("pow", _binary_rule, lambda g, out, x, y: (
+pow_op = op("pow", _binary_rule("pow"), lambda g, out, x, y: (
   _unbroadcast(g * y * pow_op(x, y - 1), x),
   _unbroadcast(g * out * log(where(x > 0, x, 1.0)), y)), saves_output=True)
-maximum_op = op("maximum", _binary_rule, _max_vjp, saves_output=True)
-minimum_op = op("minimum", _binary_rule, _max_vjp, saves_output=True)
+maximum_op = op("maximum", _binary_rule("maximum"), _max_vjp, saves_output=True)
+minimum_op = op("minimum", _binary_rule("minimum"), _max_vjp, saves_output=True)
 
-_cmp = {name: op(name, _compare_rule, differentiable=False)
+_cmp = {name: op(name, _binary_rule(name, dtypes.bool_), differentiable=False)
         for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor")}
 logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differentiable=False)
 
@@ -200,10 +197,9 @@ def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
   """x with `value` where mask is True (mask broadcasts to x)."""
   if not isinstance(mask, Tensor) or mask.dtype is not dtypes.bool_:
     raise TypeError(f"masked_fill: mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
-  out = where(mask, ops.as_tensor_like(value, x).to(x.dtype), x)
-  if out.shape != x.shape:
+  if broadcast_shapes(mask.shape, x.shape, op="masked_fill") != tuple(x.shape):
     raise ValueError(f"masked_fill: mask of shape {mask.shape} does not broadcast to the tensor's shape {x.shape}")
-  return out
+  return where(mask, ops.as_tensor_like(value, x).to(x.dtype), x)
 
 
 def lerp(x: Tensor, end, weight) -> Tensor:

@@ -12,7 +12,7 @@ def _matmul_rule(a, b):
   if a.shape[-1] != b.shape[-2]:
     raise ValueError(f"matmul: cannot contract {tuple(a.shape)} with {tuple(b.shape)}: {a.shape[-1]} != {b.shape[-2]} "
                      f"({a.dtype.name}, {b.dtype.name}, {a.device})")
-  batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], op="matmul")
+  batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], op=f"matmul of {tuple(a.shape)} and {tuple(b.shape)}, batch dims")
   return batch + (a.shape[-2], b.shape[-1]), a.dtype
 
 

@@ -184,6 +184,7 @@ def split(x: Tensor, split_size, dim: int = 0) -> tuple[Tensor, ...]:
   """Views of consecutive pieces along dim: each of `split_size`, or of the listed sizes."""
   d = normalize_dim(dim, x.ndim, "split")
   n = x.shape[d]
+  if isinstance(split_size, int) and split_size <= 0: raise ValueError(f"split: split_size must be positive, got {split_size}")
   sizes = [split_size] * (n // split_size) + ([n % split_size] if n % split_size else []) if isinstance(split_size, int) \
           else list(split_size)
   if sum(sizes) != n: raise ValueError(f"split: sizes {sizes} do not add up to dimension {dim} of size {n}")
@@ -194,6 +195,7 @@ def split(x: Tensor, split_size, dim: int = 0) -> tuple[Tensor, ...]:
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
   """`chunks` nearly equal views along dim (the last may be smaller)."""
   n = x.shape[normalize_dim(dim, x.ndim, "chunk")]
+  if chunks <= 0: raise ValueError(f"chunk: the number of chunks must be positive, got {chunks}")
   return split(x, max(1, -(-n // chunks)), dim)
 
 

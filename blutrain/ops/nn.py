@@ -70,6 +70,10 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
 def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
   """x / sqrt(mean(x^2) + eps) * weight over the trailing dims (eps defaults to the dtype's epsilon)."""
   shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+  if tuple(x.shape[x.ndim - len(shape):]) != shape:
+    raise ValueError(f"rms_norm: normalized_shape {shape} does not match the trailing dims of input {x.shape}")
+  if weight is not None and tuple(weight.shape) != shape:
+    raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match normalized shape {shape}")
   dims = tuple(range(x.ndim - len(shape), x.ndim))
   eps = eps if eps is not None else float(__import__("numpy").finfo(x.dtype.np).eps)
   out = x * ops.rsqrt((x * x).mean(dims, keepdim=True) + eps)

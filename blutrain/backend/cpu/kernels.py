@@ -155,8 +155,10 @@ def _layer_norm(x, w, b, n, eps):
 
 def _valid_targets(op, target, ignore_index, num_classes):
   valid = target != ignore_index
-  _check_bounds(op, np.where(valid, target, 0), num_classes, 1)
-  if (target[valid] < 0).any(): raise IndexError(f"{op}: negative target {target[valid].min()}")
+  bad = target[valid & ((target < 0) | (target >= num_classes))]
+  if bad.size:
+    raise IndexError(f"{op}: target {bad.flat[0]} is out of bounds for {num_classes} classes "
+                     f"(expected 0 <= target < {num_classes}, or ignore_index={ignore_index})")
   return valid, np.where(valid, target, 0)
 
 
@@ -181,6 +183,12 @@ def _rng(seed, offset) -> np.random.Generator:
   return np.random.Generator(np.random.Philox(key=seed).advance(offset))
 
 
+def _pow(x, y):
+  if x.dtype.kind in "iu" and y.dtype.kind in "iu" and (y < 0).any():
+    raise RuntimeError("pow: integers to negative integer powers are not allowed; use a floating point base")
+  return np.power(x, y)
+
+
 def _matmul(a, b):
   if a.dtype.kind in "iub": a, b = a.astype(np.int64), b.astype(np.int64)
   if b.ndim == 2 and a.ndim > 2:  # NOTE: one GEMM over the folded batch; numpy loops per matrix otherwise (4x slower)
@@ -202,9 +210,9 @@ kernels = {
   "rsqrt": _errstate(lambda x: 1.0 / np.sqrt(x)), "abs": np.abs, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
   "sigmoid": _sigmoid, "relu": lambda x: np.maximum(x, 0), "erf": _erf, "floor": np.floor,
   "gelu": _errstate(_gelu), "gelu_backward": _errstate(_gelu_backward),
-  "logical_not": np.logical_not, "cast": lambda x, dtype: x.astype(dtype.np), "copy": lambda x: np.array(x, copy=True),
+  "logical_not": np.logical_not, "cast": _errstate(lambda x, dtype: x.astype(dtype.np)), "copy": lambda x: np.array(x, copy=True),
   # binary
-  "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _errstate(np.divide), "pow": _errstate(np.power),
+  "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _errstate(np.divide), "pow": _errstate(_pow),
   "maximum": np.maximum, "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
   "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "logical_and": np.logical_and,
   "logical_or": np.logical_or, "logical_xor": np.logical_xor, "where": np.where,
