@@ -36,6 +36,7 @@ def _dtype_name(d: DType) -> str:
 
 def literal(v: Any) -> str:
   """An attribute value as Python source: DTypes as `dtypes.<name>`, non-finite floats spelled out."""
+  if isinstance(v, np.generic): v = v.item()
   if isinstance(v, DType): return f"dtypes.{_dtype_name(v)}"
   if isinstance(v, float) and not math.isfinite(v): return f"float('{v}')"
   if isinstance(v, (tuple, list)): return "(" + ", ".join(map(literal, v)) + ("," if len(v) == 1 else "") + ")"
@@ -43,7 +44,7 @@ def literal(v: Any) -> str:
 
 
 def _slice(index) -> str:
-  if not index: return "()"
+  if not index: return "..."  # a 0-d array stays an array (x[()] would give a numpy scalar)
   return ", ".join(f"{a}:{b}" if c == 1 else f"{a}:{b}:{c}" for a, b, c in index)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 from blutrain.dtypes import DType
 from blutrain.nova.graph import Equation, Graph, Value
 
@@ -21,7 +23,9 @@ def _digest(text: str) -> str: return hashlib.blake2b(text.encode(), digest_size
 
 
 def canonical(v: Any) -> str:
-  """Attribute value as text that tells 1, 1.0 and True (and 0.0, -0.0) apart: floats in hex, dtypes by name."""
+  """Attribute value as text that tells 1, 1.0 and True (and 0.0, -0.0) apart: floats in hex, dtypes by name
+  (numpy scalars as the Python numbers they hold)."""
+  if isinstance(v, np.generic): v = v.item()
   if isinstance(v, float): return v.hex()
   if isinstance(v, DType): return v.name
   if isinstance(v, (tuple, list)): return "(" + ",".join(map(canonical, v)) + ")"
