@@ -15,7 +15,8 @@ from blutrain.tensor import Tensor
 
 def _shape(size: Sequence) -> Shape:
   if len(size) == 1 and isinstance(size[0], (tuple, list)): size = tuple(size[0])
-  shape = tuple(int(s) for s in size)
+  try: shape = tuple(int(s) for s in size)
+  except (TypeError, ValueError): raise TypeError(f"expected a size made of ints, got {size!r}") from None
   if any(s < 0 for s in shape): raise ValueError(f"negative dimension in shape {shape}")
   return shape
 
@@ -82,15 +83,18 @@ def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: b
 
 def linspace(start: float, end: float, steps: int, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """`steps` evenly spaced values from `start` to `end`, both included."""
+  if steps < 0: raise ValueError(f"linspace: the number of steps must be non-negative, got {steps}")
+  dt = dtypes.to_dtype(dtype or dtypes.default_float)
   step = (end - start) / (steps - 1) if steps > 1 else 0.0
-  t = arange(steps, dtype=dtypes.float32, device=device) * step + start
-  if steps > 1: t = ops.where(arange(steps, device=device) == steps - 1, float(end), t)  # exact last value
-  t = t.to(dtype or dtypes.default_float)
+  i = arange(steps, dtype=dtypes.float64 if dt is dtypes.float64 else dtypes.float32, device=device)
+  # the first half counts up from start and the second down from end, so both ends are exact (as torch's kernel)
+  t = ops.where(i < max(steps // 2, 1), i * step + start, end - (steps - 1 - i) * step).to(dt)
   return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def eye(n: int, m: int | None = None, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """The identity matrix, n x m."""
+  if n < 0 or (m is not None and m < 0): raise ValueError(f"eye: sizes must be non-negative, got n={n}, m={m}")
   rows, cols = arange(n, device=device), arange(n if m is None else m, device=device)
   t = (rows.unsqueeze(1) == cols.unsqueeze(0)).to(dtype or dtypes.default_float)
   return t.requires_grad_(requires_grad) if requires_grad else t
@@ -103,7 +107,8 @@ def tensor(data: Any, *, dtype=None, device=None, requires_grad: bool = False) -
   if isinstance(data, Tensor):
     t = data.detach().to(device or data.device, dtype or data.dtype).clone()
   else:
-    arr = np.asarray(data)
+    try: arr = np.asarray(data)
+    except ValueError: raise ValueError("tensor: nested sequences of unequal lengths; every row needs the same shape") from None
     if dtype is not None: arr = arr.astype(dtypes.to_dtype(dtype).np)
     elif arr.dtype == np.float64 and not isinstance(data, (np.ndarray, np.generic)):
       arr = arr.astype(np.float32)  # Python floats default to float32; numpy's float64 stays, as in PyTorch
