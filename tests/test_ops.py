@@ -777,6 +777,7 @@ VJP_CASES = {
   "gather": (lambda x, i: x.gather(0, i), [(3, 4), np.array([[0, 2, 2, 1], [1, 1, 0, 2]])], {}),
   "embedding": (lambda i, w: ops.embedding(i, w), [np.array([[1, 0], [3, 3]]), (4, 5)], {}),
   "cross_entropy": (lambda x, t: ops.cross_entropy(x, t, reduction="none"), [(4, 5), np.array([0, 4, -100, 2])], {}),
+  "flash_attention": (lambda q, k, v: ops.nn.flash_attention(q, k, v, causal=True, scale=0.4), [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
 }
 
 
@@ -794,3 +795,74 @@ def test_every_primitive_with_a_vjp_is_checked():
   differentiable = {n for n, o in ops.registry.items() if o.vjp is not None and o.differentiable}
   covered = set(VJP_CASES) | {"cast", "to_device"}  # to_device needs a second device
   assert differentiable <= covered, f"primitives without a finite-difference check: {sorted(differentiable - covered)}"
+
+
+# *** bad inputs: errors name the op, the shapes or dtypes, and what was expected ***
+
+_x = lambda: bt.randn(2, 3)
+BAD_INPUTS = {
+  "matmul_shapes": (lambda: _x() @ bt.randn(4, 5), ValueError, r"matmul: cannot contract \(2, 3\) with \(4, 5\): 3 != 4"),
+  "matmul_batch": (lambda: bt.randn(2, 2, 3) @ bt.randn(3, 3, 4), ValueError, r"matmul.*\(2, 2, 3\).*\(3, 3, 4\).*broadcast"),
+  "matmul_dtype": (lambda: _x() @ bt.randn(3, 2, dtype=bt.float64), TypeError, "matmul:.*float32 and float64"),
+  "matmul_0d": (lambda: _x() @ bt.tensor(1.0), ValueError, "matmul:.*at least 1 dimension"),
+  "add_broadcast": (lambda: _x() + bt.randn(4, 5), ValueError, r"add: shapes \(2, 3\) and \(4, 5\) cannot broadcast"),
+  "mul_broadcast": (lambda: bt.randn(2, 3, 4) * bt.randn(3, 3), ValueError, r"mul: shapes \(2, 3, 4\) and \(3, 3\)"),
+  "lt_broadcast": (lambda: _x() < bt.randn(4), ValueError, r"lt: shapes \(2, 3\) and \(4,\)"),
+  "where_broadcast": (lambda: bt.where(bt.ones(5, dtype=bt.bool), _x(), 0.0), ValueError, r"where: shapes \(5,\)"),
+  "where_cond": (lambda: bt.where(_x(), _x(), 0.0), TypeError, "where: condition must be a bool tensor"),
+  "masked_fill": (lambda: _x().masked_fill(bt.ones(4, dtype=bt.bool), 0.0), ValueError, r"masked_fill: shapes \(4,\) and \(2, 3\)"),
+  "cat_shapes": (lambda: bt.cat([_x(), bt.randn(4, 5)]), ValueError, r"cat: shapes \[\(2, 3\), \(4, 5\)\] differ"),
+  "cat_ndim": (lambda: bt.cat([_x(), bt.randn(3)]), ValueError, r"cat: shapes \[\(2, 3\), \(3,\)\]"),
+  "cat_empty": (lambda: bt.cat([]), ValueError, "cat: expected a non-empty list"),
+  "stack_shapes": (lambda: bt.stack([_x(), bt.randn(3, 2)]), ValueError, r"stack:.*\(2, 3\)"),
+  "view_numel": (lambda: _x().view(4), ValueError, r"view: shape \(4,\) is invalid for input of shape \(2, 3\)"),
+  "view_layout": (lambda: _x().T.view(6), RuntimeError, r"view:.*strides.*reshape"),
+  "reshape_two_minus_one": (lambda: _x().reshape(-1, -1), ValueError, "reshape: only one dimension can be -1"),
+  "permute": (lambda: _x().permute(0, 0), ValueError, r"permute: \(0, 0\) is not a permutation"),
+  "expand": (lambda: _x().expand(4, 3), ValueError, r"expand: cannot expand shape \(2, 3\) to \(4, 3\)"),
+  "dim_range": (lambda: _x().sum(2), IndexError, r"sum: dimension 2 out of range.*\[-2, 1\]"),
+  "dim_repeated": (lambda: _x().sum((0, -2)), ValueError, "sum: dimension repeated"),
+  "softmax_dim": (lambda: _x().softmax(-3), IndexError, "softmax: dimension -3 out of range"),
+  "index_int": (lambda: _x()[2], IndexError, "index 2 is out of bounds for dimension 0 with size 2"),
+  "index_negative": (lambda: _x()[0, -4], IndexError, "index -4 is out of bounds for dimension 1 with size 3"),
+  "index_tensor": (lambda: _x()[:, bt.tensor([0, 3])], IndexError, "index 3 is out of bounds for dimension 1 with size 3"),
+  "index_tensor_negative": (lambda: _x()[bt.tensor([-3])], IndexError, "index -3 is out of bounds for dimension 0 with size 2"),
+  "index_too_many": (lambda: _x()[0, 0, 0], IndexError, "too many indices for a tensor of dimension 2"),
+  "index_float": (lambda: _x()[bt.tensor([0.5])], TypeError, "must be integer, got float32"),
+  "index_type": (lambda: _x()["a"], TypeError, "unsupported index of type str"),
+  "index_mask": (lambda: _x()[bt.ones(3, dtype=bt.bool)], IndexError, r"mask of shape \(3,\) does not match.*\(2,\)"),
+  "setitem_shape": (lambda: _x().__setitem__(0, bt.ones(4)), ValueError, r"setitem: a value of shape \(4,\).*\(3,\)"),
+  "gather_range": (lambda: _x().gather(1, bt.tensor([[0, 5]])), IndexError, "gather: index 5 is out of bounds for dimension 1 with size 3"),
+  "gather_float": (lambda: _x().gather(1, bt.tensor([[0.0]])), TypeError, "gather: index must be an integer tensor"),
+  "scatter_range": (lambda: _x().scatter_add(0, bt.tensor([[0, 7, 1]]), bt.ones(1, 3)), IndexError, "scatter_add: index 7.*dimension 0 with size 2"),
+  "embedding_range": (lambda: ops.embedding(bt.tensor([0, 9]), bt.randn(4, 3)), IndexError, "embedding: index 9 is out of bounds for dimension 0 with size 4"),
+  "index_select_range": (lambda: _x().index_select(1, bt.tensor([3])), IndexError, "index 3 is out of bounds for dimension 1 with size 3"),
+  "cross_entropy_target": (lambda: ops.cross_entropy(bt.randn(3, 5), bt.tensor([0, 5, 1])), IndexError, "cross_entropy: target 5 is out of bounds for 5 classes"),
+  "cross_entropy_negative": (lambda: ops.cross_entropy(bt.randn(3, 5), bt.tensor([0, -3, 1])), IndexError, "cross_entropy: target -3 is out of bounds"),
+  "cross_entropy_shape": (lambda: ops.cross_entropy(bt.randn(3, 5), bt.tensor([0, 1])), ValueError, r"cross_entropy: target of shape \(2,\).*\(3, 5\)"),
+  "cross_entropy_dtype": (lambda: ops.cross_entropy(bt.randn(3, 5), bt.randn(3)), TypeError, "cross_entropy: index must be an integer tensor"),
+  "layer_norm": (lambda: ops.layer_norm(_x(), (4,)), ValueError, r"layer_norm: normalized_shape \(4,\).*\(2, 3\)"),
+  "layer_norm_weight": (lambda: ops.layer_norm(_x(), (3,), bt.ones(4)), ValueError, r"layer_norm: weight of shape \(4,\)"),
+  "rms_norm": (lambda: ops.rms_norm(_x(), (4,)), ValueError, r"rms_norm: normalized_shape \(4,\)"),
+  "split_sizes": (lambda: _x().split([1, 3], 1), ValueError, "split: sizes .* do not add up to dimension 1 of size 3"),
+  "split_zero": (lambda: _x().split(0), ValueError, "split: split_size must be positive"),
+  "chunk_zero": (lambda: _x().chunk(0), ValueError, "chunk: the number of chunks must be positive"),
+  "narrow": (lambda: _x().narrow(1, 2, 3), IndexError, "narrow: start 2 \\+ length 3 exceeds dimension 1 of size 3"),
+  "sdpa": (lambda: ops.scaled_dot_product_attention(bt.randn(2, 4), bt.randn(3, 5), bt.randn(3, 5)), ValueError, "scaled_dot_product_attention: incompatible shapes"),
+  "pow_int_negative": (lambda: bt.tensor([2]) ** -1, RuntimeError, "pow: integers to negative integer powers"),
+  "tensor_ragged": (lambda: bt.tensor([[1, 2], [3]]), ValueError, "tensor: nested sequences of unequal lengths"),
+  "size_type": (lambda: bt.zeros("a"), TypeError, "expected a size made of ints"),
+  "negative_size": (lambda: bt.zeros(2, -1), ValueError, "negative dimension"),
+  "item": (lambda: _x().item(), RuntimeError, r"item\(\): a tensor with 6 elements"),
+  "mean_int": (lambda: bt.tensor([1, 2]).mean(), RuntimeError, "mean: expected a floating point tensor"),
+  "amax_empty": (lambda: bt.zeros(0, 2).amax(0), IndexError, r"amax: cannot reduce over an empty dimension.*\(0, 2\)"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_messages(name):
+  fn, exc, pattern = BAD_INPUTS[name]
+  with pytest.raises(exc, match=pattern) as info:
+    fn()
+  raised_in = info.traceback[-1].path
+  assert "blutrain" in str(raised_in) and "numpy" not in str(raised_in), f"raised in {raised_in}, not by blutrain's checks"
