@@ -360,11 +360,13 @@ def _fit(value: Tensor, shape) -> Tensor:
 
 def _put(x: Tensor, pos: Tensor, value: Tensor) -> Tensor:
   """x with value written at the flat positions pos (same shape as value), differentiable in x and value.
-  Repeated positions sum, where PyTorch leaves the result undefined."""
+  Where pos repeats, the last write wins, as in the eager write (PyTorch leaves that case undefined)."""
+  if pos.numel() == 0: return x
   pos, n = pos.reshape(-1), x.numel()
-  written = ops.scatter_add(ops.zeros(n, dtype=dtypes.int64, device=x.device), 0, pos, ops.ones_like(pos)) > 0
-  placed = ops.scatter_add(ops.zeros(n, dtype=x.dtype, device=x.device), 0, pos, value.reshape(-1))
-  return ops.where(written.reshape(x.shape), placed.reshape(x.shape), x)
+  src = index_put(ops.full((n,), -1, dtype=dtypes.int64, device=x.device),
+                  ops.arange(pos.numel(), device=x.device), pos, positions=(0,))  # which value lands where
+  picked = ops.gather(value.reshape(-1), 0, ops.where(src >= 0, src, 0))
+  return ops.where((src >= 0).reshape(x.shape), picked.reshape(x.shape), x)
 
 
 def nonzero(x: Tensor, *, as_tuple: bool = False):
