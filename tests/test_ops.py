@@ -720,6 +720,16 @@ def test_setitem_dtype_cast_and_int_tensor():
   assert y.tolist() == [[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]
 
 
+def test_setitem_repeated_indices_last_write_wins():
+  for grad in (False, True):
+    t, tv = torch.zeros(4, requires_grad=grad), torch.tensor([1.0, 2.0, 3.0], requires_grad=grad)
+    b, bv = bt.zeros(4, requires_grad=grad), bt.tensor([1.0, 2.0, 3.0], requires_grad=grad)
+    ty, by = t * 2, b * 2
+    ty[torch.tensor([3, -1, 2])] = tv
+    by[bt.tensor([3, -1, 2])] = bv
+    assert_close(by, ty)
+
+
 def test_setitem_grad_through_nonleaf():
   def fn(x):
     y = x * 2
