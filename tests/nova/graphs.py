@@ -184,7 +184,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
 
 def evaluate(graph: Graph, arrays: list[np.ndarray]) -> list[np.ndarray]:
   """Run a graph with blutrain's eager ops (views by striding, kernels through `apply`), random ops following
-  capture's convention: the input holds (seed, base offset) and `offset` is relative to it."""
+  capture's convention: the input holds (seed, base offset) and `offset` is relative to it. A graph has value
+  semantics, so `view` runs as `reshape` (which copies a layout that cannot be viewed, as capture records it)."""
   cpu = bt.device("cpu")
   env = {v: bt.from_numpy(np.array(a)) for v, a in zip(graph.inputs, arrays)}
   with bt.no_grad():
@@ -193,6 +194,8 @@ def evaluate(graph: Graph, arrays: list[np.ndarray]) -> list[np.ndarray]:
       if eq.op in ("rand", "randn", "randint", "bernoulli"):
         seed, base = (int(s) for s in env[eq.inputs[0]].numpy())
         out = op(device=cpu, **(eq.attrs | {"seed": seed, "offset": base + eq.attrs["offset"]}))
+      elif eq.op == "view":
+        out = bt.ops.reshape(env[eq.inputs[0]], eq.attrs["shape"])
       else:
         out = op(*(None if v is None else env[v] for v in eq.inputs), device=cpu, **eq.attrs)
       env[eq.out] = out

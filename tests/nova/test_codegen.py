@@ -150,10 +150,10 @@ def chains(draw):
       attrs = {"dtype": dtypes.float32} if op == "sum" else {}
       x = b(op, x, dims=(draw(st.integers(0, 1)),), keepdim=True, **attrs)
     elif kind == "view": x = b("view", b("view", x, shape=(int(np.prod(shape)),)), shape=shape[::-1])
-    elif kind == "permute" and len(shape) == 2: x = b("permute", b("permute", x, dims=(1, 0)), dims=(1, 0)) \
-      if draw(st.booleans()) else b("permute", x, dims=(1, 0))
-    elif kind == "cast": x = b("cast", b("cast", x, dtype=draw(st.sampled_from([dtypes.float64, dtypes.float16]))),
-                              dtype=dtypes.float32)
+    elif kind == "permute" and len(shape) == 2:
+      for _ in range(draw(st.integers(1, 3))): x = b("permute", x, dims=(1, 0))
+    elif kind == "cast":
+      x = b("cast", b("cast", x, dtype=draw(st.sampled_from([dtypes.float64, dtypes.float16]))), dtype=dtypes.float32)
     elif kind == "matmul" and len(shape) == 2: x = b("matmul", x, b.input((shape[1], draw(st.integers(1, 3)))))
     elif kind == "expand" and len(shape) == 2:
       x = b("expand", b("view", x, shape=(1, *shape)), shape=(2, *shape))
