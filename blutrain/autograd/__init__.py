@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from blutrain import ops
-from blutrain.ops.core import Node, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from blutrain.ops.core import Node, autocast_suspended, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from blutrain.tensor import Tensor
 
 __all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled"]
@@ -93,7 +93,7 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | 
   """Accumulate the gradients of `tensors` (weighted by `grad_tensors`) into the `.grad` of every leaf."""
   tensors = list(tensors)
   grad_tensors = list(grad_tensors) if grad_tensors is not None else [None] * len(tensors)
-  with no_grad():
+  with no_grad(), autocast_suspended():
     direct = [(t, g if g is not None else ops.ones_like(t)) for t, g in zip(tensors, grad_tensors)
               if t.requires_grad and t._node is None]
     graphed = [(t, g) for t, g in zip(tensors, grad_tensors) if not (t.requires_grad and t._node is None)]
@@ -117,7 +117,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph: bool | None = None, a
   outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
   inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
   grad_outputs = [grad_outputs] if isinstance(grad_outputs, Tensor) else list(grad_outputs or [None] * len(outputs))
-  with no_grad():
+  with no_grad(), autocast_suspended():
     roots, root_grads = _seed(outputs, grad_outputs, "grad")
     leaf_grads, _, captured = _walk(roots, root_grads, bool(retain_graph),
                                     capture={id(t._node) for t in inputs if t._node is not None})

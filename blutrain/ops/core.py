@@ -60,6 +60,25 @@ class _Capture(threading.local):
 capture = _Capture()
 
 
+class _Autocast(threading.local):
+  cast = None  # under blutrain.amp.autocast: (op name, inputs) -> inputs cast by its policy table; None: off
+
+
+autocast_state = _Autocast()
+
+
+def autocast_inputs(name: str, *inputs):
+  """`inputs` of op `name` cast as the active autocast's policy says (unchanged outside autocast); composites that
+  PyTorch's autocast lists (linear, attention) call it, `apply` does for every primitive."""
+  return inputs if autocast_state.cast is None else autocast_state.cast(name, inputs)
+
+
+class autocast_suspended:
+  """Run without autocast: VJPs do, so the backward runs in the forward's dtypes, as PyTorch's does."""
+  def __enter__(self): self.prev, autocast_state.cast = autocast_state.cast, None
+  def __exit__(self, *exc): autocast_state.cast = self.prev
+
+
 class set_grad_enabled:
   """Context manager (and decorator) that turns gradient recording on or off, as torch.set_grad_enabled."""
   def __init__(self, mode: bool): self.mode, self.prev = bool(mode), []
@@ -142,6 +161,7 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
   """Run a primitive: check devices, infer the output by the op's rule, run the backend kernel (or make a
   view), and record a tape node when gradients are needed. Under a Nova capture the op is recorded into the
   graph instead of run. `rng` names the generator a random op draws from (capture makes its state an input)."""
+  if autocast_state.cast is not None: inputs = autocast_state.cast(op_.name, inputs)
   dev = _device_of(op_, inputs) or device
   shape, dtype = op_.rule(*inputs, **attrs)
   if capture.trace is not None:

@@ -1,0 +1,151 @@
+"""Mixed precision: `autocast` (PyTorch's per-op cast policy) and the internal precision of float32 matmuls.
+
+Autocast is one table, `POLICY`: per device type, op name -> `LOWER` (float32 inputs are cast to the autocast
+dtype: matmul, linear, attention) or `FP32` (float16/bfloat16 inputs are cast up: softmax, norms, losses, sums,
+exp/log on CUDA). Ops not in the table run in their inputs' dtypes. The table follows PyTorch's lists
+(aten/src/ATen/autocast_mode.cpp), which differ by device: on the CPU only matmuls and attention go down and only
+the losses go up. `ops.core.apply` consults it for every primitive, and the few composites PyTorch lists (linear,
+scaled_dot_product_attention) consult it by name; VJPs run outside autocast, in the dtypes the forward used, so
+gradients of float32 parameters arrive in float32.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable
+
+from blutrain import dtypes
+from blutrain.dtypes import DType
+from blutrain.ops import core
+from blutrain.tensor import Tensor
+
+__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "set_float32_matmul_precision",
+           "get_float32_matmul_precision", "POLICY"]
+
+# *** float32 matmul precision ***
+
+_PRECISIONS = ("highest", "high", "medium")
+_matmul_precision = "highest"
+
+
+def set_float32_matmul_precision(precision: str) -> None:
+  """Internal precision of float32 matmuls and attention on CUDA, as `torch.set_float32_matmul_precision`.
+
+  "highest" computes in float32; "high" lets cuBLASLt and flash attention use TF32 tensor cores (10 mantissa bits,
+  float32 range and accumulation). "medium" means TF32 too, as in PyTorch's CUDA backend. CPU matmuls stay float32.
+  """
+  global _matmul_precision
+  if precision not in _PRECISIONS:
+    raise ValueError(f"set_float32_matmul_precision: expected one of {', '.join(map(repr, _PRECISIONS))}, got {precision!r}")
+  _matmul_precision = precision
+
+
+def get_float32_matmul_precision() -> str:
+  """The precision set by `set_float32_matmul_precision` ("highest" by default)."""
+  return _matmul_precision
+
+
+# *** autocast ***
+
+LOWER, FP32 = "lower", "fp32"
+_MATMULS = dict.fromkeys(("matmul", "linear", "flash_attention", "scaled_dot_product_attention"), LOWER)
+POLICY: dict[str, dict[str, str]] = {
+  "cuda": {**_MATMULS, **dict.fromkeys(("exp", "log", "rsqrt", "pow", "sum", "cumsum", "softmax", "log_softmax",
+                                        "layer_norm", "cross_entropy"), FP32)},
+  "cpu": {**_MATMULS, "cross_entropy": FP32},
+}
+_HALVES = (dtypes.float16, dtypes.bfloat16)
+
+
+class _State(threading.local):
+  def __init__(self):
+    self.dtype: dict[str, DType | None] = {}   # device type -> the active autocast dtype (None: off)
+    self.cache_enabled = True
+    self.cache: dict[tuple, tuple[Tensor, int, Tensor]] = {}  # casts of parameters, reused inside the outermost context
+    self.depth = 0
+
+
+_state = _State()
+
+
+def is_autocast_enabled(device_type: str = "cuda") -> bool:
+  """Whether autocast is on for `device_type` in this thread."""
+  return _state.dtype.get(device_type) is not None
+
+
+def get_autocast_dtype(device_type: str = "cuda") -> DType | None:
+  """The dtype autocast casts to on `device_type`, or None outside autocast."""
+  return _state.dtype.get(device_type)
+
+
+def _lower(t: Tensor, dtype: DType) -> Tensor:
+  """t in dtype; a parameter's cast is made once per outermost autocast context (and per grad mode and version)."""
+  if not (_state.cache_enabled and t.is_leaf and t.requires_grad and core.capture.trace is None): return t.to(dtype)
+  key = (id(t), dtype, core.is_grad_enabled())
+  hit = _state.cache.get(key)
+  if hit is None or hit[0] is not t or hit[1] != t._storage.version:
+    hit = _state.cache[key] = (t, t._storage.version, t.to(dtype))
+  return hit[2]
+
+
+def _cast(name: str, inputs: tuple) -> tuple:
+  """The inputs of op `name` as the policy table says (the hook `ops.core.apply` calls under autocast)."""
+  first = next((t for t in inputs if isinstance(t, Tensor)), None)
+  if first is None: return inputs
+  kind = first.device.type
+  target = _state.dtype.get(kind)
+  rule = POLICY.get(kind, {}).get(name) if target is not None else None
+  if rule is None: return inputs
+  if rule == FP32:
+    return tuple(t.to(dtypes.float32) if isinstance(t, Tensor) and t.dtype in _HALVES else t for t in inputs)
+  return tuple(_lower(t, target) if isinstance(t, Tensor) and t.dtype.is_floating_point and t.dtype is not target
+               and t.dtype is not dtypes.float64 and t.device.type == kind else t for t in inputs)
+
+
+class autocast:
+  """Context manager (and decorator) running matmuls and attention in a lower-precision dtype and precision-sensitive
+  ops in float32, as `torch.autocast`.
+
+  Args:
+    device_type: "cuda" or "cpu"; only tensors on that device type are cast.
+    dtype: bfloat16 (default, on both device types: float16 would need gradient scaling) or float16.
+    enabled: False turns autocast off for the block (for this device type), also inside an enabled one.
+    cache_enabled: reuse the cast of a parameter within the outermost context (tied weights cast once).
+
+  Example::
+
+    with bt.autocast("cuda", dtype=bt.bfloat16):
+      loss = model(x, y)   # linear layers and attention in bfloat16, layer norms and the loss in float32
+    loss.backward()        # gradients of float32 parameters are float32
+  """
+
+  def __init__(self, device_type: str = "cuda", dtype: DType | None = None, enabled: bool = True,
+               cache_enabled: bool = True):
+    if device_type not in POLICY:
+      raise ValueError(f"autocast: device_type must be one of {sorted(POLICY)}, got {device_type!r}")
+    dtype = dtypes.bfloat16 if dtype is None else dtypes.to_dtype(dtype)
+    if dtype not in _HALVES:
+      raise ValueError(f"autocast: dtype must be bfloat16 or float16, got {dtype.name}")
+    self.device_type, self.fast_dtype, self.enabled, self.cache_enabled = device_type, dtype, bool(enabled), bool(cache_enabled)
+    self._saved: list[tuple] = []
+
+  def __enter__(self) -> autocast:
+    s = _state
+    self._saved.append((s.dtype.get(self.device_type), s.cache_enabled, core.autocast_state.cast))
+    s.dtype[self.device_type] = self.fast_dtype if self.enabled else None
+    s.cache_enabled = s.cache_enabled and self.cache_enabled
+    s.depth += 1
+    core.autocast_state.cast = _cast if any(d is not None for d in s.dtype.values()) else None
+    return self
+
+  def __exit__(self, *exc) -> None:
+    s = _state
+    s.dtype[self.device_type], s.cache_enabled, core.autocast_state.cast = self._saved.pop()
+    s.depth -= 1
+    if s.depth == 0: s.cache.clear()
+
+  def __call__(self, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any):
+      with autocast(self.device_type, self.fast_dtype, self.enabled, self.cache_enabled): return fn(*args, **kwargs)
+    return wrapper
