@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from blutrain import dtypes, ops
-from blutrain.ops.core import normalize_dim, op
+from blutrain.ops.core import autocast_inputs, normalize_dim, op
 from blutrain.tensor import Tensor
 
 
@@ -222,8 +222,32 @@ def triu(x: Tensor, diagonal: int = 0) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
   """x @ weight.T + bias, as nn.Linear."""
+  x, weight, bias = autocast_inputs("linear", x, weight, bias)
   out = ops.matmul(x, weight.mT)
   return out + bias if bias is not None else out
+
+
+def _flash_attention_rule(q, k, v, causal, scale):
+  if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"flash_attention: expected q (..., L, E) and k, v (..., S, E) with the same batch dims, got "
+                     f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+  if not q.dtype is k.dtype is v.dtype:
+    raise TypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype.name}, {k.dtype.name}, {v.dtype.name}")
+  return q.shape, q.dtype
+
+
+def _flash_attention_vjp(g, out, q, k, v, causal, scale):
+  L, S = q.shape[-2], k.shape[-2]
+  dqkv = flash_attention_backward(g, q, k, v, out, causal=causal, scale=scale)
+  return dqkv.narrow(-2, 0, L), dqkv.narrow(-2, L, S), dqkv.narrow(-2, L + S, S)
+
+
+# softmax(q k^T * scale [causal]) v without the (L, S) weights in memory. One kernel computes dq, dk and dv together,
+# and a primitive has one output: the backward returns cat([dq, dk, dv], -2), which the VJP splits by views.
+flash_attention_backward = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale: (
+  q.shape[:-2] + (q.shape[-2] + 2 * k.shape[-2], q.shape[-1]), q.dtype))
+flash_attention = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True)
+_FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
@@ -235,7 +259,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
   if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
     raise ValueError(f"scaled_dot_product_attention: incompatible shapes q {query.shape}, k {key.shape}, v {value.shape}")
   if is_causal and attn_mask is not None: raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal")
+  query, key, value = autocast_inputs("scaled_dot_product_attention", query, key, value)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+  # NOTE: float64 (a reference dtype) and heads over 256 wide (past what a kernel keeps on chip) stay composite
+  if (attn_mask is None and dropout_p == 0.0 and query.dtype in _FLASH_DTYPES and query.dtype is key.dtype is value.dtype
+      and key.shape == value.shape and query.shape[:-2] == key.shape[:-2] and query.shape[-1] <= 256
+      and query.shape[-2] > 0 and key.shape[-2] > 0):
+    return flash_attention(query, key, value, causal=bool(is_causal), scale=float(scale))
   scores = ops.matmul(query, key.mT) * scale
   if is_causal:
     L, S = query.shape[-2], key.shape[-2]

@@ -189,6 +189,25 @@ def _pow(x, y):
   return np.power(x, y)
 
 
+# *** attention ***
+
+def _attention_weights(q, k, causal, scale):
+  scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+  if causal: scores = np.where(np.tri(q.shape[-2], k.shape[-2], dtype=bool), scores, -np.inf)
+  return _softmax(scores, -1)
+
+
+def _flash_attention(q, k, v, causal, scale): return np.matmul(_attention_weights(q, k, causal, scale), v)
+
+
+def _flash_attention_backward(g, q, k, v, out, causal, scale):
+  """cat([dq, dk, dv], -2), as the flash kernels compute it: P recomputed, rowsum(dP * P) = rowsum(g * out)."""
+  p = _attention_weights(q, k, causal, scale)
+  ds = p * (np.matmul(g, np.swapaxes(v, -1, -2)) - np.sum(g * out, axis=-1, keepdims=True)) * scale
+  dq, dk, dv = np.matmul(ds, k), np.matmul(np.swapaxes(ds, -1, -2), q), np.matmul(np.swapaxes(p, -1, -2), g)
+  return np.concatenate([dq, dk, dv], axis=-2)
+
+
 def _matmul(a, b):
   if a.dtype.kind in "iub": a, b = a.astype(np.int64), b.astype(np.int64)
   if b.ndim == 2 and a.ndim > 2:  # NOTE: one GEMM over the folded batch; numpy loops per matrix otherwise (4x slower)
@@ -231,6 +250,7 @@ kernels = {
   # linear algebra, normalization, losses
   "matmul": _matmul, "softmax": _errstate(_softmax), "log_softmax": _errstate(_log_softmax), "layer_norm": _layer_norm,
   "cross_entropy": _errstate(_cross_entropy), "cross_entropy_backward": _errstate(_cross_entropy_backward),
+  "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
 }
 
 
