@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--eval-batches", type=int)
   t.add_argument("--log-interval", type=int)
   t.add_argument("--sample-tokens", type=int)
-  t.add_argument("--compile", action="store_true", default=None, help="compile the training step with Nova")
+  t.add_argument("--compile", action="store_true", default=None,
+                 help="compile the whole training step (forward, backward, optimizer) with Nova")
   t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output directory")
   t.set_defaults(func=_train)
 

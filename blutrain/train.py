@@ -68,9 +68,6 @@ class Trainer:
   """One run: `Trainer(cfg).fit()`; `resume=True` continues from the newest checkpoint in the output dir."""
 
   def __init__(self, cfg: TrainConfig, resume: bool = False, quiet: bool = False):
-    if cfg.compile:
-      raise RuntimeError("--compile: Nova, the whole-step compiler, is not available in this version yet; "
-                         "run without --compile")
     self.cfg, self.quiet = cfg, quiet
     self.device = cfg.device if cfg.device != "auto" else default_device()
     self.out = cfg.output
@@ -87,6 +84,7 @@ class Trainer:
     self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     self.batch_rng = np.random.default_rng(cfg.seed)
     self.step, self.history = 0, []
+    self._update = bt.compile(self._forward_backward_update) if cfg.compile else self._forward_backward_update
     if resume: self._restore()
 
   # *** checkpoints ***
@@ -108,10 +106,12 @@ class Trainer:
                          f"{self.model.config.to_dict()}; use the same preset and flags, or another --out-dir")
     self.model.load_state_dict(model_state)
     self.optimizer.load_state_dict(opt_state)
-    self.scheduler.load_state_dict(state["scheduler"])
+    self.scheduler.step(state["scheduler"]["last_epoch"])  # this run's schedule (--steps may have grown), at the saved step
     self.batch_rng.bit_generator.state = state["batch_rng"]
     bt.default_generator.seed, bt.default_generator.offset = state["generator"]
     self.step, self.history = step, state["history"]
+    # metrics logged after the checkpoint belong to a run that did not survive: the files restart from its history
+    (self.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
 
   # *** loop ***
 
@@ -127,13 +127,17 @@ class Trainer:
     self.model.train()
     return float(np.mean(losses))
 
-  def train_step(self) -> float:
-    x, y = self.batch()
+  def _forward_backward_update(self, x: bt.Tensor, y: bt.Tensor) -> bt.Tensor:
+    """One optimization step on a batch; with --compile, Nova captures all of it as one graph."""
     _, loss = self.model(x, y)
     loss.backward()
     if self.cfg.grad_clip > 0: bt.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
     self.optimizer.step()
     self.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+  def train_step(self) -> float:
+    loss = self._update(*self.batch())
     self.scheduler.step()
     return loss.item()
 

@@ -1,0 +1,128 @@
+"""The CLI and the trainer: train, resume exactly, sample, info; checkpoints written atomically and read back."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import checkpoint
+from blutrain.cli import main
+
+TINY = ["--preset", "char-tiny", "--batch-size", "4", "--block-size", "16", "--warmup-steps", "2",
+        "--eval-interval", "3", "--eval-batches", "2", "--log-interval", "1", "--sample-tokens", "20"]
+
+
+def _metrics(out: Path) -> list[dict]:
+  return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_everything(tmp_path, capsys):
+  out = tmp_path / "run"
+  assert main(["train", *TINY, "--steps", "6", "--out-dir", str(out)]) == 0
+  for name in ("metrics.csv", "metrics.jsonl", "loss.png", "sample.txt", "config.json", "checkpoints/latest"):
+    assert (out / name).is_file(), name
+  rows = _metrics(out)
+  assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
+  assert sum("val_loss" in r for r in rows) == 2
+  assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "--- sample ---" in capsys.readouterr().out
+  assert (out / "checkpoints" / "latest").read_text() == "step_000006"
+  assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_resume_continues_exactly(tmp_path):
+  """Resuming from the step-3 checkpoint of a 6-step run reproduces steps 4..6 bit for bit."""
+  straight = tmp_path / "straight"
+  main(["train", *TINY, "--steps", "6", "--out-dir", str(straight)])
+  resumed = tmp_path / "resumed"
+  shutil.copytree(straight, resumed)
+  shutil.rmtree(resumed / "checkpoints" / "step_000006")
+  (resumed / "checkpoints" / "latest").write_text("step_000003")
+  main(["train", *TINY, "--steps", "6", "--out-dir", str(resumed), "--resume"])
+  a, b = _metrics(straight), _metrics(resumed)
+  assert [r["loss"] for r in a if "loss" in r] == [r["loss"] for r in b if "loss" in r]
+  assert [r["val_loss"] for r in a if "val_loss" in r] == [r["val_loss"] for r in b if "val_loss" in r]
+  sa, oa, _, _ = checkpoint.load_checkpoint(straight)
+  sb, ob, _, _ = checkpoint.load_checkpoint(resumed)
+  for k in sa: np.testing.assert_array_equal(sa[k].numpy(), sb[k].numpy(), err_msg=k)
+  np.testing.assert_array_equal(oa["state"][0]["exp_avg_sq"].numpy(), ob["state"][0]["exp_avg_sq"].numpy())
+
+
+def test_resume_extends_the_schedule(tmp_path):
+  out = tmp_path / "run"
+  main(["train", *TINY, "--steps", "3", "--out-dir", str(out)])
+  assert main(["train", *TINY, "--steps", "5", "--out-dir", str(out), "--resume"]) == 0
+  assert [r["step"] for r in _metrics(out) if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+def test_resume_refuses_another_model(tmp_path, capsys):
+  out = tmp_path / "run"
+  main(["train", *TINY, "--steps", "3", "--out-dir", str(out)])
+  assert main(["train", *TINY, "--steps", "6", "--out-dir", str(out), "--resume", "--block-size", "8"]) == 2
+  assert "differs" in capsys.readouterr().err
+
+
+def test_sample_and_info(tmp_path, capsys):
+  out = tmp_path / "run"
+  main(["train", *TINY, "--steps", "3", "--out-dir", str(out)])
+  capsys.readouterr()
+  assert main(["sample", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "15", "--seed", "1"]) == 0
+  first = capsys.readouterr().out
+  main(["sample", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "15", "--seed", "1"])
+  assert first.startswith("ROMEO:") and len(first.strip()) >= len("ROMEO:") and capsys.readouterr().out == first
+  assert main(["info"]) == 0
+  assert "numpy" in capsys.readouterr().out
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, capsys):
+  assert main(["sample", "--checkpoint", str(tmp_path / "nothing")]) == 2
+  assert "no checkpoint found" in capsys.readouterr().err
+  out = tmp_path / "run"
+  main(["train", *TINY, "--steps", "3", "--out-dir", str(out)])
+  latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+  (latest / "model.safetensors").write_bytes(b"not a safetensors file")
+  assert main(["sample", "--checkpoint", str(out)]) == 2
+  assert "corrupt" in capsys.readouterr().err
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path):
+  rng = np.random.default_rng(0)
+  model = {"w": bt.from_numpy(rng.standard_normal((3, 4)).astype(np.float32)),
+           "h": bt.from_numpy(rng.standard_normal(5).astype(np.float32)).to(bt.bfloat16),
+           "i": bt.arange(6)}
+  opt = {"state": {0: {"step": bt.tensor(3.0, dtype=bt.float64), "exp_avg": bt.randn(3, 4)}},
+         "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]}
+  path = checkpoint.save_checkpoint(tmp_path, 7, model, opt, {"note": [1, 2]})
+  assert path.name == "step_000007"
+  m, o, state, step = checkpoint.load_checkpoint(tmp_path)
+  assert step == 7 and state == {"note": [1, 2]}
+  for k, v in model.items():
+    assert m[k].dtype == v.dtype and m[k].shape == v.shape
+    np.testing.assert_array_equal(m[k].float().numpy(), v.float().numpy())
+  assert o["param_groups"][0]["betas"] == (0.9, 0.95) and list(o["state"]) == [0]
+  np.testing.assert_array_equal(o["state"][0]["exp_avg"].numpy(), opt["state"][0]["exp_avg"].numpy())
+  # keep=2: older checkpoints are pruned, the pointer moves atomically
+  for s in (8, 9): checkpoint.save_checkpoint(tmp_path, s, model)
+  assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000008", "step_000009"]
+  assert (tmp_path / "latest").read_text() == "step_000009"
+
+
+def test_compile_flag(tmp_path):
+  out = tmp_path / "run"
+  assert main(["train", *TINY, "--steps", "4", "--out-dir", str(out), "--compile"]) == 0
+  eager = tmp_path / "eager"
+  main(["train", *TINY, "--steps", "4", "--out-dir", str(eager)])
+  a = [r["loss"] for r in _metrics(out) if "loss" in r]
+  b = [r["loss"] for r in _metrics(eager) if "loss" in r]
+  np.testing.assert_allclose(a, b, rtol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.chdir(tmp_path)
+  yield
+  os.environ.pop("BLUTRAIN_DEBUG", None)
