@@ -5,8 +5,8 @@ dtype: matmul, linear, attention) or `FP32` (float16/bfloat16 inputs are cast up
 exp/log on CUDA). Ops not in the table run in their inputs' dtypes. The table follows PyTorch's lists
 (aten/src/ATen/autocast_mode.cpp), which differ by device: on the CPU only matmuls and attention go down and only
 the losses go up. `ops.core.apply` consults it for every primitive, and the few composites PyTorch lists (linear,
-scaled_dot_product_attention) consult it by name; VJPs run outside autocast, in the dtypes the forward used, so
-gradients of float32 parameters arrive in float32.
+scaled_dot_product_attention) and `sum` (whose result dtype is an attribute) consult it by name; VJPs run outside
+autocast, in the dtypes the forward used, so gradients of float32 parameters arrive in float32.
 """
 from __future__ import annotations
 

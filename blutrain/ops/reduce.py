@@ -5,7 +5,7 @@ import math
 from collections import namedtuple
 
 from blutrain import dtypes, ops
-from blutrain.ops.core import normalize_dim, normalize_dims, op
+from blutrain.ops.core import autocast_inputs, normalize_dim, normalize_dims, op
 from blutrain.tensor import Tensor
 
 values_indices = namedtuple("values_indices", ["values", "indices"])
@@ -45,6 +45,7 @@ cumsum_op = op("cumsum", lambda x, dim, reverse=False: (x.shape, x.dtype),
 
 def sum(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   """Sum over `dim` (an int, a tuple, or None for all). Integer and bool inputs sum in int64, as in PyTorch."""
+  if dtype is None: x, = autocast_inputs("sum", x)  # autocast may pick float32 for the result, as PyTorch's does
   dims = normalize_dims(dim, x.ndim, "sum")
   out_dtype = dtypes.to_dtype(dtype) if dtype is not None else (x.dtype if x.dtype.is_floating_point else dtypes.int64)
   return sum_op(x, dims=dims, keepdim=keepdim, dtype=out_dtype)
