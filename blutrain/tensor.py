@@ -17,7 +17,7 @@ from blutrain.dtypes import DType
 
 class Storage:
   """A flat buffer on one device. All views of it share its version counter, which in-place ops bump."""
-  __slots__ = ("data", "device", "version")
+  __slots__ = ("data", "device", "version", "__weakref__")
 
   def __init__(self, data: Any, device: Device):
     self.data, self.device, self.version = data, device, 0
@@ -312,16 +312,28 @@ class Tensor:
   def __le__(self, other): return ops.le(self, other)
   def __gt__(self, other): return ops.gt(self, other)
   def __ge__(self, other): return ops.ge(self, other)
-  def __invert__(self): return ops.logical_not(self)
-  def __and__(self, other): return ops.logical_and(self, other)
-  def __or__(self, other): return ops.logical_or(self, other)
-  def __xor__(self, other): return ops.logical_xor(self, other)
+  def __invert__(self): return ops.logical_not(_bool_operand("~", self))
+  def __and__(self, other): return ops.logical_and(_bool_operand("&", self), _bool_operand("&", other))
+  def __rand__(self, other): return ops.logical_and(_bool_operand("&", other), _bool_operand("&", self))
+  def __or__(self, other): return ops.logical_or(_bool_operand("|", self), _bool_operand("|", other))
+  def __ror__(self, other): return ops.logical_or(_bool_operand("|", other), _bool_operand("|", self))
+  def __xor__(self, other): return ops.logical_xor(_bool_operand("^", self), _bool_operand("^", other))
+  def __rxor__(self, other): return ops.logical_xor(_bool_operand("^", other), _bool_operand("^", self))
 
 
 class _HookHandle:
   def __init__(self, hooks: list, hook): self.hooks, self.hook = hooks, hook
   def remove(self) -> None:
     if self.hook in self.hooks: self.hooks.remove(self.hook)
+
+
+def _bool_operand(op: str, x):
+  """&, |, ^ and ~ are PyTorch's bitwise ops; blutrain has them for bools only, where they are the logical ones."""
+  dt = x.dtype if isinstance(x, Tensor) else dtypes.scalar_dtype(x)
+  if dt is not dtypes.bool_:
+    raise TypeError(f"{op}: supported on bool tensors only, got {dt.name} (integer bitwise ops are not implemented); "
+                    "compare first (x != 0) or use logical_and/logical_or/logical_xor/logical_not")
+  return x
 
 
 def _wrap_dim(dim: int, ndim: int, name: str) -> int:

@@ -31,12 +31,15 @@ class Arg:
 
 @dataclass(frozen=True)
 class Ref:
-  """A tensor that lives across calls (a parameter, optimizer state), by identity."""
-  ref: weakref.ref
+  """Memory that lives across calls (a parameter, optimizer state): its storage and the layout read. Any
+  tensor object viewing it that way (the parameter, a `.detach()` of it) reads the same values."""
+  storage: weakref.ref
+  layout: tuple
+
   def tensor(self, args: list) -> Tensor:
-    t = self.ref()
-    if t is None: raise StaleGraph("a tensor the compiled graph reads was freed")
-    return t
+    storage = self.storage()
+    if storage is None: raise StaleGraph("memory the compiled graph reads was freed")
+    return Tensor._make(storage, *self.layout)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class Trace:
     self._written: dict[int, tuple] = {}         # id(storage) -> the one layout written through
     self._grad_owner = grad_owner or {}
     self._ids = itertools.count()
+    self.ran_backward = False                    # set by autograd: the step differentiates inside the graph
 
   # *** values ***
 
@@ -119,7 +123,8 @@ class Trace:
     v = self._current.get(key)
     if v is None:
       owner = self._grad_owner.get(id(t))
-      source = GradOf(weakref.ref(owner)) if owner is not None else Ref(weakref.ref(t))
+      source = GradOf(weakref.ref(owner)) if owner is not None else \
+               Ref(weakref.ref(t._storage), (t.shape, t._strides, t._offset, t.dtype))
       self._source_of[key] = source
       v = self._current[key] = self._input(t.shape, t.dtype, source)
       if t.requires_grad and t._node is None: self.leaves[id(t)] = t

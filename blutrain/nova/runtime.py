@@ -30,8 +30,8 @@ def flatten(x: Any) -> tuple[list, Any]:
   leaves: list = []
 
   def walk(v):
-    if isinstance(v, (tuple, list)): return (type(v), [walk(e) for e in v])
-    if isinstance(v, dict): return (dict, [(k, walk(e)) for k, e in v.items()])
+    if isinstance(v, (tuple, list)): return (type(v), tuple(walk(e) for e in v))
+    if isinstance(v, dict): return (dict, tuple((k, walk(e)) for k, e in v.items()))
     leaves.append(v)
     return None
   return leaves, walk(x)
@@ -227,8 +227,7 @@ class Compiled:
       core.capture.trace = None
     out_leaves, out_tree = flatten(out)
     returned = [x for x in out_leaves if isinstance(x, Tensor)]
-    if any(x.requires_grad and x._node is not None for x in returned) and core.grad_mode.enabled \
-       and not any(leaf.grad is not None for leaf in trace.leaves.values()):
+    if any(x.requires_grad and x._node is not None for x in returned) and not trace.ran_backward:
       for p, g in saved_grads: p.grad = g
       raise RuntimeError("bt.compile: the compiled function returns tensors that require grad but runs no backward. "
                          "Nova compiles whole steps: put loss.backward() and the optimizer step inside the compiled "
