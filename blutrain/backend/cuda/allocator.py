@@ -1,0 +1,319 @@
+"""The caching allocator: device memory cut from large driver segments and reused without driver calls.
+
+The design is PyTorch's CUDACachingAllocator, in Python, over a small `Driver` protocol so that the bookkeeping
+runs (and is tested) on the CPU with a fake driver:
+
+- sizes are rounded up to 512 B; requests up to 1 MiB come from the small pool, whose segments are 2 MiB;
+  larger ones from the large pool, whose segments are 20 MiB for requests under 10 MiB and the request rounded
+  up to 2 MiB (the driver's page size, so the rounding costs no device memory) above that;
+- a request takes the smallest free block of its pool that was allocated on the same stream (best fit); a
+  block larger than needed is split when the remainder is worth keeping (>= 512 B small, > 1 MiB large), and
+  a freed block merges with its free neighbours of the same segment;
+- a block is reused only in the order of the stream it was allocated on. When it was also used on other
+  streams (`Block.record_stream`), its free records an event on each of them and the block returns to the pool
+  once every event has completed, which is checked by querying at the next allocation, never by waiting;
+- when the driver is out of memory, or the reserve would pass `set_memory_limit`, the allocator waits for the
+  pending events, returns every fully free segment to the driver and tries once more; then it raises
+  `OutOfMemoryError` with the request and the state of the cache.
+"""
+from __future__ import annotations
+
+import bisect
+import sys
+import threading
+from typing import Any, Protocol
+
+MiB = 1 << 20
+MIN_BLOCK = 512              # every size is rounded up to a multiple of this
+SMALL_SIZE = 1 * MiB         # requests up to this come from the small pool
+SMALL_SEGMENT = 2 * MiB      # the small pool's segment size
+MIN_LARGE_ALLOC = 10 * MiB   # requests under this get a MID_SEGMENT of their own
+MID_SEGMENT = 20 * MiB
+ROUND_LARGE = 2 * MiB        # larger segments are rounded up to this
+
+
+class Driver(Protocol):
+  """What the allocator needs from a device: raw allocations and events."""
+  def malloc(self, nbytes: int) -> int: ...          # a device address; raises MemoryError when out of memory
+  def free(self, ptr: int) -> None: ...
+  def mem_get_info(self) -> tuple[int, int]: ...     # (free, total) bytes on the device
+  def record_event(self, stream: Any) -> Any: ...    # an event recorded on stream: query() -> bool, synchronize()
+
+
+class OutOfMemoryError(RuntimeError):
+  """Raised when the device (or the limit set by `set_memory_limit`) cannot hold a requested allocation."""
+
+
+def round_size(nbytes: int) -> int:
+  """The size a request occupies: a multiple of 512 B, at least 512 B."""
+  return max(MIN_BLOCK, (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+  """The driver allocation that serves a rounded request of `size` bytes when no cached block fits."""
+  if size <= SMALL_SIZE: return SMALL_SEGMENT
+  if size < MIN_LARGE_ALLOC: return MID_SEGMENT
+  return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+
+
+def format_size(n: int) -> str:
+  for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+    if abs(n) >= scale: return f"{n / scale:.2f} {unit}"
+  return f"{n} bytes"
+
+
+class _Block:
+  """A piece of one segment, linked to its neighbours in address order."""
+  __slots__ = ("ptr", "size", "requested", "stream", "sid", "small", "allocated", "prev", "next", "stream_uses",
+               "events")
+
+  def __init__(self, ptr: int, size: int, stream: Any, sid: int, small: bool):
+    self.ptr, self.size, self.requested, self.stream, self.sid, self.small = ptr, size, 0, stream, sid, small
+    self.allocated, self.prev, self.next, self.stream_uses, self.events = False, None, None, None, None
+
+  @property
+  def key(self) -> tuple[int, int, int]: return (self.sid, self.size, self.ptr)
+  def is_split(self) -> bool: return self.prev is not None or self.next is not None
+
+
+class Block:
+  """Device memory handed out by the allocator: `ptr`, `nbytes`, the device and the stream it was allocated on.
+
+  It returns to the cache when it is garbage collected (or at `free()`); a use on another stream must be
+  declared with `record_stream` so that the memory is reused only after that stream's work is done."""
+  __slots__ = ("ptr", "nbytes", "device", "stream", "_b", "_alloc", "__weakref__")
+
+  def __init__(self, ptr: int, nbytes: int, device: int, stream: Any, b: _Block | None, alloc: CachingAllocator | None):
+    self.ptr, self.nbytes, self.device, self.stream, self._b, self._alloc = ptr, nbytes, device, stream, b, alloc
+
+  def record_stream(self, stream: Any) -> None:
+    """Mark this memory as used by work queued on `stream`, as torch.Tensor.record_stream."""
+    if stream is not self.stream and self._b is not None:
+      uses = self._b.stream_uses
+      if uses is None: self._b.stream_uses = {stream}
+      else: uses.add(stream)
+
+  def free(self) -> None:
+    b, self._b = self._b, None
+    if b is not None: self._alloc._release(b)
+
+  def __del__(self):
+    if not sys.is_finalizing(): self.free()
+
+  def __repr__(self) -> str:
+    return f"Block(ptr=0x{self.ptr:x}, nbytes={self.nbytes}, device={self.device})"
+
+
+class _Stat:
+  __slots__ = ("current", "peak")
+
+  def __init__(self): self.current = self.peak = 0
+
+  def add(self, n: int) -> None:
+    self.current += n
+    if self.current > self.peak: self.peak = self.current
+
+
+class CachingAllocator:
+  """A stream-aware caching allocator for one device over `driver`."""
+
+  def __init__(self, driver: Driver, device: int = 0):
+    self.driver, self.device = driver, device
+    self.limit: int | None = None
+    self._pools: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> sorted free keys
+    self._free: dict[tuple[int, int, int], _Block] = {}
+    self._pending: list[_Block] = []            # freed, waiting for events on other streams
+    self._sids: dict[Any, int] = {}
+    self._lock = threading.Lock()
+    self._deferred: list[_Block] = []           # frees that arrived while the lock was held (GC, other threads)
+    self._stats = {k: _Stat() for k in ("allocated", "reserved", "active", "requested", "segments")}
+    self._counts = {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0, "num_ooms": 0}
+
+  # *** allocation ***
+
+  def malloc(self, nbytes: int, stream: Any) -> Block:
+    """A block of at least `nbytes` bytes usable in the order of `stream`."""
+    if nbytes == 0: return Block(0, 0, self.device, stream, None, None)
+    with self._lock:
+      self._drain()
+      b = self._malloc(nbytes, stream)
+    if self._deferred: self._try_drain()
+    return Block(b.ptr, nbytes, self.device, stream, b, self)
+
+  def _malloc(self, nbytes: int, stream: Any) -> _Block:
+    self._process_events()
+    size, sid = round_size(nbytes), self._sid(stream)
+    small = size <= SMALL_SIZE
+    b = self._best_fit(small, sid, size)
+    if b is None:
+      seg = segment_size(size)
+      b = self._new_segment(seg, stream, sid, small)
+      if b is None:
+        self._counts["num_alloc_retries"] += 1
+        self._release_cached(wait=True)
+        b = self._new_segment(seg, stream, sid, small)
+      if b is None:
+        self._counts["num_ooms"] += 1
+        raise OutOfMemoryError(self._oom_message(nbytes, seg))
+    if b.size - size >= (MIN_BLOCK if small else SMALL_SIZE + 1):
+      rest = _Block(b.ptr + size, b.size - size, stream, sid, small)
+      rest.prev, rest.next = b, b.next
+      if b.next is not None: b.next.prev = rest
+      b.next, b.size = rest, size
+      self._insert(rest)
+    b.allocated, b.requested = True, nbytes
+    st = self._stats
+    st["allocated"].add(b.size); st["requested"].add(nbytes); st["active"].add(1)
+    return b
+
+  def _best_fit(self, small: bool, sid: int, size: int) -> _Block | None:
+    pool = self._pools[small]
+    i = bisect.bisect_left(pool, (sid, size, 0))
+    if i == len(pool) or pool[i][0] != sid: return None
+    return self._free.pop(pool.pop(i))
+
+  def _new_segment(self, seg: int, stream: Any, sid: int, small: bool) -> _Block | None:
+    if self.limit is not None and self._stats["reserved"].current + seg > self.limit: return None
+    try: ptr = self.driver.malloc(seg)
+    except MemoryError: return None
+    self._counts["num_device_alloc"] += 1
+    self._stats["reserved"].add(seg); self._stats["segments"].add(1)
+    return _Block(ptr, seg, stream, sid, small)
+
+  # *** free ***
+
+  def _release(self, b: _Block) -> None:
+    """Called by Block.free: take the lock if free, else leave the block for the next operation."""
+    if not self._lock.acquire(blocking=False):
+      self._deferred.append(b)
+      return
+    try: self._free_block(b)
+    finally: self._lock.release()
+
+  def _free_block(self, b: _Block) -> None:
+    b.allocated = False
+    st = self._stats
+    st["allocated"].add(-b.size); st["requested"].add(-b.requested)
+    if b.stream_uses:
+      b.events = [self.driver.record_event(s) for s in b.stream_uses]
+      b.stream_uses = None
+      self._pending.append(b)
+    else:
+      self._return(b)
+
+  def _return(self, b: _Block) -> None:
+    """Put a block whose memory no stream still uses back in its pool, merged with free neighbours."""
+    for nb in (b.prev, b.next):
+      if nb is not None and not nb.allocated and nb.events is None:
+        self._remove(nb)
+        if nb is b.prev: b.ptr, b.prev = nb.ptr, nb.prev
+        else: b.next = nb.next
+        b.size += nb.size
+    if b.prev is not None: b.prev.next = b
+    if b.next is not None: b.next.prev = b
+    self._insert(b)
+    self._stats["active"].add(-1)
+
+  def _process_events(self) -> None:
+    if not self._pending: return
+    still = []
+    for b in self._pending:
+      if all(e.query() for e in b.events):
+        b.events = None
+        self._return(b)
+      else: still.append(b)
+    self._pending = still
+
+  def _drain(self) -> None:
+    while self._deferred: self._free_block(self._deferred.pop())
+
+  def _try_drain(self) -> None:
+    if self._lock.acquire(blocking=False):
+      try: self._drain()
+      finally: self._lock.release()
+
+  def _release_cached(self, wait: bool) -> None:
+    """Return every fully free segment to the driver; with `wait`, first wait for pending cross-stream frees."""
+    if wait:
+      for b in self._pending:
+        for e in b.events: e.synchronize()
+    self._process_events()
+    for small in (True, False):
+      for b in [self._free[k] for k in self._pools[small]]:
+        if b.is_split(): continue
+        self._remove(b)
+        self.driver.free(b.ptr)
+        self._counts["num_device_free"] += 1
+        self._stats["reserved"].add(-b.size); self._stats["segments"].add(-1)
+
+  # *** pools ***
+
+  def _sid(self, stream: Any) -> int:
+    sid = self._sids.get(stream)
+    if sid is None: sid = self._sids[stream] = len(self._sids)
+    return sid
+
+  def _insert(self, b: _Block) -> None:
+    key = b.key
+    self._free[key] = b
+    bisect.insort(self._pools[b.small], key)
+
+  def _remove(self, b: _Block) -> None:
+    key = b.key
+    pool = self._pools[b.small]
+    del pool[bisect.bisect_left(pool, key)]
+    del self._free[key]
+
+  # *** public state ***
+
+  def empty_cache(self) -> None:
+    """Return the cached segments that hold no allocation to the driver (pending cross-stream frees are queried,
+    not waited for)."""
+    with self._lock:
+      self._drain()
+      self._release_cached(wait=False)
+
+  def set_memory_limit(self, nbytes: int | None) -> None:
+    """Cap the memory reserved from the driver at `nbytes` (None: no cap); emulates a smaller card."""
+    if nbytes is not None and nbytes < 0: raise ValueError(f"set_memory_limit: expected a size >= 0, got {nbytes}")
+    self.limit = None if nbytes is None else int(nbytes)
+
+  def reset_peak_memory_stats(self) -> None:
+    with self._lock:
+      self._drain()
+      for s in self._stats.values(): s.peak = s.current
+
+  def memory_stats(self) -> dict[str, int]:
+    """PyTorch's flat statistics: '<stat>.all.current' / '.peak' and counters. `inactive_split_bytes` is the
+    free memory inside segments that also hold allocations: what fragmentation costs."""
+    with self._lock:
+      self._drain()
+      self._process_events()
+      out = {}
+      for name, key in (("allocated_bytes", "allocated"), ("reserved_bytes", "reserved"), ("active", "active"),
+                        ("requested_bytes", "requested"), ("segment", "segments")):
+        s = self._stats[key]
+        out[f"{name}.all.current"], out[f"{name}.all.peak"] = s.current, s.peak
+      split = [b for b in self._free.values() if b.is_split()]
+      out["inactive_split.all.current"] = len(split)
+      out["inactive_split_bytes.all.current"] = sum(b.size for b in split)
+      out["cached_free_bytes.all.current"] = sum(b.size for b in self._free.values())
+      out["pending_free_bytes.all.current"] = sum(b.size for b in self._pending)
+      out.update(self._counts)
+      return out
+
+  def _oom_message(self, nbytes: int, seg: int) -> str:
+    st, free_blocks = self._stats, self._free.values()
+    cached, split = sum(b.size for b in free_blocks), sum(b.size for b in free_blocks if b.is_split())
+    try:
+      free, total = self.driver.mem_get_info()
+      device = f"the device has {format_size(free)} free of {format_size(total)} total"
+    except Exception as e:  # the message must not fail because the driver could not answer
+      device = f"the device's free memory could not be read ({e})"
+    limit = "" if self.limit is None else f"the limit set by set_memory_limit is {format_size(self.limit)}; "
+    return (f"CUDA out of memory on cuda:{self.device}: tried to allocate {format_size(nbytes)} (a new segment of "
+            f"{format_size(seg)}). State: {limit}{device}; blutrain has reserved {format_size(st['reserved'].current)},"
+            f" of which {format_size(st['allocated'].current)} is allocated to tensors and {format_size(cached)} is "
+            f"free in the cache ({format_size(split)} of it in split segments, i.e. fragmentation). Hint: free tensors "
+            f"you no longer need (del, evaluate under bt.no_grad()), reduce the batch size or sequence length, or "
+            f"train in bfloat16 under bt.autocast" + (", or raise the limit with bt.cuda.set_memory_limit." if limit else "."))

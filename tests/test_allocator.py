@@ -1,0 +1,274 @@
+"""The caching allocator's bookkeeping on the CPU, over a fake driver: rounding, pools, split/merge, best fit,
+stream-aware reuse, event-deferred frees, statistics, limit and out-of-memory."""
+import gc
+
+import pytest
+from hypothesis import given, strategies as st
+
+from blutrain.backend.cuda.allocator import (MiB, CachingAllocator, OutOfMemoryError, round_size, segment_size)
+
+KiB = 1024
+
+
+class FakeEvent:
+  def __init__(self, stream):
+    self.stream, self.done, self.syncs = stream, False, 0
+
+  def query(self) -> bool: return self.done
+
+  def synchronize(self) -> None:
+    self.syncs += 1
+    self.done = True
+
+
+class FakeDriver:
+  """Hands out addresses far apart, so that only the allocator's own links could merge segments."""
+
+  def __init__(self, total: int = 1 << 34):
+    self.total, self.live, self.next, self.events = total, {}, 1 << 40, []
+
+  def malloc(self, n: int) -> int:
+    if sum(self.live.values()) + n > self.total: raise MemoryError
+    ptr, self.next = self.next, self.next + n + (1 << 32)
+    self.live[ptr] = n
+    return ptr
+
+  def free(self, ptr: int) -> None: del self.live[ptr]
+  def mem_get_info(self) -> tuple[int, int]: return self.total - sum(self.live.values()), self.total
+
+  def record_event(self, stream) -> FakeEvent:
+    self.events.append(e := FakeEvent(stream))
+    return e
+
+
+@pytest.fixture
+def drv(): return FakeDriver()
+
+
+@pytest.fixture
+def alloc(drv): return CachingAllocator(drv, device=0)
+
+
+def stat(a, key): return a.memory_stats()[key]
+
+
+def test_rounding_and_segment_sizes():
+  assert [round_size(n) for n in (1, 511, 512, 513, 1000, 4096)] == [512, 512, 512, 1024, 1024, 4096]
+  assert segment_size(512) == segment_size(MiB) == 2 * MiB
+  assert segment_size(MiB + 512) == segment_size(10 * MiB - 512) == 20 * MiB
+  assert segment_size(10 * MiB) == 10 * MiB
+  assert segment_size(11 * MiB + 512) == 12 * MiB
+
+
+def test_zero_bytes_is_a_null_block(alloc, drv):
+  b = alloc.malloc(0, "s")
+  assert b.ptr == 0 and b.nbytes == 0 and not drv.live
+  assert stat(alloc, "allocated_bytes.all.current") == 0
+
+
+def test_small_requests_share_one_segment(alloc, drv):
+  a, b = alloc.malloc(1000, "s"), alloc.malloc(100, "s")
+  assert len(drv.live) == 1 and drv.live[a.ptr] == 2 * MiB
+  assert b.ptr == a.ptr + 1024
+  s = alloc.memory_stats()
+  assert s["allocated_bytes.all.current"] == 1024 + 512 and s["requested_bytes.all.current"] == 1100
+  assert s["reserved_bytes.all.current"] == 2 * MiB and s["num_device_alloc"] == 1 and s["active.all.current"] == 2
+
+
+def test_freed_block_is_reused_without_driver_calls(alloc, drv):
+  a = alloc.malloc(3000, "s")
+  ptr = a.ptr
+  a.free()
+  assert alloc.malloc(2600, "s").ptr == ptr
+  assert stat(alloc, "num_device_alloc") == 1
+
+
+def test_split_and_merge(alloc, drv):
+  a, b, c = alloc.malloc(4 * KiB, "s"), alloc.malloc(8 * KiB, "s"), alloc.malloc(4 * KiB, "s")
+  base = a.ptr
+  b.free()
+  a.free()  # merges with b
+  assert stat(alloc, "inactive_split.all.current") == 2  # [a+b] and the segment's tail, around c
+  d = alloc.malloc(12 * KiB, "s")
+  assert d.ptr == base  # the merged 12 KiB block, not the tail
+  d.free(); c.free()
+  s = alloc.memory_stats()
+  assert s["inactive_split_bytes.all.current"] == 0 and s["cached_free_bytes.all.current"] == 2 * MiB
+  alloc.empty_cache()
+  s = alloc.memory_stats()
+  assert s["reserved_bytes.all.current"] == 0 and s["num_device_free"] == 1 and not drv.live
+
+
+def test_large_pool_segments_and_split_threshold(alloc, drv):
+  a = alloc.malloc(MiB + 1, "s")               # 20 MiB segment, split
+  b = alloc.malloc(5 * MiB, "s")               # from the remainder
+  assert drv.live == {a.ptr: 20 * MiB} and b.ptr == a.ptr + round_size(MiB + 1)
+  c = alloc.malloc(15 * MiB + 1, "s")          # > the 14 MiB left: own 16 MiB segment, its < 1 MiB tail not split off
+  assert drv.live[c.ptr] == 16 * MiB
+  assert stat(alloc, "allocated_bytes.all.current") == round_size(MiB + 1) + 5 * MiB + 16 * MiB
+  c.free()
+  e = alloc.malloc(15 * MiB + 600 * KiB, "s")  # fits the unsplit 16 MiB block
+  assert e.ptr == c.ptr and stat(alloc, "num_device_alloc") == 2
+
+
+def test_small_remainders_down_to_512_bytes_are_kept(alloc, drv):
+  a = alloc.malloc(2 * MiB - 512 - MiB, "s")   # small: leaves 1 MiB + 512 in the segment
+  b = alloc.malloc(MiB, "s")
+  c = alloc.malloc(512, "s")
+  assert b.ptr == a.ptr + round_size(MiB - 512) and c.ptr == b.ptr + MiB and len(drv.live) == 1
+
+
+def test_pools_are_separate(alloc, drv):
+  a = alloc.malloc(512, "s")
+  a.free()                                     # 2 MiB free in the small pool
+  b = alloc.malloc(MiB + 512, "s")             # large: never from a small segment
+  assert len(drv.live) == 2 and drv.live[b.ptr] == 20 * MiB
+  b.free()
+  alloc.malloc(1000, "s")                      # small: never from a large segment
+  assert len(drv.live) == 2
+
+
+def test_best_fit(alloc, drv):
+  sizes = [4 * KiB, 64 * KiB, 16 * KiB]
+  blocks = [(alloc.malloc(n, "s"), alloc.malloc(512, "s")) for n in sizes]  # keep separators alive
+  ptrs = [b.ptr for b, _ in blocks]
+  for b, _ in blocks: b.free()
+  assert alloc.malloc(10 * KiB, "s").ptr == ptrs[2]   # the 16 KiB block, not the 64 KiB one
+  assert alloc.malloc(3 * KiB, "s").ptr == ptrs[0]
+
+
+def test_blocks_are_reused_only_on_their_stream(alloc, drv):
+  a = alloc.malloc(1000, "s1")
+  ptr = a.ptr
+  a.free()
+  b = alloc.malloc(1000, "s2")
+  assert b.ptr != ptr and len(drv.live) == 2
+  assert alloc.malloc(1000, "s1").ptr == ptr
+
+
+def test_cross_stream_free_waits_for_the_event(alloc, drv):
+  a, keep = alloc.malloc(1000, "s1"), alloc.malloc(1000, "s1")
+  ptr = a.ptr
+  a.record_stream("s2")
+  a.record_stream("s1")                        # its own stream needs no event
+  a.free()
+  assert [e.stream for e in drv.events] == ["s2"]
+  s = alloc.memory_stats()
+  assert s["allocated_bytes.all.current"] == 1024 and s["active.all.current"] == 2
+  assert s["pending_free_bytes.all.current"] == 1024
+  assert alloc.malloc(1000, "s1").ptr != ptr   # still in use on s2
+  drv.events[0].done = True
+  assert alloc.malloc(1000, "s1").ptr == ptr   # the next allocation saw the event complete
+  assert drv.events[0].syncs == 0              # queried, never waited for
+  del keep
+
+
+def test_empty_cache_keeps_pending_and_used_segments(alloc, drv):
+  a = alloc.malloc(1000, "s1")
+  b = alloc.malloc(3 * MiB, "s1")
+  a.record_stream("s2")
+  a.free()
+  alloc.empty_cache()
+  assert len(drv.live) == 2                    # a's segment waits for its event, b's is in use
+  drv.events[0].done = True
+  alloc.empty_cache()
+  assert list(drv.live) == [b.ptr]
+
+
+def test_garbage_collected_blocks_return_to_the_cache(alloc):
+  b = alloc.malloc(5000, "s")
+  del b
+  gc.collect()
+  assert stat(alloc, "allocated_bytes.all.current") == 0
+
+
+def test_frees_while_the_allocator_is_busy_are_deferred(alloc):
+  b = alloc.malloc(5000, "s")
+  with alloc._lock:                            # as when the GC runs inside an allocation
+    del b
+    assert len(alloc._deferred) == 1
+  assert stat(alloc, "allocated_bytes.all.current") == 0 and not alloc._deferred
+
+
+def test_stats_peaks_and_reset(alloc):
+  blocks = [alloc.malloc(n, "s") for n in (1000, 3 * MiB, 2000)]
+  s = alloc.memory_stats()
+  total = 1024 + 3 * MiB + 2048
+  assert s["allocated_bytes.all.current"] == s["allocated_bytes.all.peak"] == total
+  assert s["reserved_bytes.all.current"] == 2 * MiB + 20 * MiB and s["segment.all.current"] == 2
+  blocks[1].free()
+  s = alloc.memory_stats()
+  assert s["allocated_bytes.all.current"] == 3072 and s["allocated_bytes.all.peak"] == total
+  assert s["active.all.current"] == 2 and s["active.all.peak"] == 3
+  alloc.reset_peak_memory_stats()
+  s = alloc.memory_stats()
+  assert s["allocated_bytes.all.peak"] == 3072 and s["reserved_bytes.all.peak"] == 22 * MiB
+
+
+def test_fragmentation_is_free_memory_in_split_segments(alloc):
+  a, b = alloc.malloc(256 * KiB, "s"), alloc.malloc(256 * KiB, "s")
+  assert stat(alloc, "inactive_split_bytes.all.current") == 2 * MiB - 512 * KiB
+  a.free()
+  assert stat(alloc, "inactive_split_bytes.all.current") == 2 * MiB - 256 * KiB
+  b.free()
+  assert stat(alloc, "inactive_split_bytes.all.current") == 0
+
+
+def test_memory_limit_oom_message_and_retry_after_releasing_the_cache(alloc, drv):
+  alloc.set_memory_limit(30 * MiB)
+  big = alloc.malloc(25 * MiB, "s2")           # a 26 MiB segment, all of it allocated (tail <= 1 MiB)
+  with pytest.raises(OutOfMemoryError) as e:
+    alloc.malloc(8 * MiB, "s")                 # needs a 20 MiB segment: 46 MiB > 30 MiB
+  msg = str(e.value)
+  for part in ("cuda:0", "tried to allocate 8.00 MiB", "segment of 20.00 MiB", "limit set by set_memory_limit is "
+               "30.00 MiB", "reserved 26.00 MiB", "26.00 MiB is allocated", "0 bytes is free in the cache", "Hint"):
+    assert part in msg, (part, msg)
+  assert isinstance(e.value, RuntimeError)
+  s = alloc.memory_stats()
+  assert s["num_alloc_retries"] == 1 and s["num_ooms"] == 1
+  big.free()                                   # cached for s2, useless for s: the retry releases it
+  b = alloc.malloc(8 * MiB, "s")
+  s = alloc.memory_stats()
+  assert s["num_alloc_retries"] == 2 and s["num_ooms"] == 1 and s["num_device_free"] == 1
+  assert list(drv.live) == [b.ptr] and s["reserved_bytes.all.current"] == 20 * MiB
+  alloc.set_memory_limit(None)
+  alloc.malloc(64 * MiB, "s")
+  with pytest.raises(ValueError): alloc.set_memory_limit(-1)
+
+
+def test_driver_out_of_memory_waits_for_pending_frees_then_raises():
+  drv = FakeDriver(total=24 * MiB)
+  alloc = CachingAllocator(drv, device=3)
+  a = alloc.malloc(15 * MiB, "s1")             # 16 MiB segment
+  a.record_stream("s2")
+  a.free()                                     # pending on s2's event
+  b = alloc.malloc(12 * MiB, "s1")             # no fit in 8 MiB: the retry waits for the event and frees a's segment
+  assert drv.events[0].syncs == 1 and list(drv.live) == [b.ptr]
+  with pytest.raises(OutOfMemoryError, match=r"cuda:3: tried to allocate 20\.00 MiB .* the device has 12\.00 MiB "
+                                             r"free of 24\.00 MiB total"):
+    alloc.malloc(20 * MiB, "s1")
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 24 * MiB), st.sampled_from(["s1", "s2"]), st.integers(0, 9)),
+                min_size=1, max_size=60))
+def test_random_sequences_keep_the_invariants(ops):
+  drv = FakeDriver(total=1 << 30)
+  alloc = CachingAllocator(drv)
+  live = []
+  for is_alloc, size, stream, pick in ops:
+    if is_alloc or not live:
+      size = size if pick < 3 else size % (64 * KiB) + 1  # mostly small requests
+      live.append(alloc.malloc(size, stream))
+    else:
+      live.pop(pick % len(live)).free()
+    spans = sorted((b.ptr, b.ptr + round_size(b.nbytes)) for b in live)
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:])), "allocated blocks overlap"
+    for s, e in spans:
+      assert any(p <= s and e <= p + n for p, n in drv.live.items()), "a block lies outside every segment"
+    stats = alloc.memory_stats()
+    assert stats["allocated_bytes.all.current"] >= sum(round_size(b.nbytes) for b in live)
+    assert stats["reserved_bytes.all.current"] == sum(drv.live.values())
+    assert stats["requested_bytes.all.current"] == sum(b.nbytes for b in live)
+  for b in live: b.free()
+  alloc.empty_cache()
+  assert not drv.live and alloc.memory_stats()["active.all.current"] == 0
