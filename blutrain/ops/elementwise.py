@@ -57,7 +57,7 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
 
 def zeros_like_grad(g: Tensor) -> Tensor: return g * 0
 def silu(x: Tensor) -> Tensor: return x * sigmoid(x)                         # x * sigmoid(x)
-def sign(x: Tensor) -> Tensor: return (x > 0).to(x.dtype) - (x < 0).to(x.dtype)
+def sign(x: Tensor) -> Tensor: return (x > 0).to(x.dtype) - (x < 0).to(x.dtype) if x.dtype is not dtypes.bool_ else copy(x)
 def square(x: Tensor) -> Tensor: return x * x
 def reciprocal(x: Tensor) -> Tensor: return 1 / _floating(x)
 
@@ -109,14 +109,19 @@ def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor]:
   return out
 
 
+def _scaled(y, alpha):
+  """alpha * y, skipped for a Python 1 (alpha may be a tensor, e.g. a compiled step's learning rate)."""
+  return y if not isinstance(alpha, Tensor) and alpha == 1 else y * alpha
+
+
 def add(x, y, *, alpha=1) -> Tensor:
   """x + alpha * y, broadcasting."""
-  return add_op(*operands("add", x, y if alpha == 1 else y * alpha))
+  return add_op(*operands("add", x, _scaled(y, alpha)))
 
 
 def sub(x, y, *, alpha=1) -> Tensor:
   """x - alpha * y, broadcasting."""
-  return sub_op(*operands("sub", x, y if alpha == 1 else y * alpha))
+  return sub_op(*operands("sub", x, _scaled(y, alpha)))
 
 
 def mul(x, y) -> Tensor: return mul_op(*operands("mul", x, y))

@@ -1,0 +1,210 @@
+"""bt.compile end to end on the CPU: compiled == eager for whole training steps and inference, guards and
+recapture, the disk cache, dynamic learning rates, RNG, and graph breaks."""
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import nn
+from blutrain.nn import functional as F
+from blutrain.models import GPT, GPTConfig
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _twins(make):
+  """Two identical (model, optimizer) pairs built from the same seed."""
+  pairs = []
+  for _ in range(2):
+    bt.manual_seed(0)
+    pairs.append(make())
+  return pairs
+
+
+def _train_step(model, opt, clip=True):
+  def step(x, y):
+    _, loss = model(x, y) if isinstance(model, GPT) else (None, F.cross_entropy(model(x), y))
+    loss.backward()
+    if clip: nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
+  return step
+
+
+def _assert_same_params(m1, m2, rtol=1e-6, atol=1e-7):
+  for (name, p), (_, q) in zip(m1.named_parameters(), m2.named_parameters()):
+    np.testing.assert_allclose(q.detach().numpy(), p.detach().numpy(), rtol=rtol, atol=atol, err_msg=name)
+
+
+def test_gpt_training_steps_equal_eager():
+  cfg = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+  (m1, o1), (m2, o2) = _twins(lambda: (lambda m: (m, m.configure_optimizers(0.1, 1e-2)))(GPT(cfg)))
+  eager, compiled = _train_step(m1, o1), bt.compile(_train_step(m2, o2))
+  sched1 = bt.optim.lr_scheduler.warmup_cosine(o1, 2, 6)
+  sched2 = bt.optim.lr_scheduler.warmup_cosine(o2, 2, 6)
+  rng = np.random.default_rng(0)
+  gen_state = bt.default_generator.offset
+  for _ in range(5):
+    x, y = (bt.from_numpy(rng.integers(0, 40, (3, 16))) for _ in range(2))
+    bt.default_generator.offset = gen_state
+    a = eager(x, y).item()
+    bt.default_generator.offset = gen_state
+    b = compiled(x, y).item()
+    gen_state = bt.default_generator.offset
+    assert abs(a - b) <= 1e-6 * abs(a), (a, b)
+    sched1.step(); sched2.step()
+  assert compiled.captures == 1
+  _assert_same_params(m1, m2)
+  for p, q in zip(m1.parameters(), m2.parameters()):
+    s1, s2 = o1.state[p], o2.state[q]
+    assert s1["step"].item() == s2["step"].item() == 5
+    np.testing.assert_allclose(s2["exp_avg_sq"].numpy(), s1["exp_avg_sq"].numpy(), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "layernorm", "attention"])
+def test_small_models_equal_eager(kind):
+  def make():
+    if kind == "mlp":
+      model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 5))
+    elif kind == "layernorm":
+      model = nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.SiLU(), nn.RMSNorm(16), nn.Linear(16, 5))
+    else:
+      model = _Attention()
+    return model, bt.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+  (m1, o1), (m2, o2) = _twins(make)
+  eager, compiled = _train_step(m1, o1, clip=False), bt.compile(_train_step(m2, o2, clip=False))
+  rng = np.random.default_rng(1)
+  for _ in range(4):
+    x = bt.from_numpy(rng.standard_normal((6, 4, 12)).astype(np.float32)) if kind == "attention" else \
+        bt.from_numpy(rng.standard_normal((6, 12)).astype(np.float32))
+    y = bt.from_numpy(rng.integers(0, 5, 6))
+    np.testing.assert_allclose(compiled(x, y).item(), eager(x, y).item(), rtol=1e-6)
+  _assert_same_params(m1, m2)
+
+
+class _Attention(nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.qkv, self.out = nn.Linear(12, 36), nn.Linear(12, 5)
+
+  def forward(self, x):
+    q, k, v = self.qkv(x).chunk(3, dim=-1)
+    a = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal=True).squeeze(1)
+    return self.out(a.mean(1))
+
+
+def test_inference_function_and_module():
+  bt.manual_seed(0)
+  model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).eval()
+  fwd = bt.compile(model)
+  x = bt.randn(5, 8)
+  with bt.no_grad():
+    for _ in range(3):
+      np.testing.assert_allclose(fwd(x).numpy(), model(x).numpy(), rtol=1e-6)
+
+  @bt.compile
+  def stats(a, b):
+    return {"sum": (a * b).sum(), "parts": [a.softmax(-1), (a @ b.T).relu()]}
+  a, b = bt.randn(4, 6), bt.randn(4, 6)
+  for _ in range(3): out = stats(a, b)
+  np.testing.assert_allclose(out["sum"].item(), (a * b).sum().item(), rtol=1e-5)
+  np.testing.assert_allclose(out["parts"][1].numpy(), (a @ b.T).relu().numpy(), rtol=1e-6)
+
+
+def test_guard_recaptures_on_new_shape_and_hyperparameter():
+  bt.manual_seed(0)
+  model = nn.Linear(4, 2)
+  opt = bt.optim.AdamW(model.parameters(), lr=1e-2)
+  step = bt.compile(_train_step(model, opt, clip=False))
+  y = bt.tensor([0, 1, 1])
+  for _ in range(3): step(bt.randn(3, 4), y)
+  assert step.captures == 1
+  step(bt.randn(5, 4), bt.tensor([0, 1, 1, 0, 1]))
+  assert step.captures == 2
+  opt.param_groups[0]["weight_decay"] = 0.5
+  step(bt.randn(3, 4), y)
+  assert step.captures == 3
+  opt.param_groups[0]["lr"] = 1e-3  # the learning rate is read at each call: no recapture
+  step(bt.randn(3, 4), y)
+  assert step.captures == 3
+
+
+def test_warm_cache_skips_the_passes():
+  def make_step():
+    bt.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return bt.compile(_train_step(model, bt.optim.SGD(model.parameters(), lr=0.1), clip=False))
+  x, y = bt.randn(3, 4), bt.tensor([0, 1, 1])
+  first = make_step()
+  for _ in range(2): first(x, y)
+  assert first.info["cache"] == "miss"
+  second = make_step()
+  for _ in range(2): second(x, y)
+  assert second.info["cache"] == "hit" and second.info["key"] == first.info["key"]
+
+
+def test_corrupt_cache_entry_is_rebuilt(tmp_path):
+  f = bt.compile(lambda a: (a * 2).exp())
+  x = bt.randn(3)
+  for _ in range(2): f(x)
+  path = f.info["source"]
+  with open(path, "w") as fh: fh.write("this is not python (")
+  g = bt.compile(lambda a: (a * 2).exp())
+  for _ in range(2): out = g(x)
+  assert g.info["cache"] == "miss"
+  np.testing.assert_allclose(out.numpy(), (x * 2).exp().numpy(), rtol=1e-6)
+
+
+def test_gradient_accumulation_without_zero_grad():
+  bt.manual_seed(0)
+  m1 = nn.Linear(3, 2)
+  bt.manual_seed(0)
+  m2 = nn.Linear(3, 2)
+
+  def accumulate(model):
+    def f(x):
+      (model(x) ** 2).sum().backward()
+      return model.weight.grad
+    return f
+  eager, compiled = accumulate(m1), bt.compile(accumulate(m2))
+  x = bt.randn(4, 3)
+  for _ in range(4):
+    eager(x)
+    compiled(x)
+  np.testing.assert_allclose(m2.weight.grad.numpy(), m1.weight.grad.numpy(), rtol=1e-6)
+  np.testing.assert_allclose(m2.bias.grad.numpy(), m1.bias.grad.numpy(), rtol=1e-6)
+
+
+def test_graph_break_is_an_error():
+  model = nn.Linear(3, 1)
+
+  @bt.compile
+  def step(x):
+    loss = model(x).sum()
+    if loss.item() > 0:  # data-dependent Python control flow
+      loss = loss * 2
+    return loss
+  step(bt.randn(2, 3))
+  with pytest.raises(bt.nova.GraphBreakError, match="graph break"):
+    step(bt.randn(2, 3))
+
+
+def test_forward_only_training_call_is_refused():
+  model = nn.Linear(3, 1)
+  f = bt.compile(model)
+  f(bt.randn(2, 3))
+  with pytest.raises(RuntimeError, match="runs no backward"):
+    f(bt.randn(2, 3))
+
+
+def test_dump_ir(tmp_path):
+  f = bt.compile(lambda a, b: (a @ b).relu().sum() * 1.0, dump_ir=str(tmp_path / "ir"))
+  a, b = bt.randn(3, 4), bt.randn(4, 5)
+  for _ in range(2): out = f(a, b)
+  np.testing.assert_allclose(out.item(), (a @ b).relu().sum().item(), rtol=1e-5)
+  dumps = sorted(p.name for p in (tmp_path / "ir").iterdir())
+  assert dumps[0].startswith("00-") and len(dumps) >= 2
+  assert "nova.matmul" in (tmp_path / "ir" / dumps[0]).read_text()
