@@ -131,6 +131,7 @@ def _select(x: Tensor, idx: Tensor, dim: int, keepdim: bool):
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
   """log(sum(exp(x))) over dim, computed stably around the maximum."""
   dims = normalize_dims(dim, x.ndim, "logsumexp")
+  if x.ndim == 0: return logsumexp(x.reshape(1), 0)
   if x.numel() == 0:  # the empty sum gives log(0) = -inf, as torch's
     m = ops.zeros(_reduced_shape(x.shape, dims, True), dtype=x.dtype, device=x.device)
   else:
