@@ -154,6 +154,12 @@ def test_compare(fn):
   helper_test_op([Int((3, 4), 0, 3), Int((4,), 0, 3)], fn, grad=False)
 
 
+def test_bool_operators():
+  helper_test_op([Bool((3, 4)), Bool((4,))], lambda a, b: (a & b, a | b, a ^ b, ~a, True & a, False | b, a ^ True, a.sign()),
+                 grad=False)
+  helper_test_op([()], lambda x: (x.logsumexp(0), x.logsumexp(-1)))
+
+
 def test_compare_ties():
   helper_test_op([np.array([1.0, 2.0, 3.0, 2.0]), np.array([2.0, 2.0, 1.0, 2.0])], lambda x, y: x <= y, grad=False)
 
@@ -865,6 +871,8 @@ BAD_INPUTS = {
   "negative_size": (lambda: bt.zeros(2, -1), ValueError, "negative dimension"),
   "item": (lambda: _x().item(), RuntimeError, r"item\(\): a tensor with 6 elements"),
   "mean_int": (lambda: bt.tensor([1, 2]).mean(), RuntimeError, "mean: expected a floating point tensor"),
+  "bitwise_int": (lambda: bt.tensor([1, 2]) & bt.tensor([3, 1]), TypeError, "&: supported on bool tensors only, got int64"),
+  "invert_float": (lambda: ~_x(), TypeError, "~: supported on bool tensors only, got float32"),
   "amax_empty": (lambda: bt.zeros(0, 2).amax(0), IndexError, r"amax: cannot reduce over an empty dimension.*\(0, 2\)"),
 }
 
