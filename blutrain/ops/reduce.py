@@ -95,14 +95,14 @@ def _nonempty(x: Tensor, dim, name: str) -> None:
 
 def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the maximum along `dim` (of the flattened tensor when dim is None)."""
-  if dim is None: return argmax_op(x.reshape(-1), dim=0, keepdim=False)
+  if dim is None: return argmax_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   _nonempty(x, dim, "argmax")
   return argmax_op(x, dim=normalize_dim(dim, x.ndim, "argmax"), keepdim=keepdim)
 
 
 def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the minimum along `dim`."""
-  if dim is None: return argmin_op(x.reshape(-1), dim=0, keepdim=False)
+  if dim is None: return argmin_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   _nonempty(x, dim, "argmin")
   return argmin_op(x, dim=normalize_dim(dim, x.ndim, "argmin"), keepdim=keepdim)
 
