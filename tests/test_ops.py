@@ -279,7 +279,7 @@ def test_max_min_with_dim(name, kw):
 
 
 @pytest.mark.parametrize("name", ["argmax", "argmin"])
-@pytest.mark.parametrize("kw", [{}, {"dim": 0}, {"dim": 1, "keepdim": True}, {"dim": -1}])
+@pytest.mark.parametrize("kw", [{}, {"dim": 0}, {"dim": 1, "keepdim": True}, {"dim": -1}, {"dim": None, "keepdim": True}])
 def test_argmax(name, kw):
   helper_test_op([(3, 4, 5)], lambda x: getattr(x, name)(**kw), grad=False, layouts=LAYOUTS)
   helper_test_op([Int((3, 4, 5), 0, 3)], lambda x: getattr(x, name)(**kw), grad=False)
