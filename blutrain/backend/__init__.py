@@ -7,6 +7,7 @@ A backend module provides:
   view(data, shape, strides, offset, dtype) -> array   what kernels take (strides in elements)
   to_numpy(array) -> np.ndarray        host copy of a kernel array
   wrap(array, dtype) -> (data, shape, strides, offset, view)   a kernel result as storage, layout and view
+and optionally require(), which raises ImportError when the module imports but this machine cannot run it.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ _loaded: dict[str, ModuleType] = {}
 def get(device: Device) -> ModuleType:
   if (mod := _loaded.get(device.type)) is None:
     try:
-      mod = _loaded[device.type] = importlib.import_module(f"blutrain.backend.{device.type}")
+      mod = importlib.import_module(f"blutrain.backend.{device.type}")
+      if hasattr(mod, "require"): mod.require()
+      _loaded[device.type] = mod
     except ImportError as e:
       raise RuntimeError(f"device {device} is not available: the {device.type} backend could not load ({e}). "
                          f"Use device='cpu', or install the 'cuda' extra on a machine with an NVIDIA GPU.") from e

@@ -147,8 +147,10 @@ def as_tensor_like(x, like: Tensor) -> Tensor:
 # *** device transfer ***
 
 def to_device(x: Tensor, device: Device) -> Tensor:
-  """Copy to another device; differentiable (the gradient goes back to the source device)."""
-  out = Tensor._wrap(backend.get(device).from_numpy(x.detach().numpy()), device, x.dtype)
+  """Copy to another device through host memory; differentiable (the gradient goes back to the source device)."""
+  host = x.detach().numpy()  # the source backend's host copy (on the CPU, a view of the storage)
+  data = host if device.type == "cpu" else backend.get(device).from_numpy(host, device.index)
+  out = Tensor._wrap(data, device, x.dtype)
   if grad_mode.enabled and x.requires_grad: _record(to_device_op, (x,), {"device": device}, out)
   return out
 
@@ -246,14 +248,19 @@ def inplace(x: Tensor, fn) -> Tensor:
   """Run `fn(old)` out of place and write the result into x's storage, bumping its version.
 
   The tape then sees x as the result of fn; a later backward that needs the overwritten values finds the
-  version changed and says so, as PyTorch's autograd does."""
-  recording = grad_mode.enabled
+  version changed and says so, as PyTorch's autograd does. When x is a view, its root tensor's graph goes
+  through the write too (PyTorch's CopySlices), and other views of the root read it anew when next used."""
+  recording, base = grad_mode.enabled, x._base
   if recording and x.requires_grad and x.is_leaf:
     raise RuntimeError(f"a leaf tensor that requires grad (shape {x.shape}) is being used in an in-place operation; "
                        "wrap the update in `with bt.no_grad():` or use an out-of-place op")
-  if recording and x._node is not None and x._node.op.view is not None:
-    raise RuntimeError(f"in-place op on a view ({x._node.op.name}) of a tensor that requires grad; "
-                       "use an out-of-place op (e.g. torch-style `x = x.masked_fill(...)`)")
+  if recording and base is not None and base.requires_grad and base.is_leaf:
+    raise RuntimeError(f"a view of a leaf tensor that requires grad (shape {base.shape}) is being used in an in-place "
+                       "operation; wrap the update in `with bt.no_grad():` or use an out-of-place op")
+  if recording and base is not None and base._node is not x._base_node: ops.core.refresh_view(x)
+  if recording and base is None and x._node is not None and x._node.op.view is not None:
+    raise RuntimeError(f"in-place op on a view ({x._node.op.name}) of a tensor that requires grad inside bt.compile; "
+                       "use an out-of-place op (e.g. `x = x.masked_fill(...)`)")
   old = Tensor._make(x._storage, x.shape, x._strides, x._offset, x.dtype)
   old.requires_grad, old._node = x.requires_grad, x._node
   new = fn(old)
@@ -272,8 +279,13 @@ def inplace(x: Tensor, fn) -> Tensor:
     snap = ops.copy(old.detach())
     snap._storage.version = x._storage.version
     old._storage, old._strides, old._offset, old._view = snap._storage, snap._strides, snap._offset, snap._view
+    if base is not None:
+      root = Tensor._make(base._storage, base.shape, base._strides, base._offset, base.dtype)
+      root.requires_grad, root._node = base.requires_grad, base._node
+      new_root = ops.movement._put(root, ops.movement.view_positions(x, base), new)
   write(x, new.detach())
   if recording and new.requires_grad:
     x.requires_grad, x._node = True, new._node
+    if base is not None: base.requires_grad, base._node, x._base_node = True, new_root._node, new_root._node
   return x
 

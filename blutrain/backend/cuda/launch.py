@@ -1,0 +1,282 @@
+"""Triton as a compiler only: a @triton.jit function becomes an sm_90 cubin, which cuda.core loads and launches on
+our streams. Triton's own launcher (which needs torch) never runs; compiling needs no GPU.
+
+A signature maps each argument to a Triton type: "*fp32" (a pointer), "i32", "i64", "fp32", "bf16", ... or
+"constexpr" (arguments named in `constexprs` may be left out). A ":16" suffix ("*fp32:16", "i32:16") promises that
+the pointer or integer is a multiple of 16, which lets Triton vectorize memory accesses; the caller must keep the
+promise (the allocator's blocks start 512-byte aligned). Compiled kernels are cached in memory and on disk
+($BLUTRAIN_CACHE_DIR/triton, default ~/.cache/blutrain/triton), keyed by the function's source (with the
+functions it calls), the signature, constexprs, options, target and Triton's version.
+
+Launch: Triton 3.6 kernels take two more pointers after the signature's arguments, a global scratch buffer and a
+profiler scratch buffer, each `grid size * num_ctas * size` bytes when the metadata's size is non-zero (else
+NULL); all of Triton's shared memory is dynamic, and above 48 KiB the kernel must opt in to it. Each Kernel
+generates one packing function at creation, so a launch converts its arguments with no per-argument dispatch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda.array import CudaArray
+
+TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size: the H100/H200
+SHARED_DEFAULT = 48 << 10   # dynamic shared memory a kernel may use without opting in
+
+# the C type of each scalar argument, as Triton's launcher passes it
+_SCALARS: dict[str, Any] = {"i1": np.int8, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
+                            "u1": np.uint8, "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64,
+                            "fp16": np.float16, "fp32": np.float32, "f32": np.float32, "fp64": float}
+
+
+def _bf16(v) -> np.uint16:
+  return np.array(v, ml_dtypes.bfloat16).view(np.uint16)[()]
+
+
+def cache_dir() -> Path:
+  return Path(os.environ.get("BLUTRAIN_CACHE_DIR") or Path.home() / ".cache" / "blutrain") / "triton"
+
+
+# *** compile ***
+
+@dataclass(frozen=True)
+class Compiled:
+  """A cubin and what launching it needs; this is what the disk cache holds."""
+  name: str
+  params: tuple[tuple[str, str], ...]  # (name, type) of the arguments the kernel takes, constexprs removed
+  num_warps: int
+  num_ctas: int
+  shared: int
+  global_scratch_size: int
+  global_scratch_align: int
+  profile_scratch_size: int
+  profile_scratch_align: int
+  launch_cooperative_grid: bool
+  launch_pdl: bool
+  cubin: bytes
+
+
+def _parse_signature(fn, signature: dict[str, str], constexprs: dict[str, Any]) -> tuple[dict, dict]:
+  """Triton's signature in argument order and its attrs (tt.divisibility for ":16" types)."""
+  names = fn.arg_names
+  unknown = (set(signature) | set(constexprs)) - set(names)
+  if unknown: raise TypeError(f"{fn.__name__}: signature/constexprs name {sorted(unknown)}, not arguments of {names}")
+  sig, attrs = {}, {}
+  for i, name in enumerate(names):
+    ty = signature.get(name, "constexpr" if name in constexprs else None)
+    if ty is None: raise TypeError(f"{fn.__name__}: argument {name!r} has no type in the signature and no constexpr value")
+    if ty == "constexpr" and name not in constexprs:
+      raise TypeError(f"{fn.__name__}: constexpr argument {name!r} needs a value in constexprs")
+    base, _, div = ty.partition(":")
+    if div:
+      if div != "16": raise ValueError(f"{fn.__name__}: argument {name!r}: only ':16' divisibility is supported, got {ty!r}")
+      attrs[(i,)] = [["tt.divisibility", 16]]
+    if base != "constexpr" and base[0] != "*" and base not in _SCALARS and base != "bf16":
+      raise TypeError(f"{fn.__name__}: argument {name!r} has type {base!r}; expected a pointer '*T', "
+                      f"one of {sorted(_SCALARS) + ['bf16']} or 'constexpr'")
+    sig[name] = base
+  return sig, attrs
+
+
+def _const_key(v: Any) -> str:
+  return v.cache_key if hasattr(v, "cache_key") else repr(v)
+
+
+def _disk_key(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int) -> str:
+  import triton
+  parts = [fn.cache_key, repr(list(sig.items())), repr(sorted((k, _const_key(v)) for k, v in constexprs.items())),
+           repr(sorted(attrs.items())), f"warps={num_warps},stages={num_stages}", repr(TARGET), triton.__version__]
+  return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+_memory: dict[Any, Compiled] = {}
+_lock = threading.Lock()
+
+
+def compiled(fn, signature: dict[str, str], constexprs: dict[str, Any] | None = None, num_warps: int = 4,
+             num_stages: int = 3) -> Compiled:
+  """The cubin of `fn` for sm_90 with its launch metadata, from the memory or disk cache or freshly compiled."""
+  constexprs = constexprs or {}
+  try:
+    mem_key = (fn, tuple(signature.items()), tuple(constexprs.items()), num_warps, num_stages)
+    hit = _memory.get(mem_key)
+  except TypeError:  # an unhashable constexpr value
+    mem_key, hit = None, None
+  if hit is not None: return hit
+  sig, attrs = _parse_signature(fn, signature, constexprs)
+  key = _disk_key(fn, sig, constexprs, attrs, num_warps, num_stages)
+  path = cache_dir() / key
+  with _lock:
+    c = _read(path)
+    if c is None:
+      c = _compile(fn, sig, constexprs, attrs, num_warps, num_stages)
+      _write(path, c)
+    if mem_key is not None: _memory[mem_key] = c
+  return c
+
+
+def _compile(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int) -> Compiled:
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+  src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+  k = triton.compile(src, target=GPUTarget(*TARGET), options={"num_warps": num_warps, "num_stages": num_stages})
+  md = k.metadata
+  return Compiled(md.name, tuple((n, t) for n, t in sig.items() if t != "constexpr"), md.num_warps, md.num_ctas,
+                  md.shared, md.global_scratch_size, md.global_scratch_align, md.profile_scratch_size,
+                  md.profile_scratch_align, bool(md.launch_cooperative_grid), bool(md.launch_pdl), k.asm["cubin"])
+
+
+def _read(path: Path) -> Compiled | None:
+  try:
+    meta = json.loads(path.with_suffix(".json").read_text())
+    cubin = path.with_suffix(".cubin").read_bytes()
+  except (OSError, ValueError):
+    return None
+  meta["params"] = tuple(tuple(p) for p in meta["params"])
+  return Compiled(**meta, cubin=cubin)
+
+
+def _write(path: Path, c: Compiled) -> None:
+  """Cubin first, metadata last, each by an atomic rename: a reader that finds the .json finds the cubin."""
+  meta = asdict(c)
+  del meta["cubin"]
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, data in ((".cubin", c.cubin), (".json", json.dumps(meta).encode())):
+      tmp = path.with_suffix(f"{suffix}.tmp{os.getpid()}")
+      tmp.write_bytes(data)
+      os.replace(tmp, path.with_suffix(suffix))
+  except OSError:
+    pass  # a read-only cache only costs recompilation
+
+
+def cubin(fn, signature: dict[str, str], constexprs: dict[str, Any] | None = None, num_warps: int = 4,
+          num_stages: int = 3) -> bytes:
+  """The sm_90 cubin of `fn` (compiles without a GPU; CI uses it to check that every kernel compiles)."""
+  return compiled(fn, signature, constexprs, num_warps, num_stages).cubin
+
+
+def compile(fn, signature: dict[str, str], constexprs: dict[str, Any] | None = None, num_warps: int = 4,
+            num_stages: int = 3) -> Kernel:
+  """`fn` compiled for sm_90 as a launchable Kernel (see the module's docstring for the signature's types)."""
+  return Kernel(compiled(fn, signature, constexprs, num_warps, num_stages))
+
+
+# *** launch ***
+
+def _pointer(v: Any, kernel: str, name: str) -> int:
+  """The address behind a pointer argument that is not a CudaArray."""
+  if v is None: return 0
+  if isinstance(v, int): return v
+  if hasattr(v, "data_ptr"): return v.data_ptr()
+  raise TypeError(f"{kernel}: argument {name!r} is a pointer; got {type(v).__name__} (pass a CudaArray, an int address "
+                  f"or None)")
+
+
+class Kernel:
+  """A loaded kernel: `kernel(grid, *args, stream=None)` queues it on `stream` (default: the current stream).
+
+  `grid` is an int or a tuple of up to 3 ints (blocks, or clusters of num_ctas blocks); arguments follow the
+  signature minus constexprs: CudaArrays (or int addresses, or None) for pointers, numbers for scalars."""
+
+  def __init__(self, c: Compiled):
+    self.compiled, self.name, self.num_warps, self.shared = c, c.name, c.num_warps, c.shared
+    self._fns: dict[int, Any] = {}         # device -> cuda.core Kernel
+    self._configs: dict[Any, tuple] = {}   # grid -> (LaunchConfig, number of programs)
+    self._scratch = c.global_scratch_size > 0 or c.profile_scratch_size > 0
+    self._pack, self._pointers = self._codegen(c)
+
+  def _codegen(self, c: Compiled):
+    """Two functions specialized to this signature: the kernel's parameters from the arguments, and the
+    arguments' memory owners (for uses on streams other than the compute stream)."""
+    names = [name for name, _ in c.params]
+    env: dict[str, Any] = {"_CA_": CudaArray, "_ptr_": _pointer, "_bf16_": _bf16}
+    items, owners = [], []
+    for a, ty in c.params:
+      if ty[0] == "*":
+        items.append(f"{a}.ptr if {a}.__class__ is _CA_ else _ptr_({a}, {c.name!r}, {a!r})")
+        owners.append(f"{a}.owner if {a}.__class__ is _CA_ else None")
+      elif ty == "bf16": items.append(f"_bf16_({a})")
+      else:
+        env[f"_{ty}_"] = _SCALARS[ty]
+        items.append(f"_{ty}_({a})")
+    tail = [] if self._scratch else ["0", "0"]
+    args = ", ".join(names)
+    src = (f"def {c.name}({args}):\n  return ({', '.join(items + tail)},)\n"
+           f"def pointers({args}):\n  return ({', '.join(owners)},)\n")
+    exec(src, env)  # noqa: S102 (generated from the signature's types only)
+    return env[c.name], env["pointers"]
+
+  def _load(self, device: int) -> Any:
+    from cuda.core import ObjectCode, launch
+    self._launch = launch
+    st = runtime.state(device)
+    fn = ObjectCode.from_cubin(self.compiled.cubin, name=self.name).get_kernel(self.name)
+    props, attrs = st.properties, fn.attributes
+    if 32 * self.num_warps > attrs.max_threads_per_block:
+      raise RuntimeError(f"{self.name}: {32 * self.num_warps} threads ({self.num_warps} warps) exceed the "
+                         f"{attrs.max_threads_per_block} this kernel can run per block on cuda:{device} (registers: "
+                         f"{attrs.num_regs} per thread); compile it with fewer warps")
+    if self.shared > SHARED_DEFAULT:
+      limit = props.shared_memory_per_block_optin - attrs.shared_size_bytes
+      if self.shared > limit:
+        raise RuntimeError(f"{self.name}: needs {self.shared} bytes of shared memory per block, cuda:{device} allows "
+                           f"{limit}; compile it with smaller blocks or fewer stages")
+      drv = runtime._driver()
+      runtime.check(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             limit, fn.handle, device), f"{self.name}: opting in to shared memory")
+    self._fns[device] = fn
+    return fn
+
+  def _config(self, grid: Any) -> tuple[Any, int]:
+    """The LaunchConfig of a grid and its number of programs (0: nothing to launch)."""
+    from cuda.core import LaunchConfig
+    g = (grid,) if isinstance(grid, int) else tuple(grid)
+    if not 1 <= len(g) <= 3 or not all(isinstance(n, (int, np.integer)) and n >= 0 for n in g):
+      raise ValueError(f"{self.name}: grid must be an int or a tuple of 1 to 3 non-negative ints, got {grid!r}")
+    g = tuple(int(n) for n in g) + (1,) * (3 - len(g))
+    if g[0] >= 2**31 or g[1] > 65535 or g[2] > 65535:
+      raise ValueError(f"{self.name}: grid {g} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
+    c = self.compiled
+    if max(c.global_scratch_align, c.profile_scratch_align) > 512:
+      raise RuntimeError(f"{self.name}: scratch alignment above the allocator's 512 B")
+    cfg = (None if 0 in g else LaunchConfig(
+      grid=g, block=32 * c.num_warps, shmem_size=c.shared, cluster=(c.num_ctas, 1, 1) if c.num_ctas > 1 else None,
+      is_cooperative=c.launch_cooperative_grid, programmatic_stream_serialization=c.launch_pdl), math.prod(g))
+    if len(self._configs) > 4096: self._configs.clear()
+    self._configs[grid] = cfg
+    return cfg
+
+  def __call__(self, grid: Any, *args: Any, stream: runtime.Stream | None = None) -> None:
+    s = runtime.current_stream() if stream is None else stream
+    fn = self._fns.get(s.device)
+    if fn is None: fn = self._load(s.device)
+    cfg = self._configs.get(grid)
+    if cfg is None: cfg = self._config(grid)
+    if cfg[1] == 0: return
+    params = self._pack(*args)
+    if s is not runtime._states[s.device].compute:
+      for o in self._pointers(*args):
+        if o is not None and o.stream is not s: o.record_stream(s)
+    if not self._scratch:
+      self._launch(s._s, cfg[0], fn, *params)
+      return
+    c, alloc = self.compiled, runtime.state(s.device).allocator
+    # freed as this returns, into the stream's pool: a reuse is queued behind this launch
+    scratch = [alloc.malloc(cfg[1] * c.num_ctas * size, s) for size in (c.global_scratch_size, c.profile_scratch_size)]
+    self._launch(s._s, cfg[0], fn, *params, scratch[0].ptr, scratch[1].ptr)
+
+  def __repr__(self) -> str:
+    c = self.compiled
+    return f"Kernel({self.name}, warps={c.num_warps}, shared={c.shared}, params={[p for p, _ in c.params]})"

@@ -1,0 +1,193 @@
+"""Device arrays: allocation from the caching allocator, host <-> device copies through pinned staging buffers,
+and device-to-device copies. Everything is queued on the current stream (see runtime.py for the ordering)."""
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from blutrain import dtypes
+from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.runtime import Event, Stream, check, current_stream
+from blutrain.dtypes import DType
+from blutrain.tensor import contiguous_strides
+
+CHUNK = 16 << 20  # bytes per pinned staging buffer; copies run in pieces of this size
+
+
+def empty(shape, dtype: DType, device: int | None = None, stream: Stream | None = None) -> CudaArray:
+  """A contiguous array of `shape` and `dtype` with undefined values, usable in the order of `stream`
+  (default: the device's current stream)."""
+  shape = tuple(shape)
+  s = stream or current_stream(device)
+  block = runtime.state(s.device).allocator.malloc(math.prod(shape) * dtype.itemsize, s)
+  return CudaArray(block.ptr, shape, contiguous_strides(shape), dtype, s.device, block)
+
+
+def empty_like(a: CudaArray) -> CudaArray:
+  return empty(a.shape, a.dtype, a.device)
+
+
+# *** layout helpers ***
+
+def span(shape, strides) -> tuple[int, int]:
+  """The element offsets [lo, hi) that a non-empty strided array touches, relative to element (0, ..., 0)."""
+  lo = sum(st * (n - 1) for n, st in zip(shape, strides) if st < 0)
+  hi = 1 + sum(st * (n - 1) for n, st in zip(shape, strides) if st > 0)
+  return lo, hi
+
+
+def is_dense(a: CudaArray) -> bool:
+  """True when `a` is a permutation of a contiguous array: its elements fill [ptr, ptr + nbytes) exactly once."""
+  expected = 1
+  for st, n in sorted((st, n) for n, st in zip(a.shape, a.strides) if n != 1):
+    if st != expected: return False
+    expected *= n
+  return True
+
+
+def broadcast_to(a: CudaArray, shape: tuple[int, ...]) -> CudaArray:
+  """A stride-0 view of `a` with `shape` (NumPy's broadcasting rule)."""
+  if a.shape == shape: return a
+  lead = len(shape) - a.ndim
+  if lead < 0 or any(n != m and n != 1 for n, m in zip(a.shape, shape[lead:])):
+    raise ValueError(f"cannot broadcast a CUDA array of shape {a.shape} to {shape}")
+  strides = (0,) * lead + tuple(0 if n != m else st for n, m, st in zip(a.shape, shape[lead:], a.strides))
+  return CudaArray(a.ptr, shape, strides, a.dtype, a.device, a.owner)
+
+
+def _kernel(name: str):
+  from blutrain.backend import cuda  # the kernel table; imported late since the kernel library imports this module
+  return cuda.kernels.get(name)
+
+
+# *** pinned staging ***
+
+class _Staging:
+  """Two pinned host buffers per device: while the DMA engine moves one piece, the CPU fills or drains the other."""
+
+  def __init__(self, device: int):
+    self.device, self.lock = device, threading.Lock()
+    self.buffers: list[int] = []
+    self.events = [Event(), Event()]  # the last copy through each buffer
+
+  def buffer(self, j: int) -> int:
+    """Buffer j, ready to be written: its last copy has completed."""
+    while len(self.buffers) <= j:
+      runtime.state(self.device)
+      self.buffers.append(int(check(runtime._driver().cuMemAllocHost(CHUNK), f"cuMemAllocHost({CHUNK})")))
+    self.events[j].synchronize()
+    return self.buffers[j]
+
+
+_staging: dict[int, _Staging] = {}
+
+
+def _stage(device: int) -> _Staging:
+  st = _staging.get(device)
+  if st is None: st = _staging.setdefault(device, _Staging(device))
+  return st
+
+
+def copy_h2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
+  """Queue a copy of `nbytes` from host address `src` to device address `dst` on `s`; `src` may be reused
+  as soon as this returns."""
+  st, drv = _stage(s.device), runtime._driver()
+  with st.lock:
+    for k, off in enumerate(range(0, nbytes, CHUNK)):
+      n, j = min(CHUNK, nbytes - off), k & 1
+      buf = st.buffer(j)
+      ctypes.memmove(buf, src + off, n)
+      check(drv.cuMemcpyHtoDAsync(dst + off, buf, n, s._s.handle), "cuMemcpyHtoDAsync")
+      st.events[j].record(s)
+
+
+def copy_d2h(dst: int, src: int, nbytes: int, s: Stream) -> None:
+  """Copy `nbytes` from device address `src` to host address `dst` after the work queued on `s`; returns
+  when the host memory holds the data."""
+  st, drv = _stage(s.device), runtime._driver()
+  with st.lock:
+    last = None
+    for k, off in enumerate(range(0, nbytes, CHUNK)):
+      n, j = min(CHUNK, nbytes - off), k & 1
+      buf = st.buffer(j)
+      check(drv.cuMemcpyDtoHAsync(buf, src + off, n, s._s.handle), "cuMemcpyDtoHAsync")
+      st.events[j].record(s)
+      if last is not None: _drain(st, *last, dst)
+      last = (j, buf, off, n)
+    if last is not None: _drain(st, *last, dst)
+
+
+def _drain(st: _Staging, j: int, buf: int, off: int, n: int, dst: int) -> None:
+  st.events[j].synchronize()
+  ctypes.memmove(dst + off, buf, n)
+
+
+def copy_d2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
+  """Queue a device-to-device copy of `nbytes` on `s`."""
+  if nbytes: check(runtime._driver().cuMemcpyDtoDAsync(dst, src, nbytes, s._s.handle), "cuMemcpyDtoDAsync")
+
+
+# *** host <-> device ***
+
+def from_numpy(array: np.ndarray, device: int | None = None) -> CudaArray:
+  """A contiguous device copy of a host array (any layout) on `device` (default: the current device)."""
+  dtype = dtypes.to_dtype(array.dtype)
+  host = np.ascontiguousarray(array)
+  out = empty(host.shape, dtype, device)
+  if out.nbytes: copy_h2d(out.ptr, host.ctypes.data, out.nbytes, current_stream(out.device))
+  return out
+
+
+def to_numpy(a: CudaArray) -> np.ndarray:
+  """A host copy of a strided device array, after the work queued on the current stream."""
+  out = np.empty(a.shape, a.dtype.np)
+  if out.size == 0: return out
+  s, item = current_stream(a.device), a.dtype.itemsize
+  if a.is_contiguous():
+    copy_d2h(out.ctypes.data, a.ptr, a.nbytes, s)
+    return out
+  lo, hi = span(a.shape, a.strides)
+  if not is_dense(a) and hi - lo > 2 * a.size + (1 << 20) // item and (copy := _kernel("copy")) is not None:
+    return to_numpy(copy(a))  # a sparse view of a large buffer: gather it on the device first
+  buf = np.empty(hi - lo, a.dtype.np)
+  copy_d2h(buf.ctypes.data, a.ptr + lo * item, (hi - lo) * item, s)
+  out[...] = as_strided(buf[-lo:], shape=a.shape, strides=tuple(st * item for st in a.strides))
+  return out
+
+
+# *** device -> device ***
+
+def copy_into(dst: CudaArray, src: CudaArray) -> None:
+  """dst[...] = src on the current stream: src broadcasts to dst's shape and is cast to its dtype.
+
+  A memcpy when both share one dense layout; otherwise the kernel library's `copy` (and `cast`) kernels."""
+  if dst.size == 0: return
+  if src.device != dst.device:
+    raise RuntimeError(f"copy_into: source on cuda:{src.device}, destination on cuda:{dst.device}; "
+                       "copy through .to(device) first")
+  s = current_stream(dst.device)
+  if src.dtype is not dst.dtype: src = _require("cast", src, dst)(src, dtype=dst.dtype)
+  src = broadcast_to(src, dst.shape)
+  for a in (src, dst):
+    if a.owner.stream is not s: a.owner.record_stream(s)
+  if src.strides == dst.strides and is_dense(dst):
+    lo, _ = span(dst.shape, dst.strides)
+    copy_d2d(dst.ptr + lo * dst.dtype.itemsize, src.ptr + lo * src.dtype.itemsize, dst.nbytes, s)
+    return
+  copy = _require("copy", src, dst)
+  if dst.is_contiguous(): copy_d2d(dst.ptr, copy(src).ptr, dst.nbytes, s)
+  else: copy(src, out=dst)
+
+
+def _require(name: str, src: CudaArray, dst: CudaArray):
+  k = _kernel(name)
+  if k is None:
+    raise RuntimeError(f"copy_into: writing a {src.dtype.name} array of shape {src.shape} (strides {src.strides}) into "
+                       f"a {dst.dtype.name} one with strides {dst.strides} on cuda:{dst.device} needs the CUDA "
+                       f"'{name}' kernel, which is not loaded (blutrain.backend.cuda.kernels)")
+  return k

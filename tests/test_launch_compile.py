@@ -1,0 +1,148 @@
+"""Kernel launch without a GPU: compiling for sm_90, the compile cache, signature checks, argument packing and its
+per-launch cost (host side)."""
+import time
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+
+from blutrain import dtypes
+from blutrain.backend.cuda import launch, runtime
+from blutrain.backend.cuda.array import CudaArray
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+  offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  m = offs < n
+  tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m) + alpha * tl.load(y_ptr + offs, mask=m), mask=m)
+
+
+@triton.jit
+def scale_kernel(x_ptr, n, a, b, flag, BLOCK: tl.constexpr):
+  offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  m = offs < n
+  x = tl.load(x_ptr + offs, mask=m)
+  tl.store(x_ptr + offs, tl.where(flag, x * a.to(tl.float32) + b, x), mask=m)
+
+
+ADD_SIG = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "alpha": "fp32"}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(launch, "_memory", {})
+
+
+def array(ptr: int, n: int, owner=None) -> CudaArray: return CudaArray(ptr, (n,), (1,), dtypes.float32, 0, owner)
+
+
+def test_compiles_for_sm90_with_metadata(tmp_path):
+  c = launch.compiled(add_kernel, ADD_SIG, {"BLOCK": 1024}, num_warps=4, num_stages=2)
+  assert c.cubin[:4] == b"\x7fELF" and c.cubin == launch.cubin(add_kernel, ADD_SIG, {"BLOCK": 1024}, 4, 2)
+  assert c.name == "add_kernel" and c.num_warps == 4 and c.num_ctas == 1 and c.shared == 0
+  assert c.params == (("x_ptr", "*fp32"), ("y_ptr", "*fp32"), ("out_ptr", "*fp32"), ("n", "i32"), ("alpha", "fp32"))
+  assert c.global_scratch_size == 0 and c.profile_scratch_size == 0
+  assert len(list((tmp_path / "triton").glob("*.cubin"))) == 1 and len(list((tmp_path / "triton").glob("*.json"))) == 1
+
+
+def test_signature_may_list_constexprs_and_alignment():
+  a = launch.cubin(add_kernel, {**ADD_SIG, "BLOCK": "constexpr"}, {"BLOCK": 1024}, num_warps=4)
+  b = launch.cubin(add_kernel, {k: v + ":16" for k, v in ADD_SIG.items() if k != "alpha"} | {"alpha": "fp32"},
+                   {"BLOCK": 1024}, num_warps=4)
+  assert a[:4] == b[:4] == b"\x7fELF" and a != b  # the aligned variant vectorizes its loads
+
+
+class Recompiled(Exception): pass
+
+
+def test_disk_cache_serves_a_new_process(monkeypatch):
+  first = launch.compiled(add_kernel, ADD_SIG, {"BLOCK": 256})
+  monkeypatch.setattr(launch, "_memory", {})
+
+  def recompile(*a): raise Recompiled
+
+  monkeypatch.setattr(launch, "_compile", recompile)
+  assert launch.compiled(add_kernel, ADD_SIG, {"BLOCK": 256}) == first
+  with pytest.raises(Recompiled):  # another constexpr is another key
+    launch.compiled(add_kernel, ADD_SIG, {"BLOCK": 512})
+
+
+@pytest.mark.parametrize("sig, consts, message", [
+  ({"x_ptr": "*fp32"}, {"BLOCK": 8}, "argument 'y_ptr' has no type"),
+  ({**ADD_SIG, "z": "i32"}, {"BLOCK": 8}, r"name \['z'\], not arguments"),
+  ({**ADD_SIG, "n": "int"}, {"BLOCK": 8}, "argument 'n' has type 'int'"),
+  ({**ADD_SIG, "BLOCK": "constexpr"}, {}, "constexpr argument 'BLOCK' needs a value"),
+  ({**ADD_SIG, "n": "i32:8"}, {"BLOCK": 8}, "only ':16' divisibility"),
+])
+def test_signature_errors_name_the_argument(sig, consts, message):
+  with pytest.raises((TypeError, ValueError), match=message):
+    launch.compiled(add_kernel, sig, consts)
+
+
+def test_packing_converts_each_argument_by_its_type():
+  k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
+  x, y, out = array(0x7000_0000_0000, 10, "block"), array(0x7000_0000_0200, 10), array(0x7000_0000_0400, 10)
+  p = k._pack(x, y, out, 10, 2.5)
+  assert p == (x.ptr, y.ptr, out.ptr, 10, 2.5, 0, 0)  # the trailing zeros: no scratch buffers
+  assert [type(v) for v in p] == [int, int, int, np.int32, np.float32, int, int]
+  assert k._pack(123, None, out, np.int64(7), 1)[:4] == (123, 0, out.ptr, 7)
+  assert k._pointers(x, 5, None, 10, 2.5) == ("block", None, None)
+  with pytest.raises(TypeError, match=r"add_kernel: argument 'y_ptr' is a pointer; got str"):
+    k._pack(x, "y", out, 10, 2.5)
+  with pytest.raises(TypeError, match="add_kernel.. missing 1 required positional argument: 'alpha'"):
+    k._pack(x, y, out, 10)
+  with pytest.raises(OverflowError):
+    k._pack(x, y, out, 2**40, 1.0)
+
+
+def test_packing_of_half_types_and_flags():
+  k = launch.compile(scale_kernel, {"x_ptr": "*fp32", "n": "i64", "a": "bf16", "b": "fp16", "flag": "i1"},
+                     {"BLOCK": 128})
+  p = k._pack(array(4096, 3), 3, 1.5, 0.25, True)
+  assert p[2] == np.array(1.5, ml_dtypes.bfloat16).view(np.uint16) and type(p[2]) is np.uint16
+  assert type(p[3]) is np.float16 and p[3] == 0.25 and type(p[4]) is np.int8 and p[4] == 1
+  assert type(p[1]) is np.int64
+
+
+def test_grid_configs_are_checked_and_cached():
+  pytest.importorskip("cuda.core")
+  k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024}, num_warps=8)
+  cfg, programs = k._config((5, 2))
+  assert programs == 10 and cfg.grid == (5, 2, 1) and cfg.block == (256, 1, 1) and k._configs[(5, 2)] == (cfg, 10)
+  assert k._config(0)[1] == 0 and k._config((3, 0, 1))[1] == 0
+  with pytest.raises(ValueError, match=r"add_kernel: grid must be"):
+    k._config((1, 2, 3, 4))
+  with pytest.raises(ValueError, match=r"exceeds CUDA's limits"):
+    k._config((1, 70000))
+
+
+def test_per_launch_host_overhead(monkeypatch):
+  """The Python work of a launch before the driver call: argument packing, the grid's config, cuda.core's
+  parameter buffer, and all of Kernel.__call__ with the driver call stubbed out. Printed for the record (the GPU
+  test measures whole launches)."""
+  cc = pytest.importorskip("cuda.core._kernel_arg_handler")
+  k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
+  x, y, out = array(1 << 40, 10), array(2 << 40, 10), array(3 << 40, 10)
+  k._configs[(4,)] = ("cfg", 4)
+  stream = types.SimpleNamespace(device=0, _s="stream")
+  monkeypatch.setattr(runtime, "_states", {0: types.SimpleNamespace(compute=stream)})
+  k._fns[0], k._launch = "function", lambda s, cfg, fn, *params: cc.ParamHolder(params)
+  n = 20000
+
+  def per_call(f) -> float:
+    t = time.perf_counter()
+    for _ in range(n): f()
+    return (time.perf_counter() - t) / n * 1e6
+
+  pack = per_call(lambda: k._pack(x, y, out, 10, 2.5))
+  config = per_call(lambda: k._configs.get((4,)))
+  holder = per_call(lambda: cc.ParamHolder(k._pack(x, y, out, 10, 2.5)))
+  call = per_call(lambda: k((4,), x, y, out, 10, 2.5, stream=stream))
+  print(f"\nper-launch host overhead: pack {pack:.2f} us, config lookup {config:.2f} us, "
+        f"pack + cuda.core ParamHolder {holder:.2f} us, Kernel.__call__ without the driver call {call:.2f} us")
+  assert pack < 50  # generous: the point is the printout, not a flaky timing bound
