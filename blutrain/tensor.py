@@ -54,7 +54,7 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 class Tensor:
   """An n-dimensional array with autograd, as `torch.Tensor`. Create one with `bt.tensor`, `bt.zeros`, ..."""
   __slots__ = ("_storage", "shape", "_strides", "_offset", "dtype", "requires_grad", "grad", "_node",
-               "_retains_grad", "_hooks", "_view", "__weakref__")
+               "_retains_grad", "_hooks", "_view", "_base", "_base_node", "__weakref__")
   __array_priority__ = 1000  # numpy scalars on the left defer to our operators
 
   # *** construction ***
@@ -64,6 +64,7 @@ class Tensor:
     t = object.__new__(cls)
     t._storage, t.shape, t._strides, t._offset, t.dtype = storage, tuple(shape), tuple(strides), offset, dtype
     t.requires_grad, t.grad, t._node, t._retains_grad, t._hooks, t._view = False, None, None, False, None, None
+    t._base = t._base_node = None  # a view's root tensor, and the root's node when the view's own node was made
     return t
 
   @classmethod
@@ -111,6 +112,7 @@ class Tensor:
   def data(self, other: Tensor) -> None:
     self._storage, self.shape, self._strides, self._offset, self.dtype, self._view = (
       other._storage, other.shape, other._strides, other._offset, other.dtype, other._view)
+    self._base = self._base_node = None
   @property
   def T(self) -> Tensor: return self.permute(*reversed(range(self.ndim)))
   @property

@@ -162,6 +162,9 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
   view), and record a tape node when gradients are needed. Under a Nova capture the op is recorded into the
   graph instead of run. `rng` names the generator a random op draws from (capture makes its state an input)."""
   if autocast_state.cast is not None: inputs = autocast_state.cast(op_.name, inputs)
+  if grad_mode.enabled:
+    for t in inputs:
+      if t is not None and t._base is not None and t._base._node is not t._base_node: refresh_view(t)
   dev = _device_of(op_, inputs) or device
   shape, dtype = op_.rule(*inputs, **attrs)
   if capture.trace is not None:
@@ -170,6 +173,8 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
     x = inputs[0]
     vshape, strides, offset = op_.view(x, **attrs)
     out = Tensor._make(x._storage, vshape, strides, offset, dtype)
+    out._base = base = x if x._base is None else x._base
+    out._base_node = base._node
   else:
     kernel = backend.get(dev).kernels.get(op_.name)
     if kernel is None: raise NotImplementedError(f"{op_.name}: no kernel on the {dev.type} backend")
@@ -179,6 +184,15 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
       and any(t is not None and t.requires_grad for t in inputs)):
     _record(op_, inputs, attrs, out)
   return out
+
+
+def refresh_view(t: Tensor) -> None:
+  """A view whose root was changed in place since the view's node was made reads the root anew: its node
+  becomes an index of the root's current graph (PyTorch regenerates such a view's grad_fn likewise)."""
+  from blutrain.ops.movement import index_op, view_positions
+  base = t._base
+  fresh = index_op(base.reshape(-1), view_positions(t, base), positions=(0,))
+  t._node, t.requires_grad, t._base_node = fresh._node, fresh.requires_grad, base._node
 
 
 def write(x: Tensor, new: Tensor) -> None:

@@ -358,6 +358,19 @@ def _fit(value: Tensor, shape) -> Tensor:
                      f"shape {tuple(shape)}") from None
 
 
+def view_positions(x: Tensor, base: Tensor) -> Tensor:
+  """The flat index in `base` of each element of `x`, a view of base's storage (from their layouts, not values)."""
+  def storage_index(t: Tensor) -> np.ndarray:
+    idx = np.full(t.shape, t._offset, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(t.shape, t._strides)):
+      idx += (np.arange(n, dtype=np.int64) * s).reshape((n,) + (1,) * (t.ndim - d - 1))
+    return idx
+  at, of_base = storage_index(x), storage_index(base).reshape(-1)
+  flat = np.zeros(max(at.max(initial=0), of_base.max(initial=0)) + 1, dtype=np.int64)
+  flat[of_base] = np.arange(of_base.size)
+  return ops.from_numpy(flat[at]).to(base.device)
+
+
 def _put(x: Tensor, pos: Tensor, value: Tensor) -> Tensor:
   """x with value written at the flat positions pos (same shape as value), differentiable in x and value.
   Where pos repeats, the last write wins, as in the eager write (PyTorch leaves that case undefined)."""
