@@ -16,11 +16,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _cuda_available() -> bool:
-  """True when blutrain's cuda backend loads and sees a GPU."""
+  """True when blutrain's cuda backend loads; it refuses to without cuda.core, a driver and a GPU."""
   try:
     bt.backend.get(bt.device("cuda", 0))
-    from cuda.core import Device
-    Device(0)
     return True
   except Exception:
     return False
