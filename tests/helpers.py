@@ -57,11 +57,12 @@ def assert_close(got, want, dtype=bt.float32, what: str = "values", atol=None, r
     assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != torch's {tuple(want.shape)}"
     assert dtype_name(got) == dtype_name(want), f"{what}: dtype {dtype_name(got)} != torch's {dtype_name(want)}"
     if got.dtype.is_floating_point: dtype = got.dtype
-  g, w = to_numpy(got) if not isinstance(got, np.ndarray) else got, to_numpy(want) if not isinstance(want, np.ndarray) else want
+  g, w = (x if isinstance(x, np.ndarray) else to_numpy(x) for x in (got, want))
   assert g.shape == w.shape, f"{what}: shape {g.shape} != {w.shape}"
   a, r = TOLS[dtype]
-  np.testing.assert_allclose(g.astype(np.float64) if g.dtype != bool else g, w.astype(np.float64) if w.dtype != bool else w,
-                             atol=a if atol is None else atol, rtol=r if rtol is None else rtol, err_msg=what)
+  wide = lambda v: v if v.dtype == bool else v.astype(np.float64)
+  np.testing.assert_allclose(wide(g), wide(w), atol=a if atol is None else atol, rtol=r if rtol is None else rtol,
+                             err_msg=what)
 
 
 def make_inputs(specs: Sequence, dtype=bt.float32, layout: str = "contiguous", low: float = -2.0, high: float = 2.0,
@@ -161,7 +162,8 @@ def check_vjp(fn: Callable, specs: Sequence, *, low: float = -2.0, high: float =
 
   def shifted(sign: float) -> float:
     with bt.no_grad():
-      return float((fn(*tensors([a + sign * eps * vs[i] if i in vs else a for i, a in enumerate(arrays)])) * u).sum().item())
+      moved = [a + sign * eps * vs[i] if i in vs else a for i, a in enumerate(arrays)]
+      return float((fn(*tensors(moved)) * u).sum().item())
 
   fd = (shifted(1.0) - shifted(-1.0)) / (2 * eps)
   np.testing.assert_allclose(vjp_dot, fd, atol=atol, rtol=rtol, err_msg="VJP vs central finite differences")

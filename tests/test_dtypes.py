@@ -99,7 +99,8 @@ def test_half_results_round_once(dt):
 @pytest.mark.parametrize("dt", ALL)
 def test_creation_in_every_dtype(dt):
   for make in (lambda lib, d: lib.zeros(2, 3, dtype=d), lambda lib, d: lib.ones(4, dtype=d),
-               lambda lib, d: lib.full((2,), 1, dtype=d), lambda lib, d: lib.arange(5, dtype=d) if d is not lib.bool else lib.zeros(1, dtype=d),
+               lambda lib, d: lib.full((2,), 1, dtype=d),
+               lambda lib, d: lib.arange(5, dtype=d) if d is not lib.bool else lib.zeros(1, dtype=d),
                lambda lib, d: lib.eye(3, dtype=d), lambda lib, d: lib.tensor([[1, 0]], dtype=d)):
     assert_close(make(bt, dt), make(torch, TORCH_DTYPES[dt]))
 
