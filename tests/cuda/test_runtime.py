@@ -95,6 +95,35 @@ def test_tensor_transfer_is_differentiable():
     same(bt.from_numpy(h)[:, ::2].to("cuda").numpy(), h[:, ::2].copy())
 
 
+def test_copy_bandwidth(torch_cuda):
+  """Host <-> device throughput of 256 MiB through the pinned staging buffers, beside PyTorch's (printed)."""
+  torch = torch_cuda
+  x = rand((64 * MiB,), dtypes.float32)
+  a = memory.from_numpy(x)
+  runtime.synchronize()
+  t = time.perf_counter(); a = memory.from_numpy(x); runtime.synchronize(); h2d = time.perf_counter() - t
+  t = time.perf_counter(); y = memory.to_numpy(a); d2h = time.perf_counter() - t
+  same(y, x)
+  tx = torch.from_numpy(x)
+  tx.cuda(); torch.cuda.synchronize()
+  t = time.perf_counter(); g = tx.cuda(); torch.cuda.synchronize(); th2d = time.perf_counter() - t
+  t = time.perf_counter(); g.cpu(); td2h = time.perf_counter() - t
+  gb = x.nbytes / 1e9
+  print(f"\n256 MiB: H2D {gb / h2d:.1f} GB/s (torch {gb / th2d:.1f}), D2H {gb / d2h:.1f} GB/s (torch {gb / td2h:.1f})")
+
+
+def test_tensor_ops_run_through_the_backend():
+  """Kernel results become tensors (wrap), tensors become kernel inputs (view), in-place writes (copy_into)."""
+  if not {"full", "mul", "add"} <= set(be.kernels): pytest.skip("the kernel library lacks full/mul/add")
+  x = rand((5, 6), dtypes.float32)
+  t = bt.from_numpy(x).cuda()
+  np.testing.assert_allclose(((t * 2 + bt.ones(5, 6, device="cuda")).cpu()).numpy(), x * 2 + 1, rtol=1e-6)
+  np.testing.assert_allclose((t.T[1:] * 3).cpu().numpy(), x.T[1:] * 3, rtol=1e-6)
+  with bt.no_grad():
+    t.add_(1.0)
+  np.testing.assert_allclose(t.numpy(), x + 1, rtol=1e-6)
+
+
 # *** device -> device ***
 
 def test_copy_into_same_layout_is_a_memcpy():
@@ -170,6 +199,7 @@ def test_events_order_streams_and_time_work():
     assert memory.to_numpy(copy)[0] == 42.0     # s2 waited for s1's kernel on the device
   assert end.query() and s1.query()
   ms = start.elapsed_time(end)
+  print(f"\nspin kernel of 20M steps: {ms:.1f} ms")
   assert 1.0 < ms < 10_000, ms
   e = s1.record_event()
   e.synchronize()
@@ -187,9 +217,8 @@ def test_cross_stream_use_defers_reuse():
   s = bt.cuda.Stream()
   a = memory.empty((11 * MiB,), dtypes.bool_)       # on the compute stream: a 12 MiB segment of its own
   ptr = a.ptr
-  spin((1,), a, 7.0, 20_000_000, stream=s)           # the launch records the use on s
-  del a
-  gc.collect()
+  spin((1,), a, 7.0, 100_000_000, stream=s)          # the launch records the use on s
+  del a                                              # (no gc.collect(): it could outlast the kernel)
   b = memory.empty((11 * MiB,), dtypes.bool_)
   assert b.ptr != ptr                                # s still uses it
   assert alloc.memory_stats()["pending_free_bytes.all.current"] == 12 * MiB
@@ -201,6 +230,7 @@ def test_cross_stream_use_defers_reuse():
 # *** allocator on the device ***
 
 def test_allocator_reuse_and_stats():
+  gc.collect()
   bt.cuda.empty_cache()
   bt.cuda.reset_peak_memory_stats()
   s0 = bt.cuda.memory_stats()

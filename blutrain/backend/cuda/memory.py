@@ -137,7 +137,7 @@ def copy_d2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
 def from_numpy(array: np.ndarray, device: int | None = None) -> CudaArray:
   """A contiguous device copy of a host array (any layout) on `device` (default: the current device)."""
   dtype = dtypes.to_dtype(array.dtype)
-  host = np.ascontiguousarray(array)
+  host = np.asarray(array, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
   out = empty(host.shape, dtype, device)
   if out.nbytes: copy_h2d(out.ptr, host.ctypes.data, out.nbytes, current_stream(out.device))
   return out
@@ -180,8 +180,14 @@ def copy_into(dst: CudaArray, src: CudaArray) -> None:
     copy_d2d(dst.ptr + lo * dst.dtype.itemsize, src.ptr + lo * src.dtype.itemsize, dst.nbytes, s)
     return
   copy = _require("copy", src, dst)
-  if dst.is_contiguous(): copy_d2d(dst.ptr, copy(src).ptr, dst.nbytes, s)
-  else: copy(src, out=dst)
+  if dst.is_contiguous():
+    copy_d2d(dst.ptr, copy(src).ptr, dst.nbytes, s)
+    return
+  try: copy(src, out=dst)
+  except TypeError as e:
+    if "out" not in str(e): raise
+    raise RuntimeError(f"copy_into: writing into a strided CUDA array (shape {dst.shape}, strides {dst.strides}) needs "
+                       f"the kernel library's 'copy' kernel to accept out= (see /work/notes/cuda_interface.md): {e}") from e
 
 
 def _require(name: str, src: CudaArray, dst: CudaArray):
