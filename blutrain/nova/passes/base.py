@@ -21,6 +21,7 @@ class NovaPass(ModulePass):
   name: ClassVar[str]
 
   def apply(self, ctx: Context, op: ModuleOp) -> None: self.run(op)
+
   @abstractmethod
   def run(self, module: ModuleOp) -> bool: ...
 
