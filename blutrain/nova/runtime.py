@@ -154,7 +154,7 @@ def build(graph, dump_dir: str | None) -> tuple[Callable, dict]:
       return fn, info
     except Exception:  # NOTE: any damage to a cache file (truncated, edited) just means a rebuild
       path.unlink(missing_ok=True)
-  compiled = pipeline.compile_graph(graph, dump_dir=dump_dir)
+  compiled = pipeline.compile_graph(graph, dump_dir=Path(dump_dir) / key if dump_dir else None)
   info.update(cache="miss", source=str(path), counts_before=compiled.counts_before, counts_after=compiled.counts_after,
               timings=compiled.timings)
   try:
