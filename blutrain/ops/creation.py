@@ -10,7 +10,7 @@ from blutrain import backend, dtypes, ops
 from blutrain.device import Device, to_device as parse_device
 from blutrain.dtypes import DType
 from blutrain.ops.core import Shape, _record, grad_mode, op, write
-from blutrain.tensor import Tensor
+from blutrain.tensor import Storage, Tensor
 
 
 def _shape(size: Sequence) -> Shape:
@@ -112,7 +112,7 @@ def tensor(data: Any, *, dtype=None, device=None, requires_grad: bool = False) -
     if dtype is not None: arr = arr.astype(dtypes.to_dtype(dtype).np)
     elif arr.dtype == np.float64 and not isinstance(data, (np.ndarray, np.generic)):
       arr = arr.astype(np.float32)  # Python floats default to float32; numpy's float64 stays, as in PyTorch
-    t = from_numpy(np.array(arr, copy=True)).to(parse_device(device))
+    t = from_numpy(np.array(arr, copy=True, order="C")).to(parse_device(device))
   return t.requires_grad_(requires_grad) if requires_grad else t
 
 
@@ -123,10 +123,23 @@ def as_tensor(data: Any, dtype=None, device=None) -> Tensor:
 
 
 def from_numpy(array: np.ndarray) -> Tensor:
-  """A CPU tensor sharing memory with a numpy array (copied only if its dtype needs conversion)."""
+  """A CPU tensor sharing memory with a numpy array, with the array's strides."""
   if not isinstance(array, np.ndarray): raise TypeError(f"from_numpy: expected np.ndarray, got {type(array).__name__}")
+  return _host_tensor(array, "from_numpy")
+
+
+def _host_tensor(array: np.ndarray, name: str) -> Tensor:
+  """A CPU tensor over a host array's memory. A strided array keeps its layout, as PyTorch shares any layout."""
   dt = dtypes.to_dtype(array.dtype)
-  return Tensor._wrap(array, parse_device("cpu"), dt)
+  if array.flags.c_contiguous or array.size == 0: return Tensor._wrap(array, parse_device("cpu"), dt)
+  item = array.itemsize
+  if any(s < 0 or s % item for s in array.strides):
+    raise ValueError(f"{name}: arrays with negative or unaligned strides {array.strides} are not supported; "
+                     "pass a copy (np.ascontiguousarray)")
+  strides = tuple(s // item for s in array.strides)
+  span = 1 + sum((n - 1) * s for n, s in zip(array.shape, strides))  # from the first element to the last
+  flat = np.lib.stride_tricks.as_strided(array, shape=(span,), strides=(item,))
+  return Tensor._make(Storage(flat, parse_device("cpu")), array.shape, strides, 0, dt)
 
 
 def from_dlpack(ext: Any) -> Tensor:
@@ -134,6 +147,7 @@ def from_dlpack(ext: Any) -> Tensor:
   dev_type, index = ext.__dlpack_device__()
   device = parse_device("cpu") if int(dev_type) == 1 else Device("cuda", int(index))
   array = backend.get(device).from_dlpack(ext)
+  if device.type == "cpu": return _host_tensor(array, "from_dlpack")
   return Tensor._wrap(array, device, dtypes.to_dtype(array.dtype))
 
 
