@@ -305,6 +305,25 @@ def test_numpy_shares_memory():
   np.testing.assert_array_equal(t.numpy(), np.arange(6.0).reshape(2, 3).T)
 
 
+def test_from_numpy_keeps_strides_and_shares_memory():
+  a = np.arange(24, dtype=np.float32).reshape(4, 6)
+  for view in (lambda m: m.T, lambda m: m[:, ::2], lambda m: m[1:, 2:5]):
+    x, t = bt.from_numpy(view(a)), torch.from_numpy(view(a))
+    assert x.stride() == t.stride() and x.tolist() == t.tolist()
+  assert bt.from_numpy(np.broadcast_to(a[0], (3, 6))).stride() == (0, 1)
+  x = bt.from_numpy(a.T)
+  a[0, 1] = -1.0
+  assert x[1, 0].item() == -1.0
+  x[2, 3] = 5.0
+  assert a[3, 2] == 5.0
+  assert bt.tensor(a.T).stride() == (4, 1)  # tensor() copies into a contiguous layout, as torch.tensor
+  with pytest.raises(ValueError, match="negative"): bt.from_numpy(a[::-1])
+  tt = torch.arange(12.0).reshape(3, 4)[:, 1::2]
+  d = bt.from_dlpack(tt)
+  tt[0, 0] = 42.0
+  assert d.stride() == tt.stride() and d[0, 0].item() == 42.0
+
+
 def test_item_tolist():
   assert bt.tensor(2.5).item() == 2.5 and isinstance(bt.tensor(3).item(), int) and bt.tensor(True).item() is True
   assert bt.tensor([[1.5]]).item() == 1.5
