@@ -1,0 +1,68 @@
+"""The flash_attention primitive on the CPU (the reference for the CUDA kernels): values and gradients equal the
+composite attention and torch's scaled_dot_product_attention; the primitive is taken exactly when it applies."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import blutrain as bt
+import blutrain.nn.functional as F
+from blutrain import ops
+from tests.helpers import TORCH_DTYPES, assert_close
+
+CASES = [((2, 3, 7, 8), (2, 3, 7, 8)), ((1, 5, 16), (1, 9, 16)), ((4, 9, 4), (4, 5, 4)), ((6, 32), (6, 32)),
+         ((2, 1, 1, 8), (2, 1, 1, 8))]
+
+
+def _inputs(qshape, kshape, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  arrays = [rng.standard_normal(s) for s in (qshape, kshape, kshape)]
+  b = [bt.tensor(a, dtype=bt.float32).to(dtype).requires_grad_() for a in arrays]
+  t = [torch.tensor(a, dtype=torch.float32).to(TORCH_DTYPES[dtype]).requires_grad_() for a in arrays]
+  return b, t, rng.standard_normal(qshape[:-1] + (kshape[-1],))
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("qshape,kshape", CASES, ids=str)
+def test_flash_path_matches_torch(qshape, kshape, causal, dtype):
+  (q, k, v), (tq, tk, tv), g = _inputs(qshape, kshape, dtype)
+  out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+  assert out.grad_fn.op.name == "flash_attention"
+  out.backward(bt.tensor(g, dtype=bt.float32).to(dtype))
+  ref = TF.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+  ref.backward(torch.tensor(g, dtype=torch.float32).to(TORCH_DTYPES[dtype]))
+  assert_close(out, ref, what="attention")
+  for name, a, b in (("dq", q, tq), ("dk", k, tk), ("dv", v, tv)):
+    assert_close(a.grad, b.grad, what=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_primitive_equals_composite_in_float64(causal):
+  (q, k, v), _, g = _inputs((2, 6, 8), (2, 10, 8), bt.float32, seed=3)
+  q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+  flash = ops.nn.flash_attention(q64, k64, v64, causal=causal, scale=0.3)
+  comp = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, scale=0.3)  # float64 takes the composite
+  assert comp.grad_fn.op.name != "flash_attention"
+  gt = bt.tensor(g, dtype=bt.float64)
+  grads = bt.autograd.grad((flash * gt).sum(), [q64, k64, v64])
+  want = bt.autograd.grad((comp * gt).sum(), [q64, k64, v64])
+  np.testing.assert_allclose(flash.detach().numpy(), comp.detach().numpy(), rtol=1e-12, atol=1e-12)
+  for a, b in zip(grads, want): np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_composite_kept_for_masks_dropout_and_broadcast():
+  (q, k, v), _, _ = _inputs((2, 4, 8), (2, 4, 8), bt.float32)
+  mask = bt.tensor(np.tri(4, dtype=bool))
+  assert F.scaled_dot_product_attention(q, k, v, attn_mask=mask).grad_fn.op.name != "flash_attention"
+  assert F.scaled_dot_product_attention(q, k, v, dropout_p=0.5).grad_fn.op.name != "flash_attention"
+  assert F.scaled_dot_product_attention(q, k[:1], v[:1]).grad_fn.op.name != "flash_attention"  # broadcast batch
+  assert F.scaled_dot_product_attention(q, k, v, scale=0.1).grad_fn.op.name == "flash_attention"
+
+
+def test_rule_errors_name_the_op():
+  q = bt.randn(2, 4, 8)
+  with pytest.raises(ValueError, match=r"flash_attention: expected q \(\.\.\., L, E\).*\(2, 4, 8\), \(2, 5, 8\)"):
+    ops.nn.flash_attention(q, bt.randn(2, 5, 8), bt.randn(2, 4, 8), causal=False, scale=1.0)
+  with pytest.raises(TypeError, match="flash_attention: q, k, v must share one dtype"):
+    ops.nn.flash_attention(q, q.bfloat16(), q, causal=False, scale=1.0)
