@@ -62,6 +62,15 @@ def format_size(n: int) -> str:
   return f"{n} bytes"
 
 
+_SID_SHIFT, _SIZE_SHIFT = 112, 56
+
+
+def _key(sid: int, size: int, ptr: int) -> int:
+  """A free block's place in its pool: ordered by stream, then size, then address, as one int (which compares
+  faster than a tuple); sizes and addresses stay below 2**56."""
+  return sid << _SID_SHIFT | size << _SIZE_SHIFT | ptr
+
+
 class _Block:
   """A piece of one segment, linked to its neighbours in address order."""
   __slots__ = ("ptr", "size", "requested", "stream", "sid", "small", "allocated", "prev", "next", "stream_uses",
@@ -71,8 +80,6 @@ class _Block:
     self.ptr, self.size, self.requested, self.stream, self.sid, self.small = ptr, size, 0, stream, sid, small
     self.allocated, self.prev, self.next, self.stream_uses, self.events = False, None, None, None, None
 
-  @property
-  def key(self) -> tuple[int, int, int]: return (self.sid, self.size, self.ptr)
   def is_split(self) -> bool: return self.prev is not None or self.next is not None
 
 
@@ -98,7 +105,10 @@ class Block:
     if b is not None: self._alloc._release(b)
 
   def __del__(self):
-    if not sys.is_finalizing(): self.free()
+    b = self._b
+    if b is not None and not sys.is_finalizing():
+      self._b = None
+      self._alloc._release(b)
 
   def __repr__(self) -> str:
     return f"Block(ptr=0x{self.ptr:x}, nbytes={self.nbytes}, device={self.device})"
@@ -110,8 +120,8 @@ class _Stat:
   def __init__(self): self.current = self.peak = 0
 
   def add(self, n: int) -> None:
-    self.current += n
-    if self.current > self.peak: self.peak = self.current
+    self.current = c = self.current + n
+    if c > self.peak: self.peak = c
 
 
 class CachingAllocator:
@@ -120,13 +130,14 @@ class CachingAllocator:
   def __init__(self, driver: Driver, device: int = 0):
     self.driver, self.device = driver, device
     self.limit: int | None = None
-    self._pools: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> sorted free keys
-    self._free: dict[tuple[int, int, int], _Block] = {}
+    self._pools: dict[bool, list[int]] = {True: [], False: []}  # small? -> sorted keys of its free blocks
+    self._free: dict[int, _Block] = {}
     self._pending: list[_Block] = []            # freed, waiting for events on other streams
     self._sids: dict[Any, int] = {}
     self._lock = threading.Lock()
     self._deferred: list[_Block] = []           # frees that arrived while the lock was held (GC, other threads)
     self._stats = {k: _Stat() for k in ("allocated", "reserved", "active", "requested", "segments")}
+    self._allocated, self._requested, self._active = (self._stats[k] for k in ("allocated", "requested", "active"))
     self._counts = {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0, "num_ooms": 0}
 
   # *** allocation ***
@@ -135,16 +146,20 @@ class CachingAllocator:
     """A block of at least `nbytes` bytes usable in the order of `stream`."""
     if nbytes == 0: return Block(0, 0, self.device, stream, None, None)
     with self._lock:
-      self._drain()
+      if self._deferred: self._drain()
       b = self._malloc(nbytes, stream)
     if self._deferred: self._try_drain()
     return Block(b.ptr, nbytes, self.device, stream, b, self)
 
   def _malloc(self, nbytes: int, stream: Any) -> _Block:
-    self._process_events()
-    size, sid = round_size(nbytes), self._sid(stream)
+    if self._pending: self._process_events()
+    size = round_size(nbytes)
+    sid = self._sids.get(stream)
+    if sid is None: sid = self._sids[stream] = len(self._sids)
     small = size <= SMALL_SIZE
-    b = self._best_fit(small, sid, size)
+    pool = self._pools[small]
+    i = bisect.bisect_left(pool, _key(sid, size, 0))  # best fit: the smallest free block of this stream that fits
+    b = self._free.pop(pool.pop(i)) if i < len(pool) and pool[i] >> _SID_SHIFT == sid else None
     if b is None:
       seg = segment_size(size)
       b = self._new_segment(seg, stream, sid, small)
@@ -162,15 +177,8 @@ class CachingAllocator:
       b.next, b.size = rest, size
       self._insert(rest)
     b.allocated, b.requested = True, nbytes
-    st = self._stats
-    st["allocated"].add(b.size); st["requested"].add(nbytes); st["active"].add(1)
+    self._allocated.add(b.size); self._requested.add(nbytes); self._active.add(1)
     return b
-
-  def _best_fit(self, small: bool, sid: int, size: int) -> _Block | None:
-    pool = self._pools[small]
-    i = bisect.bisect_left(pool, (sid, size, 0))
-    if i == len(pool) or pool[i][0] != sid: return None
-    return self._free.pop(pool.pop(i))
 
   def _new_segment(self, seg: int, stream: Any, sid: int, small: bool) -> _Block | None:
     if self.limit is not None and self._stats["reserved"].current + seg > self.limit: return None
@@ -192,8 +200,8 @@ class CachingAllocator:
 
   def _free_block(self, b: _Block) -> None:
     b.allocated = False
-    st = self._stats
-    st["allocated"].add(-b.size); st["requested"].add(-b.requested)
+    self._allocated.current -= b.size
+    self._requested.current -= b.requested
     if b.stream_uses:
       b.events = [self.driver.record_event(s) for s in b.stream_uses]
       b.stream_uses = None
@@ -212,10 +220,9 @@ class CachingAllocator:
     if b.prev is not None: b.prev.next = b
     if b.next is not None: b.next.prev = b
     self._insert(b)
-    self._stats["active"].add(-1)
+    self._active.current -= 1
 
   def _process_events(self) -> None:
-    if not self._pending: return
     still = []
     for b in self._pending:
       if all(e.query() for e in b.events):
@@ -248,18 +255,13 @@ class CachingAllocator:
 
   # *** pools ***
 
-  def _sid(self, stream: Any) -> int:
-    sid = self._sids.get(stream)
-    if sid is None: sid = self._sids[stream] = len(self._sids)
-    return sid
-
   def _insert(self, b: _Block) -> None:
-    key = b.key
+    key = _key(b.sid, b.size, b.ptr)
     self._free[key] = b
     bisect.insort(self._pools[b.small], key)
 
   def _remove(self, b: _Block) -> None:
-    key = b.key
+    key = _key(b.sid, b.size, b.ptr)
     pool = self._pools[b.small]
     del pool[bisect.bisect_left(pool, key)]
     del self._free[key]
