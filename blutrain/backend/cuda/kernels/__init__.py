@@ -1,0 +1,166 @@
+"""The Triton kernel library of the CUDA backend, one module per family.
+
+Each module defines `KERNELS: dict[str, Callable]` (op name -> host wrapper with the CPU kernel's calling convention:
+`kernel(*arrays, **attrs) -> CudaArray`, a new contiguous array from `memory.empty`) and `SPECS`, a list of
+`(jit_fn, signature, constexprs, options)`: the variants CI compiles for sm_90 without a GPU. Host wrappers build
+their variant with the same spec helpers, so what CI compiles is what runs.
+
+Shared here: the dtype names of signatures, the layout helpers (broadcast strides, dim collapsing), the compile
+cache in front of `launch.compile`, and the strided-offset helper of the Triton kernels.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import pkgutil
+import struct
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from blutrain import dtypes
+from blutrain.backend.cuda import launch, memory
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.dtypes import DType
+
+Spec = tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]
+
+# element types in Triton signatures and as compile-time constants
+TY = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp16", dtypes.bfloat16: "bf16",
+      dtypes.float32: "fp32", dtypes.float64: "fp64"}
+TL = {dtypes.bool_: tl.int1, dtypes.int32: tl.int32, dtypes.int64: tl.int64, dtypes.float16: tl.float16,
+      dtypes.bfloat16: tl.bfloat16, dtypes.float32: tl.float32, dtypes.float64: tl.float64}
+HALF = (dtypes.float16, dtypes.bfloat16)
+MAX_DIMS = 6        # dims a strided kernel addresses after collapsing; more are looped over on the host
+INT32_MAX = 2**31 - 1
+SMS = 132           # NOTE: H100/H200 SM count; only split heuristics read it, correctness never does
+
+
+def ptr(dtype: DType) -> str: return "*" + TY[dtype]
+
+
+def spec(fn, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4, num_stages: int = 1) -> Spec:
+  """One compiled variant; the signature lists every parameter, constexprs as "constexpr"."""
+  return fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, {"num_warps": num_warps, "num_stages": num_stages}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn, signature: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> launch.Kernel:
+  return launch.compile(fn, dict(signature), dict(constexprs), num_warps=num_warps, num_stages=num_stages)
+
+
+def run(s: Spec, grid: tuple[int, ...], *args) -> None:
+  """Launch a variant on the current stream (compiled once per process, and cached on disk by `launch`)."""
+  fn, signature, constexprs, options = s
+  _compiled(fn, tuple(signature.items()), tuple(constexprs.items()), options["num_warps"], options["num_stages"])(grid, *args)
+
+
+def empty(shape, dtype: DType, device: int | None) -> CudaArray:
+  """A new contiguous array from the caching allocator (device None: the current one, for creation ops)."""
+  return memory.empty(tuple(shape), dtype, device)
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+  out, acc = [], 1
+  for n in reversed(shape):
+    out.append(acc)
+    acc *= n
+  return tuple(reversed(out))
+
+
+def view(a: CudaArray, shape, strides, offset: int = 0, dtype: DType | None = None) -> CudaArray:
+  """Another view of a's memory (offset in elements)."""
+  return CudaArray(a.ptr + offset * a.dtype.itemsize, tuple(shape), tuple(strides), dtype or a.dtype, a.device, a.owner)
+
+
+def broadcast_shape(*shapes) -> tuple[int, ...]:
+  ndim = max(len(s) for s in shapes)
+  return tuple(max((s[i - ndim + len(s)] for s in shapes if i - ndim + len(s) >= 0), default=1) for i in range(ndim))
+
+
+def broadcast_strides(a: CudaArray, shape) -> tuple[int, ...]:
+  """a's strides viewed at the broadcast `shape`: 0 along new and grown dims."""
+  lead = len(shape) - a.ndim
+  return (0,) * lead + tuple(0 if n == 1 and s != 1 else st for n, s, st in zip(a.shape, shape[lead:], a.strides))
+
+
+def collapse(shape, *strides) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+  """The fewest dims (at least one) that address the same elements for every operand: size-1 dims are dropped
+  and a dim merges into its outer neighbour when each operand's outer stride is its stride times its size."""
+  dims: list[tuple[int, list[int]]] = []
+  for i, n in enumerate(shape):
+    if n == 1: continue
+    st = [s[i] for s in strides]
+    if dims and all(p == c * n for p, c in zip(dims[-1][1], st)): dims[-1] = (dims[-1][0] * n, st)
+    else: dims.append((n, st))
+  if not dims: return (1,), [(0,) for _ in strides]
+  return tuple(n for n, _ in dims), [tuple(st[k] for _, st in dims) for k in range(len(strides))]
+
+
+def max_offset(shape, strides) -> int:
+  return sum((n - 1) * abs(s) for n, s in zip(shape, strides))
+
+
+def needs_i64(shape, *strides) -> bool:
+  """Whether flat indices or element offsets may pass int32."""
+  return math.prod(shape) > INT32_MAX or any(max_offset(shape, s) > INT32_MAX for s in strides)
+
+
+def f64_bits(x: float) -> int:
+  """A float64 as the int64 of its bits: kernels take it as an i64 and bitcast, so no precision is lost."""
+  return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def pad(values, n: int, fill: int) -> list[int]:
+  """Left-pad to n entries (kernels address up to n dims, innermost last)."""
+  values = list(values)
+  return [fill] * (n - len(values)) + values
+
+
+@triton.jit
+def strided(r, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND: tl.constexpr):
+  """Element offsets of flat indices r over up to 5 dims (sizes Z0..Z4, innermost last; the outermost size is not
+  needed), with strides T0..T4; the ND innermost dims are used (none: offset 0)."""
+  if ND == 0:
+    off = r * 0
+  elif ND == 1:
+    off = r * T4
+  else:
+    off = (r % Z4) * T4
+    r = r // Z4
+    if ND == 2:
+      off += r * T3
+    else:
+      off += (r % Z3) * T3
+      r = r // Z3
+      if ND == 3:
+        off += r * T2
+      else:
+        off += (r % Z2) * T2
+        r = r // Z2
+        if ND == 4:
+          off += r * T1
+        else:
+          off += (r % Z1) * T1
+          r = r // Z1
+          off += r * T0
+  return off
+
+
+@triton.jit
+def sqrt_rn(x):
+  """IEEE square root: tl.sqrt is approximate in float32, tl.sqrt_rn takes float32 only; float64's is exact."""
+  if x.dtype == tl.float32:
+    r = tl.sqrt_rn(x)
+  else:
+    r = tl.sqrt(x)
+  return r
+
+
+def specs() -> list[Spec]:
+  """Every variant that the modules of the kernel library list for CI's compile check."""
+  pkg = importlib.import_module(__name__)
+  return [s for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name)
+          for s in getattr(importlib.import_module(f"{__name__}.{info.name}"), "SPECS", [])]

@@ -1,0 +1,66 @@
+"""Copies: strided -> contiguous (`copy`), strided -> strided with broadcast and dtype conversion (`copy_into`, which
+the runtime uses for in-place writes and `.contiguous()`), `cast` between every pair of dtypes, and `cat`.
+
+All of them are the elementwise "copy" op (elementwise.py): the store converts to the destination's dtype as numpy's
+astype does (floats to ints truncate toward zero, anything to bool is `!= 0`), and the tiled kernel walks any layout.
+"""
+from __future__ import annotations
+
+from blutrain import dtypes
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import broadcast_strides, empty, max_offset, view
+from blutrain.backend.cuda.kernels.elementwise import flat_spec, launch, tiled_spec
+from blutrain.dtypes import DType
+
+
+def _span(a: CudaArray, shape=None) -> tuple[int, int]:
+  """The byte range a's elements occupy."""
+  strides = a.strides if shape is None else broadcast_strides(a, shape)
+  lo = a.ptr + a.dtype.itemsize * sum((n - 1) * s for n, s in zip(shape or a.shape, strides) if s < 0)
+  hi = a.ptr + a.dtype.itemsize * (max_offset(shape or a.shape, strides) + 1)
+  return lo, hi
+
+
+def overlaps(dst: CudaArray, src: CudaArray) -> bool:
+  """Whether src's elements may share memory with dst's (conservatively: their byte ranges intersect)."""
+  if dst.size == 0 or src.size == 0: return False
+  (a, b), (c, d) = _span(dst), _span(src)
+  return a < d and c < b
+
+
+def copy_into(dst: CudaArray, src: CudaArray) -> None:
+  """dst[...] = src, src broadcast to dst's shape and converted to dst's dtype; both any strided layout. A source
+  that overlaps the destination is first copied out, so the result is as if read before any write."""
+  if overlaps(dst, src): src = copy(src)
+  launch("copy", dst, src)
+
+
+def copy(x: CudaArray, out: CudaArray | None = None) -> CudaArray:
+  """A contiguous copy of x, or x written into `out` (any layout, x broadcast to it and converted to its dtype)."""
+  return launch("copy", empty(x.shape, x.dtype, x.device) if out is None else out, x)
+
+
+def cast(x: CudaArray, dtype: DType) -> CudaArray:
+  """x converted to dtype, contiguous."""
+  return launch("copy", empty(x.shape, dtype, x.device), x)
+
+
+def cat(*xs: CudaArray, dim: int) -> CudaArray:
+  """Concatenation along dim: one strided copy into a slice of the output per input."""
+  shape = list(xs[0].shape)
+  shape[dim] = sum(x.shape[dim] for x in xs)
+  out = empty(shape, xs[0].dtype, xs[0].device)
+  start = 0
+  for x in xs:
+    launch("copy", view(out, x.shape, out.strides, start * out.strides[dim]), x)
+    start += x.shape[dim]
+  return out
+
+
+KERNELS = {"copy": copy, "cast": cast, "cat": cat}
+
+_CASTS = (dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64)
+SPECS = [flat_spec("copy", b, (a,), (False,), 1 << 16, True, False) for a in _CASTS for b in _CASTS] + [
+  tiled_spec("copy", dtypes.float32, (dtypes.float32,), 3, (True, False), 1 << 16, 64, False, False),
+  tiled_spec("copy", dtypes.bfloat16, (dtypes.float32,), 1, (True, True), 1 << 10, 4096, True, True),
+]

@@ -1,0 +1,449 @@
+"""Elementwise kernels: unary, binary, compare, where, cast and copy on strided, broadcast inputs; full and arange.
+
+Two Triton kernels serve every elementwise op, the op chosen by a constexpr (dead branches are pruned at compile
+time): `_flat` for outputs whose inputs are contiguous or scalars (1-D, 16-byte vector loads when aligned, large
+blocks), and `_tiled` for any other layout: dims are collapsed first, then a program covers a tile of rows
+(the outer dims, up to 5) by columns (the innermost dim), so only one div/mod chain per row is paid. Half types
+compute in float32, as the CPU backend does.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from blutrain import dtypes
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, SMS, TY, broadcast_shape, broadcast_strides, collapse,
+                                           empty, f64_bits, needs_i64, pad, ptr, run, spec, sqrt_rn, strided,
+                                           view)
+from blutrain.dtypes import DType
+
+UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
+         "logical_not", "gelu", "gelu_tanh", "copy")
+BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
+          "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh")
+COMPARE = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "logical_not")
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_SQRT_2_PI = tl.constexpr(0.7978845608028654)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+# *** the ops ***
+
+@triton.jit
+def _compute(x, OP: tl.constexpr):
+  """Half types widen to float32 (copy and where move values untouched)."""
+  if OP != "copy" and OP != "where" and (x.dtype == tl.float16 or x.dtype == tl.bfloat16):
+    x = x.to(tl.float32)
+  return x
+
+
+@triton.jit
+def _ipow(a, b):
+  """Integer power by squaring; negative exponents truncate toward zero as C does (1, -1 or 0)."""
+  r = a * 0 + 1
+  base = a
+  e = b
+  for _ in range(63):
+    r = tl.where((e & 1) != 0, r * base, r)
+    base = base * base
+    e = e >> 1
+  neg = tl.where(a == 1, 1, tl.where(a == -1, tl.where((b & 1) != 0, -1, 1), 0))
+  return tl.where(b < 0, neg, r)
+
+
+@triton.jit
+def _gelu(x, TANH: tl.constexpr):
+  if TANH:
+    y = 0.5 * x * (1.0 + libdevice.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x)))
+  else:
+    y = 0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))
+  return y
+
+
+@triton.jit
+def _gelu_backward(g, x, TANH: tl.constexpr):
+  if TANH:
+    t = libdevice.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x))
+    d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
+  else:
+    d = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2)) + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
+  return g * d
+
+
+@triton.jit
+def _apply(a, b, c, OP: tl.constexpr):
+  """The op on computed values: unary ops read a, binary a and b, where reads (c, a, b)."""
+  if OP == "copy":
+    r = a
+  elif OP == "neg":
+    r = -a
+  elif OP == "exp":
+    r = libdevice.exp(a)
+  elif OP == "log":
+    r = libdevice.log(a)
+  elif OP == "sqrt":
+    r = sqrt_rn(a)
+  elif OP == "rsqrt":
+    r = libdevice.rsqrt(a)
+  elif OP == "abs":
+    r = tl.abs(a)
+  elif OP == "sin":
+    r = libdevice.sin(a)
+  elif OP == "cos":
+    r = libdevice.cos(a)
+  elif OP == "tanh":
+    r = libdevice.tanh(a)
+  elif OP == "sigmoid":
+    r = 1.0 / (1.0 + libdevice.exp(-a))
+  elif OP == "relu":
+    r = tl.where(a < 0, 0, a)  # NaN stays NaN, as np.maximum(x, 0)
+  elif OP == "erf":
+    r = tl.math.erf(a)
+  elif OP == "floor":
+    r = tl.floor(a)
+  elif OP == "logical_not":
+    r = a == 0
+  elif OP == "gelu":
+    r = _gelu(a, False)
+  elif OP == "gelu_tanh":
+    r = _gelu(a, True)
+  elif OP == "add":
+    r = a | b if a.dtype == tl.int1 else a + b
+  elif OP == "sub":
+    r = a - b
+  elif OP == "mul":
+    r = a & b if a.dtype == tl.int1 else a * b
+  elif OP == "div":  # IEEE division: div_rn in float32, `/` is already exact in float64
+    if a.dtype == tl.float32:
+      r = tl.div_rn(a, b)
+    else:
+      r = a.to(tl.float64) / b.to(tl.float64)
+  elif OP == "pow":
+    if a.dtype.is_floating():
+      r = libdevice.pow(a, b)
+    else:
+      r = _ipow(a, b)
+  elif OP == "maximum":
+    r = a | b if a.dtype == tl.int1 else tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+  elif OP == "minimum":
+    r = a & b if a.dtype == tl.int1 else tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+  elif OP == "eq":
+    r = a == b
+  elif OP == "ne":
+    r = a != b
+  elif OP == "lt":
+    r = a < b
+  elif OP == "le":
+    r = a <= b
+  elif OP == "gt":
+    r = a > b
+  elif OP == "ge":
+    r = a >= b
+  elif OP == "logical_and":
+    r = (a != 0) & (b != 0)
+  elif OP == "logical_or":
+    r = (a != 0) | (b != 0)
+  elif OP == "logical_xor":
+    r = (a != 0) ^ (b != 0)
+  elif OP == "gelu_backward":
+    r = _gelu_backward(a, b, False)
+  elif OP == "gelu_backward_tanh":
+    r = _gelu_backward(a, b, True)
+  else:
+    tl.static_assert(OP == "where", "unknown elementwise op")
+    r = tl.where(c, a, b)
+  return r
+
+
+# *** kernels ***
+
+@triton.jit
+def _load_flat(p, offs, mask, SCALAR: tl.constexpr, ALIGNED: tl.constexpr, OP: tl.constexpr):
+  if SCALAR:
+    x = tl.load(p)
+  else:
+    q = p + offs
+    if ALIGNED:
+      q = tl.multiple_of(q, 16)
+    x = tl.load(q, mask=mask)
+  return _compute(x, OP)
+
+
+@triton.jit
+def _flat_block(out, a, b, c, offs, mask, OP: tl.constexpr, N_IN: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
+                SC: tl.constexpr, ALIGNED: tl.constexpr):
+  x = _load_flat(a, offs, mask, SA, ALIGNED, OP)
+  y = x
+  z = x
+  if N_IN >= 2:
+    y = _load_flat(b, offs, mask, SB, ALIGNED, OP)
+  if N_IN == 3:  # where(c, a, b): the condition is the third pointer
+    z = _load_flat(c, offs, mask, SC, ALIGNED, OP)
+  q = out + offs
+  if ALIGNED:
+    q = tl.multiple_of(q, 16)
+  tl.store(q, _apply(x, y, z, OP).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _flat(out, a, b, c, n, OP: tl.constexpr, N_IN: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
+          BLOCK: tl.constexpr, ALIGNED: tl.constexpr, IDX64: tl.constexpr):
+  """out[i] = op(a[i], b[i], c[i]) over contiguous operands; an S* flag marks an operand that is one scalar.
+  Full blocks run unmasked so their loads vectorize; only the last block is masked."""
+  start = tl.program_id(0)
+  if IDX64:
+    start = start.to(tl.int64)
+  start = start * BLOCK
+  offs = start + tl.arange(0, BLOCK)
+  if start + BLOCK <= n:
+    _flat_block(out, a, b, c, offs, None, OP, N_IN, SA, SB, SC, ALIGNED)
+  else:
+    _flat_block(out, a, b, c, offs, offs < n, OP, N_IN, SA, SB, SC, ALIGNED)
+
+
+@triton.jit
+def _load_tile(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, mask, ND: tl.constexpr, UNIT: tl.constexpr,
+               ALIGNED: tl.constexpr, OP: tl.constexpr):
+  q = _tile_ptrs(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, ND, UNIT, ALIGNED)
+  return _compute(tl.load(q, mask=mask), OP)
+
+
+@triton.jit
+def _tile_ptrs(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, ND: tl.constexpr, UNIT: tl.constexpr,
+               ALIGNED: tl.constexpr):
+  if UNIT:
+    inner = cols
+  else:
+    inner = cols * TC
+  q = p + strided(rows, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND)[:, None] + inner[None, :]
+  if UNIT and ALIGNED:
+    q = tl.multiple_of(q, [16, 16])
+  return q
+
+
+@triton.jit
+def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, Z1, Z2, Z3, Z4,
+           O0, O1, O2, O3, O4, OC, A0, A1, A2, A3, A4, AC, B0, B1, B2, B3, B4, BC, C0, C1, C2, C3, C4, CC,
+           OP: tl.constexpr, N_IN: tl.constexpr, ND: tl.constexpr, UO: tl.constexpr, UA: tl.constexpr,
+           UB: tl.constexpr, UC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_R: tl.constexpr,
+           EVEN_C: tl.constexpr, ALIGNED: tl.constexpr, IDX64: tl.constexpr):
+  """out = op(a, b, c) on any strided layout: rows index the ND outer dims (sizes Z, strides X0..X4 per operand),
+  columns the innermost dim (stride XC, or 1 when UX says so)."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  rows = (pid // n_col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+  cols = (pid % n_col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+  mask = None
+  if not EVEN_R:
+    mask = (rows < n_rows)[:, None]
+  if not EVEN_C:
+    mask = (cols < n_cols)[None, :] if EVEN_R else mask & (cols < n_cols)[None, :]
+  x = _load_tile(a, rows, cols, Z1, Z2, Z3, Z4, A0, A1, A2, A3, A4, AC, mask, ND, UA, ALIGNED, OP)
+  y = x
+  z = x
+  if N_IN >= 2:
+    y = _load_tile(b, rows, cols, Z1, Z2, Z3, Z4, B0, B1, B2, B3, B4, BC, mask, ND, UB, ALIGNED, OP)
+  if N_IN == 3:
+    z = _load_tile(c, rows, cols, Z1, Z2, Z3, Z4, C0, C1, C2, C3, C4, CC, mask, ND, UC, ALIGNED, OP)
+  q = _tile_ptrs(out, rows, cols, Z1, Z2, Z3, Z4, O0, O1, O2, O3, O4, OC, ND, UO, ALIGNED)
+  tl.store(q, _apply(x, y, z, OP).to(out.dtype.element_ty), mask=mask)
+
+
+# *** schedules ***
+
+def flat_schedule(n: int, itemsize: int) -> tuple[int, int]:
+  """(BLOCK, num_warps) of `_flat`: each thread moves four 16-byte vectors per operand at 8 warps (BLOCK = 4096
+  float32, 8192 bfloat16), enough bytes in flight to saturate HBM; a smaller input shrinks the block (to one
+  warp's vectors at least) so that it still spreads over every SM."""
+  vec = max(1, 16 // itemsize)
+  block = min(4 * vec * 256, max(vec * 32, triton.next_power_of_2(triton.cdiv(n, SMS))))
+  return block, max(1, min(8, block // (4 * vec * 32)))
+
+
+def tile_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+  """(BLOCK_R, BLOCK_C, num_warps) of `_tiled`: tiles of up to 4096 elements at 8 warps (16 per thread and
+  operand). BLOCK_C is the largest power of two dividing n_cols, up to 1024, so columns need no mask and rows stay
+  16-byte aligned; below 32 it is next_pow2(n_cols) and masked. BLOCK_R fills the tile."""
+  p2 = n_cols & -n_cols
+  bc = min(p2, 1024) if p2 >= 32 else min(triton.next_power_of_2(n_cols), 1024)
+  br = max(1, min(triton.next_power_of_2(n_rows), 4096 // bc))
+  return br, bc, 8 if br * bc >= 4096 else 4
+
+
+# *** specs ***
+
+def flat_spec(op: str, out: DType, ins: tuple[DType, ...], scalars: tuple[bool, ...], n: int, aligned: bool, i64: bool):
+  block, warps = flat_schedule(n, min([out.itemsize] + [d.itemsize for d in ins]))
+  sig = {"out": ptr(out), "a": ptr(ins[0]), "b": ptr(ins[min(1, len(ins) - 1)]), "c": ptr(ins[-1]),
+         "n": "i64" if i64 else "i32"}
+  sa, sb, sc = (list(scalars) + [False, False])[:3]
+  return spec(_flat, sig, dict(OP=op, N_IN=len(ins), SA=sa, SB=sb, SC=sc, BLOCK=block, ALIGNED=aligned, IDX64=i64),
+              num_warps=warps)
+
+
+_TILE_ARGS = ["n_rows", "n_cols", "n_col_blocks", "Z1", "Z2", "Z3", "Z4"] + \
+             [f"{o}{i}" for o in "OABC" for i in ("0", "1", "2", "3", "4", "C")]
+
+
+def tiled_spec(op: str, out: DType, ins: tuple[DType, ...], nd: int, units: tuple[bool, ...], n_rows: int,
+               n_cols: int, aligned: bool, i64: bool):
+  br, bc, warps = tile_schedule(n_rows, n_cols)
+  sig = {"out": ptr(out), "a": ptr(ins[0]), "b": ptr(ins[min(1, len(ins) - 1)]), "c": ptr(ins[-1]),
+         **{k: "i64" if i64 else "i32" for k in _TILE_ARGS}}
+  uo, ua, ub, uc = (list(units) + [False, False])[:4]
+  return spec(_tiled, sig, dict(OP=op, N_IN=len(ins), ND=nd, UO=uo, UA=ua, UB=ub, UC=uc, BLOCK_R=br, BLOCK_C=bc,
+                                EVEN_R=n_rows % br == 0, EVEN_C=n_cols % bc == 0, ALIGNED=aligned, IDX64=i64),
+              num_warps=warps)
+
+
+# *** host side ***
+
+def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
+  """Write op(*ins) into `out` (any strided layout; inputs broadcast to out's shape). For where, ins is (c, x, y)."""
+  if out.size == 0: return out
+  if op == "where": ins = (ins[1], ins[2], ins[0])  # the kernels read the condition third
+  cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
+  if len(cshape) > MAX_DIMS:  # loop over the outermost dim on the host
+    for i in range(cshape[0]):
+      launch(op, view(out, cshape[1:], ost[1:], i * ost[0]), *(view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)))
+    return out
+  i64 = needs_i64(cshape, ost, *ists)
+  arrays = (out, *ins)
+  args = [a.ptr for a in arrays] + [ins[-1].ptr] * (3 - len(ins))
+  dts = tuple(a.dtype for a in ins)
+  if len(cshape) == 1 and ost[0] == 1 and all(s[0] in (0, 1) for s in ists):
+    scalars = tuple(s[0] == 0 or cshape[0] == 1 for s in ists)
+    aligned = all(a.ptr % 16 == 0 for a, sc in zip(arrays, (False,) + scalars) if not sc)
+    s = flat_spec(op, out.dtype, dts, scalars, cshape[0], aligned, i64)
+    run(s, (triton.cdiv(cshape[0], s[2]["BLOCK"]),), *args, cshape[0])
+    return out
+  nd = len(cshape) - 1
+  n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
+  units = tuple(st[-1] == 1 for st in (ost, *ists))
+  br, bc, _ = tile_schedule(n_rows, n_cols)
+  aligned = n_cols % bc == 0 and bc * min(a.dtype.itemsize for a in arrays) >= 16 and all(
+    a.ptr % 16 == 0 and all(x * a.dtype.itemsize % 16 == 0 for x in st[:-1]) for a, st, u in zip(arrays, (ost, *ists), units) if u)
+  s = tiled_spec(op, out.dtype, dts, nd, units, n_rows, n_cols, aligned, i64)
+  col_blocks = triton.cdiv(n_cols, bc)
+  strides = [pad(st, 6, 0) for st in (ost, *ists)] + [pad(ists[-1], 6, 0)] * (3 - len(ins))
+  run(s, (triton.cdiv(n_rows, br) * col_blocks,), *args, n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:],
+      *(x for st in strides for x in st))
+  return out
+
+
+def elementwise(op: str, out_dtype: DType, *ins: CudaArray) -> CudaArray:
+  """A new contiguous array of the broadcast shape holding op(*ins)."""
+  out = empty(broadcast_shape(*(a.shape for a in ins)), out_dtype, ins[0].device)
+  return launch(op, out, *ins)
+
+
+def _fill(out: CudaArray, value) -> CudaArray:
+  """Write value (converted to out's dtype as numpy does) into every element of the contiguous `out`."""
+  if out.size == 0: return out
+  with np.errstate(all="ignore"): bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
+  block, warps = flat_schedule(out.size, out.dtype.itemsize)
+  i64 = out.size > 2**31 - 1
+  run(spec(_fill_kernel, {"out": f"*i{8 * out.dtype.itemsize}", "n": "i64" if i64 else "i32", "bits": "i64"},
+           dict(BLOCK=block, IDX64=i64), num_warps=warps), (triton.cdiv(out.size, block),), out.ptr, out.size, bits)
+  return out
+
+
+@triton.jit
+def _fill_kernel(out, n, bits, BLOCK: tl.constexpr, IDX64: tl.constexpr):
+  """Store the bit pattern `bits` (the value in out's dtype, read as an integer of its width) everywhere."""
+  start = tl.program_id(0)
+  if IDX64:
+    start = start.to(tl.int64)
+  offs = start * BLOCK + tl.arange(0, BLOCK)
+  v = tl.full([BLOCK], 0, out.dtype.element_ty) + bits.to(out.dtype.element_ty)
+  tl.store(out + offs, v, mask=offs < n)
+
+
+@triton.jit
+def _arange_kernel(out, n, start, step, BLOCK: tl.constexpr, FLOAT: tl.constexpr):
+  """out[i] = start + step * i, in float64 (start and step arrive as their bits) or in int64."""
+  i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+  if FLOAT:
+    v = start.to(tl.float64, bitcast=True) + step.to(tl.float64, bitcast=True) * i.to(tl.float64)
+  else:
+    v = start + step * i
+  tl.store(out + i, v.to(out.dtype.element_ty), mask=i < n)
+
+
+def full(*, shape, value, dtype: DType, device: int | None = None) -> CudaArray:
+  return _fill(empty(shape, dtype, device), value)
+
+
+def arange(*, start, step, shape, dtype: DType, device: int | None = None) -> CudaArray:
+  out = empty(shape, dtype, device)
+  if out.size == 0: return out
+  fl = dtype.is_floating_point or isinstance(start, float) or isinstance(step, float)
+  block, warps = flat_schedule(out.size, out.dtype.itemsize)
+  s = spec(_arange_kernel, {"out": ptr(dtype), "n": "i64", "start": "i64", "step": "i64"}, dict(BLOCK=block, FLOAT=fl),
+           num_warps=warps)
+  run(s, (triton.cdiv(out.size, block),), out.ptr, out.size, *((f64_bits(start), f64_bits(step)) if fl else (start, step)))
+  return out
+
+
+def _unary(op: str):
+  def kernel(x: CudaArray) -> CudaArray:
+    return elementwise(op, dtypes.bool_ if op in COMPARE else x.dtype, x)
+  kernel.__name__ = op
+  return kernel
+
+
+def _binary(op: str):
+  def kernel(x: CudaArray, y: CudaArray) -> CudaArray:
+    return elementwise(op, dtypes.bool_ if op in COMPARE else x.dtype, x, y)
+  kernel.__name__ = op
+  return kernel
+
+
+KERNELS = {
+  **{op: _unary(op) for op in UNARY if op not in ("gelu", "gelu_tanh")},
+  **{op: _binary(op) for op in BINARY if not op.startswith("gelu")},
+  "gelu": lambda x, approximate: elementwise("gelu_tanh" if approximate == "tanh" else "gelu", x.dtype, x),
+  "gelu_backward": lambda g, x, approximate: elementwise(
+    "gelu_backward_tanh" if approximate == "tanh" else "gelu_backward", x.dtype, g, x),
+  "where": lambda c, x, y: elementwise("where", x.dtype, c, x, y),
+  "full": lambda *, shape, value, dtype: full(shape=shape, value=value, dtype=dtype),
+  "arange": lambda *, start, step, shape, dtype: arange(start=start, step=step, shape=shape, dtype=dtype),
+}
+
+
+def _specs() -> list:
+  """Every op once on the flat kernel in float32 (bool for logical ops); the tiled kernel for one op of each kind;
+  integer, half and float64 arithmetic; both alignments and index widths; full and arange for every dtype."""
+  f32, bf16, b = dtypes.float32, dtypes.bfloat16, dtypes.bool_
+  out = []
+  for op in UNARY + BINARY:
+    n_in = 1 if op in UNARY else 2
+    dt = b if op.startswith("logical") else f32
+    out.append(flat_spec(op, b if op in COMPARE else dt, (dt,) * n_in, (False,) * n_in, 1 << 20, True, False))
+  for op, dt in (("copy", f32), ("add", f32), ("gelu", f32), ("lt", bf16), ("pow", dtypes.int64), ("logical_xor", b)):
+    n_in = 1 if op in UNARY else 2
+    out.append(tiled_spec(op, b if op in COMPARE else dt, (dt,) * n_in, 2, (True,) + (True, False)[:n_in], 4096, 768,
+                          True, False))
+  for dt in (dtypes.float16, bf16, dtypes.float64, dtypes.int32, dtypes.int64):
+    for op in ("add", "lt", "pow", "div"):
+      out.append(flat_spec(op, b if op in COMPARE else dt, (dt, dt), (False, True), 1000, False, False))
+  for dt in (dtypes.float16, bf16, dtypes.float64):
+    out.append(tiled_spec("gelu_backward", dt, (dt, dt), 5, (True, False, True), 1 << 12, 100, False, True))
+  out.append(flat_spec("sqrt", dtypes.float64, (dtypes.float64,), (False,), 1 << 20, True, True))
+  out.append(flat_spec("where", f32, (f32, f32, b), (False, True, False), 1 << 20, True, True))
+  out.append(tiled_spec("where", bf16, (bf16, bf16, b), 3, (True, False, True, False), 1 << 10, 64, False, False))
+  for bits in (8, 16, 32, 64):
+    out.append(spec(_fill_kernel, {"out": f"*i{bits}", "n": "i32", "bits": "i64"}, dict(BLOCK=1024, IDX64=False)))
+  for dt in dtypes.all_dtypes:
+    out.append(spec(_arange_kernel, {"out": ptr(dt), "n": "i64", "start": "i64", "step": "i64"},
+                    dict(BLOCK=1024, FLOAT=dt.is_floating_point)))
+  return out
+
+
+SPECS = _specs()

@@ -1,0 +1,107 @@
+"""Softmax cross-entropy of logits (N, C) against class indices, forward and backward, row-wise.
+
+The forward keeps per-lane online logsumexp statistics over the row (norm.row_stats) and reads the target's logit
+once: one read of the logits, no softmax stored. The backward recomputes the statistics and writes
+(softmax - onehot(target)) * g in a second pass: two reads and one write of (N, C), never a softmax tensor.
+Vocabularies of any size are walked in tiles of 4096 (GPT-2's 50304 takes 13).
+
+Targets equal to ignore_index give a zero loss and gradient. A target out of [0, C) makes that row's loss and
+gradient NaN instead of raising, as the CPU backend does: checking would make the host wait for the GPU.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from blutrain import dtypes
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import empty, needs_i64, ptr, run, spec
+from blutrain.backend.cuda.kernels.norm import _acc, row_schedule, row_stats
+
+
+@triton.jit
+def _target(target, rows, m_mask, TS, C, ignore_index):
+  """(target, ignored, out of range) per row."""
+  t = tl.load(target + rows * TS, mask=m_mask, other=ignore_index).to(tl.int64)
+  ignored = t == ignore_index
+  bad = ~ignored & ((t < 0) | (t >= C))
+  return t, ignored, bad
+
+
+@triton.jit
+def _ce_forward(out, logits, target, N, C, RS, CS, TS, ignore_index, ACC: tl.constexpr, C_UNIT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_mask = rows < N
+  row_max, row_sum = row_stats(logits, rows * RS, m_mask, C, CS, ACC, C_UNIT, BLOCK_M, BLOCK_N)
+  t, ignored, bad = _target(target, rows, m_mask, TS, C, ignore_index)
+  picked = tl.load(logits + rows * RS + t * CS, mask=m_mask & ~ignored & ~bad, other=0).to(ACC)
+  loss = tl.where(ignored, 0.0, row_max + tl.log(row_sum) - picked)
+  loss = tl.where(bad, float("nan"), loss)
+  tl.store(out + rows, loss.to(out.dtype.element_ty), mask=m_mask)
+
+
+@triton.jit
+def _ce_backward(out, g, logits, target, N, C, RS, CS, TS, GS, ignore_index, ACC: tl.constexpr, C_UNIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
+  """out[n, c] = (softmax(logits[n])[c] - (c == target[n])) * g[n]; out is contiguous (N, C)."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_mask = rows < N
+  row_max, row_sum = row_stats(logits, rows * RS, m_mask, C, CS, ACC, C_UNIT, BLOCK_M, BLOCK_N)
+  t, ignored, bad = _target(target, rows, m_mask, TS, C, ignore_index)
+  gt = tl.load(g + rows * GS, mask=m_mask, other=0).to(ACC)
+  gt = tl.where(ignored, 0.0, tl.where(bad, float("nan"), gt))
+  scale = gt / row_sum
+  for c0 in range(0, C, BLOCK_N):
+    cs = c0 + tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (cs < C)[None, :]
+    v = tl.load(logits + (rows * RS)[:, None] + (cs if C_UNIT else cs * CS)[None, :], mask=mask, other=0).to(ACC)
+    d = tl.exp(v - row_max[:, None]) * scale[:, None] - tl.where(cs[None, :] == t[:, None], gt[:, None], 0.0)
+    tl.store(out + (rows * C)[:, None] + cs[None, :], d.to(out.dtype.element_ty), mask=mask)
+
+
+def _sig(logits, target, i64: bool, backward: bool) -> dict:
+  it = "i64" if i64 else "i32"
+  return {"out": ptr(logits), **({"g": ptr(logits)} if backward else {}), "logits": ptr(logits), "target": ptr(target),
+          "N": it, "C": it, "RS": it, "CS": it, "TS": it, **({"GS": it} if backward else {}), "ignore_index": "i64"}
+
+
+def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool):
+  bm, bn, warps, _ = row_schedule(N, C)
+  bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward reads the row twice anyway
+  return spec(_ce_backward if backward else _ce_forward, _sig(logits, target, i64, backward),
+              dict(ACC=_acc(logits), C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+
+
+def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int) -> CudaArray:
+  N, C = logits.shape
+  out = empty((N,), logits.dtype, logits.device)
+  if N == 0: return out
+  i64 = needs_i64(logits.shape, logits.strides)
+  s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
+  run(s, (triton.cdiv(N, s[2]["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, N, C, *logits.strides, target.strides[0],
+      ignore_index)
+  return out
+
+
+def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, ignore_index: int) -> CudaArray:
+  N, C = logits.shape
+  out = empty((N, C), logits.dtype, logits.device)
+  if out.size == 0: return out
+  i64 = needs_i64(logits.shape, logits.strides, (C, 1))
+  s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
+  run(s, (triton.cdiv(N, s[2]["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, N, C, *logits.strides,
+      target.strides[0], g.strides[0] if g.ndim else 0, ignore_index)
+  return out
+
+
+KERNELS = {"cross_entropy": cross_entropy, "cross_entropy_backward": cross_entropy_backward}
+
+SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False) for b in (False, True) for dt in (dtypes.float32, dtypes.bfloat16)] + \
+        [ce_spec(b, dtypes.float64, dtypes.int32, False, 100, 10, True) for b in (False, True)]

@@ -1,0 +1,234 @@
+"""Row kernels: softmax and log_softmax along any dim, layer_norm over the trailing dims.
+
+A row that fits a tile (up to 8192 elements) is loaded once and normalized in registers. A longer row takes two
+passes: the first keeps per-lane running statistics (online max and rescaled sum of exponentials for softmax; Welford
+mean and M2 for layer_norm) that are combined across lanes once at the end, the second writes the output. Statistics
+are float32 (float64 for float64 inputs).
+"""
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from blutrain import dtypes
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import collapse, empty, needs_i64, pad, ptr, run, spec, sqrt_rn, strided
+from blutrain.backend.cuda.kernels.copy import copy
+from blutrain.backend.cuda.kernels.reduce import _axis, _max_nan, _names, _offsets
+
+ONE_PASS_MAX = 8192  # elements of a row held in registers at once (32 per thread at 8 warps)
+
+
+def row_schedule(M: int, N: int) -> tuple[int, int, int, bool]:
+  """(BLOCK_M, BLOCK_N, num_warps, one_pass) of a row kernel. Rows up to ONE_PASS_MAX are one tile wide and several
+  short rows share a program (tiles of up to 4096 elements, so short rows still fill the warps); longer rows are
+  walked in tiles of 4096, one row per program. Warps grow with the tile: 16 elements per thread, 1 to 8 warps."""
+  if N <= ONE_PASS_MAX:
+    bn = triton.next_power_of_2(N)
+    bm = max(1, min(triton.next_power_of_2(M), 4096 // bn))
+    return bm, bn, max(1, min(8, bm * bn // 512)), True
+  return 1, 4096, 8, False
+
+
+@triton.jit
+def _online(m, s, v):
+  """One step of the online softmax statistics per lane: running max m and sum s of exp(x - m)."""
+  m_new = tl.maximum(m, v, propagate_nan=tl.PropagateNan.ALL)
+  dead = m_new == float("-inf")
+  s = s * tl.where(dead, 0.0, tl.exp(m - m_new)) + tl.where(dead, 0.0, tl.exp(v - m_new))
+  return m_new, s
+
+
+@triton.jit
+def row_stats(x, m_off, m_mask, N, NS, ACC: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+  """Per-row (max, sum of exp(x - max)) over N elements of stride NS, as [BLOCK_M] vectors."""
+  m = tl.full([BLOCK_M, BLOCK_N], float("-inf"), ACC)
+  s = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+  for n0 in range(0, N, BLOCK_N):
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_off = ns if N_UNIT else ns * NS
+    v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < N)[None, :], other=float("-inf"))
+    m, s = _online(m, s, v.to(ACC))
+  row_max = tl.reduce(m, 1, _max_nan)
+  row_sum = tl.sum(s * tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max[:, None])), axis=1)
+  return row_max, row_sum
+
+
+@triton.jit
+def _softmax_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1, O2, O3, O4, NS, ONS,
+                    LOG: tl.constexpr, ACC: tl.constexpr, MND: tl.constexpr, M_UNIT: tl.constexpr, N_UNIT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
+  """softmax (or log_softmax when LOG) of rows m along n: x at m_off + n * NS, out at o_off + n * ONS."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_mask = ms < M
+  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  o_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, O0, O1, O2, O3, O4, MND, M_UNIT)
+  if ONE_PASS:
+    ns = tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (ns < N)[None, :]
+    v = tl.load(x + m_off[:, None] + (ns if N_UNIT else ns * NS)[None, :], mask=mask, other=float("-inf")).to(ACC)
+    row_max = tl.reduce(v, 1, _max_nan)
+    e = tl.exp(v - row_max[:, None])
+    row_sum = tl.sum(e, axis=1)
+    if LOG:
+      y = (v - row_max[:, None]) - tl.log(row_sum)[:, None]
+    else:
+      y = e / row_sum[:, None]
+    tl.store(out + o_off[:, None] + (ns if N_UNIT else ns * ONS)[None, :], y.to(out.dtype.element_ty), mask=mask)
+  else:
+    row_max, row_sum = row_stats(x, m_off, m_mask, N, NS, ACC, N_UNIT, BLOCK_M, BLOCK_N)
+    log_sum = tl.log(row_sum)
+    for n0 in range(0, N, BLOCK_N):
+      ns = n0 + tl.arange(0, BLOCK_N)
+      mask = m_mask[:, None] & (ns < N)[None, :]
+      v = tl.load(x + m_off[:, None] + (ns if N_UNIT else ns * NS)[None, :], mask=mask).to(ACC)
+      if LOG:
+        y = (v - row_max[:, None]) - log_sum[:, None]
+      else:
+        y = tl.exp(v - row_max[:, None]) / row_sum[:, None]
+      tl.store(out + o_off[:, None] + (ns if N_UNIT else ns * ONS)[None, :], y.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _welford_combine(m1, q1, n1, m2, q2, n2):
+  """Chan et al.'s merge of (mean, M2, count) pairs."""
+  n = n1 + n2
+  w = tl.where(n == 0, 0.0, n2 / tl.maximum(n, 1.0))
+  d = m2 - m1
+  return m1 + d * w, q1 + q2 + d * d * n1 * w, n
+
+
+@triton.jit
+def _layer_norm_kernel(out, x, w, b, M, N, eps, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, ACC: tl.constexpr,
+                       MND: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
+  """(x - mean) / sqrt(var + eps) * w + b over rows of N contiguous elements (x at m_off + n, out at m * N + n)."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_mask = ms < M
+  m_off = strided(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND)
+  if ONE_PASS:
+    ns = tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (ns < N)[None, :]
+    v = tl.load(x + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)
+    mean = tl.sum(v, axis=1) / N
+    xc = tl.where(mask, v - mean[:, None], 0.0)
+    rstd = 1.0 / sqrt_rn(tl.sum(xc * xc, axis=1) / N + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+      y = y * tl.load(w + ns, mask=ns < N).to(ACC)[None, :]
+    if HAS_B:
+      y = y + tl.load(b + ns, mask=ns < N).to(ACC)[None, :]
+    tl.store(out + ms[:, None] * N + ns[None, :], y.to(out.dtype.element_ty), mask=mask)
+  else:
+    mean = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+    m2 = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+    cnt = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+    for n0 in range(0, N, BLOCK_N):
+      ns = n0 + tl.arange(0, BLOCK_N)
+      mask = m_mask[:, None] & (ns < N)[None, :]
+      v = tl.load(x + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)
+      c = cnt + tl.where(mask, 1.0, 0.0)
+      d = tl.where(mask, v - mean, 0.0)
+      mean += d / tl.maximum(c, 1.0)
+      m2 += d * tl.where(mask, v - mean, 0.0)
+      cnt = c
+    mean, m2, _ = tl.reduce((mean, m2, cnt), 1, _welford_combine)
+    rstd = 1.0 / sqrt_rn(m2 / N + eps)
+    for n0 in range(0, N, BLOCK_N):
+      ns = n0 + tl.arange(0, BLOCK_N)
+      mask = m_mask[:, None] & (ns < N)[None, :]
+      v = tl.load(x + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)
+      y = (v - mean[:, None]) * rstd[:, None]
+      if HAS_W:
+        y = y * tl.load(w + ns, mask=ns < N).to(ACC)[None, :]
+      if HAS_B:
+        y = y + tl.load(b + ns, mask=ns < N).to(ACC)[None, :]
+      tl.store(out + ms[:, None] * N + ns[None, :], y.to(out.dtype.element_ty), mask=mask)
+
+
+def _acc(dtype):
+  return tl.float64 if dtype is dtypes.float64 else tl.float32
+
+
+def softmax_spec(log: bool, x, mnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
+  bm, bn, warps, one = row_schedule(M, N)
+  it = "i64" if i64 else "i32"
+  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")}, **{f"O{i}": it for i in range(5)},
+         "NS": it, "ONS": it}
+  return spec(_softmax_kernel, sig, dict(LOG=log, ACC=_acc(x), MND=mnd, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
+                                         BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
+
+
+def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
+  out = empty(x.shape, x.dtype, x.device)
+  if out.size == 0: return out
+  kept = [d for d in range(x.ndim) if d != dim]
+  kshape, (kst, ost) = collapse([x.shape[d] for d in kept], [x.strides[d] for d in kept], [out.strides[d] for d in kept])
+  if len(kshape) > 5:  # a contiguous copy collapses the kept dims around dim to at most two
+    return _softmax(copy(x), dim, log)
+  M, N = math.prod(kshape), x.shape[dim]
+  i64 = needs_i64(x.shape, x.strides)
+  m_unit = kst[-1] == 1 and ost[-1] == 1
+  s = softmax_spec(log, x.dtype, len(kshape), m_unit, x.strides[dim] == 1, M, N, i64)
+  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0), x.strides[dim],
+      out.strides[dim])
+  return out
+
+
+def layer_norm_spec(x, w, b, mnd: int, M: int, N: int, i64: bool):
+  bm, bn, warps, one = row_schedule(M, N)
+  it = "i64" if i64 else "i32"
+  sig = {"out": ptr(x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it, "eps": "fp32",
+         **{k: it for k in _names("M")}}
+  return spec(_layer_norm_kernel, sig, dict(ACC=_acc(x), MND=mnd, HAS_W=w is not None, HAS_B=b is not None,
+                                            BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
+
+
+def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float) -> CudaArray:
+  out = empty(x.shape, x.dtype, x.device)
+  if out.size == 0: return out
+  lead = x.ndim - n
+  rshape, (rst,) = collapse(x.shape[lead:], x.strides[lead:])
+  kshape, (kst,) = collapse(x.shape[:lead], x.strides[:lead])
+  if not (len(rshape) == 1 and (rst[0] == 1 or rshape[0] == 1)) or len(kshape) > 5:  # rows must be contiguous
+    x = copy(x)
+    kshape, (kst,) = collapse(x.shape[:lead], x.strides[:lead])
+  w, b = (p if p is None or p.is_contiguous() else copy(p) for p in (w, b))
+  M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
+  i64 = needs_i64(x.shape, x.strides)
+  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64)
+  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N, float(eps),
+      *_axis(kshape, kst))
+  return out
+
+
+KERNELS = {
+  "softmax": lambda x, dim: _softmax(x, dim, False),
+  "log_softmax": lambda x, dim: _softmax(x, dim, True),
+  "layer_norm": layer_norm,
+}
+
+
+def _specs() -> list:
+  f32, bf16, f64 = dtypes.float32, dtypes.bfloat16, dtypes.float64
+  out = []
+  for log in (False, True):
+    out += [softmax_spec(log, f32, 1, True, True, 1 << 14, 1024, False),
+            softmax_spec(log, bf16, 3, True, True, 4096, 50304, False),
+            softmax_spec(log, f32, 2, True, False, 1000, 17, True)]
+  out += [softmax_spec(False, f64, 1, False, False, 10, 100000, False),
+          layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False), layer_norm_spec(bf16, f32, None, 2, 1000, 20000, False),
+          layer_norm_spec(f64, None, None, 3, 10, 64, True), layer_norm_spec(f32, None, f32, 1, 10, 100000, False)]
+  return out
+
+
+SPECS = _specs()

@@ -1,0 +1,125 @@
+"""Multi-tensor fused AdamW: one launch updates every parameter of a group, PyTorch's update in the same order of
+float32 operations as blutrain's per-parameter path (blutrain/optim/adam.py), so both give the same numbers:
+
+  step += 1;  bc1 = 1 - beta1^step;  bc2 = 1 - beta2^step                      (float64, as the step tensor)
+  p = p * (1 - lr * weight_decay)
+  m = m + (1 - beta1) * (g - m);  v = v * beta2 + ((1 - beta2) * g) * g
+  p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+
+A table on the device holds each tensor's pointers (param, grad, exp_avg, exp_avg_sq, step) and size; a second one
+cuts the tensors into chunks of CHUNK elements, one program each, so a launch covers any mix of sizes. The tables
+are uploaded once per set of pointers and reused while the pointers stay the same (the caching allocator usually
+hands gradients the same memory every step).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from blutrain import dtypes
+from blutrain.backend.cuda import memory
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import TL, f64_bits, run, spec, sqrt_rn
+
+CHUNK = 65536  # elements per program: 16 tiles of 4096
+_COLS = 6      # table columns: param, grad, exp_avg, exp_avg_sq, step pointers, numel
+
+
+@triton.jit
+def _steps_kernel(table, T, BLOCK: tl.constexpr):
+  """step += 1 for every tensor of the table."""
+  t = tl.arange(0, BLOCK)
+  for t0 in range(0, T, BLOCK):
+    rows = t0 + t
+    p = tl.load(table + rows * 6 + 4, mask=rows < T, other=0).to(tl.pointer_type(tl.float64))
+    tl.store(p, tl.load(p, mask=rows < T) + 1.0, mask=rows < T)
+
+
+@triton.jit
+def _adamw_kernel(table, chunks, lr_bits, beta1_bits, beta2_bits, decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+                  P: tl.constexpr, G: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+  pid = tl.program_id(0)
+  t = tl.load(chunks + 2 * pid)
+  start = tl.load(chunks + 2 * pid + 1)
+  row = table + t * 6
+  p_ptr = tl.load(row).to(tl.pointer_type(P))
+  g_ptr = tl.load(row + 1).to(tl.pointer_type(G))
+  m_ptr = tl.load(row + 2).to(tl.pointer_type(P))
+  v_ptr = tl.load(row + 3).to(tl.pointer_type(P))
+  step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float64)))
+  end = tl.minimum(start + CHUNK, tl.load(row + 5))
+  lr = lr_bits.to(tl.float64, bitcast=True)
+  bc1 = 1.0 - libdevice.pow(beta1_bits.to(tl.float64, bitcast=True), step)
+  bc2 = 1.0 - libdevice.pow(beta2_bits.to(tl.float64, bitcast=True), step)
+  step_size = (-lr / bc1).to(tl.float32)
+  bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
+  for off in range(start, end, BLOCK):
+    i = off + tl.arange(0, BLOCK)
+    mask = i < end
+    p = tl.load(p_ptr + i, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + i, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + i, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + i, mask=mask).to(tl.float32)
+    if DECAY:
+      p = p * decay
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + (one_minus_beta2 * g) * g
+    denom = tl.div_rn(sqrt_rn(v), bc2_sqrt) + eps
+    p = p + tl.div_rn(step_size * m, denom)
+    tl.store(p_ptr + i, p.to(P), mask=mask)
+    tl.store(m_ptr + i, m.to(P), mask=mask)
+    tl.store(v_ptr + i, v.to(P), mask=mask)
+
+
+def adamw_spec(param, grad, decay: bool):
+  sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "beta1_bits": "i64", "beta2_bits": "i64", "decay": "fp32",
+         "one_minus_beta1": "fp32", "beta2": "fp32", "one_minus_beta2": "fp32", "eps": "fp32"}
+  return spec(_adamw_kernel, sig, dict(P=TL[param], G=TL[grad], DECAY=decay, CHUNK=CHUNK, BLOCK=4096), num_warps=8)
+
+
+_STEPS = spec(_steps_kernel, {"table": "*i64", "T": "i32"}, dict(BLOCK=256))
+_tables: OrderedDict = OrderedDict()  # (pointers, sizes) -> (table, chunks) on the device, the most recent last
+
+
+def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, CudaArray]:
+  key = (device, tuple(rows))
+  hit = _tables.get(key)
+  if hit is not None:
+    _tables.move_to_end(key)
+    return hit
+  chunks = [(t, s) for t, r in enumerate(rows) for s in range(0, r[5], CHUNK)]
+  hit = _tables[key] = (memory.from_numpy(np.array(rows, np.int64).reshape(-1, _COLS), device),
+                        memory.from_numpy(np.array(chunks, np.int64).reshape(-1, 2), device))
+  if len(_tables) > 8: _tables.popitem(last=False)
+  return hit
+
+
+def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[CudaArray], exp_avg_sqs: list[CudaArray],
+                steps: list[CudaArray], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+  """AdamW on every (param, grad, exp_avg, exp_avg_sq, step) in place: steps (0-d float64) are incremented first.
+  Params and moments share a floating dtype and are contiguous; grads may have another floating dtype. One launch
+  per (param dtype, grad dtype) group, plus one that increments the steps."""
+  groups: dict[tuple, list[tuple[int, ...]]] = {}
+  for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+    if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()) or \
+       not p.shape == g.shape == m.shape == v.shape or not (p.dtype is m.dtype is v.dtype) or s.dtype is not dtypes.float64:
+      raise ValueError(f"fused_adamw: needs contiguous param, grad and moments of one shape (moments in the param's "
+                       f"dtype) and a float64 step; got {p.shape} {p.dtype.name}, {g.shape} {g.dtype.name}, "
+                       f"{m.shape} {m.dtype.name}, {v.shape} {v.dtype.name}, step {s.dtype.name}")
+    if p.size: groups.setdefault((p.dtype, g.dtype, p.device), []).append((p.ptr, g.ptr, m.ptr, v.ptr, s.ptr, p.size))
+  for (pd, gd, device), rows in groups.items():
+    table, chunks = _tables_for(rows, device)
+    run(_STEPS, (1,), table, len(rows))
+    run(adamw_spec(pd, gd, weight_decay != 0), (chunks.shape[0],), table, chunks, f64_bits(lr), f64_bits(beta1),
+        f64_bits(beta2), float(np.float32(1 - lr * weight_decay)), float(np.float32(1 - beta1)), float(np.float32(beta2)),
+        float(np.float32(1 - beta2)), float(np.float32(eps)))
+
+
+KERNELS: dict = {}  # no op of its own: the optimizer calls fused_adamw
+SPECS = [_STEPS] + [adamw_spec(p, g, d) for p, g, d in ((dtypes.float32, dtypes.float32, True),
+                                                        (dtypes.float32, dtypes.bfloat16, False),
+                                                        (dtypes.bfloat16, dtypes.bfloat16, True))]

@@ -1,0 +1,69 @@
+"""Random numbers from Philox 4x32-10 (Triton's tl.rand/tl.randn/tl.randint4x), keyed by the generator's seed; element i
+of a draw uses counter offset + i, so a draw of n numbers takes the counters the generator reserved for it.
+
+The same (seed, offset) gives the same numbers on the CUDA backend, run after run and whatever the launch schedule,
+but not the numbers of the CPU backend: numpy's Philox is the 4x64 variant with its own counter layout, and matching
+it bit for bit would cost a 64-bit multiply per round on the GPU. Streams are equal in distribution, not in value.
+
+rand is uniform on [0, 1) in float32 (31 random bits), then converted to the dtype, as the CPU backend converts its
+float32 draw; randn is Box-Muller over two uniforms; randint reduces 64 random bits modulo (high - low); bernoulli is
+rand < p.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from blutrain import dtypes
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import empty, ptr, run, spec
+from blutrain.backend.cuda.kernels.elementwise import flat_schedule
+from blutrain.dtypes import DType
+
+
+@triton.jit
+def _random_kernel(out, n, seed, offset, low, span, p, OP: tl.constexpr, BLOCK: tl.constexpr):
+  i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+  counter = offset + i
+  if OP == "rand":
+    v = tl.rand(seed, counter)
+  elif OP == "randn":
+    v = tl.randn(seed, counter)
+  elif OP == "bernoulli":
+    v = tl.rand(seed, counter) < p
+  else:
+    r0, r1, _, _ = tl.randint4x(seed, counter)
+    bits = (r1.to(tl.uint64) << 32) | r0.to(tl.uint64)
+    v = low + (bits % span.to(tl.uint64)).to(tl.int64)
+  tl.store(out + i, v.to(out.dtype.element_ty), mask=i < n)
+
+
+def random_spec(op: str, dtype: DType, n: int):
+  block, warps = flat_schedule(n, 4)
+  sig = {"out": ptr(dtype), "n": "i64", "seed": "i64", "offset": "i64", "low": "i64", "span": "i64", "p": "fp32"}
+  return spec(_random_kernel, sig, dict(OP=op, BLOCK=block), num_warps=warps)
+
+
+def _signed64(x: int) -> int: return (int(x) + 2**63) % 2**64 - 2**63
+
+
+def _draw(op: str, shape, dtype: DType, seed: int, offset: int, low: int = 0, high: int = 1, p: float = 0.0) -> CudaArray:
+  out = empty(shape, dtype, None)
+  if out.size == 0: return out
+  s = random_spec(op, dtype, out.size)
+  run(s, (triton.cdiv(out.size, s[2]["BLOCK"]),), out.ptr, out.size, _signed64(seed), _signed64(offset), low,
+      _signed64(high - low), float(p))
+  return out
+
+
+KERNELS = {
+  "rand": lambda *, shape, dtype, seed, offset: _draw("rand", shape, dtype, seed, offset),
+  "randn": lambda *, shape, dtype, seed, offset: _draw("randn", shape, dtype, seed, offset),
+  "randint": lambda *, shape, dtype, seed, offset, low, high: _draw("randint", shape, dtype, seed, offset, low, high),
+  "bernoulli": lambda *, shape, dtype, seed, offset, p: _draw("bernoulli", shape, dtype, seed, offset, p=p),
+}
+
+SPECS = [random_spec(op, dt, 1 << 20) for op, dt in (("rand", dtypes.float32), ("rand", dtypes.bfloat16),
+                                                     ("randn", dtypes.float32), ("randn", dtypes.float64),
+                                                     ("randint", dtypes.int64), ("randint", dtypes.int32),
+                                                     ("bernoulli", dtypes.bool_))]

@@ -1,0 +1,336 @@
+"""Reductions: sum, amax, amin over dims; argmax, argmin and cumsum (forward and reverse) along one dim.
+
+Every reduction sees its input as an (M, N) problem: M runs over the kept dims (in order, so the output is contiguous)
+and N over the reduced dims (ordered by falling stride, so the contiguous one is innermost), each collapsed to at most
+5 dims. A program reduces BLOCK_M outputs over tiles of BLOCK_N; when one of M or N is a single unit-stride dim the
+kernel knows it, so tiles load along it (innermost reductions load along N, reductions over leading dims, like a
+bias gradient, along M). When M alone gives too few programs for the GPU, N is split: partial results of the
+accumulation type go to a (SPLIT, M) buffer that the same kernel reduces once more. Half types accumulate in float32,
+integers and bools in int64 (sum), float64 in float64. amax/amin propagate NaN, argmax/argmin treat NaN as the
+extreme and return the first index, as numpy does.
+"""
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from blutrain import dtypes
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import SMS, TL, collapse, empty, needs_i64, pad, ptr, run, spec, strided
+from blutrain.backend.cuda.kernels.copy import copy
+from blutrain.backend.cuda.kernels.elementwise import _fill, launch
+from blutrain.dtypes import DType
+
+@triton.jit
+def _max_nan(a, b):
+  return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_nan(a, b):
+  return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _offsets(i, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND: tl.constexpr, UNIT: tl.constexpr):
+  """Offsets along one axis; a single unit-stride dim is the identity, which tells Triton the axis is contiguous."""
+  if UNIT and ND == 1:
+    off = i
+  else:
+    off = strided(i, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND)
+  return off
+
+
+@triton.jit
+def _reduce_kernel(out, x, M, N, chunk, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, NZ1, NZ2, NZ3, NZ4, N0, N1, N2, N3,
+                   N4, OP: tl.constexpr, IDENT: tl.constexpr, ACC: tl.constexpr, MND: tl.constexpr, NND: tl.constexpr,
+                   M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   IDX64: tl.constexpr):
+  """out[s * M + m] = OP over n in split s (= program_id(1), `chunk` wide) of x[m, n]."""
+  pid_m = tl.program_id(0)
+  pid_s = tl.program_id(1)
+  if IDX64:
+    pid_m = pid_m.to(tl.int64)
+    pid_s = pid_s.to(tl.int64)
+  ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  m_mask = ms < M
+  start = pid_s * chunk
+  end = tl.minimum(start + chunk, N)
+  acc = tl.full([BLOCK_M, BLOCK_N], IDENT, ACC)
+  for n0 in range(start, end, BLOCK_N):
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_off = _offsets(ns, NZ1, NZ2, NZ3, NZ4, N0, N1, N2, N3, N4, NND, N_UNIT)
+    v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < end)[None, :], other=IDENT).to(ACC)
+    if OP == "sum":
+      acc += v
+    elif OP == "amax":
+      acc = _max_nan(acc, v)
+    else:
+      acc = _min_nan(acc, v)
+  if OP == "sum":
+    r = tl.sum(acc, axis=1)
+  elif OP == "amax":
+    r = tl.reduce(acc, 1, _max_nan)
+  else:
+    r = tl.reduce(acc, 1, _min_nan)
+  tl.store(out + pid_s * M + ms, r.to(out.dtype.element_ty), mask=m_mask)
+
+
+@triton.jit
+def _better(v1, i1, v2, i2, MAX: tl.constexpr):
+  """Whether (v1, i1) wins over (v2, i2): the larger (MAX) or smaller value, NaN above all, the first index on ties."""
+  nan1 = v1 != v1
+  nan2 = v2 != v2
+  if MAX:
+    strict = (v1 > v2) | (nan1 & ~nan2)
+  else:
+    strict = (v1 < v2) | (nan1 & ~nan2)
+  tie = (v1 == v2) | (nan1 & nan2)
+  return strict | (tie & (i1 < i2))
+
+
+@triton.jit
+def _argmax_combine(v1, i1, v2, i2):
+  b = _better(v1, i1, v2, i2, True)
+  return tl.where(b, v1, v2), tl.where(b, i1, i2)
+
+
+@triton.jit
+def _argmin_combine(v1, i1, v2, i2):
+  b = _better(v1, i1, v2, i2, False)
+  return tl.where(b, v1, v2), tl.where(b, i1, i2)
+
+
+@triton.jit
+def _arg_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, NS, OP: tl.constexpr, IDENT: tl.constexpr,
+                MND: tl.constexpr, M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
+  """out[m] = the first index n of the maximum (OP="argmax") or minimum of x[m, n] (n has stride NS)."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  m_mask = ms < M
+  best = tl.full([BLOCK_M, BLOCK_N], IDENT, tl.float32 if x.dtype.element_ty.is_floating() else x.dtype.element_ty)
+  if x.dtype.element_ty == tl.float64:
+    best = best.to(tl.float64)
+  best_i = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)
+  for n0 in range(0, N, BLOCK_N):
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_off = ns if N_UNIT else ns * NS
+    v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < N)[None, :], other=IDENT)
+    v = v.to(best.dtype)
+    i = tl.zeros([BLOCK_M, BLOCK_N], tl.int64) + ns[None, :]
+    take = _better(v, i, best, best_i, OP == "argmax") & (ns < N)[None, :]
+    best = tl.where(take, v, best)
+    best_i = tl.where(take, i, best_i)
+  if OP == "argmax":
+    _, r = tl.reduce((best, best_i), 1, _argmax_combine)
+  else:
+    _, r = tl.reduce((best, best_i), 1, _argmin_combine)
+  tl.store(out + ms, r, mask=m_mask)
+
+
+@triton.jit
+def _cumsum_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1, O2, O3, O4, NS, ONS,
+                   ACC: tl.constexpr, MND: tl.constexpr, M_UNIT: tl.constexpr, REVERSE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
+  """Running sums of x[m, n] along n (from the end when REVERSE); tiles of BLOCK_N carry the total so far."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  o_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, O0, O1, O2, O3, O4, MND, M_UNIT)
+  m_mask = ms < M
+  carry = tl.zeros([BLOCK_M], ACC)
+  n_tiles = tl.cdiv(N, BLOCK_N)
+  for t in range(0, n_tiles):
+    if REVERSE:
+      t = n_tiles - 1 - t
+    ns = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (ns < N)[None, :]
+    v = tl.load(x + m_off[:, None] + (ns * NS)[None, :], mask=mask, other=0).to(ACC)
+    s = tl.cumsum(v, axis=1, reverse=REVERSE) + carry[:, None]
+    tl.store(out + o_off[:, None] + (ns * ONS)[None, :], s.to(out.dtype.element_ty), mask=mask)
+    # NOTE: the carry is the scan's end column; `carry += tl.sum(v, 1)` trips an assertion in Triton 3.6's
+    # OptimizeThreadLocality pass
+    end = 0 if REVERSE else BLOCK_N - 1
+    carry = tl.sum(tl.where((tl.arange(0, BLOCK_N) == end)[None, :], s, 0), axis=1)
+
+
+# *** schedules ***
+
+def reduce_schedule(M: int, N: int, along_m: bool) -> tuple[int, int, int]:
+  """(BLOCK_M, BLOCK_N, num_warps): tiles of up to 4096 elements (16 per thread at 8 warps). Loading along N (the
+  usual case) BLOCK_N covers N up to 1024 and BLOCK_M takes the rest of the tile; loading along M (reductions over
+  leading dims) BLOCK_M covers M up to 256, wide enough for full 128-byte lines, and BLOCK_N the rest."""
+  if along_m:
+    bm = min(triton.next_power_of_2(M), 256)
+    bn = max(1, min(triton.next_power_of_2(N), 4096 // bm))
+  else:
+    bn = min(triton.next_power_of_2(N), 1024)
+    bm = max(1, min(triton.next_power_of_2(M), 4096 // bn))
+  return bm, bn, 8 if bm * bn >= 4096 else 4
+
+
+def split_rule(m_blocks: int, N: int, block_n: int) -> int:
+  """How many pieces N is cut into: enough programs for two waves over the SMs, each piece at least 8 tiles long
+  (so partial results stay a small fraction of the traffic); 1 when M alone fills the GPU."""
+  if m_blocks >= SMS: return 1
+  return max(1, min(triton.cdiv(2 * SMS, m_blocks), N // (8 * block_n)))
+
+
+# *** host side ***
+
+def _names(p: str) -> list[str]: return [f"{p}Z1", f"{p}Z2", f"{p}Z3", f"{p}Z4", f"{p}0", f"{p}1", f"{p}2", f"{p}3", f"{p}4"]
+
+
+def _axis(shape, strides) -> list[int]:
+  """The 9 scalars of one axis for `strided`: sizes Z1..Z4 and strides T0..T4, left-padded."""
+  return pad(shape, 5, 1)[1:] + pad(strides, 5, 0)
+
+
+def _layout(x: CudaArray, dims):
+  """(x, kept shape, kept strides, reduced shape, reduced strides), collapsed, the reduced dims by falling stride.
+  A layout needing more than 5 dims on an axis is copied with the kept dims first, which collapses it to (M, N)."""
+  kept = [d for d in range(x.ndim) if d not in dims]
+  red = sorted(dims, key=lambda d: -x.strides[d])
+  kshape, (kst,) = collapse([x.shape[d] for d in kept], [x.strides[d] for d in kept])
+  rshape, (rst,) = collapse([x.shape[d] for d in red], [x.strides[d] for d in red])
+  if len(kshape) <= 5 and len(rshape) <= 5: return x, kshape, kst, rshape, rst
+  M, N = math.prod(kshape), math.prod(rshape)
+  return copy(_permuted(x, kept + red)), (M,), (N,), (N,), (1,)
+
+
+def _permuted(a: CudaArray, perm) -> CudaArray:
+  return CudaArray(a.ptr, tuple(a.shape[d] for d in perm), tuple(a.strides[d] for d in perm), a.dtype, a.device, a.owner)
+
+
+def _ident(op: str, dtype: DType):
+  """The value masked lanes load: the identity of the op in dtype."""
+  if op == "sum": return 0
+  if dtype.is_floating_point: return float("-inf") if op in ("amax", "argmax") else float("inf")
+  if dtype is dtypes.bool_: return 0 if op in ("amax", "argmax") else 1
+  bits = 8 * dtype.itemsize - 1
+  return -2**bits if op in ("amax", "argmax") else 2**bits - 1
+
+
+def _acc(op: str, x: DType, out: DType) -> DType:
+  """The accumulation dtype: float32 for half types, int64 for integer sums, int32 for bool extremes."""
+  if op != "sum": return dtypes.float32 if x in (dtypes.float16, dtypes.bfloat16) else dtypes.int32 if x is dtypes.bool_ else x
+  if dtypes.float64 in (x, out): return dtypes.float64
+  return dtypes.float32 if out.is_floating_point else dtypes.int64
+
+
+def reduce_spec(op: str, x: DType, out: DType, mnd: int, nnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
+  bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not (n_unit and nnd == 1))
+  it = "i64" if i64 else "i32"
+  sig = {"out": ptr(out), "x": ptr(x), "M": it, "N": it, "chunk": it, **{k: it for k in _names("M") + _names("N")}}
+  return spec(_reduce_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[_acc(op, x, out)], MND=mnd, NND=nnd,
+                                        M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+
+
+def _reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
+  out = empty(tuple(1 if d in dims else n for d, n in enumerate(x.shape)) if keepdim else
+              tuple(n for d, n in enumerate(x.shape) if d not in dims), out_dtype, x.device)
+  if out.size == 0: return out
+  if x.size == 0: return _fill(out, 0)
+  x, kshape, kst, rshape, rst = _layout(x, dims)
+  M, N = math.prod(kshape), math.prod(rshape)
+  i64 = needs_i64(x.shape, x.strides)
+  s = reduce_spec(op, x.dtype, out_dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
+  bm, bn = s[2]["BLOCK_M"], s[2]["BLOCK_N"]
+  if (pieces := split_rule(triton.cdiv(M, bm), N, bn)) > 1:
+    chunk = triton.cdiv(triton.cdiv(N, pieces), bn) * bn
+    pieces = triton.cdiv(N, chunk)
+    partial = empty((pieces, M), _acc(op, x.dtype, out_dtype), x.device)
+    s = reduce_spec(op, x.dtype, partial.dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
+    run(s, (triton.cdiv(M, bm), pieces), partial.ptr, x.ptr, M, N, chunk, *_axis(kshape, kst), *_axis(rshape, rst))
+    x, kshape, kst, rshape, rst, N = partial, (M,), (1,), (pieces,), (M,), pieces
+    s = reduce_spec(op, x.dtype, out_dtype, 1, 1, True, False, M, N, i64)
+  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]), 1), out.ptr, x.ptr, M, N, N, *_axis(kshape, kst), *_axis(rshape, rst))
+  return out
+
+
+def arg_spec(op: str, x: DType, mnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
+  bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not n_unit)
+  it = "i64" if i64 else "i32"
+  sig = {"out": "*i64", "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")}, "NS": it}
+  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_ident(op, x), MND=mnd, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
+                                     BLOCK_N=bn, IDX64=i64), num_warps=warps)
+
+
+def _arg(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
+  out = empty(tuple(1 if d == dim else n for d, n in enumerate(x.shape)) if keepdim else x.shape[:dim] + x.shape[dim + 1:],
+              dtypes.int64, x.device)
+  if out.size == 0: return out
+  x, kshape, kst, rshape, rst = _layout(x, (dim,))
+  M, N = math.prod(kshape), math.prod(rshape)
+  i64 = needs_i64(x.shape, x.strides)
+  s = arg_spec(op, x.dtype, len(kshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
+  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), rst[-1])
+  return out
+
+
+def cumsum_spec(x: DType, mnd: int, m_unit: bool, reverse: bool, M: int, N: int, i64: bool):
+  bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1)
+  it = "i64" if i64 else "i32"
+  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")},
+         **{f"O{i}": it for i in range(5)}, "NS": it, "ONS": it}
+  return spec(_cumsum_kernel, sig, dict(ACC=TL[_acc("sum", x, x)], MND=mnd, M_UNIT=m_unit, REVERSE=reverse, BLOCK_M=bm,
+                                        BLOCK_N=bn, IDX64=i64), num_warps=warps)
+
+
+def cumsum(x: CudaArray, dim: int, reverse: bool = False) -> CudaArray:
+  out = empty(x.shape, x.dtype, x.device)
+  if out.size == 0: return out
+  kept = [d for d in range(x.ndim) if d != dim]
+  kshape, (kst, ost) = collapse([x.shape[d] for d in kept], [x.strides[d] for d in kept], [out.strides[d] for d in kept])
+  if len(kshape) > 5:  # scan a copy with dim last, whose kept dims collapse to one, and copy back
+    t = cumsum(copy(_permuted(x, kept + [dim])), x.ndim - 1, reverse)
+    launch("copy", _permuted(out, kept + [dim]), t)
+    return out
+  M, N = math.prod(kshape), x.shape[dim]
+  i64 = needs_i64(x.shape, x.strides)
+  s = cumsum_spec(x.dtype, len(kshape), kst[-1] == 1 and ost[-1] == 1, reverse, M, N, i64)
+  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0),
+      x.strides[dim], out.strides[dim])
+  return out
+
+
+KERNELS = {
+  "sum": lambda x, dims, keepdim, dtype: _reduce(x, dims, keepdim, "sum", dtype),
+  "amax": lambda x, dims, keepdim: _reduce(x, dims, keepdim, "amax", x.dtype),
+  "amin": lambda x, dims, keepdim: _reduce(x, dims, keepdim, "amin", x.dtype),
+  "argmax": lambda x, dim, keepdim: _arg(x, dim, keepdim, "argmax"),
+  "argmin": lambda x, dim, keepdim: _arg(x, dim, keepdim, "argmin"),
+  "cumsum": cumsum,
+}
+
+
+def _specs() -> list:
+  f32, bf16, f16, f64, i64, b = dtypes.float32, dtypes.bfloat16, dtypes.float16, dtypes.float64, dtypes.int64, dtypes.bool_
+  out = []
+  for op in ("sum", "amax", "amin"):
+    out.append(reduce_spec(op, f32, f32, 1, 1, True, True, 1 << 14, 768, False))     # rows
+    out.append(reduce_spec(op, bf16, bf16, 1, 1, True, False, 768, 1 << 14, False))  # leading dims
+  out += [reduce_spec("sum", f32, f32, 1, 1, True, False, 768, 128, False),          # second pass of a split
+          reduce_spec("sum", b, i64, 3, 2, False, False, 100, 100, True),
+          reduce_spec("sum", f16, f32, 2, 1, True, True, 100, 3, False),
+          reduce_spec("amax", i64, i64, 1, 2, False, True, 10, 1000, False),
+          reduce_spec("amin", b, b, 1, 1, True, True, 10, 1000, False),
+          reduce_spec("sum", f64, f64, 5, 5, False, False, 1000, 1000, False)]
+  for op in ("argmax", "argmin"):
+    out += [arg_spec(op, f32, 1, True, True, 1 << 14, 50304, False), arg_spec(op, bf16, 2, True, False, 1000, 64, False),
+            arg_spec(op, i64, 3, False, False, 1000, 64, True)]
+  out += [cumsum_spec(f32, 1, True, False, 100, 1000, False), cumsum_spec(bf16, 1, True, True, 100, 1000, False),
+          cumsum_spec(i64, 3, False, True, 1000, 10, True), cumsum_spec(f64, 1, False, False, 10, 10, False)]
+  return out
+
+
+SPECS = _specs()
