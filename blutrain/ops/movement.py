@@ -125,6 +125,8 @@ def expand(x: Tensor, shape) -> Tensor:
   """A broadcast view (stride 0 along grown dims); -1 keeps a size."""
   shape = tuple(shape)
   lead = len(shape) - x.ndim
+  if -1 in shape[:max(lead, 0)]:
+    raise ValueError(f"expand: -1 (keep the size) is not allowed in a new leading dim: {x.shape} to {shape}")
   shape = tuple(x.shape[i - lead] if n == -1 and i >= lead else n for i, n in enumerate(shape))
   return x if shape == x.shape else expand_op(x, shape=shape)
 
@@ -171,6 +173,7 @@ def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
   """Merge dims start_dim..end_dim into one."""
   if x.ndim == 0: return reshape(x, (1,))
   s, e = normalize_dim(start_dim, x.ndim, "flatten"), normalize_dim(end_dim, x.ndim, "flatten")
+  if s > e: raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} (shape {x.shape})")
   return reshape(x, x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:])
 
 
