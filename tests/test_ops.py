@@ -846,6 +846,8 @@ BAD_INPUTS = {
   "reshape_two_minus_one": (lambda: _x().reshape(-1, -1), ValueError, "reshape: only one dimension can be -1"),
   "permute": (lambda: _x().permute(0, 0), ValueError, r"permute: \(0, 0\) is not a permutation"),
   "expand": (lambda: _x().expand(4, 3), ValueError, r"expand: cannot expand shape \(2, 3\) to \(4, 3\)"),
+  "expand_new_minus_one": (lambda: bt.ones(3).expand(-1, 3), ValueError, "expand: -1 .* new leading dim"),
+  "flatten_order": (lambda: _x().flatten(1, 0), ValueError, "flatten: start_dim 1 comes after end_dim 0"),
   "dim_range": (lambda: _x().sum(2), IndexError, r"sum: dimension 2 out of range.*\[-2, 1\]"),
   "dim_repeated": (lambda: _x().sum((0, -2)), ValueError, "sum: dimension repeated"),
   "softmax_dim": (lambda: _x().softmax(-3), IndexError, "softmax: dimension -3 out of range"),
