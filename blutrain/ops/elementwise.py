@@ -29,7 +29,7 @@ sin_op = op("sin", _same, lambda g, out, x: (g * cos(x),))
 cos_op = op("cos", _same, lambda g, out, x: (-g * sin(x),))
 tanh_op = op("tanh", _same, lambda g, out, x: (g * (1 - out * out),), saves=(), saves_output=True)
 sigmoid_op = op("sigmoid", _same, lambda g, out, x: (g * out * (1 - out),), saves=(), saves_output=True)
-relu = op("relu", _same, lambda g, out, x: (where(out > 0, g, 0.0),), saves=(), saves_output=True)
+relu = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True)  # passes at NaN, as torch
 erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),))
 floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=())
 gelu_backward = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype))
