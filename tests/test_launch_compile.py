@@ -29,6 +29,13 @@ def scale_kernel(x_ptr, n, a, b, flag, BLOCK: tl.constexpr):
   tl.store(x_ptr + offs, tl.where(flag, x * a.to(tl.float32) + b, x), mask=m)
 
 
+@triton.jit
+def tma_kernel(x_ptr, out_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+  desc = tl.make_tensor_descriptor(x_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+  tile = desc.load([tl.program_id(0) * BM, 0])
+  tl.store(out_ptr + tl.arange(0, BM)[:, None] * N + tl.arange(0, BN)[None, :], tile)
+
+
 ADD_SIG = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "alpha": "fp32"}
 
 
@@ -121,6 +128,14 @@ def test_grid_configs_are_checked_and_cached():
     k._config((1, 70000))
 
 
+def test_kernels_with_a_global_scratch_buffer_take_it_after_the_arguments():
+  k = launch.compile(tma_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32"}, {"BM": 64, "BN": 64},
+                     num_stages=1)
+  c = k.compiled
+  assert c.global_scratch_size > 0 and c.global_scratch_align <= 512 and k._scratch
+  assert k._pack(array(1 << 20, 1), array(2 << 20, 1), 64, 64) == (1 << 20, 2 << 20, 64, 64)  # the launch appends them
+
+
 def test_per_launch_host_overhead(monkeypatch):
   """The Python work of a launch before the driver call: argument packing, the grid's config, cuda.core's
   parameter buffer, and all of Kernel.__call__ with the driver call stubbed out. Printed for the record (the GPU
@@ -131,6 +146,7 @@ def test_per_launch_host_overhead(monkeypatch):
   k._configs[(4,)] = ("cfg", 4)
   stream = types.SimpleNamespace(device=0, _s="stream")
   monkeypatch.setattr(runtime, "_states", {0: types.SimpleNamespace(compute=stream)})
+  monkeypatch.setattr(runtime._tls, "context", 0)
   k._fns[0], k._launch = "function", lambda s, cfg, fn, *params: cc.ParamHolder(params)
   n = 20000
 

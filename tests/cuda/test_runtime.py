@@ -313,6 +313,27 @@ def test_launch_with_more_than_48k_of_shared_memory():
   np.testing.assert_allclose(memory.to_numpy(c), a.astype(np.float64) @ b.astype(np.float64), rtol=2e-2, atol=2e-2)
 
 
+@triton.jit
+def _tma_double(x_ptr, out_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+  """A device-side tensor descriptor (TMA) load: Triton places the descriptor in the global scratch buffer."""
+  desc = tl.make_tensor_descriptor(x_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+  pm, pn = tl.program_id(0), tl.program_id(1)
+  tile = desc.load([pm * BM, pn * BN])
+  rm, rn = pm * BM + tl.arange(0, BM), pn * BN + tl.arange(0, BN)
+  tl.store(out_ptr + rm[:, None] * N + rn[None, :], tile * 2, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def test_launch_fills_the_global_scratch_buffer():
+  k = launch.compile(_tma_double, {"x_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32"},
+                     {"BM": 64, "BN": 64}, num_stages=1)
+  assert k.compiled.global_scratch_size > 0
+  m, n = 200, 192
+  x = rand((m, n), dtypes.float32)
+  out = memory.empty((m, n), dtypes.float32)
+  k((triton.cdiv(m, 64), triton.cdiv(n, 64)), memory.from_numpy(x), out, m, n)
+  same(memory.to_numpy(out), x * 2)
+
+
 def test_per_launch_overhead(torch_cuda):
   """Microseconds per launch of a tiny kernel, host-bound (printed: run with -s)."""
   torch = torch_cuda

@@ -262,6 +262,7 @@ class Kernel:
     s = runtime.current_stream() if stream is None else stream
     fn = self._fns.get(s.device)
     if fn is None: fn = self._load(s.device)
+    elif runtime._tls.context != s.device: runtime.state(s.device)  # a stream of another GPU: its context
     cfg = self._configs.get(grid)
     if cfg is None: cfg = self._config(grid)
     if cfg[1] == 0: return

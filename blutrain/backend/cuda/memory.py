@@ -96,6 +96,7 @@ def _stage(device: int) -> _Staging:
 def copy_h2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Queue a copy of `nbytes` from host address `src` to device address `dst` on `s`; `src` may be reused
   as soon as this returns."""
+  runtime.state(s.device)  # its context current in this thread
   st, drv = _stage(s.device), runtime._driver()
   with st.lock:
     for k, off in enumerate(range(0, nbytes, CHUNK)):
@@ -109,6 +110,7 @@ def copy_h2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
 def copy_d2h(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Copy `nbytes` from device address `src` to host address `dst` after the work queued on `s`; returns
   when the host memory holds the data."""
+  runtime.state(s.device)  # its context current in this thread
   st, drv = _stage(s.device), runtime._driver()
   with st.lock:
     last = None
@@ -129,7 +131,9 @@ def _drain(st: _Staging, j: int, buf: int, off: int, n: int, dst: int) -> None:
 
 def copy_d2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Queue a device-to-device copy of `nbytes` on `s`."""
-  if nbytes: check(runtime._driver().cuMemcpyDtoDAsync(dst, src, nbytes, s._s.handle), "cuMemcpyDtoDAsync")
+  if nbytes:
+    runtime.state(s.device)
+    check(runtime._driver().cuMemcpyDtoDAsync(dst, src, nbytes, s._s.handle), "cuMemcpyDtoDAsync")
 
 
 # *** host <-> device ***
