@@ -17,7 +17,8 @@ def test_torch_consumes_our_capsule_sharing_memory(versioned):
   a = np.arange(24, dtype=np.float32).reshape(4, 6)
   view = a[:, 1::2]
   n = len(dl._exports)
-  cap = dl.make_capsule(view.ctypes.data, view.shape, [s // 4 for s in view.strides], dtypes.float32, kDLCPU, a, versioned)
+  strides = [s // 4 for s in view.strides]
+  cap = dl.make_capsule(view.ctypes.data, view.shape, strides, dtypes.float32, kDLCPU, a, versioned)
   t = torch.from_dlpack(cap)
   assert t.shape == (4, 3) and t.stride() == (6, 2) and t.dtype == torch.float32
   np.testing.assert_array_equal(t.numpy(), view)

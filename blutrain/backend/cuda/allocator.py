@@ -318,4 +318,5 @@ class CachingAllocator:
             f" of which {format_size(st['allocated'].current)} is allocated to tensors and {format_size(cached)} is "
             f"free in the cache ({format_size(split)} of it in split segments, i.e. fragmentation). Hint: free tensors "
             f"you no longer need (del, evaluate under bt.no_grad()), reduce the batch size or sequence length, or "
-            f"train in bfloat16 under bt.autocast" + (", or raise the limit with bt.cuda.set_memory_limit." if limit else "."))
+            f"train in bfloat16 under bt.autocast"
+            + (", or raise the limit with bt.cuda.set_memory_limit." if limit else "."))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-from ctypes import POINTER, CFUNCTYPE, Structure, c_char_p, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64,
+                    c_void_p)
 from typing import Any
 
 from blutrain import dtypes
@@ -140,7 +141,8 @@ class Foreign:
   __slots__ = ("ptr", "nbytes", "device", "stream", "_managed", "_deleter", "__weakref__")
 
   def __init__(self, ptr: int, nbytes: int, device: int, managed: Any, deleter: Any):
-    self.ptr, self.nbytes, self.device, self.stream, self._managed, self._deleter = ptr, nbytes, device, None, managed, deleter
+    self.ptr, self.nbytes, self.device, self.stream = ptr, nbytes, device, None
+    self._managed, self._deleter = managed, deleter
 
   def record_stream(self, stream: Any) -> None:
     """The producer's memory is not reused by blutrain's allocator, so there is nothing to order."""
@@ -166,7 +168,8 @@ def import_capsule(capsule: Any) -> CudaArray:
   if _api.PyCapsule_IsValid(cap, _NAME_V):
     addr = _api.PyCapsule_GetPointer(cap, _NAME_V)
     m = DLManagedTensorVersioned.from_address(addr)
-    if m.version.major > 1: raise BufferError(f"from_dlpack: DLPack {m.version.major}.{m.version.minor} is not supported")
+    if m.version.major > 1:
+      raise BufferError(f"from_dlpack: DLPack {m.version.major}.{m.version.minor} is not supported")
     used = _USED_V
   elif _api.PyCapsule_IsValid(cap, _NAME):
     addr = _api.PyCapsule_GetPointer(cap, _NAME)

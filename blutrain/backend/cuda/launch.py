@@ -40,6 +40,7 @@ _SCALARS: dict[str, Any] = {"i1": np.int8, "i8": np.int8, "i16": np.int16, "i32"
 
 
 def _bf16(v) -> np.uint16:
+  """The bits of v rounded to bfloat16: Triton passes a bf16 scalar as 16 bits."""
   return np.array(v, ml_dtypes.bfloat16).view(np.uint16)[()]
 
 
@@ -74,12 +75,14 @@ def _parse_signature(fn, signature: dict[str, str], constexprs: dict[str, Any]) 
   sig, attrs = {}, {}
   for i, name in enumerate(names):
     ty = signature.get(name, "constexpr" if name in constexprs else None)
-    if ty is None: raise TypeError(f"{fn.__name__}: argument {name!r} has no type in the signature and no constexpr value")
+    if ty is None:
+      raise TypeError(f"{fn.__name__}: argument {name!r} has no type in the signature and no constexpr value")
     if ty == "constexpr" and name not in constexprs:
       raise TypeError(f"{fn.__name__}: constexpr argument {name!r} needs a value in constexprs")
     base, _, div = ty.partition(":")
     if div:
-      if div != "16": raise ValueError(f"{fn.__name__}: argument {name!r}: only ':16' divisibility is supported, got {ty!r}")
+      if div != "16":
+        raise ValueError(f"{fn.__name__}: argument {name!r}: only ':16' divisibility is supported, got {ty!r}")
       attrs[(i,)] = [["tt.divisibility", 16]]
     if base != "constexpr" and base[0] != "*" and base not in _SCALARS and base != "bf16":
       raise TypeError(f"{fn.__name__}: argument {name!r} has type {base!r}; expected a pointer '*T', "

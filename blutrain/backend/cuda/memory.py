@@ -190,8 +190,8 @@ def copy_into(dst: CudaArray, src: CudaArray) -> None:
   try: copy(src, out=dst)
   except TypeError as e:
     if "out" not in str(e): raise
-    raise RuntimeError(f"copy_into: writing into a strided CUDA array (shape {dst.shape}, strides {dst.strides}) needs "
-                       f"the kernel library's 'copy' kernel to accept out= (see /work/notes/cuda_interface.md): {e}") from e
+    raise RuntimeError(f"copy_into: writing into a strided CUDA array (shape {dst.shape}, strides {dst.strides}) "
+                       f"needs the kernel library's 'copy' kernel to accept out= (copy(x, out=view)): {e}") from e
 
 
 def _require(name: str, src: CudaArray, dst: CudaArray):
