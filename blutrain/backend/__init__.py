@@ -12,6 +12,8 @@ and optionally require(), which raises ImportError when the module imports but t
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 from types import ModuleType
 
 from blutrain.device import Device
@@ -29,3 +31,8 @@ def get(device: Device) -> ModuleType:
       raise RuntimeError(f"device {device} is not available: the {device.type} backend could not load ({e}). "
                          f"Use device='cpu', or install the 'cuda' extra on a machine with an NVIDIA GPU.") from e
   return mod
+
+
+def cache_dir(*parts: str) -> Path:
+  """Where compiled code is kept (Triton cubins, Nova's generated code): $BLUTRAIN_CACHE_DIR, else ~/.cache/blutrain."""
+  return Path(os.environ.get("BLUTRAIN_CACHE_DIR") or Path.home() / ".cache" / "blutrain", *parts)

@@ -17,10 +17,9 @@ import numpy as np
 
 from blutrain import backend
 from blutrain.device import Device
-from blutrain.nova import capture
 from blutrain.nova.capture import StaleGraph, Trace
 from blutrain.ops import core
-from blutrain.tensor import Tensor, Traced
+from blutrain.tensor import Tensor
 
 
 # *** pytrees of call arguments and results ***
@@ -134,18 +133,13 @@ class Executable:
 
 # *** compile with a disk cache ***
 
-def cache_dir() -> Path:
-  """Where compiled graphs are kept: $BLUTRAIN_CACHE_DIR, else ~/.cache/blutrain."""
-  return Path(os.environ.get("BLUTRAIN_CACHE_DIR") or Path.home() / ".cache" / "blutrain")
-
-
 def build(graph, dump_dir: str | None) -> tuple[Callable, dict]:
   """Compile a captured graph to a CPU function, reusing the generated code cached under its structural hash.
   A cache entry that cannot be read or loaded is ignored and rebuilt."""
   from blutrain.nova import codegen_cpu, hashing, pipeline
   t0 = time.perf_counter()
   key = hashing.graph_key(graph)
-  path = cache_dir() / "nova" / f"v{hashing.FORMAT_VERSION}" / f"{key}.py"
+  path = backend.cache_dir("nova", f"v{hashing.FORMAT_VERSION}", f"{key}.py")
   info: dict = {"key": key, "hash_s": time.perf_counter() - t0}
   if path.is_file() and not dump_dir:
     try:
@@ -269,4 +263,4 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None):
   return Compiled(fn, dump_ir)
 
 
-__all__ = ["compile", "Compiled", "Executable", "cache_dir", "capture", "Traced"]
+__all__ = ["compile", "Compiled", "Executable"]

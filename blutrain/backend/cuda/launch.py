@@ -27,6 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from blutrain import backend
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
 
@@ -45,7 +46,7 @@ def _bf16(v) -> np.uint16:
 
 
 def cache_dir() -> Path:
-  return Path(os.environ.get("BLUTRAIN_CACHE_DIR") or Path.home() / ".cache" / "blutrain") / "triton"
+  return backend.cache_dir("triton")
 
 
 # *** compile ***
