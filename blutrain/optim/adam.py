@@ -26,7 +26,11 @@ class Adam(Optimizer):
     weight_decay: L2 penalty (added to the gradient) or, with `decoupled_weight_decay`, AdamW's decay.
     amsgrad: use the maximum of past second moments.
     maximize: ascend instead of descend.
-    foreach, fused: accepted for PyTorch compatibility; every setting runs the same per-parameter update.
+    foreach: accepted for PyTorch compatibility.
+    fused: unless False, a group whose parameters are all CUDA tensors is updated by one multi-tensor kernel
+      (blutrain.backend.cuda.kernels.optim.fused_adamw: the same float32 operations, in the same order, as the
+      per-parameter update below, which stays the reference and runs everywhere else: on the CPU, with amsgrad or
+      maximize, Adam's coupled weight decay, or inside bt.compile).
     decoupled_weight_decay: decay the parameter directly (AdamW) instead of adding to the gradient.
   """
 
@@ -43,13 +47,40 @@ class Adam(Optimizer):
                                   maximize=maximize, foreach=foreach, fused=fused,
                                   decoupled_weight_decay=decoupled_weight_decay))
 
+  @staticmethod
+  def _init_state(p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    if state: return
+    state["step"] = ops.zeros((), dtype=dtypes.float64, device=p.device)
+    state["exp_avg"], state["exp_avg_sq"] = ops.zeros_like(p), ops.zeros_like(p)
+    if group["amsgrad"]: state["max_exp_avg_sq"] = ops.zeros_like(p)
+
+  def _step_group(self, group: dict[str, Any]) -> None:
+    params = [p for p in group["params"] if p.grad is not None]
+    if not self._fusable(group, params): return super()._step_group(group)
+    from blutrain.backend.cuda.kernels.optim import fused_adamw
+    states = [self.state[p] for p in params]
+    for p, state in zip(params, states): self._init_state(p, state, group)
+    if not all(s["exp_avg"].is_contiguous() and s["exp_avg_sq"].is_contiguous() for s in states):
+      return super()._step_group(group)
+    (beta1, beta2), keys = group["betas"], ("step", "exp_avg", "exp_avg_sq")
+    fused_adamw([p._array() for p in params], [p.grad._array() for p in params],
+                *([s[k]._array() for s in states] for k in keys[1:]), [s["step"]._array() for s in states],
+                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
+    for t in params + [s[k] for s in states for k in keys]: t._storage.version += 1
+
+  @staticmethod
+  def _fusable(group: dict[str, Any], params: list[Tensor]) -> bool:
+    """Whether fused_adamw can update the group: eager, AdamW's update, dense floating CUDA parameters and grads."""
+    return (group["fused"] is not False and ops.core.capture.trace is None and bool(params)
+            and not group["amsgrad"] and not group["maximize"]
+            and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
+            and all(p.device.type == "cuda" and p.dtype.is_floating_point and p.grad.dtype.is_floating_point
+                    and p.is_contiguous() and p.grad.is_contiguous() and p.grad.shape == p.shape for p in params))
+
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     (beta1, beta2), weight_decay = group["betas"], group["weight_decay"]
     lr = ops.dynamic_scalar(lambda: group["lr"], p.device)
-    if not state:
-      state["step"] = ops.zeros((), dtype=dtypes.float64, device=p.device)
-      state["exp_avg"], state["exp_avg_sq"] = ops.zeros_like(p), ops.zeros_like(p)
-      if group["amsgrad"]: state["max_exp_avg_sq"] = ops.zeros_like(p)
+    self._init_state(p, state, group)
     if group["maximize"]: grad = -grad
     step = state["step"].add_(1)
     if weight_decay != 0:

@@ -19,7 +19,8 @@ class Optimizer:
   `param_groups` is a list of dicts, each with "params" (a list of tensors) and its hyperparameters (those the
   group leaves out come from `defaults`); `state[p]` is a dict of the per-parameter state (step, moments).
   A subclass implements `_update`, the update of one parameter; `step` runs it under no_grad for every
-  parameter that has a gradient.
+  parameter that has a gradient, group by group through `_step_group`, which a subclass may override to update a
+  whole group at once (Adam's fused CUDA kernel).
 
   Args:
     params: an iterable of tensors, or of dicts defining parameter groups.
@@ -73,10 +74,13 @@ class Optimizer:
     loss = None
     if closure is not None:
       with enable_grad(): loss = closure()
-    for group in self.param_groups:
-      for p in group["params"]:
-        if p.grad is not None: self._update(p, p.grad, self.state[p], group)
+    for group in self.param_groups: self._step_group(group)
     return loss
+
+  def _step_group(self, group: dict[str, Any]) -> None:
+    """Update the parameters of one group that have a gradient, one `_update` each."""
+    for p in group["params"]:
+      if p.grad is not None: self._update(p, p.grad, self.state[p], group)
 
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     """Update p in place from its gradient, its state (filled on the first call) and its group's hyperparameters."""

@@ -72,7 +72,7 @@ def gemm_calls(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | Non
 
 def _zero(out: CudaArray) -> None:
   s = runtime.current_stream(out.device)
-  runtime.check(runtime._driver().cuMemsetD8Async(out.ptr, 0, out.nbytes, s.handle), "cuMemsetD8Async")
+  runtime.check(runtime._driver().cuMemsetD8Async(out.ptr, 0, out.nbytes, s._s.handle), "cuMemsetD8Async")
 
 
 def _check(op: str, a: CudaArray, b: CudaArray) -> None:

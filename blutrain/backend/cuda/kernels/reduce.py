@@ -106,7 +106,7 @@ def _argmin_combine(v1, i1, v2, i2):
 
 @triton.jit
 def _arg_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, NS, OP: tl.constexpr, IDENT: tl.constexpr,
-                MND: tl.constexpr, M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                ACC: tl.constexpr, MND: tl.constexpr, M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
   """out[m] = the first index n of the maximum (OP="argmax") or minimum of x[m, n] (n has stride NS)."""
   pid = tl.program_id(0)
@@ -115,15 +115,13 @@ def _arg_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, NS, OP: tl
   ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
   m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
   m_mask = ms < M
-  best = tl.full([BLOCK_M, BLOCK_N], IDENT, tl.float32 if x.dtype.element_ty.is_floating() else x.dtype.element_ty)
-  if x.dtype.element_ty == tl.float64:
-    best = best.to(tl.float64)
+  best = tl.full([BLOCK_M, BLOCK_N], IDENT, ACC)
   best_i = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)
   for n0 in range(0, N, BLOCK_N):
     ns = n0 + tl.arange(0, BLOCK_N)
     n_off = ns if N_UNIT else ns * NS
     v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < N)[None, :], other=IDENT)
-    v = v.to(best.dtype)
+    v = v.to(ACC)
     i = tl.zeros([BLOCK_M, BLOCK_N], tl.int64) + ns[None, :]
     take = _better(v, i, best, best_i, OP == "argmax") & (ns < N)[None, :]
     best = tl.where(take, v, best)
@@ -261,7 +259,7 @@ def arg_spec(op: str, x: DType, mnd: int, m_unit: bool, n_unit: bool, M: int, N:
   bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not n_unit)
   it = "i64" if i64 else "i32"
   sig = {"out": "*i64", "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")}, "NS": it}
-  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_ident(op, x), MND=mnd, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
+  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[_acc(op, x, x)], MND=mnd, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
                                      BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 

@@ -1,0 +1,453 @@
+"""Every kernel of the CUDA kernel library against the CPU backend: the same primitive (`apply` on the op of the
+registry) runs on CPU tensors and on CUDA tensors holding the same values, in several shapes, dtypes and layouts
+(contiguous, transposed, strided, offset, broadcast), and the results must agree within the dtype's tolerance.
+Random ops are checked by their statistics and reproducibility, fused AdamW against the per-parameter update.
+
+A failure names the op, the input shapes, strides and dtypes, and the largest error with its position."""
+import math
+
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import dtypes, ops
+from blutrain.ops.core import apply, registry as P
+
+pytestmark = pytest.mark.cuda
+
+# (atol, rtol) of a result of each dtype; the GPU computes half types in float32 as the CPU does, so they differ by
+# the last bit of a rounding at most
+TOL = {bt.float64: (1e-12, 1e-10), bt.float32: (2e-6, 2e-5), bt.float16: (1e-3, 2e-3), bt.bfloat16: (1e-2, 1e-2)}
+FLOATS = (bt.float32, bt.float16, bt.bfloat16, bt.float64)
+LAYOUTS = ("contiguous", "transposed", "strided", "offset", "broadcast")
+
+
+def rand(shape, dtype, low=-3.0, high=3.0, seed=0) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  if dtype is bt.bool_: return rng.random(shape) < 0.5
+  if not dtype.is_floating_point: return rng.integers(int(low), int(high), shape).astype(dtype.np)
+  return rng.uniform(low, high, shape).astype(dtype.np)
+
+
+def pair(shape, dtype, layout="contiguous", low=-3.0, high=3.0, seed=0, prep=None):
+  """(cpu, cuda) tensors with equal values of `shape`, both views of one layout over a base buffer (whose random
+  values `prep` may rework on the host)."""
+  shape = tuple(shape)
+  if layout == "contiguous" or not shape:
+    base, view = shape, lambda t: t
+  elif layout == "transposed":
+    base, view = shape[::-1], lambda t: t.permute(*range(len(shape) - 1, -1, -1))
+  elif layout == "strided":
+    base, view = shape[:-1] + (2 * shape[-1] + 1,), lambda t: t[..., 1::2]
+  elif layout == "offset":
+    base, view = (shape[0] + 3,) + shape[1:], lambda t: t[3:]
+  else:  # broadcast: the first dim (or the last, when the first is 1) grows from 1
+    d = 0 if shape[0] != 1 else len(shape) - 1
+    base, view = shape[:d] + (1,) + shape[d + 1:], lambda t: t.expand(shape)
+  values = rand(base, dtype, low, high, seed)
+  cpu = bt.from_numpy(values if prep is None else prep(values).astype(dtype.np))
+  a, b = view(cpu), view(cpu.to("cuda"))
+  assert a.shape == b.shape == shape
+  return a, b
+
+
+def describe(*ts) -> str:
+  return ", ".join(f"{tuple(t.shape)} strides {t.stride()} {t.dtype.name}" for t in ts if isinstance(t, bt.Tensor))
+
+
+def check(what: str, got: bt.Tensor, want: bt.Tensor, tol=None) -> None:
+  """got (CUDA) == want (CPU): shape and dtype first, then values within (atol, rtol), NaNs in the same places."""
+  assert got.device.type == "cuda", f"{what}: result on {got.device}"
+  assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)}, CPU gives {tuple(want.shape)}"
+  assert got.dtype is want.dtype, f"{what}: dtype {got.dtype.name}, CPU gives {want.dtype.name}"
+  g, w = got.numpy(), want.numpy()
+  if got.dtype in (bt.float16, bt.bfloat16): g, w = g.astype(np.float32), w.astype(np.float32)
+  if not got.dtype.is_floating_point:
+    bad = np.argwhere(g != w)
+    assert bad.size == 0, f"{what}: {len(bad)} of {g.size} differ, first at {tuple(bad[0])}: {g[tuple(bad[0])]} != {w[tuple(bad[0])]}"
+    return
+  atol, rtol = tol or TOL[got.dtype]
+  nan = np.isnan(w)
+  assert (np.isnan(g) == nan).all(), f"{what}: NaN at {tuple(np.argwhere(np.isnan(g) != nan)[0])} in one result only"
+  same_inf = np.isinf(w) & (g == w)
+  err = np.where(nan | same_inf, 0.0, np.abs(g.astype(np.float64) - w.astype(np.float64)))
+  bound = atol + rtol * np.abs(np.where(np.isinf(w), 0, w).astype(np.float64))
+  if (err > bound).any():
+    i = np.unravel_index(np.argmax(err - bound), err.shape)
+    raise AssertionError(f"{what}: max error {err[i]:.3g} at {tuple(int(k) for k in i)} (got {g[i]}, want {w[i]}; "
+                         f"atol {atol}, rtol {rtol}); {(err > bound).sum()} of {err.size} outside")
+
+
+def run(name: str, *inputs, tol=None, **attrs):
+  """Run primitive `name` on the CPU and the CUDA halves of `inputs` (pairs, or None) and compare."""
+  cpu = apply(P[name], *(None if x is None else x[0] for x in inputs), **attrs)
+  gpu = apply(P[name], *(None if x is None else x[1] for x in inputs), **attrs)
+  check(f"{name}({describe(*(x[1] for x in inputs if x is not None))}; {attrs})", gpu, cpu, tol)
+  return cpu, gpu
+
+
+# *** elementwise ***
+
+UNARY_DOMAIN = {"log": (0.01, 5), "sqrt": (0, 5), "rsqrt": (0.01, 5), "exp": (-20, 20)}
+UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor")
+
+
+@pytest.mark.parametrize("name", UNARY)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_unary(name, dtype):
+  low, high = UNARY_DOMAIN.get(name, (-6, 6))
+  for shape, layout in (((1000,), "contiguous"), ((7, 33, 5), "transposed"), ((4, 300), "strided"), ((5, 6), "offset"),
+                        ((3, 129), "broadcast"), ((), "contiguous"), ((0, 3), "contiguous"), ((3 << 20,), "contiguous")):
+    run(name, pair(shape, dtype, layout, low, high))
+
+
+@pytest.mark.parametrize("name", ("neg", "abs", "relu"))
+@pytest.mark.parametrize("dtype", (bt.int32, bt.int64))
+def test_unary_integers(name, dtype):
+  run(name, pair((17, 9), dtype, "transposed", -100, 100))
+
+
+def test_unary_special_values():
+  x = bt.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, 88.0, -104.0])
+  for name in ("exp", "log", "sqrt", "tanh", "sigmoid", "relu", "abs", "erf", "floor", "neg"):
+    run(name, (x, x.to("cuda")))
+
+
+def test_logical_not():
+  run("logical_not", pair((100, 3), bt.bool_, "transposed"))
+
+
+@pytest.mark.parametrize("approximate", ("none", "tanh"))
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_gelu_and_backward(approximate, dtype):
+  for shape, layout in (((4096,), "contiguous"), ((16, 48), "transposed"), ((8, 100), "strided")):
+    x = pair(shape, dtype, layout, -6, 6)
+    run("gelu", x, approximate=approximate)
+    run("gelu_backward", pair(shape, dtype, "contiguous", seed=1), x, approximate=approximate)
+
+
+BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge")
+SHAPES2 = (((1000,), (1000,)), ((3, 1, 5), (1, 4, 5)), ((2, 3, 4, 65), (65,)), ((5000,), ()), ((), (7, 3)),
+           ((64, 768), (768,)), ((6, 1), (1, 9)), ((2, 1, 3, 1, 4, 1, 5), (1, 2, 1, 3, 1, 4, 1)))
+
+
+@pytest.mark.parametrize("name", BINARY)
+@pytest.mark.parametrize("dtype", FLOATS + (bt.int32, bt.int64))
+def test_binary_broadcast(name, dtype):
+  fl = dtype.is_floating_point
+  x_dom, y_dom = {"pow": ((0.5, 3), (-2, 3)) if fl else ((-3, 4), (0, 5)), "div": ((-5, 6), (1, 5))}.get(name, ((-5, 6),) * 2)
+  for (s1, s2), layout in zip(SHAPES2, LAYOUTS * 2):
+    run(name, pair(s1, dtype, layout, *x_dom), pair(s2, dtype, "contiguous", *y_dom, seed=1))
+
+
+@pytest.mark.parametrize("name", ("eq", "ne", "lt", "maximum", "minimum", "add", "mul"))
+def test_binary_nan_and_ties(name):
+  a = bt.tensor([1.0, float("nan"), 2.0, float("nan"), -0.0, float("inf")])
+  b = bt.tensor([1.0, 3.0, float("nan"), float("nan"), 0.0, float("inf")])
+  run(name, (a, a.to("cuda")), (b, b.to("cuda")))
+
+
+@pytest.mark.parametrize("name", ("logical_and", "logical_or", "logical_xor", "add", "mul", "maximum", "minimum", "eq"))
+def test_bool_ops(name):
+  run(name, pair((33, 7), bt.bool_, "transposed"), pair((7,), bt.bool_, seed=1))
+
+
+def test_integer_pow():
+  x = pair((200,), bt.int64, "contiguous", -4, 5)
+  for e in (0, 1, 2, 7, 13):
+    run("pow", x, (bt.full((), e, dtype=bt.int64), bt.full((), e, dtype=bt.int64, device="cuda")))
+
+
+@pytest.mark.parametrize("dtype", FLOATS + (bt.int64, bt.bool_))
+def test_where(dtype):
+  for (sc, sx, sy), layout in zip((((1000,), (1000,), (1000,)), ((4, 1, 6), (1, 5, 6), (6,)), ((), (3, 4), (3, 1)),
+                                  ((64, 300), (64, 300), ())), LAYOUTS):
+    run("where", pair(sc, bt.bool_, "contiguous"), pair(sx, dtype, layout), pair(sy, dtype, "contiguous", seed=1))
+
+
+@pytest.mark.parametrize("src", dtypes.all_dtypes)
+def test_cast_every_pair(src):
+  # floats: quarters and zeros, exact in every float dtype, truncated alike toward zero by every integer cast
+  prep = (lambda v: np.floor(v.astype(np.float32) * 4) / 4 * (np.abs(v.astype(np.float32)) > 10)) if src.is_floating_point else None
+  for dst in dtypes.all_dtypes:
+    for layout in ("contiguous", "transposed"):
+      run("cast", pair((31, 17), src, layout, -100, 100, prep=prep), dtype=dst)
+
+
+def test_cast_rounding_to_half():
+  x = pair((4096,), bt.float32, "contiguous", -1000, 1000)
+  for dst in (bt.float16, bt.bfloat16):
+    run("cast", x, dtype=dst, tol=(0, 0))
+
+
+@pytest.mark.parametrize("dtype", dtypes.all_dtypes)
+def test_copy_layouts(dtype):
+  for shape, layout in (((1000,), "strided"), ((5, 7, 9), "transposed"), ((11, 4), "offset"), ((6, 128), "broadcast")):
+    run("copy", pair(shape, dtype, layout))
+  x = bt.from_numpy(rand((2,) * 8, dtype)).permute(7, 2, 5, 0, 3, 6, 1, 4)  # 8 dims that no collapse can merge
+  run("copy", (x, x.to("cuda")))
+
+
+def test_copy_into_strided_and_overlapping():
+  for dtype in (bt.float32, bt.bfloat16, bt.int64):
+    base = bt.from_numpy(rand((8, 10), dtype))
+    a, b = base.clone(), base.to("cuda")
+    for t in (a, b):
+      t[:, 1::3] = t[:, 2::3]                              # strided source and destination
+      t.transpose(0, 1)[2:5] = t.transpose(0, 1)[3:6]      # overlapping source and destination
+      t[0] = 7                                             # a broadcast scalar
+    check(f"setitem {dtype.name}", b, a, (0, 0))
+  x, y = bt.zeros(4, 6, device="cuda"), bt.arange(6, dtype=bt.int64, device="cuda")
+  x.copy_(y)  # int64 into float32, broadcast over rows
+  check("copy_ int64 -> float32 broadcast", x, bt.arange(6).to(bt.float32).expand(4, 6).contiguous())
+
+
+def test_cat():
+  for dtype in (bt.float32, bt.bool_, bt.bfloat16):
+    for dim in (0, 1, 2):
+      xs = [pair((3, 4, 5)[:dim] + (k,) + (3, 4, 5)[dim + 1:], dtype, layout, seed=k)
+            for k, layout in zip((2, 1, 4), ("contiguous", "transposed", "strided"))]
+      run("cat", *xs, dim=dim)
+
+
+def test_full_and_arange():
+  for dtype in dtypes.all_dtypes:
+    for value in (0, 1, -3, 2.5, True, float("inf")):
+      if not dtype.is_floating_point and value == float("inf"): continue
+      want = apply(P["full"], device=bt.device("cpu"), shape=(3, 1000), value=value, dtype=dtype)
+      check(f"full {value} {dtype.name}", apply(P["full"], device=bt.device("cuda"), shape=(3, 1000), value=value, dtype=dtype), want)
+  for start, end, step, dtype in ((0, 10, 1, None), (1, 2, 0.1, None), (-5, 100000, 3, bt.int32), (0.5, 1e5, 0.25, bt.float64),
+                                  (10, -10, -0.5, bt.bfloat16), (0, 7, 2, bt.float16)):
+    check(f"arange({start}, {end}, {step}, {dtype})", bt.arange(start, end, step, dtype=dtype, device="cuda"),
+          bt.arange(start, end, step, dtype=dtype))
+
+
+def test_index_width_past_int32():
+  """A tensor of more than 2^31 elements takes the int64 index variants."""
+  n = 2**31 + 77
+  x = bt.full((n,), True, dtype=bt.bool_, device="cuda")
+  y = apply(P["logical_not"], x)
+  assert not y[-100:].numpy().any() and not y[:10].numpy().any()
+  assert apply(P["sum"], x, dims=(0,), keepdim=False, dtype=bt.int64).item() == n
+  del x, y
+
+
+# *** reductions ***
+
+RED_CASES = (((1000,), (0,)), ((64, 768), (1,)), ((64, 768), (0,)), ((4, 5, 6), (0, 2)), ((3, 1, 7), (1,)),
+             ((2, 3, 4, 5), (1, 3)), ((16384, 8), (0,)), ((8, 300000), (1,)), ((5, 6), ()), ((0, 4), (0,)),
+             ((2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3), (0, 2, 4, 6, 8, 10)))
+
+
+@pytest.mark.parametrize("name", ("sum", "amax", "amin"))
+@pytest.mark.parametrize("dtype", FLOATS + (bt.int32, bt.int64, bt.bool_))
+def test_reductions(name, dtype):
+  for (shape, dims), layout in zip(RED_CASES, LAYOUTS * 3):
+    if name != "sum" and 0 in shape: continue
+    dims = dims or tuple(range(len(shape)))
+    for keepdim in (False, True):
+      x = pair(shape, dtype, layout if len(shape) < 10 else "contiguous")
+      n = math.prod(shape[d] for d in dims)
+      if name == "sum":
+        out = dtype if dtype.is_floating_point else bt.int64
+        atol, rtol = TOL[out] if out.is_floating_point else (0, 0)
+        run("sum", x, dims=dims, keepdim=keepdim, dtype=out, tol=(atol * 3 * math.sqrt(n), rtol * 4) if out.is_floating_point else None)
+      else:
+        run(name, x, dims=dims, keepdim=keepdim)
+
+
+def test_sum_into_other_dtype_and_nan_extremes():
+  x = pair((37, 100), bt.bfloat16, "transposed")
+  run("sum", x, dims=(1,), keepdim=False, dtype=bt.float32, tol=(1e-4, 1e-5))
+  v = bt.tensor([[1.0, float("nan"), 3.0], [float("-inf"), -1.0, 2.0]])
+  for name in ("amax", "amin"):
+    run(name, (v, v.to("cuda")), dims=(1,), keepdim=False)
+
+
+@pytest.mark.parametrize("name", ("argmax", "argmin"))
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64, bt.int64, bt.bool_))
+def test_arg_reductions(name, dtype):
+  for (shape, dim), layout in zip((((1000,), 0), ((64, 50304), 1), ((300, 7), 0), ((4, 5, 6), 1), ((9, 33), 1)), LAYOUTS):
+    for keepdim in (False, True):
+      run(name, pair(shape, dtype, layout, -3, 3), dim=dim, keepdim=keepdim)  # few distinct values: many ties
+  v = bt.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 2.0, -1.0, -1.0]])
+  run(name, (v, v.to("cuda")), dim=1, keepdim=False)
+
+
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64, bt.int64))
+def test_cumsum(dtype):
+  for (shape, dim), layout in zip((((1000,), 0), ((16, 5000), 1), ((3000, 5), 0), ((4, 5, 6), 1), ((9, 33), 0),
+                                   ((2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3), 5)), LAYOUTS + ("contiguous",)):
+    for reverse in (False, True):
+      n = shape[dim]
+      atol, rtol = TOL.get(dtype, (0, 0))
+      run("cumsum", pair(shape, dtype, layout, -3, 3), dim=dim, reverse=reverse,
+          tol=(atol * 3 * math.sqrt(n), rtol * 4) if dtype.is_floating_point else None)
+
+
+# *** softmax, layer_norm, cross-entropy ***
+
+@pytest.mark.parametrize("name", ("softmax", "log_softmax"))
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_softmax(name, dtype):
+  for (shape, dim), layout in zip((((64, 1024), 1), ((8, 50304), 1), ((4, 7, 33), 1), ((300, 5), 0), ((3, 20000), 1),
+                                   ((2, 3, 4, 5, 6, 7, 8), 3), ((1, 1), 0)), LAYOUTS + ("contiguous", "contiguous")):
+    run(name, pair(shape, dtype, layout, -10, 10), dim=dim)
+  v = bt.tensor([[float("-inf"), 0.0, 1.0], [float("nan"), 0.0, 1.0], [-1e30, 1e30, 0.0]])
+  run(name, (v, v.to("cuda")), dim=1)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_layer_norm(dtype):
+  for shape, n, layout in (((4, 64, 768), 1, "contiguous"), ((16, 33), 1, "transposed"), ((3, 5, 20000), 1, "contiguous"),
+                           ((6, 4, 10), 2, "strided"), ((2, 3, 4, 5), 3, "offset"), ((9, 128), 1, "broadcast")):
+    x = pair(shape, dtype, layout)
+    w, b = pair(shape[-n:], dtype, seed=1), pair(shape[-n:], dtype, seed=2)
+    tol = tuple(3 * t for t in TOL[dtype])
+    for weight, bias in ((w, b), (None, None), (w, None), (None, b)):
+      run("layer_norm", x, weight, bias, n=n, eps=1e-5, tol=tol)
+  big = pair((8, 512), dtype, "contiguous", 1000, 1001)  # a large mean over a small spread: variance in two passes
+  run("layer_norm", big, None, None, n=1, eps=1e-5, tol=(5e-3, 5e-3) if dtype is bt.float32 else None)
+
+
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64))
+def test_cross_entropy(dtype):
+  for (n, c), layout in zip(((64, 10), (128, 1000), (256, 50304), (33, 5000)), ("contiguous", "transposed", "contiguous",
+                                                                                "strided")):
+    logits = pair((n, c), dtype, layout, -8, 8)
+    t = rand((n,), bt.int64, 0, c, seed=3)
+    t[::7] = -100
+    target = (bt.from_numpy(t), bt.from_numpy(t).to("cuda"))
+    tol = (2e-5 * math.log(c), 2e-5) if dtype is bt.float32 else None
+    run("cross_entropy", logits, target, ignore_index=-100, tol=tol)
+    g = pair((n,), dtype, "contiguous", 0.5, 2, seed=4)
+    run("cross_entropy_backward", g, logits, target, ignore_index=-100)
+    g = (bt.full((), 0.25, dtype=dtype).expand(n), bt.full((), 0.25, dtype=dtype, device="cuda").expand(n))
+    run("cross_entropy_backward", g, logits, target, ignore_index=-100)
+
+
+def test_cross_entropy_bad_target_is_nan():
+  logits = bt.randn(3, 5, device="cuda")
+  loss = apply(P["cross_entropy"], logits, bt.tensor([1, 7, -3], device="cuda"), ignore_index=-100).numpy()
+  assert np.isfinite(loss[0]) and np.isnan(loss[1:]).all(), loss
+
+
+# *** indexing ***
+
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float16))
+def test_embedding_and_backward(dtype):
+  for (v, d), idx_shape, layout in (((50304, 768), (4, 256), "contiguous"), ((100, 33), (7,), "transposed"),
+                                    ((10, 5), (3, 4, 5), "strided")):
+    w = pair((v, d), dtype, layout)
+    i = rand(idx_shape, bt.int64, -v, v, seed=5)
+    idx = (bt.from_numpy(i), bt.from_numpy(i).to("cuda"))
+    run("embedding", w, idx)
+    g = pair(idx_shape + (d,), dtype, "contiguous", seed=6)
+    atol, rtol = TOL[dtype]
+    run("embedding_backward", g, idx, num=v, tol=(atol * 4, rtol * 4))
+
+
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.int64))
+def test_gather_and_scatter_add(dtype):
+  for shape, ishape, dim, layout in (((10, 20), (10, 5), 1, "contiguous"), ((30, 4, 5), (7, 4, 5), 0, "transposed"),
+                                     ((6, 7, 8), (6, 3, 8), 1, "strided"), ((50,), (200,), 0, "contiguous")):
+    x = pair(shape, dtype, layout)
+    i = rand(ishape, bt.int64, -shape[dim], shape[dim], seed=7)
+    index = (bt.from_numpy(i), bt.from_numpy(i).to("cuda"))
+    run("gather", x, index, dim=dim)
+    i = rand(ishape, bt.int64, 0, shape[dim], seed=7)
+    index = (bt.from_numpy(i), bt.from_numpy(i).to("cuda"))
+    src = pair(tuple(n + 1 for n in ishape), dtype, "contiguous", seed=8)  # larger than index, as scatter_add allows
+    run("scatter_add", x, index, src, dim=dim, tol=tuple(4 * t for t in TOL[dtype]) if dtype.is_floating_point else None)
+
+
+def ix(n: int, shape, seed=9):
+  """Distinct positions of a dim of size n (so index_put has one value per position), some written negative."""
+  rng = np.random.default_rng(seed)
+  i = rng.permutation(n)[:math.prod(shape)].reshape(shape)
+  i = np.where(rng.random(shape) < 0.3, i - n, i).astype(np.int64)
+  return bt.from_numpy(i), bt.from_numpy(i).to("cuda")
+
+
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.bool_))
+def test_index_family(dtype):
+  shape = (6, 7, 8, 9)
+  x = pair(shape, dtype, "transposed")
+  for idx, positions in (([ix(6, (5,))], (0,)), ([ix(7, (2, 3))], (1,)), ([ix(6, (4,)), ix(8, (4,))], (0, 2)),
+                         ([ix(7, (2, 1)), ix(8, (1, 3))], (1, 2)),
+                         ([ix(6, (5,)), ix(7, (5,)), ix(8, (5,)), ix(9, (5,))], (0, 1, 2, 3))):
+    cpu, _ = run("index", x, *idx, positions=positions)
+    v = pair(cpu.shape, dtype, "contiguous", seed=10)
+    run("index_put", x, v, *idx, positions=positions)
+    if dtype is not bt.bool_:
+      run("index_backward", v, *idx, shape=shape, positions=positions, tol=tuple(4 * t for t in TOL[dtype]))
+
+
+def test_slice_backward():
+  for dtype in (bt.float32, bt.int64):
+    g = pair((3, 2, 4), dtype, "transposed")
+    run("slice_backward", g, shape=(7, 5, 9), index=((1, 7, 2), (0, 2, 1), (2, 9, 2)))
+
+
+def test_getitem_through_autograd():
+  """Basic and advanced indexing in one key, forward and backward (slice_backward, index_backward)."""
+  x, i = rand((5, 6, 7), bt.float32), np.array([[0, 4], [2, -1]])
+  results = {}
+  for dev in ("cpu", "cuda"):
+    t = bt.tensor(x, device=dev, requires_grad=True)
+    idx = bt.tensor(i, device=dev)
+    y = t[idx, 1:5:2, idx]
+    (y * y).sum().backward()
+    results[dev] = (y.detach(), t.grad)
+  check("getitem", results["cuda"][0], results["cpu"][0])
+  check("getitem backward", results["cuda"][1], results["cpu"][1])
+
+
+# *** random ***
+
+def test_random_statistics_and_reproducibility():
+  n = 1 << 22
+  g = bt.Generator("cuda").manual_seed(1234)
+  u = bt.rand(n, device="cuda", generator=g).numpy().astype(np.float64)
+  z = bt.randn(n, device="cuda", generator=g).numpy().astype(np.float64)
+  k = bt.randint(-5, 7, (n,), device="cuda", generator=g).numpy()
+  b = bt.ops.bernoulli_mask((n,), 0.3, device="cuda", generator=g).numpy()
+  se = 1 / math.sqrt(n)
+  assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 6 * se * math.sqrt(1 / 12), u.mean()
+  assert abs(u.var() - 1 / 12) < 0.002 and abs(np.histogram(u, 16, (0, 1))[0] / n - 1 / 16).max() < 0.002
+  assert abs(z.mean()) < 6 * se and abs(z.var() - 1) < 0.01 and abs((np.abs(z) < 1).mean() - 0.6827) < 0.002
+  assert k.min() == -5 and k.max() == 6 and abs(np.bincount(k + 5) / n - 1 / 12).max() < 0.002 and k.dtype == np.int64
+  assert b.dtype == np.bool_ and abs(b.mean() - 0.3) < 6 * se
+  assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 6 * se  # neighbours are independent
+  g2 = bt.Generator("cuda").manual_seed(1234)
+  again = bt.rand(n, device="cuda", generator=g2).numpy().astype(np.float64)
+  assert (again == u).all(), "same seed and offset, different numbers"
+  assert (bt.rand(n, device="cuda", generator=g2).numpy() == u).mean() < 1e-4, "the offset did not advance the stream"
+  for dtype in (bt.bfloat16, bt.float16, bt.float64):
+    r = bt.rand(1000, dtype=dtype, device="cuda")
+    assert r.dtype is dtype and 0 <= float(r.min()) <= float(r.max()) <= 1
+  assert bt.randint(0, 3, (100,), dtype=bt.int32, device="cuda").dtype is bt.int32
+
+
+# *** fused AdamW ***
+
+def test_fused_adamw_matches_the_per_parameter_update():
+  shapes = [(768, 3072), (3072,), (50304, 64), (7,), ()]
+  init = [rand(s, bt.float32, seed=i) for i, s in enumerate(shapes)]
+  grads = [[rand(s, bt.float32, seed=100 * k + i) for i, s in enumerate(shapes)] for k in range(4)]
+  runs = {}
+  for name, device, fused in (("fused", "cuda", None), ("reference", "cuda", False), ("cpu", "cpu", False)):
+    params = [bt.tensor(a, device=device, requires_grad=True) for a in init]
+    opt = bt.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused)
+    for step in grads:
+      for p, g in zip(params, step): p.grad = bt.tensor(g, device=device)
+      opt.step()
+    runs[name] = (params, opt)
+  for (pf, of), (pr, orf) in ((runs["fused"], runs["reference"]),):
+    for i, (a, b) in enumerate(zip(pf, pr)):
+      check(f"fused AdamW param {i} {shapes[i]}", a.detach(), b.detach().cpu(), (0, 1e-6))
+      for key in ("exp_avg", "exp_avg_sq"):
+        check(f"fused AdamW {key} {i}", of.state[a][key], orf.state[b][key].cpu(), (0, 1e-6))
+      assert of.state[a]["step"].item() == orf.state[b]["step"].item() == len(grads)
+  for i, (a, b) in enumerate(zip(runs["fused"][0], runs["cpu"][0])):
+    check(f"fused AdamW vs CPU param {i}", a.detach(), b.detach(), (1e-6, 1e-5))
