@@ -42,6 +42,7 @@ def main() -> None:
   import torch
   import blutrain as bt
   from blutrain.models import GPT, GPTConfig, PRESETS
+  from blutrain.train import training_step
   from benchmarks.torch_gpt import GPT as TorchGPT, load_from_blutrain
 
   torch.set_num_threads(args.threads)
@@ -56,13 +57,11 @@ def main() -> None:
   batches = [rng.integers(0, 65, (2, args.batch_size, cfg.block_size)) for _ in range(args.steps + 3)]
   it_bt, it_t = iter(batches), iter(batches)
 
+  step = training_step(model, opt)
+
   def bt_step():
     xy = next(it_bt)
-    _, loss = model(bt.from_numpy(xy[0]), bt.from_numpy(xy[1]))
-    loss.backward()
-    bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step(); opt.zero_grad(set_to_none=True)
-    return loss.item()
+    return step(bt.from_numpy(xy[0]), bt.from_numpy(xy[1])).item()
 
   def torch_step():
     xy = next(it_t)

@@ -28,18 +28,10 @@ def compile_once(preset: str) -> dict:
   """In this process: build the model, run the eager first call, then time the capturing call."""
   import blutrain as bt
   from blutrain.models import GPT, GPTConfig, PRESETS
+  from blutrain.train import training_step
   bt.manual_seed(0)
   model = GPT(GPTConfig(**{**PRESETS[preset], "block_size": 64}))
-  opt = model.configure_optimizers(0.1, 6e-4)
-
-  @bt.compile
-  def step(x, y):
-    _, loss = model(x, y)
-    loss.backward()
-    bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad()
-    return loss
+  step = bt.compile(training_step(model, model.configure_optimizers(0.1, 6e-4)))
 
   x = bt.randint(model.config.vocab_size, (1, 64))
   step(x, x)  # eager: creates optimizer state
@@ -59,20 +51,12 @@ def per_step(preset: str, steps: int, batch: int) -> dict:
   """Median step time of the char-level training step, eager and compiled, same weights and batches."""
   import blutrain as bt
   from blutrain.models import GPT, GPTConfig, PRESETS
+  from blutrain.train import training_step
 
   def make():
     bt.manual_seed(0)
     model = GPT(GPTConfig(**{**PRESETS[preset], "vocab_size": 65}))
-    opt = model.configure_optimizers(0.1, 1e-3, betas=(0.9, 0.99))
-
-    def step(x, y):
-      _, loss = model(x, y)
-      loss.backward()
-      bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-      opt.step()
-      opt.zero_grad()
-      return loss
-    return model, step
+    return model, training_step(model, model.configure_optimizers(0.1, 1e-3, betas=(0.9, 0.99)))
 
   model, eager = make()
   _, compiled = make()

@@ -55,6 +55,19 @@ def default_device() -> str:
     return "cpu"
 
 
+def training_step(model: GPT, optimizer, grad_clip: float = 1.0):
+  """The function of one optimization step on a batch (x, y): forward, backward, gradient clipping, update,
+  gradients to None; it returns the loss. Nova compiles it whole (`bt.compile(training_step(...))`)."""
+  def step(x: bt.Tensor, y: bt.Tensor) -> bt.Tensor:
+    _, loss = model(x, y)
+    loss.backward()
+    if grad_clip > 0: bt.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+  return step
+
+
 def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
   if cfg.preset not in PRESETS: raise ValueError(f"unknown preset {cfg.preset!r}; choose from {', '.join(PRESETS)}")
   shape = dict(PRESETS[cfg.preset], dropout=cfg.dropout)
@@ -84,7 +97,8 @@ class Trainer:
     self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     self.batch_rng = np.random.default_rng(cfg.seed)
     self.step, self.history = 0, []
-    self._update = bt.compile(self._forward_backward_update) if cfg.compile else self._forward_backward_update
+    update = training_step(self.model, self.optimizer, cfg.grad_clip)
+    self._update = bt.compile(update) if cfg.compile else update
     if resume: self._restore()
 
   # *** checkpoints ***
@@ -126,15 +140,6 @@ class Trainer:
       self.val_data, self.cfg.batch_size, self.block_size, self.cfg.eval_batches, self.device)]
     self.model.train()
     return float(np.mean(losses))
-
-  def _forward_backward_update(self, x: bt.Tensor, y: bt.Tensor) -> bt.Tensor:
-    """One optimization step on a batch; with --compile, Nova captures all of it as one graph."""
-    _, loss = self.model(x, y)
-    loss.backward()
-    if self.cfg.grad_clip > 0: bt.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-    self.optimizer.step()
-    self.optimizer.zero_grad(set_to_none=True)
-    return loss
 
   def train_step(self) -> float:
     loss = self._update(*self.batch())
