@@ -1,0 +1,147 @@
+"""GPT-2 124M training on one GPU: blutrain eager vs PyTorch eager (and torch.compile, for reference), same
+weights, same batches, fused AdamW, in fp32 (no TF32), TF32 and bf16 autocast. Reports tokens/s, peak memory,
+first-step time and ratios; writes benchmarks/results/train_gpt2.json.
+
+  python benchmarks/train_gpt2.py [--batch 16] [--block 1024] [--steps 10] [--precisions fp32,tf32,bf16]
+                                  [--torch-compile]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _timed(step, batches, warmup: int, sync) -> dict:
+  t0 = time.perf_counter()
+  first_loss = step(*batches[0])
+  sync()
+  first = time.perf_counter() - t0
+  for b in batches[1:warmup]: step(*b)
+  sync()
+  times, losses = [], [first_loss]
+  for b in batches[warmup:]:
+    t0 = time.perf_counter()
+    losses.append(step(*b))
+    sync()
+    times.append(time.perf_counter() - t0)
+  return {"first_step_s": first, "step_s": statistics.median(times), "losses": [float(x) for x in losses]}
+
+
+def run_blutrain(cfg, state, batches, precision: str, warmup: int) -> dict:
+  import blutrain as bt
+  from blutrain.models import GPT
+  from blutrain.train import training_step
+  bt.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
+  model = GPT(cfg)
+  model.load_state_dict({k: bt.from_numpy(v) for k, v in state.items()})
+  model.to("cuda")
+  step = training_step(model, model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True))
+  ctx = (lambda: bt.autocast(device_type="cuda", dtype=bt.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+
+  def one(x, y):
+    with ctx(): return step(x, y).item()
+  dev = [(bt.from_numpy(x).to("cuda"), bt.from_numpy(y).to("cuda")) for x, y in batches]
+  bt.cuda.synchronize()
+  bt.cuda.reset_peak_memory_stats()
+  out = _timed(one, dev, warmup, bt.cuda.synchronize)
+  out["peak_bytes"] = bt.cuda.max_memory_allocated()
+  del model, step, dev
+  gc.collect()
+  bt.cuda.empty_cache()
+  return out
+
+
+def run_torch(cfg, state, batches, precision: str, warmup: int, compiled: bool) -> dict:
+  import torch
+  from benchmarks.torch_gpt import GPT as TorchGPT
+  torch.backends.cuda.matmul.allow_tf32 = precision != "fp32"
+  torch.backends.cudnn.allow_tf32 = precision != "fp32"
+  model = TorchGPT(cfg).cuda()
+  with torch.no_grad():
+    for name, p in model.state_dict().items(): p.copy_(torch.from_numpy(state[name]))
+  opt = model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True)
+
+  def step(x, y):
+    with torch.autocast("cuda", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+      _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+  fn = torch.compile(step) if compiled else step
+  dev = [(torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()) for x, y in batches]
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  out = _timed(lambda x, y: fn(x, y).item(), dev, warmup, torch.cuda.synchronize)
+  out["peak_bytes"] = torch.cuda.max_memory_allocated()
+  del model, opt, dev
+  gc.collect()
+  torch.cuda.empty_cache()
+  return out
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batch", type=int, default=16)
+  ap.add_argument("--block", type=int, default=1024)
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--precisions", default="fp32,tf32,bf16")
+  ap.add_argument("--torch-compile", action="store_true")
+  ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_gpt2.json"))
+  args = ap.parse_args()
+
+  import torch
+  import blutrain as bt
+  from blutrain.models import GPT, GPTConfig
+  cfg = GPTConfig(block_size=args.block)
+  bt.manual_seed(0)
+  state = {k: v.detach().numpy().copy() for k, v in GPT(cfg).state_dict().items()}
+  rng = np.random.default_rng(0)
+  batches = [(rng.integers(0, 50257, (args.batch, args.block)), rng.integers(0, 50257, (args.batch, args.block)))
+             for _ in range(args.warmup + args.steps)]
+  tokens = args.batch * args.block
+  rows, result = [], {"benchmark": "train_gpt2", "date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                      "batch": args.batch, "block": args.block, "steps": args.steps,
+                      "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                                   "blutrain": bt.__version__, "numpy": np.__version__}, "runs": {}}
+  for precision in args.precisions.split(","):
+    runs = {"torch_eager": lambda: run_torch(cfg, state, batches, precision, args.warmup, False),
+            "blutrain_eager": lambda: run_blutrain(cfg, state, batches, precision, args.warmup)}
+    if args.torch_compile: runs["torch_compile"] = lambda: run_torch(cfg, state, batches, precision, args.warmup, True)
+    for name, fn in runs.items():
+      try:
+        r = fn()
+        r["tokens_per_s"] = tokens / r["step_s"]
+      except Exception as e:  # a failed run is reported, not hidden
+        r = {"error": f"{type(e).__name__}: {e}"}
+      result["runs"][f"{name}/{precision}"] = r
+      print(name, precision, {k: v for k, v in r.items() if k != "losses"}, flush=True)
+    ref, ours = result["runs"][f"torch_eager/{precision}"], result["runs"][f"blutrain_eager/{precision}"]
+    if "error" not in ref and "error" not in ours:
+      rows.append((precision, ours["tokens_per_s"], ref["tokens_per_s"], ours["tokens_per_s"] / ref["tokens_per_s"],
+                   ours["peak_bytes"] / 2**30, ref["peak_bytes"] / 2**30, ours["first_step_s"],
+                   max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))))
+  Path(args.out).parent.mkdir(exist_ok=True)
+  Path(args.out).write_text(json.dumps(result, indent=1))
+  print("| precision | blutrain tok/s | torch eager tok/s | ratio | blutrain peak GiB | torch peak GiB | blutrain first step s | max loss diff |")
+  for r in rows: print("| {} | {:,.0f} | {:,.0f} | {:.2f} | {:.1f} | {:.1f} | {:.1f} | {:.2e} |".format(*r))
+
+
+if __name__ == "__main__":
+  main()
