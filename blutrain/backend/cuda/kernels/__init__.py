@@ -104,8 +104,10 @@ def max_offset(shape, strides) -> int:
 
 
 def needs_i64(shape, *strides) -> bool:
-  """Whether flat indices or element offsets may pass int32."""
-  return math.prod(shape) > INT32_MAX or any(max_offset(shape, s) > INT32_MAX for s in strides)
+  """Whether flat indices or element offsets may pass int32, with a margin for index arithmetic past the end (the
+  start of the last block plus its size)."""
+  limit = INT32_MAX - (1 << 20)
+  return math.prod(shape) > limit or any(max_offset(shape, s) > limit for s in strides)
 
 
 def f64_bits(x: float) -> int:

@@ -348,7 +348,7 @@ def _fill(out: CudaArray, value) -> CudaArray:
   if out.size == 0: return out
   with np.errstate(all="ignore"): bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
   block, warps = flat_schedule(out.size, out.dtype.itemsize)
-  i64 = out.size > 2**31 - 1
+  i64 = needs_i64(out.shape, out.strides)
   run(spec(_fill_kernel, {"out": f"*i{8 * out.dtype.itemsize}", "n": "i64" if i64 else "i32", "bits": "i64"},
            dict(BLOCK=block, IDX64=i64), num_warps=warps), (triton.cdiv(out.size, block),), out.ptr, out.size, bits)
   return out

@@ -131,7 +131,7 @@ def _run(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: 
            cshape[1:], cv[1:], ct[1:], [(view(a, a.shape, a.strides, i * s[0]), s[1:]) for (a, _), s in zip(idx, ci)], xs, xn)
     return
   n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
-  i64 = needs_i64(cshape, cv, ct, *ci) or target.size > 2**31 - 1
+  i64 = needs_i64(cshape, cv, ct, *ci) or needs_i64(target.shape, target.strides)
   s = index_spec(mode, target.dtype, values.dtype, tuple(a.dtype for a, _ in idx), len(cshape) - 1, cv[-1] == 1,
                  ct[-1] == 1, tuple(st[-1] == 0 for st in ci), n_rows, n_cols, i64)
   col_blocks = triton.cdiv(n_cols, s[2]["BLOCK_C"])
