@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import blutrain as bt
-from blutrain import dtypes, ops
+from blutrain import dtypes
 from blutrain.ops.core import apply, registry as P
 
 pytestmark = pytest.mark.cuda

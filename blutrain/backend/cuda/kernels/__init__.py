@@ -39,6 +39,8 @@ SMS = 132           # NOTE: H100/H200 SM count; only split heuristics read it, c
 
 
 def ptr(dtype: DType) -> str: return "*" + TY[dtype]
+def cdiv(a: int, b: int) -> int: return -(-a // b)
+def next_pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()  # NOTE: triton's own helpers are slow jit wrappers
 
 
 def spec(fn, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4, num_stages: int = 1) -> Spec:

@@ -8,6 +8,7 @@ compute in float32, as the CPU backend does.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -17,9 +18,9 @@ from triton.language.extra.cuda import libdevice
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, SMS, TY, broadcast_shape, broadcast_strides, collapse,
-                                           empty, f64_bits, needs_i64, pad, ptr, run, spec, sqrt_rn, strided,
-                                           view)
+from blutrain.backend.cuda.kernels import (MAX_DIMS, SMS, broadcast_shape, broadcast_strides, cdiv, collapse,
+                                           empty, f64_bits, needs_i64, next_pow2, pad, ptr, run, spec, sqrt_rn,
+                                           strided, view)
 from blutrain.dtypes import DType
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
@@ -262,7 +263,7 @@ def flat_schedule(n: int, itemsize: int) -> tuple[int, int]:
   float32, 8192 bfloat16), enough bytes in flight to saturate HBM; a smaller input shrinks the block (to one
   warp's vectors at least) so that it still spreads over every SM."""
   vec = max(1, 16 // itemsize)
-  block = min(4 * vec * 256, max(vec * 32, triton.next_power_of_2(triton.cdiv(n, SMS))))
+  block = min(4 * vec * 256, max(vec * 32, next_pow2(cdiv(n, SMS))))
   return block, max(1, min(8, block // (4 * vec * 32)))
 
 
@@ -271,13 +272,14 @@ def tile_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
   operand). BLOCK_C is the largest power of two dividing n_cols, up to 1024, so columns need no mask and rows stay
   16-byte aligned; below 32 it is next_pow2(n_cols) and masked. BLOCK_R fills the tile."""
   p2 = n_cols & -n_cols
-  bc = min(p2, 1024) if p2 >= 32 else min(triton.next_power_of_2(n_cols), 1024)
-  br = max(1, min(triton.next_power_of_2(n_rows), 4096 // bc))
+  bc = min(p2, 1024) if p2 >= 32 else min(next_pow2(n_cols), 1024)
+  br = max(1, min(next_pow2(n_rows), 4096 // bc))
   return br, bc, 8 if br * bc >= 4096 else 4
 
 
 # *** specs ***
 
+@functools.lru_cache(maxsize=4096)
 def flat_spec(op: str, out: DType, ins: tuple[DType, ...], scalars: tuple[bool, ...], n: int, aligned: bool, i64: bool):
   block, warps = flat_schedule(n, min([out.itemsize] + [d.itemsize for d in ins]))
   sig = {"out": ptr(out), "a": ptr(ins[0]), "b": ptr(ins[min(1, len(ins) - 1)]), "c": ptr(ins[-1]),
@@ -291,6 +293,7 @@ _TILE_ARGS = ["n_rows", "n_cols", "n_col_blocks", "Z1", "Z2", "Z3", "Z4"] + \
              [f"{o}{i}" for o in "OABC" for i in ("0", "1", "2", "3", "4", "C")]
 
 
+@functools.lru_cache(maxsize=4096)
 def tiled_spec(op: str, out: DType, ins: tuple[DType, ...], nd: int, units: tuple[bool, ...], n_rows: int,
                n_cols: int, aligned: bool, i64: bool):
   br, bc, warps = tile_schedule(n_rows, n_cols)
@@ -321,7 +324,7 @@ def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
     scalars = tuple(s[0] == 0 or cshape[0] == 1 for s in ists)
     aligned = all(a.ptr % 16 == 0 for a, sc in zip(arrays, (False,) + scalars) if not sc)
     s = flat_spec(op, out.dtype, dts, scalars, cshape[0], aligned, i64)
-    run(s, (triton.cdiv(cshape[0], s[2]["BLOCK"]),), *args, cshape[0])
+    run(s, (cdiv(cshape[0], s[2]["BLOCK"]),), *args, cshape[0])
     return out
   nd = len(cshape) - 1
   n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
@@ -330,9 +333,9 @@ def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
   aligned = n_cols % bc == 0 and bc * min(a.dtype.itemsize for a in arrays) >= 16 and all(
     a.ptr % 16 == 0 and all(x * a.dtype.itemsize % 16 == 0 for x in st[:-1]) for a, st, u in zip(arrays, (ost, *ists), units) if u)
   s = tiled_spec(op, out.dtype, dts, nd, units, n_rows, n_cols, aligned, i64)
-  col_blocks = triton.cdiv(n_cols, bc)
+  col_blocks = cdiv(n_cols, bc)
   strides = [pad(st, 6, 0) for st in (ost, *ists)] + [pad(ists[-1], 6, 0)] * (3 - len(ins))
-  run(s, (triton.cdiv(n_rows, br) * col_blocks,), *args, n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:],
+  run(s, (cdiv(n_rows, br) * col_blocks,), *args, n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:],
       *(x for st in strides for x in st))
   return out
 
@@ -350,7 +353,7 @@ def _fill(out: CudaArray, value) -> CudaArray:
   block, warps = flat_schedule(out.size, out.dtype.itemsize)
   i64 = needs_i64(out.shape, out.strides)
   run(spec(_fill_kernel, {"out": f"*i{8 * out.dtype.itemsize}", "n": "i64" if i64 else "i32", "bits": "i64"},
-           dict(BLOCK=block, IDX64=i64), num_warps=warps), (triton.cdiv(out.size, block),), out.ptr, out.size, bits)
+           dict(BLOCK=block, IDX64=i64), num_warps=warps), (cdiv(out.size, block),), out.ptr, out.size, bits)
   return out
 
 
@@ -387,7 +390,7 @@ def arange(*, start, step, shape, dtype: DType, device: int | None = None) -> Cu
   block, warps = flat_schedule(out.size, out.dtype.itemsize)
   s = spec(_arange_kernel, {"out": ptr(dtype), "n": "i64", "start": "i64", "step": "i64"}, dict(BLOCK=block, FLOAT=fl),
            num_warps=warps)
-  run(s, (triton.cdiv(out.size, block),), out.ptr, out.size, *((f64_bits(start), f64_bits(step)) if fl else (start, step)))
+  run(s, (cdiv(out.size, block),), out.ptr, out.size, *((f64_bits(start), f64_bits(step)) if fl else (start, step)))
   return out
 
 

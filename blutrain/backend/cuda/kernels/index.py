@@ -17,6 +17,7 @@ differ between runs in the last bits of float32.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import triton
@@ -24,8 +25,9 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broadcast_strides, collapse, contiguous_strides,
-                                           empty, needs_i64, pad, ptr, run, spec, strided, view)
+from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broadcast_strides, cdiv, collapse,
+                                           contiguous_strides, empty, needs_i64, next_pow2, pad, ptr, run, spec,
+                                           strided, view)
 from blutrain.backend.cuda.kernels.copy import cast, copy
 from blutrain.backend.cuda.kernels.elementwise import _fill, launch
 from blutrain.dtypes import DType
@@ -97,8 +99,8 @@ def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks, 
 def index_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
   """(BLOCK_R, BLOCK_C, num_warps): tiles of up to 2048 elements at 4 warps (16 per thread), BLOCK_C covering the
   innermost dim up to 512 (a 768-wide embedding row takes two column blocks of 512, the second masked)."""
-  bc = min(triton.next_power_of_2(n_cols), 512)
-  br = max(1, min(triton.next_power_of_2(n_rows), 2048 // bc))
+  bc = min(next_pow2(n_cols), 512)
+  br = max(1, min(next_pow2(n_rows), 2048 // bc))
   return br, bc, 4
 
 
@@ -106,6 +108,7 @@ _ARGS = ["n_rows", "n_cols", "n_col_blocks", "Z1", "Z2", "Z3", "Z4"] + [f"{o}{i}
         [f"XS{k}" for k in range(4)] + [f"XN{k}" for k in range(4)]
 
 
+@functools.lru_cache(maxsize=4096)
 def index_spec(mode: str, target: DType, values: DType, idx: tuple[DType, ...], nd: int, uv: bool, ut: bool,
                rows: tuple[bool, ...], n_rows: int, n_cols: int, i64: bool):
   br, bc, warps = index_schedule(n_rows, n_cols)
@@ -134,10 +137,10 @@ def _run(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: 
   i64 = needs_i64(cshape, cv, ct, *ci) or needs_i64(target.shape, target.strides)
   s = index_spec(mode, target.dtype, values.dtype, tuple(a.dtype for a, _ in idx), len(cshape) - 1, cv[-1] == 1,
                  ct[-1] == 1, tuple(st[-1] == 0 for st in ci), n_rows, n_cols, i64)
-  col_blocks = triton.cdiv(n_cols, s[2]["BLOCK_C"])
+  col_blocks = cdiv(n_cols, s[2]["BLOCK_C"])
   ptrs = [a.ptr for a, _ in idx] + [idx[-1][0].ptr] * (4 - len(idx))
   strides = [pad(st, 6, 0) for st in [cv, ct] + ci + [ci[-1]] * (4 - len(idx))]
-  run(s, (triton.cdiv(n_rows, s[2]["BLOCK_R"]) * col_blocks,), target.ptr, values.ptr, *ptrs, n_rows, n_cols, col_blocks,
+  run(s, (cdiv(n_rows, s[2]["BLOCK_R"]) * col_blocks,), target.ptr, values.ptr, *ptrs, n_rows, n_cols, col_blocks,
       *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st), *pad(xs, 4, 0), *pad(xn, 4, 1))
 
 

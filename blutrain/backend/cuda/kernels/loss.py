@@ -10,12 +10,13 @@ gradient NaN instead of raising, as the CPU backend does: checking would make th
 """
 from __future__ import annotations
 
+import functools
 import triton
 import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import empty, needs_i64, ptr, run, spec
+from blutrain.backend.cuda.kernels import cdiv, empty, needs_i64, ptr, run, spec
 from blutrain.backend.cuda.kernels.norm import _acc, row_schedule, row_stats
 
 
@@ -72,6 +73,7 @@ def _sig(logits, target, i64: bool, backward: bool) -> dict:
           "N": it, "C": it, "RS": it, "CS": it, "TS": it, **({"GS": it} if backward else {}), "ignore_index": "i64"}
 
 
+@functools.lru_cache(maxsize=4096)
 def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool):
   bm, bn, warps, _ = row_schedule(N, C)
   bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward reads the row twice anyway
@@ -85,7 +87,7 @@ def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int) -> Cu
   if N == 0: return out
   i64 = needs_i64(logits.shape, logits.strides)
   s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
-  run(s, (triton.cdiv(N, s[2]["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, N, C, *logits.strides, target.strides[0],
+  run(s, (cdiv(N, s[2]["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, N, C, *logits.strides, target.strides[0],
       ignore_index)
   return out
 
@@ -96,7 +98,7 @@ def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, i
   if out.size == 0: return out
   i64 = needs_i64(logits.shape, logits.strides, (C, 1))
   s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
-  run(s, (triton.cdiv(N, s[2]["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, N, C, *logits.strides,
+  run(s, (cdiv(N, s[2]["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, N, C, *logits.strides,
       target.strides[0], g.strides[0] if g.ndim else 0, ignore_index)
   return out
 

@@ -7,6 +7,7 @@ are float32 (float64 for float64 inputs).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import triton
@@ -14,7 +15,8 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import collapse, empty, needs_i64, pad, ptr, run, spec, sqrt_rn, strided
+from blutrain.backend.cuda.kernels import (cdiv, collapse, empty, needs_i64, next_pow2, pad, ptr, run, spec, sqrt_rn,
+                                           strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.reduce import _axis, _max_nan, _names, _offsets
 
@@ -26,8 +28,8 @@ def row_schedule(M: int, N: int) -> tuple[int, int, int, bool]:
   short rows share a program (tiles of up to 4096 elements, so short rows still fill the warps); longer rows are
   walked in tiles of 4096, one row per program. Warps grow with the tile: 16 elements per thread, 1 to 8 warps."""
   if N <= ONE_PASS_MAX:
-    bn = triton.next_power_of_2(N)
-    bm = max(1, min(triton.next_power_of_2(M), 4096 // bn))
+    bn = next_pow2(N)
+    bm = max(1, min(next_pow2(M), 4096 // bn))
     return bm, bn, max(1, min(8, bm * bn // 512)), True
   return 1, 4096, 8, False
 
@@ -159,6 +161,7 @@ def _acc(dtype):
   return tl.float64 if dtype is dtypes.float64 else tl.float32
 
 
+@functools.lru_cache(maxsize=4096)
 def softmax_spec(log: bool, x, mnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
@@ -179,11 +182,12 @@ def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
   i64 = needs_i64(x.shape, x.strides)
   m_unit = kst[-1] == 1 and ost[-1] == 1
   s = softmax_spec(log, x.dtype, len(kshape), m_unit, x.strides[dim] == 1, M, N, i64)
-  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0), x.strides[dim],
+  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0), x.strides[dim],
       out.strides[dim])
   return out
 
 
+@functools.lru_cache(maxsize=4096)
 def layer_norm_spec(x, w, b, mnd: int, M: int, N: int, i64: bool):
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
@@ -206,7 +210,7 @@ def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, e
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   i64 = needs_i64(x.shape, x.strides)
   s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64)
-  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N, float(eps),
+  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N, float(eps),
       *_axis(kshape, kst))
   return out
 

@@ -13,6 +13,7 @@ hands gradients the same memory every step).
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import numpy as np
@@ -75,6 +76,7 @@ def _adamw_kernel(table, chunks, lr_bits, beta1_bits, beta2_bits, decay, one_min
     tl.store(v_ptr + i, v.to(P), mask=mask)
 
 
+@functools.lru_cache(maxsize=4096)
 def adamw_spec(param, grad, decay: bool):
   sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "beta1_bits": "i64", "beta2_bits": "i64", "decay": "fp32",
          "one_minus_beta1": "fp32", "beta2": "fp32", "one_minus_beta2": "fp32", "eps": "fp32"}

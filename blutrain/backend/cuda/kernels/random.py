@@ -11,12 +11,13 @@ rand < p.
 """
 from __future__ import annotations
 
+import functools
 import triton
 import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import empty, ptr, run, spec
+from blutrain.backend.cuda.kernels import cdiv, empty, ptr, run, spec
 from blutrain.backend.cuda.kernels.elementwise import flat_schedule
 from blutrain.dtypes import DType
 
@@ -38,6 +39,7 @@ def _random_kernel(out, n, seed, offset, low, span, p, OP: tl.constexpr, BLOCK: 
   tl.store(out + i, v.to(out.dtype.element_ty), mask=i < n)
 
 
+@functools.lru_cache(maxsize=4096)
 def random_spec(op: str, dtype: DType, n: int):
   block, warps = flat_schedule(n, 4)
   sig = {"out": ptr(dtype), "n": "i64", "seed": "i64", "offset": "i64", "low": "i64", "span": "i64", "p": "fp32"}
@@ -51,7 +53,7 @@ def _draw(op: str, shape, dtype: DType, seed: int, offset: int, low: int = 0, hi
   out = empty(shape, dtype, None)
   if out.size == 0: return out
   s = random_spec(op, dtype, out.size)
-  run(s, (triton.cdiv(out.size, s[2]["BLOCK"]),), out.ptr, out.size, _signed64(seed), _signed64(offset), low,
+  run(s, (cdiv(out.size, s[2]["BLOCK"]),), out.ptr, out.size, _signed64(seed), _signed64(offset), low,
       _signed64(high - low), float(p))
   return out
 

@@ -11,6 +11,7 @@ extreme and return the first index, as numpy does.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import triton
@@ -18,7 +19,8 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import SMS, TL, collapse, empty, needs_i64, pad, ptr, run, spec, strided
+from blutrain.backend.cuda.kernels import (SMS, TL, cdiv, collapse, empty, needs_i64, next_pow2, pad, ptr, run, spec,
+                                           strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.elementwise import _fill, launch
 from blutrain.dtypes import DType
@@ -168,11 +170,11 @@ def reduce_schedule(M: int, N: int, along_m: bool) -> tuple[int, int, int]:
   usual case) BLOCK_N covers N up to 1024 and BLOCK_M takes the rest of the tile; loading along M (reductions over
   leading dims) BLOCK_M covers M up to 256, wide enough for full 128-byte lines, and BLOCK_N the rest."""
   if along_m:
-    bm = min(triton.next_power_of_2(M), 256)
-    bn = max(1, min(triton.next_power_of_2(N), 4096 // bm))
+    bm = min(next_pow2(M), 256)
+    bn = max(1, min(next_pow2(N), 4096 // bm))
   else:
-    bn = min(triton.next_power_of_2(N), 1024)
-    bm = max(1, min(triton.next_power_of_2(M), 4096 // bn))
+    bn = min(next_pow2(N), 1024)
+    bm = max(1, min(next_pow2(M), 4096 // bn))
   return bm, bn, 8 if bm * bn >= 4096 else 4
 
 
@@ -180,7 +182,7 @@ def split_rule(m_blocks: int, N: int, block_n: int) -> int:
   """How many pieces N is cut into: enough programs for two waves over the SMs, each piece at least 8 tiles long
   (so partial results stay a small fraction of the traffic); 1 when M alone fills the GPU."""
   if m_blocks >= SMS: return 1
-  return max(1, min(triton.cdiv(2 * SMS, m_blocks), N // (8 * block_n)))
+  return max(1, min(cdiv(2 * SMS, m_blocks), N // (8 * block_n)))
 
 
 # *** host side ***
@@ -225,6 +227,7 @@ def _acc(op: str, x: DType, out: DType) -> DType:
   return dtypes.float32 if out.is_floating_point else dtypes.int64
 
 
+@functools.lru_cache(maxsize=4096)
 def reduce_spec(op: str, x: DType, out: DType, mnd: int, nnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
   bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not (n_unit and nnd == 1))
   it = "i64" if i64 else "i32"
@@ -243,18 +246,19 @@ def _reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> Cud
   i64 = needs_i64(x.shape, x.strides)
   s = reduce_spec(op, x.dtype, out_dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
   bm, bn = s[2]["BLOCK_M"], s[2]["BLOCK_N"]
-  if (pieces := split_rule(triton.cdiv(M, bm), N, bn)) > 1:
-    chunk = triton.cdiv(triton.cdiv(N, pieces), bn) * bn
-    pieces = triton.cdiv(N, chunk)
+  if (pieces := split_rule(cdiv(M, bm), N, bn)) > 1:
+    chunk = cdiv(cdiv(N, pieces), bn) * bn
+    pieces = cdiv(N, chunk)
     partial = empty((pieces, M), _acc(op, x.dtype, out_dtype), x.device)
     s = reduce_spec(op, x.dtype, partial.dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
-    run(s, (triton.cdiv(M, bm), pieces), partial.ptr, x.ptr, M, N, chunk, *_axis(kshape, kst), *_axis(rshape, rst))
+    run(s, (cdiv(M, bm), pieces), partial.ptr, x.ptr, M, N, chunk, *_axis(kshape, kst), *_axis(rshape, rst))
     x, kshape, kst, rshape, rst, N = partial, (M,), (1,), (pieces,), (M,), pieces
     s = reduce_spec(op, x.dtype, out_dtype, 1, 1, True, False, M, N, i64)
-  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]), 1), out.ptr, x.ptr, M, N, N, *_axis(kshape, kst), *_axis(rshape, rst))
+  run(s, (cdiv(M, s[2]["BLOCK_M"]), 1), out.ptr, x.ptr, M, N, N, *_axis(kshape, kst), *_axis(rshape, rst))
   return out
 
 
+@functools.lru_cache(maxsize=4096)
 def arg_spec(op: str, x: DType, mnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
   bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not n_unit)
   it = "i64" if i64 else "i32"
@@ -271,10 +275,11 @@ def _arg(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
   M, N = math.prod(kshape), math.prod(rshape)
   i64 = needs_i64(x.shape, x.strides)
   s = arg_spec(op, x.dtype, len(kshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
-  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), rst[-1])
+  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), rst[-1])
   return out
 
 
+@functools.lru_cache(maxsize=4096)
 def cumsum_spec(x: DType, mnd: int, m_unit: bool, reverse: bool, M: int, N: int, i64: bool):
   bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1)
   it = "i64" if i64 else "i32"
@@ -296,7 +301,7 @@ def cumsum(x: CudaArray, dim: int, reverse: bool = False) -> CudaArray:
   M, N = math.prod(kshape), x.shape[dim]
   i64 = needs_i64(x.shape, x.strides)
   s = cumsum_spec(x.dtype, len(kshape), kst[-1] == 1 and ost[-1] == 1, reverse, M, N, i64)
-  run(s, (triton.cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0),
+  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0),
       x.strides[dim], out.strides[dim])
   return out
 
