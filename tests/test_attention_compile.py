@@ -27,14 +27,13 @@ def test_kernel_compiles_for_sm90(s):
   k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
   assert k.asm["cubin"], f"{_name(s)}: no cubin"
   assert k.metadata.shared <= SHARED_OPTIN, f"{_name(s)}: {k.metadata.shared} bytes of shared memory"
-  if constexprs["PRECISION"] == "tf32":  # (half types ignore the precision; "ieee" float32 runs on the FMA units)
-    assert "mma" in k.asm["ptx"], f"{_name(s)}: no tensor-core instructions in the PTX"
+  assert "mma" in k.asm["ptx"], f"{_name(s)}: no tensor-core instructions in the PTX"
 
 
 def test_every_kernel_dtype_and_masking_is_in_specs():
   seen = {(s[0].__name__, s[2]["CAUSAL"], s[2]["PRECISION"]) for s in attention.SPECS}
   for fn in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
-    assert {(fn, True, "tf32"), (fn, False, "tf32"), (fn, True, "ieee")} <= seen
+    assert {(fn, True, "tf32"), (fn, False, "tf32"), (fn, True, "tf32x3")} <= seen
 
 
 def _arr(shape, strides, ptr=1 << 20):
@@ -54,6 +53,6 @@ def test_batch_dims_of_gpt2_qkv_views():
 def test_variant_choice():
   s = attention.attention_spec("fwd", dtypes.bfloat16, 64, True)
   assert s[2]["EVEN_D"] and s[2]["BLOCK_D"] == 64 and s[1]["Q"] == "*bf16:16" and s[1]["sqm"] == "i32:16"
-  s = attention.attention_spec("dkdv", dtypes.float32, 40, False, "ieee", aligned=False)
+  s = attention.attention_spec("dkdv", dtypes.float32, 40, False, "tf32x3", aligned=False)
   assert not s[2]["EVEN_D"] and s[2]["BLOCK_D"] == 64 and s[1]["K"] == "*fp32" and s[1]["sdn"] == "i32"
   assert attention._aligned([_arr((4,), (1,))], (16, 32)) and not attention._aligned([_arr((4,), (1,), 2 + (1 << 20))], ())

@@ -55,7 +55,7 @@ def compute_type(dtype: DType) -> tuple[int, int]:
 
 _handles: dict[int, int] = {}
 _workspaces: dict[tuple[int, int], Any] = {}  # (device, stream handle) -> CudaArray
-_lock = threading.Lock()
+_lock = threading.RLock()  # plan() creates the handle under it
 
 
 def handle(device: int) -> int:
