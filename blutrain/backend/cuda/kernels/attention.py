@@ -18,6 +18,7 @@ in their own type; all accumulation is float32.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from blutrain import amp, dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import HALF, Spec, TY, empty, run, spec, view
+from blutrain.backend.cuda.kernels import HALF, Spec, TY, cdiv, empty, next_pow2, run, spec, view
 from blutrain.dtypes import DType
 
 _LOG2E = 1.4426950408889634
@@ -290,10 +291,11 @@ _PTRS = {"fwd": "Q K V O LSE", "dq": "Q K V O DO DQ LSE DELTA", "dkdv": "Q K V D
 _FNS = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv}
 
 
+@functools.lru_cache(maxsize=None)
 def attention_spec(kernel: str, dtype: DType, head_dim: int, causal: bool, precision: str = "tf32",
                    aligned: bool = True, have_lse: bool = True) -> Spec:
   """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides."""
-  block_d = max(16, triton.next_power_of_2(head_dim))
+  block_d = max(16, next_pow2(head_dim))
   bm, bn, warps, stages = _blocks(kernel, dtype, block_d)
   div = ":16" if aligned else ""
   sig = {name: ("*fp32" if name in ("LSE", "DELTA") else "*" + TY[dtype]) + div for name in _PTRS[kernel].split()}
@@ -371,7 +373,7 @@ def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scal
   so = (H * L * D, L * D, D)
   lse = empty((Z * H * L,), dtypes.float32, q.device)
   s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype), _aligned((q, k, v, out, lse), sq + sk + sv + so))
-  grid = (triton.cdiv(L, s[2]["BLOCK_M"]), H, Z)
+  grid = (cdiv(L, s[2]["BLOCK_M"]), H, Z)
   run(s, grid, q, k, v, out, lse, scale * _LOG2E, L, S, D, *sq, *sk, *sv, *so)
   _remember(out, _lse_key(out, k, causal, scale), lse)
   return out
@@ -394,10 +396,10 @@ def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaAr
   prec = _precision(q.dtype)
   aligned = _aligned((q, k, v, out, g, dq, dk, dv, lse, delta), sq + sk + sv + so + sg + sd)
   s = attention_spec("dq", q.dtype, D, causal, prec, aligned, have_lse)
-  run(s, (triton.cdiv(L, s[2]["BLOCK_M"]), H, Z), q, k, v, out, g, dq, lse, delta, scale * _LOG2E, scale, L, S, D,
+  run(s, (cdiv(L, s[2]["BLOCK_M"]), H, Z), q, k, v, out, g, dq, lse, delta, scale * _LOG2E, scale, L, S, D,
       *sq, *sk, *sv, *so, *sg, *sd)
   s = attention_spec("dkdv", q.dtype, D, causal, prec, aligned)
-  run(s, (triton.cdiv(S, s[2]["BLOCK_N"]), H, Z), q, k, v, g, dk, dv, lse, delta, scale * _LOG2E, scale, L, S, D,
+  run(s, (cdiv(S, s[2]["BLOCK_N"]), H, Z), q, k, v, g, dk, dv, lse, delta, scale * _LOG2E, scale, L, S, D,
       *sq, *sk, *sv, *sg, *sd)
   return grads
 
