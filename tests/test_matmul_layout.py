@@ -1,5 +1,5 @@
 """The CUDA matmul's mapping of row-major tensors onto cuBLASLt, checked on the CPU: `gemm_calls` turns (a, b, out)
-into one column-major Problem and its addresses, and a numpy emulation of cuBLASLt's strided-batch GEMM over a
+into one column-major Problem and its address offsets, and a numpy emulation of cuBLASLt's strided-batch GEMM over a
 fake device memory must then produce a @ b, for every transpose, leading dim, batch broadcast and fold."""
 import itertools
 
@@ -79,7 +79,7 @@ def _run(a_np, b_np, ma, mb, bias=None):
   out = mem.empty(batch + (a_np.shape[-2], b_np.shape[-1]))
   bias_arr = None if bias is None else mem.place(bias.reshape(1, -1), "n")
   p, calls = gemm_calls(a, b, out, bias_arr, (0, 0))
-  for pa, pb, pd in calls: mem.gemm(p, pa, pb, pd, bias)
+  for ob, oa, od in calls: mem.gemm(p, b.ptr + ob, a.ptr + oa, out.ptr + od, bias)  # cuBLAS's A is our b
   return mem.read(out), p, calls
 
 

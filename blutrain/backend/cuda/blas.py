@@ -136,7 +136,8 @@ class Plan:
       raise RuntimeError(f"matmul: cuBLASLt has no algorithm for {p} on cuda:{device}")
     self.algo = self.heuristic.ptr  # the algorithm is the first field of the heuristic's result
     one = np.float64 if p.dtype is dtypes.float64 else np.float32
-    self.alpha, self.beta = np.ones(1, one), np.zeros(1, one)
+    self._scalars = np.ones(1, one), np.zeros(1, one)  # host alpha and beta, kept alive with the plan
+    self.alpha, self.beta = self._scalars[0].ctypes.data, self._scalars[1].ctypes.data
 
   @staticmethod
   def _set(setter, obj: int, attr, value: np.generic) -> None:
@@ -149,6 +150,7 @@ _bias_lock = threading.Lock()
 
 
 def plan(p: Problem, device: int) -> Plan:
+  """The Plan of a problem (created once; it also creates the device's handle)."""
   pl = _plans.get((p, device))
   if pl is None:
     with _lock:
@@ -162,16 +164,16 @@ def alignment(ptr: int) -> int:
   return min(256, ptr & -ptr) if ptr else 256
 
 
-def gemm(p: Problem, a: int, b: int, d: int, device: int, bias: int = 0) -> None:
-  """Queue D = op_a(A) @ op_b(B) (+ bias) on the current stream; a, b, d and bias are device addresses."""
-  lt, pl = _cublaslt(), plan(p, device)
+def gemm(pl: Plan, a: int, b: int, d: int, device: int, bias: int = 0) -> None:
+  """Queue D = op_a(A) @ op_b(B) (+ bias) of a plan on the current stream; a, b, d and bias are device addresses."""
+  lt = _lt
   s = runtime.current_stream(device)
-  ws = workspace(device, s)
-  if p.bias:
+  ws = _workspaces.get((device, s.handle)) or workspace(device, s)
+  if pl.problem.bias:
     with _bias_lock:  # NOTE: the bias pointer lives in the shared descriptor; set and launch together
       Plan._set(lt.matmul_desc_set_attribute, pl.desc, lt.MatmulDescAttribute.BIAS_POINTER, np.int64(bias))
-      lt.matmul(handle(device), pl.desc, pl.alpha.ctypes.data, a, pl.layouts["a"], b, pl.layouts["b"], pl.beta.ctypes.data,
-                d, pl.layouts["d"], d, pl.layouts["d"], pl.algo, ws.ptr, WORKSPACE, s.handle)
+      lt.matmul(_handles[device], pl.desc, pl.alpha, a, pl.layouts["a"], b, pl.layouts["b"], pl.beta, d,
+                pl.layouts["d"], d, pl.layouts["d"], pl.algo, ws.ptr, WORKSPACE, s.handle)
     return
-  lt.matmul(handle(device), pl.desc, pl.alpha.ctypes.data, a, pl.layouts["a"], b, pl.layouts["b"], pl.beta.ctypes.data,
-            d, pl.layouts["d"], d, pl.layouts["d"], pl.algo, ws.ptr, WORKSPACE, s.handle)
+  lt.matmul(_handles[device], pl.desc, pl.alpha, a, pl.layouts["a"], b, pl.layouts["b"], pl.beta, d, pl.layouts["d"], d,
+            pl.layouts["d"], pl.algo, ws.ptr, WORKSPACE, s.handle)

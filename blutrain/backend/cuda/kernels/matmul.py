@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+from blutrain import amp
 from blutrain.backend.cuda import blas, memory, runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import broadcast_shape, broadcast_strides, collapse, empty
@@ -42,8 +43,9 @@ def _or(values) -> int:
 
 def gemm_calls(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None,
                compute: tuple[int, int]) -> tuple[blas.Problem, list[tuple[int, int, int]]]:
-  """The cuBLASLt problem computing out = a @ b (+ bias) and its (A, B, D) addresses per host-loop step; a and b
-  have cuBLAS layouts (`layout` is not None), out is contiguous, k > 0."""
+  """The cuBLASLt problem computing out = a @ b (+ bias) and, per host-loop step, the byte offsets of cuBLAS's A, B
+  and D from b's, a's and out's addresses; a and b have cuBLAS layouts (`layout` is not None), out is contiguous,
+  k > 0. Pure: it depends on the layouts and the addresses' alignments only, so its result is cached."""
   (m, k), n = a.shape[-2:], b.shape[-1]
   (trans_a, lda), (trans_b, ldb) = layout(a), layout(b)
   batch = out.shape[:-2]
@@ -66,7 +68,7 @@ def gemm_calls(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | Non
   calls = []
   for idx in itertools.product(*(range(d) for d in dims[:-1])):
     off = [sum(i * s for i, s in zip(idx, st[:-1])) * item for st in (a_st, b_st, d_st)]
-    calls.append((b.ptr + off[1], a.ptr + off[0], out.ptr + off[2]))
+    calls.append((off[1], off[0], off[2]))
   return p, calls
 
 
@@ -84,6 +86,9 @@ def _check(op: str, a: CudaArray, b: CudaArray) -> None:
                        f"PyTorch); convert the operands with .float()")
 
 
+_calls: dict[tuple, tuple[blas.Plan, list[tuple[int, int, int]]]] = {}  # layouts -> plan and offsets
+
+
 def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None) -> CudaArray:
   out = empty(broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), a.dtype, a.device)
   if out.size == 0: return out
@@ -91,8 +96,16 @@ def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None) -> CudaArray:
     if bias is None: _zero(out)
     else: memory.copy_into(out, bias)
     return out
-  p, calls = gemm_calls(_operand(a), _operand(b), out, bias, blas.compute_type(a.dtype))
-  for pa, pb, pd in calls: blas.gemm(p, pa, pb, pd, out.device, 0 if bias is None else bias.ptr)
+  a, b = _operand(a), _operand(b)
+  key = (a.shape, a.strides, b.shape, b.strides, a.dtype, amp.get_float32_matmul_precision(), a.ptr & 255,
+         b.ptr & 255, out.ptr & 255, -1 if bias is None else bias.ptr & 255, out.device)
+  hit = _calls.get(key)
+  if hit is None:
+    p, offsets = gemm_calls(a, b, out, bias, blas.compute_type(a.dtype))
+    hit = _calls[key] = (blas.plan(p, out.device), offsets)
+  pl, offsets = hit
+  bias_ptr = 0 if bias is None else bias.ptr
+  for oa, ob, od in offsets: blas.gemm(pl, b.ptr + oa, a.ptr + ob, out.ptr + od, out.device, bias_ptr)
   return out
 
 
