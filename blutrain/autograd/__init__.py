@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from blutrain import ops
-from blutrain.ops.core import Node, capture, autocast_suspended, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from blutrain.ops.core import Node, autocast_suspended, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from blutrain.tensor import Tensor
 
 __all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled"]
@@ -49,6 +49,7 @@ def _accumulate(grads: dict, key: int, g: Tensor) -> None:
 def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=frozenset()):
   """Propagate gradients from the roots through every VJP. Returns the gradients reaching leaves (by id),
   the leaves themselves, and the total gradients of the nodes whose ids are in `capture`."""
+  if ops.core.capture.trace is not None: ops.core.capture.trace.ran_backward = True  # the graph differentiates itself
   node_grads, leaf_grads, leaves, captured = dict(root_grads), {}, {}, {}
   for node in reversed(_toposort(roots)):
     g = node_grads.pop(id(node), None)
@@ -93,7 +94,6 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | 
   """Accumulate the gradients of `tensors` (weighted by `grad_tensors`) into the `.grad` of every leaf."""
   tensors = list(tensors)
   grad_tensors = list(grad_tensors) if grad_tensors is not None else [None] * len(tensors)
-  if capture.trace is not None: capture.trace.ran_backward = True
   with no_grad(), autocast_suspended():
     direct = [(t, g if g is not None else ops.ones_like(t)) for t, g in zip(tensors, grad_tensors)
               if t.requires_grad and t._node is None]

@@ -2,6 +2,7 @@
 recapture, the disk cache, dynamic learning rates, RNG, and graph breaks."""
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import blutrain as bt
 from blutrain import nn
@@ -209,3 +210,29 @@ def test_dump_ir(tmp_path):
   dumps = sorted(p.name for p in graph_dir.iterdir())
   assert dumps[0].startswith("00-") and len(dumps) >= 2
   assert "nova.matmul" in (graph_dir / dumps[0]).read_text()
+
+
+_UNARY = [lambda a: a.exp() * 0.1, lambda a: a.tanh(), lambda a: a.sigmoid(), F.gelu, lambda a: a.relu() + a * 0.5,
+          lambda a: (a * a + 1).sqrt(), lambda a: a.softmax(-1), lambda a: F.layer_norm(a, a.shape[-1:])]
+_BINARY = [lambda a, b: a + b, lambda a, b: a * b, lambda a, b: a - b * 2, lambda a, b: a / (b * b + 1),
+           lambda a, b: bt.maximum(a, b), lambda a, b: a @ b.mT @ b * 0.1]
+
+
+@settings(deadline=None, max_examples=15)
+@given(program=st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 5)), min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_random_programs_values_and_gradients(program, seed):
+  """Random chains of ops over a parameter and an input: the compiled loss and gradients equal eager's."""
+  rng = np.random.default_rng(seed)
+  w = bt.from_numpy(rng.standard_normal((3, 4)).astype(np.float32)).requires_grad_()
+  x = bt.from_numpy(rng.standard_normal((3, 4)).astype(np.float32))
+
+  def f(x):
+    h = w
+    for unary, u, b in program: h = _UNARY[u](h) if unary else _BINARY[b](h, x)
+    loss = (h * h).mean()
+    return (loss,) + bt.autograd.grad(loss, [w])
+  compiled = bt.compile(f)
+  eager = [t.detach().numpy() for t in f(x)]
+  for _ in range(2): got = compiled(x)
+  for a, b in zip(got, eager): np.testing.assert_allclose(a.numpy(), b, rtol=2e-5, atol=1e-6)
