@@ -141,7 +141,7 @@ def _run(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: 
   ptrs = [a.ptr for a, _ in idx] + [idx[-1][0].ptr] * (4 - len(idx))
   strides = [pad(st, 6, 0) for st in [cv, ct] + ci + [ci[-1]] * (4 - len(idx))]
   run(s, (cdiv(n_rows, s[2]["BLOCK_R"]) * col_blocks,), target.ptr, values.ptr, *ptrs, n_rows, n_cols, col_blocks,
-      *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st), *pad(xs, 4, 0), *pad(xn, 4, 1))
+      *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st), *xs, *[0] * (4 - len(xs)), *xn, *[1] * (4 - len(xn)))
 
 
 def _acc(dtype: DType) -> DType:
