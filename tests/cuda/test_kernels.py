@@ -65,7 +65,8 @@ def check(what: str, got: bt.Tensor, want: bt.Tensor, tol=None) -> None:
   if got.dtype in (bt.float16, bt.bfloat16): g, w = g.astype(np.float32), w.astype(np.float32)
   if not got.dtype.is_floating_point:
     bad = np.argwhere(g != w)
-    assert bad.size == 0, f"{what}: {len(bad)} of {g.size} differ, first at {tuple(bad[0])}: {g[tuple(bad[0])]} != {w[tuple(bad[0])]}"
+    first = tuple(int(k) for k in bad[0]) if bad.size else ()
+    assert bad.size == 0, f"{what}: {len(bad)} of {g.size} differ, first at {first}: {g[first]} != {w[first]}"
     return
   atol, rtol = tol or TOL[got.dtype]
   nan = np.isnan(w)
@@ -137,7 +138,8 @@ SHAPES2 = (((1000,), (1000,)), ((3, 1, 5), (1, 4, 5)), ((2, 3, 4, 65), (65,)), (
 @pytest.mark.parametrize("dtype", FLOATS + (bt.int32, bt.int64), ids=NAME)
 def test_binary_broadcast(name, dtype):
   fl = dtype.is_floating_point
-  x_dom, y_dom = {"pow": ((0.5, 3), (-2, 3)) if fl else ((-3, 4), (0, 5)), "div": ((-5, 6), (1, 5))}.get(name, ((-5, 6),) * 2)
+  domains = {"pow": ((0.5, 3), (-2, 3)) if fl else ((-3, 4), (0, 5)), "div": ((-5, 6), (1, 5))}
+  x_dom, y_dom = domains.get(name, ((-5, 6), (-5, 6)))
   for (s1, s2), layout in zip(SHAPES2, LAYOUTS * 2):
     run(name, pair(s1, dtype, layout, *x_dom), pair(s2, dtype, "contiguous", *y_dom, seed=1))
 
@@ -170,7 +172,8 @@ def test_where(dtype):
 @pytest.mark.parametrize("src", dtypes.all_dtypes, ids=NAME)
 def test_cast_every_pair(src):
   # floats: quarters and zeros, exact in every float dtype, truncated alike toward zero by every integer cast
-  prep = (lambda v: np.floor(v.astype(np.float32) * 4) / 4 * (np.abs(v.astype(np.float32)) > 10)) if src.is_floating_point else None
+  quarters = lambda v: np.floor(v.astype(np.float32) * 4) / 4 * (np.abs(v.astype(np.float32)) > 10)  # noqa: E731
+  prep = quarters if src.is_floating_point else None
   for dst in dtypes.all_dtypes:
     for layout in ("contiguous", "transposed"):
       run("cast", pair((31, 17), src, layout, -100, 100, prep=prep), dtype=dst)
@@ -217,7 +220,8 @@ def test_full_and_arange():
     for value in (0, 1, -3, 2.5, True, float("inf")):
       if not dtype.is_floating_point and value == float("inf"): continue
       want = apply(P["full"], device=bt.device("cpu"), shape=(3, 1000), value=value, dtype=dtype)
-      check(f"full {value} {dtype.name}", apply(P["full"], device=bt.device("cuda"), shape=(3, 1000), value=value, dtype=dtype), want)
+      got = apply(P["full"], device=bt.device("cuda"), shape=(3, 1000), value=value, dtype=dtype)
+      check(f"full {value} {dtype.name}", got, want)
   for start, end, step, dtype in ((0, 10, 1, None), (1, 2, 0.1, None), (-5, 100000, 3, bt.int32), (0.5, 1e5, 0.25, bt.float64),
                                   (10, -10, -0.5, bt.bfloat16), (0, 7, 2, bt.float16)):
     check(f"arange({start}, {end}, {step}, {dtype})", bt.arange(start, end, step, dtype=dtype, device="cuda"),
@@ -253,7 +257,8 @@ def test_reductions(name, dtype):
       if name == "sum":
         out = dtype if dtype.is_floating_point else bt.int64
         atol, rtol = TOL[out] if out.is_floating_point else (0, 0)
-        run("sum", x, dims=dims, keepdim=keepdim, dtype=out, tol=(atol * 3 * math.sqrt(n), rtol * 4) if out.is_floating_point else None)
+        tol = (atol * 3 * math.sqrt(n), rtol * 4) if out.is_floating_point else None
+        run("sum", x, dims=dims, keepdim=keepdim, dtype=out, tol=tol)
       else:
         run(name, x, dims=dims, keepdim=keepdim)
 

@@ -45,7 +45,8 @@ def next_pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()  # NOTE: tr
 
 def spec(fn, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4, num_stages: int = 1) -> Spec:
   """One compiled variant; the signature lists every parameter, constexprs as "constexpr"."""
-  return fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, {"num_warps": num_warps, "num_stages": num_stages}
+  options = {"num_warps": num_warps, "num_stages": num_stages}
+  return fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, options
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +57,8 @@ def _compiled(fn, signature: tuple, constexprs: tuple, num_warps: int, num_stage
 def run(s: Spec, grid: tuple[int, ...], *args) -> None:
   """Launch a variant on the current stream (compiled once per process, and cached on disk by `launch`)."""
   fn, signature, constexprs, options = s
-  _compiled(fn, tuple(signature.items()), tuple(constexprs.items()), options["num_warps"], options["num_stages"])(grid, *args)
+  kernel = _compiled(fn, tuple(signature.items()), tuple(constexprs.items()), options["num_warps"], options["num_stages"])
+  kernel(grid, *args)
 
 
 def empty(shape, dtype: DType, device: int | None) -> CudaArray:

@@ -314,7 +314,8 @@ def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
   cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
   if len(cshape) > MAX_DIMS:  # loop over the outermost dim on the host
     for i in range(cshape[0]):
-      launch(op, view(out, cshape[1:], ost[1:], i * ost[0]), *(view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)))
+      launch(op, view(out, cshape[1:], ost[1:], i * ost[0]),
+             *(view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)))
     return out
   i64 = needs_i64(cshape, ost, *ists)
   arrays = (out, *ins)
@@ -331,7 +332,8 @@ def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
   units = tuple(st[-1] == 1 for st in (ost, *ists))
   br, bc, _ = tile_schedule(n_rows, n_cols)
   aligned = n_cols % bc == 0 and bc * min(a.dtype.itemsize for a in arrays) >= 16 and all(
-    a.ptr % 16 == 0 and all(x * a.dtype.itemsize % 16 == 0 for x in st[:-1]) for a, st, u in zip(arrays, (ost, *ists), units) if u)
+    a.ptr % 16 == 0 and all(x * a.dtype.itemsize % 16 == 0 for x in st[:-1])
+    for a, st, u in zip(arrays, (ost, *ists), units) if u)
   s = tiled_spec(op, out.dtype, dts, nd, units, n_rows, n_cols, aligned, i64)
   col_blocks = cdiv(n_cols, bc)
   strides = [pad(st, 6, 0) for st in (ost, *ists)] + [pad(ists[-1], 6, 0)] * (3 - len(ins))
@@ -349,7 +351,8 @@ def elementwise(op: str, out_dtype: DType, *ins: CudaArray) -> CudaArray:
 def _fill(out: CudaArray, value) -> CudaArray:
   """Write value (converted to out's dtype as numpy does) into every element of the contiguous `out`."""
   if out.size == 0: return out
-  with np.errstate(all="ignore"): bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
+  with np.errstate(all="ignore"):
+    bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
   block, warps = flat_schedule(out.size, out.dtype.itemsize)
   i64 = needs_i64(out.shape, out.strides)
   run(spec(_fill_kernel, {"out": f"*i{8 * out.dtype.itemsize}", "n": "i64" if i64 else "i32", "bits": "i64"},

@@ -130,8 +130,9 @@ def _run(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: 
   cshape, (cv, ct, *ci) = collapse(shape, vst, tst, *(s for _, s in idx))
   if len(cshape) > MAX_DIMS:  # loop over the outermost dim on the host
     for i in range(cshape[0]):
-      _run(mode, view(target, target.shape, target.strides, i * ct[0]), view(values, values.shape, values.strides, i * cv[0]),
-           cshape[1:], cv[1:], ct[1:], [(view(a, a.shape, a.strides, i * s[0]), s[1:]) for (a, _), s in zip(idx, ci)], xs, xn)
+      _run(mode, view(target, target.shape, target.strides, i * ct[0]),
+           view(values, values.shape, values.strides, i * cv[0]), cshape[1:], cv[1:], ct[1:],
+           [(view(a, a.shape, a.strides, i * s[0]), s[1:]) for (a, _), s in zip(idx, ci)], xs, xn)
     return
   n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
   i64 = needs_i64(cshape, cv, ct, *ci) or needs_i64(target.shape, target.strides)

@@ -105,5 +105,6 @@ def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, i
 
 KERNELS = {"cross_entropy": cross_entropy, "cross_entropy_backward": cross_entropy_backward}
 
-SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False) for b in (False, True) for dt in (dtypes.float32, dtypes.bfloat16)] + \
+SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False) for b in (False, True)
+         for dt in (dtypes.float32, dtypes.bfloat16)] + \
         [ce_spec(b, dtypes.float64, dtypes.int32, False, 100, 10, True) for b in (False, True)]

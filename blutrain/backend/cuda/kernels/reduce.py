@@ -222,7 +222,8 @@ def _ident(op: str, dtype: DType):
 
 def _acc(op: str, x: DType, out: DType) -> DType:
   """The accumulation dtype: float32 for half types, int64 for integer sums, int32 for bool extremes."""
-  if op != "sum": return dtypes.float32 if x in (dtypes.float16, dtypes.bfloat16) else dtypes.int32 if x is dtypes.bool_ else x
+  if op != "sum":
+    return dtypes.float32 if x in (dtypes.float16, dtypes.bfloat16) else dtypes.int32 if x is dtypes.bool_ else x
   if dtypes.float64 in (x, out): return dtypes.float64
   return dtypes.float32 if out.is_floating_point else dtypes.int64
 
@@ -263,7 +264,8 @@ def arg_spec(op: str, x: DType, mnd: int, m_unit: bool, n_unit: bool, M: int, N:
   bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not n_unit)
   it = "i64" if i64 else "i32"
   sig = {"out": "*i64", "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")}, "NS": it}
-  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[_acc(op, x, x)], MND=mnd, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
+  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[_acc(op, x, x)], MND=mnd, M_UNIT=m_unit,
+                                     N_UNIT=n_unit, BLOCK_M=bm,
                                      BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
