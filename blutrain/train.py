@@ -24,7 +24,7 @@ class TrainConfig:
   bpe_vocab_size: int = 8192
   batch_size: int = 32
   block_size: int = 0             # 0: the preset's
-  steps: int = 1500
+  steps: int = 1000
   lr: float = 2e-3
   min_lr_ratio: float = 0.1
   warmup_steps: int = 100
@@ -36,7 +36,7 @@ class TrainConfig:
   dtype: str = "float32"          # parameter dtype (float32, bfloat16, float16): the whole model in that dtype
   seed: int = 1337
   out_dir: str = ""               # empty: runs/<preset>
-  eval_interval: int = 250
+  eval_interval: int = 200
   eval_batches: int = 20
   log_interval: int = 10
   sample_tokens: int = 300
