@@ -46,9 +46,10 @@ def _compute(x, OP: tl.constexpr):
 @triton.jit
 def _ipow(a, b):
   """Integer power by squaring; negative exponents truncate toward zero as C does (1, -1 or 0)."""
-  r = a * 0 + 1
-  base = a
-  e = b
+  zero = a * 0 + b * 0  # the broadcast shape, so the loop carries one type when a or b is a scalar
+  r = zero + 1
+  base = a + zero
+  e = b + zero
   for _ in range(63):
     r = tl.where((e & 1) != 0, r * base, r)
     base = base * base
@@ -259,22 +260,22 @@ def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, Z1, Z2, Z3, Z4,
 # *** schedules ***
 
 def flat_schedule(n: int, itemsize: int) -> tuple[int, int]:
-  """(BLOCK, num_warps) of `_flat`: each thread moves four 16-byte vectors per operand at 8 warps (BLOCK = 4096
-  float32, 8192 bfloat16), enough bytes in flight to saturate HBM; a smaller input shrinks the block (to one
-  warp's vectors at least) so that it still spreads over every SM."""
+  """(BLOCK, num_warps) of `_flat`, two tiers: each thread moves four 16-byte vectors per operand at 8 warps
+  (BLOCK = 4096 float32, 8192 bfloat16), enough bytes in flight to saturate HBM, once that still gives a program
+  to every SM; below, one vector per thread at 4 warps (512 float32), so mid-sized inputs spread over the SMs.
+  Two tiers keep the number of compiled variants small."""
   vec = max(1, 16 // itemsize)
-  block = min(4 * vec * 256, max(vec * 32, next_pow2(cdiv(n, SMS))))
-  return block, max(1, min(8, block // (4 * vec * 32)))
+  return (4 * vec * 256, 8) if n >= SMS * 4 * vec * 256 else (vec * 128, 4)
 
 
 def tile_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-  """(BLOCK_R, BLOCK_C, num_warps) of `_tiled`: tiles of up to 4096 elements at 8 warps (16 per thread and
-  operand). BLOCK_C is the largest power of two dividing n_cols, up to 1024, so columns need no mask and rows stay
-  16-byte aligned; below 32 it is next_pow2(n_cols) and masked. BLOCK_R fills the tile."""
+  """(BLOCK_R, BLOCK_C, num_warps) of `_tiled`: tiles of 4096 elements at 8 warps (16 per thread and operand).
+  BLOCK_C is the largest power of two dividing n_cols, up to 1024, so columns need no mask and rows stay 16-byte
+  aligned; below 32 it is next_pow2(n_cols) and masked. BLOCK_R fills the tile whatever n_rows is (a small input
+  masks rows instead of compiling a variant of its own)."""
   p2 = n_cols & -n_cols
   bc = min(p2, 1024) if p2 >= 32 else min(next_pow2(n_cols), 1024)
-  br = max(1, min(next_pow2(n_rows), 4096 // bc))
-  return br, bc, 8 if br * bc >= 4096 else 4
+  return 4096 // bc, bc, 8
 
 
 # *** specs ***
@@ -321,6 +322,7 @@ def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
   arrays = (out, *ins)
   args = [a.ptr for a in arrays] + [ins[-1].ptr] * (3 - len(ins))
   dts = tuple(a.dtype for a in ins)
+  if cshape == (1,): ost, ists = (1,), [(0,)] * len(ins)  # one element: any layout is flat
   if len(cshape) == 1 and ost[0] == 1 and all(s[0] in (0, 1) for s in ists):
     scalars = tuple(s[0] == 0 or cshape[0] == 1 for s in ists)
     aligned = all(a.ptr % 16 == 0 for a, sc in zip(arrays, (False,) + scalars) if not sc)
@@ -442,6 +444,7 @@ def _specs() -> list:
   for dt in (dtypes.float16, bf16, dtypes.float64):
     out.append(tiled_spec("gelu_backward", dt, (dt, dt), 5, (True, False, True), 1 << 12, 100, False, True))
   out.append(flat_spec("sqrt", dtypes.float64, (dtypes.float64,), (False,), 1 << 20, True, True))
+  out.append(flat_spec("pow", dtypes.int64, (dtypes.int64,) * 2, (True, False), 1000, True, False))  # a scalar base
   out.append(flat_spec("where", f32, (f32, f32, b), (False, True, False), 1 << 20, True, True))
   out.append(tiled_spec("where", bf16, (bf16, bf16, b), 3, (True, False, True, False), 1 << 10, 64, False, False))
   for bits in (8, 16, 32, 64):

@@ -167,13 +167,14 @@ def _cumsum_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1,
 
 def reduce_schedule(M: int, N: int, along_m: bool) -> tuple[int, int, int]:
   """(BLOCK_M, BLOCK_N, num_warps): tiles of up to 4096 elements (16 per thread at 8 warps). Loading along N (the
-  usual case) BLOCK_N covers N up to 1024 and BLOCK_M takes the rest of the tile; loading along M (reductions over
-  leading dims) BLOCK_M covers M up to 256, wide enough for full 128-byte lines, and BLOCK_N the rest."""
+  usual case) BLOCK_N covers N up to 1024 (up to 4096 when M < 4, as in a full reduction, so each program keeps
+  16 KB in flight) and BLOCK_M takes the rest of the tile; loading along M (reductions over leading dims) BLOCK_M
+  covers M up to 256, wide enough for full 128-byte lines, and BLOCK_N the rest."""
   if along_m:
     bm = min(next_pow2(M), 256)
     bn = max(1, min(next_pow2(N), 4096 // bm))
   else:
-    bn = min(next_pow2(N), 1024)
+    bn = min(next_pow2(N), 4096 // min(next_pow2(M), 4))
     bm = max(1, min(next_pow2(M), 4096 // bn))
   return bm, bn, 8 if bm * bn >= 4096 else 4
 
