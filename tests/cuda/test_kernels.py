@@ -201,6 +201,7 @@ def test_copy_into_strided_and_overlapping():
       t[:, 1::3] = t[:, 2::3]                              # strided source and destination
       t.transpose(0, 1)[2:5] = t.transpose(0, 1)[3:6]      # overlapping source and destination
       t[0] = 7                                             # a broadcast scalar
+      t[1, 1:] = t[1, :-1]                                 # overlapping and dense: a memmove
     check(f"setitem {dtype.name}", b, a, (0, 0))
   x, y = bt.zeros(4, 6, device="cuda"), bt.arange(6, dtype=bt.int64, device="cuda")
   x.copy_(y)  # int64 into float32, broadcast over rows

@@ -29,15 +29,15 @@ def overlaps(dst: CudaArray, src: CudaArray) -> bool:
 
 
 def copy_into(dst: CudaArray, src: CudaArray) -> None:
-  """dst[...] = src, src broadcast to dst's shape and converted to dst's dtype; both any strided layout. A source
-  that overlaps the destination is first copied out, so the result is as if read before any write."""
-  if overlaps(dst, src): src = copy(src)
-  launch("copy", dst, src)
+  """dst[...] = src, src broadcast to dst's shape and converted to dst's dtype; both any strided layout."""
+  copy(src, out=dst)
 
 
 def copy(x: CudaArray, out: CudaArray | None = None) -> CudaArray:
-  """A contiguous copy of x, or x written into `out` (any layout, x broadcast to it and converted to its dtype)."""
-  return launch("copy", empty(x.shape, x.dtype, x.device) if out is None else out, x)
+  """A contiguous copy of x, or x written into `out` (any layout, x broadcast to it and converted to its dtype). A
+  source that overlaps `out` is first copied out, so the result is as if it were read before any write."""
+  if out is None: return launch("copy", empty(x.shape, x.dtype, x.device), x)
+  return launch("copy", out, copy(x) if overlaps(out, x) else x)
 
 
 def cast(x: CudaArray, dtype: DType) -> CudaArray:
