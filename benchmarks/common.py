@@ -1,0 +1,97 @@
+"""Shared by the GPU kernel benchmarks: the no-GPU message, timing (median GPU time of event-timed calls and host time
+per call), the run's metadata, the results file and the markdown table."""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOMINAL_COPY_GBPS = 4300.0  # H200 device-to-device copy, the anchor in DESIGN.md
+PAD_COPIES = 400            # at most this many copies queued ahead (CUDA's launch queue holds about a thousand)
+
+
+def require_gpu(device: str) -> None:
+  """Exit with the reason when `device` is "cuda" and blutrain or torch cannot use a GPU."""
+  if device != "cuda": return
+  import torch
+  from blutrain.backend.cuda import runtime
+  if not runtime.is_available():
+    sys.exit(f"no usable NVIDIA GPU for blutrain ({runtime.unavailable_reason()}); run on a GPU machine, "
+             f"or pass --device cpu for a small dry run of the script itself")
+  if not torch.cuda.is_available():
+    sys.exit(f"torch {torch.__version__} sees no GPU (a CPU-only build?); install a CUDA build of torch to compare")
+
+
+def time_calls(fn, repeats: int, event=None, sync=None, pad=None) -> dict:
+  """Milliseconds per call of fn: {"ms": median GPU time between CUDA events around each call (wall time on the
+  CPU, event=None), "host_ms": the host's time to issue one call}. A first call compiles and allocates, three more
+  warm up; then `pad(ms)` queues that much GPU work, so the host runs ahead and its dispatch gaps between calls do
+  not count as GPU time."""
+  fn()
+  if sync: sync()
+  t0 = time.perf_counter()
+  for _ in range(3): fn()
+  host = (time.perf_counter() - t0) / 3 * 1e3
+  if event is None:
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      fn()
+      times.append((time.perf_counter() - t0) * 1e3)
+    return {"ms": statistics.median(times), "host_ms": statistics.median(times)}
+  sync()
+  if pad: pad(1.5 * repeats * host)
+  events = [(event(enable_timing=True), event(enable_timing=True)) for _ in range(repeats)]
+  t0 = time.perf_counter()
+  for s, e in events:
+    s.record()
+    fn()
+    e.record()
+  host = (time.perf_counter() - t0) / repeats * 1e3
+  sync()
+  return {"ms": statistics.median(s.elapsed_time(e) for s, e in events), "host_ms": host}
+
+
+def copy_pad(src, dst, repeats: int, event=None, sync=None) -> tuple[dict, object]:
+  """Time `dst.copy_(src)` (a device-to-device copy: the bandwidth ceiling) and return (its timing, pad), where
+  pad(ms) queues about ms of such copies (time_calls' pad)."""
+  t = time_calls(lambda: dst.copy_(src), repeats, event, sync)
+
+  def pad(ms: float) -> None:
+    for _ in range(min(PAD_COPIES, math.ceil(ms / t["ms"]))): dst.copy_(src)
+  return t, pad
+
+
+def metadata(benchmark: str, device: str) -> dict:
+  """Date, device name and versions, the head of every results file."""
+  import numpy as np
+  import torch
+  import triton
+  import blutrain as bt
+  name = bt.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+  return {"benchmark": benchmark, "date": date.today().isoformat(), "device": device, "gpu": name,
+          "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                       "blutrain": bt.__version__, "numpy": np.__version__}}
+
+
+def write(result: dict, out: str) -> None:
+  Path(out).parent.mkdir(parents=True, exist_ok=True)
+  Path(out).write_text(json.dumps(result, indent=1))
+  print(f"wrote {out}", flush=True)
+
+
+def table(header: list[str], rows: list[list]) -> None:
+  """Print a markdown table: floats to 3 significant digits (whole numbers from 100 up), None as a dash."""
+  def cell(v):
+    if v is None: return "-"
+    if isinstance(v, float): return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    return str(v)
+  print("| " + " | ".join(header) + " |")
+  print("|" + "---|" * len(header))
+  for r in rows: print("| " + " | ".join(cell(v) for v in r) + " |")
