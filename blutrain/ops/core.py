@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from blutrain import backend
 from blutrain.dtypes import DType
+from blutrain.profiler import active as profiling, op_timer, record_function
 from blutrain.tensor import Tensor
 
 Shape = tuple[int, ...]
@@ -178,7 +179,11 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
   else:
     kernel = backend.get(dev).kernels.get(op_.name)
     if kernel is None: raise NotImplementedError(f"{op_.name}: no kernel on the {dev.type} backend")
-    out = Tensor._wrap(kernel(*(None if t is None else t._array() for t in inputs), **attrs), dev, dtype)
+    arrays = [None if t is None else t._array() for t in inputs]
+    if profiling.session is None: result = kernel(*arrays, **attrs)
+    else:
+      with op_timer(op_.name, dev, inputs): result = kernel(*arrays, **attrs)
+    out = Tensor._wrap(result, dev, dtype)
     assert out.shape == shape, f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {shape}"
   if (op_.vjp is not None and op_.differentiable and grad_mode.enabled
       and any(t is not None and t.requires_grad for t in inputs)):
@@ -198,7 +203,9 @@ def refresh_view(t: Tensor) -> None:
 def write(x: Tensor, new: Tensor) -> None:
   """The last step of every in-place op: store `new` (x's shape and dtype) into x's memory, bump its version."""
   if capture.trace is not None: capture.trace.write(x, new)
-  else: backend.get(x.device).copy_into(x._array(), new._array())
+  elif profiling.session is None: backend.get(x.device).copy_into(x._array(), new._array())
+  else:
+    with record_function("copy_into", x.device): backend.get(x.device).copy_into(x._array(), new._array())
   x._storage.version += 1
 
 

@@ -5,6 +5,7 @@ from typing import Any
 
 from blutrain import dtypes, ops
 from blutrain.optim.optimizer import Optimizer, ParamsT
+from blutrain.profiler import record_function
 from blutrain.tensor import Tensor
 
 
@@ -63,9 +64,10 @@ class Adam(Optimizer):
     if not all(s["exp_avg"].is_contiguous() and s["exp_avg_sq"].is_contiguous() for s in states):
       return super()._step_group(group)
     (beta1, beta2), keys = group["betas"], ("step", "exp_avg", "exp_avg_sq")
-    fused_adamw([p._array() for p in params], [p.grad._array() for p in params],
-                *([s[k]._array() for s in states] for k in keys[1:]), [s["step"]._array() for s in states],
-                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
+    with record_function("fused_adamw", params[0].device):
+      fused_adamw([p._array() for p in params], [p.grad._array() for p in params],
+                  *([s[k]._array() for s in states] for k in keys[1:]), [s["step"]._array() for s in states],
+                  float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
     for t in params + [s[k] for s in states for k in keys]: t._storage.version += 1
 
   @staticmethod
