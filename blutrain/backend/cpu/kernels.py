@@ -47,15 +47,20 @@ def _erf(x: np.ndarray) -> np.ndarray:
 _SQRT_2_PI = math.sqrt(2.0 / math.pi)
 
 
+def _gelu_tanh_gate(x):
+  """0.5 (1 + tanh(u)) written as sigmoid(2u), which keeps its precision where tanh(u) rounds to -1."""
+  return np.exp(-np.logaddexp(0.0, -2.0 * _SQRT_2_PI * (x + 0.044715 * x ** 3))).astype(x.dtype, copy=False)
+
+
 def _gelu(x, approximate):
-  if approximate == "tanh": return 0.5 * x * (1.0 + np.tanh(_SQRT_2_PI * (x + 0.044715 * x ** 3)))
+  if approximate == "tanh": return x * _gelu_tanh_gate(x)
   return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
 
 
 def _gelu_backward(g, x, approximate):
   if approximate == "tanh":
-    t = np.tanh(_SQRT_2_PI * (x + 0.044715 * x ** 3))
-    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x))
+    s = _gelu_tanh_gate(x)  # 1 - tanh(u)^2 = 4 s (1 - s)
+    return g * (s + 2.0 * x * s * (1.0 - s) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x))
   cdf = 0.5 * (1.0 + _erf(x / math.sqrt(2.0)))
   return g * (cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
 

@@ -59,9 +59,15 @@ def _ipow(a, b):
 
 
 @triton.jit
+def _gelu_tanh_gate(x):
+  # 0.5 (1 + tanh(u)) as sigmoid(2u): no cancellation where tanh(u) is near -1 (libdevice's tanh is approximate)
+  return 1.0 / (1.0 + tl.exp(-2.0 * _SQRT_2_PI * (x + 0.044715 * x * x * x)))
+
+
+@triton.jit
 def _gelu(x, TANH: tl.constexpr):
   if TANH:
-    y = 0.5 * x * (1.0 + libdevice.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x)))
+    y = x * _gelu_tanh_gate(x)
   else:
     y = 0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))
   return y
@@ -70,8 +76,8 @@ def _gelu(x, TANH: tl.constexpr):
 @triton.jit
 def _gelu_backward(g, x, TANH: tl.constexpr):
   if TANH:
-    t = libdevice.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x))
-    d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
+    s = _gelu_tanh_gate(x)  # 1 - tanh(u)^2 = 4 s (1 - s)
+    d = s + 2.0 * x * s * (1.0 - s) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
   else:
     d = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2)) + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
   return g * d
@@ -414,7 +420,7 @@ def _binary(op: str):
 
 
 KERNELS = {
-  **{op: _unary(op) for op in UNARY if op not in ("gelu", "gelu_tanh")},
+  **{op: _unary(op) for op in UNARY if op not in ("gelu", "gelu_tanh", "copy")},  # copy.py wraps "copy"
   **{op: _binary(op) for op in BINARY if not op.startswith("gelu")},
   "gelu": lambda x, approximate: elementwise("gelu_tanh" if approximate == "tanh" else "gelu", x.dtype, x),
   "gelu_backward": lambda g, x, approximate: elementwise(
