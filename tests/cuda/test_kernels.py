@@ -451,11 +451,12 @@ def test_fused_adamw_matches_the_per_parameter_update():
       for p, g in zip(params, step): p.grad = bt.tensor(g, device=device)
       opt.step()
     runs[name] = (params, opt)
+  # the same float32 arithmetic in another order: a few ulps of the parameters' scale (~1), not of each value
   for (pf, of), (pr, orf) in ((runs["fused"], runs["reference"]),):
     for i, (a, b) in enumerate(zip(pf, pr)):
-      check(f"fused AdamW param {i} {shapes[i]}", a.detach(), b.detach().cpu(), (0, 1e-6))
+      check(f"fused AdamW param {i} {shapes[i]}", a.detach(), b.detach().cpu(), (5e-7, 1e-6))
       for key in ("exp_avg", "exp_avg_sq"):
-        check(f"fused AdamW {key} {i}", of.state[a][key], orf.state[b][key].cpu(), (0, 1e-6))
+        check(f"fused AdamW {key} {i}", of.state[a][key], orf.state[b][key].cpu(), (5e-7, 1e-6))
       assert of.state[a]["step"].item() == orf.state[b]["step"].item() == len(grads)
   for i, (a, b) in enumerate(zip(runs["fused"][0], runs["cpu"][0])):
     check(f"fused AdamW vs CPU param {i}", a.detach(), b.detach(), (1e-6, 1e-5))

@@ -29,7 +29,10 @@ def _load_kernels() -> dict:
   table: dict = {}
   for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
     mod = importlib.import_module(f"blutrain.backend.cuda.kernels.{info.name}")
-    table.update(getattr(mod, "KERNELS", {}))
+    found = getattr(mod, "KERNELS", {})
+    if table.keys() & found.keys():  # one kernel per op: a second one would silently win by module order
+      raise RuntimeError(f"kernels {sorted(table.keys() & found.keys())} are defined twice (again in {info.name})")
+    table.update(found)
   return table
 
 

@@ -41,6 +41,14 @@ def span(shape, strides) -> tuple[int, int]:
   return lo, hi
 
 
+def overlaps(a: CudaArray, b: CudaArray) -> bool:
+  """Whether two arrays may share elements (conservatively: their byte ranges intersect)."""
+  if a.size == 0 or b.size == 0: return False
+  (alo, ahi), (blo, bhi) = span(a.shape, a.strides), span(b.shape, b.strides)
+  return (a.ptr + alo * a.dtype.itemsize < b.ptr + bhi * b.dtype.itemsize
+          and b.ptr + blo * b.dtype.itemsize < a.ptr + ahi * a.dtype.itemsize)
+
+
 def is_dense(a: CudaArray) -> bool:
   """True when `a` is a permutation of a contiguous array: its elements fill [ptr, ptr + nbytes) exactly once."""
   expected = 1
@@ -179,7 +187,8 @@ def copy_into(dst: CudaArray, src: CudaArray) -> None:
   src = broadcast_to(src, dst.shape)
   for a in (src, dst):
     if a.owner.stream is not s: a.owner.record_stream(s)
-  if src.strides == dst.strides and is_dense(dst):
+  if src.ptr == dst.ptr and src.strides == dst.strides and src.dtype is dst.dtype: return  # x.copy_(x)
+  if src.strides == dst.strides and is_dense(dst) and not overlaps(dst, src):  # memcpy's ranges must not overlap
     lo, _ = span(dst.shape, dst.strides)
     copy_d2d(dst.ptr + lo * dst.dtype.itemsize, src.ptr + lo * src.dtype.itemsize, dst.nbytes, s)
     return

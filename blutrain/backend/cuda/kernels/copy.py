@@ -8,24 +8,10 @@ from __future__ import annotations
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import broadcast_strides, empty, max_offset, view
+from blutrain.backend.cuda.kernels import empty, view
 from blutrain.backend.cuda.kernels.elementwise import flat_spec, launch, tiled_spec
+from blutrain.backend.cuda.memory import overlaps
 from blutrain.dtypes import DType
-
-
-def _span(a: CudaArray, shape=None) -> tuple[int, int]:
-  """The byte range a's elements occupy."""
-  strides = a.strides if shape is None else broadcast_strides(a, shape)
-  lo = a.ptr + a.dtype.itemsize * sum((n - 1) * s for n, s in zip(shape or a.shape, strides) if s < 0)
-  hi = a.ptr + a.dtype.itemsize * (max_offset(shape or a.shape, strides) + 1)
-  return lo, hi
-
-
-def overlaps(dst: CudaArray, src: CudaArray) -> bool:
-  """Whether src's elements may share memory with dst's (conservatively: their byte ranges intersect)."""
-  if dst.size == 0 or src.size == 0: return False
-  (a, b), (c, d) = _span(dst), _span(src)
-  return a < d and c < b
 
 
 def copy_into(dst: CudaArray, src: CudaArray) -> None:
