@@ -96,15 +96,18 @@ def test_packing_converts_each_argument_by_its_type():
   x, y, out = array(0x7000_0000_0000, 10, "block"), array(0x7000_0000_0200, 10), array(0x7000_0000_0400, 10)
   p = k._pack(x, y, out, 10, 2.5)
   assert p == (x.ptr, y.ptr, out.ptr, 10, 2.5, 0, 0)  # the trailing zeros: no scratch buffers
-  assert [type(v) for v in p] == [int, int, int, np.int32, np.float32, int, int]
-  assert k._pack(123, None, out, np.int64(7), 1)[:4] == (123, 0, out.ptr, 7)
+  assert [type(v) for v in p] == [int, int, int, int, np.float32, int, int]  # ints in range pass as is
+  q = k._pack(123, None, out, np.int64(7), 1)
+  assert q[:4] == (123, 0, out.ptr, 7) and type(q[3]) is np.int32
   assert k._pointers(x, 5, None, 10, 2.5) == ("block", None, None)
   with pytest.raises(TypeError, match=r"add_kernel: argument 'y_ptr' is a pointer; got str"):
     k._pack(x, "y", out, 10, 2.5)
   with pytest.raises(TypeError, match="add_kernel.. missing 1 required positional argument: 'alpha'"):
     k._pack(x, y, out, 10)
-  with pytest.raises(OverflowError):
-    k._pack(x, y, out, 2**40, 1.0)
+  for n in (2**31, -2**31 - 1):
+    with pytest.raises(OverflowError):
+      k._pack(x, y, out, n, 1.0)
+  assert k._pack(x, y, out, -2**31, 1.0)[3] == -2**31
 
 
 def test_packing_of_half_types_and_flags():
@@ -113,7 +116,7 @@ def test_packing_of_half_types_and_flags():
   p = k._pack(array(4096, 3), 3, 1.5, 0.25, True)
   assert p[2] == np.array(1.5, ml_dtypes.bfloat16).view(np.uint16) and type(p[2]) is np.uint16
   assert type(p[3]) is np.float16 and p[3] == 0.25 and type(p[4]) is np.int8 and p[4] == 1
-  assert type(p[1]) is np.int64
+  assert type(p[1]) is int
 
 
 def test_grid_configs_are_checked_and_cached():

@@ -25,7 +25,6 @@ from blutrain.backend.cuda import launch, memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.dtypes import DType
 
-Spec = tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]
 
 # element types in Triton signatures and as compile-time constants
 TY = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp16", dtypes.bfloat16: "bf16",
@@ -43,10 +42,20 @@ def cdiv(a: int, b: int) -> int: return -(-a // b)
 def next_pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()  # NOTE: triton's own helpers are slow jit wrappers
 
 
+class Spec(tuple):
+  """One compiled variant: (fn, signature, constexprs, options). Its `kernel` is looked up once and kept on it, so
+  the specs that host wrappers cache launch with no lookup at all."""
+
+  @functools.cached_property
+  def kernel(self) -> launch.Kernel:
+    fn, signature, constexprs, options = self
+    return _compiled(fn, tuple(signature.items()), tuple(constexprs.items()), options["num_warps"], options["num_stages"])
+
+
 def spec(fn, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4, num_stages: int = 1) -> Spec:
   """One compiled variant; the signature lists every parameter, constexprs as "constexpr"."""
   options = {"num_warps": num_warps, "num_stages": num_stages}
-  return fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, options
+  return Spec((fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, options))
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,9 +65,7 @@ def _compiled(fn, signature: tuple, constexprs: tuple, num_warps: int, num_stage
 
 def run(s: Spec, grid: tuple[int, ...], *args) -> None:
   """Launch a variant on the current stream (compiled once per process, and cached on disk by `launch`)."""
-  fn, signature, constexprs, options = s
-  kernel = _compiled(fn, tuple(signature.items()), tuple(constexprs.items()), options["num_warps"], options["num_stages"])
-  kernel(grid, *args)
+  s.kernel(grid, *args)
 
 
 def empty(shape, dtype: DType, device: int | None) -> CudaArray:

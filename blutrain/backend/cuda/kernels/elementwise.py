@@ -314,27 +314,45 @@ def tiled_spec(op: str, out: DType, ins: tuple[DType, ...], nd: int, units: tupl
 
 # *** host side ***
 
+Layout = tuple[tuple[int, ...], tuple[int, ...], DType, int]  # shape, strides, dtype, address % 16
+
+
 def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
   """Write op(*ins) into `out` (any strided layout; inputs broadcast to out's shape). For where, ins is (c, x, y)."""
-  if out.size == 0: return out
-  if op == "where": ins = (ins[1], ins[2], ins[0])  # the kernels read the condition third
-  cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
-  if len(cshape) > MAX_DIMS:  # loop over the outermost dim on the host
-    for i in range(cshape[0]):
-      launch(op, view(out, cshape[1:], ost[1:], i * ost[0]),
-             *(view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)))
+  if 0 in out.shape: return out
+  return _launch(op, out, (ins[1], ins[2], ins[0]) if op == "where" else ins)  # the kernels read the condition third
+
+
+def _launch(op: str, out: CudaArray, ins: tuple[CudaArray, ...]) -> CudaArray:
+  plan = _plan(op, (out.shape, out.strides, out.dtype, out.ptr & 15),
+               *[(a.shape, a.strides, a.dtype, a.ptr & 15) for a in ins])
+  if plan:  # absent operands repeat the last one; the kernel does not read them
+    kernel, grid, scalars = plan
+    kernel(grid, out.ptr, ins[0].ptr, ins[min(1, len(ins) - 1)].ptr, ins[-1].ptr, *scalars)
     return out
+  cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
+  for i in range(cshape[0]):  # too many dims for the kernels: loop over the outermost one on the host
+    _launch(op, view(out, cshape[1:], ost[1:], i * ost[0]),
+            tuple(view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)))
+  return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(op: str, *layouts: Layout) -> tuple:
+  """(kernel, grid, scalar arguments after the four pointers) of op on the layouts of out and its inputs, or ()
+  when they have more than MAX_DIMS dims after collapsing. A function of the layouts only, so it is cached: the
+  arrays it reads are stand-ins with their layout and their address modulo 16, which is all alignment needs."""
+  out, *ins = arrays = [CudaArray(p, shape, strides, dt, 0, None) for shape, strides, dt, p in layouts]
+  cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
+  if len(cshape) > MAX_DIMS: return ()
   i64 = needs_i64(cshape, ost, *ists)
-  arrays = (out, *ins)
-  args = [a.ptr for a in arrays] + [ins[-1].ptr] * (3 - len(ins))
   dts = tuple(a.dtype for a in ins)
   if cshape == (1,): ost, ists = (1,), [(0,)] * len(ins)  # one element: any layout is flat
   if len(cshape) == 1 and ost[0] == 1 and all(s[0] in (0, 1) for s in ists):
     scalars = tuple(s[0] == 0 or cshape[0] == 1 for s in ists)
     aligned = all(a.ptr % 16 == 0 for a, sc in zip(arrays, (False,) + scalars) if not sc)
     s = flat_spec(op, out.dtype, dts, scalars, cshape[0], aligned, i64)
-    run(s, (cdiv(cshape[0], s[2]["BLOCK"]),), *args, cshape[0])
-    return out
+    return s.kernel, (cdiv(cshape[0], s[2]["BLOCK"]),), (cshape[0],)
   nd = len(cshape) - 1
   n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
   units = tuple(st[-1] == 1 for st in (ost, *ists))
@@ -345,9 +363,8 @@ def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
   s = tiled_spec(op, out.dtype, dts, nd, units, n_rows, n_cols, aligned, i64)
   col_blocks = cdiv(n_cols, bc)
   strides = [pad(st, 6, 0) for st in (ost, *ists)] + [pad(ists[-1], 6, 0)] * (3 - len(ins))
-  run(s, (cdiv(n_rows, br) * col_blocks,), *args, n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:],
-      *(x for st in strides for x in st))
-  return out
+  return (s.kernel, (cdiv(n_rows, br) * col_blocks,),
+          (n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st)))
 
 
 def elementwise(op: str, out_dtype: DType, *ins: CudaArray) -> CudaArray:
@@ -356,15 +373,21 @@ def elementwise(op: str, out_dtype: DType, *ins: CudaArray) -> CudaArray:
   return launch(op, out, *ins)
 
 
+@functools.lru_cache(maxsize=4096)
+def fill_spec(itemsize: int, n: int, i64: bool):
+  block, warps = flat_schedule(n, itemsize)
+  return spec(_fill_kernel, {"out": f"*i{8 * itemsize}", "n": "i64" if i64 else "i32", "bits": "i64"},
+              dict(BLOCK=block, IDX64=i64), num_warps=warps)
+
+
 def _fill(out: CudaArray, value) -> CudaArray:
   """Write value (converted to out's dtype as numpy does) into every element of the contiguous `out`."""
-  if out.size == 0: return out
+  n = out.size
+  if n == 0: return out
+  s = fill_spec(out.dtype.itemsize, n, needs_i64(out.shape, out.strides))
   with np.errstate(all="ignore"):
     bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
-  block, warps = flat_schedule(out.size, out.dtype.itemsize)
-  i64 = needs_i64(out.shape, out.strides)
-  run(spec(_fill_kernel, {"out": f"*i{8 * out.dtype.itemsize}", "n": "i64" if i64 else "i32", "bits": "i64"},
-           dict(BLOCK=block, IDX64=i64), num_warps=warps), (cdiv(out.size, block),), out.ptr, out.size, bits)
+  s.kernel((cdiv(n, s[2]["BLOCK"]),), out.ptr, n, bits)
   return out
 
 
