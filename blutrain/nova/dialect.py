@@ -263,6 +263,7 @@ OPS: dict[str, tuple[type[NovaOp], str, str]] = {
   "softmax": (NNOp, "x", "dim:int"),
   "log_softmax": (NNOp, "x", "dim:int"),
   "layer_norm": (NNOp, "x ?weight ?bias", "n:int eps:float"),
+  "layer_norm_backward": (NNOp, "g x ?weight", "n:int eps:float has_bias:bool"),
   "scatter_add": (NNOp, "x index src", "dim:int"),
   "gather": (NNOp, "x index", "dim:int"),
   "embedding_backward": (NNOp, "g idx", "num:int"),
@@ -273,10 +274,12 @@ OPS: dict[str, tuple[type[NovaOp], str, str]] = {
   "flash_attention_backward": (NNOp, "g q k v out", "causal:bool scale:float"),
 }
 
-# NOTE: with two optional operands the generic `operands` directive is ambiguous; each optional operand prints
-# with its keyword and type instead.
-_OPTIONAL_FORMAT = ("$x (`weight` $weight^ `:` type($weight))? (`bias` $bias^ `:` type($bias))? attr-dict "
-                    "`:` type($x) `->` type($result)")
+def _optional_format(operands: list[str]) -> str:
+  """The assembly format of an op with optional operands (required ones first): with two optional operands the
+  generic `operands` directive is ambiguous, so each optional operand prints with its keyword and type."""
+  required, optional = [s for s in operands if s[0] != "?"], [s[1:] for s in operands if s[0] == "?"]
+  return (" `,` ".join(f"${k}" for k in required) + "".join(f" (`{k}` ${k}^ `:` type(${k}))?" for k in optional)
+          + " attr-dict `:` " + " `,` ".join(f"type(${k})" for k in required) + " `->` type($result)")
 
 
 class _OptionalOperandsOp(NovaOp):
@@ -307,7 +310,7 @@ def _define(name: str, family: type[NovaOp], operands: str, attrs: str) -> type[
   bases: tuple[type, ...] = (family,)
   if "?" in operands:
     bases = (_OptionalOperandsOp, family)
-    body |= {"OPERANDS": tuple(s.lstrip("*?") for s in operands.split()), "assembly_format": _OPTIONAL_FORMAT,
+    body |= {"OPERANDS": tuple(s.lstrip("*?") for s in operands.split()), "assembly_format": _optional_format(operands.split()),
              "irdl_options": (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())}
   cls_name = "".join(p.title() for p in name.split("_")) + "Op"
   return irdl_op_definition(type(cls_name, bases, body | {"__qualname__": cls_name}))

@@ -43,18 +43,23 @@ def _layer_norm_rule(x, w, b, n, eps):
 
 
 def _layer_norm_vjp(g, out, x, w, b, n, eps):
-  dims = tuple(range(x.ndim - n, x.ndim))
-  batch = tuple(range(x.ndim - n))
-  mu = x.mean(dims, keepdim=True)
-  rstd = ops.rsqrt(x.var(dims, keepdim=True, correction=0) + eps)
-  xhat = (x - mu) * rstd
-  gx = g * w if w is not None else g
-  dx = rstd * (gx - gx.mean(dims, keepdim=True) - xhat * (gx * xhat).mean(dims, keepdim=True))
-  dw = (g * xhat).sum(batch) if w is not None else None
-  db = g.sum(batch) if b is not None else None
+  size, N = math.prod(x.shape), math.prod(x.shape[x.ndim - n:])
+  grads = layer_norm_backward(g, x, w, n=n, eps=eps, has_bias=b is not None)
+  dx = grads.narrow(0, 0, size).reshape(x.shape)
+  dw = grads.narrow(0, size, N).reshape(w.shape).to(w.dtype) if w is not None else None
+  db = grads.narrow(0, grads.shape[0] - N, N).reshape(b.shape).to(b.dtype) if b is not None else None
   return dx, dw, db
 
 
+def _layer_norm_backward_rule(g, x, w, n, eps, has_bias):
+  N = math.prod(x.shape[x.ndim - n:])
+  return (math.prod(x.shape) + N * ((w is not None) + has_bias),), x.dtype
+
+
+# dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) with gw = g w, dw = sum(g xhat), db = sum(g) over the leading dims,
+# xhat = (x - mean) rstd. One kernel computes all three: a primitive has one output, so the backward returns
+# cat([dx.flatten(), dw, db]) (dw and db when present), which the VJP splits by views.
+layer_norm_backward = op("layer_norm_backward", _layer_norm_backward_rule)
 layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1))
 
 

@@ -318,6 +318,23 @@ def test_layer_norm(dtype):
   run("layer_norm", big, None, None, n=1, eps=1e-5, tol=(5e-3, 5e-3) if dtype is bt.float32 else None)
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=NAME)
+def test_layer_norm_backward(dtype):
+  """dx, dw and db against the CPU kernel in float64 (a half-precision CPU reference would be the less exact one)."""
+  for shape, n, layout in (((4, 64, 768), 1, "contiguous"), ((16, 33), 1, "transposed"), ((3, 5, 20000), 1, "strided"),
+                           ((6, 4, 10), 2, "offset"), ((1000, 3), 1, "contiguous"), ((0, 8), 1, "contiguous")):
+    x, g = pair(shape, dtype, layout), pair(shape, dtype, "contiguous", seed=3)
+    w = pair(shape[-n:], dtype, seed=1)
+    for weight, has_bias in ((w, True), (None, False), (w, False), (None, True)):
+      args = (g, x, weight)
+      want = apply(P["layer_norm_backward"], *(a and a[0].double() for a in args), n=n, eps=1e-5, has_bias=has_bias)
+      got = apply(P["layer_norm_backward"], *(a and a[1] for a in args), n=n, eps=1e-5, has_bias=has_bias)
+      rows = max(1, math.prod(shape[:len(shape) - n]))  # dw and db sum over the rows
+      atol, rtol = TOL[dtype]
+      check(f"layer_norm_backward({describe(*(a[1] for a in args if a is not None))}; has_bias={has_bias})", got,
+            want.to(dtype), (atol * 10 * math.sqrt(rows), rtol * 10))
+
+
 @pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64), ids=NAME)
 def test_cross_entropy(dtype):
   for (n, c), layout in zip(((64, 10), (128, 1000), (256, 50304), (33, 5000)), ("contiguous", "transposed", "contiguous",

@@ -168,6 +168,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
            b("matmul", x, b("permute", pos, dims=(1, 0))), b("softmax", x, dim=1), b("log_softmax", x, dim=0),
            b("layer_norm", x, w, bias, n=1, eps=1e-5), b("layer_norm", x, None, None, n=2, eps=1e-6),
            b("layer_norm", x, w, None, n=1, eps=1e-5), b("layer_norm", x, None, bias, n=1, eps=1e-5),
+           b("layer_norm_backward", pos, x, w, n=1, eps=1e-5, has_bias=True),
+           b("layer_norm_backward", pos, x, None, n=2, eps=1e-6, has_bias=False),
            b("scatter_add", x, rows, pos, dim=0), b("gather", x, rows, dim=0),
            b("embedding", weight, tokens), b("embedding_backward", b("embedding", weight, tokens), tokens, num=10),
            b("cross_entropy", x, target, ignore_index=-100),

@@ -158,6 +158,17 @@ def _layer_norm(x, w, b, n, eps):
   return out
 
 
+def _layer_norm_backward(g, x, w, n, eps, has_bias):
+  axes, batch = tuple(range(x.ndim - n, x.ndim)), tuple(range(x.ndim - n))
+  xc = x - x.mean(axis=axes, keepdims=True)
+  rstd = 1 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + eps)
+  xhat = xc * rstd
+  gw = g if w is None else g * w
+  dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
+  parts = [dx] + ([] if w is None else [(g * xhat).sum(axis=batch)]) + ([g.sum(axis=batch)] if has_bias else [])
+  return np.concatenate([p.reshape(-1) for p in parts]).astype(x.dtype, copy=False)
+
+
 def _valid_targets(op, target, ignore_index, num_classes):
   valid = target != ignore_index
   bad = target[valid & ((target < 0) | (target >= num_classes))]
@@ -254,6 +265,7 @@ kernels = {
   "embedding_backward": _embedding_backward,
   # linear algebra, normalization, losses
   "matmul": _matmul, "softmax": _errstate(_softmax), "log_softmax": _errstate(_log_softmax), "layer_norm": _layer_norm,
+  "layer_norm_backward": _layer_norm_backward,
   "cross_entropy": _errstate(_cross_entropy), "cross_entropy_backward": _errstate(_cross_entropy_backward),
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
 }

@@ -15,10 +15,11 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (cdiv, collapse, empty, needs_i64, next_pow2, pad, ptr, run, spec, sqrt_rn,
-                                           strided)
+from blutrain.backend.cuda.kernels import (SMS, cdiv, collapse, empty, needs_i64, next_pow2, pad, ptr, run, spec, sqrt_rn,
+                                           strided, view)
 from blutrain.backend.cuda.kernels.copy import copy
-from blutrain.backend.cuda.kernels.reduce import _axis, _max_nan, _names, _offsets
+from blutrain.backend.cuda.kernels.elementwise import _fill, launch
+from blutrain.backend.cuda.kernels.reduce import _axis, _max_nan, _names, _offsets, _reduce
 
 ONE_PASS_MAX = 8192  # elements of a row held in registers at once (32 per thread at 8 warps)
 
@@ -107,6 +108,25 @@ def _welford_combine(m1, q1, n1, m2, q2, n2):
 
 
 @triton.jit
+def _row_moments(x, m_off, m_mask, N, eps, ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+  """Per-row mean and 1/sqrt(var + eps) of rows of N contiguous elements at m_off, by Welford over tiles of BLOCK_N."""
+  mean = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+  m2 = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+  cnt = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+  for n0 in range(0, N, BLOCK_N):
+    ns = n0 + tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (ns < N)[None, :]
+    v = tl.load(x + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)
+    c = cnt + tl.where(mask, 1.0, 0.0)
+    d = tl.where(mask, v - mean, 0.0)
+    mean += d / tl.maximum(c, 1.0)
+    m2 += d * tl.where(mask, v - mean, 0.0)
+    cnt = c
+  mean, m2, _ = tl.reduce((mean, m2, cnt), 1, _welford_combine)
+  return mean, 1.0 / sqrt_rn(m2 / N + eps)
+
+
+@triton.jit
 def _layer_norm_kernel(out, x, w, b, M, N, eps, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, ACC: tl.constexpr,
                        MND: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
@@ -131,20 +151,7 @@ def _layer_norm_kernel(out, x, w, b, M, N, eps, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, 
       y = y + tl.load(b + ns, mask=ns < N).to(ACC)[None, :]
     tl.store(out + ms[:, None] * N + ns[None, :], y.to(out.dtype.element_ty), mask=mask)
   else:
-    mean = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-    m2 = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-    cnt = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-    for n0 in range(0, N, BLOCK_N):
-      ns = n0 + tl.arange(0, BLOCK_N)
-      mask = m_mask[:, None] & (ns < N)[None, :]
-      v = tl.load(x + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)
-      c = cnt + tl.where(mask, 1.0, 0.0)
-      d = tl.where(mask, v - mean, 0.0)
-      mean += d / tl.maximum(c, 1.0)
-      m2 += d * tl.where(mask, v - mean, 0.0)
-      cnt = c
-    mean, m2, _ = tl.reduce((mean, m2, cnt), 1, _welford_combine)
-    rstd = 1.0 / sqrt_rn(m2 / N + eps)
+    mean, rstd = _row_moments(x, m_off, m_mask, N, eps, ACC, BLOCK_M, BLOCK_N)
     for n0 in range(0, N, BLOCK_N):
       ns = n0 + tl.arange(0, BLOCK_N)
       mask = m_mask[:, None] & (ns < N)[None, :]
@@ -155,6 +162,89 @@ def _layer_norm_kernel(out, x, w, b, M, N, eps, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, 
       if HAS_B:
         y = y + tl.load(b + ns, mask=ns < N).to(ACC)[None, :]
       tl.store(out + ms[:, None] * N + ns[None, :], y.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, M, N, eps, ROWS, ACC: tl.constexpr, HAS_W: tl.constexpr,
+                                HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
+  """dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), gw = g w, over rows of N contiguous elements (g, x, dx), and this
+  program's column sums of g xhat and g (dw's and db's partial sums) into row pid of dw_part and db_part. Program pid
+  takes rows [pid ROWS, (pid + 1) ROWS) in tiles of BLOCK_M rows; the stats are recomputed from x."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  row_end = tl.minimum(pid * ROWS + ROWS, M)
+  if ONE_PASS:  # a row is one tile: everything in registers, dw and db summed there too
+    ns = tl.arange(0, BLOCK_N)
+    n_mask = ns < N
+    if HAS_W:
+      wv = tl.load(w + ns, mask=n_mask, other=0).to(ACC)
+    dw_acc = tl.zeros([BLOCK_N], ACC)
+    db_acc = tl.zeros([BLOCK_N], ACC)
+    for m0 in range(pid * ROWS, row_end, BLOCK_M):
+      ms = m0 + tl.arange(0, BLOCK_M)
+      mask = (ms < row_end)[:, None] & n_mask[None, :]
+      off = ms[:, None] * N + ns[None, :]
+      xv = tl.load(x + off, mask=mask, other=0).to(ACC)
+      gv = tl.load(g + off, mask=mask, other=0).to(ACC)
+      xc = tl.where(mask, xv - (tl.sum(xv, axis=1) / N)[:, None], 0.0)
+      rstd = 1.0 / sqrt_rn(tl.sum(xc * xc, axis=1) / N + eps)
+      xhat = xc * rstd[:, None]
+      gw = gv * wv[None, :] if HAS_W else gv
+      c1 = tl.sum(gw, axis=1) / N
+      c2 = tl.sum(gw * xhat, axis=1) / N
+      tl.store(dx + off, ((gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]).to(dx.dtype.element_ty), mask=mask)
+      dw_acc += tl.sum(gv * xhat, axis=0)
+      db_acc += tl.sum(gv, axis=0)
+    if HAS_W:
+      tl.store(dw_part + pid * N + ns, dw_acc, mask=n_mask)
+    if HAS_B:
+      tl.store(db_part + pid * N + ns, db_acc, mask=n_mask)
+  else:  # long rows, one at a time: stats, then the two row sums, then dx and the partial sums (kept in memory)
+    for m0 in range(pid * ROWS, row_end, BLOCK_M):
+      ms = m0 + tl.arange(0, BLOCK_M)
+      m_mask = ms < row_end
+      mean, rstd = _row_moments(x, ms * N, m_mask, N, eps, ACC, BLOCK_M, BLOCK_N)
+      c1 = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+      c2 = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+      for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        mask = m_mask[:, None] & (ns < N)[None, :]
+        off = ms[:, None] * N + ns[None, :]
+        xhat = tl.where(mask, tl.load(x + off, mask=mask, other=0).to(ACC) - mean[:, None], 0.0) * rstd[:, None]
+        gw = tl.load(g + off, mask=mask, other=0).to(ACC)
+        if HAS_W:
+          gw = gw * tl.load(w + ns, mask=ns < N, other=0).to(ACC)[None, :]
+        c1 += gw
+        c2 += gw * xhat
+      c1s = tl.sum(c1, axis=1) / N
+      c2s = tl.sum(c2, axis=1) / N
+      for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        mask = m_mask[:, None] & (ns < N)[None, :]
+        off = ms[:, None] * N + ns[None, :]
+        xhat = tl.where(mask, tl.load(x + off, mask=mask, other=0).to(ACC) - mean[:, None], 0.0) * rstd[:, None]
+        gv = tl.load(g + off, mask=mask, other=0).to(ACC)
+        gw = gv * tl.load(w + ns, mask=ns < N, other=0).to(ACC)[None, :] if HAS_W else gv
+        tl.store(dx + off, ((gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None]).to(dx.dtype.element_ty),
+                 mask=mask)
+        first = m0 == pid * ROWS  # the partial rows start at this program's first row, so nothing is read back
+        tl.debug_barrier()  # the threads that read a partial sum back need not be the ones that stored it
+        if HAS_W:
+          acc = tl.sum(gv * xhat, axis=0)
+          if not first:
+            acc += tl.load(dw_part + pid * N + ns, mask=ns < N)
+          tl.store(dw_part + pid * N + ns, acc, mask=ns < N)
+        if HAS_B:
+          acc = tl.sum(gv, axis=0)
+          if not first:
+            acc += tl.load(db_part + pid * N + ns, mask=ns < N)
+          tl.store(db_part + pid * N + ns, acc, mask=ns < N)
+
+
+def _acc_dtype(dtype):
+  return dtypes.float64 if dtype is dtypes.float64 else dtypes.float32
 
 
 def _acc(dtype):
@@ -191,7 +281,7 @@ def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
 def layer_norm_spec(x, w, b, mnd: int, M: int, N: int, i64: bool):
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it, "eps": "fp32",
+  sig = {"out": ptr(x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
          **{k: it for k in _names("M")}}
   return spec(_layer_norm_kernel, sig, dict(ACC=_acc(x), MND=mnd, HAS_W=w is not None, HAS_B=b is not None,
                                             BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
@@ -215,10 +305,46 @@ def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, e
   return out
 
 
+@functools.lru_cache(maxsize=4096)
+def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool):
+  bm, bn, warps, one = row_schedule(M, N)
+  it, acc = "i64" if i64 else "i32", _acc_dtype(x)
+  sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x), "M": it,
+         "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
+  return spec(_layer_norm_backward_kernel, sig, dict(ACC=_acc(x), HAS_W=w is not None, HAS_B=has_b, BLOCK_M=bm,
+                                                     BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
+
+
+def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int, eps: float,
+                        has_bias: bool) -> CudaArray:
+  """cat([dx.flatten(), dw, db]) of layer_norm over x's last n dims (dw when w is given, db when has_bias). Programs
+  take equal runs of rows (about 4 per SM) and leave per-program column sums of dw and db, summed by a second kernel."""
+  lead = x.ndim - n
+  M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
+  n_params = (w is not None) + has_bias
+  out = empty((M * N + N * n_params,), x.dtype, x.device)
+  if out.size == 0: return out
+  if M == 0: return _fill(out, 0)
+  g, x, w = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w))
+  s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides))
+  bm = s[2]["BLOCK_M"]
+  rows = cdiv(cdiv(M, bm), 4 * SMS) * bm
+  programs = cdiv(M, rows)
+  parts = empty((2, programs, N), _acc_dtype(x.dtype), x.device)
+  run(s, (programs,), out.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
+      (w or x).ptr, M, N, float(eps), rows)
+  for i in range(n_params):  # dw then db
+    total = _reduce(view(parts, (programs, N), (N, 1), (i + (w is None)) * programs * N), (0,), False, "sum",
+                    parts.dtype)
+    launch("copy", view(out, (N,), (1,), M * N + i * N), total)
+  return out
+
+
 KERNELS = {
   "softmax": lambda x, dim: _softmax(x, dim, False),
   "log_softmax": lambda x, dim: _softmax(x, dim, True),
   "layer_norm": layer_norm,
+  "layer_norm_backward": layer_norm_backward,
 }
 
 
@@ -231,7 +357,11 @@ def _specs() -> list:
             softmax_spec(log, f32, 2, True, False, 1000, 17, True)]
   out += [softmax_spec(False, f64, 1, False, False, 10, 100000, False),
           layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False), layer_norm_spec(bf16, f32, None, 2, 1000, 20000, False),
-          layer_norm_spec(f64, None, None, 3, 10, 64, True), layer_norm_spec(f32, None, f32, 1, 10, 100000, False)]
+          layer_norm_spec(f64, None, None, 3, 10, 64, True), layer_norm_spec(f32, None, f32, 1, 10, 100000, False),
+          layer_norm_backward_spec(f32, f32, f32, True, 1 << 14, 768, False),
+          layer_norm_backward_spec(bf16, bf16, bf16, False, 1000, 20000, False),
+          layer_norm_backward_spec(f64, f64, None, True, 10, 64, True),
+          layer_norm_backward_spec(f32, f32, None, False, 10, 100000, False)]
   return out
 
 
