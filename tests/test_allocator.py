@@ -99,6 +99,19 @@ def test_split_and_merge(alloc, drv):
   assert s["reserved_bytes.all.current"] == 0 and s["num_device_free"] == 1 and not drv.live
 
 
+def test_freed_blocks_are_kept_for_their_size_then_merged_before_a_search(alloc, drv):
+  a, b, c = alloc.malloc(1000, "s"), alloc.malloc(1000, "s"), alloc.malloc(1000, "s")
+  pa, pb = a.ptr, b.ptr
+  a.free(); b.free()
+  d = alloc.malloc(900, "s")
+  assert d.ptr == pb  # the last freed block of that size and stream, as it is
+  d.free()
+  e = alloc.malloc(2000, "s")
+  assert e.ptr == pa  # no 2 KiB block kept: the kept ones merge into [a+b], which fits best
+  assert stat(alloc, "num_device_alloc") == 1 and stat(alloc, "active.all.current") == 2
+  del c, e
+
+
 def test_large_pool_segments_and_split_threshold(alloc, drv):
   a = alloc.malloc(MiB + 1, "s")               # 20 MiB segment, split
   b = alloc.malloc(5 * MiB, "s")               # from the remainder

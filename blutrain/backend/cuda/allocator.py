@@ -9,6 +9,10 @@ runs (and is tested) on the CPU with a fake driver:
 - a request takes the smallest free block of its pool that was allocated on the same stream (best fit); a
   block larger than needed is split when the remainder is worth keeping (>= 512 B small, > 1 MiB large), and
   a freed block merges with its free neighbours of the same segment;
+- a freed block is first kept as it is, under its stream and size, and the next request of that size and stream
+  takes it back without a search, split or merge (a training step asks for the same sizes every time); the first
+  request that finds none merges every kept block into the pools before the best-fit search, so that search sees
+  all free memory as merged;
 - a block is reused only in the order of the stream it was allocated on. When it was also used on other
   streams (`Block.record_stream`), its free records an event on each of them and the block returns to the pool
   once every event has completed, which is checked by querying at the next allocation, never by waiting;
@@ -73,12 +77,13 @@ def _key(sid: int, size: int, ptr: int) -> int:
 
 class _Block:
   """A piece of one segment, linked to its neighbours in address order."""
-  __slots__ = ("ptr", "size", "requested", "stream", "sid", "small", "allocated", "prev", "next", "stream_uses",
+  __slots__ = ("ptr", "size", "requested", "stream", "sid", "small", "pooled", "prev", "next", "stream_uses",
                "events")
 
   def __init__(self, ptr: int, size: int, stream: Any, sid: int, small: bool):
     self.ptr, self.size, self.requested, self.stream, self.sid, self.small = ptr, size, 0, stream, sid, small
-    self.allocated, self.prev, self.next, self.stream_uses, self.events = False, None, None, None, None
+    self.pooled, self.prev, self.next, self.stream_uses, self.events = False, None, None, None, None  # pooled: free
+    # in a pool, where a freed neighbour may merge with it
 
   def is_split(self) -> bool: return self.prev is not None or self.next is not None
 
@@ -132,6 +137,7 @@ class CachingAllocator:
     self.limit: int | None = None
     self._pools: dict[bool, list[int]] = {True: [], False: []}  # small? -> sorted keys of its free blocks
     self._free: dict[int, _Block] = {}
+    self._kept: dict[int, list[_Block]] = {}   # _key(stream id, size, 0) -> freed blocks of that size, not pooled yet
     self._pending: list[_Block] = []            # freed, waiting for events on other streams
     self._sids: dict[Any, int] = {}
     self._lock = threading.Lock()
@@ -156,9 +162,19 @@ class CachingAllocator:
     size = round_size(nbytes)
     sid = self._sids.get(stream)
     if sid is None: sid = self._sids[stream] = len(self._sids)
+    kept = self._kept.get(_key(sid, size, 0))
+    b = kept.pop() if kept else self._best_fit(nbytes, size, stream, sid)
+    b.requested = nbytes
+    self._allocated.add(b.size); self._requested.add(nbytes); self._active.add(1)
+    return b
+
+  def _best_fit(self, nbytes: int, size: int, stream: Any, sid: int) -> _Block:
+    """The smallest free block of this stream that fits `size` (nbytes rounded), split to it when the rest is worth
+    keeping; a new segment when none fits."""
+    if self._kept: self._pool_kept()
     small = size <= SMALL_SIZE
     pool = self._pools[small]
-    i = bisect.bisect_left(pool, _key(sid, size, 0))  # best fit: the smallest free block of this stream that fits
+    i = bisect.bisect_left(pool, _key(sid, size, 0))
     b = self._free.pop(pool.pop(i)) if i < len(pool) and pool[i] >> _SID_SHIFT == sid else None
     if b is None:
       seg = segment_size(size)
@@ -170,14 +186,13 @@ class CachingAllocator:
       if b is None:
         self._counts["num_ooms"] += 1
         raise OutOfMemoryError(self._oom_message(nbytes, seg))
+    b.pooled = False
     if b.size - size >= (MIN_BLOCK if small else SMALL_SIZE + 1):
       rest = _Block(b.ptr + size, b.size - size, stream, sid, small)
       rest.prev, rest.next = b, b.next
       if b.next is not None: b.next.prev = rest
       b.next, b.size = rest, size
       self._insert(rest)
-    b.allocated, b.requested = True, nbytes
-    self._allocated.add(b.size); self._requested.add(nbytes); self._active.add(1)
     return b
 
   def _new_segment(self, seg: int, stream: Any, sid: int, small: bool) -> _Block | None:
@@ -199,20 +214,25 @@ class CachingAllocator:
     finally: self._lock.release()
 
   def _free_block(self, b: _Block) -> None:
-    b.allocated = False
     self._allocated.current -= b.size
     self._requested.current -= b.requested
     if b.stream_uses:
       b.events = [self.driver.record_event(s) for s in b.stream_uses]
       b.stream_uses = None
       self._pending.append(b)
-    else:
-      self._return(b)
+    else: self._keep(b)
+
+  def _keep(self, b: _Block) -> None:
+    """Keep a block whose memory no stream still uses for the next request of its size and stream."""
+    self._active.current -= 1
+    kept = self._kept.get(key := _key(b.sid, b.size, 0))
+    if kept is None: self._kept[key] = [b]
+    else: kept.append(b)
 
   def _return(self, b: _Block) -> None:
-    """Put a block whose memory no stream still uses back in its pool, merged with free neighbours."""
+    """Put a kept block in its pool, merged with free neighbours."""
     for nb in (b.prev, b.next):
-      if nb is not None and not nb.allocated and nb.events is None:
+      if nb is not None and nb.pooled:
         self._remove(nb)
         if nb is b.prev: b.ptr, b.prev = nb.ptr, nb.prev
         else: b.next = nb.next
@@ -220,14 +240,19 @@ class CachingAllocator:
     if b.prev is not None: b.prev.next = b
     if b.next is not None: b.next.prev = b
     self._insert(b)
-    self._active.current -= 1
+
+  def _pool_kept(self) -> None:
+    """Return every kept block to its pool, so that best fit sees all free memory, merged."""
+    for kept in self._kept.values():
+      for b in kept: self._return(b)
+    self._kept.clear()
 
   def _process_events(self) -> None:
     still = []
     for b in self._pending:
       if all(e.query() for e in b.events):
         b.events = None
-        self._return(b)
+        self._keep(b)
       else: still.append(b)
     self._pending = still
 
@@ -245,6 +270,7 @@ class CachingAllocator:
       for b in self._pending:
         for e in b.events: e.synchronize()
     self._process_events()
+    self._pool_kept()
     for small in (True, False):
       for b in [self._free[k] for k in self._pools[small]]:
         if b.is_split(): continue
@@ -257,7 +283,7 @@ class CachingAllocator:
 
   def _insert(self, b: _Block) -> None:
     key = _key(b.sid, b.size, b.ptr)
-    self._free[key] = b
+    self._free[key], b.pooled = b, True
     bisect.insort(self._pools[b.small], key)
 
   def _remove(self, b: _Block) -> None:
@@ -265,6 +291,7 @@ class CachingAllocator:
     pool = self._pools[b.small]
     del pool[bisect.bisect_left(pool, key)]
     del self._free[key]
+    b.pooled = False
 
   # *** public state ***
 
@@ -291,6 +318,7 @@ class CachingAllocator:
     with self._lock:
       self._drain()
       self._process_events()
+      self._pool_kept()
       out = {}
       for name, key in (("allocated_bytes", "allocated"), ("reserved_bytes", "reserved"), ("active", "active"),
                         ("requested_bytes", "requested"), ("segment", "segments")):
