@@ -8,7 +8,7 @@ from typing import Any
 from blutrain.dtypes import DType
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CudaArray:
   """A strided view of device memory. `ptr` is the address of element (0, ..., 0); strides are in elements;
   `owner` keeps the memory alive (an allocator block)."""

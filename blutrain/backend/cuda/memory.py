@@ -3,6 +3,7 @@ and device-to-device copies. Everything is queued on the current stream (see run
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 
@@ -23,9 +24,16 @@ def empty(shape, dtype: DType, device: int | None = None, stream: Stream | None 
   """A contiguous array of `shape` and `dtype` with undefined values, usable in the order of `stream`
   (default: the device's current stream)."""
   shape = tuple(shape)
+  numel, strides = _dense(shape)
   s = stream or current_stream(device)
-  block = runtime.state(s.device).allocator.malloc(math.prod(shape) * dtype.itemsize, s)
-  return CudaArray(block.ptr, shape, contiguous_strides(shape), dtype, s.device, block)
+  block = runtime.state(s.device).allocator.malloc(numel * dtype.itemsize, s)
+  return CudaArray(block.ptr, shape, strides, dtype, s.device, block)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dense(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+  """The element count and contiguous strides of a shape."""
+  return math.prod(shape), contiguous_strides(shape)
 
 
 def empty_like(a: CudaArray) -> CudaArray:

@@ -86,7 +86,8 @@ def view(a: CudaArray, shape, strides, offset: int = 0, dtype: DType | None = No
   return CudaArray(a.ptr + offset * a.dtype.itemsize, tuple(shape), tuple(strides), dtype or a.dtype, a.device, a.owner)
 
 
-def broadcast_shape(*shapes) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=4096)
+def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
   ndim = max(len(s) for s in shapes)
   return tuple(max((s[i - ndim + len(s)] for s in shapes if i - ndim + len(s) >= 0), default=1) for i in range(ndim))
 

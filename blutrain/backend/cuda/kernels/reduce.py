@@ -196,16 +196,17 @@ def _axis(shape, strides) -> list[int]:
   return pad(shape, 5, 1)[1:] + pad(strides, 5, 0)
 
 
-def _layout(x: CudaArray, dims):
-  """(x, kept shape, kept strides, reduced shape, reduced strides), collapsed, the reduced dims by falling stride.
-  A layout needing more than 5 dims on an axis is copied with the kept dims first, which collapses it to (M, N)."""
-  kept = [d for d in range(x.ndim) if d not in dims]
-  red = sorted(dims, key=lambda d: -x.strides[d])
-  kshape, (kst,) = collapse([x.shape[d] for d in kept], [x.strides[d] for d in kept])
-  rshape, (rst,) = collapse([x.shape[d] for d in red], [x.strides[d] for d in red])
-  if len(kshape) <= 5 and len(rshape) <= 5: return x, kshape, kst, rshape, rst
+def _layout(shape, strides, dims):
+  """(perm, kept shape, kept strides, reduced shape, reduced strides), collapsed, the reduced dims by falling stride.
+  A layout needing more than 5 dims on an axis is to be copied first with its dims in the order `perm` (kept dims
+  first), which collapses it to (M, N); perm is None for any other."""
+  kept = [d for d in range(len(shape)) if d not in dims]
+  red = sorted(dims, key=lambda d: -strides[d])
+  kshape, (kst,) = collapse([shape[d] for d in kept], [strides[d] for d in kept])
+  rshape, (rst,) = collapse([shape[d] for d in red], [strides[d] for d in red])
+  if len(kshape) <= 5 and len(rshape) <= 5: return None, kshape, kst, rshape, rst
   M, N = math.prod(kshape), math.prod(rshape)
-  return copy(_permuted(x, kept + red)), (M,), (N,), (N,), (1,)
+  return kept + red, (M,), (N,), (N,), (1,)
 
 
 def _permuted(a: CudaArray, perm) -> CudaArray:
@@ -239,25 +240,42 @@ def reduce_spec(op: str, x: DType, out: DType, mnd: int, nnd: int, m_unit: bool,
 
 
 def _reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
-  out = empty(tuple(1 if d in dims else n for d, n in enumerate(x.shape)) if keepdim else
-              tuple(n for d, n in enumerate(x.shape) if d not in dims), out_dtype, x.device)
-  if out.size == 0: return out
-  if x.size == 0: return _fill(out, 0)
-  x, kshape, kst, rshape, rst = _layout(x, dims)
+  out_shape, perm, passes = _reduce_plan(op, x.shape, x.strides, x.dtype, tuple(dims), keepdim, out_dtype)
+  out = empty(out_shape, out_dtype, x.device)
+  if not passes: return out if 0 in out_shape else _fill(out, 0)
+  if perm is not None: x = copy(_permuted(x, perm))
+  for kernel, grid, scalars, partial in passes:
+    dst = out if partial is None else empty(*partial, x.device)
+    kernel(grid, dst.ptr, x.ptr, *scalars)
+    x = dst
+  return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], keepdim: bool, out_dtype: DType):
+  """(output shape, the permutation of x to copy first or None, passes) of a reduction of x's layout; each pass is
+  (kernel, grid, scalar arguments after the out and x pointers, (shape, dtype) of a partial result or None for the
+  output), and reads the previous pass's result. No passes: the output or x is empty."""
+  out_shape = (tuple(1 if d in dims else n for d, n in enumerate(shape)) if keepdim else
+               tuple(n for d, n in enumerate(shape) if d not in dims))
+  if 0 in out_shape or 0 in shape: return out_shape, None, []
+  perm, kshape, kst, rshape, rst = _layout(shape, strides, dims)
   M, N = math.prod(kshape), math.prod(rshape)
-  i64 = needs_i64(x.shape, x.strides)
-  s = reduce_spec(op, x.dtype, out_dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
+  i64 = needs_i64(shape, strides) if perm is None else needs_i64((M, N), (N, 1))
+  s = reduce_spec(op, dtype, out_dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
   bm, bn = s[2]["BLOCK_M"], s[2]["BLOCK_N"]
+  passes = []
   if (pieces := split_rule(cdiv(M, bm), N, bn)) > 1:
     chunk = cdiv(cdiv(N, pieces), bn) * bn
     pieces = cdiv(N, chunk)
-    partial = empty((pieces, M), _acc(op, x.dtype, out_dtype), x.device)
-    s = reduce_spec(op, x.dtype, partial.dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
-    run(s, (cdiv(M, bm), pieces), partial.ptr, x.ptr, M, N, chunk, *_axis(kshape, kst), *_axis(rshape, rst))
-    x, kshape, kst, rshape, rst, N = partial, (M,), (1,), (pieces,), (M,), pieces
-    s = reduce_spec(op, x.dtype, out_dtype, 1, 1, True, False, M, N, i64)
-  run(s, (cdiv(M, s[2]["BLOCK_M"]), 1), out.ptr, x.ptr, M, N, N, *_axis(kshape, kst), *_axis(rshape, rst))
-  return out
+    acc = _acc(op, dtype, out_dtype)
+    s = reduce_spec(op, dtype, acc, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
+    passes.append((s.kernel, (cdiv(M, bm), pieces), (M, N, chunk, *_axis(kshape, kst), *_axis(rshape, rst)),
+                   ((pieces, M), acc)))
+    kshape, kst, rshape, rst, N = (M,), (1,), (pieces,), (M,), pieces
+    s = reduce_spec(op, acc, out_dtype, 1, 1, True, False, M, N, i64)
+  passes.append((s.kernel, (cdiv(M, s[2]["BLOCK_M"]), 1), (M, N, N, *_axis(kshape, kst), *_axis(rshape, rst)), None))
+  return out_shape, perm, passes
 
 
 @functools.lru_cache(maxsize=4096)
@@ -274,7 +292,8 @@ def _arg(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
   out = empty(tuple(1 if d == dim else n for d, n in enumerate(x.shape)) if keepdim else x.shape[:dim] + x.shape[dim + 1:],
               dtypes.int64, x.device)
   if out.size == 0: return out
-  x, kshape, kst, rshape, rst = _layout(x, (dim,))
+  perm, kshape, kst, rshape, rst = _layout(x.shape, x.strides, (dim,))
+  if perm is not None: x = copy(_permuted(x, perm))
   M, N = math.prod(kshape), math.prod(rshape)
   i64 = needs_i64(x.shape, x.strides)
   s = arg_spec(op, x.dtype, len(kshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
