@@ -135,11 +135,15 @@ class Node:
 
 
 def _device_of(op_: Op, inputs) -> Any:
-  devs = {t.device for t in inputs if t is not None}
-  if len(devs) > 1:
-    desc = ", ".join(f"{tuple(t.shape)} {t.dtype.name} on {t.device}" for t in inputs if t is not None)
-    raise RuntimeError(f"{op_.name}: expected all tensors on one device, got {desc}. Move them with .to(device).")
-  return devs.pop() if devs else None
+  dev = None
+  for t in inputs:
+    if t is None: continue
+    d = t._storage.device
+    if dev is None: dev = d
+    elif d is not dev and d != dev:
+      desc = ", ".join(f"{tuple(t.shape)} {t.dtype.name} on {t.device}" for t in inputs if t is not None)
+      raise RuntimeError(f"{op_.name}: expected all tensors on one device, got {desc}. Move them with .to(device).")
+  return dev
 
 
 def _edge(t: Tensor | None):
@@ -163,7 +167,8 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
   view), and record a tape node when gradients are needed. Under a Nova capture the op is recorded into the
   graph instead of run. `rng` names the generator a random op draws from (capture makes its state an input)."""
   if autocast_state.cast is not None: inputs = autocast_state.cast(op_.name, inputs)
-  if grad_mode.enabled:
+  grad = grad_mode.enabled
+  if grad:
     for t in inputs:
       if t is not None and t._base is not None and t._base._node is not t._base_node: refresh_view(t)
   dev = _device_of(op_, inputs) or device
@@ -185,8 +190,7 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
       with op_timer(op_.name, dev, inputs): result = kernel(*arrays, **attrs)
     out = Tensor._wrap(result, dev, dtype)
     assert out.shape == shape, f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {shape}"
-  if (op_.vjp is not None and op_.differentiable and grad_mode.enabled
-      and any(t is not None and t.requires_grad for t in inputs)):
+  if grad and op_.vjp is not None and op_.differentiable and any(t is not None and t.requires_grad for t in inputs):
     _record(op_, inputs, attrs, out)
   return out
 
@@ -221,15 +225,21 @@ def dynamic_scalar(value: Callable[[], float], device) -> float | Tensor:
 def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
   """NumPy/PyTorch broadcasting; the error names the op and both shapes."""
   if all(s == shapes[0] for s in shapes[1:]): return tuple(shapes[0])
-  ndim = max((len(s) for s in shapes), default=0)
-  out = []
-  for i in range(-ndim, 0):
+  out = [1] * max(len(s) for s in shapes)
+  for s in shapes:
+    for i, n in enumerate(s, len(out) - len(s)):
+      if n != 1 and out[i] != n:
+        if out[i] != 1: _broadcast_error(shapes, op)
+        out[i] = n
+  return tuple(out)
+
+
+def _broadcast_error(shapes, op: str):
+  for i in range(-max(len(s) for s in shapes), 0):
     sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
     if len(sizes) > 1:
       raise ValueError(f"{op}: shapes {' and '.join(str(tuple(s)) for s in shapes)} cannot broadcast "
                        f"(sizes {sorted(sizes)} in dimension {i})")
-    out.append(sizes.pop() if sizes else 1)
-  return tuple(out)
 
 
 def normalize_dim(dim: int, ndim: int, op: str) -> int:
