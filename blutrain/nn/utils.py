@@ -43,16 +43,34 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
   grads, norm_type = _grads(parameters), float(norm_type)
   if not grads: return ops.zeros(())
   device = grads[0].device
-  norms = [_vector_norm(g, norm_type).to(device) for g in grads]
-  total = _vector_norm(ops.stack([n.to(norms[0].dtype) for n in norms]), norm_type)
+  fused = norm_type == 2 and _multi_tensor(grads)
+  if fused:
+    from blutrain.backend.cuda.kernels.optim import sum_squares
+    total = Tensor._wrap(sum_squares([g._array() for g in grads], device.index), device, dtypes.float32).sum().sqrt()
+  else:
+    norms = [_vector_norm(g, norm_type).to(device) for g in grads]
+    total = _vector_norm(ops.stack([n.to(norms[0].dtype) for n in norms]), norm_type)
   if error_if_nonfinite and not ops.isfinite(total).item():
     raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
                        "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                        "`error_if_nonfinite=False`")
   scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+  if fused:
+    from blutrain.backend.cuda.kernels.optim import scale_
+    scale_([g._array() for g in grads], scale._array())
+    for g in grads: g._storage.version += 1
+    return total
   with no_grad():
     for g in grads: g.mul_(scale.to(g.device).to(g.dtype))
   return total
+
+
+def _multi_tensor(grads: list[Tensor]) -> bool:
+  """Whether one multi-tensor kernel per dtype can take the gradients: eager, dense float32/16 on one CUDA device."""
+  d = grads[0].device
+  return (d.type == "cuda" and ops.core.capture.trace is None
+          and all(g.device == d and g.dtype in (dtypes.float32, dtypes.bfloat16, dtypes.float16) and g.is_contiguous()
+                  for g in grads))
 
 
 def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float, foreach: bool | None = None) -> None:

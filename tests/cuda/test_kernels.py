@@ -454,6 +454,23 @@ def test_random_statistics_and_reproducibility():
   assert bt.randint(0, 3, (100,), dtype=bt.int32, device="cuda").dtype is bt.int32
 
 
+# *** gradient clipping (multi-tensor kernels) ***
+
+@pytest.mark.parametrize("max_norm", (1e9, 0.5), ids=("unclipped", "clipped"))
+def test_clip_grad_norm_multi_tensor(max_norm):
+  shapes = [(768, 3072), (3072,), (50304, 64), (7,), (), (0, 3)]
+  grads = [(rand(s, bt.float32, seed=i), bt.bfloat16 if i % 3 == 1 else bt.float32) for i, s in enumerate(shapes)]
+  results = {}
+  for device in ("cuda", "cpu"):
+    params = [bt.zeros(a.shape, dtype=dt, device=device, requires_grad=True) for a, dt in grads]
+    for p, (a, dt) in zip(params, grads): p.grad = bt.tensor(a, device=device).to(dt)
+    results[device] = bt.nn.utils.clip_grad_norm_(params, max_norm), params
+  (total, params), (want_total, want_params) = results["cuda"], results["cpu"]
+  check("clip_grad_norm_ total", total, want_total, (0, 1e-5))
+  for i, (p, q) in enumerate(zip(params, want_params)):
+    check(f"clip_grad_norm_ grad {i} {shapes[i]}", p.grad, q.grad, TOL[p.dtype])
+
+
 # *** fused AdamW ***
 
 def test_fused_adamw_matches_the_per_parameter_update():

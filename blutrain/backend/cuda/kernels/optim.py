@@ -27,7 +27,6 @@ from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import TL, f64_bits, run, spec, sqrt_rn
 
 CHUNK = 65536  # elements per program: 16 tiles of 4096
-_COLS = 6      # table columns: param, grad, exp_avg, exp_avg_sq, step pointers, numel
 
 
 @triton.jit
@@ -88,15 +87,16 @@ _tables: OrderedDict = OrderedDict()  # (pointers, sizes) -> (table, chunks) on 
 
 
 def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, CudaArray]:
+  """The device tables of rows of pointers ending in the tensor's size, and of its (tensor, start) chunks."""
   key = (device, tuple(rows))
   hit = _tables.get(key)
   if hit is not None:
     _tables.move_to_end(key)
     return hit
-  chunks = [(t, s) for t, r in enumerate(rows) for s in range(0, r[5], CHUNK)]
-  hit = _tables[key] = (memory.from_numpy(np.array(rows, np.int64).reshape(-1, _COLS), device),
+  chunks = [(t, s) for t, r in enumerate(rows) for s in range(0, r[-1], CHUNK)]
+  hit = _tables[key] = (memory.from_numpy(np.array(rows, np.int64).reshape(len(rows), -1), device),
                         memory.from_numpy(np.array(chunks, np.int64).reshape(-1, 2), device))
-  if len(_tables) > 8: _tables.popitem(last=False)
+  if len(_tables) > 16: _tables.popitem(last=False)
   return hit
 
 
@@ -121,7 +121,77 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
         float(np.float32(1 - beta2)), float(np.float32(eps)))
 
 
-KERNELS: dict = {}  # no op of its own: the optimizer calls fused_adamw
+@triton.jit
+def _sum_squares_kernel(table, chunks, out, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+  """out[pid] = the float32 sum of squares of chunk pid (table rows: pointer, numel)."""
+  pid = tl.program_id(0)
+  t = tl.load(chunks + 2 * pid)
+  start = tl.load(chunks + 2 * pid + 1)
+  x = tl.load(table + t * 2).to(tl.pointer_type(G))
+  end = tl.minimum(start + CHUNK, tl.load(table + t * 2 + 1))
+  acc = tl.zeros([BLOCK], tl.float32)
+  for off in range(start, end, BLOCK):
+    i = off + tl.arange(0, BLOCK)
+    v = tl.load(x + i, mask=i < end, other=0).to(tl.float32)
+    acc += v * v
+  tl.store(out + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _scale_kernel(table, chunks, scale, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+  """x *= scale[0] (float32) over chunk pid, in place."""
+  pid = tl.program_id(0)
+  t = tl.load(chunks + 2 * pid)
+  start = tl.load(chunks + 2 * pid + 1)
+  x = tl.load(table + t * 2).to(tl.pointer_type(G))
+  end = tl.minimum(start + CHUNK, tl.load(table + t * 2 + 1))
+  s = tl.load(scale)
+  for off in range(start, end, BLOCK):
+    i = off + tl.arange(0, BLOCK)
+    tl.store(x + i, (tl.load(x + i, mask=i < end).to(tl.float32) * s).to(G), mask=i < end)
+
+
+@functools.lru_cache(maxsize=64)
+def multi_tensor_spec(kernel: str, dtype):
+  fn, last = {"sum_squares": (_sum_squares_kernel, "out"), "scale": (_scale_kernel, "scale")}[kernel]
+  return spec(fn, {"table": "*i64", "chunks": "*i64", last: "*fp32"}, dict(G=TL[dtype], CHUNK=CHUNK, BLOCK=4096),
+              num_warps=8)
+
+
+def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[tuple[int, int]]]:
+  groups: dict[tuple, list[tuple[int, int]]] = {}
+  for x in tensors:
+    if not x.is_contiguous() or not x.dtype.is_floating_point or x.dtype is dtypes.float64:
+      raise ValueError(f"{op}: needs contiguous float32/float16/bfloat16 tensors, got {x.shape} {x.dtype.name} with "
+                       f"strides {x.strides}")
+    if x.size: groups.setdefault((x.dtype, x.device), []).append((x.ptr, x.size))
+  return groups
+
+
+def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
+  """Partial float32 sums of squares whose total is the squared 2-norm of all the tensors together, from one launch
+  per dtype: one partial per chunk of CHUNK elements (a 1-element zero when there are no elements)."""
+  parts = []
+  for (dtype, dev), rows in _groups(tensors, "sum_squares").items():
+    table, chunks = _tables_for(rows, dev)
+    out = memory.empty((chunks.shape[0],), dtypes.float32, dev)
+    run(multi_tensor_spec("sum_squares", dtype), (chunks.shape[0],), table, chunks, out)
+    parts.append(out)
+  if not parts: return memory.from_numpy(np.zeros(1, np.float32), device)
+  if len(parts) == 1: return parts[0]
+  from blutrain.backend.cuda.kernels.copy import cat
+  return cat(*parts, dim=0)
+
+
+def scale_(tensors: list[CudaArray], scale: CudaArray) -> None:
+  """tensors[i] *= scale (a float32 array of one element on their device) in place, one launch per dtype."""
+  for (dtype, dev), rows in _groups(tensors, "scale_").items():
+    table, chunks = _tables_for(rows, dev)
+    run(multi_tensor_spec("scale", dtype), (chunks.shape[0],), table, chunks, scale)
+
+
+KERNELS: dict = {}  # no op of their own: the optimizer and gradient clipping call these
 SPECS = [_STEPS] + [adamw_spec(p, g, d) for p, g, d in ((dtypes.float32, dtypes.float32, True),
                                                         (dtypes.float32, dtypes.bfloat16, False),
-                                                        (dtypes.bfloat16, dtypes.bfloat16, True))]
+                                                        (dtypes.bfloat16, dtypes.bfloat16, True))] + \
+        [multi_tensor_spec(k, d) for k in ("sum_squares", "scale") for d in (dtypes.float32, dtypes.bfloat16)]
