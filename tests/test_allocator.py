@@ -99,17 +99,20 @@ def test_split_and_merge(alloc, drv):
   assert s["reserved_bytes.all.current"] == 0 and s["num_device_free"] == 1 and not drv.live
 
 
-def test_freed_blocks_are_kept_for_their_size_then_merged_before_a_search(alloc, drv):
-  a, b, c = alloc.malloc(1000, "s"), alloc.malloc(1000, "s"), alloc.malloc(1000, "s")
+def test_freed_blocks_are_kept_for_their_size_and_merged_before_a_new_segment(alloc, drv):
+  a, b = alloc.malloc(1000, "s"), alloc.malloc(1000, "s")
+  c = [alloc.malloc(MiB, "s"), alloc.malloc(MiB - 2048, "s")]  # the segment is full
   pa, pb = a.ptr, b.ptr
   a.free(); b.free()
   d = alloc.malloc(900, "s")
   assert d.ptr == pb  # the last freed block of that size and stream, as it is
   d.free()
   e = alloc.malloc(2000, "s")
-  assert e.ptr == pa  # no 2 KiB block kept: the kept ones merge into [a+b], which fits best
-  assert stat(alloc, "num_device_alloc") == 1 and stat(alloc, "active.all.current") == 2
-  del c, e
+  assert e.ptr == pa  # no 2 KiB block is kept and the pool is empty: the kept ones merge into [a+b], which fits
+  assert stat(alloc, "num_device_alloc") == 1 and stat(alloc, "active.all.current") == 3
+  f = alloc.malloc(1000, "s")
+  assert stat(alloc, "num_device_alloc") == 2 and stat(alloc, "inactive_split.all.current") == 1
+  del c, e, f
 
 
 def test_large_pool_segments_and_split_threshold(alloc, drv):
@@ -144,6 +147,7 @@ def test_pools_are_separate(alloc, drv):
 def test_best_fit(alloc, drv):
   sizes = [4 * KiB, 64 * KiB, 16 * KiB]
   blocks = [(alloc.malloc(n, "s"), alloc.malloc(512, "s")) for n in sizes]  # keep separators alive
+  fill = [alloc.malloc(MiB, "s"), alloc.malloc(2 * MiB - 84 * KiB - 1536 - MiB, "s")]  # the rest of the segment
   ptrs = [b.ptr for b, _ in blocks]
   for b, _ in blocks: b.free()
   assert alloc.malloc(10 * KiB, "s").ptr == ptrs[2]   # the 16 KiB block, not the 64 KiB one

@@ -6,15 +6,14 @@ runs (and is tested) on the CPU with a fake driver:
 - sizes are rounded up to 512 B; requests up to 1 MiB come from the small pool, whose segments are 2 MiB;
   larger ones from the large pool, whose segments are 20 MiB for requests under 10 MiB and the request rounded
   up to 2 MiB (the driver's page size, so the rounding costs no device memory) above that;
-- a request takes the smallest free block of its pool that was allocated on the same stream (best fit); a
-  block larger than needed is split when the remainder is worth keeping (>= 512 B small, > 1 MiB large), and
-  a freed block merges with its free neighbours of the same segment;
-- a freed block is first kept as it is, under its stream and size, and the next request of that size and stream
-  takes it back without a search, split or merge (a training step asks for the same sizes every time); the first
-  request that finds none merges every kept block into the pools before the best-fit search, so that search sees
-  all free memory as merged;
+- a freed block is kept as it is, under its stream and size, and the next request of that size and stream takes
+  it back without a search, split or merge (a training step asks for the same sizes every time);
+- any other request takes the smallest free block of its pool that was allocated on the same stream (best fit);
+  a block larger than needed is split when the remainder is worth keeping (>= 512 B small, > 1 MiB large). When
+  none fits, the kept blocks go to their pools, each merged with its free neighbours of the same segment, and
+  the search runs again: the driver is asked for a segment only when no free memory fits;
 - a block is reused only in the order of the stream it was allocated on. When it was also used on other
-  streams (`Block.record_stream`), its free records an event on each of them and the block returns to the pool
+  streams (`Block.record_stream`), its free records an event on each of them and the block is kept (as above)
   once every event has completed, which is checked by querying at the next allocation, never by waiting;
 - when the driver is out of memory, or the reserve would pass `set_memory_limit`, the allocator waits for the
   pending events, returns every fully free segment to the driver and tries once more; then it raises
@@ -169,13 +168,13 @@ class CachingAllocator:
     return b
 
   def _best_fit(self, nbytes: int, size: int, stream: Any, sid: int) -> _Block:
-    """The smallest free block of this stream that fits `size` (nbytes rounded), split to it when the rest is worth
-    keeping; a new segment when none fits."""
-    if self._kept: self._pool_kept()
+    """The smallest free block of this stream's pool that fits `size` (nbytes rounded), split to it when the rest
+    is worth keeping; else the same once the kept blocks are merged into the pools; else a new segment."""
     small = size <= SMALL_SIZE
-    pool = self._pools[small]
-    i = bisect.bisect_left(pool, _key(sid, size, 0))
-    b = self._free.pop(pool.pop(i)) if i < len(pool) and pool[i] >> _SID_SHIFT == sid else None
+    b = self._take(small, sid, size)
+    if b is None and self._kept:
+      self._pool_kept()
+      b = self._take(small, sid, size)
     if b is None:
       seg = segment_size(size)
       b = self._new_segment(seg, stream, sid, small)
@@ -186,13 +185,20 @@ class CachingAllocator:
       if b is None:
         self._counts["num_ooms"] += 1
         raise OutOfMemoryError(self._oom_message(nbytes, seg))
-    b.pooled = False
     if b.size - size >= (MIN_BLOCK if small else SMALL_SIZE + 1):
       rest = _Block(b.ptr + size, b.size - size, stream, sid, small)
       rest.prev, rest.next = b, b.next
       if b.next is not None: b.next.prev = rest
       b.next, b.size = rest, size
       self._insert(rest)
+    return b
+
+  def _take(self, small: bool, sid: int, size: int) -> _Block | None:
+    pool = self._pools[small]
+    i = bisect.bisect_left(pool, _key(sid, size, 0))
+    if i == len(pool) or pool[i] >> _SID_SHIFT != sid: return None
+    b = self._free.pop(pool.pop(i))
+    b.pooled = False
     return b
 
   def _new_segment(self, seg: int, stream: Any, sid: int, small: bool) -> _Block | None:
