@@ -19,7 +19,9 @@ def _matmul_rule(a, b):
 def _matmul_vjp(g, out, a, b):
   if b.ndim == 2 and a.ndim > 2:  # a weight shared by the batch: fold the batch into one contraction
     rows = math.prod(a.shape[:-1])
-    db = matmul_op(a.reshape(rows, a.shape[-1]).mT, g.reshape(rows, g.shape[-1]))
+    a2, g2 = a.reshape(rows, a.shape[-1]), g.reshape(rows, g.shape[-1])
+    # b stored transposed (nn.Linear's weight.mT): compute db in that layout, so the weight's grad comes out dense
+    db = matmul_op(g2.mT, a2).mT if b.stride()[-2] == 1 and b.shape[-1] > 1 else matmul_op(a2.mT, g2)
   else:
     db = ops.sum_to(matmul_op(a.mT, g), b.shape)
   return ops.sum_to(matmul_op(g, b.mT), a.shape), db
