@@ -90,9 +90,10 @@ def _lower(t: Tensor, dtype: DType) -> Tensor:
 
 def _cast(name: str, inputs: tuple) -> tuple:
   """The inputs of op `name` as the policy table says (the hook `ops.core.apply` calls under autocast)."""
-  first = next((t for t in inputs if isinstance(t, Tensor)), None)
-  if first is None: return inputs
-  kind = first.device.type
+  for first in inputs:
+    if isinstance(first, Tensor): break
+  else: return inputs
+  kind = first._storage.device.type
   target = _state.dtype.get(kind)
   rule = POLICY.get(kind, {}).get(name) if target is not None else None
   if rule is None: return inputs

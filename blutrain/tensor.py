@@ -213,6 +213,8 @@ class Tensor:
 
   def to(self, *args, **kwargs) -> Tensor:
     """`t.to(device)`, `t.to(dtype)`, `t.to(device, dtype)` or `t.to(other)`; returns self when nothing changes."""
+    if not kwargs and len(args) == 1 and type(args[0]) is DType:  # the common t.to(dtype), as autocast casts
+      return self if args[0] is self.dtype else ops.cast(self, args[0])
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
     kwargs.pop("non_blocking", None); kwargs.pop("copy", None)
     if kwargs: raise TypeError(f"to(): unexpected arguments {sorted(kwargs)}")

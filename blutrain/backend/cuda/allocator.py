@@ -158,10 +158,10 @@ class CachingAllocator:
 
   def _malloc(self, nbytes: int, stream: Any) -> _Block:
     if self._pending: self._process_events()
-    size = round_size(nbytes)
+    size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK  # round_size(nbytes > 0), inline: the hot path
     sid = self._sids.get(stream)
     if sid is None: sid = self._sids[stream] = len(self._sids)
-    kept = self._kept.get(_key(sid, size, 0))
+    kept = self._kept.get(sid << _SID_SHIFT | size << _SIZE_SHIFT)  # _key(sid, size, 0)
     b = kept.pop() if kept else self._best_fit(nbytes, size, stream, sid)
     b.requested = nbytes
     self._allocated.add(b.size); self._requested.add(nbytes); self._active.add(1)
@@ -231,7 +231,7 @@ class CachingAllocator:
   def _keep(self, b: _Block) -> None:
     """Keep a block whose memory no stream still uses for the next request of its size and stream."""
     self._active.current -= 1
-    kept = self._kept.get(key := _key(b.sid, b.size, 0))
+    kept = self._kept.get(key := b.sid << _SID_SHIFT | b.size << _SIZE_SHIFT)  # _key(b.sid, b.size, 0)
     if kept is None: self._kept[key] = [b]
     else: kept.append(b)
 

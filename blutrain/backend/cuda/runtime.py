@@ -151,7 +151,7 @@ class _Local(threading.local):
   device = 0      # the thread's current device
   context = -1    # the device whose primary context is current in this thread
 
-  def __init__(self): self.streams: dict[int, Stream] = {}  # device -> the stream set by `stream(...)`
+  def __init__(self): self.streams: dict[int, Stream] = {}  # device -> its current stream, once looked up
 
 
 _tls = _Local()
@@ -295,7 +295,8 @@ def current_stream(device: int | None = None) -> Stream:
   tls = _tls
   i = tls.device if device is None else device
   s = tls.streams.get(i)
-  return s if s is not None else state(i).compute
+  if s is None: s = tls.streams[i] = state(i).compute
+  return s
 
 
 def default_stream(device: int | None = None) -> Stream:

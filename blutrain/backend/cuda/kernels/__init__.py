@@ -68,9 +68,7 @@ def run(s: Spec, grid: tuple[int, ...], *args) -> None:
   s.kernel(grid, *args)
 
 
-def empty(shape, dtype: DType, device: int | None) -> CudaArray:
-  """A new contiguous array from the caching allocator (device None: the current one, for creation ops)."""
-  return memory.empty(tuple(shape), dtype, device)
+empty = memory.empty  # a new contiguous array from the caching allocator (device None: the current one)
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
