@@ -147,7 +147,6 @@ def test_pools_are_separate(alloc, drv):
 def test_best_fit(alloc, drv):
   sizes = [4 * KiB, 64 * KiB, 16 * KiB]
   blocks = [(alloc.malloc(n, "s"), alloc.malloc(512, "s")) for n in sizes]  # keep separators alive
-  fill = [alloc.malloc(MiB, "s"), alloc.malloc(2 * MiB - 84 * KiB - 1536 - MiB, "s")]  # the rest of the segment
   ptrs = [b.ptr for b, _ in blocks]
   for b, _ in blocks: b.free()
   assert alloc.malloc(10 * KiB, "s").ptr == ptrs[2]   # the 16 KiB block, not the 64 KiB one

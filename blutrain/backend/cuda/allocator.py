@@ -8,10 +8,10 @@ runs (and is tested) on the CPU with a fake driver:
   up to 2 MiB (the driver's page size, so the rounding costs no device memory) above that;
 - a freed block is kept as it is, under its stream and size, and the next request of that size and stream takes
   it back without a search, split or merge (a training step asks for the same sizes every time);
-- any other request takes the smallest free block of its pool that was allocated on the same stream (best fit);
-  a block larger than needed is split when the remainder is worth keeping (>= 512 B small, > 1 MiB large). When
-  none fits, the kept blocks go to their pools, each merged with its free neighbours of the same segment, and
-  the search runs again: the driver is asked for a segment only when no free memory fits;
+- any other request takes the smallest free block, kept or in its pool, that was allocated on the same stream
+  (best fit); a block larger than needed is split when the remainder is worth keeping (>= 512 B small, > 1 MiB
+  large). When none fits, the pool's kept blocks join it, each merged with its free neighbours of the same
+  segment, and the search runs again: the driver is asked for a segment only when no free memory fits, merged;
 - a block is reused only in the order of the stream it was allocated on. When it was also used on other
   streams (`Block.record_stream`), its free records an event on each of them and the block is kept (as above)
   once every event has completed, which is checked by querying at the next allocation, never by waiting;
@@ -168,12 +168,12 @@ class CachingAllocator:
     return b
 
   def _best_fit(self, nbytes: int, size: int, stream: Any, sid: int) -> _Block:
-    """The smallest free block of this stream's pool that fits `size` (nbytes rounded), split to it when the rest
-    is worth keeping; else the same once the kept blocks are merged into the pools; else a new segment."""
+    """The smallest free block of this stream and pool that fits `size` (nbytes rounded), else the smallest once
+    the pool's kept blocks are merged, else a new segment; split to `size` when the rest is worth keeping."""
     small = size <= SMALL_SIZE
     b = self._take(small, sid, size)
     if b is None and self._kept:
-      self._pool_kept()
+      self._pool_kept(small)
       b = self._take(small, sid, size)
     if b is None:
       seg = segment_size(size)
@@ -190,13 +190,19 @@ class CachingAllocator:
       rest.prev, rest.next = b, b.next
       if b.next is not None: b.next.prev = rest
       b.next, b.size = rest, size
-      self._insert(rest)
+      self._return(rest)
     return b
 
   def _take(self, small: bool, sid: int, size: int) -> _Block | None:
+    """The smallest free block of this stream and pool that fits, pooled or kept (by the size it is kept under)."""
+    lo, end = _key(sid, size, 0), _key(sid + 1, 0, 0)
     pool = self._pools[small]
-    i = bisect.bisect_left(pool, _key(sid, size, 0))
-    if i == len(pool) or pool[i] >> _SID_SHIFT != sid: return None
+    i = bisect.bisect_left(pool, lo)
+    pooled = pool[i] if i < len(pool) and pool[i] < end else end
+    hi = min(pooled, _key(sid, SMALL_SIZE + 1, 0)) if small else pooled  # kept under <= 1 MiB: small pool
+    kept = min((k for k, blocks in self._kept.items() if blocks and lo <= k < hi), default=None)
+    if kept is not None: return self._kept[kept].pop()
+    if pooled == end: return None
     b = self._free.pop(pool.pop(i))
     b.pooled = False
     return b
@@ -229,14 +235,16 @@ class CachingAllocator:
     else: self._keep(b)
 
   def _keep(self, b: _Block) -> None:
-    """Keep a block whose memory no stream still uses for the next request of its size and stream."""
+    """Keep a block whose memory no stream still uses for the next request of its size (as rounded for its last
+    request: a block larger than that, whose rest was not worth a split, serves it again) and stream."""
     self._active.current -= 1
-    kept = self._kept.get(key := b.sid << _SID_SHIFT | b.size << _SIZE_SHIFT)  # _key(b.sid, b.size, 0)
+    size = (b.requested + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+    kept = self._kept.get(key := b.sid << _SID_SHIFT | size << _SIZE_SHIFT)  # _key(b.sid, size, 0)
     if kept is None: self._kept[key] = [b]
     else: kept.append(b)
 
   def _return(self, b: _Block) -> None:
-    """Put a kept block in its pool, merged with free neighbours."""
+    """Put a free block in its pool, merged with its free neighbours."""
     for nb in (b.prev, b.next):
       if nb is not None and nb.pooled:
         self._remove(nb)
@@ -247,11 +255,12 @@ class CachingAllocator:
     if b.next is not None: b.next.prev = b
     self._insert(b)
 
-  def _pool_kept(self) -> None:
-    """Return every kept block to its pool, so that best fit sees all free memory, merged."""
-    for kept in self._kept.values():
-      for b in kept: self._return(b)
-    self._kept.clear()
+  def _pool_kept(self, small: bool | None = None) -> None:
+    """Return the kept blocks of one pool (or all) to their pools, so that best fit sees that memory merged."""
+    for key, kept in list(self._kept.items()):
+      if small is None or not kept or kept[0].small == small:
+        del self._kept[key]
+        for b in kept: self._return(b)
 
   def _process_events(self) -> None:
     still = []
