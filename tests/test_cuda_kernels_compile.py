@@ -85,6 +85,7 @@ def test_broadcast_strides_and_shape():
 
 def test_schedules_stay_in_bounds():
   from blutrain.backend.cuda.kernels import elementwise, index, norm, reduce
+  from blutrain.nova.configurator import ONE_PASS_MAX
   pow2 = lambda n: n & (n - 1) == 0
   for n in (1, 7, 1000, 1 << 20, 10**9):
     for item in (1, 2, 4, 8):
@@ -94,7 +95,7 @@ def test_schedules_stay_in_bounds():
     br, bc, w = elementwise.tile_schedule(rows, cols)
     assert pow2(br) and pow2(bc) and br * bc <= 4096 and w in (4, 8)
     bm, bn, w, one = norm.row_schedule(rows, cols)
-    assert pow2(bm) and pow2(bn) and (one == (cols <= norm.ONE_PASS_MAX)) and (bn >= cols or not one)
+    assert pow2(bm) and pow2(bn) and (one == (cols <= ONE_PASS_MAX)) and (bn >= cols or not one)
     for along_m in (False, True):
       bm, bn, w = reduce.reduce_schedule(rows, cols, along_m)
       assert pow2(bm) and pow2(bn) and bm * bn <= 4096

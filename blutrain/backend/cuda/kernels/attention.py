@@ -29,6 +29,7 @@ from blutrain import amp, dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import HALF, Spec, TY, cdiv, empty, next_pow2, run, spec, view
 from blutrain.dtypes import DType
+from blutrain.nova.configurator import attention_schedule
 
 _LOG2E = 1.4426950408889634
 INT32_MAX = 2**31 - 1
@@ -266,23 +267,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, sm_scale, L, S, D,
 
 # *** configuration and variants ***
 
-def _blocks(kernel: str, dtype: DType, block_d: int) -> tuple[int, int, int, int]:
-  """(BLOCK_M, BLOCK_N, num_warps, num_stages) by kernel, element size and head width: tiles that keep the
-  accumulators in registers and the pipelined K/V (or Q/dO) tiles within shared memory."""
-  wide = dtype.itemsize == 4  # NOTE: the D <= 64 tiles are the fastest of a sweep on the H200 (GPT-2's attention)
-  if kernel == "fwd":
-    if block_d <= 64: return (128, 64, 8, 2) if wide else (64, 64, 4, 3)
-    if block_d <= 128: return (64, 32, 4, 2) if wide else (128, 64, 8, 3)
-    return (32, 32, 4, 1) if wide else (64, 32, 4, 2)
-  if kernel == "dq":
-    if block_d <= 64: return (64, 32, 4, 2) if wide else (64, 64, 4, 3)
-    if block_d <= 128: return (32, 32, 4, 2) if wide else (64, 32, 4, 2)
-    return (16, 32, 4, 1) if wide else (32, 32, 4, 1)
-  if block_d <= 64: return (32, 64, 4, 2) if wide else (32, 64, 4, 3)
-  if block_d <= 128: return (32, 32, 4, 2) if wide else (32, 64, 4, 2)
-  return (16, 32, 4, 1) if wide else (16, 64, 4, 1)
-
-
 def _precision(dtype: DType) -> str:
   return "tf32x3" if dtype is dtypes.float32 and amp.get_float32_matmul_precision() == "highest" else "tf32"
 
@@ -296,7 +280,7 @@ def attention_spec(kernel: str, dtype: DType, head_dim: int, causal: bool, preci
                    aligned: bool = True, have_lse: bool = True) -> Spec:
   """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides."""
   block_d = max(16, next_pow2(head_dim))
-  bm, bn, warps, stages = _blocks(kernel, dtype, block_d)
+  bm, bn, warps, stages = attention_schedule(kernel, dtype.itemsize, block_d)
   div = ":16" if aligned else ""
   sig = {name: ("*fp32" if name in ("LSE", "DELTA") else "*" + TY[dtype]) + div for name in _PTRS[kernel].split()}
   sig |= {"qk_scale": "fp32", "L": "i32", "S": "i32", "D": "i32"} | ({} if kernel == "fwd" else {"sm_scale": "fp32"})

@@ -18,10 +18,11 @@ from triton.language.extra.cuda import libdevice
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (MAX_DIMS, SMS, broadcast_shape, broadcast_strides, cdiv, collapse,
-                                           empty, f64_bits, needs_i64, next_pow2, pad, ptr, run, spec, sqrt_rn,
+from blutrain.backend.cuda.kernels import (MAX_DIMS, broadcast_shape, broadcast_strides, cdiv, collapse,
+                                           empty, f64_bits, needs_i64, pad, ptr, run, spec, sqrt_rn,
                                            strided, view)
 from blutrain.dtypes import DType
+from blutrain.nova.configurator import flat_schedule, tile_schedule
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
          "logical_not", "gelu", "gelu_tanh", "copy")
@@ -261,27 +262,6 @@ def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, Z1, Z2, Z3, Z4,
     z = _load_tile(c, rows, cols, Z1, Z2, Z3, Z4, C0, C1, C2, C3, C4, CC, mask, ND, UC, ALIGNED, OP)
   q = _tile_ptrs(out, rows, cols, Z1, Z2, Z3, Z4, O0, O1, O2, O3, O4, OC, ND, UO, ALIGNED)
   tl.store(q, _apply(x, y, z, OP).to(out.dtype.element_ty), mask=mask)
-
-
-# *** schedules ***
-
-def flat_schedule(n: int, itemsize: int) -> tuple[int, int]:
-  """(BLOCK, num_warps) of `_flat`, two tiers: each thread moves four 16-byte vectors per operand at 8 warps
-  (BLOCK = 4096 float32, 8192 bfloat16), enough bytes in flight to saturate HBM, once that still gives a program
-  to every SM; below, one vector per thread at 4 warps (512 float32), so mid-sized inputs spread over the SMs.
-  Two tiers keep the number of compiled variants small."""
-  vec = max(1, 16 // itemsize)
-  return (4 * vec * 256, 8) if n >= SMS * 4 * vec * 256 else (vec * 128, 4)
-
-
-def tile_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-  """(BLOCK_R, BLOCK_C, num_warps) of `_tiled`: tiles of 4096 elements at 8 warps (16 per thread and operand).
-  BLOCK_C is the largest power of two dividing n_cols, up to 1024, so columns need no mask and rows stay 16-byte
-  aligned; below 32 it is next_pow2(n_cols) and masked. BLOCK_R fills the tile whatever n_rows is (a small input
-  masks rows instead of compiling a variant of its own)."""
-  p2 = n_cols & -n_cols
-  bc = min(p2, 1024) if p2 >= 32 else min(next_pow2(n_cols), 1024)
-  return 4096 // bc, bc, 8
 
 
 # *** specs ***

@@ -26,11 +26,12 @@ import triton.language as tl
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broadcast_strides, cdiv, collapse,
-                                           contiguous_strides, empty, needs_i64, next_pow2, pad, ptr, run, spec,
+                                           contiguous_strides, empty, needs_i64, pad, ptr, run, spec,
                                            strided, view)
 from blutrain.backend.cuda.kernels.copy import cast, copy
 from blutrain.backend.cuda.kernels.elementwise import _fill, launch
 from blutrain.dtypes import DType
+from blutrain.nova.configurator import index_schedule
 
 MAX_INDICES = 4
 
@@ -94,14 +95,6 @@ def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks, 
     tl.atomic_add(target + t_off, tl.load(v_ptr, mask=mask).to(target.dtype.element_ty), mask=valid, sem="relaxed")
   else:
     tl.store(target + t_off, tl.load(v_ptr, mask=mask).to(target.dtype.element_ty), mask=valid)
-
-
-def index_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-  """(BLOCK_R, BLOCK_C, num_warps): tiles of up to 2048 elements at 4 warps (16 per thread), BLOCK_C covering the
-  innermost dim up to 512 (a 768-wide embedding row takes two column blocks of 512, the second masked)."""
-  bc = min(next_pow2(n_cols), 512)
-  br = max(1, min(next_pow2(n_rows), 2048 // bc))
-  return br, bc, 4
 
 
 _ARGS = ["n_rows", "n_cols", "n_col_blocks", "Z1", "Z2", "Z3", "Z4"] + [f"{o}{i}" for o in "VTABCD" for i in "01234C"] + \

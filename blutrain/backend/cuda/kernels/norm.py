@@ -15,24 +15,12 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (SMS, cdiv, collapse, empty, needs_i64, next_pow2, pad, ptr, run, spec, sqrt_rn,
+from blutrain.backend.cuda.kernels import (SMS, cdiv, collapse, empty, needs_i64, pad, ptr, run, spec, sqrt_rn,
                                            strided, view)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.elementwise import _fill, launch
 from blutrain.backend.cuda.kernels.reduce import _axis, _max_nan, _names, _offsets, _reduce
-
-ONE_PASS_MAX = 8192  # elements of a row held in registers at once (32 per thread at 8 warps)
-
-
-def row_schedule(M: int, N: int) -> tuple[int, int, int, bool]:
-  """(BLOCK_M, BLOCK_N, num_warps, one_pass) of a row kernel. Rows up to ONE_PASS_MAX are one tile wide and several
-  short rows share a program (tiles of up to 4096 elements, so short rows still fill the warps); longer rows are
-  walked in tiles of 4096, one row per program. Warps grow with the tile: 16 elements per thread, 1 to 8 warps."""
-  if N <= ONE_PASS_MAX:
-    bn = next_pow2(N)
-    bm = max(1, min(next_pow2(M), 4096 // bn))
-    return bm, bn, max(1, min(8, bm * bn // 512)), True
-  return 1, 4096, 8, False
+from blutrain.nova.configurator import row_schedule
 
 
 @triton.jit

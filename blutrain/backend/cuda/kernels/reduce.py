@@ -19,11 +19,12 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (SMS, TL, cdiv, collapse, empty, needs_i64, next_pow2, pad, ptr, run, spec,
+from blutrain.backend.cuda.kernels import (TL, cdiv, collapse, empty, needs_i64, pad, ptr, run, spec,
                                            strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.elementwise import _fill, launch
 from blutrain.dtypes import DType
+from blutrain.nova.configurator import reduce_schedule, split_rule
 
 @triton.jit
 def _max_nan(a, b):
@@ -161,29 +162,6 @@ def _cumsum_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1,
     # OptimizeThreadLocality pass
     end = 0 if REVERSE else BLOCK_N - 1
     carry = tl.sum(tl.where((tl.arange(0, BLOCK_N) == end)[None, :], s, 0), axis=1)
-
-
-# *** schedules ***
-
-def reduce_schedule(M: int, N: int, along_m: bool) -> tuple[int, int, int]:
-  """(BLOCK_M, BLOCK_N, num_warps): tiles of up to 4096 elements (16 per thread at 8 warps). Loading along N (the
-  usual case) BLOCK_N covers N up to 1024 (up to 4096 when M < 4, as in a full reduction, so each program keeps
-  16 KB in flight) and BLOCK_M takes the rest of the tile; loading along M (reductions over leading dims) BLOCK_M
-  covers M up to 256, wide enough for full 128-byte lines, and BLOCK_N the rest."""
-  if along_m:
-    bm = min(next_pow2(M), 256)
-    bn = max(1, min(next_pow2(N), 4096 // bm))
-  else:
-    bn = min(next_pow2(N), 4096 // min(next_pow2(M), 4))
-    bm = max(1, min(next_pow2(M), 4096 // bn))
-  return bm, bn, 8 if bm * bn >= 4096 else 4
-
-
-def split_rule(m_blocks: int, N: int, block_n: int) -> int:
-  """How many pieces N is cut into: enough programs for two waves over the SMs, each piece at least 8 tiles long
-  (so partial results stay a small fraction of the traffic); 1 when M alone fills the GPU."""
-  if m_blocks >= SMS: return 1
-  return max(1, min(cdiv(2 * SMS, m_blocks), N // (8 * block_n)))
 
 
 # *** host side ***

@@ -1,0 +1,360 @@
+"""The Analytic Configurator: every kernel's schedule, derived by formula from the problem and the device's limits.
+
+A schedule is a pure function of shapes, dtypes, layouts and a `Hardware` record (the device's own properties on a
+GPU, H200 defaults for offline compilation). Nothing is timed, nothing is searched, no candidate is run: what varies
+between problems is decided by the formulas below, each derived in its docstring; docs/configurator.md collects them.
+
+GEMM (`gemm_schedule`): orientation and TF32 rounding from the operand layouts, BK from the 128-byte shared-memory
+swizzle line, the tile (BM, BN) and split-K as the argmax of a closed-form throughput model (tile intensity x
+last-wave utilization / split-K traffic), warps from the accumulator's register budget, stages from shared memory,
+GROUP_M from the L2 footprint of a wave, persistence from TMA. Reductions, row kernels (softmax, norms, losses),
+elementwise and indexing kernels take their block shapes from the functions of the last section, which the CUDA
+kernel library calls; flash attention's tiles (a measured table) live here too.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+def cdiv(a: int, b: int) -> int: return -(-a // b)
+def next_pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()
+
+
+# *** hardware ***
+
+@dataclass(frozen=True)
+class Hardware:
+  """What schedules depend on. Peak rates are dense tensor-core figures; only their ratios enter the formulas."""
+  name: str
+  sms: int                   # streaming multiprocessors
+  smem_per_block: int        # bytes of shared memory one block may use (opt-in maximum)
+  smem_per_sm: int           # bytes of shared memory per SM
+  regs_per_sm: int           # 32-bit registers per SM
+  threads_per_sm: int
+  l2_bytes: int
+  hbm_bandwidth: float       # bytes/s
+  tf32_flops: float          # FLOP/s of TF32 tensor cores
+  half_flops: float          # FLOP/s of bf16/fp16 tensor cores (float32 accumulation)
+
+
+H200 = Hardware("NVIDIA H200", sms=132, smem_per_block=227 << 10, smem_per_sm=228 << 10, regs_per_sm=65536,
+                threads_per_sm=2048, l2_bytes=50 << 20, hbm_bandwidth=4.8e12, tf32_flops=494.7e12,
+                half_flops=989.4e12)
+
+
+def hardware(device: int | None = None) -> Hardware:
+  """The limits of a CUDA device read from the driver (peak rates kept from H200, which the driver does not report),
+  or H200's when no GPU is usable (offline compilation targets sm_90)."""
+  try:
+    from blutrain.backend.cuda import runtime
+    p = runtime.get_device_properties(device)
+  except Exception:  # no package, driver or GPU: offline defaults
+    return H200
+  return replace(H200, name=p.name, sms=p.multi_processor_count, smem_per_block=p.shared_memory_per_block_optin,
+                 smem_per_sm=p.shared_memory_per_multiprocessor, regs_per_sm=p.regs_per_multiprocessor,
+                 threads_per_sm=p.max_threads_per_multi_processor, l2_bytes=p.L2_cache_size)
+
+
+# *** GEMM ***
+
+@dataclass(frozen=True)
+class GemmProblem:
+  """C (batch x M x N) = A (M x K) @ B (K x N). `a_kmajor`: A's unit stride runs along K (row-major A); `b_kmajor`:
+  B's runs along K (B stored N x K, as nn.Linear's weight). `precision` is "tf32" or "tf32x3" for float32 operands,
+  "" for 16-bit ones. `tma`: the operands meet TMA's alignment (16-byte base and row strides) and there is no batch."""
+  M: int
+  N: int
+  K: int
+  batch: int = 1
+  itemsize: int = 2
+  out_itemsize: int = 2
+  precision: str = ""
+  a_kmajor: bool = True
+  b_kmajor: bool = True
+  tma: bool = True
+
+
+@dataclass(frozen=True)
+class GemmSchedule:
+  """How a GemmProblem runs. `copy` ("a", "b" or "") names an operand to copy into a K-major layout first. With
+  `swap` the kernel computes C^T = B^T A^T: M and N, the operands and their layouts (`a_kmajor`, `b_kmajor` describe
+  the kernel's own operands, after the copy) are exchanged. `split_k` > 1 writes float32
+  partial sums that a second kernel adds and finishes with the epilogue. Diagnostics: `tiles` (per split and batch
+  entry), `utilization` of the SMs over all rounds, `smem` (modelled bytes per block), `intensity` (the problem's
+  FLOP per byte of compulsory traffic)."""
+  BM: int
+  BN: int
+  BK: int
+  num_warps: int
+  num_stages: int
+  group_m: int
+  split_k: int
+  persistent: bool
+  epi_subtile: bool
+  copy: str
+  swap: bool
+  a_kmajor: bool
+  b_kmajor: bool
+  round_a: bool
+  grid: tuple[int, ...]
+  tiles: int
+  utilization: float
+  smem: int
+  intensity: float
+
+
+ACC_REGS = 128        # accumulator registers per thread: half of the 255 a thread may hold, the rest for operands
+ACC_REGS_X3 = 64      # 3xTF32 also keeps the high and low parts of both operands in registers
+TILES = ((128, 256), (128, 128), (64, 256), (64, 128), (128, 64), (64, 64))  # wgmma: BM in 64s, BN in 64s to 256
+MAX_STAGES = 4        # past 4 tiles in flight a TMA pipeline gains nothing (latency covered), it only costs smem
+SPLIT_MIN_KTILES = 8  # each split-K slice runs at least 8 k-steps, so the pipeline's fill stays a small fraction
+MAX_SPLIT = 16
+SMEM_RESERVE = 1024   # bytes per block the runtime keeps (CUDA's reserved shared memory)
+SMEM_BARRIERS = 256   # bytes of a pipeline's mbarriers and Triton's small scratch (measured: 24-56)
+COPY_BUDGET = 0.03    # share of a TF32 GEMM's time worth spending on a rounded copy of B (see `operand_copy`)
+
+
+def intensity(M: int, N: int, K: int, itemsize: int) -> float:
+  """Arithmetic intensity 2MNK / ((MK + KN + MN) * itemsize): FLOP per byte of the compulsory traffic."""
+  return 2 * M * N * K / ((M * K + K * N + M * N) * itemsize)
+
+
+def tile_intensity(BM: int, BN: int) -> float:
+  """FLOP per element of operand loads of one tile's k-step, 2*BM*BN*BK / ((BM + BN)*BK): what each byte fetched
+  through L2 buys. The largest wgmma tile, 128x256, has the most (85.3); a tile's efficiency is its share of it."""
+  return 2 * BM * BN / (BM + BN)
+
+
+def utilization(tiles: int, sms: int) -> float:
+  """Busy share of the SMs over all rounds of a grid: tiles / (ceil(tiles / sms) * sms). The last wave is what
+  loses: 133 tiles on 132 SMs take two rounds at 50%."""
+  return tiles / (cdiv(tiles, sms) * sms) if tiles else 0.0
+
+
+def orientation(precision: str, a_kmajor: bool, b_kmajor: bool) -> bool:
+  """Whether to compute C^T = B^T A^T. TF32 wgmma reads its B operand from shared memory only K-major, while A may
+  come from registers in any layout (DESIGN.md: with B stored K x N a TF32 sweep topped at 121-135 TFLOP/s, with B
+  stored N x K at 264-294). A K-major A with an N-major B (C = X W, the backward's dX = dY W) is therefore swapped:
+  B^T (N-major) becomes the register operand and A^T the K-major shared one. 16-bit wgmma transposes either operand
+  in hardware, and 3xTF32 splits both operands in registers anyway, so neither swaps."""
+  return precision == "tf32" and a_kmajor and not b_kmajor
+
+
+def gemm_warps(BM: int, BN: int, precision: str = "") -> int:
+  """Warps so that each thread holds at most ACC_REGS float32 accumulators: max(4, BM*BN / (32*ACC_REGS)); 4 is one
+  warpgroup, the unit of wgmma. 128x256 -> 8 warps (128 registers each), 128x128 -> 4."""
+  regs = ACC_REGS_X3 if precision == "tf32x3" else ACC_REGS
+  return max(4, BM * BN // (32 * regs))
+
+
+def gemm_smem(BM: int, BN: int, BK: int, stages: int, itemsize: int, out_itemsize: int, persistent: bool,
+              subtile: bool) -> int:
+  """Shared memory of a block: `stages` buffers of an A and a B tile, (BM + BN)*BK*itemsize each, and the
+  epilogue's layout change of the output tile, BM*BN*out_itemsize (half with `subtile`: two halves of BN/2 columns).
+  A persistent loop keeps the pipeline's buffers while a tile's epilogue runs, so the two add up; a kernel of one
+  tile reuses the buffers (max). Plus SMEM_BARRIERS. An upper bound of what Triton 3.6 allocates (checked against
+  compiled kernels)."""
+  pipeline = stages * (BM + BN) * BK * itemsize
+  epilogue = BM * BN * out_itemsize // (2 if subtile else 1)
+  return (pipeline + epilogue if persistent else max(pipeline, epilogue)) + SMEM_BARRIERS
+
+
+def gemm_stages(BM: int, BN: int, BK: int, itemsize: int, out_itemsize: int, persistent: bool,
+                hw: Hardware) -> tuple[int, bool]:
+  """(stages, subtile): as many pipeline stages as fit the block's shared memory, at most MAX_STAGES, 0 when not
+  even 2 fit; the epilogue is subtiled only when that buys a stage. Persistent, bf16 128x256x64 with a bf16
+  output: (227 KiB - 64 KiB) / 48 KiB -> 3 stages whole, (227 - 32) / 48 -> 4 subtiled; TF32 128x256x32 with a
+  float32 output: 2 whole, 3 subtiled."""
+  def fit(subtile: bool) -> int:
+    fixed = gemm_smem(BM, BN, BK, 0, itemsize, out_itemsize, persistent, subtile)
+    if fixed > hw.smem_per_block - SMEM_RESERVE: return 0
+    stages = (hw.smem_per_block - SMEM_RESERVE - (fixed if persistent else 0)) // ((BM + BN) * BK * itemsize)
+    return min(MAX_STAGES, stages) if stages >= 2 else 0
+  whole, halves = fit(False), (fit(True) if persistent else 0)
+  return (halves, True) if halves > whole else (whole, False)
+
+
+def operand_copy(precision: str, M: int, N: int, a_kmajor: bool, b_kmajor: bool, hw: Hardware = H200) -> str:
+  """The operand ("a", "b" or "") a TF32 GEMM first copies into a K-major layout, rounded to TF32 on the way.
+
+  TF32 wgmma reads B from shared memory K-major and as stored: the hardware truncates it to TF32, while the register
+  operand A is rounded by the kernel (relative error 4.7e-4 against float64 on random normal inputs; 2.9e-4 with
+  both rounded, 7.7e-4 with both truncated). Copying B costs 8*K*N bytes against 2*M*N*K FLOP, a fraction
+  4*peak / (bandwidth*M) of the GEMM's time, independent of N and K: 2.5% at GPT-2's M = 16384 tokens. So B is
+  copied when that fraction is within COPY_BUDGET (M >= 13.7K on an H200), which also makes an N-major B K-major
+  without swapping. With both operands MN-major (the weight gradient dW = dY^T X, both contracting over their rows)
+  a copy is needed whatever it costs: no orientation gives wgmma its K-major B, and Triton then moves B through
+  registers with no pipelining (TMA) or in 4-byte copies (cp.async; 0.4x of the K-major rate in DESIGN.md's
+  sweep); the smaller operand is copied (A when M <= N)."""
+  if precision != "tf32": return ""
+  if not a_kmajor and not b_kmajor: return "a" if M <= N else "b"
+  return "b" if 4 * hw.tf32_flops / (hw.hbm_bandwidth * M) <= COPY_BUDGET else ""
+
+
+def group_m(BM: int, BN: int, tiles_m: int, hw: Hardware) -> int:
+  """Tile rows per L2 group. A wave of S = SMs tiles in g rows of tiles touches g*BM rows of A and (S/g)*BN columns
+  of B per k-step; g*BM + S*BN/g is least at g = sqrt(S*BN/BM): 16 for 128x256 tiles on 132 SMs, 11 for squares."""
+  return max(1, min(tiles_m, round(math.sqrt(hw.sms * BN / BM))))
+
+
+def split_cost(split: int, K: int, flops: float, hw: Hardware) -> float:
+  """Time of split-K's extra traffic relative to the GEMM's math: each split writes and the second kernel reads an
+  M x N float32 slice, 8*s*MN bytes against 2MNK FLOP: 4*s*peak / (K*bandwidth). Zero without a split."""
+  return 4 * split * flops / (K * hw.hbm_bandwidth) if split > 1 else 0.0
+
+
+def occupancy(smem: int, warps: int, hw: Hardware) -> int:
+  """Blocks resident per SM, limited by shared memory and threads (registers at up to 255 per thread)."""
+  threads = 32 * warps
+  return max(1, min(hw.smem_per_sm // (smem + SMEM_RESERVE), hw.threads_per_sm // threads,
+                    hw.regs_per_sm // (threads * 255) or 1))
+
+
+def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
+  """The schedule of a GEMM, by formula.
+
+  1. TF32 layout and rounding: `operand_copy` (a K-major copy rounded to TF32, of B when cheap and of one operand
+     when both are MN-major), then `orientation` (swap M and N when only the swapped problem has a K-major B). The
+     register operand A is rounded in the kernel; tensor cores truncate B unless its copy rounded it. 3xTF32 splits
+     both operands exactly (relative error 8e-8).
+  3. BK = 128 bytes / itemsize: one row of the 128-byte shared-memory swizzle (32 float32, 64 bf16), so every
+     k-step of wgmma reads whole swizzle lines.
+  4. Tile (BM, BN) and split s: the argmax over the wgmma tiles TILES (those whose stages fit, `gemm_stages`) and
+     s in 1..min(MAX_SPLIT, k_tiles / SPLIT_MIN_KTILES) (only when one split leaves SMs idle) of the modelled
+     fraction of peak
+         tile_intensity(BM, BN) / tile_intensity(128, 256)          the tile's rate, by its operand intensity
+         * utilization(tiles * s * batch)                           the busy share of the SMs over all rounds
+         * M*N / (tiles*BM*BN)                                      the share of tile area inside C
+         / (1 + split_cost(s))                                      split-K's extra traffic.
+     Ties go to the larger tile and the smaller split (the order of the candidates); s is then evened out so that
+     every slice has the same number of k-steps.
+  5. Warps `gemm_warps`, stages `gemm_stages`, GROUP_M `group_m`.
+  6. Persistent with TMA: programs = min(tiles * s, SMs * occupancy) each walk tiles with a stride of the grid, so
+     TMA descriptors are built once per program and a tile's epilogue overlaps the next tile's loads. Without TMA
+     (misaligned or batched operands) one program per tile: grid (tiles, s, batch).
+  """
+  if min(p.M, p.N) <= 0 or p.K < 0 or p.batch <= 0:
+    raise ValueError(f"gemm_schedule: needs M, N, batch > 0 and K >= 0, got {p}")
+  copy = operand_copy(p.precision, p.M, p.N, p.a_kmajor, p.b_kmajor, hw)
+  a_k, b_k = p.a_kmajor or copy == "a", p.b_kmajor or copy == "b"
+  swap = orientation(p.precision, a_k, b_k)
+  M, N, a_k, b_k = (p.N, p.M, b_k, a_k) if swap else (p.M, p.N, a_k, b_k)
+  BK = 128 // p.itemsize
+  k_tiles = cdiv(p.K, BK)
+  flops = hw.tf32_flops if p.itemsize == 4 else hw.half_flops
+  persistent = p.tma and p.batch == 1
+  best, best_score = None, -1.0
+  for BM, BN in TILES:
+    warps = gemm_warps(BM, BN, p.precision)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
+    splits = range(1, max(1, min(MAX_SPLIT, k_tiles // SPLIT_MIN_KTILES)) + 1) if tiles * p.batch < hw.sms else (1,)
+    for s in splits:
+      out_itemsize = 4 if s > 1 else p.out_itemsize  # split-K stores float32 partial sums
+      stages, subtile = gemm_stages(BM, BN, BK, p.itemsize, out_itemsize, persistent, hw)
+      if not stages: continue
+      score = tile_intensity(BM, BN) / tile_intensity(*TILES[0]) * utilization(tiles * s * p.batch, hw.sms)
+      score *= M * N / (tiles * BM * BN) / (1 + split_cost(s, p.K, flops, hw))
+      if score > best_score + 1e-9: best, best_score = (BM, BN, warps, stages, subtile, tiles, s), score
+  if best is None: raise ValueError(f"gemm_schedule: no tile fits {hw.smem_per_block} bytes of shared memory for {p}")
+  BM, BN, warps, stages, subtile, tiles, split = best
+  if split > 1: split = cdiv(k_tiles, cdiv(k_tiles, split))  # slices of equal k-steps, none empty
+  smem = gemm_smem(BM, BN, BK, stages, p.itemsize, 4 if split > 1 else p.out_itemsize, persistent, subtile)
+  if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, warps, hw)),)
+  else: grid = (tiles, split, p.batch)
+  return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile,
+                      copy, swap, a_k, b_k, p.precision == "tf32", grid, tiles,
+                      utilization(tiles * split * p.batch, hw.sms), smem, intensity(p.M, p.N, p.K, p.itemsize) if p.K else 0.0)
+
+
+def copy_schedule(rows: int, cols: int) -> tuple[int, int, int]:
+  """(BLOCK_R, BLOCK_C, num_warps) of a GEMM operand's K-major copy: 64 x 64 tiles (16 KiB of float32) at 4 warps,
+  read along the source's unit stride and written along the rows in 128-byte lines (a transposing copy turns
+  through shared memory); smaller dims shrink to their next power of two (at least 16)."""
+  return min(64, max(16, next_pow2(rows))), min(64, max(16, next_pow2(cols))), 4
+
+
+# *** reductions, row kernels, elementwise, indexing ***
+
+def flat_schedule(n: int, itemsize: int, hw: Hardware = H200) -> tuple[int, int]:
+  """(BLOCK, num_warps) of a flat elementwise kernel, two tiers: each thread moves four 16-byte vectors per operand at
+  8 warps (BLOCK = 4096 float32, 8192 bfloat16), enough bytes in flight to saturate HBM, once that still gives a
+  program to every SM; below, one vector per thread at 4 warps (512 float32), so mid-sized inputs spread over the
+  SMs. Two tiers keep the number of compiled variants small."""
+  vec = max(1, 16 // itemsize)
+  return (4 * vec * 256, 8) if n >= hw.sms * 4 * vec * 256 else (vec * 128, 4)
+
+
+def tile_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+  """(BLOCK_R, BLOCK_C, num_warps) of a 2-D elementwise kernel: tiles of 4096 elements at 8 warps (16 per thread and
+  operand). BLOCK_C is the largest power of two dividing n_cols, up to 1024, so columns need no mask and rows stay
+  16-byte aligned; below 32 it is next_pow2(n_cols) and masked. BLOCK_R fills the tile whatever n_rows is (a small
+  input masks rows instead of compiling a variant of its own)."""
+  p2 = n_cols & -n_cols
+  bc = min(p2, 1024) if p2 >= 32 else min(next_pow2(n_cols), 1024)
+  return 4096 // bc, bc, 8
+
+
+def reduce_schedule(M: int, N: int, along_m: bool) -> tuple[int, int, int]:
+  """(BLOCK_M, BLOCK_N, num_warps) of a reduction of M outputs over N: tiles of up to 4096 elements (16 per thread at
+  8 warps). Loading along N (the usual case) BLOCK_N covers N up to 1024 (up to 4096 when M < 4, as in a full
+  reduction, so each program keeps 16 KB in flight) and BLOCK_M takes the rest of the tile; loading along M
+  (reductions over leading dims) BLOCK_M covers M up to 256, wide enough for full 128-byte lines, and BLOCK_N the
+  rest."""
+  if along_m:
+    bm = min(next_pow2(M), 256)
+    bn = max(1, min(next_pow2(N), 4096 // bm))
+  else:
+    bn = min(next_pow2(N), 4096 // min(next_pow2(M), 4))
+    bm = max(1, min(next_pow2(M), 4096 // bn))
+  return bm, bn, 8 if bm * bn >= 4096 else 4
+
+
+def split_rule(m_blocks: int, N: int, block_n: int, hw: Hardware = H200) -> int:
+  """How many pieces a reduction's N is cut into: enough programs for two waves over the SMs, each piece at least 8
+  tiles long (so partial results stay a small fraction of the traffic); 1 when M alone fills the GPU."""
+  if m_blocks >= hw.sms: return 1
+  return max(1, min(cdiv(2 * hw.sms, m_blocks), N // (8 * block_n)))
+
+
+ONE_PASS_MAX = 8192  # elements of a row held in registers at once (32 per thread at 8 warps)
+
+
+def row_schedule(M: int, N: int) -> tuple[int, int, int, bool]:
+  """(BLOCK_M, BLOCK_N, num_warps, one_pass) of a row kernel (softmax, norms, losses). Rows up to ONE_PASS_MAX are
+  one tile wide and several short rows share a program (tiles of up to 4096 elements, so short rows still fill the
+  warps); longer rows are walked in tiles of 4096, one row per program. Warps grow with the tile: 16 elements per
+  thread, 1 to 8 warps."""
+  if N <= ONE_PASS_MAX:
+    bn = next_pow2(N)
+    bm = max(1, min(next_pow2(M), 4096 // bn))
+    return bm, bn, max(1, min(8, bm * bn // 512)), True
+  return 1, 4096, 8, False
+
+
+def index_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+  """(BLOCK_R, BLOCK_C, num_warps) of gather/scatter kernels: tiles of up to 2048 elements at 4 warps (16 per
+  thread), BLOCK_C covering the innermost dim up to 512 (a 768-wide embedding row takes two column blocks of 512,
+  the second masked)."""
+  bc = min(next_pow2(n_cols), 512)
+  br = max(1, min(next_pow2(n_rows), 2048 // bc))
+  return br, bc, 4
+
+
+def attention_schedule(kernel: str, itemsize: int, block_d: int) -> tuple[int, int, int, int]:
+  """(BLOCK_M, BLOCK_N, num_warps, num_stages) of flash attention's "fwd", "dq" and "dkdv" kernels by element size
+  and padded head width: tiles that keep the accumulators in registers and the pipelined K/V (or Q/dO) tiles within
+  shared memory. NOTE: a measured table, not a formula: the D <= 64 tiles are the fastest of a sweep on the H200
+  (GPT-2's attention); wider heads halve the tiles to stay within registers."""
+  wide = itemsize == 4
+  if kernel == "fwd":
+    if block_d <= 64: return (128, 64, 8, 2) if wide else (64, 64, 4, 3)
+    if block_d <= 128: return (64, 32, 4, 2) if wide else (128, 64, 8, 3)
+    return (32, 32, 4, 1) if wide else (64, 32, 4, 2)
+  if kernel == "dq":
+    if block_d <= 64: return (64, 32, 4, 2) if wide else (64, 64, 4, 3)
+    if block_d <= 128: return (32, 32, 4, 2) if wide else (64, 32, 4, 2)
+    return (16, 32, 4, 1) if wide else (32, 32, 4, 1)
+  if block_d <= 64: return (32, 64, 4, 2) if wide else (32, 64, 4, 3)
+  if block_d <= 128: return (32, 32, 4, 2) if wide else (32, 64, 4, 2)
+  return (16, 32, 4, 1) if wide else (16, 64, 4, 1)
