@@ -76,11 +76,12 @@ def _key(sid: int, size: int, ptr: int) -> int:
 
 class _Block:
   """A piece of one segment, linked to its neighbours in address order."""
-  __slots__ = ("ptr", "size", "requested", "stream", "sid", "small", "pooled", "prev", "next", "stream_uses",
-               "events")
+  __slots__ = ("ptr", "size", "requested", "kept_as", "stream", "sid", "small", "pooled", "prev", "next",
+               "stream_uses", "events")
 
   def __init__(self, ptr: int, size: int, stream: Any, sid: int, small: bool):
-    self.ptr, self.size, self.requested, self.stream, self.sid, self.small = ptr, size, 0, stream, sid, small
+    self.ptr, self.size, self.requested, self.kept_as, self.stream, self.sid = ptr, size, 0, 0, stream, sid
+    self.small = small
     self.pooled, self.prev, self.next, self.stream_uses, self.events = False, None, None, None, None  # pooled: free
     # in a pool, where a freed neighbour may merge with it
 
@@ -161,9 +162,9 @@ class CachingAllocator:
     size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK  # round_size(nbytes > 0), inline: the hot path
     sid = self._sids.get(stream)
     if sid is None: sid = self._sids[stream] = len(self._sids)
-    kept = self._kept.get(sid << _SID_SHIFT | size << _SIZE_SHIFT)  # _key(sid, size, 0)
+    kept = self._kept.get(key := sid << _SID_SHIFT | size << _SIZE_SHIFT)  # _key(sid, size, 0)
     b = kept.pop() if kept else self._best_fit(nbytes, size, stream, sid)
-    b.requested = nbytes
+    b.requested, b.kept_as = nbytes, key
     self._allocated.add(b.size); self._requested.add(nbytes); self._active.add(1)
     return b
 
@@ -219,7 +220,7 @@ class CachingAllocator:
 
   def _release(self, b: _Block) -> None:
     """Called by Block.free: take the lock if free, else leave the block for the next operation."""
-    if not self._lock.acquire(blocking=False):
+    if not self._lock.acquire(False):  # non-blocking
       self._deferred.append(b)
       return
     try: self._free_block(b)
@@ -238,9 +239,8 @@ class CachingAllocator:
     """Keep a block whose memory no stream still uses for the next request of its size (as rounded for its last
     request: a block larger than that, whose rest was not worth a split, serves it again) and stream."""
     self._active.current -= 1
-    size = (b.requested + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
-    kept = self._kept.get(key := b.sid << _SID_SHIFT | size << _SIZE_SHIFT)  # _key(b.sid, size, 0)
-    if kept is None: self._kept[key] = [b]
+    kept = self._kept.get(b.kept_as)
+    if kept is None: self._kept[b.kept_as] = [b]
     else: kept.append(b)
 
   def _return(self, b: _Block) -> None:
