@@ -80,10 +80,10 @@ class _Block:
                "stream_uses", "events")
 
   def __init__(self, ptr: int, size: int, stream: Any, sid: int, small: bool):
-    self.ptr, self.size, self.requested, self.kept_as, self.stream, self.sid = ptr, size, 0, 0, stream, sid
-    self.small = small
-    self.pooled, self.prev, self.next, self.stream_uses, self.events = False, None, None, None, None  # pooled: free
-    # in a pool, where a freed neighbour may merge with it
+    self.ptr, self.size, self.requested, self.kept_as = ptr, size, 0, 0
+    self.stream, self.sid, self.small = stream, sid, small
+    self.pooled = False  # free in a pool, where a freed neighbour merges with it
+    self.prev, self.next, self.stream_uses, self.events = None, None, None, None
 
   def is_split(self) -> bool: return self.prev is not None or self.next is not None
 
