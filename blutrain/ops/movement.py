@@ -1,6 +1,7 @@
 """Movement: views that share storage (view, permute, expand, slice), cat, and indexing."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -25,6 +26,7 @@ def _infer_shape(x, shape, name: str) -> tuple[int, ...]:
   return shape
 
 
+@functools.lru_cache(maxsize=4096)  # twice per view op, in every step: cached per layout
 def view_strides(old_shape, old_strides, new_shape) -> tuple[int, ...] | None:
   """Strides that let `new_shape` view the same memory as (old_shape, old_strides), or None when the view
   needs a copy. PyTorch's rule (computeStride), so strides match its own: the old dims fall into chunks that
