@@ -235,6 +235,7 @@ def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
 
 
 def _broadcast_error(shapes, op: str):
+  """Raise the error naming the first dimension whose sizes differ."""
   for i in range(-max(len(s) for s in shapes), 0):
     sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
     if len(sizes) > 1:

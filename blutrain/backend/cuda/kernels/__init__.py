@@ -25,7 +25,6 @@ from blutrain.backend.cuda import launch, memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.dtypes import DType
 
-
 # element types in Triton signatures and as compile-time constants
 TY = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp16", dtypes.bfloat16: "bf16",
       dtypes.float32: "fp32", dtypes.float64: "fp64"}
