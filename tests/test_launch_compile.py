@@ -139,6 +139,28 @@ def test_kernels_with_a_global_scratch_buffer_take_it_after_the_arguments():
   assert k._pack(array(1 << 20, 1), array(2 << 20, 1), 64, 64) == (1 << 20, 2 << 20, 64, 64)  # the launch appends them
 
 
+def test_a_launch_on_another_stream_records_its_arrays_there(monkeypatch):
+  k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
+  k._configs[(4,)] = ("cfg", 4)
+  compute, side = types.SimpleNamespace(device=0, _s="compute"), types.SimpleNamespace(device=0, _s="side")
+  monkeypatch.setattr(runtime, "_states", {0: types.SimpleNamespace(compute=compute)})
+  monkeypatch.setattr(runtime._tls, "context", 0)
+  monkeypatch.setattr(runtime._tls, "streams", {})  # current_stream() remembers what it finds
+  launched = []
+  k._fns[0], k._launch = "function", lambda s, cfg, fn, *params: launched.append((s, params[:3]))
+
+  class Owner:
+    def __init__(self): self.stream, self.uses = compute, []
+    def record_stream(self, s): self.uses.append(s)
+
+  a, b = Owner(), Owner()
+  x, out = array(1 << 40, 10, a), array(2 << 40, 10, b)
+  k((4,), x, 3 << 40, out, 10, 2.5)
+  assert a.uses == b.uses == [] and launched[-1] == ("compute", (1 << 40, 3 << 40, 2 << 40))
+  k((4,), x, 3 << 40, out, 10, 2.5, stream=side)
+  assert a.uses == b.uses == [side] and launched[-1][0] == "side"
+
+
 def test_per_launch_host_overhead(monkeypatch):
   """The Python work of a launch before the driver call: argument packing, the grid's config, cuda.core's
   parameter buffer, and all of Kernel.__call__ with the driver call stubbed out. Printed for the record (the GPU

@@ -216,7 +216,7 @@ class Kernel:
     items, owners = [], []
     for a, ty in c.params:
       if ty[0] == "*":
-        items.append(f"{a} if {a}.__class__ is int else {a}.ptr if {a}.__class__ is _CA_ else "
+        items.append(f"{a}.ptr if {a}.__class__ is _CA_ else {a} if {a}.__class__ is int else "
                      f"_ptr_({a}, {c.name!r}, {a!r})")
         owners.append(f"{a}.owner if {a}.__class__ is _CA_ else None")
       elif ty == "bf16": items.append(f"_bf16_({a})")

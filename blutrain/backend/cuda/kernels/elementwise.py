@@ -308,7 +308,7 @@ def _launch(op: str, out: CudaArray, ins: tuple[CudaArray, ...]) -> CudaArray:
                *[(a.shape, a.strides, a.dtype, a.ptr & 15) for a in ins])
   if plan:  # absent operands repeat the last one; the kernel does not read them
     kernel, grid, scalars = plan
-    kernel(grid, out.ptr, ins[0].ptr, ins[min(1, len(ins) - 1)].ptr, ins[-1].ptr, *scalars)
+    kernel(grid, out, ins[0], ins[min(1, len(ins) - 1)], ins[-1], *scalars)
     return out
   cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
   for i in range(cshape[0]):  # too many dims for the kernels: loop over the outermost one on the host
@@ -367,7 +367,7 @@ def _fill(out: CudaArray, value) -> CudaArray:
   s = fill_spec(out.dtype.itemsize, n, needs_i64(out.shape, out.strides))
   with np.errstate(all="ignore"):
     bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
-  s.kernel((cdiv(n, s[2]["BLOCK"]),), out.ptr, n, bits)
+  s.kernel((cdiv(n, s[2]["BLOCK"]),), out, n, bits)
   return out
 
 

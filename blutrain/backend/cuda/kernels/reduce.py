@@ -224,7 +224,7 @@ def _reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> Cud
   if perm is not None: x = copy(_permuted(x, perm))
   for kernel, grid, scalars, partial in passes:
     dst = out if partial is None else empty(*partial, x.device)
-    kernel(grid, dst.ptr, x.ptr, *scalars)
+    kernel(grid, dst, x, *scalars)
     x = dst
   return out
 
