@@ -276,23 +276,23 @@ class Kernel:
 
   def __call__(self, grid: Any, *args: Any, stream: runtime.Stream | None = None) -> None:
     s = runtime.current_stream() if stream is None else stream
-    fn = self._fns.get(s.device)
-    if fn is None: fn = self._load(s.device)
-    elif runtime._tls.context != s.device: runtime.state(s.device)  # a stream of another GPU: its context
-    cfg = self._configs.get(grid)
-    if cfg is None: cfg = self._config(grid)
-    if cfg[1] == 0: return
+    d = s.device
+    fn = self._fns.get(d)
+    if fn is None: fn = self._load(d)
+    elif runtime._tls.context != d: runtime.state(d)  # a stream of another GPU: its context
+    cfg, programs = self._configs.get(grid) or self._config(grid)
+    if not programs: return
     params = self._pack(*args)
-    if s is not runtime._states[s.device].compute:
+    if s is not runtime._states[d].compute:
       for o in self._pointers(*args):
         if o is not None and o.stream is not s: o.record_stream(s)
     if not self._scratch:
-      self._launch(s._s, cfg[0], fn, *params)
+      self._launch(s._s, cfg, fn, *params)
       return
-    c, alloc = self.compiled, runtime.state(s.device).allocator
+    c, alloc = self.compiled, runtime.state(d).allocator
     # freed as this returns, into the stream's pool: a reuse is queued behind this launch
-    scratch = [alloc.malloc(cfg[1] * c.num_ctas * size, s) for size in (c.global_scratch_size, c.profile_scratch_size)]
-    self._launch(s._s, cfg[0], fn, *params, scratch[0].ptr, scratch[1].ptr)
+    scratch = [alloc.malloc(programs * c.num_ctas * size, s) for size in (c.global_scratch_size, c.profile_scratch_size)]
+    self._launch(s._s, cfg, fn, *params, scratch[0].ptr, scratch[1].ptr)
 
   def __repr__(self) -> str:
     c = self.compiled
