@@ -5,6 +5,7 @@ ops their PyTorch method names.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterator, Sequence
 
@@ -41,6 +42,11 @@ class GraphBreakError(RuntimeError):
       ".tolist(), .numpy(), printing or Python control flow on a tensor) inside a function compiled with bt.compile, or "
       "a tensor made inside it was kept and used after it. Move the read out of the compiled function (return the "
       "tensor and read it after the call), or use tensor ops (bt.where) instead of Python branches.")
+
+
+@functools.lru_cache(maxsize=4096)  # asked for by .contiguous() and layout checks in every step
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+  return math.prod(shape) == 0 or all(st == cs for n, st, cs in zip(shape, strides, contiguous_strides(shape)) if n != 1)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -97,8 +103,7 @@ class Tensor:
   def stride(self, dim: int | None = None):
     return self._strides if dim is None else self._strides[_wrap_dim(dim, self.ndim, "stride")]
   def storage_offset(self) -> int: return self._offset
-  def is_contiguous(self) -> bool:
-    return self.numel() == 0 or all(st == cs for n, st, cs in zip(self.shape, self._strides, contiguous_strides(self.shape)) if n != 1)
+  def is_contiguous(self) -> bool: return _is_contiguous(self.shape, self._strides)
   def is_floating_point(self) -> bool: return self.dtype.is_floating_point
   @property
   def is_leaf(self) -> bool: return self._node is None
