@@ -25,6 +25,6 @@ def __getattr__(name: str):
   # submodules that pull in more (nn, optim, models, data) load on first use
   import importlib
   if name == "compile": return importlib.import_module("blutrain.nova.runtime").compile
-  if name in ("nn", "optim", "models", "data", "cuda", "amp", "utils", "nova", "profiler"):
+  if name in ("nn", "optim", "models", "data", "cuda", "amp", "utils", "nova", "profiler", "backends"):
     return importlib.import_module(f"blutrain.{name}")
   raise AttributeError(f"module 'blutrain' has no attribute {name!r}")

@@ -9,12 +9,14 @@ Batch dims broadcast: they collapse into as few dims as the strides allow (a bro
 cuBLASLt takes as "the same matrix for every batch"); the innermost collapsed dim is cuBLASLt's strided batch and
 any outer ones loop on the host. A weight shared by the batch (b 2-D or broadcast) with a row-major A folds the
 batch into the rows: one large GEMM instead of many small ones.
+
+With `bt.backends.matmul = "nova"`, float32 and 16-bit matmuls run as Nova's synthesized GEMMs instead (gemm.py).
 """
 from __future__ import annotations
 
 import itertools
 
-from blutrain import amp
+from blutrain import amp, backends, dtypes
 from blutrain.backend.cuda import blas, memory, runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import broadcast_shape, broadcast_strides, collapse, empty
@@ -109,9 +111,15 @@ def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None) -> CudaArray:
   return out
 
 
+_NOVA = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
+
+
 def matmul(a: CudaArray, b: CudaArray) -> CudaArray:
   """a @ b over broadcast batch dims (the op library passes both operands with at least 2 dims)."""
   _check("matmul", a, b)
+  if backends.matmul == "nova" and a.dtype in _NOVA:
+    from blutrain.backend.cuda.kernels.gemm import gemm  # imported here: gemm.py imports `layout` from this module
+    return gemm(a, b)
   return _matmul(a, b, None)
 
 

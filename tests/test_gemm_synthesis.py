@@ -1,0 +1,157 @@
+"""Nova's GEMM synthesis on the CPU (no GPU: fake device addresses, nothing launched): the generated Triton source of
+each structure, its dump, the structure and arguments the host plans for each layout (persistent TMA vs pointer
+kernels, split-K, the TF32 K-major copy and swapped orientation, batch folding, host loops, int64 offsets, K = 0),
+the variants CI compiles, and the `bt.backends.matmul` switch. The kernels themselves run in tests/cuda/test_gemm.py;
+every variant compiles for sm_90 in tests/test_cuda_kernels_compile.py."""
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+import blutrain as bt
+from blutrain import dtypes
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import contiguous_strides
+
+G = importlib.import_module("blutrain.backend.cuda.kernels.gemm")
+f32, bf16, f16 = dtypes.float32, dtypes.bfloat16, dtypes.float16
+T = 16384
+
+
+def arr(shape, dtype, mode="n", ptr=1 << 20) -> CudaArray:
+  """A matrix (batch) at a fake address: "n" row-major, "t" stored transposed, "odd" rows padded by one element."""
+  shape = tuple(shape)
+  if mode == "t": return G._mT(arr(shape[:-2] + shape[-2:][::-1], dtype, ptr=ptr))
+  if mode == "odd": return CudaArray(ptr, shape, contiguous_strides(shape[:-1] + (shape[-1] + 1,)), dtype, 0, None)
+  return CudaArray(ptr, shape, contiguous_strides(shape), dtype, 0, None)
+
+
+def planned(a, b, prec="", out_dtype=None, **kw):
+  shape = tuple(max(x, y) for x, y in zip((1,) * (b.ndim - a.ndim) + a.shape[:-2], (1,) * (a.ndim - b.ndim) + b.shape[:-2]))
+  out = kw.pop("out", None) or arr(shape + (a.shape[-2], b.shape[-1]), out_dtype or a.dtype)
+  return G.plan(a, b, out, kw.get("bias"), tuple(kw.get("aux", ())), tuple(kw.get("epilogue", ())), prec)
+
+
+def ints(plan, i=0) -> dict:
+  """The scalar arguments of a plan's i-th launch by parameter name."""
+  (fn, _, _, _), _, args = plan.launches[i]
+  names = [n for n in fn.arg_names if n not in G._CONSTS]
+  return {n: a[1] for n, a in zip(names, args) if a[0] == "i"}
+
+
+# *** source ***
+
+def test_sources_read_like_kernels_and_are_dumped(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_DUMP_IR", str(tmp_path))
+  st = G.Structure("tma", "fp32", "bf16", "tf32", True, True, True, "n", ("scale", "bias", "gelu", "residual"),
+                   aux=("n",), epi_types=("fp32", "bf16"))
+  text = G.source(st)
+  main, reduce = G.kernels(st)
+  assert reduce is None and main.arg_names[:5] == ["A", "B", "C", "BIAS", "R1"]
+  assert "tl.make_tensor_descriptor(A, [M, K], [LDA, 1], [BM, BK])" in text and "flatten=True" in text
+  assert "a = _round_tf32(a)" in text and 'input_precision="tf32"' in text and "acc.to(tl.bfloat16)" in text
+  epi = text[text.index("_epilogue("):text.index(f"def {st.name}(")]
+  assert epi.index("ALPHA") < epi.index("BIAS + rn") < epi.index("_gelu(acc, False)") < epi.index("R1 +")
+  assert (tmp_path / f"{st.name}.py").read_text() == text
+  ptr = G.Structure("ptr", "bf16", "bf16", "", False, False, c_unit="m", epilogue=("gelu_backward_tanh",), aux=("",),
+                    epi_types=("fp32",), split=True, batched=True, i64=True)
+  text = G.source(ptr)
+  assert "tl.load(a_ptrs" in text and "make_tensor_descriptor" not in text and "ra = ra.to(tl.int64)" in text
+  assert "_store_partial(acc" in text and f"def {ptr.name}_reduce(" in text and "for s in range(SPLITS)" in text
+  assert "_gelu_backward(acc, tl.load(X1 + rm[:, None] * LDX1M + rn[None, :] * LDX1N" in text
+  assert "input_precision" not in text and G.kernels(ptr)[1] is not None
+
+
+def test_structures_are_checked():
+  with pytest.raises(ValueError, match="unknown epilogue ops \\['relu'\\]"):
+    G.Structure("tma", "bf16", "bf16", "", True, True, epilogue=("relu",))
+  with pytest.raises(ValueError, match="reads 1 tensors"):
+    G.Structure("tma", "bf16", "bf16", "", True, True, epilogue=("residual",), epi_types=("bf16",))
+
+
+# *** plans ***
+
+def test_gpt2_bf16_runs_persistent_tma_kernels_as_stored():
+  for a, b in ((arr((T, 768), bf16), arr((768, 2304), bf16, "t")),      # y = x W^T
+               (arr((T, 2304), bf16), arr((2304, 768), bf16)),           # dx = dy W
+               (arr((2304, T), bf16, "t"), arr((T, 768), bf16))):        # dW = dy^T x
+    p = planned(a, b)
+    assert p.structure.kind == "tma" and not p.copy and not p.schedule.swap and p.steps == 1, p.structure
+    assert (p.structure.a_kmajor, p.structure.b_kmajor) == (a.strides[-1] == 1, b.strides[-2] == 1)
+    assert all(sig.endswith(":16") for name, sig in p.launches[0][0][1].items() if name in ("A", "B", "LDA", "M"))
+  p = planned(arr((2304, T), bf16, "t"), arr((T, 768), bf16))
+  assert p.schedule.split_k > 1 and len(p.launches) == 2 and p.workspace == (p.schedule.split_k, 1, 2304, 768)
+  assert ints(p)["K_TILES"] * p.schedule.split_k >= T // 64 and ints(p, 1)["SPLITS"] == p.schedule.split_k
+
+
+def test_tf32_copies_and_swaps_for_a_kmajor_b():
+  p = planned(arr((T, 768), f32), arr((768, 2304), f32, "t"), "tf32")         # B copied (and rounded)
+  assert p.copy == "b" and p.structure.b_kmajor and p.structure.round_a and not p.schedule.swap
+  p = planned(arr((T, 2304), f32), arr((2304, 768), f32), "tf32")             # an N-major B: its copy is K-major
+  assert p.copy == "b" and (p.structure.a_kmajor, p.structure.b_kmajor) == (True, True)
+  p = planned(arr((768, T), f32, "t"), arr((T, 3072), f32), "tf32")           # dW: the smaller operand, then a swap
+  assert p.copy == "a" and p.schedule.swap and (p.structure.a_kmajor, p.structure.b_kmajor) == (False, True)
+  p = planned(arr((2048, 2048), f32), arr((2048, 2048), f32), "tf32", epilogue=("bias",), bias=arr((2048,), f32))
+  assert not p.copy and p.schedule.swap and p.structure.bias_along_m and p.structure.c_unit == "m"
+  assert ints(p)["LDC"] == 2048
+  p = planned(arr((2048, 2048), f32), arr((2048, 2048), f32), "tf32x3")
+  assert not p.copy and not p.schedule.swap and not p.structure.round_a
+
+
+def test_batches_fold_loop_and_broadcast():
+  p = planned(arr((4, 33, 64), bf16), arr((64, 16), bf16))                   # a shared weight: one GEMM of 132 rows
+  assert ints(p)["M"] == 132 and p.steps == 1 and not p.structure.batched
+  p = planned(arr((8, 128, 4096), bf16), arr((8, 4096, 64), bf16))           # a batch: pointer kernels
+  assert p.structure.kind == "ptr" and p.structure.batched and p.launches[0][1][2] == 8
+  assert ints(p)["SAZ"] == 128 * 4096 and ints(p)["SBZ"] == 4096 * 64
+  p = planned(arr((2, 3, 9, 16), bf16), arr((3, 16, 5), bf16, "t"))          # broadcast outer dim: a host loop
+  assert p.steps == 2 and p.launches[0][1][2] == 3 and ints(p)["SBZ"] == 16 * 5
+  a = CudaArray(1 << 20, (6, 5, 8), (0, 8, 1), bf16, 0, None)               # an expanded A: batch stride 0
+  p = planned(a, arr((6, 8, 16), bf16))
+  assert ints(p)["SAZ"] == 0 and p.structure.batched
+
+
+def test_misaligned_int64_empty_and_strided_outputs():
+  p = planned(arr((200, 1000), bf16, "odd"), arr((1000, 300), bf16))
+  assert p.structure.kind == "ptr" and not any(sig.endswith(":16") for sig in p.launches[0][0][1].values())
+  assert planned(arr((65536, 768), bf16), arr((768, 50304), bf16, "t")).structure.i64
+  p = planned(arr((64, 0), f32), arr((0, 64), f32), "tf32", epilogue=("bias",), bias=arr((64,), f32))
+  assert len(p.launches) == 1 and ints(p)["SPLITS"] == 0 and p.workspace is None  # the reduction alone: the bias
+  out = G._mT(arr((96, 80), bf16))
+  assert planned(arr((80, 64), bf16), arr((64, 96), bf16), out=out).structure.c_unit == "m"
+
+
+def test_plan_refuses_mismatched_shapes():
+  with pytest.raises(ValueError, match="cannot contract"):
+    planned(arr((8, 5), bf16), arr((6, 3), bf16))
+
+
+def test_ci_variants_cover_every_structure():
+  specs = G.SPECS
+  names = {s[0].__name__ for s in specs}
+  assert "_rowmajor_kernel" in names and any(n.endswith("_reduce") for n in names)
+  structures = [st for st in G._jitted if any(s[0] is G.kernels(st)[0] for s in specs)]
+  assert {st.kind for st in structures} == {"tma", "ptr"} and {st.precision for st in structures} == {"", "tf32", "tf32x3"}
+  assert {st.dtype for st in structures} == {"fp32", "bf16", "fp16"} and any(st.i64 for st in structures)
+  assert set(G.EPILOGUE) <= {op for st in structures for op in st.epilogue}
+  assert any(st.split and st.batched for st in structures) and any(st.bias_along_m for st in structures)
+
+
+# *** the switch ***
+
+def test_backends_matmul_switch():
+  assert bt.backends.matmul in bt.backends.MATMUL
+  before = bt.backends.matmul
+  try:
+    bt.backends.matmul = "nova"
+    assert bt.backends.matmul == "nova"
+    with pytest.raises(ValueError, match="expected one of 'cublas', 'nova'"):
+      bt.backends.matmul = "magma"
+  finally:
+    bt.backends.matmul = before
+  env = dict(os.environ, BLUTRAIN_MATMUL="nova")
+  out = subprocess.run([sys.executable, "-c", "import blutrain as bt; print(bt.backends.matmul)"], env=env,
+                       capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "nova"
