@@ -42,15 +42,27 @@ def _run_hooks(hooks, g: Tensor) -> Tensor:
   return g
 
 
-def _accumulate(grads: dict, key: int, g: Tensor) -> None:
-  grads[key] = g if key not in grads else grads[key] + g
+def _accumulate(grads: dict, key: int, g: Tensor, owned: set[int] | None = None, fresh: bool = False) -> None:
+  """grads[key] += g out of place; `owned` collects the ids of sums and of `fresh` gradients (memory this backward
+  made and nothing else holds), which later slices of the same input may add into in place."""
+  grads[key] = total = g if key not in grads else grads[key] + g
+  if owned is not None and (fresh or total is not g): owned.add(id(total))
+
+
+def _add_into_slice(node: Node, g: Tensor, store: dict, owned: set[int]) -> bool:
+  """For a slice node: add g into its input's gradient in place when that gradient is a buffer this backward owns,
+  so the q, k, v slices of one projection fill one buffer instead of each making a zero-padded copy that adds sum."""
+  acc = store.get(id(node.parents[0]))
+  if acc is None or id(acc) not in owned or ops.core.capture.trace is not None: return False  # Nova fuses its own
+  ops.movement.slice_op(acc, index=node.attrs["index"]).add_(g)
+  return True
 
 
 def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=frozenset()):
   """Propagate gradients from the roots through every VJP. Returns the gradients reaching leaves (by id),
   the leaves themselves, and the total gradients of the nodes whose ids are in `capture`."""
   if ops.core.capture.trace is not None: ops.core.capture.trace.ran_backward = True  # the graph differentiates itself
-  node_grads, leaf_grads, leaves, captured = dict(root_grads), {}, {}, {}
+  node_grads, leaf_grads, leaves, captured, owned = dict(root_grads), {}, {}, {}, set()
   for node in reversed(_toposort(roots)):
     g = node_grads.pop(id(node), None)
     if g is None: continue
@@ -59,6 +71,10 @@ def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=froze
     if node.retained is not None and (t := node.retained()) is not None:
       t.grad = g.detach() if t.grad is None else t.grad + g
     _check_saved(node)
+    is_slice = node.op is ops.movement.slice_op and node.parents[0] is not None
+    if is_slice and _add_into_slice(node, g, node_grads if isinstance(node.parents[0], Node) else leaf_grads, owned):
+      if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+      continue
     in_grads = node.op.vjp(g, node.out, *node.saved, **node.attrs)
     if len(in_grads) != len(node.parents):
       raise RuntimeError(f"VJP of {node.op.name} returned {len(in_grads)} gradients for {len(node.parents)} inputs")
@@ -67,8 +83,8 @@ def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=froze
       if ig.shape != tuple(inp.shape):
         raise RuntimeError(f"VJP of {node.op.name}: gradient of shape {ig.shape} for an input of shape {tuple(inp.shape)}")
       if ig.dtype is not inp.dtype: ig = ig.to(inp.dtype)
-      if isinstance(parent, Node): _accumulate(node_grads, id(parent), ig)
-      else: _accumulate(leaf_grads, id(parent), ig); leaves[id(parent)] = parent
+      if isinstance(parent, Node): _accumulate(node_grads, id(parent), ig, owned, is_slice)
+      else: _accumulate(leaf_grads, id(parent), ig, owned, is_slice); leaves[id(parent)] = parent
     if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
   return leaf_grads, leaves, captured
 
