@@ -26,10 +26,11 @@ class Storage:
 
 class Traced:
   """The storage of a tensor under Nova's capture: no values, only its place in the graph being built."""
-  __slots__ = ("value", "viewed")
+  __slots__ = ("value", "viewed", "view_of", "stale")
 
   def __init__(self, value: Any):
-    self.value, self.viewed = value, False
+    # viewed: a view was taken of it; view_of: the Traced it is a view of; stale: a view of it was updated in place
+    self.value, self.viewed, self.view_of, self.stale = value, False, None, False
 
 
 class GraphBreakError(RuntimeError):

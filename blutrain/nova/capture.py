@@ -114,7 +114,12 @@ class Trace:
   def value(self, t: Tensor) -> Value:
     """The graph value a tensor stands for; a concrete tensor read for the first time becomes an input."""
     data = t._storage.data
-    if type(data) is Traced: return data.value
+    if type(data) is Traced:
+      if data.stale:
+        raise RuntimeError(f"bt.compile: a tensor of shape {tuple(t.shape)} computed inside the compiled function is "
+                           "read after one of its views was updated in place, which is not supported; build the "
+                           "result out of place (e.g. with cat or where), or update the whole tensor")
+      return data.value
     key = _layout(t)
     written = self._written.get(key[0])
     if written is not None and written != key:
@@ -147,16 +152,21 @@ class Trace:
         state = self.rng[id(rng)] = [rng, self._input((2,), dtypes.int64, Rng(rng)), attrs["offset"]]
       attrs["offset"] -= state[2]
       ins = [state[1]]
-    if op.view is not None and type(inputs[0]._storage.data) is Traced: inputs[0]._storage.data.viewed = True
     out = self._new(shape, dtype)
     self.graph.equations.append(Equation(op.name, ins, dict(attrs), out))
-    return self._traced(out, device)
+    t = self._traced(out, device)
+    if op.view is not None and type(inputs[0]._storage.data) is Traced:  # in the graph a view is a new value
+      inputs[0]._storage.data.viewed, t._storage.data.view_of = True, inputs[0]._storage.data
+    return t
 
   def write(self, x: Tensor, new: Tensor) -> None:
     """An in-place op's result: rebind a traced tensor, or record a write-back into a concrete one."""
     v = self.value(new)
     data = x._storage.data
     if type(data) is Traced:
+      base = data.view_of
+      while base is not None:  # the update reaches the view only: reading its bases later would miss it
+        base.stale, base = True, base.view_of
       if data.viewed:
         raise RuntimeError(f"bt.compile: in-place update of a tensor of shape {tuple(x.shape)} whose views are still in "
                            "use; update it before taking views, or use an out-of-place op")

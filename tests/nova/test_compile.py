@@ -193,6 +193,17 @@ def test_graph_break_is_an_error():
     step(bt.randn(2, 3))
 
 
+def test_in_place_update_of_a_view_of_an_intermediate_is_refused():
+  def f(x):
+    h = x * 2
+    h[1:3].add_(x[1:3])  # eagerly this changes h; in the graph the view is a value of its own
+    return (h * h).sum()
+  c, x = bt.compile(f), bt.randn(5)
+  assert c(x).item() == pytest.approx(f(x).item())  # the first call runs eagerly
+  with pytest.raises(RuntimeError, match="read after one of its views was updated in place"):
+    c(x)
+
+
 def test_forward_only_training_call_is_refused():
   model = nn.Linear(3, 1)
   f = bt.compile(model)
