@@ -37,7 +37,8 @@ def _timed(step, batches, warmup: int, sync) -> dict:
     losses.append(step(*b))
     sync()
     times.append(time.perf_counter() - t0)
-  return {"first_step_s": first, "step_s": statistics.median(times), "losses": [float(x) for x in losses]}
+  return {"first_step_s": first, "step_s": statistics.median(times), "step_times_s": times,
+          "losses": [float(x) for x in losses]}
 
 
 def run_blutrain(cfg, state, batches, precision: str, warmup: int) -> dict:
@@ -103,6 +104,7 @@ def main() -> None:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--precisions", default="fp32,tf32,bf16")
   ap.add_argument("--torch-compile", action="store_true")
+  ap.add_argument("--order", default="torch_eager,blutrain_eager", help="which runs, in which order")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_gpt2.json"))
   args = ap.parse_args()
 
@@ -122,18 +124,20 @@ def main() -> None:
                                    "blutrain": bt.__version__, "numpy": np.__version__}, "runs": {}}
   for precision in args.precisions.split(","):
     runs = {"torch_eager": lambda: run_torch(cfg, state, batches, precision, args.warmup, False),
-            "blutrain_eager": lambda: run_blutrain(cfg, state, batches, precision, args.warmup)}
-    if args.torch_compile: runs["torch_compile"] = lambda: run_torch(cfg, state, batches, precision, args.warmup, True)
-    for name, fn in runs.items():
+            "blutrain_eager": lambda: run_blutrain(cfg, state, batches, precision, args.warmup),
+            "torch_compile": lambda: run_torch(cfg, state, batches, precision, args.warmup, True)}
+    order = args.order.split(",") + (["torch_compile"] if args.torch_compile else [])
+    for name, fn in ((n, runs[n]) for n in order):
       try:
         r = fn()
         r["tokens_per_s"] = tokens / r["step_s"]
       except Exception as e:  # a failed run is reported, not hidden
         r = {"error": f"{type(e).__name__}: {e}"}
       result["runs"][f"{name}/{precision}"] = r
-      print(name, precision, {k: v for k, v in r.items() if k != "losses"}, flush=True)
-    ref, ours = result["runs"][f"torch_eager/{precision}"], result["runs"][f"blutrain_eager/{precision}"]
-    if "error" not in ref and "error" not in ours:
+      print(name, precision, {k: [round(t * 1e3, 1) for t in v] if k == "step_times_s" else v for k, v in r.items()
+                              if k != "losses"}, flush=True)
+    ref, ours = result["runs"].get(f"torch_eager/{precision}", {}), result["runs"].get(f"blutrain_eager/{precision}", {})
+    if ref and ours and "error" not in ref and "error" not in ours:
       rows.append((precision, ours["tokens_per_s"], ref["tokens_per_s"], ours["tokens_per_s"] / ref["tokens_per_s"],
                    ours["peak_bytes"] / 2**30, ref["peak_bytes"] / 2**30, ours["first_step_s"],
                    max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))))
