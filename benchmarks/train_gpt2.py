@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _timed(step, batches, warmup: int, sync) -> dict:
+  gc.collect()
+  gc.freeze()  # for every run alike: full collections scan only what the steps make, as in `blutrain train`
   t0 = time.perf_counter()
   first_loss = step(*batches[0])
   sync()
@@ -37,6 +39,7 @@ def _timed(step, batches, warmup: int, sync) -> dict:
     losses.append(step(*b))
     sync()
     times.append(time.perf_counter() - t0)
+  gc.unfreeze()
   return {"first_step_s": first, "step_s": statistics.median(times), "step_times_s": times,
           "losses": [float(x) for x in losses]}
 

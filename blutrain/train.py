@@ -3,6 +3,7 @@ exactly, metrics (JSONL and CSV), a loss-curve plot and a sample at the end."""
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -153,6 +154,8 @@ class Trainer:
     (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
     bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, unit="step", dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
+    gc.collect()
+    gc.freeze()  # the model, optimizer and data stay: full collections then scan only what the steps make
     while self.step < cfg.steps:
       loss = self.train_step()
       self.step += 1
@@ -172,6 +175,7 @@ class Trainer:
         window_start = time.perf_counter()
       bar.update(1)
     bar.close()
+    gc.unfreeze()
     self._plot()
     sample = self.sample("\n", cfg.sample_tokens)
     (self.out / "sample.txt").write_text(sample)
