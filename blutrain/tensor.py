@@ -274,27 +274,32 @@ class Tensor:
 
   # *** in-place ***
 
-  def copy_(self, src) -> Tensor: return ops.inplace(self, lambda old: ops.as_tensor_like(src, self).to(self.device))
+  def copy_(self, src) -> Tensor: return ops.inplace(self, _copy_source, src)
   def zero_(self) -> Tensor: return self.fill_(0)
-  def fill_(self, value) -> Tensor: return ops.inplace(self, lambda old: ops.full_like(self, value))
-  def add_(self, other, alpha=1) -> Tensor: return ops.inplace(self, lambda old: ops.add(old, other, alpha=alpha))
-  def sub_(self, other, alpha=1) -> Tensor: return ops.inplace(self, lambda old: ops.sub(old, other, alpha=alpha))
-  def mul_(self, other) -> Tensor: return ops.inplace(self, lambda old: ops.mul(old, other))
-  def div_(self, other) -> Tensor: return ops.inplace(self, lambda old: ops.div(old, other))
-  def pow_(self, other) -> Tensor: return ops.inplace(self, lambda old: ops.pow(old, other))
+  def fill_(self, value) -> Tensor:
+    return ops.inplace(self, lambda old, into: ops.full(old.shape, value, dtype=old.dtype, device=old.device, into=into))
+  def add_(self, other, alpha=1) -> Tensor: return ops.inplace(self, ops.add, other, alpha=alpha)
+  def sub_(self, other, alpha=1) -> Tensor: return ops.inplace(self, ops.sub, other, alpha=alpha)
+  def mul_(self, other) -> Tensor: return ops.inplace(self, ops.mul, other)
+  def div_(self, other) -> Tensor: return ops.inplace(self, ops.div, other)
+  def pow_(self, other) -> Tensor: return ops.inplace(self, ops.pow, other)
   def neg_(self) -> Tensor: return ops.inplace(self, ops.neg)
   def exp_(self) -> Tensor: return ops.inplace(self, ops.exp)
   def sqrt_(self) -> Tensor: return ops.inplace(self, ops.sqrt)
   def relu_(self) -> Tensor: return ops.inplace(self, ops.relu)
-  def clamp_(self, min=None, max=None) -> Tensor: return ops.inplace(self, lambda old: ops.clamp(old, min, max))
-  def masked_fill_(self, mask, value) -> Tensor: return ops.inplace(self, lambda old: ops.masked_fill(old, mask, value))
-  def lerp_(self, end, weight) -> Tensor: return ops.inplace(self, lambda old: ops.lerp(old, end, weight))
-  def addcmul_(self, t1, t2, value=1) -> Tensor: return ops.inplace(self, lambda old: old + value * t1 * t2)
-  def addcdiv_(self, t1, t2, value=1) -> Tensor: return ops.inplace(self, lambda old: old + value * t1 / t2)
+  def clamp_(self, min=None, max=None) -> Tensor: return ops.inplace(self, ops.clamp, min, max)
+  def masked_fill_(self, mask, value) -> Tensor: return ops.inplace(self, ops.masked_fill, mask, value)
+  def lerp_(self, end, weight) -> Tensor: return ops.inplace(self, ops.lerp, end, weight)
+  def addcmul_(self, t1, t2, value=1) -> Tensor:
+    return ops.inplace(self, lambda old, into: ops.add(old, value * t1 * t2, into=into))
+  def addcdiv_(self, t1, t2, value=1) -> Tensor:
+    return ops.inplace(self, lambda old, into: ops.add(old, value * t1 / t2, into=into))
   def uniform_(self, a: float = 0.0, b: float = 1.0, generator=None) -> Tensor:
-    return ops.inplace(self, lambda old: ops.rand(self.shape, dtype=self.dtype, device=self.device, generator=generator) * (b - a) + a)
+    return ops.inplace(self, lambda old, into: ops.add(
+      ops.rand(self.shape, dtype=self.dtype, device=self.device, generator=generator) * (b - a), a, into=into))
   def normal_(self, mean: float = 0.0, std: float = 1.0, generator=None) -> Tensor:
-    return ops.inplace(self, lambda old: ops.randn(self.shape, dtype=self.dtype, device=self.device, generator=generator) * std + mean)
+    return ops.inplace(self, lambda old, into: ops.add(
+      ops.randn(self.shape, dtype=self.dtype, device=self.device, generator=generator) * std, mean, into=into))
   def __iadd__(self, other): return self.add_(other)
   def __isub__(self, other): return self.sub_(other)
   def __imul__(self, other): return self.mul_(other)
@@ -335,6 +340,12 @@ class _HookHandle:
   def __init__(self, hooks: list, hook): self.hooks, self.hook = hooks, hook
   def remove(self) -> None:
     if self.hook in self.hooks: self.hooks.remove(self.hook)
+
+
+def _copy_source(old: Tensor, src, into: Tensor) -> Tensor:
+  """copy_'s new values: src as a tensor on the destination's device (for `x.copy_(x)` the alias `old`, so that the
+  write and its version bump still happen)."""
+  return old if src is into else ops.as_tensor_like(src, old).to(old.device)
 
 
 def _bool_operand(op: str, x):

@@ -162,10 +162,15 @@ def _record(op_: Op, inputs, attrs, out: Tensor) -> None:
                    saved_out, Aval(out.shape, out.dtype, out.device))
 
 
-def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Tensor:
+def apply(op_: Op, *inputs: Tensor | None, into: Tensor | None = None, device=None, rng=None, **attrs) -> Tensor:
   """Run a primitive: check devices, infer the output by the op's rule, run the backend kernel (or make a
   view), and record a tape node when gradients are needed. Under a Nova capture the op is recorded into the
-  graph instead of run. `rng` names the generator a random op draws from (capture makes its state an input)."""
+  graph instead of run. `rng` names the generator a random op draws from (capture makes its state an input).
+
+  `into` (in-place ops pass their tensor) may receive the result instead of a new tensor: when the backend's kernel
+  writes into an `out=` array (its `writes_out`), no node is needed and `can_write_into` allows it, the result is
+  stored in into's memory (cast to its dtype), its version is bumped and `into` is returned. Otherwise a new tensor
+  is returned, which the caller writes (`ops.inplace`)."""
   if autocast_state.cast is not None: inputs = autocast_state.cast(op_.name, inputs)
   grad = grad_mode.enabled
   if grad:
@@ -173,6 +178,7 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
       if t is not None and t._base is not None and t._base._node is not t._base_node: refresh_view(t)
   dev = _device_of(op_, inputs) or device
   shape, dtype = op_.rule(*inputs, **attrs)
+  record = grad and op_.vjp is not None and op_.differentiable and any(t is not None and t.requires_grad for t in inputs)
   if capture.trace is not None:
     out = capture.trace.emit(op_, inputs, attrs, shape, dtype, dev, rng)
   elif op_.view is not None:
@@ -185,14 +191,54 @@ def apply(op_: Op, *inputs: Tensor | None, device=None, rng=None, **attrs) -> Te
     kernel = backend.get(dev).kernels.get(op_.name)
     if kernel is None: raise NotImplementedError(f"{op_.name}: no kernel on the {dev.type} backend")
     arrays = [None if t is None else t._array() for t in inputs]
+    if (into is not None and not record and getattr(kernel, "writes_out", False)
+        and can_write_into(into, shape, dtype, dev, inputs)):
+      if profiling.session is None: kernel(*arrays, out=into._array(), **attrs)
+      else:
+        with op_timer(op_.name, dev, inputs): kernel(*arrays, out=into._array(), **attrs)
+      into._storage.version += 1
+      return into
     if profiling.session is None: result = kernel(*arrays, **attrs)
     else:
       with op_timer(op_.name, dev, inputs): result = kernel(*arrays, **attrs)
     out = Tensor._wrap(result, dev, dtype)
     assert out.shape == shape, f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {shape}"
-  if grad and op_.vjp is not None and op_.differentiable and any(t is not None and t.requires_grad for t in inputs):
-    _record(op_, inputs, attrs, out)
+  if record: _record(op_, inputs, attrs, out)
   return out
+
+
+def can_cast(src: DType, dst: DType) -> bool:
+  """Whether an in-place op may store a `src` result in a `dst` tensor, as PyTorch's canCast: no float into an
+  integer, nothing but bool into bool; narrower types of one kind are fine (int64 into int32 wraps around)."""
+  return src.category <= dst.category
+
+
+def can_write_into(out: Tensor, shape: Shape, dtype: DType, dev, inputs) -> bool:
+  """Whether a result of (shape, dtype) on `dev` may go straight into out's memory as the kernel computes it: the
+  same shape and device, a dtype that casts to out's, no element of out stored twice (a broadcast out), and every
+  input in out's storage reading exactly the element it is written to or none that is written. Otherwise
+  (`x[1:].add_(x[:-1])`) the result goes to a new tensor first, as if all were read before any write."""
+  device = out._storage.device
+  if out.shape != shape or not can_cast(dtype, out.dtype) or (device is not dev and device != dev): return False
+  if 0 in out._strides and any(n > 1 and st == 0 for n, st in zip(out.shape, out._strides)): return False
+  for t in inputs:
+    if t is not None and t._storage is out._storage and not _aligned(t, out):
+      (lo, hi), (out_lo, out_hi) = _span(t), _span(out)
+      if lo < out_hi and out_lo < hi: return False
+  return True
+
+
+def _aligned(t: Tensor, out: Tensor) -> bool:
+  """t addresses the same element as out at every index."""
+  return (t.shape == out.shape and t._offset == out._offset and t.dtype is out.dtype
+          and all(n == 1 or a == b for n, a, b in zip(out.shape, t._strides, out._strides)))
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+  """The storage elements [lo, hi) that t may touch (empty when t has none)."""
+  if 0 in t.shape: return t._offset, t._offset
+  lo = t._offset + sum(st * (n - 1) for n, st in zip(t.shape, t._strides) if st < 0)
+  return lo, t._offset + 1 + sum(st * (n - 1) for n, st in zip(t.shape, t._strides) if st > 0)
 
 
 def refresh_view(t: Tensor) -> None:
@@ -205,7 +251,8 @@ def refresh_view(t: Tensor) -> None:
 
 
 def write(x: Tensor, new: Tensor) -> None:
-  """The last step of every in-place op: store `new` (x's shape and dtype) into x's memory, bump its version."""
+  """The last step of an in-place op that did not write itself: store `new` (of x's shape, in x's dtype or one that
+  casts to it) into x's memory, bump its version."""
   if capture.trace is not None: capture.trace.write(x, new)
   elif profiling.session is None: backend.get(x.device).copy_into(x._array(), new._array())
   else:

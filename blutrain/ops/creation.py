@@ -9,7 +9,7 @@ import numpy as np
 from blutrain import backend, dtypes, ops
 from blutrain.device import Device, to_device as parse_device
 from blutrain.dtypes import DType
-from blutrain.ops.core import Shape, _record, grad_mode, op, write
+from blutrain.ops.core import Shape, _record, can_cast, capture, grad_mode, op, write
 from blutrain.tensor import Storage, Tensor
 
 
@@ -30,11 +30,13 @@ full_op = op("full", _creation_rule)             # attrs: shape, value, dtype
 arange_op = op("arange", _creation_rule)         # attrs: start, step, shape, dtype
 
 
-def full(size: Sequence[int], fill_value, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-  """A tensor of `size` filled with `fill_value`; the dtype follows the value (bool, int64, float32) by default."""
+def full(size: Sequence[int], fill_value, *, dtype=None, device=None, requires_grad: bool = False,
+         into: Tensor | None = None) -> Tensor:
+  """A tensor of `size` filled with `fill_value`; the dtype follows the value (bool, int64, float32) by default.
+  `into` may receive the values in place of a new tensor (`Tensor.fill_` passes its own, see `ops.core.apply`)."""
   dt = dtypes.to_dtype(dtype) if dtype is not None else dtypes.scalar_dtype(fill_value)
   t = full_op(device=parse_device(device), shape=_shape((size,) if isinstance(size, int) else tuple(size)),
-              value=fill_value, dtype=dt)
+              value=fill_value, dtype=dt, into=into)
   return t.requires_grad_(requires_grad) if requires_grad else t
 
 
@@ -258,12 +260,14 @@ def randn_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
 
 # *** in-place writes ***
 
-def inplace(x: Tensor, fn) -> Tensor:
-  """Run `fn(old)` out of place and write the result into x's storage, bumping its version.
+def inplace(x: Tensor, fn, *args, **kwargs) -> Tensor:
+  """Compute `fn(old, *args, into=x, **kwargs)` and store the result into x's storage, bumping its version.
 
-  The tape then sees x as the result of fn; a later backward that needs the overwritten values finds the
-  version changed and says so, as PyTorch's autograd does. When x is a view, its root tensor's graph goes
-  through the write too (PyTorch's CopySlices), and other views of the root read it anew when next used."""
+  fn may hand `into` to the primitive that makes its result (`apply`), which writes into x's memory itself when
+  nothing needs the tape and no input overlaps x otherwise than element for element, and then returns x; any other
+  result is written here. The tape then sees x as the result of fn; a later backward that needs the overwritten
+  values finds the version changed and says so, as PyTorch's autograd does. When x is a view, its root tensor's
+  graph goes through the write too (PyTorch's CopySlices), and other views of the root read it anew when next used."""
   recording, base = grad_mode.enabled, x._base
   if recording and x.requires_grad and x.is_leaf:
     raise RuntimeError(f"a leaf tensor that requires grad (shape {x.shape}) is being used in an in-place operation; "
@@ -277,11 +281,12 @@ def inplace(x: Tensor, fn) -> Tensor:
                        "use an out-of-place op (e.g. `x = x.masked_fill(...)`)")
   old = Tensor._make(x._storage, x.shape, x._strides, x._offset, x.dtype)
   old.requires_grad, old._node = x.requires_grad, x._node
-  new = fn(old)
+  new = fn(old, *args, into=x, **kwargs)
+  if new is x: return x
   if new.dtype is not x.dtype:
-    if dtypes.promote_types(new.dtype, x.dtype) is not x.dtype and not (x.dtype.category == new.dtype.category == 2):
+    if not can_cast(new.dtype, x.dtype):
       raise RuntimeError(f"in-place op: result type {new.dtype.name} can't be cast to the tensor's dtype {x.dtype.name}")
-    new = new.to(x.dtype)
+    if (recording and new.requires_grad) or capture.trace is not None: new = new.to(x.dtype)  # else the write casts
   if new.shape != x.shape:
     try: new = new.expand(x.shape)
     except ValueError: raise RuntimeError(f"in-place op: result of shape {new.shape} does not fit the tensor's shape {x.shape}") from None

@@ -37,9 +37,9 @@ gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
              lambda g, out, x, approximate: (gelu_backward(g, x, approximate=approximate),))
 
 
-def exp(x: Tensor) -> Tensor: return exp_op(_floating(x))
+def exp(x: Tensor, *, into: Tensor | None = None) -> Tensor: return exp_op(_floating(x), into=into)
 def log(x: Tensor) -> Tensor: return log_op(_floating(x))
-def sqrt(x: Tensor) -> Tensor: return sqrt_op(_floating(x))
+def sqrt(x: Tensor, *, into: Tensor | None = None) -> Tensor: return sqrt_op(_floating(x), into=into)
 def rsqrt(x: Tensor) -> Tensor: return rsqrt_op(_floating(x))
 def sin(x: Tensor) -> Tensor: return sin_op(_floating(x))
 def cos(x: Tensor) -> Tensor: return cos_op(_floating(x))
@@ -114,28 +114,31 @@ def _scaled(y, alpha):
   return y if not isinstance(alpha, Tensor) and alpha == 1 else y * alpha
 
 
-def add(x, y, *, alpha=1) -> Tensor:
+# `into`, here and below: a tensor that may receive the result in place of a new one (in-place methods pass theirs,
+# see `ops.inplace` and `ops.core.apply`); the tensor returned holds the result either way
+
+def add(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
   """x + alpha * y, broadcasting."""
-  return add_op(*operands("add", x, _scaled(y, alpha)))
+  return add_op(*operands("add", x, _scaled(y, alpha)), into=into)
 
 
-def sub(x, y, *, alpha=1) -> Tensor:
+def sub(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
   """x - alpha * y, broadcasting."""
-  return sub_op(*operands("sub", x, _scaled(y, alpha)))
+  return sub_op(*operands("sub", x, _scaled(y, alpha)), into=into)
 
 
-def mul(x, y) -> Tensor: return mul_op(*operands("mul", x, y))
+def mul(x, y, *, into: Tensor | None = None) -> Tensor: return mul_op(*operands("mul", x, y), into=into)
 
 
-def div(x, y) -> Tensor:
+def div(x, y, *, into: Tensor | None = None) -> Tensor:
   """True division; integer inputs give float32."""
   dt = dtypes.result_type(x, y)
-  return div_op(*operands("div", x, y, dtype=dt if dt.is_floating_point else dtypes.default_float))
+  return div_op(*operands("div", x, y, dtype=dt if dt.is_floating_point else dtypes.default_float), into=into)
 
 
-def pow(x, y) -> Tensor:
+def pow(x, y, *, into: Tensor | None = None) -> Tensor:
   """x ** y; an integer base with a float exponent gives float32."""
-  return pow_op(*operands("pow", x, y))
+  return pow_op(*operands("pow", x, y), into=into)
 
 
 def maximum(x, y) -> Tensor: return maximum_op(*operands("maximum", x, y))
@@ -164,14 +167,14 @@ where_op = op("where", _where_rule, lambda g, out, c, x, y: (
   None, _unbroadcast(where_op(c, g, ops.zeros_like(g)), x), _unbroadcast(where_op(c, ops.zeros_like(g), g), y)), saves=(0,))
 
 
-def where(condition: Tensor, x, y) -> Tensor:
+def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
   """Elementwise `x if condition else y`, broadcasting all three."""
   if not isinstance(condition, Tensor) or condition.dtype is not dtypes.bool_:
     raise TypeError(f"where: condition must be a bool tensor, got {getattr(condition, 'dtype', type(condition).__name__)}")
   if not isinstance(x, Tensor) and not isinstance(y, Tensor):
     x = ops.full((), x, dtype=dtypes.result_type(x, y), device=condition.device)
   x, y = operands("where", x, y)
-  return where_op(condition, x, y)
+  return where_op(condition, x, y, into=into)
 
 
 cast_op = op("cast", lambda x, dtype: (x.shape, dtype), lambda g, out, x, dtype: (g.to(x.dtype),), saves=())
@@ -187,26 +190,27 @@ def cast(x: Tensor, dtype: DType) -> Tensor:
 
 # *** composites ***
 
-def clamp(x: Tensor, min=None, max=None) -> Tensor:
+def clamp(x: Tensor, min=None, max=None, *, into: Tensor | None = None) -> Tensor:
   """Limit x to [min, max]; the gradient passes where min <= x <= max."""
   if min is None and max is None: raise ValueError("clamp: at least one of min and max must be given")
-  if min is not None: x = where(x < min, min, x) if not isinstance(min, Tensor) else where(x < min, min.to(x.dtype), x)
-  if max is not None: x = where(x > max, max, x) if not isinstance(max, Tensor) else where(x > max, max.to(x.dtype), x)
+  if min is not None:
+    x = where(x < min, min if not isinstance(min, Tensor) else min.to(x.dtype), x, into=into if max is None else None)
+  if max is not None: x = where(x > max, max if not isinstance(max, Tensor) else max.to(x.dtype), x, into=into)
   return x
 
 
 clip = clamp
 
 
-def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
+def masked_fill(x: Tensor, mask: Tensor, value, *, into: Tensor | None = None) -> Tensor:
   """x with `value` where mask is True (mask broadcasts to x)."""
   if not isinstance(mask, Tensor) or mask.dtype is not dtypes.bool_:
     raise TypeError(f"masked_fill: mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
   if broadcast_shapes(mask.shape, x.shape, op="masked_fill") != tuple(x.shape):
     raise ValueError(f"masked_fill: mask of shape {mask.shape} does not broadcast to the tensor's shape {x.shape}")
-  return where(mask, ops.as_tensor_like(value, x).to(x.dtype), x)
+  return where(mask, ops.as_tensor_like(value, x).to(x.dtype), x, into=into)
 
 
-def lerp(x: Tensor, end, weight) -> Tensor:
+def lerp(x: Tensor, end, weight, *, into: Tensor | None = None) -> Tensor:
   """x + weight * (end - x)."""
-  return x + weight * (end - x)
+  return add(x, weight * (end - x), into=into)

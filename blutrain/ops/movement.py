@@ -341,16 +341,16 @@ def setitem(x: Tensor, key, value) -> None:
   if grad_mode.enabled and (x.requires_grad or value.requires_grad):
     with ops.no_grad():
       pos = getitem(ops.arange(x.numel(), device=x.device).reshape(x.shape), key)
-    ops.inplace(x, lambda old: _put(old, pos, _fit(value, pos.shape).to(x.dtype)))
+    ops.inplace(x, lambda old, into: _put(old, pos, _fit(value, pos.shape).to(x.dtype)))
     return
   with ops.no_grad():
     y, adv = _parse_key(x, key)
     if not adv:
-      ops.inplace(y, lambda old: _fit(value, old.shape).to(x.dtype))
+      ops.inplace(y, lambda old, into: _fit(value, old.shape).to(x.dtype))
       return
     idx, positions = tuple(t for _, t in adv), tuple(p for p, _ in adv)
     region = _index_shape(y.shape, [t.shape for t in idx], positions)
-    ops.inplace(y, lambda old: index_put(old, _fit(value, region).to(x.dtype), *idx, positions=positions))
+    ops.inplace(y, lambda old, into: index_put(old, _fit(value, region).to(x.dtype), *idx, positions=positions))
 
 
 def _fit(value: Tensor, shape) -> Tensor:

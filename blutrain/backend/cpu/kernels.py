@@ -233,7 +233,6 @@ def _matmul(a, b):
 
 kernels = {
   # creation and random
-  "full": lambda *, shape, value, dtype: np.full(shape, value, dtype.np),
   "arange": lambda *, start, step, shape, dtype: (start + step * np.arange(shape[0], dtype=np.float64)
                                                   if dtype.is_floating_point else start + step * np.arange(shape[0])),
   "rand": lambda *, shape, dtype, seed, offset: _rng(seed, offset).random(shape, dtype=np.float32),
@@ -278,4 +277,31 @@ def _upcast_halves(fn):
   return kernel
 
 
-kernels = {name: _upcast_halves(fn) for name, fn in kernels.items()}
+def _writing(fn):
+  """The kernel also stores its result into `out=` (a view of any layout; cast to out's dtype as astype does) through
+  the ufunc's own `out` (numpy buffers inputs that overlap it), and says so with `writes_out`."""
+  def kernel(*arrays, out=None, **attrs):
+    if out is None: return fn(*arrays, **attrs)
+    fn(*arrays, out=out, casting="unsafe", **attrs)
+    return out
+  kernel.writes_out = True
+  return functools.update_wrapper(kernel, fn)
+
+
+def _fill(*, shape, value, dtype, out=None):
+  if out is None: return np.full(shape, value, dtype.np)
+  np.copyto(out, np.full((), value, dtype.np), casting="unsafe")
+  return out
+
+
+def _where(c, x, y, out=None):
+  if out is None: return np.where(c, x, y)
+  np.copyto(out, np.where(c, x, y), casting="unsafe")
+  return out
+
+
+_fill.writes_out = _where.writes_out = True
+_UFUNCS = ("neg exp log sqrt abs sin cos tanh floor logical_not add sub mul div maximum minimum eq ne lt le gt ge "
+           "logical_and logical_or logical_xor").split()
+kernels = {name: _writing(_upcast_halves(fn)) if name in _UFUNCS else _upcast_halves(fn) for name, fn in kernels.items()}
+kernels["full"], kernels["where"] = _fill, _where

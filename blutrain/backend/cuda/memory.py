@@ -183,32 +183,25 @@ def to_numpy(a: CudaArray) -> np.ndarray:
 # *** device -> device ***
 
 def copy_into(dst: CudaArray, src: CudaArray) -> None:
-  """dst[...] = src on the current stream: src broadcasts to dst's shape and is cast to its dtype.
+  """dst[...] = src on the current stream: src broadcasts to dst's shape and is converted to its dtype.
 
-  A memcpy when both share one dense layout; otherwise the kernel library's `copy` (and `cast`) kernels."""
+  A memcpy when both share one dtype and one dense layout; otherwise the kernel library's `copy` kernel, which
+  converts on store and reads a source that overlaps dst before writing."""
   if dst.size == 0: return
   if src.device != dst.device:
     raise RuntimeError(f"copy_into: source on cuda:{src.device}, destination on cuda:{dst.device}; "
                        "copy through .to(device) first")
   s = current_stream(dst.device)
-  if src.dtype is not dst.dtype: src = _require("cast", src, dst)(src, dtype=dst.dtype)
   src = broadcast_to(src, dst.shape)
   for a in (src, dst):
     if a.owner.stream is not s: a.owner.record_stream(s)
-  if src.ptr == dst.ptr and src.strides == dst.strides and src.dtype is dst.dtype: return  # x.copy_(x)
-  if src.strides == dst.strides and is_dense(dst) and not overlaps(dst, src):  # memcpy's ranges must not overlap
-    lo, _ = span(dst.shape, dst.strides)
-    copy_d2d(dst.ptr + lo * dst.dtype.itemsize, src.ptr + lo * src.dtype.itemsize, dst.nbytes, s)
-    return
-  copy = _require("copy", src, dst)
-  if dst.is_contiguous():
-    copy_d2d(dst.ptr, copy(src).ptr, dst.nbytes, s)
-    return
-  try: copy(src, out=dst)
-  except TypeError as e:
-    if "out" not in str(e): raise
-    raise RuntimeError(f"copy_into: writing into a strided CUDA array (shape {dst.shape}, strides {dst.strides}) "
-                       f"needs the kernel library's 'copy' kernel to accept out= (copy(x, out=view)): {e}") from e
+  if src.dtype is dst.dtype:
+    if src.ptr == dst.ptr and src.strides == dst.strides: return  # x.copy_(x)
+    if src.strides == dst.strides and is_dense(dst) and not overlaps(dst, src):  # memcpy's ranges must not overlap
+      lo, _ = span(dst.shape, dst.strides)
+      copy_d2d(dst.ptr + lo * dst.dtype.itemsize, src.ptr + lo * src.dtype.itemsize, dst.nbytes, s)
+      return
+  _require("copy", src, dst)(src, out=dst)
 
 
 def _require(name: str, src: CudaArray, dst: CudaArray):

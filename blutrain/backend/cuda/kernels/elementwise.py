@@ -393,8 +393,15 @@ def _arange_kernel(out, n, start, step, BLOCK: tl.constexpr, FLOAT: tl.constexpr
   tl.store(out + i, v.to(out.dtype.element_ty), mask=i < n)
 
 
-def full(*, shape, value, dtype: DType, device: int | None = None) -> CudaArray:
-  return _fill(empty(shape, dtype, device), value)
+def full(*, shape, value, dtype: DType, out: CudaArray | None = None) -> CudaArray:
+  """A new array of `value` in dtype on the current device, or `out` (any layout and dtype) filled with the value
+  converted to dtype."""
+  if out is None: return _fill(empty(shape, dtype), value)
+  if dtype is out.dtype and out.is_contiguous(): return _fill(out, value)
+  return launch("copy", out, _fill(empty((), dtype, out.device), value))
+
+
+full.writes_out = True
 
 
 def arange(*, start, step, shape, dtype: DType, device: int | None = None) -> CudaArray:
@@ -408,28 +415,25 @@ def arange(*, start, step, shape, dtype: DType, device: int | None = None) -> Cu
   return out
 
 
-def _unary(op: str):
-  def kernel(x: CudaArray) -> CudaArray:
-    return elementwise(op, dtypes.bool_ if op in COMPARE else x.dtype, x)
-  kernel.__name__ = op
+def _op(op: str, arg: int = 0):
+  """The kernel of an elementwise op: a new array of the broadcast shape (bool for comparisons, else the dtype of
+  input `arg`), or the result written into `out=` (any strided layout, converted to its dtype on store; inputs that
+  overlap it other than element for element are the caller's to avoid, see `ops.core.can_write_into`)."""
+  out_dtype = dtypes.bool_ if op in COMPARE else None
+
+  def kernel(*ins: CudaArray, out: CudaArray | None = None) -> CudaArray:
+    return elementwise(op, out_dtype or ins[arg].dtype, *ins) if out is None else launch(op, out, *ins)
+  kernel.__name__, kernel.writes_out = op, True
   return kernel
 
 
-def _binary(op: str):
-  def kernel(x: CudaArray, y: CudaArray) -> CudaArray:
-    return elementwise(op, dtypes.bool_ if op in COMPARE else x.dtype, x, y)
-  kernel.__name__ = op
-  return kernel
-
-
-KERNELS = {
-  **{op: _unary(op) for op in UNARY if op not in ("gelu", "gelu_tanh", "copy")},  # copy.py wraps "copy"
-  **{op: _binary(op) for op in BINARY if not op.startswith("gelu")},
+KERNELS = {  # copy.py wraps "copy"
+  **{op: _op(op) for op in UNARY + BINARY if op not in ("gelu", "gelu_tanh", "copy") and not op.startswith("gelu_")},
+  "where": _op("where", 1),
   "gelu": lambda x, approximate: elementwise("gelu_tanh" if approximate == "tanh" else "gelu", x.dtype, x),
   "gelu_backward": lambda g, x, approximate: elementwise(
     "gelu_backward_tanh" if approximate == "tanh" else "gelu_backward", x.dtype, g, x),
-  "where": lambda c, x, y: elementwise("where", x.dtype, c, x, y),
-  "full": lambda *, shape, value, dtype: full(shape=shape, value=value, dtype=dtype),
+  "full": full,
   "arange": lambda *, start, step, shape, dtype: arange(start=start, step=step, shape=shape, dtype=dtype),
 }
 
