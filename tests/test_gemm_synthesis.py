@@ -51,6 +51,9 @@ def test_sources_read_like_kernels_and_are_dumped(tmp_path, monkeypatch):
   main, reduce = G.kernels(st)
   assert reduce is None and main.arg_names[:5] == ["A", "B", "C", "BIAS", "R1"]
   assert "tl.make_tensor_descriptor(A, [M, K], [LDA, 1], [BM, BK])" in text and "flatten=True" in text
+  assert "tl.store(C + rm[:, None] * LDC + rn[None, :]" in text and "c_desc" not in text
+  assert "c_desc.store([pid_m * BM, pid_n * BN + BN // 2]" in G.source(G.Structure("tma", "bf16", "bf16", "", True, True,
+                                                                                      tma_store=True))
   assert "a = _round_tf32(a)" in text and 'input_precision="tf32"' in text and "acc.to(tl.bfloat16)" in text
   epi = text[text.index("_epilogue("):text.index(f"def {st.name}(")]
   assert epi.index("ALPHA") < epi.index("BIAS + rn") < epi.index("_gelu(acc, False)") < epi.index("R1 +")
@@ -81,6 +84,7 @@ def test_gpt2_bf16_runs_persistent_tma_kernels_as_stored():
     assert p.structure.kind == "tma" and not p.copy and not p.schedule.swap and p.steps == 1, p.structure
     assert (p.structure.a_kmajor, p.structure.b_kmajor) == (a.strides[-1] == 1, b.strides[-2] == 1)
     assert all(sig.endswith(":16") for name, sig in p.launches[0][0][1].items() if name in ("A", "B", "LDA", "M"))
+    assert p.structure.tma_store == (p.schedule.split_k == 1)  # a row-major output leaves by TMA too
   p = planned(arr((2304, T), bf16, "t"), arr((T, 768), bf16))
   assert p.schedule.split_k > 1 and len(p.launches) == 2 and p.workspace == (p.schedule.split_k, 1, 2304, 768)
   assert ints(p)["K_TILES"] * p.schedule.split_k >= T // 64 and ints(p, 1)["SPLITS"] == p.schedule.split_k
@@ -95,6 +99,7 @@ def test_tf32_copies_and_swaps_for_a_kmajor_b():
   assert p.copy == "a" and p.schedule.swap and (p.structure.a_kmajor, p.structure.b_kmajor) == (False, True)
   p = planned(arr((2048, 2048), f32), arr((2048, 2048), f32), "tf32", epilogue=("bias",), bias=arr((2048,), f32))
   assert not p.copy and p.schedule.swap and p.structure.bias_along_m and p.structure.c_unit == "m"
+  assert not p.structure.tma_store  # C^T is column-major: pointer stores
   assert ints(p)["LDC"] == 2048
   p = planned(arr((2048, 2048), f32), arr((2048, 2048), f32), "tf32x3")
   assert not p.copy and not p.schedule.swap and not p.structure.round_a
@@ -137,6 +142,7 @@ def test_ci_variants_cover_every_structure():
   assert {st.dtype for st in structures} == {"fp32", "bf16", "fp16"} and any(st.i64 for st in structures)
   assert set(G.EPILOGUE) <= {op for st in structures for op in st.epilogue}
   assert any(st.split and st.batched for st in structures) and any(st.bias_along_m for st in structures)
+  assert any(st.tma_store for st in structures) and any(st.kind == "tma" and not st.tma_store for st in structures)
 
 
 # *** the switch ***

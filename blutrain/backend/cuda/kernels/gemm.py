@@ -91,6 +91,7 @@ class Structure:
   aux: tuple[str, ...] = ()
   epi_types: tuple[str, ...] = ()  # element types of the epilogue's tensors, in order (bias first when present)
   split: bool = False
+  tma_store: bool = False        # "tma" kernels with a row-major, aligned output store it by a TMA descriptor too
   batched: bool = False          # "ptr" kernels: grid axis 2 runs over batch entries with batch strides
   i64: bool = False              # element offsets may pass 2^31
 
@@ -118,11 +119,11 @@ def _aux_names(st: Structure) -> list[str]:
   return names
 
 
-def _offsets(unit: str, stride: str) -> str:
+def _offsets(unit: str, stride: str, rn: str = "rn") -> str:
   """Element offsets of the (rm, rn) tile in a matrix whose unit stride is along `unit` ("n", "m" or "")."""
-  if unit == "n": return f"rm[:, None] * {stride} + rn[None, :]"
-  if unit == "m": return f"rm[:, None] + rn[None, :] * {stride}"
-  return f"rm[:, None] * {stride}M + rn[None, :] * {stride}N"
+  if unit == "n": return f"rm[:, None] * {stride} + {rn}[None, :]"
+  if unit == "m": return f"rm[:, None] + {rn}[None, :] * {stride}"
+  return f"rm[:, None] * {stride}M + {rn}[None, :] * {stride}N"
 
 
 def _matrix_args(unit: str, stride: str) -> list[str]:
@@ -139,24 +140,24 @@ def _params(st: Structure, main: bool) -> list[str]:
     out += _matrix_args(st.c_unit, "LDC")
     for name, unit in zip([n for n in aux if n != "BIAS"], st.aux): out += _matrix_args(unit, "LD" + name)
     if "scale" in st.epilogue: out.append("ALPHA")
-  out.append("K_TILES" if main else "SPLITS")
+  out += (["K_TILES", "GROUP_M"] + (["SPLIT_K"] if st.split and st.kind == "tma" else [])) if main else ["SPLITS"]
   if st.batched:
     out += (["SAZ", "SBZ"] if main else []) + (["SCZ"] if epi else []) + [f"S{n}Z" for n in aux if n != "BIAS"]
   return out
 
 
 def _epilogue_params(st: Structure) -> list[str]:
-  """Parameters of the epilogue helper after (acc, rm, rn): the output, the epilogue's tensors, sizes, strides."""
+  """Parameters of the epilogue helper after (acc, rm, rn): the epilogue's tensors, sizes, their strides."""
   aux = _aux_names(st)
-  out = ["C"] + aux + ["M", "N"] + _matrix_args(st.c_unit, "LDC")
+  out = aux + ["M", "N"]
   for name, unit in zip([n for n in aux if n != "BIAS"], st.aux): out += _matrix_args(unit, "LD" + name)
   return out + (["ALPHA"] if "scale" in st.epilogue else [])
 
 
 def _epilogue_source(st: Structure) -> list[str]:
-  """The helper finishing `acc` (rows rm, columns rn of C) and storing it."""
-  lines = [f"def {st.name}_epilogue(acc, rm, rn, {', '.join(_epilogue_params(st))}):",
-           "  mask = (rm[:, None] < M) & (rn[None, :] < N)"]
+  """The helper finishing `acc` (rows rm, columns rn of C): the epilogue ops, then the cast to C's type."""
+  lines = [f"def {st.name}_epilogue(acc, rm, rn, {', '.join(_epilogue_params(st))}):"]
+  if st.aux: lines.append("  mask = (rm[:, None] < M) & (rn[None, :] < N)")
   aux = iter([n for n in _aux_names(st) if n != "BIAS"])
   units = iter(st.aux)
   for op in st.epilogue:
@@ -169,14 +170,18 @@ def _epilogue_source(st: Structure) -> list[str]:
       name = next(aux)
       x = f"tl.load({name} + {_offsets(next(units), 'LD' + name)}, mask=mask, other=0.0).to(tl.float32)"
       lines.append(f"  acc += {x}" if op == "residual" else f"  acc = _gelu_backward(acc, {x}, {op.endswith('tanh')})")
-  lines.append(f"  tl.store(C + {_offsets(st.c_unit, 'LDC')}, acc.to(tl.{_TL[st.out]}), mask=mask)")
+  lines.append(f"  return acc.to(tl.{_TL[st.out]})")
   return lines
 
 
-def _store(st: Structure, acc: str, rn: str, split: str | None) -> str:
-  """The call storing a tile: the float32 partial sum of split-K slice `split`, or (None) the epilogue."""
+def _store(st: Structure, acc: str, rn: str, split: str | None, col: str = "") -> str:
+  """The statement storing a tile: the float32 partial sum of split-K slice `split`, or (None) the epilogue's
+  result, by C's TMA descriptor at column `col` or by pointers."""
   if split is not None: return f"_store_partial({acc}, rm, {rn}, C, M, N, {split})"
-  return f"{st.name}_epilogue({acc}, rm, {rn}, {', '.join(_epilogue_params(st))})"
+  value = f"{st.name}_epilogue({acc}, rm, {rn}, {', '.join(_epilogue_params(st))})"
+  if st.tma_store: return f"c_desc.store([pid_m * BM, {col}], {value})"
+  mask = f"(rm[:, None] < M) & ({rn}[None, :] < N)"
+  return f"tl.store(C + {_offsets(st.c_unit, 'LDC', rn)}, {value}, mask={mask})"
 
 
 _TL = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -205,15 +210,18 @@ def _tma_source(st: Structure) -> list[str]:
   a_load = "a_desc.load([pid_m * BM, kt * BK])" if st.a_kmajor else "a_desc.load([kt * BK, pid_m * BM]).T"
   b_load = "b_desc.load([pid_n * BN, kt * BK]).T" if st.b_kmajor else "b_desc.load([kt * BK, pid_n * BN])"
   src = [f"def {st.name}({sig},",
-         "    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,",
-         "    EPI_SUBTILE: tl.constexpr):",
+         "    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EPI_SUBTILE: tl.constexpr):",
          f"  a_desc = tl.make_tensor_descriptor(A, {a_desc})",
-         f"  b_desc = tl.make_tensor_descriptor(B, {b_desc})",
+         f"  b_desc = tl.make_tensor_descriptor(B, {b_desc})"]
+  if st.tma_store:
+    src += ["  c_desc = tl.make_tensor_descriptor(C, [M, N], [LDC, 1], [BM, BN // 2 if EPI_SUBTILE else BN])"]
+  src += [
          "  tiles_m = tl.cdiv(M, BM)",
          "  tiles_n = tl.cdiv(N, BN)",
          "  k_tiles = tl.cdiv(K, BK)",
          "  per_group = GROUP_M * tiles_n",
-         "  for tile in tl.range(tl.program_id(0), tiles_m * tiles_n * SPLIT_K, tl.num_programs(0), flatten=True):"]
+         f"  for tile in tl.range(tl.program_id(0), tiles_m * tiles_n{' * SPLIT_K' if st.split else ''}, tl.num_programs(0),"
+         " flatten=True):"]
   if st.split:
     src += ["    split = tile // (tiles_m * tiles_n)", "    t = tile % (tiles_m * tiles_n)"]
     src += _tile_index("    ", "t")
@@ -232,11 +240,11 @@ def _tma_source(st: Structure) -> list[str]:
           "    if EPI_SUBTILE:  # two halves of BN / 2 columns: half the shared memory for the output's layout change",
           "      acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))",
           f"      rn = (pid_n * BN + tl.arange(0, BN // 2)){i64}",
-          f"      {_store(st, 'acc0', 'rn', split)}",
-          f"      {_store(st, 'acc1', 'rn + BN // 2', split)}",
+          f"      {_store(st, 'acc0', 'rn', split, 'pid_n * BN')}",
+          f"      {_store(st, 'acc1', '(rn + BN // 2)', split, 'pid_n * BN + BN // 2')}",
           "    else:",
           f"      rn = (pid_n * BN + tl.arange(0, BN)){i64}",
-          f"      {_store(st, 'acc', 'rn', split)}"]
+          f"      {_store(st, 'acc', 'rn', split, 'pid_n * BN')}"]
   return src
 
 
@@ -246,8 +254,7 @@ def _ptr_source(st: Structure) -> list[str]:
   b_off = "rb[None, :] * LDB + rk[:, None]" if st.b_kmajor else "rb[None, :] + rk[:, None] * LDB"
   a_step, b_step = ("BK" if st.a_kmajor else "BK * LDA"), ("BK" if st.b_kmajor else "BK * LDB")
   src = [f"def {st.name}({sig},",
-         "    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,",
-         "    EVEN_K: tl.constexpr):",
+         "    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):",
          "  tiles_m = tl.cdiv(M, BM)",
          "  tiles_n = tl.cdiv(N, BN)",
          "  per_group = GROUP_M * tiles_n"]
@@ -335,8 +342,8 @@ def kernels(st: Structure) -> tuple[Any, Any]:
 
 # *** variants ***
 
-_CONSTS = ("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "EVEN_K", "EPI_SUBTILE", "BLOCK_R", "BLOCK_C")
-_FREE = ("K_TILES", "SPLITS")  # integer arguments with no divisibility promise
+_CONSTS = ("BM", "BN", "BK", "EVEN_K", "EPI_SUBTILE", "BLOCK_R", "BLOCK_C")
+_FREE = ("K_TILES", "SPLITS", "GROUP_M", "SPLIT_K")  # integer arguments with no divisibility promise
 
 
 def _signature(st: Structure, fn, aligned: bool, partial: bool) -> dict[str, str]:
@@ -360,7 +367,7 @@ def _signature(st: Structure, fn, aligned: bool, partial: bool) -> dict[str, str
 def main_spec(st: Structure, s: cfg.GemmSchedule, aligned: bool, even_k: bool = True) -> Spec:
   """The main kernel's variant for a schedule (`even_k`: K is a multiple of BK, so "ptr" kernels need no K mask)."""
   fn = kernels(st)[0]
-  consts = dict(BM=s.BM, BN=s.BN, BK=s.BK, GROUP_M=s.group_m, SPLIT_K=s.split_k)
+  consts = dict(BM=s.BM, BN=s.BN, BK=s.BK)
   if st.kind == "tma": consts["EPI_SUBTILE"] = s.epi_subtile
   else: consts["EVEN_K"] = even_k
   return spec(fn, _signature(st, fn, aligned, st.split), consts, num_warps=s.num_warps, num_stages=s.num_stages)
@@ -545,14 +552,17 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   c_unit, c_ld = _unit(mats["out"])
   units = [_unit(mats[f"x{i}"]) for i in range(len(aux))]
   split = s.split_k > 1 or K == 0
+  tma_store = s.persistent and not split and c_unit == "n" and mats["out"].ptr % 16 == 0 and \
+    c_ld[0] * out.dtype.itemsize % 16 == 0 and all(o % 16 == 0 for o in offsets["out"])
   st = Structure("tma" if s.persistent else "ptr", TY[a.dtype], TY[out.dtype], prec, s.a_kmajor, s.b_kmajor, s.round_a,
                  c_unit, epilogue, s.swap, tuple(u for u, _ in units),
-                 tuple(TY[x.dtype] for x in ([bias] if bias is not None else []) + aux), split,
+                 tuple(TY[x.dtype] for x in ([bias] if bias is not None else []) + aux), split, tma_store,
                  not s.persistent and Z > 1, i64)
   aux_names = [n for n in _aux_names(st) if n != "BIAS"]
   k_tiles = cdiv(K, s.BK)
   ints = {"M": rows, "N": N, "K": K, "LDA": lda, "LDB": ldb, "SAZ": zst[src["A"]], "SBZ": zst[src["B"]],
-          "SCZ": zst["out"], "K_TILES": cdiv(k_tiles, s.split_k), "SPLITS": s.split_k if K else 0}
+          "SCZ": zst["out"], "K_TILES": cdiv(k_tiles, s.split_k), "SPLITS": s.split_k if K else 0,
+          "GROUP_M": s.group_m, "SPLIT_K": s.split_k}
   for name, (unit, lds) in [("LDC", (c_unit, c_ld))] + [("LD" + n, u) for n, u in zip(aux_names, units)]:
     ints |= {name: lds[0]} if unit else {name + "M": lds[0], name + "N": lds[1]}
   names = {"A": src["A"], "B": src["B"], "BIAS": "bias"} | {n: f"x{i}" for i, n in enumerate(aux_names)}
