@@ -7,7 +7,8 @@ strides is the unit one, the epilogue ops in order, and the kernel kind:
 
 - "tma": persistent (a program per SM walks tiles in L2-friendly groups of GROUP_M tile rows), operands read by TMA
   descriptors built once per program (tl.make_tensor_descriptor; the launcher provides their global scratch). Out of
-  bounds reads return zeros, so no load is masked. Needs 16-byte aligned bases and row strides and no batch.
+  bounds reads return zeros, so no load is masked. Needs 16-byte aligned bases and row strides and no batch. A
+  row-major, aligned output is stored by a descriptor too (`tma_store`).
 - "ptr": one program per (tile, split, batch entry), operands read by pointers with any row stride: batched,
   broadcast (batch stride 0) and misaligned operands.
 
