@@ -90,10 +90,12 @@ def _lower(t: Tensor, dtype: DType) -> Tensor:
 
 def _cast(name: str, inputs: tuple) -> tuple:
   """The inputs of op `name` as the policy table says (the hook `ops.core.apply` calls under autocast)."""
-  for first in inputs:
-    if isinstance(first, Tensor): break
-  else: return inputs
-  kind = first._storage.device.type
+  kind = None
+  for t in inputs:  # the first tensor's device type; CPU scalars (numbers) go with other devices' tensors
+    if isinstance(t, Tensor):
+      kind = t._storage.device.type
+      if kind != "cpu" or t.shape: break
+  if kind is None: return inputs
   target = _state.dtype.get(kind)
   rule = POLICY.get(kind, {}).get(name) if target is not None else None
   if rule is None: return inputs

@@ -134,16 +134,38 @@ class Node:
   freed: bool = False
 
 
-def _device_of(op_: Op, inputs) -> Any:
+def _device_of(op_: Op, inputs) -> tuple[Any, bool]:
+  """The device the op runs on, and whether CPU scalars ride along with tensors of another device."""
   dev = None
   for t in inputs:
     if t is None: continue
     d = t._storage.device
     if dev is None: dev = d
-    elif d is not dev and d != dev:
-      desc = ", ".join(f"{tuple(t.shape)} {t.dtype.name} on {t.device}" for t in inputs if t is not None)
-      raise RuntimeError(f"{op_.name}: expected all tensors on one device, got {desc}. Move them with .to(device).")
+    elif d is not dev and d != dev: return _scalars_device(op_, inputs), True
+  return dev, False
+
+
+def is_cpu_scalar(t: Tensor) -> bool:
+  """A 0-d CPU tensor that needs no gradient: it may join tensors of another device in an op whose kernel there takes
+  it by value (`host_scalars`), as PyTorch's CPU scalars do; Python numbers become such tensors (`ops.scalar`)."""
+  return not t.shape and t._storage.device.type == "cpu" and not t.requires_grad
+
+
+def _scalars_device(op_: Op, inputs):
+  """The one device of the inputs other than CPU scalars; several are an error."""
+  dev = None
+  for t in inputs:
+    if t is None or is_cpu_scalar(t): continue
+    d = t._storage.device
+    if dev is None: dev = d
+    elif d is not dev and d != dev: _device_error(op_, inputs)
+  if dev is None: _device_error(op_, inputs)
   return dev
+
+
+def _device_error(op_: Op, inputs):
+  desc = ", ".join(f"{tuple(t.shape)} {t.dtype.name} on {t.device}" for t in inputs if t is not None)
+  raise RuntimeError(f"{op_.name}: expected all tensors on one device, got {desc}. Move them with .to(device).")
 
 
 def _edge(t: Tensor | None):
@@ -176,9 +198,11 @@ def apply(op_: Op, *inputs: Tensor | None, into: Tensor | None = None, device=No
   if grad:
     for t in inputs:
       if t is not None and t._base is not None and t._base._node is not t._base_node: refresh_view(t)
-  dev = _device_of(op_, inputs) or device
+  dev, scalars = _device_of(op_, inputs)
+  dev = dev or device
   shape, dtype = op_.rule(*inputs, **attrs)
   record = grad and op_.vjp is not None and op_.differentiable and any(t is not None and t.requires_grad for t in inputs)
+  if scalars and (capture.trace is not None or op_.view is not None): _device_error(op_, inputs)
   if capture.trace is not None:
     out = capture.trace.emit(op_, inputs, attrs, shape, dtype, dev, rng)
   elif op_.view is not None:
@@ -190,6 +214,7 @@ def apply(op_: Op, *inputs: Tensor | None, into: Tensor | None = None, device=No
   else:
     kernel = backend.get(dev).kernels.get(op_.name)
     if kernel is None: raise NotImplementedError(f"{op_.name}: no kernel on the {dev.type} backend")
+    if scalars and not getattr(kernel, "host_scalars", False): _device_error(op_, inputs)
     arrays = [None if t is None else t._array() for t in inputs]
     if (into is not None and not record and getattr(kernel, "writes_out", False)
         and can_write_into(into, shape, dtype, dev, inputs)):
@@ -271,7 +296,9 @@ def dynamic_scalar(value: Callable[[], float], device) -> float | Tensor:
 
 def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
   """NumPy/PyTorch broadcasting; the error names the op and both shapes."""
-  if all(s == shapes[0] for s in shapes[1:]): return tuple(shapes[0])
+  first = shapes[0]
+  if all(s == first or not s for s in shapes[1:]): return tuple(first)  # equal shapes, or scalars after the first
+  if not first and len(shapes) == 2: return tuple(shapes[1])
   out = [1] * max(len(s) for s in shapes)
   for s in shapes:
     for i, n in enumerate(s, len(out) - len(s)):

@@ -40,6 +40,25 @@ def full(size: Sequence[int], fill_value, *, dtype=None, device=None, requires_g
   return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+_CPU = parse_device("cpu")
+_scalars: dict[tuple, Tensor] = {}
+
+
+def scalar_operand(value: bool | int | float, dtype: DType, device: Device) -> Tensor:
+  """A Python number as an op's 0-d operand in `dtype`: eagerly a read-only CPU tensor, cached by value, which kernels
+  on any device take by value (`ops.core.is_cpu_scalar`: no allocation, fill or copy on the device); under a Nova
+  capture a constant on `device`."""
+  if capture.trace is not None: return full((), value, dtype=dtype, device=device)
+  key = (value.__class__, value, dtype, value == 0 and math.copysign(1.0, value))  # 0.0 and -0.0 compare equal
+  t = _scalars.get(key)
+  if t is None:
+    if len(_scalars) >= 4096: _scalars.clear()  # numbers that change every step (learning rates) come and go
+    t = full((), value, dtype=dtype, device=_CPU)
+    t._storage.data.flags.writeable = t._array().flags.writeable = False  # shared: an in-place write must fail
+    _scalars[key] = t
+  return t
+
+
 def zeros(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """A tensor of zeros, `bt.zeros(2, 3)` or `bt.zeros((2, 3))`."""
   return full(_shape(size), 0, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)

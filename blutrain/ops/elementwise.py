@@ -6,6 +6,7 @@ import math
 from blutrain import dtypes, ops
 from blutrain.dtypes import DType
 from blutrain.ops.core import broadcast_shapes, op
+from blutrain.ops.creation import scalar_operand
 from blutrain.tensor import Tensor
 
 
@@ -97,14 +98,15 @@ logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differenti
 
 
 def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor]:
-  """Bring tensors and Python numbers to one dtype (PyTorch's promotion) and one device."""
+  """Bring tensors and Python numbers to one dtype (PyTorch's promotion) and one device; numbers become CPU scalars
+  that kernels take by value (`scalar_operand`)."""
   dt = dtype or dtypes.result_type(*xs)
   like = next((x for x in xs if isinstance(x, Tensor)), None)
   if like is None: raise TypeError(f"{op_name}: expected at least one tensor, got {[type(x).__name__ for x in xs]}")
   out = []
   for x in xs:
     if isinstance(x, Tensor): out.append(x if x.dtype is dt else x.to(dt))
-    elif isinstance(x, (bool, int, float)): out.append(ops.full((), x, dtype=dt, device=like.device))
+    elif isinstance(x, (bool, int, float)): out.append(scalar_operand(x, dt, like.device))
     else: raise TypeError(f"{op_name}: unsupported operand of type {type(x).__name__}")
   return out
 
@@ -172,7 +174,7 @@ def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
   if not isinstance(condition, Tensor) or condition.dtype is not dtypes.bool_:
     raise TypeError(f"where: condition must be a bool tensor, got {getattr(condition, 'dtype', type(condition).__name__)}")
   if not isinstance(x, Tensor) and not isinstance(y, Tensor):
-    x = ops.full((), x, dtype=dtypes.result_type(x, y), device=condition.device)
+    x = scalar_operand(x, dtypes.result_type(x, y), condition.device)
   x, y = operands("where", x, y)
   return where_op(condition, x, y, into=into)
 
@@ -208,7 +210,9 @@ def masked_fill(x: Tensor, mask: Tensor, value, *, into: Tensor | None = None) -
     raise TypeError(f"masked_fill: mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
   if broadcast_shapes(mask.shape, x.shape, op="masked_fill") != tuple(x.shape):
     raise ValueError(f"masked_fill: mask of shape {mask.shape} does not broadcast to the tensor's shape {x.shape}")
-  return where(mask, ops.as_tensor_like(value, x).to(x.dtype), x, into=into)
+  if isinstance(value, (bool, int, float)): value = scalar_operand(value, x.dtype, x.device)
+  else: value = ops.as_tensor_like(value, x).to(x.dtype)
+  return where(mask, value, x, into=into)
 
 
 def lerp(x: Tensor, end, weight, *, into: Tensor | None = None) -> Tensor:

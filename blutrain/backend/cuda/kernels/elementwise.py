@@ -4,7 +4,9 @@ Two Triton kernels serve every elementwise op, the op chosen by a constexpr (dea
 time): `_flat` for outputs whose inputs are contiguous or scalars (1-D, 16-byte vector loads when aligned, large
 blocks), and `_tiled` for any other layout: dims are collapsed first, then a program covers a tile of rows
 (the outer dims, up to 5) by columns (the innermost dim), so only one div/mod chain per row is paid. Half types
-compute in float32, as the CPU backend does.
+compute in float32, as the CPU backend does. An operand may be a number passed by value instead of a pointer (a CPU
+scalar, such as a Python number in `x * 2.0`: no device memory, fill or copy), and the result may be written into
+any strided `out` (in-place ops).
 """
 from __future__ import annotations
 
@@ -173,7 +175,9 @@ def _apply(a, b, c, OP: tl.constexpr):
 
 @triton.jit
 def _load_flat(p, offs, mask, SCALAR: tl.constexpr, ALIGNED: tl.constexpr, OP: tl.constexpr):
-  if SCALAR:
+  if not p.dtype.is_ptr():  # a number passed by value
+    x = p
+  elif SCALAR:
     x = tl.load(p)
   else:
     q = p + offs
@@ -218,8 +222,11 @@ def _flat(out, a, b, c, n, OP: tl.constexpr, N_IN: tl.constexpr, SA: tl.constexp
 @triton.jit
 def _load_tile(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, mask, ND: tl.constexpr, UNIT: tl.constexpr,
                ALIGNED: tl.constexpr, OP: tl.constexpr):
-  q = _tile_ptrs(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, ND, UNIT, ALIGNED)
-  return _compute(tl.load(q, mask=mask), OP)
+  if not p.dtype.is_ptr():  # a number passed by value
+    x = p
+  else:
+    x = tl.load(_tile_ptrs(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, ND, UNIT, ALIGNED), mask=mask)
+  return _compute(x, OP)
 
 
 @triton.jit
@@ -266,11 +273,24 @@ def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, Z1, Z2, Z3, Z4,
 
 # *** specs ***
 
+# the argument type of an operand of each dtype passed by value (a CPU scalar): halves as the float32 they compute in
+BY_VALUE = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp32",
+            dtypes.bfloat16: "fp32", dtypes.float32: "fp32", dtypes.float64: "fp64"}
+
+
+def _operand_types(out: DType, ins: tuple[DType, ...], values: tuple[bool, ...]) -> dict[str, str]:
+  """The types of out, a, b and c: pointers, or numbers for operands passed by value; an absent operand repeats the
+  last one."""
+  ty = [BY_VALUE[d] if v else ptr(d) for d, v in zip(ins, values or (False,) * len(ins))]
+  return {"out": ptr(out), "a": ty[0], "b": ty[min(1, len(ins) - 1)], "c": ty[-1]}
+
+
 @functools.lru_cache(maxsize=4096)
-def flat_spec(op: str, out: DType, ins: tuple[DType, ...], scalars: tuple[bool, ...], n: int, aligned: bool, i64: bool):
+def flat_spec(op: str, out: DType, ins: tuple[DType, ...], scalars: tuple[bool, ...], n: int, aligned: bool, i64: bool,
+              values: tuple[bool, ...] = ()):
+  """The flat kernel of op; `values` marks the operands passed by value (they are scalars too)."""
   block, warps = flat_schedule(n, min([out.itemsize] + [d.itemsize for d in ins]))
-  sig = {"out": ptr(out), "a": ptr(ins[0]), "b": ptr(ins[min(1, len(ins) - 1)]), "c": ptr(ins[-1]),
-         "n": "i64" if i64 else "i32"}
+  sig = {**_operand_types(out, ins, values), "n": "i64" if i64 else "i32"}
   sa, sb, sc = (list(scalars) + [False, False])[:3]
   return spec(_flat, sig, dict(OP=op, N_IN=len(ins), SA=sa, SB=sb, SC=sc, BLOCK=block, ALIGNED=aligned, IDX64=i64),
               num_warps=warps)
@@ -282,10 +302,10 @@ _TILE_ARGS = ["n_rows", "n_cols", "n_col_blocks", "Z1", "Z2", "Z3", "Z4"] + \
 
 @functools.lru_cache(maxsize=4096)
 def tiled_spec(op: str, out: DType, ins: tuple[DType, ...], nd: int, units: tuple[bool, ...], n_rows: int,
-               n_cols: int, aligned: bool, i64: bool):
+               n_cols: int, aligned: bool, i64: bool, values: tuple[bool, ...] = ()):
+  """The tiled kernel of op; `values` marks the operands passed by value."""
   br, bc, warps = tile_schedule(n_rows, n_cols)
-  sig = {"out": ptr(out), "a": ptr(ins[0]), "b": ptr(ins[min(1, len(ins) - 1)]), "c": ptr(ins[-1]),
-         **{k: "i64" if i64 else "i32" for k in _TILE_ARGS}}
+  sig = {**_operand_types(out, ins, values), **{k: "i64" if i64 else "i32" for k in _TILE_ARGS}}
   uo, ua, ub, uc = (list(units) + [False, False])[:4]
   return spec(_tiled, sig, dict(OP=op, N_IN=len(ins), ND=nd, UO=uo, UA=ua, UB=ub, UC=uc, BLOCK_R=br, BLOCK_C=bc,
                                 EVEN_R=n_rows % br == 0, EVEN_C=n_cols % bc == 0, ALIGNED=aligned, IDX64=i64),
@@ -294,35 +314,50 @@ def tiled_spec(op: str, out: DType, ins: tuple[DType, ...], nd: int, units: tupl
 
 # *** host side ***
 
-Layout = tuple[tuple[int, ...], tuple[int, ...], DType, int]  # shape, strides, dtype, address % 16
+Layout = tuple[tuple[int, ...], tuple[int, ...], DType, int]  # shape, strides, dtype, address % 16 (-1: a value)
+_BY_NP = {d.np: d for d in dtypes.all_dtypes}
 
 
-def launch(op: str, out: CudaArray, *ins: CudaArray) -> CudaArray:
+class Value:
+  """An operand passed to the kernel by value: a CPU scalar (a 0-d host array, `ops.core.is_cpu_scalar`) among the
+  inputs of an elementwise op on CUDA, as PyTorch passes its CPU scalars."""
+  __slots__ = ("value", "dtype")
+  shape = strides = ()
+  ndim = 0
+
+  def __init__(self, a: np.ndarray): self.value, self.dtype = a.item(), _BY_NP[a.dtype]
+
+
+def launch(op: str, out: CudaArray, *ins: CudaArray | Value) -> CudaArray:
   """Write op(*ins) into `out` (any strided layout; inputs broadcast to out's shape). For where, ins is (c, x, y)."""
   if 0 in out.shape: return out
   return _launch(op, out, (ins[1], ins[2], ins[0]) if op == "where" else ins)  # the kernels read the condition third
 
 
-def _launch(op: str, out: CudaArray, ins: tuple[CudaArray, ...]) -> CudaArray:
+def _launch(op: str, out: CudaArray, ins: tuple[CudaArray | Value, ...]) -> CudaArray:
   plan = _plan(op, (out.shape, out.strides, out.dtype, out.ptr & 15),
-               *[(a.shape, a.strides, a.dtype, a.ptr & 15) for a in ins])
+               *[(a.shape, a.strides, a.dtype, a.ptr & 15) if a.__class__ is CudaArray else ((), (), a.dtype, -1)
+                 for a in ins])
   if plan:  # absent operands repeat the last one; the kernel does not read them
-    kernel, grid, scalars = plan
+    kernel, grid, scalars, by_value = plan
+    if by_value: ins = tuple(a.value if a.__class__ is Value else a for a in ins)
     kernel(grid, out, ins[0], ins[min(1, len(ins) - 1)], ins[-1], *scalars)
     return out
   cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
   for i in range(cshape[0]):  # too many dims for the kernels: loop over the outermost one on the host
     _launch(op, view(out, cshape[1:], ost[1:], i * ost[0]),
-            tuple(view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)))
+            tuple(a if a.__class__ is Value else view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)))
   return out
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(op: str, *layouts: Layout) -> tuple:
-  """(kernel, grid, scalar arguments after the four pointers) of op on the layouts of out and its inputs, or ()
-  when they have more than MAX_DIMS dims after collapsing. A function of the layouts only, so it is cached: the
-  arrays it reads are stand-ins with their layout and their address modulo 16, which is all alignment needs."""
+  """(kernel, grid, scalar arguments after the four operands, whether some operand goes by value) of op on the
+  layouts of out and its inputs, or () when they have more than MAX_DIMS dims after collapsing. A function of the
+  layouts only, so it is cached: the arrays it reads are stand-ins with their layout and their address modulo 16,
+  which is all alignment needs."""
   out, *ins = arrays = [CudaArray(p, shape, strides, dt, 0, None) for shape, strides, dt, p in layouts]
+  values = tuple(a.ptr == -1 for a in ins)
   cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
   if len(cshape) > MAX_DIMS: return ()
   i64 = needs_i64(cshape, ost, *ists)
@@ -331,8 +366,8 @@ def _plan(op: str, *layouts: Layout) -> tuple:
   if len(cshape) == 1 and ost[0] == 1 and all(s[0] in (0, 1) for s in ists):
     scalars = tuple(s[0] == 0 or cshape[0] == 1 for s in ists)
     aligned = all(a.ptr % 16 == 0 for a, sc in zip(arrays, (False,) + scalars) if not sc)
-    s = flat_spec(op, out.dtype, dts, scalars, cshape[0], aligned, i64)
-    return s.kernel, (cdiv(cshape[0], s[2]["BLOCK"]),), (cshape[0],)
+    s = flat_spec(op, out.dtype, dts, scalars, cshape[0], aligned, i64, values if any(values) else ())
+    return s.kernel, (cdiv(cshape[0], s[2]["BLOCK"]),), (cshape[0],), any(values)
   nd = len(cshape) - 1
   n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
   units = tuple(st[-1] == 1 for st in (ost, *ists))
@@ -340,17 +375,18 @@ def _plan(op: str, *layouts: Layout) -> tuple:
   aligned = n_cols % bc == 0 and bc * min(a.dtype.itemsize for a in arrays) >= 16 and all(
     a.ptr % 16 == 0 and all(x * a.dtype.itemsize % 16 == 0 for x in st[:-1])
     for a, st, u in zip(arrays, (ost, *ists), units) if u)
-  s = tiled_spec(op, out.dtype, dts, nd, units, n_rows, n_cols, aligned, i64)
+  s = tiled_spec(op, out.dtype, dts, nd, units, n_rows, n_cols, aligned, i64, values if any(values) else ())
   col_blocks = cdiv(n_cols, bc)
   strides = [pad(st, 6, 0) for st in (ost, *ists)] + [pad(ists[-1], 6, 0)] * (3 - len(ins))
   return (s.kernel, (cdiv(n_rows, br) * col_blocks,),
-          (n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st)))
+          (n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st)), any(values))
 
 
-def elementwise(op: str, out_dtype: DType, *ins: CudaArray) -> CudaArray:
-  """A new contiguous array of the broadcast shape holding op(*ins)."""
-  out = empty(broadcast_shape(*(a.shape for a in ins)), out_dtype, ins[0].device)
-  return launch(op, out, *ins)
+def elementwise(op: str, out_dtype: DType, *ins: CudaArray | Value) -> CudaArray:
+  """A new contiguous array of the broadcast shape holding op(*ins), on the device of the first array among ins."""
+  for a in ins:
+    if a.__class__ is CudaArray: break
+  return launch(op, empty(broadcast_shape(*(x.shape for x in ins)), out_dtype, a.device), *ins)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -418,12 +454,17 @@ def arange(*, start, step, shape, dtype: DType, device: int | None = None) -> Cu
 def _op(op: str, arg: int = 0):
   """The kernel of an elementwise op: a new array of the broadcast shape (bool for comparisons, else the dtype of
   input `arg`), or the result written into `out=` (any strided layout, converted to its dtype on store; inputs that
-  overlap it other than element for element are the caller's to avoid, see `ops.core.can_write_into`)."""
+  overlap it other than element for element are the caller's to avoid, see `ops.core.can_write_into`). Inputs may
+  be CPU scalars (0-d host arrays), which go to the kernel by value."""
   out_dtype = dtypes.bool_ if op in COMPARE else None
 
-  def kernel(*ins: CudaArray, out: CudaArray | None = None) -> CudaArray:
+  def kernel(*ins: CudaArray | np.ndarray, out: CudaArray | None = None) -> CudaArray:
+    for a in ins:
+      if a.__class__ is not CudaArray:
+        ins = tuple(x if x.__class__ is CudaArray else Value(x) for x in ins)
+        break
     return elementwise(op, out_dtype or ins[arg].dtype, *ins) if out is None else launch(op, out, *ins)
-  kernel.__name__, kernel.writes_out = op, True
+  kernel.__name__, kernel.writes_out, kernel.host_scalars = op, True, True
   return kernel
 
 
@@ -460,6 +501,15 @@ def _specs() -> list:
   out.append(flat_spec("pow", dtypes.int64, (dtypes.int64,) * 2, (True, False), 1000, True, False))  # a scalar base
   out.append(flat_spec("where", f32, (f32, f32, b), (False, True, False), 1 << 20, True, True))
   out.append(tiled_spec("where", bf16, (bf16, bf16, b), 3, (True, False, True, False), 1 << 10, 64, False, False))
+  for dt in (f32, bf16, dtypes.float16, dtypes.float64, dtypes.int32, dtypes.int64):  # a Python number by value
+    for op, values in (("mul", (False, True)), ("sub", (True, False)), ("lt", (False, True)), ("pow", (True, False))):
+      out.append(flat_spec(op, b if op in COMPARE else dt, (dt, dt), values, 1 << 20, True, False, values))
+  out.append(flat_spec("add", b, (b, b), (False, True), 1 << 20, True, False, (False, True)))
+  out.append(flat_spec("div", f32, (f32, f32), (False, True), 1000, False, True, (False, True)))
+  out.append(flat_spec("where", bf16, (bf16, bf16, b), (True, True, False), 1 << 20, True, False, (True, True, False)))
+  out.append(tiled_spec("mul", bf16, (bf16, bf16), 2, (True, True, False), 4096, 768, True, False, (False, True)))
+  out.append(tiled_spec("where", f32, (f32, f32, b), 3, (True, False, True, False), 1 << 10, 64, False, False,
+                        (True, False, False)))
   for bits in (8, 16, 32, 64):
     out.append(spec(_fill_kernel, {"out": f"*i{bits}", "n": "i32", "bits": "i64"}, dict(BLOCK=1024, IDX64=False)))
   for dt in dtypes.all_dtypes:
