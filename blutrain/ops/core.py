@@ -107,17 +107,17 @@ class enable_grad(set_grad_enabled):
 
 # *** apply ***
 
-@dataclass(frozen=True)
 class Aval:
-  """What a VJP may know of an input it does not save: shape, dtype, device."""
-  shape: Shape
-  dtype: DType
-  device: Any
+  """What a VJP may know of an input it does not save: shape, dtype, device (never changed once made)."""
+  __slots__ = ("shape", "dtype", "device")
+
+  def __init__(self, shape: Shape, dtype: DType, device: Any): self.shape, self.dtype, self.device = shape, dtype, device
+  def __repr__(self) -> str: return f"Aval(shape={self.shape}, dtype={self.dtype!r}, device={self.device})"
   @property
   def ndim(self) -> int: return len(self.shape)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Node:
   """One tape entry. `parents` are the gradient edges (a Node, a leaf Tensor that requires grad, or None);
   `saved` holds only the inputs the VJP reads (the others as Avals) and `out`, detached so the tape
@@ -128,7 +128,6 @@ class Node:
   saved: tuple | None
   versions: tuple
   out: Tensor | None
-  aval: Aval
   retained: Any = None  # weakref to the output when retain_grad() asked for its .grad
   hooks: list | None = None
   freed: bool = False
@@ -168,20 +167,20 @@ def _device_error(op_: Op, inputs):
   raise RuntimeError(f"{op_.name}: expected all tensors on one device, got {desc}. Move them with .to(device).")
 
 
-def _edge(t: Tensor | None):
-  if t is None or not t.requires_grad: return None
-  return t if t._node is None else t._node
-
-
 def _record(op_: Op, inputs, attrs, out: Tensor) -> None:
-  keep = range(len(inputs)) if op_.saves is None else op_.saves
-  saved = tuple(t if (i in keep or t is None) else Aval(t.shape, t.dtype, t.device) for i, t in enumerate(inputs))
-  held = [t for t in saved if isinstance(t, Tensor)]
-  saved_out = out.detach() if op_.saves_output else None
-  if saved_out is not None: held.append(saved_out)
+  """Make out the result of a tape node of op_ on inputs (at least one requires grad)."""
+  keep, parents, saved, versions = op_.saves, [], [], []
+  for i, t in enumerate(inputs):
+    if t is None: parents.append(None); saved.append(None); continue
+    parents.append((t if t._node is None else t._node) if t.requires_grad else None)
+    if keep is None or i in keep: saved.append(t); versions.append((t, t._storage.version))
+    else: saved.append(Aval(t.shape, t.dtype, t._storage.device))
+  saved_out = None
+  if op_.saves_output:
+    saved_out = out.detach()
+    versions.append((saved_out, saved_out._storage.version))
   out.requires_grad = True
-  out._node = Node(op_, attrs, tuple(_edge(t) for t in inputs), saved, tuple((t, t._storage.version) for t in held),
-                   saved_out, Aval(out.shape, out.dtype, out.device))
+  out._node = Node(op_, attrs, tuple(parents), tuple(saved), tuple(versions), saved_out)
 
 
 def apply(op_: Op, *inputs: Tensor | None, into: Tensor | None = None, device=None, rng=None, **attrs) -> Tensor:
@@ -201,7 +200,10 @@ def apply(op_: Op, *inputs: Tensor | None, into: Tensor | None = None, device=No
   dev, scalars = _device_of(op_, inputs)
   dev = dev or device
   shape, dtype = op_.rule(*inputs, **attrs)
-  record = grad and op_.vjp is not None and op_.differentiable and any(t is not None and t.requires_grad for t in inputs)
+  record = False
+  if grad and op_.vjp is not None and op_.differentiable:
+    for t in inputs:
+      if t is not None and t.requires_grad: record = True; break
   if scalars and (capture.trace is not None or op_.view is not None): _device_error(op_, inputs)
   if capture.trace is not None:
     out = capture.trace.emit(op_, inputs, attrs, shape, dtype, dev, rng)
