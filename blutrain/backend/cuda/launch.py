@@ -229,8 +229,8 @@ class Kernel:
                        f"_{ty}_({a})")
     tail = [] if self._scratch else ["0", "0"]
     args = ", ".join(names)
-    src = (f"def {c.name}({args}):\n  return ({', '.join(items + tail)},)\n"
-           f"def pointers({args}):\n  return ({', '.join(owners)},)\n")
+    src = (f"def {c.name}({args}):\n  return ({''.join(x + ', ' for x in items + tail)})\n"
+           f"def pointers({args}):\n  return ({''.join(x + ', ' for x in owners)})\n")
     exec(src, env)  # noqa: S102 (generated from the signature's types only)
     return env[c.name], env["pointers"]
 
