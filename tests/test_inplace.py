@@ -31,7 +31,8 @@ METHODS = {
   "add_": lambda x, o: x.add_(o), "sub_alpha": lambda x, o: x.sub_(o, alpha=2), "mul_": lambda x, o: x.mul_(o),
   "div_": lambda x, o: x.div_(o), "pow_": lambda x, o: x.pow_(o), "iadd": lambda x, o: x.__iadd__(o),
   "lerp_": lambda x, o: x.lerp_(o, 0.25), "addcmul_": lambda x, o: x.addcmul_(o, o, value=0.5),
-  "addcdiv_": lambda x, o: x.addcdiv_(o, o + 3, value=-2), "clamp_": lambda x, o: x.clamp_(o * 0 - 1 if hasattr(o, "shape") else -1.0, o),
+  "addcdiv_": lambda x, o: x.addcdiv_(o, o + 3, value=-2),
+  "clamp_": lambda x, o: x.clamp_(o * 0 - 1 if hasattr(o, "shape") else -1.0, o),  # torch: both numbers or tensors
   "masked_fill_": lambda x, o: x.masked_fill_(x > o, -7.0), "copy_": lambda x, o: x.copy_(o),
   "fill_": lambda x, o: x.fill_(2.5), "zero_": lambda x, o: x.zero_(), "neg_": lambda x, o: x.neg_(),
   "exp_": lambda x, o: x.exp_(), "sqrt_": lambda x, o: x.sqrt_(), "relu_": lambda x, o: x.relu_(),
@@ -49,7 +50,7 @@ def _run(method, layout, other, dt):
     if other == "number" and method in ("lerp_", "addcmul_", "addcdiv_"): o = lib.tensor(1.5, dtype=d)  # torch's rule
     if lib is bt: before = x._storage.version
     assert METHODS[method](x, o) is x
-    if lib is bt: assert x._storage.version == before + 1, f"{method}: version {x._storage.version}, expected {before + 1}"
+    if lib is bt: assert x._storage.version == before + 1, f"{method}: version {x._storage.version}, not {before + 1}"
     out.append(base)
   return out
 

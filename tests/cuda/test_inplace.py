@@ -75,7 +75,8 @@ def test_inplace_integer_and_bool(dtype):
       for other in ("tensor", "row", "number"):
         o = OTHERS[other](dtype)
         if dtype is bt.bool_ and other == "number": o = True
-        want, got = both(rand((48, 90), dtype, -50, 50), lambda b: METHODS[method](LAYOUTS[layout](b), _operand(o, b.device)))
+        want, got = both(rand((48, 90), dtype, -50, 50),
+                         lambda b: METHODS[method](LAYOUTS[layout](b), _operand(o, b.device)))
         check(f"{method} on a {layout} {dtype.name} view, {other} operand", got, want)
 
 

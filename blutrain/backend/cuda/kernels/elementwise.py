@@ -384,8 +384,8 @@ def _plan(op: str, *layouts: Layout) -> tuple:
 
 def elementwise(op: str, out_dtype: DType, *ins: CudaArray | Value) -> CudaArray:
   """A new contiguous array of the broadcast shape holding op(*ins), on the device of the first array among ins."""
-  for a in ins:
-    if a.__class__ is CudaArray: break
+  a = ins[0]
+  if a.__class__ is not CudaArray: a = next(x for x in ins if x.__class__ is CudaArray)
   return launch(op, empty(broadcast_shape(*(x.shape for x in ins)), out_dtype, a.device), *ins)
 
 
