@@ -1,0 +1,117 @@
+"""A fake CUDA device for running the CUDA backend's host code on a machine without a GPU.
+
+Only the lowest layers are replaced: the driver module (`runtime._driver`: allocations hand out fake addresses,
+copies and memsets do nothing, pinned staging is real host memory), cuda.core's Device, Stream, Event, ObjectCode and
+launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt. Triton
+compiles every kernel for real. Nothing is computed: device memory holds no values and host reads see zeros. What runs
+is everything above: the caching allocator, launch planning and argument packing, autograd, autocast, optimizers,
+checkpoints and the CLI. Import it and call `install()` in a fresh process before anything touches the GPU."""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import types
+
+import cuda.core
+from cuda.core._kernel_arg_handler import ParamHolder
+
+from blutrain.backend.cuda import blas, runtime
+from blutrain.backend.cuda.allocator import CachingAllocator
+
+_addresses = itertools.count(1 << 40, 1 << 36)
+_handles = itertools.count(0x1000)
+_pinned: list = []
+launches = [0]
+
+
+class FakeDriver:
+  class CUresult:
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_READY = 600
+
+  class CUfunction_attribute:
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+  def cuInit(self, flags): return (0,)
+  def cuDeviceGetCount(self): return (0, 1)
+  def cuMemAlloc(self, n): return (0, next(_addresses))
+  def cuMemFree(self, p): return (0,)
+  def cuMemGetInfo(self): return (0, 100 << 30, 141 << 30)
+  def cuDeviceTotalMem(self, i): return (0, 141 << 30)
+  def cuDriverGetVersion(self): return (0, 13000)
+  def cuKernelSetAttribute(self, *a): return (0,)
+  def cuStreamQuery(self, h): return (0,)
+  def cuGetErrorName(self, e): return (0, b"FAKE")
+  def cuGetErrorString(self, e): return (0, b"fake")
+
+  def cuMemAllocHost(self, n):
+    buf = ctypes.create_string_buffer(n)
+    _pinned.append(buf)
+    return (0, ctypes.addressof(buf))
+
+  def _nothing(self, *a): return (0,)
+  cuMemcpyHtoDAsync = cuMemcpyDtoHAsync = cuMemcpyDtoDAsync = cuMemsetD8Async = cuMemsetD32Async = _nothing
+
+
+class FakeEvent:
+  is_done = True
+  def sync(self): pass
+  def __sub__(self, other): return 0.0
+
+
+class FakeStream:
+  def __init__(self): self.handle = next(_handles)
+  def record(self, e): pass
+  def wait(self, e): pass
+  def sync(self): pass
+
+
+class FakeDevice:
+  name = "Fake H200"
+  def set_current(self): pass
+  def create_stream(self, options=None): return FakeStream()
+  def create_event(self, options=None): return FakeEvent()
+  def sync(self): pass
+
+
+class FakeKernel:
+  handle = 0
+  attributes = types.SimpleNamespace(max_threads_per_block=1024, num_regs=64, shared_size_bytes=0)
+  def __init__(self, name): self.name = name
+
+
+class FakeObjectCode:
+  def __init__(self, cubin, name): self.cubin, self.name = cubin, name
+  @staticmethod
+  def from_cubin(cubin, name=None): return FakeObjectCode(cubin, name)
+  def get_kernel(self, name): return FakeKernel(name)
+
+
+def fake_launch(stream, config, kernel, *args):
+  """cuda.core's launch up to the driver call: its parameter buffer rejects arguments of the wrong type."""
+  launches[0] += 1
+  ParamHolder(args)
+
+
+class FakeLt:
+  MatmulDescAttribute = types.SimpleNamespace(BIAS_POINTER=0)
+  def matmul_desc_set_attribute(self, *a): pass
+  def matmul(self, *a): pass
+
+
+def install() -> None:
+  drv = FakeDriver()
+  runtime._driver = lambda: drv
+  runtime._probe = (True, "")
+  cuda.core.ObjectCode, cuda.core.launch = FakeObjectCode, fake_launch
+  st = object.__new__(runtime._DeviceState)
+  st.index, st.device = 0, FakeDevice()
+  st.compute, st.comm = runtime._new_stream(st.device, 0), runtime._new_stream(st.device, 0)
+  st.allocator = CachingAllocator(runtime._DeviceDriver(0), 0)
+  st._properties = runtime.DeviceProperties("Fake H200", 9, 0, 141 << 30, 132, 2048, 48 << 10, 227 << 10, 228 << 10,
+                                            65536, 50 << 20, 32, 2619000, 6144, 13000)
+  runtime._states[0] = st
+  blas._lt = FakeLt()
+  blas._handles[0] = 0
+  blas.plan = lambda p, device: types.SimpleNamespace(problem=p, desc=0, alpha=0, beta=0, algo=0,
+                                                      layouts={"a": 0, "b": 0, "d": 0})

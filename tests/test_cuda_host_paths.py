@@ -1,0 +1,50 @@
+"""The CUDA backend's host code on a fake device (tests/fakegpu/fake_cuda.py), so CI, which has no GPU, runs it:
+the caching allocator, launch planning and argument packing, autograd, autocast, the fused optimizer and clipping,
+checkpoints and the CLI. Nothing is computed there, so values are not checked: tests/cuda does that on a GPU. Each
+case runs in a fresh process, since the fake replaces module state."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cuda.core")
+HERE = Path(__file__).parent
+
+
+def _run_fake(code: str, tmp_path: Path) -> str:
+  script = f"import sys; sys.path.insert(0, {str(HERE / 'fakegpu')!r})\nimport fake_cuda; fake_cuda.install()\n{code}"
+  r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+  assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+  return r.stdout
+
+
+def test_cli_trains_and_resumes_a_gpt_on_the_fake_gpu(tmp_path):
+  args = ["train", "--preset", "char-tiny", "--device", "cuda", "--dtype", "bfloat16", "--warmup-steps", "1",
+          "--eval-interval", "2", "--eval-batches", "1", "--log-interval", "1", "--sample-tokens", "4",
+          "--batch-size", "2", "--block-size", "16", "--out-dir", str(tmp_path / "run")]
+  out = _run_fake(f"from blutrain.cli import main\nassert main({args + ['--steps', '2']!r}) == 0\n"
+                  f"assert main({args + ['--steps', '3', '--resume']!r}) == 0\nprint('launches', fake_cuda.launches[0])",
+                  tmp_path)
+  assert int(out.split("launches")[-1]) > 100
+  assert {"config.json", "metrics.csv", "sample.txt", "checkpoints"} <= {p.name for p in (tmp_path / "run").iterdir()}
+
+
+def test_eager_ops_autograd_and_in_place_on_the_fake_gpu(tmp_path):
+  _run_fake("""
+import blutrain as bt
+x = bt.randn(4, 6, device="cuda", requires_grad=True)
+w = bt.randn(6, 5, device="cuda", requires_grad=True)
+y = (x @ w).relu() * 2.0 + 1
+base = bt.randn(4, 6, device="cuda")
+t = base[:, ::2]
+t.add_(1); t.mul_(base[:, 1::2]); t[0] = 3.0; base[1:] = base[:-1].clone()
+with bt.autocast(device_type="cuda", dtype=bt.bfloat16):
+  z = bt.nn.functional.gelu(x @ w, approximate="tanh").sum()
+(y.sum() + z.float()).backward()
+assert x.grad.shape == (4, 6) and w.grad.shape == (6, 5) and x.grad.device.type == "cuda"
+bt.nn.utils.clip_grad_norm_([x, w], 1.0)
+opt = bt.optim.AdamW([x, w], lr=1e-3, fused=True)
+opt.step()
+assert bt.cuda.memory_allocated() > 0
+""", tmp_path)
