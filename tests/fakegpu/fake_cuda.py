@@ -2,7 +2,8 @@
 
 Only the lowest layers are replaced: the driver module (`runtime._driver`: allocations hand out fake addresses,
 copies and memsets do nothing, pinned staging is real host memory), cuda.core's Device, Stream, Event, ObjectCode and
-launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt. Triton
+launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt with
+its nvmath enums. Triton
 compiles every kernel for real. Nothing is computed: device memory holds no values and host reads see zeros. What runs
 is everything above: the caching allocator, launch planning and argument packing, autograd, autocast, optimizers,
 checkpoints and the CLI. Import it and call `install()` in a fresh process before anything touches the GPU."""
@@ -113,5 +114,6 @@ def install() -> None:
   runtime._states[0] = st
   blas._lt = FakeLt()
   blas._handles[0] = 0
+  blas.compute_type = lambda dtype: (0, 0)  # nvmath's enums: nvmath need not be installed
   blas.plan = lambda p, device: types.SimpleNamespace(problem=p, desc=0, alpha=0, beta=0, algo=0,
                                                       layouts={"a": 0, "b": 0, "d": 0})
