@@ -2,11 +2,11 @@
 
 Only the lowest layers are replaced: the driver module (`runtime._driver`: allocations hand out fake addresses,
 copies and memsets do nothing, pinned staging is real host memory), cuda.core's Device, Stream, Event, ObjectCode and
-launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt with
-its nvmath enums. Triton
-compiles every kernel for real. Nothing is computed: device memory holds no values and host reads see zeros. What runs
-is everything above: the caching allocator, launch planning and argument packing, autograd, autocast, optimizers,
-checkpoints and the CLI. Import it and call `install()` in a fresh process before anything touches the GPU."""
+launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt with its
+nvmath enums. Triton compiles every kernel for real. Nothing is computed: device memory holds no values and host
+reads see zeros. What runs is everything above: the caching allocator, launch planning and argument packing,
+autograd, autocast, optimizers, checkpoints and the CLI. Import it and call `install()` in a fresh process before
+anything touches the GPU."""
 from __future__ import annotations
 
 import ctypes
