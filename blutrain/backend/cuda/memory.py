@@ -100,7 +100,26 @@ class _Staging:
     return self.buffers[j]
 
 
+class _Ring:
+  """Small pinned slots used in turn for small host-to-device copies (tables of pointers, scalars), so that such a
+  copy waits only for the copy that used its slot SLOTS copies ago, not for the work queued before the last one:
+  one shared staging buffer would make every small upload wait on the GPU, and the host could not run ahead."""
+  SLOTS, SLOT = 32, 64 << 10
+
+  def __init__(self, device: int):
+    runtime.state(device)
+    self.base = int(check(runtime._driver().cuMemAllocHost(self.SLOTS * self.SLOT), "cuMemAllocHost(ring)"))
+    self.events, self.next = [Event() for _ in range(self.SLOTS)], 0
+
+  def slot(self) -> tuple[int, Event]:
+    """The next slot's address and event, its previous copy completed."""
+    j, self.next = self.next, (self.next + 1) % self.SLOTS
+    self.events[j].synchronize()
+    return self.base + j * self.SLOT, self.events[j]
+
+
 _staging: dict[int, _Staging] = {}
+_rings: dict[int, _Ring] = {}
 
 
 def _stage(device: int) -> _Staging:
@@ -115,6 +134,13 @@ def copy_h2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
   runtime.state(s.device)  # its context current in this thread
   st, drv = _stage(s.device), runtime._driver()
   with st.lock:
+    if nbytes <= _Ring.SLOT:
+      ring = _rings.get(s.device) or _rings.setdefault(s.device, _Ring(s.device))
+      buf, event = ring.slot()
+      ctypes.memmove(buf, src, nbytes)
+      check(drv.cuMemcpyHtoDAsync(dst, buf, nbytes, s._s.handle), "cuMemcpyHtoDAsync")
+      event.record(s)
+      return
     for k, off in enumerate(range(0, nbytes, CHUNK)):
       n, j = min(CHUNK, nbytes - off), k & 1
       buf = st.buffer(j)
