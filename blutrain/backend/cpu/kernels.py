@@ -48,8 +48,10 @@ _SQRT_2_PI = math.sqrt(2.0 / math.pi)
 
 
 def _gelu_tanh_gate(x):
-  """0.5 (1 + tanh(u)) written as sigmoid(2u), which keeps its precision where tanh(u) rounds to -1."""
-  return np.exp(-np.logaddexp(0.0, -2.0 * _SQRT_2_PI * (x + 0.044715 * x ** 3))).astype(x.dtype, copy=False)
+  """0.5 (1 + tanh(u)) written as sigmoid(2u), which keeps its precision where tanh(u) rounds to -1 (exp's overflow
+  for very negative x gives the right limit, 0; x*x*x, as numpy's float32 power is ~40x slower)."""
+  with np.errstate(over="ignore"):
+    return (1.0 / (1.0 + np.exp(-2.0 * _SQRT_2_PI * (x + 0.044715 * x * x * x)))).astype(x.dtype, copy=False)
 
 
 def _gelu(x, approximate):
