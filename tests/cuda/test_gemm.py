@@ -15,6 +15,7 @@ import blutrain as bt
 from blutrain import dtypes
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
+from tests.cuda.operands import host, place
 
 G = importlib.import_module("blutrain.backend.cuda.kernels.gemm")
 pytestmark = pytest.mark.cuda
@@ -37,23 +38,6 @@ def exact(shape, kind, seed, scale=1.0) -> np.ndarray:
   if kind != "tf32": return x
   bits = x.astype(np.float32).view(np.uint32)
   return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
-
-
-def place(x: np.ndarray, dtype, mode: str) -> CudaArray:
-  """x on the GPU: "n" row-major, "t" stored transposed (`w.mT` of a contiguous w), "ld" rows padded by 8,
-  "odd" rows padded by 1 (misaligned for TMA)."""
-  if mode == "t":
-    dev = memory.from_numpy(np.ascontiguousarray(np.swapaxes(x, -1, -2)).astype(dtype.np))
-    return CudaArray(dev.ptr, x.shape, dev.strides[:-2] + (1, dev.strides[-2]), dtype, dev.device, dev.owner)
-  if mode in ("ld", "odd"):
-    pad = np.zeros(x.shape[:-1] + (x.shape[-1] + (8 if mode == "ld" else 1),))
-    pad[..., :x.shape[-1]] = x
-    dev = memory.from_numpy(pad.astype(dtype.np))
-    return CudaArray(dev.ptr, x.shape, dev.strides, dtype, dev.device, dev.owner)
-  return memory.from_numpy(x.astype(dtype.np))
-
-
-def host(a: CudaArray) -> np.ndarray: return memory.to_numpy(a).astype(np.float64)
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:

@@ -11,6 +11,7 @@ from blutrain import dtypes
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import matmul as mm
+from tests.cuda.operands import host, place
 
 pytestmark = pytest.mark.cuda
 
@@ -29,22 +30,6 @@ def _highest():
 def rounded(shape, dtype, seed) -> np.ndarray:
   """Random values already representable in dtype (so the float64 reference sees the same inputs)."""
   return np.random.default_rng(seed).standard_normal(shape).astype(dtype.np).astype(np.float64)
-
-
-def place(x: np.ndarray, dtype, mode: str) -> CudaArray:
-  """x on the GPU: "n" row-major, "t" stored transposed (as `w.mT` of a contiguous w), "ld" rows padded by 8."""
-  if mode == "t":
-    dev = memory.from_numpy(np.ascontiguousarray(np.swapaxes(x, -1, -2)).astype(dtype.np))
-    return CudaArray(dev.ptr, x.shape, dev.strides[:-2] + (1, dev.strides[-2]), dtype, dev.device, dev.owner)
-  if mode == "ld":
-    pad = np.zeros(x.shape[:-1] + (x.shape[-1] + 8,))
-    pad[..., :x.shape[-1]] = x
-    dev = memory.from_numpy(pad.astype(dtype.np))
-    return CudaArray(dev.ptr, x.shape, dev.strides, dtype, dev.device, dev.owner)
-  return memory.from_numpy(x.astype(dtype.np))
-
-
-def host(a: CudaArray) -> np.ndarray: return memory.to_numpy(a).astype(np.float64)
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:

@@ -153,6 +153,27 @@ def _layer_norm_kernel(out, x, w, b, M, N, eps, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, 
 
 
 @triton.jit
+def _backward_tile(g, x, w, ms, m_mask, n0, N, mean, rstd, ACC: tl.constexpr, HAS_W: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+  """Columns n0 + [0, BLOCK_N) of rows ms: (columns, mask, offsets, xhat, g, g w)."""
+  ns = n0 + tl.arange(0, BLOCK_N)
+  mask = m_mask[:, None] & (ns < N)[None, :]
+  off = ms[:, None] * N + ns[None, :]
+  xhat = tl.where(mask, tl.load(x + off, mask=mask, other=0).to(ACC) - mean[:, None], 0.0) * rstd[:, None]
+  gv = tl.load(g + off, mask=mask, other=0).to(ACC)
+  gw = gv * tl.load(w + ns, mask=ns < N, other=0).to(ACC)[None, :] if HAS_W else gv
+  return ns, mask, off, xhat, gv, gw
+
+
+@triton.jit
+def _add_partial(ptr, value, mask, first):
+  """*ptr = value, or *ptr += value after the program's first row tile."""
+  if not first:
+    value += tl.load(ptr, mask=mask)
+  tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
 def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, M, N, eps, ROWS, ACC: tl.constexpr, HAS_W: tl.constexpr,
                                 HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
@@ -197,38 +218,21 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, M, N, eps, ROWS, 
       c1 = tl.zeros([BLOCK_M, BLOCK_N], ACC)
       c2 = tl.zeros([BLOCK_M, BLOCK_N], ACC)
       for n0 in range(0, N, BLOCK_N):
-        ns = n0 + tl.arange(0, BLOCK_N)
-        mask = m_mask[:, None] & (ns < N)[None, :]
-        off = ms[:, None] * N + ns[None, :]
-        xhat = tl.where(mask, tl.load(x + off, mask=mask, other=0).to(ACC) - mean[:, None], 0.0) * rstd[:, None]
-        gw = tl.load(g + off, mask=mask, other=0).to(ACC)
-        if HAS_W:
-          gw = gw * tl.load(w + ns, mask=ns < N, other=0).to(ACC)[None, :]
+        ns, mask, off, xhat, gv, gw = _backward_tile(g, x, w, ms, m_mask, n0, N, mean, rstd, ACC, HAS_W, BLOCK_N)
         c1 += gw
         c2 += gw * xhat
       c1s = tl.sum(c1, axis=1) / N
       c2s = tl.sum(c2, axis=1) / N
       for n0 in range(0, N, BLOCK_N):
-        ns = n0 + tl.arange(0, BLOCK_N)
-        mask = m_mask[:, None] & (ns < N)[None, :]
-        off = ms[:, None] * N + ns[None, :]
-        xhat = tl.where(mask, tl.load(x + off, mask=mask, other=0).to(ACC) - mean[:, None], 0.0) * rstd[:, None]
-        gv = tl.load(g + off, mask=mask, other=0).to(ACC)
-        gw = gv * tl.load(w + ns, mask=ns < N, other=0).to(ACC)[None, :] if HAS_W else gv
+        ns, mask, off, xhat, gv, gw = _backward_tile(g, x, w, ms, m_mask, n0, N, mean, rstd, ACC, HAS_W, BLOCK_N)
         tl.store(dx + off, ((gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None]).to(dx.dtype.element_ty),
                  mask=mask)
         first = m0 == pid * ROWS  # the partial rows start at this program's first row, so nothing is read back
         tl.debug_barrier()  # the threads that read a partial sum back need not be the ones that stored it
         if HAS_W:
-          acc = tl.sum(gv * xhat, axis=0)
-          if not first:
-            acc += tl.load(dw_part + pid * N + ns, mask=ns < N)
-          tl.store(dw_part + pid * N + ns, acc, mask=ns < N)
+          _add_partial(dw_part + pid * N + ns, tl.sum(gv * xhat, axis=0), ns < N, first)
         if HAS_B:
-          acc = tl.sum(gv, axis=0)
-          if not first:
-            acc += tl.load(db_part + pid * N + ns, mask=ns < N)
-          tl.store(db_part + pid * N + ns, acc, mask=ns < N)
+          _add_partial(db_part + pid * N + ns, tl.sum(gv, axis=0), ns < N, first)
 
 
 def _acc_dtype(dtype):

@@ -122,29 +122,30 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
 
 
 @triton.jit
-def _sum_squares_kernel(table, chunks, out, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-  """out[pid] = the float32 sum of squares of chunk pid (table rows: pointer, numel)."""
+def _chunk(table, chunks, G: tl.constexpr, CHUNK: tl.constexpr):
+  """(pointer, start, end) of this program's chunk of a (pointer, numel) table."""
   pid = tl.program_id(0)
   t = tl.load(chunks + 2 * pid)
   start = tl.load(chunks + 2 * pid + 1)
-  x = tl.load(table + t * 2).to(tl.pointer_type(G))
-  end = tl.minimum(start + CHUNK, tl.load(table + t * 2 + 1))
+  return tl.load(table + t * 2).to(tl.pointer_type(G)), start, tl.minimum(start + CHUNK, tl.load(table + t * 2 + 1))
+
+
+@triton.jit
+def _sum_squares_kernel(table, chunks, out, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+  """out[pid] = the float32 sum of squares of chunk pid (table rows: pointer, numel)."""
+  x, start, end = _chunk(table, chunks, G, CHUNK)
   acc = tl.zeros([BLOCK], tl.float32)
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
     v = tl.load(x + i, mask=i < end, other=0).to(tl.float32)
     acc += v * v
-  tl.store(out + pid, tl.sum(acc, axis=0))
+  tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 @triton.jit
 def _scale_kernel(table, chunks, scale, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
   """x *= scale[0] (float32) over chunk pid, in place."""
-  pid = tl.program_id(0)
-  t = tl.load(chunks + 2 * pid)
-  start = tl.load(chunks + 2 * pid + 1)
-  x = tl.load(table + t * 2).to(tl.pointer_type(G))
-  end = tl.minimum(start + CHUNK, tl.load(table + t * 2 + 1))
+  x, start, end = _chunk(table, chunks, G, CHUNK)
   s = tl.load(scale)
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)

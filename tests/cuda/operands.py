@@ -1,0 +1,22 @@
+"""Matmul operands on the GPU in the layouts the GEMM tests draw, and results back as float64."""
+import numpy as np
+
+from blutrain.backend.cuda import memory
+from blutrain.backend.cuda.array import CudaArray
+
+
+def place(x: np.ndarray, dtype, mode: str) -> CudaArray:
+  """x on the GPU: "n" row-major, "t" stored transposed (`w.mT` of a contiguous w), "ld" rows padded by 8,
+  "odd" rows padded by 1 (misaligned for TMA)."""
+  if mode == "t":
+    dev = memory.from_numpy(np.ascontiguousarray(np.swapaxes(x, -1, -2)).astype(dtype.np))
+    return CudaArray(dev.ptr, x.shape, dev.strides[:-2] + (1, dev.strides[-2]), dtype, dev.device, dev.owner)
+  if mode in ("ld", "odd"):
+    pad = np.zeros(x.shape[:-1] + (x.shape[-1] + (8 if mode == "ld" else 1),))
+    pad[..., :x.shape[-1]] = x
+    dev = memory.from_numpy(pad.astype(dtype.np))
+    return CudaArray(dev.ptr, x.shape, dev.strides, dtype, dev.device, dev.owner)
+  return memory.from_numpy(x.astype(dtype.np))
+
+
+def host(a: CudaArray) -> np.ndarray: return memory.to_numpy(a).astype(np.float64)
