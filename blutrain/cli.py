@@ -17,6 +17,7 @@ def _train(args: argparse.Namespace) -> int:
   params = trainer.model.num_params()
   print(f"blutrain train: {cfg.preset} ({params / 1e6:.2f}M parameters), {trainer.tokenizer.name} tokenizer with "
         f"{trainer.tokenizer.vocab_size} tokens, batch {cfg.batch_size} x {trainer.block_size}, device {device}, "
+        f"{cfg.amp + ' autocast' if cfg.amp else cfg.dtype}, "
         f"steps {trainer.step} -> {cfg.steps}, output {cfg.output}")
   result = trainer.fit()
   print(f"done: step {result['step']}, val loss {result['val_loss']:.4f}; checkpoints, metrics.csv, metrics.jsonl, "
@@ -86,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--dropout", type=float)
   t.add_argument("--device", help="auto (default: cuda when available), cpu, cuda, cuda:N")
   t.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+  t.add_argument("--amp", choices=["bfloat16"], help="autocast mixed precision over float32 parameters")
+  t.add_argument("--matmul-precision", choices=["highest", "high"], help="float32 matmuls: FP32 (default) or TF32")
   t.add_argument("--seed", type=int)
   t.add_argument("--out-dir", help="output directory (default: runs/<preset>)")
   t.add_argument("--eval-interval", type=int)

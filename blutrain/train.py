@@ -6,6 +6,7 @@ import csv
 import gc
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class TrainConfig:
   dropout: float = 0.0
   device: str = "auto"
   dtype: str = "float32"          # parameter dtype (float32, bfloat16, float16): the whole model in that dtype
+  amp: str = ""                   # "bfloat16": autocast mixed precision over float32 parameters; empty: off
+  matmul_precision: str = "highest"  # float32 matmuls: "highest" (FP32) or "high" (TF32 on the GPU)
   seed: int = 1337
   out_dir: str = ""               # empty: runs/<preset>
   eval_interval: int = 200
@@ -84,6 +87,9 @@ class Trainer:
   def __init__(self, cfg: TrainConfig, resume: bool = False, quiet: bool = False):
     self.cfg, self.quiet = cfg, quiet
     self.device = cfg.device if cfg.device != "auto" else default_device()
+    if cfg.amp and cfg.dtype != "float32":
+      raise ValueError(f"--amp {cfg.amp} keeps float32 parameters and computes in {cfg.amp}; it does not combine "
+                       f"with --dtype {cfg.dtype}: drop one of them")
     self.out = cfg.output
     self.out.mkdir(parents=True, exist_ok=True)
     bt.manual_seed(cfg.seed)
@@ -92,10 +98,12 @@ class Trainer:
     self.tokenizer = data.get_tokenizer(kind, text, vocab_size=cfg.bpe_vocab_size)
     train_path, val_path = data.prepare(text, self.tokenizer, self.out / "data")
     self.model = build_model(cfg, self.tokenizer.vocab_size).to(self.device, bt.dtypes.to_dtype(cfg.dtype))
+    bt.set_float32_matmul_precision(cfg.matmul_precision)
     self.block_size = self.model.config.block_size
     self.train_data, self.val_data = data.load_tokens(train_path), data.load_tokens(val_path)
     self.optimizer = self.model.configure_optimizers(cfg.weight_decay, cfg.lr, betas=(0.9, cfg.beta2))
-    self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, min(cfg.warmup_steps, cfg.steps), cfg.steps,
+                                                          cfg.min_lr_ratio)
     self.batch_rng = np.random.default_rng(cfg.seed)
     self.step, self.history = 0, []
     update = training_step(self.model, self.optimizer, cfg.grad_clip)
@@ -137,13 +145,18 @@ class Trainer:
   @bt.no_grad()
   def evaluate(self) -> float:
     self.model.eval()
-    losses = [self.model(x, y)[1].item() for x, y in data.iterate_eval_batches(
-      self.val_data, self.cfg.batch_size, self.block_size, self.cfg.eval_batches, self.device)]
+    with self._autocast():
+      losses = [self.model(x, y)[1].item() for x, y in data.iterate_eval_batches(
+        self.val_data, self.cfg.batch_size, self.block_size, self.cfg.eval_batches, self.device)]
     self.model.train()
     return float(np.mean(losses))
 
+  def _autocast(self):
+    return bt.autocast(device_type=bt.device(self.device).type, dtype=bt.dtypes.to_dtype(self.cfg.amp)) \
+      if self.cfg.amp else nullcontext()
+
   def train_step(self) -> float:
-    loss = self._update(*self.batch())
+    with self._autocast(): loss = self._update(*self.batch())
     self.scheduler.step()
     return loss.item()
 

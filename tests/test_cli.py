@@ -58,6 +58,20 @@ def test_resume_extends_the_schedule(tmp_path):
   assert [r["step"] for r in _metrics(out) if "loss" in r] == [1, 2, 3, 4, 5]
 
 
+def test_amp_follows_float32_and_refuses_low_precision_parameters(tmp_path, capsys):
+  """bfloat16 autocast keeps float32 parameters and follows the float32 run's losses to bfloat16 accuracy."""
+  fp32, amp = tmp_path / "fp32", tmp_path / "amp"
+  main(["train", *TINY, "--steps", "4", "--out-dir", str(fp32)])
+  assert main(["train", *TINY, "--steps", "4", "--out-dir", str(amp), "--amp", "bfloat16"]) == 0
+  a, b = ([r["loss"] for r in _metrics(out) if "loss" in r] for out in (fp32, amp))
+  np.testing.assert_allclose(b, a, rtol=2e-2)
+  assert a != b  # the matmuls did run in bfloat16
+  assert all(t.dtype == bt.float32 for t in checkpoint.load_checkpoint(amp)[0].values())
+  assert main(["train", *TINY, "--steps", "2", "--out-dir", str(tmp_path / "x"), "--amp", "bfloat16",
+               "--dtype", "bfloat16"]) == 2
+  assert "does not combine" in capsys.readouterr().err
+
+
 def test_resume_refuses_another_model(tmp_path, capsys):
   out = tmp_path / "run"
   main(["train", *TINY, "--steps", "3", "--out-dir", str(out)])
