@@ -149,28 +149,29 @@ def gemm_warps(BM: int, BN: int, precision: str = "") -> int:
 
 
 def gemm_smem(BM: int, BN: int, BK: int, stages: int, itemsize: int, out_itemsize: int, persistent: bool,
-              subtile: bool) -> int:
+              subtile: bool, precision: str = "") -> int:
   """Shared memory of a block: `stages` buffers of an A and a B tile, (BM + BN)*BK*itemsize each, and the
   epilogue's layout change of the output tile, BM*BN*out_itemsize (half with `subtile`: two halves of BN/2 columns).
   A persistent loop keeps the pipeline's buffers while a tile's epilogue runs, so the two add up; a kernel of one
-  tile reuses the buffers (max). Plus SMEM_BARRIERS. An upper bound of what Triton 3.6 allocates (checked against
-  compiled kernels)."""
+  tile reuses the buffers (max). 3xTF32 adds one unpipelined A tile and two B tiles, (BM + 2*BN)*BK*itemsize: Triton
+  stages the operands' high and low TF32 parts there (128x256x32: 80 KiB). Plus SMEM_BARRIERS. An upper bound of
+  what Triton 3.6 allocates (checked against compiled kernels)."""
   pipeline = stages * (BM + BN) * BK * itemsize
   epilogue = BM * BN * out_itemsize // (2 if subtile else 1)
-  return (pipeline + epilogue if persistent else max(pipeline, epilogue)) + SMEM_BARRIERS
+  parts = (BM + 2 * BN) * BK * itemsize if precision == "tf32x3" else 0
+  return (pipeline + epilogue if persistent else max(pipeline, epilogue)) + parts + SMEM_BARRIERS
 
 
 def gemm_stages(BM: int, BN: int, BK: int, itemsize: int, out_itemsize: int, persistent: bool,
-                hw: Hardware) -> tuple[int, bool]:
+                hw: Hardware, precision: str = "") -> tuple[int, bool]:
   """(stages, subtile): as many pipeline stages as fit the block's shared memory, at most MAX_STAGES, 0 when not
   even 2 fit; the epilogue is subtiled only when that buys a stage. Persistent, bf16 128x256x64 with a bf16
   output: (227 KiB - 64 KiB) / 48 KiB -> 3 stages whole, (227 - 32) / 48 -> 4 subtiled; TF32 128x256x32 with a
   float32 output: 2 whole, 3 subtiled."""
   def fit(subtile: bool) -> int:
-    fixed = gemm_smem(BM, BN, BK, 0, itemsize, out_itemsize, persistent, subtile)
-    if fixed > hw.smem_per_block - SMEM_RESERVE: return 0
-    stages = (hw.smem_per_block - SMEM_RESERVE - (fixed if persistent else 0)) // ((BM + BN) * BK * itemsize)
-    return min(MAX_STAGES, stages) if stages >= 2 else 0
+    return max((s for s in range(2, MAX_STAGES + 1) if gemm_smem(BM, BN, BK, s, itemsize, out_itemsize, persistent,
+                                                               subtile, precision) <= hw.smem_per_block - SMEM_RESERVE),
+               default=0)
   whole, halves = fit(False), (fit(True) if persistent else 0)
   return (halves, True) if halves > whole else (whole, False)
 
@@ -254,7 +255,7 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
     splits = range(1, max(1, min(MAX_SPLIT, k_tiles // SPLIT_MIN_KTILES)) + 1) if can_split else (1,)
     for s in splits:
       out_itemsize = 4 if s > 1 else p.out_itemsize  # split-K stores float32 partial sums
-      stages, subtile = gemm_stages(BM, BN, BK, p.itemsize, out_itemsize, persistent, hw)
+      stages, subtile = gemm_stages(BM, BN, BK, p.itemsize, out_itemsize, persistent, hw, p.precision)
       if not stages: continue
       score = tile_intensity(BM, BN) / tile_intensity(*TILES[0]) * utilization(tiles * s * p.batch, hw.sms)
       score *= M * N / (tiles * BM * BN) / (1 + split_cost(s, p.K, flops, hw))
@@ -262,7 +263,8 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   if best is None: raise ValueError(f"gemm_schedule: no tile fits {hw.smem_per_block} bytes of shared memory for {p}")
   BM, BN, warps, stages, subtile, tiles, split = best
   if split > 1: split = cdiv(k_tiles, cdiv(k_tiles, split))  # slices of equal k-steps, none empty
-  smem = gemm_smem(BM, BN, BK, stages, p.itemsize, 4 if split > 1 else p.out_itemsize, persistent, subtile)
+  smem = gemm_smem(BM, BN, BK, stages, p.itemsize, 4 if split > 1 else p.out_itemsize, persistent, subtile,
+                   p.precision)
   if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, warps, hw)),)
   else: grid = (tiles, split, p.batch)
   return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile,

@@ -117,9 +117,7 @@ _NOVA = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
 def matmul(a: CudaArray, b: CudaArray) -> CudaArray:
   """a @ b over broadcast batch dims (the op library passes both operands with at least 2 dims)."""
   _check("matmul", a, b)
-  # NOTE: float32 at "highest" stays on cuBLASLt: Nova's 3xTF32 schedules overran shared memory on the H200
-  if backends.matmul == "nova" and a.dtype in _NOVA and not (
-      a.dtype is dtypes.float32 and amp.get_float32_matmul_precision() == "highest"):
+  if backends.matmul == "nova" and a.dtype in _NOVA:
     from blutrain.backend.cuda.kernels.gemm import gemm  # imported here: gemm.py imports `layout` from this module
     return gemm(a, b)
   return _matmul(a, b, None)
