@@ -64,20 +64,24 @@ def test_split_k_only_for_small_outputs_with_long_k(name, p):
 
 
 def test_tf32_layout_decisions():
-  """Only TF32 copies or swaps: a K-major B for wgmma; B copied (rounded) when that costs <= 3% (M >= 13.7K); dW
-  (both MN-major) copies its smaller operand; 16-bit and 3xTF32 problems run as given."""
+  """Only TF32 copies, swaps or rounds B: a K-major B for wgmma; B rounded always, by a copy when that costs less
+  than rounding in the kernel (M >= 1.9K); dW (both MN-major) copies its smaller operand; 16-bit and 3xTF32 problems
+  run as given."""
   fwd, dx, dw = (p for _, p in list(gpt2_problems(4, "tf32"))[:3])
   assert [gemm_schedule(p).copy for p in (fwd, dx, dw)] == ["b", "b", "b"]  # dW 2304x768: x (768 wide) is smaller
   s = gemm_schedule(GemmProblem(768, 3072, T, 1, 4, 4, "tf32", False, False))
   assert s.copy == "a" and s.swap and (s.a_kmajor, s.b_kmajor) == (False, True)
-  s = gemm_schedule(GemmProblem(4096, 4096, 4096, 1, 4, 4, "tf32", True, False))  # a square, too small to copy
-  assert s.copy == "" and s.swap and (s.a_kmajor, s.b_kmajor) == (False, True) and s.round_a
+  s = gemm_schedule(GemmProblem(1024, 1024, 4096, 1, 4, 4, "tf32", True, False))  # too few rows to copy B
+  assert s.copy == "" and s.swap and (s.a_kmajor, s.b_kmajor) == (False, True) and s.round_a and s.round_b
+  s = gemm_schedule(GemmProblem(4096, 4096, 4096, 1, 4, 4, "tf32", True, False))
+  assert s.copy == "b" and not s.swap and s.round_a and not s.round_b
   for p in (GemmProblem(4096, 4096, 4096, 1, 2, 2, "", True, False), GemmProblem(768, 768, T, 1, 2, 2, "", False, False),
             GemmProblem(4096, 4096, 4096, 1, 4, 4, "tf32x3", True, False)):
     s = gemm_schedule(p)
-    assert (s.copy, s.swap, s.round_a, s.a_kmajor, s.b_kmajor) == ("", False, False, p.a_kmajor, p.b_kmajor)
+    assert (s.copy, s.swap, s.round_a, s.round_b, s.a_kmajor, s.b_kmajor) == ("", False, False, False, p.a_kmajor,
+                                                                              p.b_kmajor)
   assert C.orientation("tf32", True, False) and not C.orientation("tf32", False, True)
-  assert C.operand_copy("tf32", 16384, 768, True, True) == "b" and C.operand_copy("tf32", 8192, 768, True, True) == ""
+  assert C.operand_copy("tf32", 1900, 768, True, True) == "b" and C.operand_copy("tf32", 1850, 768, True, True) == ""
   assert C.operand_copy("tf32", 100, 200, False, False) == "a" and C.operand_copy("tf32", 300, 200, False, False) == "b"
 
 

@@ -45,7 +45,7 @@ def ints(plan, i=0) -> dict:
 
 def test_sources_read_like_kernels_and_are_dumped(tmp_path, monkeypatch):
   monkeypatch.setenv("BLUTRAIN_DUMP_IR", str(tmp_path))
-  st = G.Structure("tma", "fp32", "bf16", "tf32", True, True, True, "n", ("scale", "bias", "gelu", "residual"),
+  st = G.Structure("tma", "fp32", "bf16", "tf32", True, True, True, False, "n", ("scale", "bias", "gelu", "residual"),
                    aux=("n",), epi_types=("fp32", "bf16"))
   text = G.source(st)
   main, reduce = G.kernels(st)
@@ -55,6 +55,7 @@ def test_sources_read_like_kernels_and_are_dumped(tmp_path, monkeypatch):
   assert "c_desc.store([pid_m * BM, pid_n * BN + BN // 2]" in G.source(G.Structure("tma", "bf16", "bf16", "", True, True,
                                                                                       tma_store=True))
   assert "a = _round_tf32(a)" in text and 'input_precision="tf32"' in text and "acc.to(tl.bfloat16)" in text
+  assert "b = _round_tf32(b)" not in text
   epi = text[text.index("_epilogue("):text.index(f"def {st.name}(")]
   assert epi.index("ALPHA") < epi.index("BIAS + rn") < epi.index("_gelu(acc, False)") < epi.index("R1 +")
   assert (tmp_path / f"{st.name}.py").read_text() == text
@@ -97,10 +98,11 @@ def test_tf32_copies_and_swaps_for_a_kmajor_b():
   assert p.copy == "b" and (p.structure.a_kmajor, p.structure.b_kmajor) == (True, True)
   p = planned(arr((768, T), f32, "t"), arr((T, 3072), f32), "tf32")           # dW: the smaller operand, then a swap
   assert p.copy == "a" and p.schedule.swap and (p.structure.a_kmajor, p.structure.b_kmajor) == (False, True)
-  p = planned(arr((2048, 2048), f32), arr((2048, 2048), f32), "tf32", epilogue=("bias",), bias=arr((2048,), f32))
+  p = planned(arr((1024, 1024), f32), arr((1024, 1024), f32), "tf32", epilogue=("bias",), bias=arr((1024,), f32))
   assert not p.copy and p.schedule.swap and p.structure.bias_along_m and p.structure.c_unit == "m"
+  assert p.structure.round_b and "b = _round_tf32(b)" in G.source(p.structure)  # no copy rounded B: the kernel does
   assert not p.structure.tma_store  # C^T is column-major: pointer stores
-  assert ints(p)["LDC"] == 2048
+  assert ints(p)["LDC"] == 1024
   p = planned(arr((2048, 2048), f32), arr((2048, 2048), f32), "tf32x3")
   assert not p.copy and not p.schedule.swap and not p.structure.round_a
 

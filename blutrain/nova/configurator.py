@@ -79,7 +79,8 @@ class GemmProblem:
 class GemmSchedule:
   """How a GemmProblem runs. `copy` ("a", "b" or "") names an operand to copy into a K-major layout first. With
   `swap` the kernel computes C^T = B^T A^T: M and N, the operands and their layouts (`a_kmajor`, `b_kmajor` describe
-  the kernel's own operands, after the copy) are exchanged. `split_k` > 1 writes float32
+  the kernel's own operands, after the copy) are exchanged. TF32 rounds the register operand A in the kernel
+  (`round_a`), and B there too (`round_b`) when no copy rounded it. `split_k` > 1 writes float32
   partial sums that a second kernel adds and finishes with the epilogue. Diagnostics: `tiles` (per split and batch
   entry), `utilization` of the SMs over all rounds, `smem` (modelled bytes per block), `intensity` (the problem's
   FLOP per byte of compulsory traffic)."""
@@ -97,6 +98,7 @@ class GemmSchedule:
   a_kmajor: bool
   b_kmajor: bool
   round_a: bool
+  round_b: bool
   grid: tuple[int, ...]
   tiles: int
   utilization: float
@@ -112,7 +114,7 @@ SPLIT_MIN_KTILES = 8  # each split-K slice runs at least 8 k-steps, so the pipel
 MAX_SPLIT = 16
 SMEM_RESERVE = 1024   # bytes per block the runtime keeps (CUDA's reserved shared memory)
 SMEM_BARRIERS = 256   # bytes of a pipeline's mbarriers and Triton's small scratch (measured: 24-56)
-COPY_BUDGET = 0.03    # share of a TF32 GEMM's time worth spending on a rounded copy of B (see `operand_copy`)
+ROUND_B_COST = 0.22   # share of a TF32 GEMM's time that rounding B in the kernel costs (see `operand_copy`)
 
 
 def intensity(M: int, N: int, K: int, itemsize: int) -> float:
@@ -180,17 +182,21 @@ def operand_copy(precision: str, M: int, N: int, a_kmajor: bool, b_kmajor: bool,
   """The operand ("a", "b" or "") a TF32 GEMM first copies into a K-major layout, rounded to TF32 on the way.
 
   TF32 wgmma reads B from shared memory K-major and as stored: the hardware truncates it to TF32, while the register
-  operand A is rounded by the kernel (relative error 4.7e-4 against float64 on random normal inputs; 2.9e-4 with
-  both rounded, 7.7e-4 with both truncated). Copying B costs 8*K*N bytes against 2*M*N*K FLOP, a fraction
-  4*peak / (bandwidth*M) of the GEMM's time, independent of N and K: 2.5% at GPT-2's M = 16384 tokens. So B is
-  copied when that fraction is within COPY_BUDGET (M >= 13.7K on an H200), which also makes an N-major B K-major
-  without swapping. With both operands MN-major (the weight gradient dW = dY^T X, both contracting over their rows)
-  a copy is needed whatever it costs: no orientation gives wgmma its K-major B, and Triton then moves B through
-  registers with no pipelining (TMA) or in 4-byte copies (cp.async; 0.4x of the K-major rate in DESIGN.md's
-  sweep); the smaller operand is copied (A when M <= N)."""
+  operand A is rounded by the kernel. Relative error against float64 on random normal inputs: 2.9e-4 with both
+  rounded, 4.7e-4 to 5.5e-4 with B truncated (truncation shrinks every product toward zero, a bias of about 3.4e-4
+  that no K averages out), 7.7e-4 with both truncated. So B is always rounded, by the cheaper of two ways:
+  - a K-major copy rounded on the way: 8*K*N bytes against 2*M*N*K FLOP, a fraction 4*peak / (bandwidth*M) of the
+    GEMM's time, independent of N and K (2.5% at GPT-2's M = 16384 tokens), which also makes an N-major B K-major
+    without swapping;
+  - rounding each B tile in the kernel (shared memory -> registers -> shared memory every k-step), ROUND_B_COST of
+    the GEMM's time (measured on the H200 over four GPT-2 shapes at M = 16384: 19-28%).
+  The copy wins from M = 4*peak / (bandwidth*ROUND_B_COST) = 1.9K rows on an H200. With both operands MN-major (the
+  weight gradient dW = dY^T X, both contracting over their rows) a copy is needed whatever it costs: no orientation
+  gives wgmma its K-major B, and Triton then moves B through registers with no pipelining (TMA) or in 4-byte copies
+  (cp.async; 0.4x of the K-major rate in DESIGN.md's sweep); the smaller operand is copied (A when M <= N)."""
   if precision != "tf32": return ""
   if not a_kmajor and not b_kmajor: return "a" if M <= N else "b"
-  return "b" if 4 * hw.tf32_flops / (hw.hbm_bandwidth * M) <= COPY_BUDGET else ""
+  return "b" if 4 * hw.tf32_flops / (hw.hbm_bandwidth * M) <= ROUND_B_COST else ""
 
 
 def group_m(BM: int, BN: int, tiles_m: int, hw: Hardware) -> int:
@@ -215,9 +221,9 @@ def occupancy(smem: int, warps: int, hw: Hardware) -> int:
 def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   """The schedule of a GEMM, by formula.
 
-  1. TF32 layout and rounding: `operand_copy` (a K-major copy rounded to TF32, of B when cheap and of one operand
-     when both are MN-major), then `orientation` (swap M and N when only the swapped problem has a K-major B). The
-     register operand A is rounded in the kernel; tensor cores truncate B unless its copy rounded it. 3xTF32 splits
+  1. TF32 layout and rounding: `operand_copy` (a K-major copy rounded to TF32, of B when cheaper than rounding it
+     in the kernel and of one operand when both are MN-major), then `orientation` (swap M and N when only the
+     swapped problem has a K-major B). The kernel rounds the register operand A, and B when no copy did. 3xTF32 splits
      both operands exactly (relative error 8e-8).
   3. BK = 128 bytes / itemsize: one row of the 128-byte shared-memory swizzle (32 float32, 64 bf16), so every
      k-step of wgmma reads whole swizzle lines.
@@ -268,7 +274,7 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, warps, hw)),)
   else: grid = (tiles, split, p.batch)
   return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile,
-                      copy, swap, a_k, b_k, p.precision == "tf32", grid, tiles,
+                      copy, swap, a_k, b_k, p.precision == "tf32", p.precision == "tf32" and not copy, grid, tiles,
                       utilization(tiles * split * p.batch, hw.sms), smem, intensity(p.M, p.N, p.K, p.itemsize) if p.K else 0.0)
 
 

@@ -86,6 +86,7 @@ class Structure:
   a_kmajor: bool
   b_kmajor: bool
   round_a: bool = False
+  round_b: bool = False
   c_unit: str = "n"              # which of C's strides is 1
   epilogue: tuple[str, ...] = ()
   bias_along_m: bool = False
@@ -199,6 +200,7 @@ def _tile_index(indent: str, t: str) -> list[str]:
 def _dot(st: Structure, indent: str) -> list[str]:
   lines = []
   if st.round_a: lines.append("a = _round_tf32(a)")
+  if st.round_b: lines.append("b = _round_tf32(b)")
   prec = f", input_precision=\"{st.precision}\"" if st.precision else ""
   lines.append(f"acc = tl.dot(a, b, acc{prec})")
   return [indent + line for line in lines]
@@ -555,8 +557,8 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   split = s.split_k > 1 or K == 0
   tma_store = s.persistent and not split and c_unit == "n" and mats["out"].ptr % 16 == 0 and \
     c_ld[0] * out.dtype.itemsize % 16 == 0 and all(o % 16 == 0 for o in offsets["out"])
-  st = Structure("tma" if s.persistent else "ptr", TY[a.dtype], TY[out.dtype], prec, s.a_kmajor, s.b_kmajor, s.round_a,
-                 c_unit, epilogue, s.swap, tuple(u for u, _ in units),
+  st = Structure("tma" if s.persistent else "ptr", TY[a.dtype], TY[out.dtype], prec, s.a_kmajor, s.b_kmajor,
+                 s.round_a, s.round_b, c_unit, epilogue, s.swap, tuple(u for u, _ in units),
                  tuple(TY[x.dtype] for x in ([bias] if bias is not None else []) + aux), split, tma_store,
                  not s.persistent and Z > 1, i64)
   aux_names = [n for n in _aux_names(st) if n != "BIAS"]
@@ -726,7 +728,7 @@ def _specs() -> list[Spec]:
     out += launches(arr((T, 2304), dt), arr((2304, M), dt), prec)                    # dx = dy W
     out += launches(arr((3072, T), dt, "t"), arr((T, M), dt), prec)                  # dW = dy^T x: split-K
     out += launches(arr((2304, T), dt, "t"), arr((T, M), dt), prec)
-    out += launches(arr((2048, 2048), dt), arr((2048, 2048), dt), prec)              # squares: TF32 swaps
+    out += launches(arr((1024, 1024), dt), arr((1024, 1024), dt), prec)              # squares: TF32 swaps, rounds B
     out += launches(arr((8, 128, 4096), dt), arr((8, 4096, 64), dt), prec)           # batched split-K
     out += launches(arr((2, 12, 64, 64), dt, "t"), arr((2, 12, 64, 128), dt), prec)  # batched, both MN-major
     out += launches(arr((200, 1000), dt, "odd"), arr((1000, 300), dt, "odd"), prec)  # misaligned
