@@ -58,8 +58,8 @@ def test_split_k_only_for_small_outputs_with_long_k(name, p):
   s = gemm_schedule(p)
   if s.split_k > 1: assert s.tiles < H200.sms and p.K > 2 * C.SPLIT_MIN_KTILES * s.BK, s
   if name.startswith(("fwd", "dX")) or p.K <= 1024: assert s.split_k == 1, s
-  if name.startswith("dW") and p.M * p.N <= 3072 * 768 and not (s.persistent and p.itemsize == 4):
-    assert s.split_k > 1, s  # 768x768 .. 3072x768, K = 16384 (not float32 through TMA: see gemm_schedule)
+  if name.startswith("dW") and p.M * p.N <= 3072 * 768:
+    assert s.split_k > 1, s  # 768x768 .. 3072x768, K = 16384
   assert math.ceil(math.ceil(p.K / s.BK) / s.split_k) * (s.split_k - 1) < math.ceil(p.K / s.BK)  # no empty slice
 
 

@@ -255,9 +255,7 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   for BM, BN in TILES:
     warps = gemm_warps(BM, BN, p.precision)
     tiles = cdiv(M, BM) * cdiv(N, BN)
-    # NOTE: float32 operands through TMA take no split-K: on the H200 those kernels gave wrong sums (relative error
-    # 0.07-0.2 in tests/cuda/test_gemm.py, 2026-11-30) while bf16 split-K and unsplit TF32 were right; cause open
-    can_split = tiles * p.batch < hw.sms and not (persistent and p.itemsize == 4)
+    can_split = tiles * p.batch < hw.sms
     splits = range(1, max(1, min(MAX_SPLIT, k_tiles // SPLIT_MIN_KTILES)) + 1) if can_split else (1,)
     for s in splits:
       out_itemsize = 4 if s > 1 else p.out_itemsize  # split-K stores float32 partial sums
