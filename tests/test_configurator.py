@@ -63,6 +63,14 @@ def test_split_k_only_for_small_outputs_with_long_k(name, p):
   assert math.ceil(math.ceil(p.K / s.BK) / s.split_k) * (s.split_k - 1) < math.ceil(p.K / s.BK)  # no empty slice
 
 
+def test_tf32_split_k_through_tma_keeps_two_stages():
+  """3 stages of a split TF32 TMA kernel gave wrong sums on the H200 (see gemm_schedule); split ones keep 2."""
+  for p in (GemmProblem(3072, 768, T, 1, 4, 4, "tf32", False, True), GemmProblem(512, 512, 8192, 1, 4, 4, "tf32")):
+    s = gemm_schedule(p)
+    assert s.persistent and s.split_k > 1 and s.num_stages == 2, s
+  assert gemm_schedule(GemmProblem(3072, 768, T, 1, 2, 2, "", False, True)).num_stages > 2  # bf16 is unaffected
+
+
 def test_tf32_layout_decisions():
   """Only TF32 copies, swaps or rounds B: a K-major B for wgmma; B rounded always, by a copy when that costs less
   than rounding in the kernel (M >= 1.9K); dW (both MN-major) copies its smaller operand; 16-bit and 3xTF32 problems
