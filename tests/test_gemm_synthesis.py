@@ -93,11 +93,13 @@ def test_gpt2_bf16_runs_persistent_tma_kernels_as_stored():
 
 def test_tf32_copies_and_swaps_for_a_kmajor_b():
   p = planned(arr((T, 768), f32), arr((768, 2304), f32, "t"), "tf32")         # B copied (and rounded)
-  assert p.copy == "b" and p.structure.b_kmajor and p.structure.round_a and not p.schedule.swap
+  assert p.copy == "b" and p.structure.b_kmajor and p.structure.round_a and not p.structure.round_b
+  assert not p.schedule.swap
   p = planned(arr((T, 2304), f32), arr((2304, 768), f32), "tf32")             # an N-major B: its copy is K-major
   assert p.copy == "b" and (p.structure.a_kmajor, p.structure.b_kmajor) == (True, True)
   p = planned(arr((768, T), f32, "t"), arr((T, 3072), f32), "tf32")           # dW: the smaller operand, then a swap
   assert p.copy == "a" and p.schedule.swap and (p.structure.a_kmajor, p.structure.b_kmajor) == (False, True)
+  assert not p.structure.round_b  # the kernel's B is the rounded copy of A: rounding it again would cost 22%
   p = planned(arr((1024, 1024), f32), arr((1024, 1024), f32), "tf32", epilogue=("bias",), bias=arr((1024,), f32))
   assert not p.copy and p.schedule.swap and p.structure.bias_along_m and p.structure.c_unit == "m"
   assert p.structure.round_b and "b = _round_tf32(b)" in G.source(p.structure)  # no copy rounded B: the kernel does

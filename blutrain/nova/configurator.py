@@ -62,7 +62,9 @@ def hardware(device: int | None = None) -> Hardware:
 class GemmProblem:
   """C (batch x M x N) = A (M x K) @ B (K x N). `a_kmajor`: A's unit stride runs along K (row-major A); `b_kmajor`:
   B's runs along K (B stored N x K, as nn.Linear's weight). `precision` is "tf32" or "tf32x3" for float32 operands,
-  "" for 16-bit ones. `tma`: the operands meet TMA's alignment (16-byte base and row strides) and there is no batch."""
+  "" for 16-bit ones. `tma`: the operands meet TMA's alignment (16-byte base and row strides) and there is no batch.
+  `copied`: None lets the schedule decide the TF32 operand copy; "a", "b" or "" is a caller's decision already
+  applied (the layouts are then the copy's), so the schedule knows which operand arrives rounded."""
   M: int
   N: int
   K: int
@@ -73,6 +75,7 @@ class GemmProblem:
   a_kmajor: bool = True
   b_kmajor: bool = True
   tma: bool = True
+  copied: str | None = None
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,7 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   """
   if min(p.M, p.N) <= 0 or p.K < 0 or p.batch <= 0:
     raise ValueError(f"gemm_schedule: needs M, N, batch > 0 and K >= 0, got {p}")
-  copy = operand_copy(p.precision, p.M, p.N, p.a_kmajor, p.b_kmajor, hw)
+  copy = operand_copy(p.precision, p.M, p.N, p.a_kmajor, p.b_kmajor, hw) if p.copied is None else p.copied
   a_k, b_k = p.a_kmajor or copy == "a", p.b_kmajor or copy == "b"
   swap = orientation(p.precision, a_k, b_k)
   M, N, a_k, b_k = (p.N, p.M, b_k, a_k) if swap else (p.M, p.N, a_k, b_k)

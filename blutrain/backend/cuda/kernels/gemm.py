@@ -544,7 +544,7 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   lda, ldb = _ld(mats["a"], a_k), _ld(mats["b"], not b_k)
   tma = Z == 1 and all(mats[k].ptr % 16 == 0 and ld > 0 and ld * item % 16 == 0 and all(o % 16 == 0 for o in offsets[k])
                        for k, ld in (("a", lda), ("b", ldb)))
-  s = cfg.gemm_schedule(cfg.GemmProblem(rows, N, K, Z, item, out.dtype.itemsize, prec, a_k, b_k, tma),
+  s = cfg.gemm_schedule(cfg.GemmProblem(rows, N, K, Z, item, out.dtype.itemsize, prec, a_k, b_k, tma, copied),
                         _hardware(out.device))
   src = {"A": "a", "B": "b"}
   if s.swap:  # C^T = B^T A^T: every matrix transposed, the bias now runs along M
