@@ -353,6 +353,22 @@ def test_dropout_eval_and_edges():
   assert repr(nn.Dropout(0.2)) == "Dropout(p=0.2, inplace=False)"
 
 
+def test_dropout_values_and_gradient_on_a_strided_view():
+  """Kept elements are x / (1 - p) and the rest 0, under the mask the same generator state draws; the gradient is
+  the same mask and scale applied to the upstream gradient (float64 reference)."""
+  base = bt.randn(64, 96, requires_grad=True)
+  x, p = base[::2, 1::3], 0.3
+  out = F.dropout(x, p, generator=bt.Generator().manual_seed(7))
+  keep = bt.ops.bernoulli_mask(x.shape, 1 - p, generator=bt.Generator().manual_seed(7)).numpy()
+  want = np.where(keep, x.detach().numpy().astype(np.float64) / (1 - p), 0.0)
+  np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-6)
+  g = np.random.default_rng(0).standard_normal(x.shape).astype(np.float32)
+  out.backward(bt.tensor(g))
+  grad = np.zeros((64, 96))
+  grad[::2, 1::3] = np.where(keep, g / (1 - p), 0.0)
+  np.testing.assert_allclose(base.grad.numpy(), grad, rtol=1e-6)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
 def test_dropout_train_statistics(p):
   x = bt.ones(200_000, requires_grad=True)

@@ -204,7 +204,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator=None) ->
   if not training or p == 0.0: return x
   if p == 1.0: return x * 0.0
   keep = ops.bernoulli_mask(x.shape, 1.0 - p, device=x.device, generator=generator)
-  return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+  return ops.where(keep, x, 0.0) * (1.0 / (1.0 - p))  # 3 kernels; backward keeps the 1-byte mask, not a float copy
 
 
 def _band(x: Tensor, diagonal: int, lower: bool) -> Tensor:

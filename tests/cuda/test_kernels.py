@@ -430,6 +430,25 @@ def test_getitem_through_autograd():
 
 # *** random ***
 
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
+def test_dropout_values_and_gradient(dtype):
+  """Dropout of a strided view: x / (1 - p) where the mask the same generator state draws keeps, 0 elsewhere; the
+  gradient is the same mask and scale on the upstream gradient."""
+  base = bt.randn(256, 384, device="cuda").to(dtype).requires_grad_(True)
+  x, p = base[::2, 1::3], 0.25
+  out = bt.nn.functional.dropout(x, p, generator=bt.Generator("cuda").manual_seed(11))
+  keep = bt.ops.bernoulli_mask(x.shape, 1 - p, device="cuda", generator=bt.Generator("cuda").manual_seed(11)).numpy()
+  assert out.dtype is dtype and abs(keep.mean() - (1 - p)) < 0.02
+  xs = x.detach().to(dtypes.float32).numpy().astype(np.float64)
+  tol = 1e-6 if dtype is dtypes.float32 else 1.6e-2  # bf16: the scale, a Python number, is rounded to bf16 too
+  np.testing.assert_allclose(out.detach().to(dtypes.float32).numpy(), np.where(keep, xs / (1 - p), 0.0), rtol=tol)
+  g = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+  out.backward(bt.tensor(g).to("cuda").to(dtype))
+  want = np.zeros(base.shape)
+  want[::2, 1::3] = np.where(keep, g.astype(dtype.np).astype(np.float64) / (1 - p), 0.0)
+  np.testing.assert_allclose(base.grad.to(dtypes.float32).numpy(), want, rtol=tol, atol=1e-30)
+
+
 def test_random_statistics_and_reproducibility():
   n = 1 << 22
   g = bt.Generator("cuda").manual_seed(1234)
