@@ -63,6 +63,16 @@ def test_split_k_only_for_small_outputs_with_long_k(name, p):
   assert math.ceil(math.ceil(p.K / s.BK) / s.split_k) * (s.split_k - 1) < math.ceil(p.K / s.BK)  # no empty slice
 
 
+def test_a_callers_copy_decides_which_operand_arrives_rounded():
+  """The GEMM host copies first and passes `copied`: the schedule then rounds in the kernel exactly the B no copy
+  rounded, never deciding a second copy on the copy's layout."""
+  swapped = GemmProblem(768, 3072, T, 1, 4, 4, "tf32", True, False, copied="a")  # dW: A copied, then swapped
+  s = gemm_schedule(swapped)
+  assert (s.copy, s.swap, s.round_b) == ("a", True, False)  # the kernel's B is A's rounded copy
+  assert gemm_schedule(GemmProblem(16384, 768, 768, 1, 4, 4, "tf32", True, True, copied="")).round_b  # none copied
+  assert gemm_schedule(GemmProblem(16384, 768, 768, 1, 4, 4, "tf32", True, True)).copy == "b"  # None: decided here
+
+
 def test_tf32_split_k_through_tma_keeps_two_stages():
   """3 stages of a split TF32 TMA kernel gave wrong sums on the H200 (see gemm_schedule); split ones keep 2."""
   for p in (GemmProblem(3072, 768, T, 1, 4, 4, "tf32", False, True), GemmProblem(512, 512, 8192, 1, 4, 4, "tf32")):
