@@ -25,23 +25,28 @@ sys.path.insert(0, str(ROOT))
 
 
 def _timed(step, batches, warmup: int, sync) -> dict:
+  """Run `step` (returning the loss as a device scalar) over the batches. Per step: the wall time until the loss is
+  on the host, and the host's enqueue time until `step` returned; when the two are close the GPU waited on Python."""
   gc.collect()
   gc.freeze()  # for every run alike: full collections scan only what the steps make, as in `blutrain train`
   t0 = time.perf_counter()
-  first_loss = step(*batches[0])
+  first_loss = float(step(*batches[0]).item())
   sync()
   first = time.perf_counter() - t0
-  for b in batches[1:warmup]: step(*b)
+  for b in batches[1:warmup]: step(*b).item()
   sync()
-  times, losses = [], [first_loss]
+  times, enqueue, losses = [], [], [first_loss]
   for b in batches[warmup:]:
     t0 = time.perf_counter()
-    losses.append(step(*b))
+    loss = step(*b)
+    t1 = time.perf_counter()
+    losses.append(float(loss.item()))
     sync()
     times.append(time.perf_counter() - t0)
+    enqueue.append(t1 - t0)
   gc.unfreeze()
   return {"first_step_s": first, "step_s": statistics.median(times), "step_times_s": times,
-          "losses": [float(x) for x in losses]}
+          "enqueue_s": statistics.median(enqueue), "enqueue_times_s": enqueue, "losses": losses}
 
 
 def run_blutrain(cfg, state, batches, precision: str, warmup: int) -> dict:
@@ -56,7 +61,7 @@ def run_blutrain(cfg, state, batches, precision: str, warmup: int) -> dict:
   ctx = (lambda: bt.autocast(device_type="cuda", dtype=bt.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 
   def one(x, y):
-    with ctx(): return step(x, y).item()
+    with ctx(): return step(x, y)
   dev = [(bt.from_numpy(x).to("cuda"), bt.from_numpy(y).to("cuda")) for x, y in batches]
   bt.cuda.synchronize()
   bt.cuda.reset_peak_memory_stats()
@@ -91,7 +96,7 @@ def run_torch(cfg, state, batches, precision: str, warmup: int, compiled: bool) 
   dev = [(torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()) for x, y in batches]
   torch.cuda.synchronize()
   torch.cuda.reset_peak_memory_stats()
-  out = _timed(lambda x, y: fn(x, y).item(), dev, warmup, torch.cuda.synchronize)
+  out = _timed(fn, dev, warmup, torch.cuda.synchronize)
   out["peak_bytes"] = torch.cuda.max_memory_allocated()
   del model, opt, dev
   gc.collect()
@@ -137,17 +142,19 @@ def main() -> None:
       except Exception as e:  # a failed run is reported, not hidden
         r = {"error": f"{type(e).__name__}: {e}"}
       result["runs"][f"{name}/{precision}"] = r
-      print(name, precision, {k: [round(t * 1e3, 1) for t in v] if k == "step_times_s" else v for k, v in r.items()
+      print(name, precision, {k: [round(t * 1e3, 1) for t in v] if k.endswith("times_s") else v for k, v in r.items()
                               if k != "losses"}, flush=True)
     ref, ours = result["runs"].get(f"torch_eager/{precision}", {}), result["runs"].get(f"blutrain_eager/{precision}", {})
     if ref and ours and "error" not in ref and "error" not in ours:
       rows.append((precision, ours["tokens_per_s"], ref["tokens_per_s"], ours["tokens_per_s"] / ref["tokens_per_s"],
-                   ours["peak_bytes"] / 2**30, ref["peak_bytes"] / 2**30, ours["first_step_s"],
+                   ours["peak_bytes"] / 2**30, ref["peak_bytes"] / 2**30, ours["step_s"] * 1e3,
+                   ours["enqueue_s"] * 1e3, ours["first_step_s"],
                    max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))))
   Path(args.out).parent.mkdir(exist_ok=True)
   Path(args.out).write_text(json.dumps(result, indent=1))
-  print("| precision | blutrain tok/s | torch eager tok/s | ratio | blutrain peak GiB | torch peak GiB | blutrain first step s | max loss diff |")
-  for r in rows: print("| {} | {:,.0f} | {:,.0f} | {:.2f} | {:.1f} | {:.1f} | {:.1f} | {:.2e} |".format(*r))
+  print("| precision | blutrain tok/s | torch eager tok/s | ratio | blutrain peak GiB | torch peak GiB "
+        "| blutrain step ms | of which host enqueue ms | blutrain first step s | max loss diff |")
+  for r in rows: print("| {} | {:,.0f} | {:,.0f} | {:.2f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.2e} |".format(*r))
 
 
 if __name__ == "__main__":

@@ -279,9 +279,11 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
                    p.precision)
   if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, warps, hw)),)
   else: grid = (tiles, split, p.batch)
+  tf32 = p.precision == "tf32"
   return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile,
-                      copy, swap, a_k, b_k, p.precision == "tf32", p.precision == "tf32" and not copy, grid, tiles,
-                      utilization(tiles * split * p.batch, hw.sms), smem, intensity(p.M, p.N, p.K, p.itemsize) if p.K else 0.0)
+                      copy, swap, a_k, b_k, tf32, tf32 and not copy, grid, tiles,
+                      utilization(tiles * split * p.batch, hw.sms), smem,
+                      intensity(p.M, p.N, p.K, p.itemsize) if p.K else 0.0)
 
 
 def copy_schedule(rows: int, cols: int) -> tuple[int, int, int]:
