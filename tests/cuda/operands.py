@@ -19,4 +19,20 @@ def place(x: np.ndarray, dtype, mode: str) -> CudaArray:
   return memory.from_numpy(x.astype(dtype.np))
 
 
+def linear_on_both(seed: int = 15) -> dict[str, list[np.ndarray]]:
+  """y = linear(x, w) and the gradients of sum(y * y) for x and w, on "cpu" and "cuda" from the same random inputs,
+  as float64: [y, dx, dw] per device."""
+  import blutrain as bt
+  rng = np.random.default_rng(seed)
+  x_np, w_np = rng.standard_normal((4, 32, 48)).astype(np.float32), rng.standard_normal((24, 48)).astype(np.float32)
+  results = {}
+  for device in ("cpu", "cuda"):
+    x = bt.tensor(x_np).to(device).requires_grad_()
+    w = bt.tensor(w_np).to(device).requires_grad_()
+    y = bt.nn.functional.linear(x, w)
+    (y * y).sum().backward()
+    results[device] = [t.detach().cpu().numpy().astype(np.float64) for t in (y, x.grad, w.grad)]
+  return results
+
+
 def host(a: CudaArray) -> np.ndarray: return memory.to_numpy(a).astype(np.float64)

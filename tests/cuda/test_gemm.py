@@ -15,7 +15,7 @@ import blutrain as bt
 from blutrain import dtypes
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
-from tests.cuda.operands import host, place
+from tests.cuda.operands import host, linear_on_both, place
 
 G = importlib.import_module("blutrain.backend.cuda.kernels.gemm")
 pytestmark = pytest.mark.cuda
@@ -248,15 +248,7 @@ def nova_matmul():
 def test_matmul_op_through_nova_with_gradients(nova_matmul, precision):
   """bt.backends.matmul = "nova": linear forward and backward on CUDA against the CPU backend."""
   bt.set_float32_matmul_precision(precision)
-  rng = np.random.default_rng(15)
-  x_np, w_np = rng.standard_normal((4, 32, 48)).astype(np.float32), rng.standard_normal((24, 48)).astype(np.float32)
-  results = {}
-  for device in ("cpu", "cuda"):
-    x = bt.tensor(x_np).to(device).requires_grad_()
-    w = bt.tensor(w_np).to(device).requires_grad_()
-    y = bt.nn.functional.linear(x, w)
-    (y * y).sum().backward()
-    results[device] = [t.detach().cpu().numpy().astype(np.float64) for t in (y, x.grad, w.grad)]
+  results = linear_on_both()
   bound = 2e-6 if precision == "highest" else 2e-3  # TF32: dx and dw also carry y's error
   for name, got, want in zip(("y", "dx", "dw"), results["cuda"], results["cpu"]):
     assert rel_err(got, want) < bound, f"{name} on CUDA (nova, {precision}) vs CPU"

@@ -11,7 +11,7 @@ from blutrain import dtypes
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import matmul as mm
-from tests.cuda.operands import host, place
+from tests.cuda.operands import host, linear_on_both, place
 
 pytestmark = pytest.mark.cuda
 
@@ -133,15 +133,7 @@ def test_integer_matmul_is_refused():
 @pytest.mark.parametrize("precision", ["highest", "high"])
 def test_through_the_op_library_with_gradients(precision):
   bt.set_float32_matmul_precision(precision)
-  rng = np.random.default_rng(15)
-  x_np, w_np = rng.standard_normal((4, 32, 48)).astype(np.float32), rng.standard_normal((24, 48)).astype(np.float32)
-  results = {}
-  for device in ("cpu", "cuda"):
-    x = bt.tensor(x_np).to(device).requires_grad_()
-    w = bt.tensor(w_np).to(device).requires_grad_()
-    y = bt.nn.functional.linear(x, w)
-    (y * y).sum().backward()
-    results[device] = [t.detach().cpu().numpy().astype(np.float64) for t in (y, x.grad, w.grad)]
+  results = linear_on_both()
   bound = 1e-5 if precision == "highest" else 3e-3
   for name, got, want in zip(("y", "dx", "dw"), results["cuda"], results["cpu"]):
     assert rel_err(got, want) < bound, f"{name} on CUDA vs CPU ({precision})"
