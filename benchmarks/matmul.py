@@ -259,7 +259,7 @@ def run_nova(p: Problem, a: torch.Tensor, b: torch.Tensor, prec: str, n: int) ->
   info = {"ms": ms, "configurator_us": cfg_us, "plan_ms": plan_ms, "compile_s": compile_s,
           "schedule": f"{st.kind} {s.BM}x{s.BN}x{s.BK} w{s.num_warps} s{s.num_stages} g{s.group_m} split{s.split_k}"
                       f"{' copy ' + plan.copy if plan.copy else ''}{' swap' if s.swap else ''}"
-                      f"{' sub' if s.epi_subtile else ''}", "shared_bytes": [k.shared for k in compiled],
+                      f"{' sub' if s.epi_subtile else ''}{' ws' if s.warp_specialize else ''}", "shared_bytes": [k.shared for k in compiled],
           "utilization": s.utilization}
   return info, c
 

@@ -38,8 +38,8 @@ IDS = [f"{'tf32' if p.itemsize == 4 else 'bf16'} {name}" for name, p in ALL]
 def test_gemm_schedule_fits_the_h200(name, p):
   s = gemm_schedule(p)
   assert s.smem <= H200.smem_per_block - C.SMEM_RESERVE and 2 <= s.num_stages <= C.MAX_STAGES, s
-  assert s.BM * s.BN // (32 * s.num_warps) <= C.ACC_REGS and s.num_warps % 4 == 0 and s.BM % 64 == 0, s
-  assert s.BK * p.itemsize == 128 and s.persistent and s.grid[0] <= H200.sms * C.occupancy(s.smem, s.num_warps, H200)
+  assert s.BM * s.BN // (32 * s.mma_warps) <= C.ACC_REGS and s.num_warps % 4 == 0 and s.BM % 64 == 0, s
+  assert s.BK * p.itemsize == 128 and s.persistent and s.grid[0] <= H200.sms * C.occupancy(s.smem, s.block_warps, H200)
 
 
 @pytest.mark.parametrize("name,p", ALL, ids=IDS)
@@ -50,7 +50,7 @@ def test_grid_fills_the_sms_and_the_last_wave(name, p):
   total = s.tiles * s.split_k
   assert s.utilization == pytest.approx(total / (math.ceil(total / H200.sms) * H200.sms))
   if p.M * p.N >= 2048 * 2048: assert s.utilization >= 0.9, s
-  if total >= H200.sms: assert s.grid == (H200.sms * C.occupancy(s.smem, s.num_warps, H200),), s
+  if total >= H200.sms: assert s.grid == (H200.sms * C.occupancy(s.smem, s.block_warps, H200),), s
 
 
 @pytest.mark.parametrize("name,p", ALL, ids=IDS)
@@ -119,7 +119,9 @@ def test_formulas_at_hand_computed_points():
   bf16 = gemm_schedule(GemmProblem(T, 2304, 768))
   assert (bf16.BM, bf16.BN, bf16.BK, bf16.num_warps, bf16.num_stages, bf16.group_m) == (128, 256, 64, 8, 4, 16)
   tf32 = gemm_schedule(GemmProblem(T, 2304, 768, 1, 4, 4, "tf32"))
-  assert (tf32.BM, tf32.BN, tf32.BK, tf32.num_warps, tf32.num_stages) == (128, 256, 32, 8, 3)  # DESIGN.md's best
+  assert (tf32.BM, tf32.BN, tf32.BK, tf32.mma_warps, tf32.block_warps, tf32.num_stages, tf32.epi_subtile) == \
+    (128, 256, 32, 8, 12, 2, False)  # DESIGN.md's best tile, warp-specialized: 2 stages and a whole epilogue fit
+  assert not bf16.warp_specialize and tf32.warp_specialize and tf32.num_warps == 4
   small = gemm_schedule(GemmProblem(1024, 1024, 1024))
   assert (small.BM, small.BN, small.tiles) == (64, 128, 128)  # 128 tiles: one wave instead of 32 big tiles
 

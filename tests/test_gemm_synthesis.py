@@ -50,7 +50,7 @@ def test_sources_read_like_kernels_and_are_dumped(tmp_path, monkeypatch):
   text = G.source(st)
   main, reduce = G.kernels(st)
   assert reduce is None and main.arg_names[:5] == ["A", "B", "C", "BIAS", "R1"]
-  assert "tl.make_tensor_descriptor(A, [M, K], [LDA, 1], [BM, BK])" in text and "flatten=True" in text
+  assert "tl.make_tensor_descriptor(A, [M, K], [LDA, 1], [BM, BK])" in text and "warp_specialize=WARP_SPEC" in text
   assert "tl.store(C + rm[:, None] * LDC + rn[None, :]" in text and "c_desc" not in text
   assert "c_desc.store([pid_m * BM, pid_n * BN + BN // 2]" in G.source(G.Structure("tma", "bf16", "bf16", "", True, True,
                                                                                       tma_store=True))
@@ -147,6 +147,7 @@ def test_ci_variants_cover_every_structure():
   assert set(G.EPILOGUE) <= {op for st in structures for op in st.epilogue}
   assert any(st.split and st.batched for st in structures) and any(st.bias_along_m for st in structures)
   assert any(st.tma_store for st in structures) and any(st.kind == "tma" and not st.tma_store for st in structures)
+  assert {s[2].get("WARP_SPEC") for s in specs if s[0].__name__.startswith("gemm_")} >= {True, False}
 
 
 # *** the switch ***

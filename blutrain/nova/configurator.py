@@ -83,7 +83,8 @@ class GemmSchedule:
   """How a GemmProblem runs. `copy` ("a", "b" or "") names an operand to copy into a K-major layout first. With
   `swap` the kernel computes C^T = B^T A^T: M and N, the operands and their layouts (`a_kmajor`, `b_kmajor` describe
   the kernel's own operands, after the copy) are exchanged. TF32 rounds the register operand A in the kernel
-  (`round_a`), and B there too (`round_b`) when no copy rounded it. `split_k` > 1 writes float32
+  (`round_a`), and B there too (`round_b`) when no copy rounded it. With `warp_specialize` a producer warpgroup
+  feeds two consumer warpgroups of `num_warps` each (`mma_warps` in all). `split_k` > 1 writes float32
   partial sums that a second kernel adds and finishes with the epilogue. Diagnostics: `tiles` (per split and batch
   entry), `utilization` of the SMs over all rounds, `smem` (modelled bytes per block), `intensity` (the problem's
   FLOP per byte of compulsory traffic)."""
@@ -96,6 +97,7 @@ class GemmSchedule:
   split_k: int
   persistent: bool
   epi_subtile: bool
+  warp_specialize: bool
   copy: str
   swap: bool
   a_kmajor: bool
@@ -108,6 +110,16 @@ class GemmSchedule:
   smem: int
   intensity: float
 
+  @property
+  def mma_warps(self) -> int:
+    """Warps that hold the accumulator: `num_warps`, or both consumer warpgroups of a warp-specialized kernel."""
+    return self.num_warps * (2 if self.warp_specialize else 1)
+
+  @property
+  def block_warps(self) -> int:
+    """Warps of a block: `num_warps`, or a warp-specialized kernel's producer and two consumer warpgroups."""
+    return self.num_warps * (3 if self.warp_specialize else 1)
+
 
 ACC_REGS = 128        # accumulator registers per thread: half of the 255 a thread may hold, the rest for operands
 ACC_REGS_X3 = 64      # 3xTF32 also keeps the high and low parts of both operands in registers
@@ -116,7 +128,7 @@ MAX_STAGES = 4        # past 4 tiles in flight a TMA pipeline gains nothing (lat
 SPLIT_MIN_KTILES = 8  # each split-K slice runs at least 8 k-steps, so the pipeline's fill stays a small fraction
 MAX_SPLIT = 16
 SMEM_RESERVE = 1024   # bytes per block the runtime keeps (CUDA's reserved shared memory)
-SMEM_BARRIERS = 256   # bytes of a pipeline's mbarriers and Triton's small scratch (measured: 24-56)
+SMEM_BARRIERS = 512   # bytes of a pipeline's mbarriers and Triton's small scratch (measured: 24-56, 376 warp-specialized)
 ROUND_B_COST = 0.22   # share of a TF32 GEMM's time that rounding B in the kernel costs (see `operand_copy`)
 
 
@@ -168,16 +180,16 @@ def gemm_smem(BM: int, BN: int, BK: int, stages: int, itemsize: int, out_itemsiz
 
 
 def gemm_stages(BM: int, BN: int, BK: int, itemsize: int, out_itemsize: int, persistent: bool,
-                hw: Hardware, precision: str = "") -> tuple[int, bool]:
+                hw: Hardware, precision: str = "", warp_specialize: bool = False) -> tuple[int, bool]:
   """(stages, subtile): as many pipeline stages as fit the block's shared memory, at most MAX_STAGES, 0 when not
-  even 2 fit; the epilogue is subtiled only when that buys a stage. Persistent, bf16 128x256x64 with a bf16
-  output: (227 KiB - 64 KiB) / 48 KiB -> 3 stages whole, (227 - 32) / 48 -> 4 subtiled; TF32 128x256x32 with a
-  float32 output: 2 whole, 3 subtiled."""
+  even 2 fit; the epilogue is subtiled only when that buys a stage, and never in a warp-specialized kernel (Triton
+  3.6's partitioner rejects the split). Persistent, bf16 128x256x64 with a bf16 output: (227 KiB - 64 KiB) / 48 KiB
+  -> 3 stages whole, (227 - 32) / 48 -> 4 subtiled; TF32 128x256x32 with a float32 output: 2 whole, 3 subtiled."""
   def fit(subtile: bool) -> int:
     return max((s for s in range(2, MAX_STAGES + 1) if gemm_smem(BM, BN, BK, s, itemsize, out_itemsize, persistent,
                                                                subtile, precision) <= hw.smem_per_block - SMEM_RESERVE),
                default=0)
-  whole, halves = fit(False), (fit(True) if persistent else 0)
+  whole, halves = fit(False), (fit(True) if persistent and not warp_specialize else 0)
   return (halves, True) if halves > whole else (whole, False)
 
 
@@ -200,6 +212,17 @@ def operand_copy(precision: str, M: int, N: int, a_kmajor: bool, b_kmajor: bool,
   if precision != "tf32": return ""
   if not a_kmajor and not b_kmajor: return "a" if M <= N else "b"
   return "b" if 4 * hw.tf32_flops / (hw.hbm_bandwidth * M) <= ROUND_B_COST else ""
+
+
+def warp_specialized(precision: str, BM: int, BN: int, persistent: bool) -> bool:
+  """Whether a persistent TF32 kernel of 128x256 tiles runs warp-specialized (Triton's Hopper partitioner: a
+  producer warpgroup issues the TMA loads, two consumer warpgroups of 4 warps each own 64 rows of the tile).
+  TF32 reads its A operand through registers, to round it: in one warpgroup those shared-memory loads wait on the
+  wgmma before them, while with a producer of its own the next stage's loads and the rounding overlap the MMAs.
+  Measured on the H200 (Triton 3.6, every benchmark shape): TF32 +10-45% (the split-K weight gradients the most), at
+  the price of the subtiled epilogue (2 stages instead of 3); bf16, whose operands go straight from shared memory to
+  wgmma, 0-10% slower, so it stays as it is. 128x128 TF32 tiles gave wrong sums warp-specialized."""
+  return persistent and precision == "tf32" and (BM, BN) == (128, 256)
 
 
 def group_m(BM: int, BN: int, tiles_m: int, hw: Hardware) -> int:
@@ -239,7 +262,8 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
          / (1 + split_cost(s))                                      split-K's extra traffic.
      Ties go to the larger tile and the smaller split (the order of the candidates); s is then evened out so that
      every slice has the same number of k-steps.
-  5. Warps `gemm_warps`, stages `gemm_stages`, GROUP_M `group_m`.
+  5. Warps `gemm_warps`, stages `gemm_stages`, GROUP_M `group_m`; TF32 128x256 tiles warp-specialized
+     (`warp_specialized`: 4 warps per consumer warpgroup, the epilogue whole).
   6. Persistent with TMA: programs = min(tiles * s, SMs * occupancy) each walk tiles with a stride of the grid, so
      TMA descriptors are built once per program and a tile's epilogue overlaps the next tile's loads. Without TMA
      (misaligned or batched operands) one program per tile: grid (tiles, s, batch).
@@ -256,13 +280,14 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   persistent = p.tma and p.batch == 1
   best, best_score = None, -1.0
   for BM, BN in TILES:
-    warps = gemm_warps(BM, BN, p.precision)
+    ws = warp_specialized(p.precision, BM, BN, persistent)
+    warps = gemm_warps(BM, BN, p.precision) // (2 if ws else 1)
     tiles = cdiv(M, BM) * cdiv(N, BN)
     can_split = tiles * p.batch < hw.sms
     splits = range(1, max(1, min(MAX_SPLIT, k_tiles // SPLIT_MIN_KTILES)) + 1) if can_split else (1,)
     for s in splits:
       out_itemsize = 4 if s > 1 else p.out_itemsize  # split-K stores float32 partial sums
-      stages, subtile = gemm_stages(BM, BN, BK, p.itemsize, out_itemsize, persistent, hw, p.precision)
+      stages, subtile = gemm_stages(BM, BN, BK, p.itemsize, out_itemsize, persistent, hw, p.precision, ws)
       if not stages: continue
       if s > 1 and persistent and p.itemsize == 4:
         # NOTE: TF32 split-K through TMA at 3 stages gave wrong sums on the H200 (relative error 0.07-0.09 at
@@ -271,16 +296,17 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
         stages = min(stages, 2)
       score = tile_intensity(BM, BN) / tile_intensity(*TILES[0]) * utilization(tiles * s * p.batch, hw.sms)
       score *= M * N / (tiles * BM * BN) / (1 + split_cost(s, p.K, flops, hw))
-      if score > best_score + 1e-9: best, best_score = (BM, BN, warps, stages, subtile, tiles, s), score
+      if score > best_score + 1e-9: best, best_score = (BM, BN, warps, stages, subtile, ws, tiles, s), score
   if best is None: raise ValueError(f"gemm_schedule: no tile fits {hw.smem_per_block} bytes of shared memory for {p}")
-  BM, BN, warps, stages, subtile, tiles, split = best
+  BM, BN, warps, stages, subtile, ws, tiles, split = best
   if split > 1: split = cdiv(k_tiles, cdiv(k_tiles, split))  # slices of equal k-steps, none empty
   smem = gemm_smem(BM, BN, BK, stages, p.itemsize, 4 if split > 1 else p.out_itemsize, persistent, subtile,
                    p.precision)
-  if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, warps, hw)),)
+  block_warps = warps * 3 if ws else warps  # a producer and two consumer warpgroups
+  if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, block_warps, hw)),)
   else: grid = (tiles, split, p.batch)
   tf32 = p.precision == "tf32"
-  return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile,
+  return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile, ws,
                       copy, swap, a_k, b_k, tf32, tf32 and not copy, grid, tiles,
                       utilization(tiles * split * p.batch, hw.sms), smem,
                       intensity(p.M, p.N, p.K, p.itemsize) if p.K else 0.0)

@@ -7,7 +7,9 @@ strides is the unit one, the epilogue ops in order, and the kernel kind:
 
 - "tma": persistent (a program per SM walks tiles in L2-friendly groups of GROUP_M tile rows), operands read by TMA
   descriptors built once per program (tl.make_tensor_descriptor; the launcher provides their global scratch). Out of
-  bounds reads return zeros, so no load is masked. Needs 16-byte aligned bases and row strides and no batch. A
+  bounds reads return zeros, so no load is masked. With WARP_SPEC (the configurator's `warp_specialized`) the tile
+  loop is warp-specialized: Triton gives the loads a producer warpgroup and splits the tile's rows between two
+  consumer warpgroups. Needs 16-byte aligned bases and row strides and no batch. A
   row-major, aligned output is stored by a descriptor too (`tma_store`).
 - "ptr": one program per (tile, split, batch entry), operands read by pointers with any row stride: batched,
   broadcast (batch stride 0) and misaligned operands.
@@ -213,7 +215,8 @@ def _tma_source(st: Structure) -> list[str]:
   a_load = "a_desc.load([pid_m * BM, kt * BK])" if st.a_kmajor else "a_desc.load([kt * BK, pid_m * BM]).T"
   b_load = "b_desc.load([pid_n * BN, kt * BK]).T" if st.b_kmajor else "b_desc.load([kt * BK, pid_n * BN])"
   src = [f"def {st.name}({sig},",
-         "    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EPI_SUBTILE: tl.constexpr):",
+         "    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EPI_SUBTILE: tl.constexpr,"
+         " WARP_SPEC: tl.constexpr):",
          f"  a_desc = tl.make_tensor_descriptor(A, {a_desc})",
          f"  b_desc = tl.make_tensor_descriptor(B, {b_desc})"]
   if st.tma_store:
@@ -224,7 +227,7 @@ def _tma_source(st: Structure) -> list[str]:
          "  k_tiles = tl.cdiv(K, BK)",
          "  per_group = GROUP_M * tiles_n",
          f"  for tile in tl.range(tl.program_id(0), tiles_m * tiles_n{' * SPLIT_K' if st.split else ''}, tl.num_programs(0),"
-         " flatten=True):"]
+         " flatten=not WARP_SPEC, warp_specialize=WARP_SPEC):"]
   if st.split:
     src += ["    split = tile // (tiles_m * tiles_n)", "    t = tile % (tiles_m * tiles_n)"]
     src += _tile_index("    ", "t")
@@ -345,7 +348,7 @@ def kernels(st: Structure) -> tuple[Any, Any]:
 
 # *** variants ***
 
-_CONSTS = ("BM", "BN", "BK", "EVEN_K", "EPI_SUBTILE", "BLOCK_R", "BLOCK_C")
+_CONSTS = ("BM", "BN", "BK", "EVEN_K", "EPI_SUBTILE", "WARP_SPEC", "BLOCK_R", "BLOCK_C")
 _FREE = ("K_TILES", "SPLITS", "GROUP_M", "SPLIT_K")  # integer arguments with no divisibility promise
 
 
@@ -371,7 +374,7 @@ def main_spec(st: Structure, s: cfg.GemmSchedule, aligned: bool, even_k: bool = 
   """The main kernel's variant for a schedule (`even_k`: K is a multiple of BK, so "ptr" kernels need no K mask)."""
   fn = kernels(st)[0]
   consts = dict(BM=s.BM, BN=s.BN, BK=s.BK)
-  if st.kind == "tma": consts["EPI_SUBTILE"] = s.epi_subtile
+  if st.kind == "tma": consts |= {"EPI_SUBTILE": s.epi_subtile, "WARP_SPEC": s.warp_specialize}
   else: consts["EVEN_K"] = even_k
   return spec(fn, _signature(st, fn, aligned, st.split), consts, num_warps=s.num_warps, num_stages=s.num_stages)
 
