@@ -81,6 +81,27 @@ def test_tf32_split_k_through_tma_keeps_two_stages():
   assert gemm_schedule(GemmProblem(3072, 768, T, 1, 2, 2, "", False, True)).num_stages > 2  # bf16 is unaffected
 
 
+def test_tma_stores_and_warp_specialization():
+  """The tile leaves by TMA when its destination allows (C row-major and aligned in the kernel's orientation, or
+  split-K's float32 workspace with N a multiple of 4); TF32 128x256 kernels stored by TMA with B copied run
+  warp-specialized (a producer and two consumer warpgroups of 4 warps), nothing else does."""
+  fwd, dx, dw = (gemm_schedule(p) for _, p in list(gpt2_problems(4, "tf32"))[:3])
+  for s in (fwd, dx, dw):
+    assert s.tma_store and s.warp_specialize and (s.num_warps, s.mma_warps, s.block_warps) == (4, 8, 12), s
+    assert not s.epi_subtile and s.num_stages == 2 and s.copy == "b", s
+  assert dw.split_k > 1  # split-K's partial sums leave by TMA: warp-specialized too
+  assert not gemm_schedule(GemmProblem(T, 2304, 768, 1, 4, 4, "tf32", c_layout="")).warp_specialize  # pointer stores
+  assert gemm_schedule(GemmProblem(T, 2304, 768, 1, 4, 4, "tf32", c_layout="m")).tma_store is False
+  swapped = gemm_schedule(GemmProblem(1024, 1024, 4096, 1, 4, 4, "tf32", True, False, c_layout="m"))
+  assert swapped.swap and swapped.round_b and swapped.tma_store and not swapped.warp_specialize  # B rounded in-kernel
+  odd = gemm_schedule(GemmProblem(768, 766, T, 1, 2, 2, "", False, False))
+  assert odd.split_k > 1 and not odd.tma_store  # 766 float32 columns: rows of the workspace not 16-byte aligned
+  for _, p in ALL:
+    s = gemm_schedule(p)
+    assert s.warp_specialize == (p.precision == "tf32" and (s.BM, s.BN) == (128, 256) and not s.round_b), s
+  assert not any(gemm_schedule(p).warp_specialize for _, p in gpt2_problems(4, "tf32x3"))
+
+
 def test_tf32_layout_decisions():
   """Only TF32 copies, swaps or rounds B: a K-major B for wgmma; B rounded always, by a copy when that costs less
   than rounding in the kernel (M >= 1.9K); dW (both MN-major) copies its smaller operand; 16-bit and 3xTF32 problems

@@ -85,9 +85,12 @@ def test_gpt2_bf16_runs_persistent_tma_kernels_as_stored():
     assert p.structure.kind == "tma" and not p.copy and not p.schedule.swap and p.steps == 1, p.structure
     assert (p.structure.a_kmajor, p.structure.b_kmajor) == (a.strides[-1] == 1, b.strides[-2] == 1)
     assert all(sig.endswith(":16") for name, sig in p.launches[0][0][1].items() if name in ("A", "B", "LDA", "M"))
-    assert p.structure.tma_store == (p.schedule.split_k == 1)  # a row-major output leaves by TMA too
+    assert p.structure.tma_store  # a row-major output leaves by TMA too, and so do split-K's partial sums
   p = planned(arr((2304, T), bf16, "t"), arr((T, 768), bf16))
   assert p.schedule.split_k > 1 and len(p.launches) == 2 and p.workspace == (p.schedule.split_k, 1, 2304, 768)
+  assert "c_desc = tl.make_tensor_descriptor(C, [SPLIT_K * WM, N], [N, 1]" in G.source(p.structure)
+  p = planned(arr((2296, T), bf16, "t"), arr((T, 768), bf16))  # partials by TMA: slices of whole tile rows
+  assert p.workspace == (p.schedule.split_k, 1, 2304, 768) and ints(p, 1)["WM"] == 2304 and ints(p, 1)["M"] == 2296
   assert ints(p)["K_TILES"] * p.schedule.split_k >= T // 64 and ints(p, 1)["SPLITS"] == p.schedule.split_k
 
 

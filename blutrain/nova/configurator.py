@@ -64,7 +64,9 @@ class GemmProblem:
   B's runs along K (B stored N x K, as nn.Linear's weight). `precision` is "tf32" or "tf32x3" for float32 operands,
   "" for 16-bit ones. `tma`: the operands meet TMA's alignment (16-byte base and row strides) and there is no batch.
   `copied`: None lets the schedule decide the TF32 operand copy; "a", "b" or "" is a caller's decision already
-  applied (the layouts are then the copy's), so the schedule knows which operand arrives rounded."""
+  applied (the layouts are then the copy's), so the schedule knows which operand arrives rounded. `c_layout`: "n"
+  when C is row-major with a 16-byte aligned base and row stride (a TMA store can write it), "m" the same
+  column-major, "" otherwise."""
   M: int
   N: int
   K: int
@@ -76,13 +78,15 @@ class GemmProblem:
   b_kmajor: bool = True
   tma: bool = True
   copied: str | None = None
+  c_layout: str = "n"
 
 
 @dataclass(frozen=True)
 class GemmSchedule:
   """How a GemmProblem runs. `copy` ("a", "b" or "") names an operand to copy into a K-major layout first. With
   `swap` the kernel computes C^T = B^T A^T: M and N, the operands and their layouts (`a_kmajor`, `b_kmajor` describe
-  the kernel's own operands, after the copy) are exchanged. TF32 rounds the register operand A in the kernel
+  the kernel's own operands, after the copy) are exchanged. `tma_store`: the kernel stores its tile by a TMA
+  descriptor (C, or split-K's float32 partial sums), not by pointers. TF32 rounds the register operand A in the kernel
   (`round_a`), and B there too (`round_b`) when no copy rounded it. With `warp_specialize` a producer warpgroup
   feeds two consumer warpgroups of `num_warps` each (`mma_warps` in all). `split_k` > 1 writes float32
   partial sums that a second kernel adds and finishes with the epilogue. Diagnostics: `tiles` (per split and batch
@@ -97,6 +101,7 @@ class GemmSchedule:
   split_k: int
   persistent: bool
   epi_subtile: bool
+  tma_store: bool
   warp_specialize: bool
   copy: str
   swap: bool
@@ -214,15 +219,20 @@ def operand_copy(precision: str, M: int, N: int, a_kmajor: bool, b_kmajor: bool,
   return "b" if 4 * hw.tf32_flops / (hw.hbm_bandwidth * M) <= ROUND_B_COST else ""
 
 
-def warp_specialized(precision: str, BM: int, BN: int, persistent: bool) -> bool:
+def warp_specialized(precision: str, BM: int, BN: int, persistent: bool, tma_store: bool, round_b: bool) -> bool:
   """Whether a persistent TF32 kernel of 128x256 tiles runs warp-specialized (Triton's Hopper partitioner: a
   producer warpgroup issues the TMA loads, two consumer warpgroups of 4 warps each own 64 rows of the tile).
   TF32 reads its A operand through registers, to round it: in one warpgroup those shared-memory loads wait on the
-  wgmma before them, while with a producer of its own the next stage's loads and the rounding overlap the MMAs.
+  wgmma before them, while with a producer of its own the next stage's loads overlap the rounding and the MMAs.
   Measured on the H200 (Triton 3.6, every benchmark shape): TF32 +10-45% (the split-K weight gradients the most), at
   the price of the subtiled epilogue (2 stages instead of 3); bf16, whose operands go straight from shared memory to
-  wgmma, 0-10% slower, so it stays as it is. 128x128 TF32 tiles gave wrong sums warp-specialized."""
-  return persistent and precision == "tf32" and (BM, BN) == (128, 256)
+  wgmma, 0-10% slower, so it stays as it is.
+  NOTE: only where it was measured right. On exact TF32 inputs, warp-specialized kernels that stored their tile by
+  pointers (split-K partial sums before they went through TMA) or rounded B in the kernel gave wrong elements that
+  changed from run to run, and 128x128 tiles wrong sums; those stored by TMA, with B copied, were exact and bitwise
+  reproducible (Triton 3.6, 2026-11-30). Both failing kinds stage the consumers' data in shared memory of their own
+  while the producer runs ahead, so a race in Triton's partitioning is suspected."""
+  return persistent and precision == "tf32" and (BM, BN) == (128, 256) and tma_store and not round_b
 
 
 def group_m(BM: int, BN: int, tiles_m: int, hw: Hardware) -> int:
@@ -262,8 +272,10 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
          / (1 + split_cost(s))                                      split-K's extra traffic.
      Ties go to the larger tile and the smaller split (the order of the candidates); s is then evened out so that
      every slice has the same number of k-steps.
-  5. Warps `gemm_warps`, stages `gemm_stages`, GROUP_M `group_m`; TF32 128x256 tiles warp-specialized
-     (`warp_specialized`: 4 warps per consumer warpgroup, the epilogue whole).
+  5. Warps `gemm_warps`, stages `gemm_stages`, GROUP_M `group_m`. The tile is stored by TMA when persistent and its
+     destination allows: C row-major and aligned in the kernel's orientation, or split-K's float32 workspace
+     ((split, M, N), row-major: N a multiple of 4). TF32 128x256 tiles stored by TMA with B copied run
+     warp-specialized (`warp_specialized`: 4 warps per consumer warpgroup, the epilogue whole).
   6. Persistent with TMA: programs = min(tiles * s, SMs * occupancy) each walk tiles with a stride of the grid, so
      TMA descriptors are built once per program and a tile's epilogue overlaps the next tile's loads. Without TMA
      (misaligned or batched operands) one program per tile: grid (tiles, s, batch).
@@ -278,14 +290,17 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   k_tiles = cdiv(p.K, BK)
   flops = hw.tf32_flops if p.itemsize == 4 else hw.half_flops
   persistent = p.tma and p.batch == 1
+  round_b = p.precision == "tf32" and not copy
+  c_unit = {"n": "m", "m": "n"}.get(p.c_layout, "") if swap else p.c_layout
   best, best_score = None, -1.0
   for BM, BN in TILES:
-    ws = warp_specialized(p.precision, BM, BN, persistent)
-    warps = gemm_warps(BM, BN, p.precision) // (2 if ws else 1)
     tiles = cdiv(M, BM) * cdiv(N, BN)
     can_split = tiles * p.batch < hw.sms
     splits = range(1, max(1, min(MAX_SPLIT, k_tiles // SPLIT_MIN_KTILES)) + 1) if can_split else (1,)
     for s in splits:
+      tma_store = persistent and (N % 4 == 0 if s > 1 else c_unit == "n")
+      ws = warp_specialized(p.precision, BM, BN, persistent, tma_store, round_b)
+      warps = gemm_warps(BM, BN, p.precision) // (2 if ws else 1)
       out_itemsize = 4 if s > 1 else p.out_itemsize  # split-K stores float32 partial sums
       stages, subtile = gemm_stages(BM, BN, BK, p.itemsize, out_itemsize, persistent, hw, p.precision, ws)
       if not stages: continue
@@ -296,18 +311,18 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
         stages = min(stages, 2)
       score = tile_intensity(BM, BN) / tile_intensity(*TILES[0]) * utilization(tiles * s * p.batch, hw.sms)
       score *= M * N / (tiles * BM * BN) / (1 + split_cost(s, p.K, flops, hw))
-      if score > best_score + 1e-9: best, best_score = (BM, BN, warps, stages, subtile, ws, tiles, s), score
+      if score > best_score + 1e-9:
+        best, best_score = (BM, BN, warps, stages, subtile, tma_store, ws, tiles, s), score
   if best is None: raise ValueError(f"gemm_schedule: no tile fits {hw.smem_per_block} bytes of shared memory for {p}")
-  BM, BN, warps, stages, subtile, ws, tiles, split = best
+  BM, BN, warps, stages, subtile, tma_store, ws, tiles, split = best
   if split > 1: split = cdiv(k_tiles, cdiv(k_tiles, split))  # slices of equal k-steps, none empty
   smem = gemm_smem(BM, BN, BK, stages, p.itemsize, 4 if split > 1 else p.out_itemsize, persistent, subtile,
                    p.precision)
   block_warps = warps * 3 if ws else warps  # a producer and two consumer warpgroups
   if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, block_warps, hw)),)
   else: grid = (tiles, split, p.batch)
-  tf32 = p.precision == "tf32"
-  return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile, ws,
-                      copy, swap, a_k, b_k, tf32, tf32 and not copy, grid, tiles,
+  return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile,
+                      tma_store, ws, copy, swap, a_k, b_k, p.precision == "tf32", round_b, grid, tiles,
                       utilization(tiles * split * p.batch, hw.sms), smem,
                       intensity(p.M, p.N, p.K, p.itemsize) if p.K else 0.0)
 

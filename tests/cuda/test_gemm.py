@@ -120,6 +120,31 @@ def test_split_k(m, k, n, kind):
   assert max(splits) > 1, f"no split-K for {m}x{k}x{n}: the configurator's rule changed"
 
 
+# (m, k, n, stored layouts of a and b): warp-specialized TF32 kernels (non-split, and split-K storing its partial sums
+# by TMA), the in-kernel-rounding and swapped ones beside them, bf16 split-K by TMA
+REPEATED = [(2048, 50304, 768, "n", "n"), (512, 8192, 512, "n", "n"), (512, 8192, 512, "t", "t"),
+            (512, 8192, 512, "n", "t"), (1024, 768, 50304, "n", "t"), (4096, 768, 2304, "n", "t"),
+            (2304, 16384, 768, "t", "n"), (1024, 4096, 1024, "n", "n"), (1024, 32768, 768, "n", "n")]
+
+
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+@pytest.mark.parametrize("m,k,n,ma,mb", REPEATED)
+def test_repeated_runs_are_exact_and_bitwise_equal(m, k, n, ma, mb, kind):
+  """Ten runs of one GEMM on inputs TF32 multiplies exactly: every run within the bound and bitwise equal to the
+  first. Catches races (a warp-specialized kernel's producer overwriting data its consumers still read gave wrong
+  elements that changed between runs), which one run can miss."""
+  a, b = exact((m, k), kind, 21), exact((k, n), kind, 22, 0.05)
+  dtype, precision, bound = KINDS[kind]
+  da, db = place(a, dtype, ma), place(b, dtype, mb)
+  first = host(G.gemm(da, db, precision=precision or None))
+  p = G.plan(da, db, G.gemm(da, db, precision=precision or None), precision=precision)
+  where = f"{kind} {m}x{k}x{n} a:{ma} b:{mb} ({p.schedule})"
+  assert rel_err(first, a @ b) < bound, where
+  for i in range(9):
+    again = host(G.gemm(da, db, precision=precision or None))
+    assert np.array_equal(again, first), f"{where}: run {i + 2} differs in {int((again != first).sum())} elements"
+
+
 @pytest.mark.parametrize("kind", ["tf32", "bf16"])
 @pytest.mark.parametrize("sa,sb,ma,mb", [
   ((4, 33, 65), (4, 65, 17), "n", "t"),       # strided batch

@@ -10,7 +10,7 @@ strides is the unit one, the epilogue ops in order, and the kernel kind:
   bounds reads return zeros, so no load is masked. With WARP_SPEC (the configurator's `warp_specialized`) the tile
   loop is warp-specialized: Triton gives the loads a producer warpgroup and splits the tile's rows between two
   consumer warpgroups. Needs 16-byte aligned bases and row strides and no batch. A
-  row-major, aligned output is stored by a descriptor too (`tma_store`).
+  row-major, aligned output is stored by a descriptor too (`tma_store`), and so are split-K's partial sums.
 - "ptr": one program per (tile, split, batch entry), operands read by pointers with any row stride: batched,
   broadcast (batch stride 0) and misaligned operands.
 
@@ -70,7 +70,7 @@ def _round_tf32(x):
 
 @triton.jit
 def _store_partial(acc, rm, rn, W, M, N, split):
-  """Split-K: a slice's float32 partial sum into the (SPLIT_K, batch, M, N) workspace W."""
+  """Split-K: a slice's float32 partial sum into the (SPLIT_K, batch, M, N) workspace W, by pointers."""
   w = W + ((split * tl.num_programs(2) + tl.program_id(2)).to(tl.int64) * M + rm[:, None]) * N
   tl.store(w + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -95,7 +95,7 @@ class Structure:
   aux: tuple[str, ...] = ()
   epi_types: tuple[str, ...] = ()  # element types of the epilogue's tensors, in order (bias first when present)
   split: bool = False
-  tma_store: bool = False        # "tma" kernels with a row-major, aligned output store it by a TMA descriptor too
+  tma_store: bool = False        # "tma" kernels store C (row-major, aligned) or split-K's partials by a TMA descriptor
   batched: bool = False          # "ptr" kernels: grid axis 2 runs over batch entries with batch strides
   i64: bool = False              # element offsets may pass 2^31
 
@@ -144,7 +144,7 @@ def _params(st: Structure, main: bool) -> list[str]:
     out += _matrix_args(st.c_unit, "LDC")
     for name, unit in zip([n for n in aux if n != "BIAS"], st.aux): out += _matrix_args(unit, "LD" + name)
     if "scale" in st.epilogue: out.append("ALPHA")
-  out += (["K_TILES", "GROUP_M"] + (["SPLIT_K"] if st.split and st.kind == "tma" else [])) if main else ["SPLITS"]
+  out += (["K_TILES", "GROUP_M"] + (["SPLIT_K"] if st.split and st.kind == "tma" else [])) if main else ["SPLITS", "WM"]
   if st.batched:
     out += (["SAZ", "SBZ"] if main else []) + (["SCZ"] if epi else []) + [f"S{n}Z" for n in aux if n != "BIAS"]
   return out
@@ -181,9 +181,10 @@ def _epilogue_source(st: Structure) -> list[str]:
 def _store(st: Structure, acc: str, rn: str, split: str | None, col: str = "") -> str:
   """The statement storing a tile: the float32 partial sum of split-K slice `split`, or (None) the epilogue's
   result, by C's TMA descriptor at column `col` or by pointers."""
+  if split is not None and st.tma_store: return f"c_desc.store([{split} * WM + pid_m * BM, {col}], {acc})"
   if split is not None: return f"_store_partial({acc}, rm, {rn}, C, M, N, {split})"
   value = f"{st.name}_epilogue({acc}, rm, {rn}, {', '.join(_epilogue_params(st))})"
-  if st.tma_store: return f"c_desc.store([pid_m * BM, {col}], {value})"
+  if st.tma_store and not st.split: return f"c_desc.store([pid_m * BM, {col}], {value})"
   mask = f"(rm[:, None] < M) & ({rn}[None, :] < N)"
   return f"tl.store(C + {_offsets(st.c_unit, 'LDC', rn)}, {value}, mask={mask})"
 
@@ -219,8 +220,12 @@ def _tma_source(st: Structure) -> list[str]:
          " WARP_SPEC: tl.constexpr):",
          f"  a_desc = tl.make_tensor_descriptor(A, {a_desc})",
          f"  b_desc = tl.make_tensor_descriptor(B, {b_desc})"]
-  if st.tma_store:
-    src += ["  c_desc = tl.make_tensor_descriptor(C, [M, N], [LDC, 1], [BM, BN // 2 if EPI_SUBTILE else BN])"]
+  width = "BN // 2 if EPI_SUBTILE else BN"
+  if st.tma_store and st.split:  # the float32 workspace: SPLIT_K slices of whole tile rows, (SPLIT_K, WM, N)
+    src += ["  WM = tl.cdiv(M, BM) * BM",
+            f"  c_desc = tl.make_tensor_descriptor(C, [SPLIT_K * WM, N], [N, 1], [BM, {width}])"]
+  elif st.tma_store:
+    src += [f"  c_desc = tl.make_tensor_descriptor(C, [M, N], [LDC, 1], [BM, {width}])"]
   src += [
          "  tiles_m = tl.cdiv(M, BM)",
          "  tiles_n = tl.cdiv(N, BN)",
@@ -296,7 +301,8 @@ def _ptr_source(st: Structure) -> list[str]:
 
 
 def _reduce_source(st: Structure) -> list[str]:
-  """Split-K's second kernel: acc = the sum of the SPLITS partial slices, then the epilogue."""
+  """Split-K's second kernel: acc = the sum of the SPLITS partial slices (of WM rows: M, or M rounded up to whole
+  tiles where the partials were stored by TMA), then the epilogue."""
   sig = ", ".join(_params(st, False))
   src = [f"def {st.name}_reduce({sig},", "    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):",
          "  rm = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)",
@@ -305,8 +311,8 @@ def _reduce_source(st: Structure) -> list[str]:
   if st.batched:
     z = "tl.program_id(2).to(tl.int64)"
     src += [f"  C += {z} * SCZ"] + [f"  {n} += {z} * S{n}Z" for n in _aux_names(st) if n != "BIAS"]
-  src += ["  w = W + (tl.program_id(2).to(tl.int64) * M + rm[:, None]) * N + rn[None, :]",
-          "  slice_size = tl.num_programs(2).to(tl.int64) * M * N",
+  src += ["  w = W + (tl.program_id(2).to(tl.int64) * WM + rm[:, None]) * N + rn[None, :]",
+          "  slice_size = tl.num_programs(2).to(tl.int64) * WM * N",
           "  acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)",
           "  for s in range(SPLITS):",
           "    acc += tl.load(w + s * slice_size, mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)"]
@@ -349,7 +355,7 @@ def kernels(st: Structure) -> tuple[Any, Any]:
 # *** variants ***
 
 _CONSTS = ("BM", "BN", "BK", "EVEN_K", "EPI_SUBTILE", "WARP_SPEC", "BLOCK_R", "BLOCK_C")
-_FREE = ("K_TILES", "SPLITS", "GROUP_M", "SPLIT_K")  # integer arguments with no divisibility promise
+_FREE = ("K_TILES", "SPLITS", "WM", "GROUP_M", "SPLIT_K")  # integer arguments with no divisibility promise
 
 
 def _signature(st: Structure, fn, aligned: bool, partial: bool) -> dict[str, str]:
@@ -547,8 +553,11 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   lda, ldb = _ld(mats["a"], a_k), _ld(mats["b"], not b_k)
   tma = Z == 1 and all(mats[k].ptr % 16 == 0 and ld > 0 and ld * item % 16 == 0 and all(o % 16 == 0 for o in offsets[k])
                        for k, ld in (("a", lda), ("b", ldb)))
-  s = cfg.gemm_schedule(cfg.GemmProblem(rows, N, K, Z, item, out.dtype.itemsize, prec, a_k, b_k, tma, copied),
-                        _hardware(out.device))
+  c_unit, c_ld = _unit(mats["out"])
+  c_aligned = mats["out"].ptr % 16 == 0 and c_ld[0] * out.dtype.itemsize % 16 == 0 and \
+    all(o % 16 == 0 for o in offsets["out"])
+  s = cfg.gemm_schedule(cfg.GemmProblem(rows, N, K, Z, item, out.dtype.itemsize, prec, a_k, b_k, tma, copied,
+                                        c_unit if c_aligned else ""), _hardware(out.device))
   src = {"A": "a", "B": "b"}
   if s.swap:  # C^T = B^T A^T: every matrix transposed, the bias now runs along M
     mats = {k: _mT(x) for k, x in mats.items()}
@@ -558,17 +567,16 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   c_unit, c_ld = _unit(mats["out"])
   units = [_unit(mats[f"x{i}"]) for i in range(len(aux))]
   split = s.split_k > 1 or K == 0
-  tma_store = s.persistent and not split and c_unit == "n" and mats["out"].ptr % 16 == 0 and \
-    c_ld[0] * out.dtype.itemsize % 16 == 0 and all(o % 16 == 0 for o in offsets["out"])
   st = Structure("tma" if s.persistent else "ptr", TY[a.dtype], TY[out.dtype], prec, s.a_kmajor, s.b_kmajor,
                  s.round_a, s.round_b, c_unit, epilogue, s.swap, tuple(u for u, _ in units),
-                 tuple(TY[x.dtype] for x in ([bias] if bias is not None else []) + aux), split, tma_store,
+                 tuple(TY[x.dtype] for x in ([bias] if bias is not None else []) + aux), split, s.tma_store,
                  not s.persistent and Z > 1, i64)
   aux_names = [n for n in _aux_names(st) if n != "BIAS"]
   k_tiles = cdiv(K, s.BK)
+  wm = cdiv(rows, s.BM) * s.BM if s.tma_store and split else rows  # TMA-stored partials: whole tile rows per slice
   ints = {"M": rows, "N": N, "K": K, "LDA": lda, "LDB": ldb, "SAZ": zst[src["A"]], "SBZ": zst[src["B"]],
           "SCZ": zst["out"], "K_TILES": cdiv(k_tiles, s.split_k), "SPLITS": s.split_k if K else 0,
-          "GROUP_M": s.group_m, "SPLIT_K": s.split_k}
+          "GROUP_M": s.group_m, "SPLIT_K": s.split_k, "WM": wm}
   for name, (unit, lds) in [("LDC", (c_unit, c_ld))] + [("LD" + n, u) for n, u in zip(aux_names, units)]:
     ints |= {name: lds[0]} if unit else {name + "M": lds[0], name + "N": lds[1]}
   names = {"A": src["A"], "B": src["B"], "BIAS": "bias"} | {n: f"x{i}" for i, n in enumerate(aux_names)}
@@ -587,7 +595,7 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
     ptrs_reduce = ptrs | {"W": ("ws", offsets["ws"]), "C": ("out", offsets["out"])}
     grid = (cdiv(rows, sp[2]["BLOCK_R"]), cdiv(N, sp[2]["BLOCK_C"]), Z)
     launches.append((sp, grid, _args(sp[0], ptrs_reduce, ints)))
-  return _Plan(copied, len(offsets["a"]), launches, (s.split_k, Z, rows, N) if split and K else None, s, st)
+  return _Plan(copied, len(offsets["a"]), launches, (s.split_k, Z, wm, N) if split and K else None, s, st)
 
 
 def _check(a: CudaArray, b: CudaArray, epilogue: tuple[str, ...], bias, residual, gelu_input, out, out_dtype) -> None:
