@@ -235,6 +235,14 @@ def warp_specialized(precision: str, BM: int, BN: int, persistent: bool, tma_sto
   return persistent and precision == "tf32" and (BM, BN) == (128, 256) and tma_store and not round_b
 
 
+def pipeline_bk(BK: int, warp_specialize: bool) -> int:
+  """The k-step of a kernel's pipeline: BK, or BK / 2 warp-specialized. There the whole float32 epilogue tile
+  (128 KiB at 128x256) leaves 96 KiB for the operands: 2 stages of BK = 32 float32, so the producer can run only one
+  stage ahead of the MMAs, or 4 stages of 16, three ahead. Measured on the H200 over the non-split TF32 benchmark
+  shapes: 4 x 16 was 1-8% faster than 2 x 32, 3 x 16 10% slower."""
+  return BK // 2 if warp_specialize else BK
+
+
 def group_m(BM: int, BN: int, tiles_m: int, hw: Hardware) -> int:
   """Tile rows per L2 group. A wave of S = SMs tiles in g rows of tiles touches g*BM rows of A and (S/g)*BN columns
   of B per k-step; g*BM + S*BN/g is least at g = sqrt(S*BN/BM): 16 for 128x256 tiles on 132 SMs, 11 for squares."""
@@ -262,7 +270,7 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
      swapped problem has a K-major B). The kernel rounds the register operand A, and B when no copy did. 3xTF32 splits
      both operands exactly (relative error 8e-8).
   3. BK = 128 bytes / itemsize: one row of the 128-byte shared-memory swizzle (32 float32, 64 bf16), so every
-     k-step of wgmma reads whole swizzle lines.
+     k-step of wgmma reads whole swizzle lines. A warp-specialized kernel halves it (`pipeline_bk`).
   4. Tile (BM, BN) and split s: the argmax over the wgmma tiles TILES (those whose stages fit, `gemm_stages`) and
      s in 1..min(MAX_SPLIT, k_tiles / SPLIT_MIN_KTILES) (only when one split leaves SMs idle) of the modelled
      fraction of peak
@@ -302,9 +310,10 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
       ws = warp_specialized(p.precision, BM, BN, persistent, tma_store, round_b)
       warps = gemm_warps(BM, BN, p.precision) // (2 if ws else 1)
       out_itemsize = 4 if s > 1 else p.out_itemsize  # split-K stores float32 partial sums
-      stages, subtile = gemm_stages(BM, BN, BK, p.itemsize, out_itemsize, persistent, hw, p.precision, ws)
+      bk = pipeline_bk(BK, ws)
+      stages, subtile = gemm_stages(BM, BN, bk, p.itemsize, out_itemsize, persistent, hw, p.precision, ws)
       if not stages: continue
-      if s > 1 and persistent and p.itemsize == 4:
+      if s > 1 and persistent and p.itemsize == 4 and not ws:
         # NOTE: TF32 split-K through TMA at 3 stages gave wrong sums on the H200 (relative error 0.07-0.09 at
         # 128x256x32 with B from shared memory unrounded; Triton 3.6, 2026-11-30); 2 stages, or B rounded in the
         # kernel, or no split were right. Suspected in Triton's pipeliner; the cap keeps the measured-right kernel.
@@ -312,10 +321,12 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
       score = tile_intensity(BM, BN) / tile_intensity(*TILES[0]) * utilization(tiles * s * p.batch, hw.sms)
       score *= M * N / (tiles * BM * BN) / (1 + split_cost(s, p.K, flops, hw))
       if score > best_score + 1e-9:
-        best, best_score = (BM, BN, warps, stages, subtile, tma_store, ws, tiles, s), score
+        best, best_score = (BM, BN, bk, warps, stages, subtile, tma_store, ws, tiles, s), score
   if best is None: raise ValueError(f"gemm_schedule: no tile fits {hw.smem_per_block} bytes of shared memory for {p}")
-  BM, BN, warps, stages, subtile, tma_store, ws, tiles, split = best
-  if split > 1: split = cdiv(k_tiles, cdiv(k_tiles, split))  # slices of equal k-steps, none empty
+  BM, BN, BK, warps, stages, subtile, tma_store, ws, tiles, split = best
+  if split > 1:  # slices of equal k-steps, none empty
+    k_steps = cdiv(p.K, BK)
+    split = cdiv(k_steps, cdiv(k_steps, split))
   smem = gemm_smem(BM, BN, BK, stages, p.itemsize, 4 if split > 1 else p.out_itemsize, persistent, subtile,
                    p.precision)
   block_warps = warps * 3 if ws else warps  # a producer and two consumer warpgroups
