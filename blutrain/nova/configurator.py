@@ -227,11 +227,11 @@ def warp_specialized(precision: str, BM: int, BN: int, persistent: bool, tma_sto
   Measured on the H200 (Triton 3.6, every benchmark shape): TF32 +10-45% (the split-K weight gradients the most), at
   the price of the subtiled epilogue (2 stages instead of 3); bf16, whose operands go straight from shared memory to
   wgmma, 0-10% slower, so it stays as it is.
-  NOTE: only where it was measured right. On exact TF32 inputs, warp-specialized kernels that stored their tile by
-  pointers (split-K partial sums before they went through TMA) or rounded B in the kernel gave wrong elements that
-  changed from run to run, and 128x128 tiles wrong sums; those stored by TMA, with B copied, were exact and bitwise
-  reproducible (Triton 3.6, 2026-11-30). Both failing kinds stage the consumers' data in shared memory of their own
-  while the producer runs ahead, so a race in Triton's partitioning is suspected."""
+  NOTE: only where it was measured right. On exact TF32 inputs, warp-specialized kernels that stored split-K's
+  partial sums by pointers, or rounded B in the kernel (BK 32 x 2 stages), or used 128x128 tiles (BK 32 x 3) gave
+  wrong elements that changed from run to run, and bf16 ones at BK 32 x 6 stages NaNs; those stored by TMA with B
+  copied were exact and bitwise reproducible (Triton 3.6, 2026-11-30). A race in Triton's partitioning is
+  suspected; benchmarks/triton_faults.py reruns each failing kernel, to check after a Triton upgrade."""
   return persistent and precision == "tf32" and (BM, BN) == (128, 256) and tma_store and not round_b
 
 
@@ -316,7 +316,8 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
       if s > 1 and persistent and p.itemsize == 4 and not ws:
         # NOTE: TF32 split-K through TMA at 3 stages gave wrong sums on the H200 (relative error 0.07-0.09 at
         # 128x256x32 with B from shared memory unrounded; Triton 3.6, 2026-11-30); 2 stages, or B rounded in the
-        # kernel, or no split were right. Suspected in Triton's pipeliner; the cap keeps the measured-right kernel.
+        # kernel, or no split were right. Suspected in Triton's pipeliner; the cap keeps the measured-right kernel
+        # (benchmarks/triton_faults.py reruns the failing one).
         stages = min(stages, 2)
       score = tile_intensity(BM, BN) / tile_intensity(*TILES[0]) * utilization(tiles * s * p.batch, hw.sms)
       score *= M * N / (tiles * BM * BN) / (1 + split_cost(s, p.K, flops, hw))
