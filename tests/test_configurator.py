@@ -86,9 +86,11 @@ def test_tf32_split_k_through_tma_keeps_two_stages():
 
 def test_tma_stores_and_warp_specialization():
   """The tile leaves by TMA when its destination allows (C row-major and aligned in the kernel's orientation, or
-  split-K's float32 workspace with N a multiple of 4); TF32 128x256 kernels stored by TMA with B copied run
-  warp-specialized (a producer and two consumer warpgroups of 4 warps), nothing else does."""
-  fwd, dx, dw = (gemm_schedule(p) for _, p in list(gpt2_problems(4, "tf32"))[:3])
+  split-K's float32 workspace with N a multiple of 4); TF32 128x256 kernels stored by TMA that round A in registers
+  and read B as a rounded copy run warp-specialized (a producer and two consumer warpgroups of 4 warps), nothing
+  else does."""
+  problems = dict(gpt2_problems(4, "tf32"))
+  fwd, dx, dw = (gemm_schedule(problems[name]) for name in ("fwd 768x768", "dX 2304x768", "dW 2304x768"))
   for s in (fwd, dx, dw):
     assert s.tma_store and s.warp_specialize and (s.num_warps, s.mma_warps, s.block_warps) == (4, 8, 12), s
     assert not s.epi_subtile and (s.BK, s.num_stages) == (16, 4) and s.copy == "b", s  # `pipeline_bk`
@@ -101,7 +103,10 @@ def test_tma_stores_and_warp_specialization():
   assert odd.split_k > 1 and not odd.tma_store  # 766 float32 columns: rows of the workspace not 16-byte aligned
   for _, p in ALL:
     s = gemm_schedule(p)
-    assert s.warp_specialize == (p.precision == "tf32" and (s.BM, s.BN) == (128, 256) and not s.round_b), s
+    assert s.warp_specialize == (p.precision == "tf32" and (s.BM, s.BN) == (128, 256) and s.tma_store and
+                                 s.round_a and not s.round_b), s
+  both = gemm_schedule(problems["fwd 2304x768"])  # both operands copied: wgmma reads them from shared memory
+  assert both.copy == "ab" and not (both.round_a or both.round_b or both.warp_specialize), both
   assert not any(gemm_schedule(p).warp_specialize for _, p in gpt2_problems(4, "tf32x3"))
 
 
@@ -110,13 +115,15 @@ def test_tf32_layout_decisions():
   than rounding in the kernel (M >= 1.9K); dW (both MN-major) copies its smaller operand; 16-bit and 3xTF32 problems
   run as given."""
   fwd, dx, dw = (p for _, p in list(gpt2_problems(4, "tf32"))[:3])
-  assert [gemm_schedule(p).copy for p in (fwd, dx, dw)] == ["b", "b", "b"]  # dW 2304x768: x (768 wide) is smaller
+  assert [gemm_schedule(p).copy for p in (fwd, dx, dw)] == ["ab", "b", "b"]  # A's copy pays from N = 2.2K
   s = gemm_schedule(GemmProblem(768, 3072, T, 1, 4, 4, "tf32", False, False))
   assert s.copy == "a" and s.swap and (s.a_kmajor, s.b_kmajor) == (False, True)
   s = gemm_schedule(GemmProblem(1024, 1024, 4096, 1, 4, 4, "tf32", True, False))  # too few rows to copy B
   assert s.copy == "" and s.swap and (s.a_kmajor, s.b_kmajor) == (False, True) and s.round_a and s.round_b
-  s = gemm_schedule(GemmProblem(4096, 4096, 4096, 1, 4, 4, "tf32", True, False))
+  s = gemm_schedule(GemmProblem(4096, 1024, 4096, 1, 4, 4, "tf32", True, False))  # too few columns to copy A
   assert s.copy == "b" and not s.swap and s.round_a and not s.round_b
+  s = gemm_schedule(GemmProblem(4096, 4096, 4096, 1, 4, 4, "tf32", True, False))
+  assert s.copy == "ab" and not s.swap and not s.round_a and not s.round_b
   for p in (GemmProblem(4096, 4096, 4096, 1, 2, 2, "", True, False), GemmProblem(768, 768, T, 1, 2, 2, "", False, False),
             GemmProblem(4096, 4096, 4096, 1, 4, 4, "tf32x3", True, False)):
     s = gemm_schedule(p)
@@ -124,6 +131,8 @@ def test_tf32_layout_decisions():
                                                                               p.b_kmajor)
   assert C.orientation("tf32", True, False) and not C.orientation("tf32", False, True)
   assert C.operand_copy("tf32", 1900, 768, True, True) == "b" and C.operand_copy("tf32", 1850, 768, True, True) == ""
+  assert C.operand_copy("tf32", 768, 2200, True, True) == "a" and C.operand_copy("tf32", 768, 2100, True, True) == ""
+  assert C.operand_copy("tf32", 1900, 2200, True, True) == "ab" and C.operand_copy("", 1900, 2200, True, True) == ""
   assert C.operand_copy("tf32", 100, 200, False, False) == "a" and C.operand_copy("tf32", 300, 200, False, False) == "b"
 
 
@@ -143,10 +152,12 @@ def test_formulas_at_hand_computed_points():
   bf16 = gemm_schedule(GemmProblem(T, 2304, 768))
   assert (bf16.BM, bf16.BN, bf16.BK, bf16.num_warps, bf16.num_stages, bf16.group_m) == (128, 256, 64, 8, 4, 16)
   tf32 = gemm_schedule(GemmProblem(T, 2304, 768, 1, 4, 4, "tf32"))
+  assert (tf32.BM, tf32.BN, tf32.BK, tf32.num_warps, tf32.num_stages, tf32.epi_subtile) == (128, 256, 32, 8, 3, True)
   assert C.pipeline_bk(32, True) == 16 and C.pipeline_bk(64, False) == 64
-  assert (tf32.BM, tf32.BN, tf32.BK, tf32.mma_warps, tf32.block_warps, tf32.num_stages, tf32.epi_subtile) == \
-    (128, 256, 16, 8, 12, 4, False)  # DESIGN.md's best tile, warp-specialized: a whole epilogue, 4 stages of BK 16
-  assert not bf16.warp_specialize and tf32.warp_specialize and tf32.num_warps == 4
+  ws = gemm_schedule(GemmProblem(T, 768, 768, 1, 4, 4, "tf32"))  # A rounded in registers: warp-specialized
+  assert (ws.BM, ws.BN, ws.BK, ws.mma_warps, ws.block_warps, ws.num_stages, ws.epi_subtile) == \
+    (128, 256, 16, 8, 12, 4, False)  # DESIGN.md's best tile: a whole epilogue, 4 stages of BK 16
+  assert not bf16.warp_specialize and not tf32.warp_specialize and ws.warp_specialize and ws.num_warps == 4
   small = gemm_schedule(GemmProblem(1024, 1024, 1024))
   assert (small.BM, small.BN, small.tiles) == (64, 128, 128)  # 128 tiles: one wave instead of 32 big tiles
 

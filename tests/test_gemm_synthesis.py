@@ -95,9 +95,12 @@ def test_gpt2_bf16_runs_persistent_tma_kernels_as_stored():
 
 
 def test_tf32_copies_and_swaps_for_a_kmajor_b():
-  p = planned(arr((T, 768), f32), arr((768, 2304), f32, "t"), "tf32")         # B copied (and rounded)
+  p = planned(arr((T, 768), f32), arr((768, 768), f32, "t"), "tf32")          # B copied (and rounded)
   assert p.copy == "b" and p.structure.b_kmajor and p.structure.round_a and not p.structure.round_b
-  assert not p.schedule.swap
+  assert not p.schedule.swap and p.schedule.warp_specialize
+  p = planned(arr((T, 768), f32), arr((768, 2304), f32, "t"), "tf32")         # A too: 2304 columns pay for it
+  assert p.copy == "ab" and not (p.structure.round_a or p.structure.round_b or p.schedule.warp_specialize)
+  assert [sp[0].__name__ for sp, _, _ in p.launches] == [p.structure.name]  # the copies are queued by _launch
   p = planned(arr((T, 2304), f32), arr((2304, 768), f32), "tf32")             # an N-major B: its copy is K-major
   assert p.copy == "b" and (p.structure.a_kmajor, p.structure.b_kmajor) == (True, True)
   p = planned(arr((768, T), f32, "t"), arr((T, 3072), f32), "tf32")           # dW: the smaller operand, then a swap

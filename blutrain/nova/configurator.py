@@ -83,7 +83,7 @@ class GemmProblem:
 
 @dataclass(frozen=True)
 class GemmSchedule:
-  """How a GemmProblem runs. `copy` ("a", "b" or "") names an operand to copy into a K-major layout first. With
+  """How a GemmProblem runs. `copy` ("a", "b", "ab" or "") names the operands to copy into a K-major layout first. With
   `swap` the kernel computes C^T = B^T A^T: M and N, the operands and their layouts (`a_kmajor`, `b_kmajor` describe
   the kernel's own operands, after the copy) are exchanged. `tma_store`: the kernel stores its tile by a TMA
   descriptor (C, or split-K's float32 partial sums), not by pointers. TF32 rounds the register operand A in the kernel
@@ -135,6 +135,7 @@ MAX_SPLIT = 16
 SMEM_RESERVE = 1024   # bytes per block the runtime keeps (CUDA's reserved shared memory)
 SMEM_BARRIERS = 512   # bytes of a pipeline's mbarriers and Triton's small scratch (measured: 24-56, 376 warp-specialized)
 ROUND_B_COST = 0.22   # share of a TF32 GEMM's time that rounding B in the kernel costs (see `operand_copy`)
+ROUND_A_COST = 0.19   # and rounding A through registers, against A read by wgmma from shared memory as stored
 
 
 def intensity(M: int, N: int, K: int, itemsize: int) -> float:
@@ -199,31 +200,39 @@ def gemm_stages(BM: int, BN: int, BK: int, itemsize: int, out_itemsize: int, per
 
 
 def operand_copy(precision: str, M: int, N: int, a_kmajor: bool, b_kmajor: bool, hw: Hardware = H200) -> str:
-  """The operand ("a", "b" or "") a TF32 GEMM first copies into a K-major layout, rounded to TF32 on the way.
+  """The operands ("a", "b", both or neither) a TF32 GEMM first copies into a K-major layout, rounded to TF32 on the
+  way.
 
-  TF32 wgmma reads B from shared memory K-major and as stored: the hardware truncates it to TF32, while the register
-  operand A is rounded by the kernel. Relative error against float64 on random normal inputs: 2.9e-4 with both
-  rounded, 4.7e-4 to 5.5e-4 with B truncated (truncation shrinks every product toward zero, a bias of about 3.4e-4
-  that no K averages out), 7.7e-4 with both truncated. So B is always rounded, by the cheaper of two ways:
-  - a K-major copy rounded on the way: 8*K*N bytes against 2*M*N*K FLOP, a fraction 4*peak / (bandwidth*M) of the
-    GEMM's time, independent of N and K (2.5% at GPT-2's M = 16384 tokens), which also makes an N-major B K-major
-    without swapping;
-  - rounding each B tile in the kernel (shared memory -> registers -> shared memory every k-step), ROUND_B_COST of
-    the GEMM's time (measured on the H200 over four GPT-2 shapes at M = 16384: 19-28%).
-  The copy wins from M = 4*peak / (bandwidth*ROUND_B_COST) = 1.9K rows on an H200. With both operands MN-major (the
-  weight gradient dW = dY^T X, both contracting over their rows) a copy is needed whatever it costs: no orientation
-  gives wgmma its K-major B, and Triton then moves B through registers with no pipelining (TMA) or in 4-byte copies
-  (cp.async; 0.4x of the K-major rate in DESIGN.md's sweep); the smaller operand is copied (A when M <= N)."""
+  TF32 wgmma truncates what it reads from shared memory, and Triton reads B from there K-major only; A may come from
+  registers, where the kernel rounds it. Relative error against float64 on random normal inputs: 2.9e-4 with both
+  rounded, 4.7e-4 to 5.5e-4 with one truncated (truncation shrinks every product toward zero, a bias of about
+  3.4e-4 that no K averages out), 7.7e-4 with both truncated. So both are always rounded, each by the cheaper of:
+  - a K-major copy rounded on the way: for B, 8*K*N bytes against 2*M*N*K FLOP, a fraction 4*peak / (bandwidth*M)
+    of the GEMM's time, independent of N and K (2.5% at GPT-2's M = 16384 tokens), which also makes an N-major B
+    K-major without swapping; for A, 4*peak / (bandwidth*N);
+  - rounding in the kernel: B's tiles through registers back to shared memory every k-step, ROUND_B_COST of the
+    GEMM's time (measured on the H200 over four GPT-2 shapes at M = 16384: 19-28%); A on its way to the registers
+    wgmma then reads it from, ROUND_A_COST (measured: 14-28%, median 19%, over the benchmark's shapes, against the
+    same kernel reading A from shared memory).
+  B's copy wins from M = 4*peak / (bandwidth*ROUND_B_COST) = 1.9K rows on an H200, A's from N = 2.2K columns. With
+  both operands MN-major (the weight gradient dW = dY^T X, both contracting over their rows) one copy is needed
+  whatever it costs: no orientation gives wgmma its K-major B, and Triton then moves B through registers with no
+  pipelining (TMA) or in 4-byte copies (cp.async; 0.4x of the K-major rate in DESIGN.md's sweep); when neither copy
+  is cheap the smaller operand is copied (A when M <= N)."""
   if precision != "tf32": return ""
-  if not a_kmajor and not b_kmajor: return "a" if M <= N else "b"
-  return "b" if 4 * hw.tf32_flops / (hw.hbm_bandwidth * M) <= ROUND_B_COST else ""
+  copy = ("a" if 4 * hw.tf32_flops / (hw.hbm_bandwidth * N) <= ROUND_A_COST else "") + \
+         ("b" if 4 * hw.tf32_flops / (hw.hbm_bandwidth * M) <= ROUND_B_COST else "")
+  if not copy and not a_kmajor and not b_kmajor: return "a" if M <= N else "b"
+  return copy
 
 
-def warp_specialized(precision: str, BM: int, BN: int, persistent: bool, tma_store: bool, round_b: bool) -> bool:
+def warp_specialized(precision: str, BM: int, BN: int, persistent: bool, tma_store: bool, round_a: bool,
+                     round_b: bool) -> bool:
   """Whether a persistent TF32 kernel of 128x256 tiles runs warp-specialized (Triton's Hopper partitioner: a
   producer warpgroup issues the TMA loads, two consumer warpgroups of 4 warps each own 64 rows of the tile).
-  TF32 reads its A operand through registers, to round it: in one warpgroup those shared-memory loads wait on the
-  wgmma before them, while with a producer of its own the next stage's loads overlap the rounding and the MMAs.
+  A kernel that rounds A reads it through registers: in one warpgroup those shared-memory loads wait on the wgmma
+  before them, while with a producer of its own the next stage's loads overlap the rounding and the MMAs. Reading
+  both operands from shared memory (A copied rounded), the unspecialized kernel was faster (331 against 282 TFLOP/s).
   Measured on the H200 (Triton 3.6, every benchmark shape): TF32 +10-45% (the split-K weight gradients the most), at
   the price of the subtiled epilogue (2 stages instead of 3); bf16, whose operands go straight from shared memory to
   wgmma, 0-10% slower, so it stays as it is.
@@ -232,7 +241,7 @@ def warp_specialized(precision: str, BM: int, BN: int, persistent: bool, tma_sto
   wrong elements that changed from run to run, and bf16 ones at BK 32 x 6 stages NaNs; those stored by TMA with B
   copied were exact and bitwise reproducible (Triton 3.6, 2026-11-30). A race in Triton's partitioning is
   suspected; benchmarks/triton_faults.py reruns each failing kernel, to check after a Triton upgrade."""
-  return persistent and precision == "tf32" and (BM, BN) == (128, 256) and tma_store and not round_b
+  return persistent and precision == "tf32" and (BM, BN) == (128, 256) and tma_store and round_a and not round_b
 
 
 def pipeline_bk(BK: int, warp_specialize: bool) -> int:
@@ -265,10 +274,10 @@ def occupancy(smem: int, warps: int, hw: Hardware) -> int:
 def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   """The schedule of a GEMM, by formula.
 
-  1. TF32 layout and rounding: `operand_copy` (a K-major copy rounded to TF32, of B when cheaper than rounding it
-     in the kernel and of one operand when both are MN-major), then `orientation` (swap M and N when only the
-     swapped problem has a K-major B). The kernel rounds the register operand A, and B when no copy did. 3xTF32 splits
-     both operands exactly (relative error 8e-8).
+  1. TF32 layout and rounding: `operand_copy` (a K-major copy rounded to TF32 of each operand for which that is
+     cheaper than rounding it in the kernel, and of one when both are MN-major), then `orientation` (swap M and N
+     when only the swapped problem has a K-major B). The kernel rounds whichever of its operands no copy rounded.
+     3xTF32 splits both operands exactly (relative error 8e-8).
   3. BK = 128 bytes / itemsize: one row of the 128-byte shared-memory swizzle (32 float32, 64 bf16), so every
      k-step of wgmma reads whole swizzle lines. A warp-specialized kernel halves it (`pipeline_bk`).
   4. Tile (BM, BN) and split s: the argmax over the wgmma tiles TILES (those whose stages fit, `gemm_stages`) and
@@ -291,14 +300,16 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   if min(p.M, p.N) <= 0 or p.K < 0 or p.batch <= 0:
     raise ValueError(f"gemm_schedule: needs M, N, batch > 0 and K >= 0, got {p}")
   copy = operand_copy(p.precision, p.M, p.N, p.a_kmajor, p.b_kmajor, hw) if p.copied is None else p.copied
-  a_k, b_k = p.a_kmajor or copy == "a", p.b_kmajor or copy == "b"
+  a_k, b_k = p.a_kmajor or "a" in copy, p.b_kmajor or "b" in copy
   swap = orientation(p.precision, a_k, b_k)
   M, N, a_k, b_k = (p.N, p.M, b_k, a_k) if swap else (p.M, p.N, a_k, b_k)
+  tf32 = p.precision == "tf32"
+  kernel_a, kernel_b = ("b", "a") if swap else ("a", "b")  # which operand each of the kernel's is
+  round_a, round_b = tf32 and kernel_a not in copy, tf32 and kernel_b not in copy
   BK = 128 // p.itemsize
   k_tiles = cdiv(p.K, BK)
   flops = hw.tf32_flops if p.itemsize == 4 else hw.half_flops
   persistent = p.tma and p.batch == 1
-  round_b = p.precision == "tf32" and not copy
   c_unit = {"n": "m", "m": "n"}.get(p.c_layout, "") if swap else p.c_layout
   best, best_score = None, -1.0
   for BM, BN in TILES:
@@ -307,7 +318,7 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
     splits = range(1, max(1, min(MAX_SPLIT, k_tiles // SPLIT_MIN_KTILES)) + 1) if can_split else (1,)
     for s in splits:
       tma_store = persistent and (N % 4 == 0 if s > 1 else c_unit == "n")
-      ws = warp_specialized(p.precision, BM, BN, persistent, tma_store, round_b)
+      ws = warp_specialized(p.precision, BM, BN, persistent, tma_store, round_a, round_b)
       warps = gemm_warps(BM, BN, p.precision) // (2 if ws else 1)
       out_itemsize = 4 if s > 1 else p.out_itemsize  # split-K stores float32 partial sums
       bk = pipeline_bk(BK, ws)
@@ -334,7 +345,7 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
   if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, block_warps, hw)),)
   else: grid = (tiles, split, p.batch)
   return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile,
-                      tma_store, ws, copy, swap, a_k, b_k, p.precision == "tf32", round_b, grid, tiles,
+                      tma_store, ws, copy, swap, a_k, b_k, round_a, round_b, grid, tiles,
                       utilization(tiles * split * p.batch, hw.sms), smem,
                       intensity(p.M, p.N, p.K, p.itemsize) if p.K else 0.0)
 

@@ -434,14 +434,20 @@ def _rowmajor_layout(x: CudaArray) -> tuple[tuple[int, ...], int, int]:
   return tuple(strides) + (C, 1), zs[0], zst[0]
 
 
+def _rowmajor_spec_of(x: CudaArray, round_tf32: bool) -> Spec:
+  """The copy kernel's variant for x: reading down its columns when their stride is the unit one."""
+  R, C = x.shape[-2:]
+  return rowmajor_spec(x.dtype, R, C, x.strides[-1] != 1 and C > 1, round_tf32)
+
+
 def _rowmajor(x: CudaArray, round_tf32: bool) -> CudaArray:
   """A row-major copy of x (a unit stride in one of its last two dims), rounded to TF32 when asked."""
   strides, Z, sz = _rowmajor_layout(x)
   if not Z: return copy(x)
   R, C = x.shape[-2:]
-  unit_r = x.strides[-1] != 1 and C > 1
   y = empty((Z * R * C,), x.dtype, x.device)
-  s = rowmajor_spec(x.dtype, R, C, unit_r, round_tf32)
+  s = _rowmajor_spec_of(x, round_tf32)
+  unit_r = s[2]["UNIT_R"]
   run(s, (cdiv(R, s[2]["BLOCK_R"]), cdiv(C, s[2]["BLOCK_C"]), Z), x, y, R, C, x.strides[-1 if unit_r else -2], sz)
   return CudaArray(y.ptr, x.shape, strides, x.dtype, x.device, y.owner)
 
@@ -487,7 +493,7 @@ def precision_of(dtype: DType, precision: str | None = None) -> str:
 class _Plan:
   """The launches of one problem layout: (kernel, grid, arguments) where a pointer argument names the array it comes
   from ("a", "b", "out", "bias", "x0", "x1" for the epilogue's tensors, "ws" for split-K's workspace) with a byte
-  offset per host-loop step; `copy` names the operand first copied K-major (the offsets are the copy's)."""
+  offset per host-loop step; `copy` names the operands first copied K-major (the offsets are the copies')."""
 
   def __init__(self, copy: str, steps: int, launches: list, workspace: tuple[int, ...] | None,
                schedule: cfg.GemmSchedule, structure: Structure):
@@ -537,6 +543,11 @@ def _matrices(a: CudaArray, b: CudaArray, out: CudaArray, aux: list[CudaArray]):
   return mats, dims[-1], {k: st[-1] for k, st in zip(bst, sts)}, offsets
 
 
+def _planned_copy(x: CudaArray) -> CudaArray:
+  """The layout of x's row-major copy, at an address as aligned as the allocator's."""
+  return CudaArray(0, x.shape, _rowmajor_layout(x)[0], x.dtype, x.device, None)
+
+
 def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, aux: list[CudaArray],
            epilogue: tuple[str, ...], prec: str) -> _Plan:
   """The plan of gemm(a, b) into out, for these shapes, layouts, dtypes and pointer alignments (its cache key)."""
@@ -544,10 +555,8 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   i64 = any(needs_i64(x.shape, x.strides) for x in (a, b, out, *aux))
   a_k, b_k = (not layout(a)[0], layout(b)[0]) if K else (True, True)  # K = 0: nothing is read
   copied = cfg.operand_copy(prec, M, N, a_k, b_k, _hardware(out.device))
-  if copied:  # plan on the K-major copy's layout (its address is fresh from the allocator: aligned)
-    x = a if copied == "a" else _mT(b)
-    x = CudaArray(0, x.shape, _rowmajor_layout(x)[0], x.dtype, x.device, None)
-    a, b, a_k, b_k = (x, b, True, b_k) if copied == "a" else (a, _mT(x), a_k, True)
+  if "a" in copied: a, a_k = _planned_copy(a), True  # plan on the K-major copies' layouts
+  if "b" in copied: b, b_k = _mT(_planned_copy(_mT(b))), True
   mats, Z, zst, offsets = _matrices(a, b, out, aux)
   item, rows = a.dtype.itemsize, mats["a"].shape[0]
   lda, ldb = _ld(mats["a"], a_k), _ld(mats["b"], not b_k)
@@ -695,9 +704,9 @@ def _launch(p: _Plan, a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArra
   ptrs = {"a": a.ptr, "b": b.ptr, "out": out.ptr, "bias": 0 if bias is None else bias.ptr, "ws": 0}
   for i, x in enumerate(aux): ptrs[f"x{i}"] = x
   keep = []
-  if p.copy:  # the operand's K-major copy (rounded to TF32), alive until the launches are queued
-    keep.append(_rowmajor(a if p.copy == "a" else _mT(b), prec == "tf32"))
-    ptrs[p.copy] = keep[-1].ptr
+  for op in p.copy:  # the operands' K-major copies (rounded to TF32), alive until the launches are queued
+    keep.append(_rowmajor(a if op == "a" else _mT(b), prec == "tf32"))
+    ptrs[op] = keep[-1].ptr
   if p.workspace:
     keep.append(empty(p.workspace, dtypes.float32, a.device))
     ptrs["ws"] = keep[-1].ptr
@@ -728,8 +737,7 @@ def _specs() -> list[Spec]:
   def launches(a, b, prec="", epilogue=(), bias=None, aux=(), out_dtype=None):
     shape = broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
     p = plan(a, b, arr(shape, out_dtype or a.dtype), bias, tuple(aux), tuple(epilogue), prec)
-    copied = [rowmajor_spec(a.dtype, *(a.shape[-2:] if p.copy == "a" else b.shape[-2:][::-1]),
-                            p.copy == "b" and b.strides[-1] != 1, prec == "tf32")] if p.copy else []
+    copied = [_rowmajor_spec_of(a if op == "a" else _mT(b), prec == "tf32") for op in p.copy]
     return copied + [sp for sp, _, _ in p.launches]
 
   T, M = 16384, 768
