@@ -321,13 +321,14 @@ def explore(prec_name: str) -> list[dict]:
     variants = {"configurator": (st, s), "stages-1": (st, dataclasses.replace(s, num_stages=s.num_stages - 1)),
                 "stages+1": (st, dataclasses.replace(s, num_stages=s.num_stages + 1)),
                 "epilogue split flipped": (st, dataclasses.replace(s, epi_subtile=not s.epi_subtile)),
-                "128x128": (st, dataclasses.replace(s, BM=128, BN=128, num_warps=4))}
+                "128x128": (st, dataclasses.replace(s, BM=128, BN=128, num_warps=4, warp_specialize=False,
+                                                      BK=128 // a.element_size()))}
     if tf32: variants["no TF32 rounding"] = (dataclasses.replace(st, round_a=False), s)
     ptrs = {"a": da.ptr, "b": db.ptr, "out": out.ptr, "bias": 0, "ws": 0}
     keep = []
-    if plan.copy:
-      keep.append(G._rowmajor(da if plan.copy == "a" else G._mT(db), tf32))
-      ptrs[plan.copy] = keep[-1].ptr
+    for op in plan.copy:
+      keep.append(G._rowmajor(da if op == "a" else G._mT(db), tf32))
+      ptrs[op] = keep[-1].ptr
     if plan.workspace:
       keep.append(G.empty(plan.workspace, dtypes.float32, 0))
       ptrs["ws"] = keep[-1].ptr
