@@ -234,8 +234,8 @@ def warp_specialized(precision: str, BM: int, BN: int, persistent: bool, tma_sto
   before them, while with a producer of its own the next stage's loads overlap the rounding and the MMAs. Reading
   both operands from shared memory (A copied rounded), the unspecialized kernel was faster (331 against 282 TFLOP/s).
   Measured on the H200 (Triton 3.6, every benchmark shape): TF32 +10-45% (the split-K weight gradients the most), at
-  the price of the subtiled epilogue (2 stages instead of 3); bf16, whose operands go straight from shared memory to
-  wgmma, 0-10% slower, so it stays as it is.
+  the price of the subtiled epilogue (the whole float32 tile takes 128 KiB: see `pipeline_bk`); bf16, whose operands
+  go straight from shared memory to wgmma, 0-10% slower, so it stays as it is.
   NOTE: only where it was measured right. On exact TF32 inputs, warp-specialized kernels that stored split-K's
   partial sums by pointers, or rounded B in the kernel (BK 32 x 2 stages), or used 128x128 tiles (BK 32 x 3) gave
   wrong elements that changed from run to run, and bf16 ones at BK 32 x 6 stages NaNs; those stored by TMA with B
