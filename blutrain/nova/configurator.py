@@ -121,9 +121,7 @@ class GemmSchedule:
     return self.num_warps * (2 if self.warp_specialize else 1)
 
   @property
-  def block_warps(self) -> int:
-    """Warps of a block: `num_warps`, or a warp-specialized kernel's producer and two consumer warpgroups."""
-    return self.num_warps * (3 if self.warp_specialize else 1)
+  def block_warps(self) -> int: return block_warps(self.num_warps, self.warp_specialize)
 
 
 ACC_REGS = 128        # accumulator registers per thread: half of the 255 a thread may hold, the rest for operands
@@ -162,6 +160,11 @@ def orientation(precision: str, a_kmajor: bool, b_kmajor: bool) -> bool:
   B^T (N-major) becomes the register operand and A^T the K-major shared one. 16-bit wgmma transposes either operand
   in hardware, and 3xTF32 splits both operands in registers anyway, so neither swaps."""
   return precision == "tf32" and a_kmajor and not b_kmajor
+
+
+def block_warps(num_warps: int, warp_specialize: bool) -> int:
+  """Warps of a block: `num_warps`, or a warp-specialized kernel's producer and two consumer warpgroups."""
+  return num_warps * (3 if warp_specialize else 1)
 
 
 def gemm_warps(BM: int, BN: int, precision: str = "") -> int:
@@ -341,8 +344,7 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
     split = cdiv(k_steps, cdiv(k_steps, split))
   smem = gemm_smem(BM, BN, BK, stages, p.itemsize, 4 if split > 1 else p.out_itemsize, persistent, subtile,
                    p.precision)
-  block_warps = warps * 3 if ws else warps  # a producer and two consumer warpgroups
-  if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, block_warps, hw)),)
+  if persistent: grid = (min(tiles * split, hw.sms * occupancy(smem, block_warps(warps, ws), hw)),)
   else: grid = (tiles, split, p.batch)
   return GemmSchedule(BM, BN, BK, warps, stages, group_m(BM, BN, cdiv(M, BM), hw), split, persistent, subtile,
                       tma_store, ws, copy, swap, a_k, b_k, round_a, round_b, grid, tiles,

@@ -35,4 +35,15 @@ def linear_on_both(seed: int = 15) -> dict[str, list[np.ndarray]]:
   return results
 
 
+def stride_zero_batch() -> tuple[CudaArray, CudaArray, np.ndarray]:
+  """A (5, 7) float32 matrix expanded to a batch of 6 by a zero batch stride, a (6, 7, 3) batch to multiply it by,
+  and their float64 product."""
+  from blutrain import dtypes
+  a = np.random.default_rng(10).standard_normal((5, 7)).astype(np.float32).astype(np.float64)
+  b = np.random.default_rng(11).standard_normal((6, 7, 3)).astype(np.float32).astype(np.float64)
+  dev = place(a, dtypes.float32, "n")
+  expanded = CudaArray(dev.ptr, (6, 5, 7), (0, 7, 1), dtypes.float32, dev.device, dev.owner)
+  return expanded, place(b, dtypes.float32, "n"), a @ b
+
+
 def host(a: CudaArray) -> np.ndarray: return memory.to_numpy(a).astype(np.float64)

@@ -9,9 +9,8 @@ import pytest
 import blutrain as bt
 from blutrain import dtypes
 from blutrain.backend.cuda import memory
-from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import matmul as mm
-from tests.cuda.operands import host, linear_on_both, place
+from tests.cuda.operands import host, linear_on_both, place, stride_zero_batch
 
 pytestmark = pytest.mark.cuda
 
@@ -102,12 +101,8 @@ def test_batched_and_broadcast(sa, sb, ma, mb, name):
 
 
 def test_expanded_operand_with_stride_zero_batch():
-  a = rounded((5, 7), dtypes.float32, 10)
-  dev = place(a, dtypes.float32, "n")
-  expanded = CudaArray(dev.ptr, (6, 5, 7), (0, 7, 1), dtypes.float32, dev.device, dev.owner)
-  b = rounded((6, 7, 3), dtypes.float32, 11)
-  got = host(mm.matmul(expanded, place(b, dtypes.float32, "n")))
-  assert rel_err(got, a @ b) < 1e-5
+  expanded, b, want = stride_zero_batch()
+  assert rel_err(host(mm.matmul(expanded, b)), want) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
