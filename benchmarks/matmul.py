@@ -48,7 +48,7 @@ import blutrain as bt  # noqa: E402
 from blutrain import dtypes  # noqa: E402
 from blutrain.backend.cuda import launch, runtime  # noqa: E402
 from blutrain.backend.cuda.array import CudaArray  # noqa: E402
-from blutrain.nova import configurator as cfg  # noqa: E402
+from blutrain import configurator as cfg  # noqa: E402
 
 G = importlib.import_module("blutrain.backend.cuda.kernels.gemm")
 MM = importlib.import_module("blutrain.backend.cuda.kernels.matmul")
@@ -269,7 +269,7 @@ def run_cublas(p: Problem, a: torch.Tensor, b: torch.Tensor, tf32: bool, n: int)
   bt.backends.matmul = "cublas"
   bt.set_float32_matmul_precision("high" if tf32 else "highest")
   holder = {}
-  def fn(): holder["c"] = MM.matmul(da, db)
+  def fn(): holder["c"] = MM.matmul(da, db, tf32=tf32)
   ms = device_ms(fn, n, "bt")
   return {"ms": ms}, as_torch(holder["c"])
 

@@ -1,6 +1,6 @@
 """GEMM schedules the configurator avoids because Triton computed them wrong on the H200, run as they would be, beside
 the configurator's own schedule of the same problem. Run it after a Triton upgrade: a fault whose rows read "exact,
-reproducible" may have been fixed, and its NOTE in blutrain/nova/configurator.py (or docs/configurator.md) can be
+reproducible" may have been fixed, and its NOTE in blutrain/configurator.py (or docs/configurator.md) can be
 revisited with a full `pytest -m cuda` run.
 
 Each row runs one GEMM through the production path (K-major copy, main kernel, split-K reduction) with the main

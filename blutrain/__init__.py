@@ -14,7 +14,8 @@ from blutrain.ops import (no_grad, enable_grad, set_grad_enabled, is_grad_enable
                           index_select, tril, triu, isnan, isfinite)
 from blutrain.ops import default_generator
 from blutrain import autograd
-from blutrain.amp import autocast, set_float32_matmul_precision, get_float32_matmul_precision
+from blutrain.amp import autocast
+from blutrain.backends import set_float32_matmul_precision, get_float32_matmul_precision
 
 half, float, long, int, double, bool_ = float16, float32, int64, int32, float64, bool
 

@@ -1,4 +1,5 @@
-"""Mixed precision: `autocast` (PyTorch's per-op cast policy) and the internal precision of float32 matmuls.
+"""Mixed precision: `autocast`, PyTorch's per-op cast policy (the internal precision of float32 matmuls is a setting of
+`blutrain.backends`).
 
 Autocast is one table, `POLICY`: per device type, op name -> `LOWER` (float32 inputs are cast to the autocast
 dtype: matmul, linear, attention) or `FP32` (float16/bfloat16 inputs are cast up: softmax, norms, losses, sums,
@@ -19,31 +20,7 @@ from blutrain.dtypes import DType
 from blutrain.ops import core
 from blutrain.tensor import Tensor
 
-__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "set_float32_matmul_precision",
-           "get_float32_matmul_precision", "POLICY"]
-
-# *** float32 matmul precision ***
-
-_PRECISIONS = ("highest", "high", "medium")
-_matmul_precision = "highest"
-
-
-def set_float32_matmul_precision(precision: str) -> None:
-  """Internal precision of float32 matmuls and attention on CUDA, as `torch.set_float32_matmul_precision`.
-
-  "highest" computes in float32; "high" lets cuBLASLt and flash attention use TF32 tensor cores (10 mantissa bits,
-  float32 range and accumulation). "medium" means TF32 too, as in PyTorch's CUDA backend. CPU matmuls stay float32.
-  """
-  global _matmul_precision
-  if precision not in _PRECISIONS:
-    raise ValueError(f"set_float32_matmul_precision: expected one of {', '.join(map(repr, _PRECISIONS))}, got {precision!r}")
-  _matmul_precision = precision
-
-
-def get_float32_matmul_precision() -> str:
-  """The precision set by `set_float32_matmul_precision` ("highest" by default)."""
-  return _matmul_precision
-
+__all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "POLICY"]
 
 # *** autocast ***
 

@@ -5,15 +5,15 @@ ops their PyTorch method names.
 """
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 
 from blutrain import backend, dtypes
 from blutrain.device import Device, to_device
 from blutrain.dtypes import DType
+from blutrain.shapes import is_contiguous, normalize_dim
 
 
 class Storage:
@@ -43,19 +43,6 @@ class GraphBreakError(RuntimeError):
       ".tolist(), .numpy(), printing or Python control flow on a tensor) inside a function compiled with bt.compile, or "
       "a tensor made inside it was kept and used after it. Move the read out of the compiled function (return the "
       "tensor and read it after the call), or use tensor ops (bt.where) instead of Python branches.")
-
-
-@functools.lru_cache(maxsize=4096)  # asked for by .contiguous() and layout checks in every step
-def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-  return math.prod(shape) == 0 or all(st == cs for n, st, cs in zip(shape, strides, contiguous_strides(shape)) if n != 1)
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-  strides, acc = [], 1
-  for n in reversed(shape):
-    strides.append(acc)
-    acc *= max(n, 1)
-  return tuple(reversed(strides))
 
 
 class Tensor:
@@ -97,14 +84,14 @@ class Tensor:
   def ndim(self) -> int: return len(self.shape)
   def dim(self) -> int: return len(self.shape)
   def size(self, dim: int | None = None):
-    return self.shape if dim is None else self.shape[_wrap_dim(dim, self.ndim, "size")]
+    return self.shape if dim is None else self.shape[normalize_dim(dim, self.ndim, "size")]
   def numel(self) -> int: return math.prod(self.shape)
   def nelement(self) -> int: return self.numel()
   def element_size(self) -> int: return self.dtype.itemsize
   def stride(self, dim: int | None = None):
-    return self._strides if dim is None else self._strides[_wrap_dim(dim, self.ndim, "stride")]
+    return self._strides if dim is None else self._strides[normalize_dim(dim, self.ndim, "stride")]
   def storage_offset(self) -> int: return self._offset
-  def is_contiguous(self) -> bool: return _is_contiguous(self.shape, self._strides)
+  def is_contiguous(self) -> bool: return is_contiguous(self.shape, self._strides)
   def is_floating_point(self) -> bool: return self.dtype.is_floating_point
   @property
   def is_leaf(self) -> bool: return self._node is None
@@ -355,13 +342,6 @@ def _bool_operand(op: str, x):
     raise TypeError(f"{op}: supported on bool tensors only, got {dt.name} (integer bitwise ops are not implemented); "
                     "compare first (x != 0) or use logical_and/logical_or/logical_xor/logical_not")
   return x
-
-
-def _wrap_dim(dim: int, ndim: int, name: str) -> int:
-  n = max(ndim, 1)
-  if not -n <= dim < n:
-    raise IndexError(f"{name}: dimension {dim} out of range for a tensor with {ndim} dimensions (expected [{-n}, {n - 1}])")
-  return dim % n
 
 
 def _shape_args(shape: tuple) -> tuple[int, ...]:

@@ -85,7 +85,7 @@ def test_broadcast_strides_and_shape():
 
 def test_schedules_stay_in_bounds():
   from blutrain.backend.cuda.kernels import elementwise, index, norm, reduce
-  from blutrain.nova.configurator import ONE_PASS_MAX
+  from blutrain.configurator import ONE_PASS_MAX
   pow2 = lambda n: n & (n - 1) == 0
   for n in (1, 7, 1000, 1 << 20, 10**9):
     for item in (1, 2, 4, 8):

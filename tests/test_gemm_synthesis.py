@@ -13,7 +13,7 @@ import pytest
 import blutrain as bt
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import contiguous_strides
+from blutrain.shapes import contiguous_strides
 
 G = importlib.import_module("blutrain.backend.cuda.kernels.gemm")
 f32, bf16, f16 = dtypes.float32, dtypes.bfloat16, dtypes.float16
@@ -162,13 +162,13 @@ def test_backends_matmul_switch():
   assert bt.backends.matmul in bt.backends.MATMUL
   before = bt.backends.matmul
   try:
-    bt.backends.matmul = "nova"
-    assert bt.backends.matmul == "nova"
-    with pytest.raises(ValueError, match="expected one of 'cublas', 'nova'"):
+    bt.backends.matmul = "triton"
+    assert bt.backends.matmul == "triton"
+    with pytest.raises(ValueError, match="expected one of 'cublas', 'triton'"):
       bt.backends.matmul = "magma"
   finally:
     bt.backends.matmul = before
-  env = dict(os.environ, BLUTRAIN_MATMUL="nova")
+  env = dict(os.environ, BLUTRAIN_MATMUL="triton")
   out = subprocess.run([sys.executable, "-c", "import blutrain as bt; print(bt.backends.matmul)"], env=env,
                        capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == "nova"
+  assert out.stdout.strip() == "triton"

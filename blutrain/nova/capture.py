@@ -17,7 +17,8 @@ import numpy as np
 
 from blutrain import dtypes
 from blutrain.nova.graph import Equation, Graph, Value
-from blutrain.tensor import Storage, Tensor, Traced, contiguous_strides
+from blutrain.shapes import contiguous_strides
+from blutrain.tensor import Storage, Tensor, Traced
 
 
 # *** where the runtime finds each input (and each write-back target) at a call ***

@@ -259,7 +259,7 @@ OPS: dict[str, tuple[type[NovaOp], str, str]] = {
   "index_backward": (MovementOp, "g *idx", "shape:ints positions:ints"),
   "index_put": (MovementOp, "x v *idx", "positions:ints"),
   # linear algebra, normalization, gathers, losses
-  "matmul": (NNOp, "a b", ""),
+  "matmul": (NNOp, "a b", "tf32:bool?"),
   "softmax": (NNOp, "x", "dim:int"),
   "log_softmax": (NNOp, "x", "dim:int"),
   "layer_norm": (NNOp, "x ?weight ?bias", "n:int eps:float"),
@@ -270,8 +270,8 @@ OPS: dict[str, tuple[type[NovaOp], str, str]] = {
   "embedding": (NNOp, "weight idx", ""),
   "cross_entropy_backward": (NNOp, "g logits target", "ignore_index:int"),
   "cross_entropy": (NNOp, "logits target", "ignore_index:int"),
-  "flash_attention": (NNOp, "q k v", "causal:bool scale:float"),
-  "flash_attention_backward": (NNOp, "g q k v out", "causal:bool scale:float"),
+  "flash_attention": (NNOp, "q k v", "causal:bool scale:float tf32:bool?"),
+  "flash_attention_backward": (NNOp, "g q k v out", "causal:bool scale:float tf32:bool?"),
 }
 
 def _optional_format(operands: list[str]) -> str:

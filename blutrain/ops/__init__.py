@@ -1,6 +1,6 @@
 """The op library: every primitive once (shape/dtype rule, VJP, name), composites over them."""
-from blutrain.ops.core import (Op, registry, apply, is_grad_enabled, set_grad_enabled, no_grad, enable_grad, dynamic_scalar,
-                               broadcast_shapes)
+from blutrain.ops.core import (Op, registry, apply, is_grad_enabled, set_grad_enabled, no_grad, enable_grad, dynamic_scalar)
+from blutrain.shapes import broadcast_shapes
 from blutrain.ops.creation import (full, zeros, ones, empty, full_like, zeros_like, ones_like, empty_like, arange,
                                    linspace, eye, tensor, as_tensor, from_numpy, from_dlpack, as_tensor_like, to_device,
                                    Generator, default_generator, manual_seed, rand, randn, randint, bernoulli_mask,

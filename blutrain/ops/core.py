@@ -12,10 +12,9 @@ from typing import Any, Callable
 
 from blutrain import backend
 from blutrain.dtypes import DType
+from blutrain.shapes import Shape
 from blutrain.profiler import active as profiling, op_timer, record_function
 from blutrain.tensor import Tensor
-
-Shape = tuple[int, ...]
 
 
 @dataclass(eq=False)
@@ -294,42 +293,3 @@ def dynamic_scalar(value: Callable[[], float], device) -> float | Tensor:
   return value() if capture.trace is None else capture.trace.scalar_input(value, device)
 
 
-# *** helpers shared by the op modules ***
-
-def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
-  """NumPy/PyTorch broadcasting; the error names the op and both shapes."""
-  first = shapes[0]
-  if all(s == first or not s for s in shapes[1:]): return tuple(first)  # equal shapes, or scalars after the first
-  if not first and len(shapes) == 2: return tuple(shapes[1])
-  out = [1] * max(len(s) for s in shapes)
-  for s in shapes:
-    for i, n in enumerate(s, len(out) - len(s)):
-      if n != 1 and out[i] != n:
-        if out[i] != 1: _broadcast_error(shapes, op)
-        out[i] = n
-  return tuple(out)
-
-
-def _broadcast_error(shapes, op: str):
-  """Raise the error naming the first dimension whose sizes differ."""
-  for i in range(-max(len(s) for s in shapes), 0):
-    sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
-    if len(sizes) > 1:
-      raise ValueError(f"{op}: shapes {' and '.join(str(tuple(s)) for s in shapes)} cannot broadcast "
-                       f"(sizes {sorted(sizes)} in dimension {i})")
-
-
-def normalize_dim(dim: int, ndim: int, op: str) -> int:
-  n = max(ndim, 1)
-  if not -n <= dim < n:
-    raise IndexError(f"{op}: dimension {dim} out of range for a tensor with {ndim} dimensions (expected [{-n}, {n - 1}])")
-  return dim % n
-
-
-def normalize_dims(dim, ndim: int, op: str) -> tuple[int, ...]:
-  """None or () -> all dims (as PyTorch's reductions); an int or a sequence -> sorted, unique, non-negative dims."""
-  dims = (dim,) if isinstance(dim, int) else tuple(dim) if dim is not None else ()
-  if not dims: return tuple(range(ndim))
-  out = tuple(sorted({normalize_dim(d, ndim, op) for d in dims}))
-  if len(out) != len(dims): raise ValueError(f"{op}: dimension repeated in {dims}")
-  return out

@@ -5,7 +5,8 @@ import math
 
 from blutrain import dtypes, ops
 from blutrain.dtypes import DType
-from blutrain.ops.core import broadcast_shapes, op
+from blutrain.ops.core import op
+from blutrain.shapes import broadcast_shapes
 from blutrain.ops.creation import scalar_operand
 from blutrain.tensor import Tensor
 

@@ -7,8 +7,10 @@ import math
 import numpy as np
 
 from blutrain import dtypes, ops
-from blutrain.ops.core import broadcast_shapes, grad_mode, normalize_dim, normalize_dims, op
-from blutrain.tensor import Tensor, contiguous_strides
+from blutrain.ops.core import grad_mode, op
+from blutrain.shapes import broadcast_shapes, normalize_dim, normalize_dims
+from blutrain.shapes import contiguous_strides
+from blutrain.tensor import Tensor
 
 
 # *** views ***

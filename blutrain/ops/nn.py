@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import math
 
-from blutrain import dtypes, ops
-from blutrain.ops.core import autocast_inputs, normalize_dim, op
+from blutrain import backends, dtypes, ops
+from blutrain.ops.core import autocast_inputs, op
+from blutrain.shapes import normalize_dim
 from blutrain.tensor import Tensor
 
 
@@ -232,7 +233,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
   return out + bias if bias is not None else out
 
 
-def _flash_attention_rule(q, k, v, causal, scale):
+def _flash_attention_rule(q, k, v, causal, scale, tf32=False):
   if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
     raise ValueError(f"flash_attention: expected q (..., L, E) and k, v (..., S, E) with the same batch dims, got "
                      f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
@@ -241,15 +242,15 @@ def _flash_attention_rule(q, k, v, causal, scale):
   return q.shape, q.dtype
 
 
-def _flash_attention_vjp(g, out, q, k, v, causal, scale):
+def _flash_attention_vjp(g, out, q, k, v, causal, scale, tf32=False):
   L, S = q.shape[-2], k.shape[-2]
-  dqkv = flash_attention_backward(g, q, k, v, out, causal=causal, scale=scale)
+  dqkv = flash_attention_backward(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
   return dqkv.narrow(-2, 0, L), dqkv.narrow(-2, L, S), dqkv.narrow(-2, L + S, S)
 
 
 # softmax(q k^T * scale [causal]) v without the (L, S) weights in memory. One kernel computes dq, dk and dv together,
 # and a primitive has one output: the backward returns cat([dq, dk, dv], -2), which the VJP splits by views.
-flash_attention_backward = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale: (
+flash_attention_backward = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale, tf32=False: (
   q.shape[:-2] + (q.shape[-2] + 2 * k.shape[-2], q.shape[-1]), q.dtype))
 flash_attention = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True)
 _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
@@ -270,7 +271,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
   if (attn_mask is None and dropout_p == 0.0 and query.dtype in _FLASH_DTYPES and query.dtype is key.dtype is value.dtype
       and key.shape == value.shape and query.shape[:-2] == key.shape[:-2] and query.shape[-1] <= 256
       and query.shape[-2] > 0 and key.shape[-2] > 0):
-    return flash_attention(query, key, value, causal=bool(is_causal), scale=float(scale))
+    return flash_attention(query, key, value, causal=bool(is_causal), scale=float(scale),
+                           tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
   scores = ops.matmul(query, key.mT) * scale
   if is_causal:
     L, S = query.shape[-2], key.shape[-2]

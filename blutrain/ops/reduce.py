@@ -5,7 +5,8 @@ import math
 from collections import namedtuple
 
 from blutrain import dtypes, ops
-from blutrain.ops.core import autocast_inputs, normalize_dim, normalize_dims, op
+from blutrain.ops.core import autocast_inputs, op
+from blutrain.shapes import normalize_dim, normalize_dims
 from blutrain.tensor import Tensor
 
 values_indices = namedtuple("values_indices", ["values", "indices"])

@@ -60,9 +60,10 @@ def run(q, k, v, g, dtype, causal, scale, layout="contiguous", saved_lse=True):
                      for i in range(3))
   else:
     dq_, dk_, dv_ = (memory.from_numpy(t.astype(dtype.np)) for t in (q, k, v))
-  out = att.flash_attention(dq_, dk_, dv_, causal, scale)
+  tf32 = bt.get_float32_matmul_precision() != "highest"
+  out = att.flash_attention(dq_, dk_, dv_, causal, scale, tf32)
   saved = out if saved_lse else copy(out)  # a copy is not the forward's output: the backward recomputes the lse
-  grads = host(att.flash_attention_backward(memory.from_numpy(g.astype(dtype.np)), dq_, dk_, dv_, saved, causal, scale))
+  grads = host(att.flash_attention_backward(memory.from_numpy(g.astype(dtype.np)), dq_, dk_, dv_, saved, causal, scale, tf32))
   L, S = q.shape[-2], k.shape[-2]
   return host(out), grads[..., :L, :], grads[..., L:L + S, :], grads[..., L + S:, :]
 

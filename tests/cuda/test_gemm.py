@@ -1,7 +1,7 @@
 """Synthesized GEMMs (kernels/gemm.py) on the GPU against float64 numpy: each structure the host picks (persistent TMA
 and pointer kernels, split-K, the K-major copy of TF32 operands, the swapped orientation), every precision, operand
 layout and stride, batches and broadcasts, every epilogue op against the composition of ops, and matmul through the
-op library with `bt.backends.matmul = "nova"`. Errors are relative in the Frobenius norm: TF32 < 5e-4 (the issue's
+op library with `bt.backends.matmul = "triton"`. Errors are relative in the Frobenius norm: TF32 < 5e-4 (the issue's
 target) on random float32 inputs, 3xTF32 < 2e-6, fp16 < 1e-3, bf16 < 6e-3 (both with the output's rounding); layout
 tests feed TF32 values it multiplies exactly."""
 import importlib
@@ -258,19 +258,19 @@ def test_misuse_is_refused():
 
 
 @pytest.fixture
-def nova_matmul():
+def triton_matmul():
   before = bt.backends.matmul
-  bt.backends.matmul = "nova"
+  bt.backends.matmul = "triton"
   yield
   bt.backends.matmul = before
   bt.set_float32_matmul_precision("highest")
 
 
 @pytest.mark.parametrize("precision", ["highest", "high"])
-def test_matmul_op_through_nova_with_gradients(nova_matmul, precision):
-  """bt.backends.matmul = "nova": linear forward and backward on CUDA against the CPU backend."""
+def test_matmul_op_through_triton_gemm_with_gradients(triton_matmul, precision):
+  """bt.backends.matmul = "triton": linear forward and backward on CUDA against the CPU backend."""
   bt.set_float32_matmul_precision(precision)
   results = linear_on_both()
   bound = 2e-6 if precision == "highest" else 2e-3  # TF32: dx and dw also carry y's error
   for name, got, want in zip(("y", "dx", "dw"), results["cuda"], results["cpu"]):
-    assert rel_err(got, want) < bound, f"{name} on CUDA (nova, {precision}) vs CPU"
+    assert rel_err(got, want) < bound, f"{name} on CUDA (triton, {precision}) vs CPU"

@@ -40,7 +40,7 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 def check(a, b, ma, mb, name, rows=None, what=""):
   dtype, precision, bound = PRECISIONS[name]
   bt.set_float32_matmul_precision(precision)
-  out = mm.matmul(place(a, dtype, ma), place(b, dtype, mb))
+  out = mm.matmul(place(a, dtype, ma), place(b, dtype, mb), tf32=precision != "highest")
   assert out.dtype is dtype and out.shape == np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
   got = host(out)
   if rows is not None: got, a = got[..., rows, :], a[..., rows, :]

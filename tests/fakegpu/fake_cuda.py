@@ -114,6 +114,6 @@ def install() -> None:
   runtime._states[0] = st
   blas._lt = FakeLt()
   blas._handles[0] = 0
-  blas.compute_type = lambda dtype: (0, 0)  # nvmath's enums: nvmath need not be installed
+  blas.compute_type = lambda dtype, tf32=False: (0, 0)  # nvmath's enums: nvmath need not be installed
   blas.plan = lambda p, device: types.SimpleNamespace(problem=p, desc=0, alpha=0, beta=0, algo=0,
                                                       layouts={"a": 0, "b": 0, "d": 0})

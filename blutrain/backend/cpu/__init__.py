@@ -7,7 +7,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from blutrain.backend.cpu.kernels import kernels  # noqa: F401  (the backend's kernel table)
-from blutrain.tensor import contiguous_strides
+from blutrain.shapes import contiguous_strides
 
 
 def view(data: np.ndarray, shape, strides, offset: int, dtype) -> np.ndarray:

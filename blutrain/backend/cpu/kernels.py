@@ -215,10 +215,10 @@ def _attention_weights(q, k, causal, scale):
   return _softmax(scores, -1)
 
 
-def _flash_attention(q, k, v, causal, scale): return np.matmul(_attention_weights(q, k, causal, scale), v)
+def _flash_attention(q, k, v, causal, scale, tf32=False): return np.matmul(_attention_weights(q, k, causal, scale), v)
 
 
-def _flash_attention_backward(g, q, k, v, out, causal, scale):
+def _flash_attention_backward(g, q, k, v, out, causal, scale, tf32=False):
   """cat([dq, dk, dv], -2), as the flash kernels compute it: P recomputed, rowsum(dP * P) = rowsum(g * out)."""
   p = _attention_weights(q, k, causal, scale)
   ds = p * (np.matmul(g, np.swapaxes(v, -1, -2)) - np.sum(g * out, axis=-1, keepdims=True)) * scale
@@ -226,7 +226,8 @@ def _flash_attention_backward(g, q, k, v, out, causal, scale):
   return np.concatenate([dq, dk, dv], axis=-2)
 
 
-def _matmul(a, b):
+def _matmul(a, b, tf32=False):
+  """a @ b; `tf32` asks for TF32 tensor cores, which the CPU has not: its float32 matmuls stay float32."""
   if a.dtype.kind in "iub": a, b = a.astype(np.int64), b.astype(np.int64)
   if b.ndim == 2 and a.ndim > 2:  # NOTE: one GEMM over the folded batch; numpy loops per matrix otherwise (4x slower)
     return (a.reshape(math.prod(a.shape[:-1]), a.shape[-1]) @ b).reshape(a.shape[:-1] + b.shape[-1:])

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from blutrain import amp, dtypes
+from blutrain import dtypes
 from blutrain.backend.cuda import memory, runtime
 from blutrain.dtypes import DType
 
@@ -40,13 +40,13 @@ def _data_type(dtype: DType) -> int:
   return int(types[dtype])
 
 
-def compute_type(dtype: DType) -> tuple[int, int]:
+def compute_type(dtype: DType, tf32: bool = False) -> tuple[int, int]:
   """(cublasComputeType_t, scale cudaDataType) for inputs of `dtype`: float32 accumulation for 16-bit inputs,
-  TF32 tensor cores for float32 when `set_float32_matmul_precision` is not "highest", float64 for float64."""
+  TF32 tensor cores for float32 when `tf32` (the matmul's attribute), float64 for float64."""
   from nvmath import CudaDataType as T
   from nvmath.bindings.cublas import ComputeType as C
   if dtype is dtypes.float64: return int(C.COMPUTE_64F), int(T.CUDA_R_64F)
-  if dtype is dtypes.float32 and amp.get_float32_matmul_precision() != "highest":
+  if dtype is dtypes.float32 and tf32:
     return int(C.COMPUTE_32F_FAST_TF32), int(T.CUDA_R_32F)
   return int(C.COMPUTE_32F), int(T.CUDA_R_32F)
 

@@ -15,7 +15,7 @@ from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.runtime import Event, Stream, check, current_stream
 from blutrain.dtypes import DType
-from blutrain.tensor import contiguous_strides
+from blutrain.shapes import contiguous_strides
 
 CHUNK = 16 << 20  # bytes per pinned staging buffer; copies run in pieces of this size
 

@@ -10,11 +10,14 @@ current stream only.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from blutrain.backend.cuda.allocator import CachingAllocator
+from blutrain.configurator import H200, Hardware
 
 _probe: tuple[bool, str] | None = None  # (available, why not), probed once
 _states: dict[int, _DeviceState] = {}
@@ -183,6 +186,20 @@ def set_device(device: int) -> None:
 
 def get_device_properties(device: int | None = None) -> DeviceProperties:
   return state(device).properties
+
+
+@functools.lru_cache(maxsize=None)
+def hardware(device: int | None = None) -> Hardware:
+  """The configurator's description of a CUDA device, its limits read from the driver (peak rates kept from H200,
+  which the driver does not report), or H200's when no GPU is usable (offline compilation targets sm_90)."""
+  try:
+    p = get_device_properties(device)
+  except Exception:  # no package, driver or GPU: offline defaults
+    return H200
+  return dataclasses.replace(H200, name=p.name, sms=p.multi_processor_count,
+                             smem_per_block=p.shared_memory_per_block_optin, smem_per_sm=p.shared_memory_per_multiprocessor,
+                             regs_per_sm=p.regs_per_multiprocessor, threads_per_sm=p.max_threads_per_multi_processor,
+                             l2_bytes=p.L2_cache_size)
 
 
 def synchronize(device: int | None = None) -> None:

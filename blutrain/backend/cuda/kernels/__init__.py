@@ -24,6 +24,7 @@ from blutrain import dtypes
 from blutrain.backend.cuda import launch, memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.dtypes import DType
+from blutrain.shapes import cdiv, contiguous_strides, next_pow2  # noqa: F401  (the kernel modules' shape helpers)
 
 # element types in Triton signatures and as compile-time constants
 TY = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp16", dtypes.bfloat16: "bf16",
@@ -33,12 +34,9 @@ TL = {dtypes.bool_: tl.int1, dtypes.int32: tl.int32, dtypes.int64: tl.int64, dty
 HALF = (dtypes.float16, dtypes.bfloat16)
 MAX_DIMS = 6        # dims a strided kernel addresses after collapsing; more are looped over on the host
 INT32_MAX = 2**31 - 1
-SMS = 132           # NOTE: H100/H200 SM count; only split heuristics read it, correctness never does
 
 
 def ptr(dtype: DType) -> str: return "*" + TY[dtype]
-def cdiv(a: int, b: int) -> int: return -(-a // b)
-def next_pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()  # NOTE: triton's own helpers are slow jit wrappers
 
 
 class Spec(tuple):
@@ -68,14 +66,6 @@ def run(s: Spec, grid: tuple[int, ...], *args) -> None:
 
 
 empty = memory.empty  # a new contiguous array from the caching allocator (device None: the current one)
-
-
-def contiguous_strides(shape) -> tuple[int, ...]:
-  out, acc = [], 1
-  for n in reversed(shape):
-    out.append(acc)
-    acc *= n
-  return tuple(reversed(out))
 
 
 def view(a: CudaArray, shape, strides, offset: int = 0, dtype: DType | None = None) -> CudaArray:

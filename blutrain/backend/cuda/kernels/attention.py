@@ -10,7 +10,8 @@ inputs and outputs.
 
 Layouts: batch dims become (Z, H) with their own strides (the last batch dim is H; the others must merge, else that
 input is copied), rows and the head dim are addressed by strides, the head dim must be contiguous (else copied).
-float32 inputs use TF32 tensor cores when `bt.set_float32_matmul_precision` is "high" or "medium", else 3xTF32
+float32 inputs use TF32 tensor cores when the op's `tf32` attribute is set (`bt.set_float32_matmul_precision` "high"
+or "medium"), else 3xTF32
 (Triton's "tf32x3": each operand split into TF32 high and low parts, three tensor-core products): float32-level
 accuracy (5e-7 relative to float64 on GPT-2's shape, as IEEE products) at 3-5x the speed of IEEE products on the FMA
 units (H200: forward 0.63 ms vs 2.05, backward 2.5 ms vs 12.0, B=16 H=12 T=1024 D=64 causal). Half inputs multiply
@@ -25,11 +26,11 @@ import weakref
 import triton
 import triton.language as tl
 
-from blutrain import amp, dtypes
+from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import HALF, Spec, TY, cdiv, empty, next_pow2, run, spec, view
 from blutrain.dtypes import DType
-from blutrain.nova.configurator import attention_schedule
+from blutrain.configurator import attention_schedule
 
 _LOG2E = 1.4426950408889634
 INT32_MAX = 2**31 - 1
@@ -267,8 +268,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, sm_scale, L, S, D,
 
 # *** configuration and variants ***
 
-def _precision(dtype: DType) -> str:
-  return "tf32x3" if dtype is dtypes.float32 and amp.get_float32_matmul_precision() == "highest" else "tf32"
+def _precision(dtype: DType, tf32: bool) -> str:
+  return "tf32x3" if dtype is dtypes.float32 and not tf32 else "tf32"
 
 
 _PTRS = {"fwd": "Q K V O LSE", "dq": "Q K V O DO DQ LSE DELTA", "dkdv": "Q K V DO DK DV LSE DELTA"}
@@ -348,7 +349,7 @@ def _recall(out: CudaArray, key: tuple) -> CudaArray | None:
   except TypeError: return None
 
 
-def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float) -> CudaArray:
+def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float, tf32: bool = False) -> CudaArray:
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
   (q, sq), (k, sk), (v, sv) = (_operand(a, nb) for a in (q, k, v))
@@ -356,7 +357,7 @@ def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scal
   out = empty(q.shape, q.dtype, q.device)
   so = (H * L * D, L * D, D)
   lse = empty((Z * H * L,), dtypes.float32, q.device)
-  s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype), _aligned((q, k, v, out, lse), sq + sk + sv + so))
+  s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), _aligned((q, k, v, out, lse), sq + sk + sv + so))
   grid = (cdiv(L, s[2]["BLOCK_M"]), H, Z)
   run(s, grid, q, k, v, out, lse, scale * _LOG2E, L, S, D, *sq, *sk, *sv, *so)
   _remember(out, _lse_key(out, k, causal, scale), lse)
@@ -364,7 +365,7 @@ def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scal
 
 
 def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool,
-                             scale: float) -> CudaArray:
+                             scale: float, tf32: bool = False) -> CudaArray:
   """cat([dq, dk, dv], -2) in one new array."""
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
@@ -377,7 +378,7 @@ def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaAr
   have_lse = lse is not None
   if not have_lse: lse = empty((Z * H * L,), dtypes.float32, q.device)
   delta = empty((Z * H * L,), dtypes.float32, q.device)
-  prec = _precision(q.dtype)
+  prec = _precision(q.dtype, tf32)
   aligned = _aligned((q, k, v, out, g, dq, dk, dv, lse, delta), sq + sk + sv + so + sg + sd)
   s = attention_spec("dq", q.dtype, D, causal, prec, aligned, have_lse)
   run(s, (cdiv(L, s[2]["BLOCK_M"]), H, Z), q, k, v, out, g, dq, lse, delta, scale * _LOG2E, scale, L, S, D,

@@ -24,7 +24,7 @@ from blutrain.backend.cuda.kernels import (MAX_DIMS, broadcast_shape, broadcast_
                                            empty, f64_bits, needs_i64, pad, ptr, run, spec, sqrt_rn,
                                            strided, view)
 from blutrain.dtypes import DType
-from blutrain.nova.configurator import flat_schedule, tile_schedule
+from blutrain.configurator import flat_schedule, tile_schedule
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
          "logical_not", "gelu", "gelu_tanh", "copy")

@@ -1,5 +1,5 @@
 """GEMM synthesis: `C = epilogue(A @ B)` as Triton source generated per structure, scheduled by Nova's Analytic
-Configurator (blutrain/nova/configurator.py) and compiled through `launch`, with no autotuning.
+Configurator (blutrain/configurator.py) and compiled through `launch`, with no autotuning.
 
 A `Structure` says what a kernel is: operand and output types, the dot's input precision ("tf32", "tf32x3" for
 float32; 16-bit operands multiply in their own type), each operand's layout (K-major or not), which of the output's
@@ -42,8 +42,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from blutrain import amp, dtypes
-from blutrain.backend.cuda import launch
+from blutrain import dtypes
+from blutrain.backend.cuda import launch, runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (TY, Spec, broadcast_shape, broadcast_strides, cdiv, collapse,
                                            contiguous_strides, empty, needs_i64, run, spec)
@@ -51,7 +51,7 @@ from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.elementwise import _gelu, _gelu_backward
 from blutrain.backend.cuda.kernels.matmul import layout
 from blutrain.dtypes import DType
-from blutrain.nova import configurator as cfg
+from blutrain import configurator as cfg
 
 EPILOGUE = ("scale", "bias", "gelu", "gelu_tanh", "residual", "gelu_backward", "gelu_backward_tanh")
 _AUX = {"residual": "R", "gelu_backward": "X", "gelu_backward_tanh": "X"}  # ops reading a tensor of C's shape
@@ -475,16 +475,12 @@ def _unit(x: CudaArray) -> tuple[str, list[int]]:
 
 # *** host side ***
 
-@functools.lru_cache(maxsize=None)
-def _hardware(device: int) -> cfg.Hardware: return cfg.hardware(device)
-
-
 def precision_of(dtype: DType, precision: str | None = None) -> str:
   """The dot's input precision for operands of `dtype`: for float32 `precision` when given, else "tf32x3"
-  (float32-level error) under `set_float32_matmul_precision("highest")` and "tf32" under "high" or "medium";
-  "" for 16-bit operands, which multiply in their own type."""
+  (float32-level error; a matmul op whose `tf32` attribute is set passes "tf32"); "" for 16-bit operands, which
+  multiply in their own type."""
   if dtype is not dtypes.float32: return ""
-  if precision is None: return "tf32x3" if amp.get_float32_matmul_precision() == "highest" else "tf32"
+  if precision is None: return "tf32x3"
   if precision not in PRECISIONS:
     raise ValueError(f"gemm: precision must be one of {PRECISIONS} for float32 operands, got {precision!r}")
   return precision
@@ -554,7 +550,7 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
   i64 = any(needs_i64(x.shape, x.strides) for x in (a, b, out, *aux))
   a_k, b_k = (not layout(a)[0], layout(b)[0]) if K else (True, True)  # K = 0: nothing is read
-  copied = cfg.operand_copy(prec, M, N, a_k, b_k, _hardware(out.device))
+  copied = cfg.operand_copy(prec, M, N, a_k, b_k, runtime.hardware(out.device))
   if "a" in copied: a, a_k = _planned_copy(a), True  # plan on the K-major copies' layouts
   if "b" in copied: b, b_k = _mT(_planned_copy(_mT(b))), True
   mats, Z, zst, offsets = _matrices(a, b, out, aux)
@@ -566,7 +562,7 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   c_aligned = mats["out"].ptr % 16 == 0 and c_ld[0] * out.dtype.itemsize % 16 == 0 and \
     all(o % 16 == 0 for o in offsets["out"])
   s = cfg.gemm_schedule(cfg.GemmProblem(rows, N, K, Z, item, out.dtype.itemsize, prec, a_k, b_k, tma, copied,
-                                        c_unit if c_aligned else ""), _hardware(out.device))
+                                        c_unit if c_aligned else ""), runtime.hardware(out.device))
   src = {"A": "a", "B": "b"}
   if s.swap:  # C^T = B^T A^T: every matrix transposed, the bias now runs along M
     mats = {k: _mT(x) for k, x in mats.items()}
@@ -771,4 +767,4 @@ def __getattr__(name: str):
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-KERNELS: dict = {}  # no op of its own: matmul dispatches to `gemm` (bt.backends.matmul = "nova")
+KERNELS: dict = {}  # no op of its own: matmul dispatches to `gemm` (bt.backends.matmul = "triton")

@@ -31,7 +31,7 @@ from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broa
 from blutrain.backend.cuda.kernels.copy import cast, copy
 from blutrain.backend.cuda.kernels.elementwise import _fill, launch
 from blutrain.dtypes import DType
-from blutrain.nova.configurator import index_schedule
+from blutrain.configurator import index_schedule
 
 MAX_INDICES = 4
 

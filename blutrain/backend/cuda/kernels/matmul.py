@@ -10,13 +10,13 @@ cuBLASLt takes as "the same matrix for every batch"); the innermost collapsed di
 any outer ones loop on the host. A weight shared by the batch (b 2-D or broadcast) with a row-major A folds the
 batch into the rows: one large GEMM instead of many small ones.
 
-With `bt.backends.matmul = "nova"`, float32 and 16-bit matmuls run as Nova's synthesized GEMMs instead (gemm.py).
+With `bt.backends.matmul = "triton"`, float32 and 16-bit matmuls run as Nova's synthesized GEMMs instead (gemm.py).
 """
 from __future__ import annotations
 
 import itertools
 
-from blutrain import amp, backends, dtypes
+from blutrain import backends, dtypes
 from blutrain.backend.cuda import blas, memory, runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import broadcast_shape, broadcast_strides, collapse, empty
@@ -91,7 +91,7 @@ def _check(op: str, a: CudaArray, b: CudaArray) -> None:
 _calls: dict[tuple, tuple[blas.Plan, list[tuple[int, int, int]]]] = {}  # layouts -> plan and offsets
 
 
-def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None) -> CudaArray:
+def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool) -> CudaArray:
   out = empty(broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), a.dtype, a.device)
   if out.size == 0: return out
   if a.shape[-1] == 0:  # an empty sum: zeros, or the bias
@@ -99,11 +99,11 @@ def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None) -> CudaArray:
     else: memory.copy_into(out, bias)
     return out
   a, b = _operand(a), _operand(b)
-  key = (a.shape, a.strides, b.shape, b.strides, a.dtype, amp.get_float32_matmul_precision(), a.ptr & 255,
+  key = (a.shape, a.strides, b.shape, b.strides, a.dtype, tf32, a.ptr & 255,
          b.ptr & 255, out.ptr & 255, -1 if bias is None else bias.ptr & 255, out.device)
   hit = _calls.get(key)
   if hit is None:
-    p, offsets = gemm_calls(a, b, out, bias, blas.compute_type(a.dtype))
+    p, offsets = gemm_calls(a, b, out, bias, blas.compute_type(a.dtype, tf32))
     hit = _calls[key] = (blas.plan(p, out.device), offsets)
   pl, offsets = hit
   bias_ptr = 0 if bias is None else bias.ptr
@@ -114,16 +114,17 @@ def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None) -> CudaArray:
 _NOVA = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
 
 
-def matmul(a: CudaArray, b: CudaArray) -> CudaArray:
-  """a @ b over broadcast batch dims (the op library passes both operands with at least 2 dims)."""
+def matmul(a: CudaArray, b: CudaArray, tf32: bool = False) -> CudaArray:
+  """a @ b over broadcast batch dims (the op library passes both operands with at least 2 dims); float32 through TF32
+  tensor cores when `tf32`."""
   _check("matmul", a, b)
-  if backends.matmul == "nova" and a.dtype in _NOVA:
+  if backends.matmul == "triton" and a.dtype in _NOVA:
     from blutrain.backend.cuda.kernels.gemm import gemm  # imported here: gemm.py imports `layout` from this module
-    return gemm(a, b)
-  return _matmul(a, b, None)
+    return gemm(a, b, precision="tf32" if tf32 else None)
+  return _matmul(a, b, None, tf32)
 
 
-def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray) -> CudaArray:
+def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False) -> CudaArray:
   """a @ b + bias (bias of shape (n,)) with the bias added in cuBLASLt's epilogue, not by another kernel."""
   _check("matmul_bias", a, b)
   if bias.shape != (b.shape[-1],):
@@ -131,7 +132,7 @@ def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray) -> CudaArray:
   if bias.dtype is not a.dtype or bias.strides != (1,):
     from blutrain.backend.cuda.kernels.copy import cast
     bias = cast(bias, a.dtype)
-  return _matmul(a, b, bias)
+  return _matmul(a, b, bias, tf32)
 
 
 SPECS: list = []  # no Triton kernels: cuBLASLt's are precompiled

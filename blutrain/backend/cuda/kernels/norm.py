@@ -14,13 +14,14 @@ import triton
 import triton.language as tl
 
 from blutrain import dtypes
+from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (SMS, cdiv, collapse, empty, needs_i64, pad, ptr, run, spec, sqrt_rn,
+from blutrain.backend.cuda.kernels import (cdiv, collapse, empty, needs_i64, pad, ptr, run, spec, sqrt_rn,
                                            strided, view)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.elementwise import _fill, launch
 from blutrain.backend.cuda.kernels.reduce import _axis, _max_nan, _names, _offsets, _reduce
-from blutrain.nova.configurator import row_schedule
+from blutrain.configurator import row_schedule
 
 
 @triton.jit
@@ -320,7 +321,7 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int,
   g, x, w = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w))
   s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides))
   bm = s[2]["BLOCK_M"]
-  rows = cdiv(cdiv(M, bm), 4 * SMS) * bm
+  rows = cdiv(cdiv(M, bm), 4 * runtime.hardware(x.device).sms) * bm
   programs = cdiv(M, rows)
   parts = empty((2, programs, N), _acc_dtype(x.dtype), x.device)
   run(s, (programs,), out.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,

@@ -24,7 +24,7 @@ from blutrain.backend.cuda.kernels import (TL, cdiv, collapse, empty, needs_i64,
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.elementwise import _fill, launch
 from blutrain.dtypes import DType
-from blutrain.nova.configurator import reduce_schedule, split_rule
+from blutrain.configurator import reduce_schedule, split_rule
 
 @triton.jit
 def _max_nan(a, b):

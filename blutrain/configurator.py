@@ -1,8 +1,10 @@
 """The Analytic Configurator: every kernel's schedule, derived by formula from the problem and the device's limits.
 
 A schedule is a pure function of shapes, dtypes, layouts and a `Hardware` record (the device's own properties on a
-GPU, H200 defaults for offline compilation). Nothing is timed, nothing is searched, no candidate is run: what varies
-between problems is decided by the formulas below, each derived in its docstring; docs/configurator.md collects them.
+GPU, read by the CUDA backend's `runtime.hardware`; H200 defaults for offline compilation). This module is a leaf: it
+imports nothing of blutrain but shape arithmetic, so the kernels of every backend and Nova call the same formulas.
+Nothing is timed, nothing is searched, no candidate is run: what varies between problems is decided by the formulas
+below, each derived in its docstring; docs/configurator.md collects them.
 
 GEMM (`gemm_schedule`): orientation and TF32 rounding from the operand layouts, BK from the 128-byte shared-memory
 swizzle line, the tile (BM, BN) and split-K as the argmax of a closed-form throughput model (tile intensity x
@@ -14,11 +16,9 @@ kernel library calls; flash attention's tiles (a measured table) live here too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-
-def cdiv(a: int, b: int) -> int: return -(-a // b)
-def next_pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()
+from blutrain.shapes import cdiv, next_pow2
 
 
 # *** hardware ***
@@ -41,19 +41,6 @@ class Hardware:
 H200 = Hardware("NVIDIA H200", sms=132, smem_per_block=227 << 10, smem_per_sm=228 << 10, regs_per_sm=65536,
                 threads_per_sm=2048, l2_bytes=50 << 20, hbm_bandwidth=4.8e12, tf32_flops=494.7e12,
                 half_flops=989.4e12)
-
-
-def hardware(device: int | None = None) -> Hardware:
-  """The limits of a CUDA device read from the driver (peak rates kept from H200, which the driver does not report),
-  or H200's when no GPU is usable (offline compilation targets sm_90)."""
-  try:
-    from blutrain.backend.cuda import runtime
-    p = runtime.get_device_properties(device)
-  except Exception:  # no package, driver or GPU: offline defaults
-    return H200
-  return replace(H200, name=p.name, sms=p.multi_processor_count, smem_per_block=p.shared_memory_per_block_optin,
-                 smem_per_sm=p.shared_memory_per_multiprocessor, regs_per_sm=p.regs_per_multiprocessor,
-                 threads_per_sm=p.max_threads_per_multi_processor, l2_bytes=p.L2_cache_size)
 
 
 # *** GEMM ***

@@ -1,0 +1,67 @@
+"""Shape arithmetic every layer shares: contiguous strides, broadcasting, dimension wrapping, block counts."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+Shape = tuple[int, ...]
+
+
+def contiguous_strides(shape: Sequence[int]) -> Shape:
+  """Row-major strides in elements; a size-0 dim counts as 1, as PyTorch's do."""
+  strides, acc = [], 1
+  for n in reversed(shape):
+    strides.append(acc)
+    acc *= max(n, 1)
+  return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=4096)  # asked for by .contiguous() and layout checks in every step
+def is_contiguous(shape: Shape, strides: Shape) -> bool:
+  """Whether (shape, strides) address memory row-major without gaps (size-1 dims may have any stride)."""
+  return math.prod(shape) == 0 or all(st == cs for n, st, cs in zip(shape, strides, contiguous_strides(shape)) if n != 1)
+
+
+def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
+  """NumPy/PyTorch broadcasting; the error names the op and both shapes."""
+  first = shapes[0]
+  if all(s == first or not s for s in shapes[1:]): return tuple(first)  # equal shapes, or scalars after the first
+  if not first and len(shapes) == 2: return tuple(shapes[1])
+  out = [1] * max(len(s) for s in shapes)
+  for s in shapes:
+    for i, n in enumerate(s, len(out) - len(s)):
+      if n != 1 and out[i] != n:
+        if out[i] != 1: _broadcast_error(shapes, op)
+        out[i] = n
+  return tuple(out)
+
+
+def _broadcast_error(shapes, op: str):
+  """Raise the error naming the first dimension whose sizes differ."""
+  for i in range(-max(len(s) for s in shapes), 0):
+    sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
+    if len(sizes) > 1:
+      raise ValueError(f"{op}: shapes {' and '.join(str(tuple(s)) for s in shapes)} cannot broadcast "
+                       f"(sizes {sorted(sizes)} in dimension {i})")
+
+
+def normalize_dim(dim: int, ndim: int, op: str) -> int:
+  """`dim` in [0, ndim) (a 0-d tensor has one dim to name, 0 or -1); IndexError naming the op otherwise."""
+  n = max(ndim, 1)
+  if not -n <= dim < n:
+    raise IndexError(f"{op}: dimension {dim} out of range for a tensor with {ndim} dimensions (expected [{-n}, {n - 1}])")
+  return dim % n
+
+
+def normalize_dims(dim, ndim: int, op: str) -> Shape:
+  """None or () -> all dims (as PyTorch's reductions); an int or a sequence -> sorted, unique, non-negative dims."""
+  dims = (dim,) if isinstance(dim, int) else tuple(dim) if dim is not None else ()
+  if not dims: return tuple(range(ndim))
+  out = tuple(sorted({normalize_dim(d, ndim, op) for d in dims}))
+  if len(out) != len(dims): raise ValueError(f"{op}: dimension repeated in {dims}")
+  return out
+
+
+def cdiv(a: int, b: int) -> int: return -(-a // b)
+def next_pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()  # NOTE: triton's own helpers are slow jit wrappers
