@@ -17,8 +17,27 @@ from blutrain.profiler import active as profiling, op_timer, record_function
 from blutrain.tensor import Tensor
 
 
+@dataclass(frozen=True)
+class Attr:
+  """One attribute of an op's signature: its name, its kind (int, bool, float, num, str, dtype, ints, index, device)
+  and whether it may be left out (`tf32:bool?`)."""
+  name: str
+  kind: str
+  optional: bool = False
+
+
+def parse_signature(inputs: str, attrs: str) -> tuple[tuple[str, ...], tuple[Attr, ...]]:
+  """`inputs` lists tensor operands in order (`x`, `?w` optional, `*xs` variadic); `attrs` lists `name:kind`, with a
+  trailing `?` when the attribute may be absent."""
+  return tuple(inputs.split()), tuple(Attr(k, v.rstrip("?"), v.endswith("?"))
+                                      for k, v in (a.split(":") for a in attrs.split()))
+
+
 @dataclass(eq=False)
 class Op:
+  """A primitive: its name (the same in the registry, the backends' kernel tables and Nova's dialect), its signature
+  (`inputs`, `attrs`: what Nova's dialect op declares and a test holds it to), the shape/dtype rule, the VJP and, for
+  view ops, the layout rule."""
   name: str
   rule: Callable[..., tuple[Shape, DType]]
   vjp: Callable[..., tuple] | None = None   # (g, out, *inputs, **attrs) -> one gradient per input
@@ -26,6 +45,8 @@ class Op:
   saves: tuple[int, ...] | None = None       # inputs the VJP reads (None: all); the rest reach it as Avals
   saves_output: bool = False                 # the VJP reads `out`; otherwise it gets None
   differentiable: bool = True                # False: outputs never require grad (comparisons, argmax)
+  inputs: tuple[str, ...] = ()               # operand names: `x`, `?w` optional, `*xs` variadic
+  attrs: tuple[Attr, ...] = ()
 
   def __call__(self, *inputs, **attrs) -> Tensor: return apply(self, *inputs, **attrs)
   def __repr__(self) -> str: return f"Op({self.name})"
@@ -34,10 +55,10 @@ class Op:
 registry: dict[str, Op] = {}
 
 
-def op(name: str, rule, vjp=None, **kw) -> Op:
-  """Declare a primitive; its name is unique across the library, the backends and Nova's dialect."""
+def op(name: str, rule, vjp=None, *, inputs: str, attrs: str = "", **kw) -> Op:
+  """Declare a primitive with its signature; its name is unique across the library, the backends and Nova's dialect."""
   assert name not in registry, f"op {name} declared twice"
-  registry[name] = o = Op(name, rule, vjp, **kw)
+  registry[name] = o = Op(name, rule, vjp, **kw, **dict(zip(("inputs", "attrs"), parse_signature(inputs, attrs))))
   return o
 
 

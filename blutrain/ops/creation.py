@@ -26,8 +26,8 @@ def _creation_rule(*, shape, dtype, **_): return shape, dtype
 
 # *** constants ***
 
-full_op = op("full", _creation_rule)             # attrs: shape, value, dtype
-arange_op = op("arange", _creation_rule)         # attrs: start, step, shape, dtype
+full_op = op("full", _creation_rule, inputs="", attrs="shape:ints value:num dtype:dtype")
+arange_op = op("arange", _creation_rule, inputs="", attrs="start:num step:num shape:ints dtype:dtype")
 
 
 def full(size: Sequence[int], fill_value, *, dtype=None, device=None, requires_grad: bool = False,
@@ -191,7 +191,7 @@ def to_device(x: Tensor, device: Device) -> Tensor:
 
 
 to_device_op = op("to_device", lambda x, device: (x.shape, x.dtype), lambda g, out, x, device: (to_device(g, x.device),),
-                  saves=())
+                  saves=(), inputs="x", attrs="device:device")
 
 
 # *** random numbers ***
@@ -230,10 +230,10 @@ def manual_seed(seed: int) -> Generator:
 def _random_rule(*, shape, dtype, **_): return shape, dtype
 
 
-rand_op = op("rand", _random_rule)            # uniform [0, 1); attrs: shape, dtype, seed, offset
-randn_op = op("randn", _random_rule)          # standard normal
-randint_op = op("randint", _random_rule)      # attrs also: low, high
-bernoulli_op = op("bernoulli", _random_rule)  # attrs also: p; bool-valued as dtype says
+rand_op = op("rand", _random_rule, inputs="", attrs="shape:ints dtype:dtype seed:int offset:int")  # uniform [0, 1)
+randn_op = op("randn", _random_rule, inputs="", attrs="shape:ints dtype:dtype seed:int offset:int")  # standard normal
+randint_op = op("randint", _random_rule, inputs="", attrs="shape:ints dtype:dtype low:int high:int seed:int offset:int")
+bernoulli_op = op("bernoulli", _random_rule, inputs="", attrs="shape:ints dtype:dtype p:float seed:int offset:int")
 
 
 def _draw(op_, shape, dtype, device, generator, **attrs) -> Tensor:

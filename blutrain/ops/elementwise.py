@@ -21,22 +21,24 @@ def _floating(x: Tensor) -> Tensor:
 
 # *** unary ***
 
-neg = op("neg", _same, lambda g, out, x: (-g,), saves=())
-exp_op = op("exp", _same, lambda g, out, x: (g * out,), saves=(), saves_output=True)
-log_op = op("log", _same, lambda g, out, x: (g / x,))
-sqrt_op = op("sqrt", _same, lambda g, out, x: (g / (2 * out),), saves=(), saves_output=True)
-rsqrt_op = op("rsqrt", _same, lambda g, out, x: (-0.5 * g * out * out * out,), saves=(), saves_output=True)
-abs = op("abs", _same, lambda g, out, x: (g * sign(x),))
-sin_op = op("sin", _same, lambda g, out, x: (g * cos(x),))
-cos_op = op("cos", _same, lambda g, out, x: (-g * sin(x),))
-tanh_op = op("tanh", _same, lambda g, out, x: (g * (1 - out * out),), saves=(), saves_output=True)
-sigmoid_op = op("sigmoid", _same, lambda g, out, x: (g * out * (1 - out),), saves=(), saves_output=True)
-relu = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True)  # passes at NaN, as torch
-erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),))
-floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=())
-gelu_backward = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype))
+neg = op("neg", _same, lambda g, out, x: (-g,), saves=(), inputs="x")
+exp_op = op("exp", _same, lambda g, out, x: (g * out,), saves=(), saves_output=True, inputs="x")
+log_op = op("log", _same, lambda g, out, x: (g / x,), inputs="x")
+sqrt_op = op("sqrt", _same, lambda g, out, x: (g / (2 * out),), saves=(), saves_output=True, inputs="x")
+rsqrt_op = op("rsqrt", _same, lambda g, out, x: (-0.5 * g * out * out * out,), saves=(), saves_output=True, inputs="x")
+abs = op("abs", _same, lambda g, out, x: (g * sign(x),), inputs="x")
+sin_op = op("sin", _same, lambda g, out, x: (g * cos(x),), inputs="x")
+cos_op = op("cos", _same, lambda g, out, x: (-g * sin(x),), inputs="x")
+tanh_op = op("tanh", _same, lambda g, out, x: (g * (1 - out * out),), saves=(), saves_output=True, inputs="x")
+sigmoid_op = op("sigmoid", _same, lambda g, out, x: (g * out * (1 - out),), saves=(), saves_output=True, inputs="x")
+relu = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True,
+          inputs="x")  # passes at NaN, as torch
+erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),), inputs="x")
+floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
+gelu_backward = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype), inputs="g x", attrs="approximate:str")
 gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
-             lambda g, out, x, approximate: (gelu_backward(g, x, approximate=approximate),))
+             lambda g, out, x, approximate: (gelu_backward(g, x, approximate=approximate),),
+               inputs="x", attrs="approximate:str")
 
 
 def exp(x: Tensor, *, into: Tensor | None = None) -> Tensor: return exp_op(_floating(x), into=into)
@@ -82,20 +84,23 @@ def _max_vjp(g, out, x, y):
   return _unbroadcast(g * share, x), _unbroadcast(g * (1 - share), y)
 
 
-add_op = op("add", _binary_rule("add"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(g, y)), saves=())
-sub_op = op("sub", _binary_rule("sub"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(-g, y)), saves=())
-mul_op = op("mul", _binary_rule("mul"), lambda g, out, x, y: (_unbroadcast(g * y, x), _unbroadcast(g * x, y)))
+add_op = op("add", _binary_rule("add"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(g, y)), saves=(),
+            inputs="x y")
+sub_op = op("sub", _binary_rule("sub"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(-g, y)), saves=(),
+            inputs="x y")
+mul_op = op("mul", _binary_rule("mul"), lambda g, out, x, y: (_unbroadcast(g * y, x), _unbroadcast(g * x, y)),
+            inputs="x y")
 div_op = op("div", _binary_rule("div"), lambda g, out, x, y: (_unbroadcast(g / y, x), _unbroadcast(-g * out / y, y)),
-            saves=(1,), saves_output=True)
+            saves=(1,), saves_output=True, inputs="x y")
 pow_op = op("pow", _binary_rule("pow"), lambda g, out, x, y: (
   _unbroadcast(g * y * pow_op(x, y - 1), x),
-  _unbroadcast(g * out * log(where(x > 0, x, 1.0)), y)), saves_output=True)
-maximum_op = op("maximum", _binary_rule("maximum"), _max_vjp, saves_output=True)
-minimum_op = op("minimum", _binary_rule("minimum"), _max_vjp, saves_output=True)
+  _unbroadcast(g * out * log(where(x > 0, x, 1.0)), y)), saves_output=True, inputs="x y")
+maximum_op = op("maximum", _binary_rule("maximum"), _max_vjp, saves_output=True, inputs="x y")
+minimum_op = op("minimum", _binary_rule("minimum"), _max_vjp, saves_output=True, inputs="x y")
 
-_cmp = {name: op(name, _binary_rule(name, dtypes.bool_), differentiable=False)
+_cmp = {name: op(name, _binary_rule(name, dtypes.bool_), differentiable=False, inputs="x y")
         for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor")}
-logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differentiable=False)
+logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differentiable=False, inputs="x")
 
 
 def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor]:
@@ -167,7 +172,8 @@ def _where_rule(c, x, y):
 
 
 where_op = op("where", _where_rule, lambda g, out, c, x, y: (
-  None, _unbroadcast(where_op(c, g, ops.zeros_like(g)), x), _unbroadcast(where_op(c, ops.zeros_like(g), g), y)), saves=(0,))
+  None, _unbroadcast(where_op(c, g, ops.zeros_like(g)), x), _unbroadcast(where_op(c, ops.zeros_like(g), g), y)), saves=(0,),
+    inputs="c x y")
 
 
 def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
@@ -180,8 +186,9 @@ def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
   return where_op(condition, x, y, into=into)
 
 
-cast_op = op("cast", lambda x, dtype: (x.shape, dtype), lambda g, out, x, dtype: (g.to(x.dtype),), saves=())
-copy = op("copy", _same, lambda g, out, x: (g,), saves=())
+cast_op = op("cast", lambda x, dtype: (x.shape, dtype), lambda g, out, x, dtype: (g.to(x.dtype),), saves=(),
+             inputs="x", attrs="dtype:dtype")
+copy = op("copy", _same, lambda g, out, x: (g,), saves=(), inputs="x")
 
 
 def cast(x: Tensor, dtype: DType) -> Tensor:

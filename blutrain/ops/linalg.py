@@ -28,7 +28,7 @@ def _matmul_vjp(g, out, a, b, tf32=False):
   return ops.sum_to(matmul_op(g, b.mT, tf32=tf32), a.shape), db
 
 
-matmul_op = op("matmul", _matmul_rule, _matmul_vjp)
+matmul_op = op("matmul", _matmul_rule, _matmul_vjp, inputs="a b", attrs="tf32:bool?")
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:

@@ -57,7 +57,8 @@ def _view_layout(x, shape):
   return shape, view_strides(x.shape, x._strides, shape), x._offset
 
 
-view_op = op("view", _view_rule, lambda g, out, x, shape: (g.reshape(x.shape),), view=_view_layout, saves=())
+view_op = op("view", _view_rule, lambda g, out, x, shape: (g.reshape(x.shape),), view=_view_layout, saves=(),
+             inputs="x", attrs="shape:ints")
 
 
 def view(x: Tensor, shape) -> Tensor:
@@ -92,7 +93,8 @@ def _permute_vjp(g, out, x, dims):
 
 
 permute_op = op("permute", _permute_rule, _permute_vjp, saves=(),
-                view=lambda x, dims: (tuple(x.shape[d] for d in dims), tuple(x._strides[d] for d in dims), x._offset))
+                view=lambda x, dims: (tuple(x.shape[d] for d in dims), tuple(x._strides[d] for d in dims), x._offset),
+                  inputs="x", attrs="dims:ints")
 
 
 def permute(x: Tensor, dims) -> Tensor:
@@ -122,7 +124,8 @@ def _expand_layout(x, shape):
   return shape, strides, x._offset
 
 
-expand_op = op("expand", _expand_rule, lambda g, out, x, shape: (ops.sum_to(g, x.shape),), view=_expand_layout, saves=())
+expand_op = op("expand", _expand_rule, lambda g, out, x, shape: (ops.sum_to(g, x.shape),), view=_expand_layout, saves=(),
+               inputs="x", attrs="shape:ints")
 
 
 def expand(x: Tensor, shape) -> Tensor:
@@ -146,9 +149,10 @@ def _slice_layout(x, index):
 
 
 slice_backward = op("slice_backward", lambda g, shape, index: (shape, g.dtype),
-                    lambda g2, out, g, shape, index: (slice_op(g2, index=index),), saves=())
+                    lambda g2, out, g, shape, index: (slice_op(g2, index=index),), saves=(),
+                      inputs="g", attrs="shape:ints index:index")
 slice_op = op("slice", _slice_rule, lambda g, out, x, index: (slice_backward(g, shape=x.shape, index=index),),
-              view=_slice_layout, saves=())
+              view=_slice_layout, saves=(), inputs="x", attrs="index:index")
 
 
 def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
@@ -237,7 +241,7 @@ def _cat_vjp(g, out, *xs, dim):
   return tuple(narrow(g, dim, s, x.shape[dim]) for s, x in zip(starts, xs))
 
 
-cat_op = op("cat", _cat_rule, _cat_vjp, saves=())
+cat_op = op("cat", _cat_rule, _cat_vjp, saves=(), inputs="*xs", attrs="dim:int")
 
 
 def cat(tensors, dim: int = 0) -> Tensor:
@@ -279,10 +283,12 @@ def _index_rule(x, *idx, positions):
 
 index_backward = op("index_backward", lambda g, *idx, shape, positions: (shape, g.dtype),
                     lambda g2, out, g, *idx, shape, positions: (index_op(g2, *idx, positions=positions),) + (None,) * len(idx),
-                    saves=None)
+                    saves=None, inputs="g *idx", attrs="shape:ints positions:ints")
 index_op = op("index", _index_rule, lambda g, out, x, *idx, positions: (
-  index_backward(g, *idx, shape=x.shape, positions=positions),) + (None,) * len(idx), saves=None)
-index_put = op("index_put", lambda x, v, *idx, positions: (x.shape, x.dtype), differentiable=False)
+  index_backward(g, *idx, shape=x.shape, positions=positions),) + (None,) * len(idx), saves=None,
+    inputs="x *idx", attrs="positions:ints")
+index_put = op("index_put", lambda x, v, *idx, positions: (x.shape, x.dtype), differentiable=False,
+               inputs="x v *idx", attrs="positions:ints")
 
 
 def _parse_key(x: Tensor, key):

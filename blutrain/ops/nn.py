@@ -15,9 +15,9 @@ def _same_dim(x, dim): return x.shape, x.dtype
 # *** softmax ***
 
 softmax_op = op("softmax", _same_dim, lambda g, out, x, dim: (out * (g - (g * out).sum(dim, keepdim=True)),),
-                saves=(), saves_output=True)
+                saves=(), saves_output=True, inputs="x", attrs="dim:int")
 log_softmax_op = op("log_softmax", _same_dim, lambda g, out, x, dim: (g - ops.exp(out) * g.sum(dim, keepdim=True),),
-                    saves=(), saves_output=True)
+                    saves=(), saves_output=True, inputs="x", attrs="dim:int")
 
 
 def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
@@ -60,8 +60,10 @@ def _layer_norm_backward_rule(g, x, w, n, eps, has_bias):
 # dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) with gw = g w, dw = sum(g xhat), db = sum(g) over the leading dims,
 # xhat = (x - mean) rstd. One kernel computes all three: a primitive has one output, so the backward returns
 # cat([dx.flatten(), dw, db]) (dw and db when present), which the VJP splits by views.
-layer_norm_backward = op("layer_norm_backward", _layer_norm_backward_rule)
-layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1))
+layer_norm_backward = op("layer_norm_backward", _layer_norm_backward_rule,
+                         inputs="g x ?weight", attrs="n:int eps:float has_bias:bool")
+layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1),
+                   inputs="x ?weight ?bias", attrs="n:int eps:float")
 
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
@@ -99,9 +101,11 @@ def _scatter_add_rule(x, index, src, dim):
 
 
 scatter_add_op = op("scatter_add", _scatter_add_rule, lambda g, out, x, index, src, dim: (
-  g, None, gather_op(g, index, dim=dim) if index.shape == src.shape else None), saves=(1,))
+  g, None, gather_op(g, index, dim=dim) if index.shape == src.shape else None), saves=(1,),
+    inputs="x index src", attrs="dim:int")
 gather_op = op("gather", lambda x, index, dim: _gather_rule(x, dim, index), lambda g, out, x, index, dim: (
-  scatter_add_op(ops.zeros(x.shape, dtype=g.dtype, device=g.device), index, g, dim=dim), None), saves=(1,))
+  scatter_add_op(ops.zeros(x.shape, dtype=g.dtype, device=g.device), index, g, dim=dim), None), saves=(1,),
+    inputs="x index", attrs="dim:int")
 
 
 def _check_index(name: str, index: Tensor) -> None:
@@ -133,9 +137,10 @@ def _embedding_rule(weight, idx):
   return idx.shape + (weight.shape[1],), weight.dtype
 
 
-embedding_backward = op("embedding_backward", lambda g, idx, num: ((num, g.shape[-1]), g.dtype))
+embedding_backward = op("embedding_backward", lambda g, idx, num: ((num, g.shape[-1]), g.dtype),
+                        inputs="g idx", attrs="num:int")
 embedding_op = op("embedding", _embedding_rule, lambda g, out, weight, idx: (
-  embedding_backward(g, idx, num=weight.shape[0]), None), saves=(1,))
+  embedding_backward(g, idx, num=weight.shape[0]), None), saves=(1,), inputs="weight idx")
 
 
 def embedding(input: Tensor, weight: Tensor) -> Tensor:
@@ -159,9 +164,11 @@ def _cross_entropy_rule(logits, target, ignore_index):
   return target.shape, logits.dtype
 
 
-cross_entropy_backward = op("cross_entropy_backward", lambda g, logits, target, ignore_index: (logits.shape, logits.dtype))
+cross_entropy_backward = op("cross_entropy_backward", lambda g, logits, target, ignore_index: (logits.shape, logits.dtype),
+                            inputs="g logits target", attrs="ignore_index:int")
 cross_entropy_op = op("cross_entropy", _cross_entropy_rule, lambda g, out, logits, target, ignore_index: (
-  cross_entropy_backward(g, logits, target, ignore_index=ignore_index), None))
+  cross_entropy_backward(g, logits, target, ignore_index=ignore_index), None),
+    inputs="logits target", attrs="ignore_index:int")
 
 
 def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
@@ -251,8 +258,10 @@ def _flash_attention_vjp(g, out, q, k, v, causal, scale, tf32=False):
 # softmax(q k^T * scale [causal]) v without the (L, S) weights in memory. One kernel computes dq, dk and dv together,
 # and a primitive has one output: the backward returns cat([dq, dk, dv], -2), which the VJP splits by views.
 flash_attention_backward = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale, tf32=False: (
-  q.shape[:-2] + (q.shape[-2] + 2 * k.shape[-2], q.shape[-1]), q.dtype))
-flash_attention = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True)
+  q.shape[:-2] + (q.shape[-2] + 2 * k.shape[-2], q.shape[-1]), q.dtype),
+    inputs="g q k v out", attrs="causal:bool scale:float tf32:bool?")
+flash_attention = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True,
+                     inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
 _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
 

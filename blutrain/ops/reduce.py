@@ -27,7 +27,8 @@ def _restore(g: Tensor, x, dims, keepdim) -> Tensor:
 
 
 sum_op = op("sum", _reduce_rule, lambda g, out, x, dims, keepdim, dtype=None: (
-  _restore(g, x, dims, keepdim).expand(x.shape).to(x.dtype),), saves=())
+  _restore(g, x, dims, keepdim).expand(x.shape).to(x.dtype),), saves=(),
+    inputs="x", attrs="dims:ints keepdim:bool dtype:dtype?")
 
 
 def _extreme_vjp(g, out, x, dims, keepdim):
@@ -36,12 +37,15 @@ def _extreme_vjp(g, out, x, dims, keepdim):
   return (hit * (_restore(g, x, dims, keepdim) / hit.sum(dims, keepdim=True)),)
 
 
-amax_op = op("amax", _reduce_rule, _extreme_vjp, saves_output=True)
-amin_op = op("amin", _reduce_rule, _extreme_vjp, saves_output=True)
-argmax_op = op("argmax", lambda x, dim, keepdim: (_reduced_shape(x.shape, (dim,), keepdim), dtypes.int64), differentiable=False)
-argmin_op = op("argmin", lambda x, dim, keepdim: (_reduced_shape(x.shape, (dim,), keepdim), dtypes.int64), differentiable=False)
+amax_op = op("amax", _reduce_rule, _extreme_vjp, saves_output=True, inputs="x", attrs="dims:ints keepdim:bool")
+amin_op = op("amin", _reduce_rule, _extreme_vjp, saves_output=True, inputs="x", attrs="dims:ints keepdim:bool")
+argmax_op = op("argmax", lambda x, dim, keepdim: (_reduced_shape(x.shape, (dim,), keepdim), dtypes.int64), differentiable=False,
+               inputs="x", attrs="dim:int keepdim:bool")
+argmin_op = op("argmin", lambda x, dim, keepdim: (_reduced_shape(x.shape, (dim,), keepdim), dtypes.int64), differentiable=False,
+               inputs="x", attrs="dim:int keepdim:bool")
 cumsum_op = op("cumsum", lambda x, dim, reverse=False: (x.shape, x.dtype),
-               lambda g, out, x, dim, reverse=False: (cumsum_op(g, dim=dim, reverse=not reverse),), saves=())
+               lambda g, out, x, dim, reverse=False: (cumsum_op(g, dim=dim, reverse=not reverse),), saves=(),
+                 inputs="x", attrs="dim:int reverse:bool?")
 
 
 def sum(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
