@@ -1,8 +1,10 @@
-"""The `nova` dialect: one pure op on ranked tensors per primitive of `blutrain.ops`, declared as data.
+"""The `nova` dialect: one pure op on ranked tensors per primitive of `blutrain.ops`.
 
-`OPS` below is the whole vocabulary: op name (identical in `blutrain.ops.registry`, here as `nova.<name>`, and in
-the kernels), its family, its operands and its properties. The classes are generated from it; a family base class
-owns what its ops share (the result, traits, syntax, the verifier that calls the op's shape rule).
+Each op is an `@irdl_op_definition` class named after the op library's primitive (`AddOp` is `nova.add` is
+`ops.registry["add"]` is `kernels["add"]`). It declares the primitive's operands in the op library's order (plain,
+optional or variadic) and its attributes as properties; a family base class owns what its ops share: operands,
+the result, traits, syntax, and the verifier that runs the op's shape rule from `blutrain.ops`. A test holds every
+class to the op library's signature (`Op.inputs`, `Op.attrs`).
 
 Attribute values are encoded generically (`encode` / `decode`), so any op's attributes round-trip exactly:
 
@@ -19,22 +21,27 @@ Attribute values are encoded generically (`encode` / `decode`), so any op's attr
 A property missing from an op means the attribute was not given (the shape rule's default applies), which is
 not the same as a None value. Operands and results use the element types of `ELEMENT_TYPES`.
 
-Random ops (rand, randn, randint, bernoulli) take one operand, the generator state `tensor<2xi64>` holding
-(seed, base offset); their `offset` property is relative to the base offset. They are Pure like every other
-nova op: the generator is counter-based, so a draw is a function of (seed, base offset, offset, shape, dtype).
-Two draws equal in all of those are the same numbers (CSE may merge them) and an unused draw may be dropped (DCE):
-advancing the generator is the runtime's business, not the graph's.
+Random ops (rand, randn, randint, bernoulli) differ from the op library in one place: the library's `seed`
+attribute is not a property but the operand `rng`, the generator state `tensor<2xi64>` holding (seed, base offset),
+and the `offset` property is relative to the base offset. That makes a step's seed an input of the graph, not a
+constant. They are Pure like every other nova op: the generator is counter-based, so a draw is a function of (seed,
+base offset, offset, shape, dtype). Two draws equal in all of those are the same numbers (CSE may merge them) and an
+unused draw may be dropped (DCE): advancing the generator is the runtime's business, not the graph's.
+
+`to_device` has no nova op: a compiled graph runs on one device.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import functools
+from typing import Any
 
 from xdsl.dialects.builtin import (ArrayAttr, DenseArrayBase, FloatAttr, IntegerAttr, StringAttr, TensorType, UnitAttr,
                                    bf16, f16, f32, f64, i1, i32, i64)
 from xdsl.ir import Attribute, Dialect, SSAValue
-from xdsl.irdl import (AttrSetConstraint, AttrSizedOperandSegments, BaseAttr, EqAttrConstraint, IRDLOperation,
-                       ParsePropInAttrDict, irdl_op_definition, operand_def, opt_operand_def, opt_prop_def, prop_def,
-                       result_def, traits_def, var_operand_def)
+from xdsl.irdl import (AttrSetConstraint, AttrSizedOperandSegments, AttrSizedResultSegments, BaseAttr,
+                       EqAttrConstraint, IRDLOperation, OptionalDef, ParsePropInAttrDict, VariadicDef,
+                       irdl_op_definition, operand_def, opt_operand_def, opt_prop_def, prop_def, result_def, traits_def,
+                       var_operand_def)
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
@@ -49,8 +56,8 @@ ELEMENT_TYPES: dict[DType, Attribute] = {dtypes.bool_: i1, dtypes.int32: i32, dt
                                          dtypes.bfloat16: bf16, dtypes.float32: f32, dtypes.float64: f64}
 DTYPES: dict[Attribute, DType] = {t: d for d, t in ELEMENT_TYPES.items()}
 
-_ELEMENT = AttrSetConstraint(frozenset(ELEMENT_TYPES.values()))
-_TENSOR = TensorType.constr(_ELEMENT)
+ELEMENT = AttrSetConstraint(frozenset(ELEMENT_TYPES.values()))
+TENSOR = TensorType.constr(ELEMENT)
 
 
 def tensor_type(shape: tuple[int, ...], dtype: DType) -> TensorType:
@@ -120,44 +127,74 @@ def decode(a: Attribute) -> Any:
   raise TypeError(f"nova: cannot decode attribute {a}")
 
 
-# What each attribute kind of the table may hold; `?` after a kind marks an attribute that may be absent or None.
-_KINDS = {
-  "int": BaseAttr(IntegerAttr), "bool": AttrSetConstraint(frozenset((IntegerAttr(0, i1), IntegerAttr(1, i1)))),
-  "float": BaseAttr(FloatAttr), "num": BaseAttr(IntegerAttr) | BaseAttr(FloatAttr), "str": BaseAttr(StringAttr),
-  "dtype": _ELEMENT, "ints": BaseAttr(DenseArrayBase),
-  "index": BaseAttr(ArrayAttr) | BaseAttr(DenseArrayBase),  # ((start, stop, step), ...); () for a 0-d tensor
-}
+# *** property constraints: one per attribute kind of the op library's signatures ***
+
+INT = BaseAttr(IntegerAttr)
+BOOL = AttrSetConstraint(frozenset((IntegerAttr(0, i1), IntegerAttr(1, i1))))
+FLOAT = BaseAttr(FloatAttr)
+NUM = INT | FLOAT
+STR = BaseAttr(StringAttr)
+INTS = BaseAttr(DenseArrayBase)
+INDEX = BaseAttr(ArrayAttr) | BaseAttr(DenseArrayBase)  # ((start, stop, step), ...); () for a 0-d tensor
+NONE = EqAttrConstraint(UnitAttr())  # an optional property (`opt_prop_def(BOOL | NONE)`) may also hold None
+KINDS = {"int": INT, "bool": BOOL, "float": FLOAT, "num": NUM, "str": STR, "dtype": ELEMENT, "ints": INTS,
+         "index": INDEX}
+
+_SEGMENT_SIZES = (AttrSizedOperandSegments.attribute_name, AttrSizedResultSegments.attribute_name)
+
+
+def _spec(name: str, definition: Any) -> str:
+  """An operand or result as the op library writes it: `x`, `?weight` (optional) or `*xs` (variadic)."""
+  return ("?" if isinstance(definition, OptionalDef) else "*" if isinstance(definition, VariadicDef) else "") + name
 
 
 # *** families ***
 
 class NovaOp(IRDLOperation):
-  """Base of every nova op: one ranked-tensor result, Pure, properties printed in the attribute dictionary, and a
-  verifier that runs the op's shape rule from `blutrain.ops` on the operand types."""
-  result = result_def(_TENSOR)
+  """Base of every nova op: Pure, properties printed in the attribute dictionary, and a verifier that runs the op's
+  shape rule from `blutrain.ops` on the operand types."""
   traits = traits_def(Pure())
   irdl_options = (ParsePropInAttrDict(),)
   assembly_format = "operands attr-dict `:` functional-type(operands, results)"
-  ATTRS: ClassVar[tuple[str, ...]] = ()   # attribute names in table order
 
   @property
   def opname(self) -> str:
     """The op library's name: `nova.add` -> `add`."""
     return self.name[5:]
 
+  @classmethod
+  @functools.cache
+  def signature(cls) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Operand names as the op library writes them (`x`, `?weight` optional, `*xs` variadic) and property names, in
+    declaration order."""
+    definition = cls.get_irdl_definition()
+    return (tuple(_spec(name, d) for name, d in definition.operands),
+            tuple(k for k in definition.properties if k not in _SEGMENT_SIZES))
+
+  @classmethod
+  @functools.cache
+  def _segmented(cls) -> bool:
+    """Whether optional operands keep their place through segment sizes (read by name, built with `build`)."""
+    return any(isinstance(o, AttrSizedOperandSegments) for o in cls.get_irdl_definition().options)
+
   def graph_inputs(self) -> list[SSAValue | None]:
     """The operands in the op library's order, None where an optional one is absent."""
-    return list(self.operands)
+    if not self._segmented(): return list(self.operands)
+    return [getattr(self, k.lstrip("?")) for k in self.signature()[0]]
 
   def attrs(self) -> dict[str, Any]:
     """The attributes as the op library passes them (absent properties left out)."""
     props = self.properties
-    return {k: decode(props[k]) for k in self.ATTRS if k in props}
+    return {k: decode(props[k]) for k in self.signature()[1] if k in props}
 
   @classmethod
   def make(cls, inputs: list[SSAValue | None], attrs: dict[str, Any], result_type: Attribute) -> NovaOp:
     """Build the op from graph inputs (None for an absent optional operand) and Python attributes."""
-    return cls.create(operands=inputs, result_types=[result_type], properties={k: encode(v) for k, v in attrs.items()})
+    properties = {k: encode(v) for k, v in attrs.items()}
+    if cls._segmented():
+      return cls.build(operands=[[] if v is None else v for v in inputs], result_types=[result_type],
+                       properties=properties)
+    return cls.create(operands=inputs, result_types=[result_type], properties=properties)
 
   def rule_args(self) -> tuple:
     """What the shape rule takes positionally: the operands as Avals."""
@@ -170,154 +207,624 @@ class NovaOp(IRDLOperation):
       shape, dtype = registry[self.opname].rule(*args, **attrs)
     except (ValueError, TypeError, IndexError, KeyError) as e:
       raise VerifyException(f"{self.name}: operands ({operands}) with {attrs} fail the shape rule: {e}") from None
-    if (tuple(shape), dtype) != (aval(self.result.type).shape, aval(self.result.type).dtype):
+    out = self.results[0].type
+    if (tuple(shape), dtype) != (aval(out).shape, aval(out).dtype):
       raise VerifyException(f"{self.name}: operands ({operands}) with {attrs} give {dtype.name}{list(shape)}, "
-                            f"but the result type is {_type_str(self.result.type)}")
+                            f"but the result type is {_type_str(out)}")
 
 
-class CreationOp(NovaOp):
+class SingleResultOp(NovaOp):
+  """An op with one ranked-tensor result."""
+  result = result_def(TENSOR)
+
+
+class CreationOp(SingleResultOp):
   """A tensor made from attributes alone (full, arange)."""
   assembly_format = "attr-dict `:` type($result)"
 
 
-class RandomOp(NovaOp):
-  """A counter-based random draw from the generator state `rng` = (seed, base offset)."""
+class RandomOp(SingleResultOp):
+  """A counter-based random draw of `shape` and `dtype` from the generator state `rng` = (seed, base offset), at
+  `offset` past the base offset."""
   rng = operand_def(EqAttrConstraint(TensorType(i64, [2])))
 
   def rule_args(self) -> tuple: return ()  # the draw's shape and dtype are attributes; rng is not an input of the rule
 
 
-class ElementwiseOp(NovaOp):
+class ElementwiseOp(SingleResultOp):
   """Elementwise ops: the result broadcasts the operands' shapes."""
 
 
 class UnaryOp(ElementwiseOp):
   """One operand, same shape (neg, exp, ..., cast, copy)."""
+  x = operand_def(TENSOR)
 
 
 class BinaryOp(ElementwiseOp):
   """Two broadcasting operands, the first operand's dtype (add, sub, mul, div, pow, maximum, minimum)."""
+  x = operand_def(TENSOR)
+  y = operand_def(TENSOR)
 
 
-class CompareOp(ElementwiseOp):
+class CompareOp(BinaryOp):
   """Two broadcasting operands, a bool result (eq, ..., logical_xor)."""
 
 
-class ReduceOp(NovaOp):
-  """Reductions and scans along dims (sum, amax, amin, argmax, argmin, cumsum)."""
+class ReduceOp(SingleResultOp):
+  """Reductions and scans of `x` along dims (sum, amax, amin, argmax, argmin, cumsum)."""
+  x = operand_def(TENSOR)
 
 
-class LayoutOp(NovaOp):
-  """Layout-only ops (view, permute, expand, slice): eager mode makes them views without a kernel."""
+class LayoutOp(SingleResultOp):
+  """Layout-only ops of `x` (view, permute, expand, slice): eager mode makes them views without a kernel."""
+  x = operand_def(TENSOR)
 
 
-class MovementOp(NovaOp):
+class MovementOp(SingleResultOp):
   """Ops that move data between positions (cat, indexing and the backward of slicing)."""
 
 
-class NNOp(NovaOp):
+class NNOp(SingleResultOp):
   """Linear algebra, normalization, gathers and losses."""
 
 
-# *** the ops ***
+# *** creation and random ***
 
-# name: (family, operands, attributes). Operands: `x` one, `?w` optional, `*xs` variadic. Attributes: `key:kind`.
-OPS: dict[str, tuple[type[NovaOp], str, str]] = {
-  # creation and random
-  "full": (CreationOp, "", "shape:ints value:num dtype:dtype"),
-  "arange": (CreationOp, "", "start:num step:num shape:ints dtype:dtype"),
-  "rand": (RandomOp, "", "shape:ints dtype:dtype offset:int"),
-  "randn": (RandomOp, "", "shape:ints dtype:dtype offset:int"),
-  "randint": (RandomOp, "", "shape:ints dtype:dtype offset:int low:int high:int"),
-  "bernoulli": (RandomOp, "", "shape:ints dtype:dtype offset:int p:float"),
-  # elementwise
-  **{name: (UnaryOp, "x", "") for name in ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh",
-                                           "sigmoid", "relu", "erf", "floor", "logical_not", "copy")},
-  "gelu": (UnaryOp, "x", "approximate:str"),
-  "cast": (UnaryOp, "x", "dtype:dtype"),
-  **{name: (BinaryOp, "x y", "") for name in ("add", "sub", "mul", "div", "pow", "maximum", "minimum")},
-  **{name: (CompareOp, "x y", "") for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-                                               "logical_xor")},
-  "where": (ElementwiseOp, "c x y", ""),
-  "gelu_backward": (ElementwiseOp, "g x", "approximate:str"),
-  # reductions and scans
-  "sum": (ReduceOp, "x", "dims:ints keepdim:bool dtype:dtype?"),
-  "amax": (ReduceOp, "x", "dims:ints keepdim:bool"),
-  "amin": (ReduceOp, "x", "dims:ints keepdim:bool"),
-  "argmax": (ReduceOp, "x", "dim:int keepdim:bool"),
-  "argmin": (ReduceOp, "x", "dim:int keepdim:bool"),
-  "cumsum": (ReduceOp, "x", "dim:int reverse:bool?"),
-  # views
-  "view": (LayoutOp, "x", "shape:ints"),
-  "permute": (LayoutOp, "x", "dims:ints"),
-  "expand": (LayoutOp, "x", "shape:ints"),
-  "slice": (LayoutOp, "x", "index:index"),
-  # movement and indexing
-  "slice_backward": (MovementOp, "g", "shape:ints index:index"),
-  "cat": (MovementOp, "*xs", "dim:int"),
-  "index": (MovementOp, "x *idx", "positions:ints"),
-  "index_backward": (MovementOp, "g *idx", "shape:ints positions:ints"),
-  "index_put": (MovementOp, "x v *idx", "positions:ints"),
-  # linear algebra, normalization, gathers, losses
-  "matmul": (NNOp, "a b", "tf32:bool?"),
-  "softmax": (NNOp, "x", "dim:int"),
-  "log_softmax": (NNOp, "x", "dim:int"),
-  "layer_norm": (NNOp, "x ?weight ?bias", "n:int eps:float"),
-  "layer_norm_backward": (NNOp, "g x ?weight", "n:int eps:float has_bias:bool"),
-  "scatter_add": (NNOp, "x index src", "dim:int"),
-  "gather": (NNOp, "x index", "dim:int"),
-  "embedding_backward": (NNOp, "g idx", "num:int"),
-  "embedding": (NNOp, "weight idx", ""),
-  "cross_entropy_backward": (NNOp, "g logits target", "ignore_index:int"),
-  "cross_entropy": (NNOp, "logits target", "ignore_index:int"),
-  "flash_attention": (NNOp, "q k v", "causal:bool scale:float tf32:bool?"),
-  "flash_attention_backward": (NNOp, "g q k v out", "causal:bool scale:float tf32:bool?"),
-}
-
-def _optional_format(operands: list[str]) -> str:
-  """The assembly format of an op with optional operands (required ones first): with two optional operands the
-  generic `operands` directive is ambiguous, so each optional operand prints with its keyword and type."""
-  required, optional = [s for s in operands if s[0] != "?"], [s[1:] for s in operands if s[0] == "?"]
-  return (" `,` ".join(f"${k}" for k in required) + "".join(f" (`{k}` ${k}^ `:` type(${k}))?" for k in optional)
-          + " attr-dict `:` " + " `,` ".join(f"type(${k})" for k in required) + " `->` type($result)")
+@irdl_op_definition
+class FullOp(CreationOp):
+  """A tensor filled with `value`."""
+  name = "nova.full"
+  shape = prop_def(INTS)
+  value = prop_def(NUM)
+  dtype = prop_def(ELEMENT)
 
 
-class _OptionalOperandsOp(NovaOp):
-  """Mixin of ops with optional operands: they map to None in the graph and keep their position."""
-  OPERANDS: ClassVar[tuple[str, ...]] = ()
-
-  def graph_inputs(self) -> list[SSAValue | None]: return [getattr(self, k) for k in self.OPERANDS]
-
-  @classmethod
-  def make(cls, inputs, attrs, result_type):
-    return cls.build(operands=[[] if v is None else v for v in inputs], result_types=[result_type],
-                     properties={k: encode(v) for k, v in attrs.items()})
+@irdl_op_definition
+class ArangeOp(CreationOp):
+  """start + step * i for i in range(shape[0])."""
+  name = "nova.arange"
+  start = prop_def(NUM)
+  step = prop_def(NUM)
+  shape = prop_def(INTS)
+  dtype = prop_def(ELEMENT)
 
 
-def _define(name: str, family: type[NovaOp], operands: str, attrs: str) -> type[NovaOp]:
-  body: dict[str, Any] = {"name": f"nova.{name}", "__module__": __name__, "__doc__": f"`{name}` of blutrain.ops.",
-                          "__annotations__": {"ATTRS": "ClassVar", "OPERANDS": "ClassVar"}}
-  for spec in operands.split():
-    kind, key = (spec[0], spec[1:]) if spec[0] in "*?" else ("", spec)
-    body[key] = {"*": var_operand_def, "?": opt_operand_def, "": operand_def}[kind](_TENSOR)
-  keys = []
-  for spec in attrs.split():
-    key, kind = spec.split(":")
-    keys.append(key)
-    body[key] = (opt_prop_def(_KINDS[kind[:-1]] | EqAttrConstraint(UnitAttr())) if kind.endswith("?")
-                 else prop_def(_KINDS[kind]))
-  body["ATTRS"] = tuple(keys)
-  bases: tuple[type, ...] = (family,)
-  if "?" in operands:
-    bases = (_OptionalOperandsOp, family)
-    body |= {"OPERANDS": tuple(s.lstrip("*?") for s in operands.split()), "assembly_format": _optional_format(operands.split()),
-             "irdl_options": (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())}
-  cls_name = "".join(p.title() for p in name.split("_")) + "Op"
-  return irdl_op_definition(type(cls_name, bases, body | {"__qualname__": cls_name}))
+@irdl_op_definition
+class RandOp(RandomOp):
+  """Uniform in [0, 1)."""
+  name = "nova.rand"
+  shape = prop_def(INTS)
+  dtype = prop_def(ELEMENT)
+  offset = prop_def(INT)
 
 
-OP_CLASSES: dict[str, type[NovaOp]] = {name: _define(name, *spec) for name, spec in OPS.items()}
-assert not {cls.__name__ for cls in OP_CLASSES.values()} & set(globals()), "an op class would shadow a family"
-globals().update({cls.__name__: cls for cls in OP_CLASSES.values()})
+@irdl_op_definition
+class RandnOp(RandomOp):
+  """Standard normal."""
+  name = "nova.randn"
+  shape = prop_def(INTS)
+  dtype = prop_def(ELEMENT)
+  offset = prop_def(INT)
 
-Nova = Dialect("nova", list(OP_CLASSES.values()))
+
+@irdl_op_definition
+class RandintOp(RandomOp):
+  """Uniform integers in [low, high)."""
+  name = "nova.randint"
+  shape = prop_def(INTS)
+  dtype = prop_def(ELEMENT)
+  low = prop_def(INT)
+  high = prop_def(INT)
+  offset = prop_def(INT)
+
+
+@irdl_op_definition
+class BernoulliOp(RandomOp):
+  """True with probability p."""
+  name = "nova.bernoulli"
+  shape = prop_def(INTS)
+  dtype = prop_def(ELEMENT)
+  p = prop_def(FLOAT)
+  offset = prop_def(INT)
+
+
+# *** elementwise ***
+
+@irdl_op_definition
+class NegOp(UnaryOp):
+  """-x."""
+  name = "nova.neg"
+
+
+@irdl_op_definition
+class ExpOp(UnaryOp):
+  """e ** x."""
+  name = "nova.exp"
+
+
+@irdl_op_definition
+class LogOp(UnaryOp):
+  """The natural logarithm."""
+  name = "nova.log"
+
+
+@irdl_op_definition
+class SqrtOp(UnaryOp):
+  """x ** 0.5."""
+  name = "nova.sqrt"
+
+
+@irdl_op_definition
+class RsqrtOp(UnaryOp):
+  """x ** -0.5."""
+  name = "nova.rsqrt"
+
+
+@irdl_op_definition
+class AbsOp(UnaryOp):
+  """|x|."""
+  name = "nova.abs"
+
+
+@irdl_op_definition
+class SinOp(UnaryOp):
+  """sin(x)."""
+  name = "nova.sin"
+
+
+@irdl_op_definition
+class CosOp(UnaryOp):
+  """cos(x)."""
+  name = "nova.cos"
+
+
+@irdl_op_definition
+class TanhOp(UnaryOp):
+  """tanh(x)."""
+  name = "nova.tanh"
+
+
+@irdl_op_definition
+class SigmoidOp(UnaryOp):
+  """1 / (1 + e ** -x)."""
+  name = "nova.sigmoid"
+
+
+@irdl_op_definition
+class ReluOp(UnaryOp):
+  """max(x, 0)."""
+  name = "nova.relu"
+
+
+@irdl_op_definition
+class ErfOp(UnaryOp):
+  """The error function."""
+  name = "nova.erf"
+
+
+@irdl_op_definition
+class FloorOp(UnaryOp):
+  """The largest integer not above x."""
+  name = "nova.floor"
+
+
+@irdl_op_definition
+class LogicalNotOp(UnaryOp):
+  """not x, a bool result."""
+  name = "nova.logical_not"
+
+
+@irdl_op_definition
+class CopyOp(UnaryOp):
+  """x in new memory."""
+  name = "nova.copy"
+
+
+@irdl_op_definition
+class GeluOp(UnaryOp):
+  """x * Phi(x), exactly (`approximate = "none"`) or by tanh (`"tanh"`)."""
+  name = "nova.gelu"
+  approximate = prop_def(STR)
+
+
+@irdl_op_definition
+class CastOp(UnaryOp):
+  """x converted to `dtype`."""
+  name = "nova.cast"
+  dtype = prop_def(ELEMENT)
+
+
+@irdl_op_definition
+class AddOp(BinaryOp):
+  """x + y."""
+  name = "nova.add"
+
+
+@irdl_op_definition
+class SubOp(BinaryOp):
+  """x - y."""
+  name = "nova.sub"
+
+
+@irdl_op_definition
+class MulOp(BinaryOp):
+  """x * y."""
+  name = "nova.mul"
+
+
+@irdl_op_definition
+class DivOp(BinaryOp):
+  """x / y."""
+  name = "nova.div"
+
+
+@irdl_op_definition
+class PowOp(BinaryOp):
+  """x ** y."""
+  name = "nova.pow"
+
+
+@irdl_op_definition
+class MaximumOp(BinaryOp):
+  """max(x, y), NaN if either is."""
+  name = "nova.maximum"
+
+
+@irdl_op_definition
+class MinimumOp(BinaryOp):
+  """min(x, y), NaN if either is."""
+  name = "nova.minimum"
+
+
+@irdl_op_definition
+class EqOp(CompareOp):
+  """x == y."""
+  name = "nova.eq"
+
+
+@irdl_op_definition
+class NeOp(CompareOp):
+  """x != y."""
+  name = "nova.ne"
+
+
+@irdl_op_definition
+class LtOp(CompareOp):
+  """x < y."""
+  name = "nova.lt"
+
+
+@irdl_op_definition
+class LeOp(CompareOp):
+  """x <= y."""
+  name = "nova.le"
+
+
+@irdl_op_definition
+class GtOp(CompareOp):
+  """x > y."""
+  name = "nova.gt"
+
+
+@irdl_op_definition
+class GeOp(CompareOp):
+  """x >= y."""
+  name = "nova.ge"
+
+
+@irdl_op_definition
+class LogicalAndOp(CompareOp):
+  """x and y."""
+  name = "nova.logical_and"
+
+
+@irdl_op_definition
+class LogicalOrOp(CompareOp):
+  """x or y."""
+  name = "nova.logical_or"
+
+
+@irdl_op_definition
+class LogicalXorOp(CompareOp):
+  """x xor y."""
+  name = "nova.logical_xor"
+
+
+@irdl_op_definition
+class WhereOp(ElementwiseOp):
+  """x where c, else y."""
+  name = "nova.where"
+  c = operand_def(TENSOR)
+  x = operand_def(TENSOR)
+  y = operand_def(TENSOR)
+
+
+@irdl_op_definition
+class GeluBackwardOp(ElementwiseOp):
+  """g * gelu'(x)."""
+  name = "nova.gelu_backward"
+  g = operand_def(TENSOR)
+  x = operand_def(TENSOR)
+  approximate = prop_def(STR)
+
+
+# *** reductions and scans ***
+
+@irdl_op_definition
+class SumOp(ReduceOp):
+  """The sum over `dims`, accumulated in `dtype` (absent or None: x's, integers in int64)."""
+  name = "nova.sum"
+  dims = prop_def(INTS)
+  keepdim = prop_def(BOOL)
+  dtype = opt_prop_def(ELEMENT | NONE)
+
+
+@irdl_op_definition
+class AmaxOp(ReduceOp):
+  """The maximum over `dims`."""
+  name = "nova.amax"
+  dims = prop_def(INTS)
+  keepdim = prop_def(BOOL)
+
+
+@irdl_op_definition
+class AminOp(ReduceOp):
+  """The minimum over `dims`."""
+  name = "nova.amin"
+  dims = prop_def(INTS)
+  keepdim = prop_def(BOOL)
+
+
+@irdl_op_definition
+class ArgmaxOp(ReduceOp):
+  """The int64 position of the maximum along `dim`."""
+  name = "nova.argmax"
+  dim = prop_def(INT)
+  keepdim = prop_def(BOOL)
+
+
+@irdl_op_definition
+class ArgminOp(ReduceOp):
+  """The int64 position of the minimum along `dim`."""
+  name = "nova.argmin"
+  dim = prop_def(INT)
+  keepdim = prop_def(BOOL)
+
+
+@irdl_op_definition
+class CumsumOp(ReduceOp):
+  """The running sum along `dim` (from the end when `reverse`)."""
+  name = "nova.cumsum"
+  dim = prop_def(INT)
+  reverse = opt_prop_def(BOOL | NONE)
+
+
+# *** views ***
+
+@irdl_op_definition
+class ViewOp(LayoutOp):
+  """x's elements in row-major order, as `shape`."""
+  name = "nova.view"
+  shape = prop_def(INTS)
+
+
+@irdl_op_definition
+class PermuteOp(LayoutOp):
+  """x with its dims reordered: out dim i is x's dim `dims[i]`."""
+  name = "nova.permute"
+  dims = prop_def(INTS)
+
+
+@irdl_op_definition
+class ExpandOp(LayoutOp):
+  """x broadcast to `shape`."""
+  name = "nova.expand"
+  shape = prop_def(INTS)
+
+
+@irdl_op_definition
+class SliceOp(LayoutOp):
+  """x[start:stop:step, ...], one (start, stop, step) per dim in `index`."""
+  name = "nova.slice"
+  index = prop_def(INDEX)
+
+
+# *** movement and indexing ***
+
+@irdl_op_definition
+class SliceBackwardOp(MovementOp):
+  """Zeros of `shape` with g written at `index` (the VJP of slice)."""
+  name = "nova.slice_backward"
+  g = operand_def(TENSOR)
+  shape = prop_def(INTS)
+  index = prop_def(INDEX)
+
+
+@irdl_op_definition
+class CatOp(MovementOp):
+  """The operands joined along `dim`."""
+  name = "nova.cat"
+  xs = var_operand_def(TENSOR)
+  dim = prop_def(INT)
+
+
+@irdl_op_definition
+class IndexOp(MovementOp):
+  """x indexed by integer tensors `idx` at the dims `positions`."""
+  name = "nova.index"
+  x = operand_def(TENSOR)
+  idx = var_operand_def(TENSOR)
+  positions = prop_def(INTS)
+
+
+@irdl_op_definition
+class IndexBackwardOp(MovementOp):
+  """Zeros of `shape` with g accumulated at the indexed places (the VJP of index)."""
+  name = "nova.index_backward"
+  g = operand_def(TENSOR)
+  idx = var_operand_def(TENSOR)
+  shape = prop_def(INTS)
+  positions = prop_def(INTS)
+
+
+@irdl_op_definition
+class IndexPutOp(MovementOp):
+  """x with v written at the indexed places."""
+  name = "nova.index_put"
+  x = operand_def(TENSOR)
+  v = operand_def(TENSOR)
+  idx = var_operand_def(TENSOR)
+  positions = prop_def(INTS)
+
+
+# *** linear algebra, normalization, gathers, losses ***
+
+@irdl_op_definition
+class MatmulOp(NNOp):
+  """a @ b, batched and broadcast as numpy's matmul; float32 inputs multiply in TF32 when `tf32`."""
+  name = "nova.matmul"
+  a = operand_def(TENSOR)
+  b = operand_def(TENSOR)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
+class SoftmaxOp(NNOp):
+  """exp(x) / sum(exp(x)) along `dim`."""
+  name = "nova.softmax"
+  x = operand_def(TENSOR)
+  dim = prop_def(INT)
+
+
+@irdl_op_definition
+class LogSoftmaxOp(NNOp):
+  """x - logsumexp(x) along `dim`."""
+  name = "nova.log_softmax"
+  x = operand_def(TENSOR)
+  dim = prop_def(INT)
+
+
+@irdl_op_definition
+class LayerNormOp(NNOp):
+  """(x - mean) / sqrt(var + eps) * weight + bias over the last `n` dims; weight and bias are optional."""
+  name = "nova.layer_norm"
+  x = operand_def(TENSOR)
+  weight = opt_operand_def(TENSOR)
+  bias = opt_operand_def(TENSOR)
+  n = prop_def(INT)
+  eps = prop_def(FLOAT)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$x (`weight` $weight^ `:` type($weight))? (`bias` $bias^ `:` type($bias))? attr-dict "
+                     "`:` type($x) `->` type($result)")
+
+
+@irdl_op_definition
+class LayerNormBackwardOp(NNOp):
+  """layer_norm's gradients (dx, then dweight when weight is given, then dbias when `has_bias`), flattened and
+  concatenated."""
+  name = "nova.layer_norm_backward"
+  g = operand_def(TENSOR)
+  x = operand_def(TENSOR)
+  weight = opt_operand_def(TENSOR)
+  n = prop_def(INT)
+  eps = prop_def(FLOAT)
+  has_bias = prop_def(BOOL)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$g `,` $x (`weight` $weight^ `:` type($weight))? attr-dict `:` type($g) `,` type($x) "
+                     "`->` type($result)")
+
+
+@irdl_op_definition
+class ScatterAddOp(NNOp):
+  """x with src added at `index` along `dim`."""
+  name = "nova.scatter_add"
+  x = operand_def(TENSOR)
+  index = operand_def(TENSOR)
+  src = operand_def(TENSOR)
+  dim = prop_def(INT)
+
+
+@irdl_op_definition
+class GatherOp(NNOp):
+  """x read at `index` along `dim`."""
+  name = "nova.gather"
+  x = operand_def(TENSOR)
+  index = operand_def(TENSOR)
+  dim = prop_def(INT)
+
+
+@irdl_op_definition
+class EmbeddingOp(NNOp):
+  """The rows of weight at idx."""
+  name = "nova.embedding"
+  weight = operand_def(TENSOR)
+  idx = operand_def(TENSOR)
+
+
+@irdl_op_definition
+class EmbeddingBackwardOp(NNOp):
+  """g's rows summed into `num` rows at idx (the VJP of embedding)."""
+  name = "nova.embedding_backward"
+  g = operand_def(TENSOR)
+  idx = operand_def(TENSOR)
+  num = prop_def(INT)
+
+
+@irdl_op_definition
+class CrossEntropyOp(NNOp):
+  """The per-row loss -log_softmax(logits)[target], 0 where target is `ignore_index`."""
+  name = "nova.cross_entropy"
+  logits = operand_def(TENSOR)
+  target = operand_def(TENSOR)
+  ignore_index = prop_def(INT)
+
+
+@irdl_op_definition
+class CrossEntropyBackwardOp(NNOp):
+  """g * (softmax(logits) - one_hot(target)), 0 in ignored rows."""
+  name = "nova.cross_entropy_backward"
+  g = operand_def(TENSOR)
+  logits = operand_def(TENSOR)
+  target = operand_def(TENSOR)
+  ignore_index = prop_def(INT)
+
+
+@irdl_op_definition
+class FlashAttentionOp(NNOp):
+  """softmax(q k^T * scale [causal]) v without the weights in memory."""
+  name = "nova.flash_attention"
+  q = operand_def(TENSOR)
+  k = operand_def(TENSOR)
+  v = operand_def(TENSOR)
+  causal = prop_def(BOOL)
+  scale = prop_def(FLOAT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
+class FlashAttentionBackwardOp(NNOp):
+  """flash_attention's gradients dq, dk and dv concatenated along the second-to-last dim."""
+  name = "nova.flash_attention_backward"
+  g = operand_def(TENSOR)
+  q = operand_def(TENSOR)
+  k = operand_def(TENSOR)
+  v = operand_def(TENSOR)
+  out = operand_def(TENSOR)
+  causal = prop_def(BOOL)
+  scale = prop_def(FLOAT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+Nova = Dialect("nova", [
+  FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp,
+  NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, LogicalNotOp,
+  CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, MaximumOp, MinimumOp, EqOp, NeOp, LtOp, LeOp, GtOp, GeOp,
+  LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp,
+  SumOp, AmaxOp, AminOp, ArgmaxOp, ArgminOp, CumsumOp,
+  ViewOp, PermuteOp, ExpandOp, SliceOp,
+  SliceBackwardOp, CatOp, IndexOp, IndexBackwardOp, IndexPutOp,
+  MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp,
+  EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp,
+])
+
+OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations}  # the op library's name -> class

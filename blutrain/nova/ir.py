@@ -48,8 +48,8 @@ def to_module(graph: Graph, name: str = "step") -> ModuleOp:
       if eq.op == "to_device":
         raise ValueError(f"nova: to_device in a captured graph ({eq.out!r}); a compiled function runs on one device, "
                          "so move tensors before calling it or outside the compiled function")
-      raise ValueError(f"nova: no nova op for {eq.op!r} ({eq.out!r}); every primitive of blutrain.ops needs an entry "
-                       "in blutrain.nova.dialect.OPS")
+      raise ValueError(f"nova: no nova op for {eq.op!r} ({eq.out!r}); every primitive of blutrain.ops needs an op class "
+                       "in blutrain.nova.dialect")
     try:
       args = [None if v is None else env[v] for v in eq.inputs]
     except KeyError:

@@ -1,14 +1,18 @@
-"""The nova dialect: one op per primitive, attribute encoding, MLIR print/parse round trip, and the verifier."""
+"""The nova dialect: one op class per primitive, held to the op library's signatures; attribute encoding, MLIR
+print/parse round trip, and the verifier."""
 import math
 
 import pytest
+from xdsl.irdl import (AttrSizedOperandSegments, IRDLOperation, OptPropertyDef, ParsePropInAttrDict, irdl_op_definition,
+                       operand_def, opt_operand_def, prop_def)
 from xdsl.utils.exceptions import VerifyException
 
 from blutrain import dtypes
 from blutrain.nova import ir
-from blutrain.nova.dialect import OP_CLASSES, OPS, decode, encode
+from blutrain.nova.dialect import FLOAT, INT, KINDS, NONE, OP_CLASSES, TENSOR, NNOp, Nova, RandomOp, decode, encode
 from blutrain.nova.hashing import canonical, graph_key
 from blutrain.ops import registry
+from blutrain.ops.core import Op
 from tests.nova.graphs import Builder, every_op, gpt_like
 
 
@@ -16,11 +20,67 @@ def _signature(graph):
   return [(eq.op, eq.out.shape, eq.out.dtype, {k: canonical(v) for k, v in eq.attrs.items()}) for eq in graph.equations]
 
 
-def test_one_op_per_primitive():
-  assert set(OPS) == set(registry) - {"to_device"}
-  assert all(cls.name == f"nova.{name}" for name, cls in OP_CLASSES.items())
+# *** the dialect against the op library ***
+
+def _unmatched(classes: list[type[IRDLOperation]]) -> tuple[list[str], list[str]]:
+  """Registry ops without a dialect class (to_device needs none), and dialect ops that are not one registry op."""
+  names = [cls.name.removeprefix("nova.") for cls in classes]
+  return (sorted(set(registry) - {"to_device"} - set(names)),
+          sorted({n for n in names if n not in registry or names.count(n) > 1}))
+
+
+def _kind(constr) -> str:
+  return next((k for k, c in KINDS.items() if constr in (c, c | NONE)), str(constr))
+
+
+def _differences(cls: type[NNOp], op: Op) -> list[str]:
+  """How the class's operands and properties differ from the op's signature. A random op's seed is its operand
+  `rng`, not a property."""
+  inputs, attrs = op.inputs, op.attrs
+  if issubclass(cls, RandomOp): inputs, attrs = ("rng",) + inputs, tuple(a for a in attrs if a.name != "seed")
+  operands, names = cls.signature()
+  out = [] if operands == inputs else [f"operands ({', '.join(operands)}) != ({', '.join(inputs)})"]
+  if names != tuple(a.name for a in attrs):
+    out.append(f"properties ({', '.join(names)}) != ({', '.join(a.name for a in attrs)})")
+  props = cls.get_irdl_definition().properties
+  for a in attrs:
+    if (d := props.get(a.name)) is None: continue
+    if isinstance(d, OptPropertyDef) != a.optional:
+      out.append(f"{a.name}: {'optional' if isinstance(d, OptPropertyDef) else 'required'} != "
+                 f"{'optional' if a.optional else 'required'}")
+    elif d.constr != (KINDS[a.kind] | NONE if a.optional else KINDS[a.kind]):
+      out.append(f"{a.name}: {_kind(d.constr)} != {a.kind}")
+  return out
+
+
+def test_one_op_class_per_primitive():
+  assert _unmatched(list(Nova.operations)) == ([], [])
   graph, _ = every_op()
-  assert {eq.op for eq in graph.equations} == set(OPS), "every_op() must cover every primitive"
+  assert {eq.op for eq in graph.equations} == set(OP_CLASSES), "every_op() must cover every primitive"
+
+
+@pytest.mark.parametrize("name", sorted(OP_CLASSES))
+def test_op_class_matches_the_op_library(name):
+  assert _differences(OP_CLASSES[name], registry[name]) == []
+
+
+def test_a_class_off_the_op_library_is_reported():
+  @irdl_op_definition
+  class LayerNormOp(NNOp):
+    name = "nova.layer_norm"
+    x = operand_def(TENSOR)
+    bias = opt_operand_def(TENSOR)
+    weight = opt_operand_def(TENSOR)
+    n = prop_def(FLOAT)
+    eps = prop_def(FLOAT)
+    tf32 = prop_def(INT)
+    irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+    assembly_format = None
+
+  assert _differences(LayerNormOp, registry["layer_norm"]) == [
+    "operands (x, ?bias, ?weight) != (x, ?weight, ?bias)", "properties (n, eps, tf32) != (n, eps)", "n: float != int"]
+  classes = [cls for cls in Nova.operations if cls.name != "nova.add"] + [LayerNormOp]
+  assert _unmatched(classes) == (["add"], ["layer_norm"])
 
 
 @pytest.mark.parametrize("value", [True, False, 0, 1, -2**63, 2**63 - 1, 1.0, -0.0, 0.1, 1e-300, 0.35355339059327373,
