@@ -1,10 +1,10 @@
-"""CPU code generation: a graph becomes the Python source of one readable numpy function.
+"""CPU code generation: an optimized nova module becomes the Python source of one readable numpy function.
 
-Each equation is one line. Primitives call the CPU backend's kernel (`kernels[name](*arrays, **attrs)`) and cast
-its result to the equation's dtype, as eager mode does in `blutrain.backend.cpu.wrap` (kernels compute halves in
-float32 and may return other integer widths); views, which have no kernel because eager mode makes them by striding,
-are the numpy equivalents (reshape, transpose, broadcast_to, basic slicing). A value is deleted after its last use
-so that peak memory follows liveness. For example:
+Each op is one line. Primitives call the CPU backend's kernel (`kernels[name](*arrays, **attrs)`) and cast its
+result to the op's result dtype, as eager mode does in `blutrain.backend.cpu.wrap` (kernels compute halves in float32
+and may return other integer widths); views, which have no kernel because eager mode makes them by striding, are the
+numpy equivalents (reshape, transpose, broadcast_to, basic slicing). A value is deleted after its last use so that
+peak memory follows liveness. For example:
 
   def step(a0, a1):
     v2 = np.asarray(kernels["matmul"](a0, a1), float32)
@@ -21,12 +21,14 @@ import math
 from typing import Any, Callable
 
 import numpy as np
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.func import ReturnOp
+from xdsl.ir import SSAValue
 
 from blutrain import dtypes
 from blutrain.dtypes import DType
-from blutrain.nova.graph import Equation, Graph, Value
-
-_RANDOM = ("rand", "randn", "randint", "bernoulli")
+from blutrain.nova.dialect import DTYPES, ExpandOp, NovaOp, PermuteOp, RandomOp, SliceOp, ViewOp
+from blutrain.nova.ir import function
 
 
 def _dtype_name(d: DType) -> str:
@@ -48,49 +50,50 @@ def _slice(index) -> str:
   return ", ".join(f"{a}:{b}" if c == 1 else f"{a}:{b}:{c}" for a, b, c in index)
 
 
-def _expr(eq: Equation, args: list[str]) -> str:
-  """The right-hand side of one equation."""
-  a = eq.attrs
-  if eq.op == "view": return f"{args[0]}.reshape({literal(a['shape'])})"
-  if eq.op == "permute": return f"{args[0]}.transpose({literal(a['dims'])})"
-  if eq.op == "expand": return f"np.broadcast_to({args[0]}, {literal(a['shape'])})"
-  if eq.op == "slice": return f"{args[0]}[{_slice(a['index'])}]"
-  if eq.op == "to_device":
-    raise ValueError(f"codegen: to_device in a graph ({eq.out!r}); a compiled function runs on one device")
-  if eq.op in _RANDOM:
+def _expr(op: NovaOp, args: list[str], dtype: DType) -> str:
+  """The right-hand side of one op of result dtype `dtype`."""
+  a = op.attrs()
+  if isinstance(op, ViewOp): return f"{args[0]}.reshape({literal(a['shape'])})"
+  if isinstance(op, PermuteOp): return f"{args[0]}.transpose({literal(a['dims'])})"
+  if isinstance(op, ExpandOp): return f"np.broadcast_to({args[0]}, {literal(a['shape'])})"
+  if isinstance(op, SliceOp): return f"{args[0]}[{_slice(a['index'])}]"
+  if isinstance(op, RandomOp):
     rng = args[0]
     kw = [f"{k}={literal(v)}" for k, v in a.items() if k != "offset"]
     kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
-    call = f'kernels["{eq.op}"]({", ".join(kw)})'
+    call = f'kernels["{op.opname}"]({", ".join(kw)})'
   else:
-    call = f'kernels["{eq.op}"]({", ".join(args + [f"{k}={literal(v)}" for k, v in a.items()])})'
-  return f"np.asarray({call}, {_dtype_name(eq.out.dtype)})"
+    call = f'kernels["{op.opname}"]({", ".join(args + [f"{k}={literal(v)}" for k, v in a.items()])})'
+  return f"np.asarray({call}, {_dtype_name(dtype)})"
 
 
-def generate(graph: Graph, name: str = "step") -> str:
-  """Python source of `def <name>(a0, a1, ...)` computing the graph's outputs (a tuple of numpy arrays) from numpy
-  arrays, one per input in order. Outputs may share memory with inputs (an output may be an input itself)."""
-  names: dict[Value, str] = {v: f"a{i}" for i, v in enumerate(graph.inputs)}
-  last: dict[Value, int] = {}
-  for i, eq in enumerate(graph.equations):
-    for v in eq.inputs:
-      if v is not None: last[v] = i
-  keep = set(graph.outputs)
-  used = {eq.out.dtype for eq in graph.equations}
-  lines = [f"def {name}({', '.join(names[v] for v in graph.inputs)}):"]
-  for i, eq in enumerate(graph.equations):
-    try:
-      args = ["None" if v is None else names[v] for v in eq.inputs]
-    except KeyError:
-      raise ValueError(f"codegen: {eq.op} ({eq.out!r}) reads a value that is neither an input nor defined before it") \
-        from None
-    names[eq.out] = out = f"v{eq.out.id}"
-    lines.append(f"  {out} = {_expr(eq, args)}")
-    dead = dict.fromkeys(names[v] for v in eq.inputs if v is not None and last[v] == i and v not in keep)
-    if eq.out not in last and eq.out not in keep: dead[out] = None
+def generate(module: ModuleOp, name: str = "step") -> str:
+  """Python source of `def <name>(a0, a1, ...)` computing the module's function's results (a tuple of numpy arrays)
+  from numpy arrays, one per argument in order. Results may share memory with arguments (a result may be an argument
+  itself)."""
+  block = function(module).body.block
+  names: dict[SSAValue, str] = {v: f"a{i}" for i, v in enumerate(block.args)}
+  *ops, ret = block.ops
+  if not isinstance(ret, ReturnOp): raise ValueError(f"codegen: the function ends in {ret.name}, not func.return")
+  last: dict[SSAValue, int] = {}
+  for i, op in enumerate(ops):
+    if not isinstance(op, NovaOp): raise ValueError(f"codegen: unexpected op {op.name} in a nova function")
+    for v in op.operands: last[v] = i
+  keep = set(ret.arguments)
+  used: set[DType] = set()
+  lines = [f"def {name}({', '.join(names.values())}):"]
+  for i, op in enumerate(ops):
+    args = ["None" if v is None else names[v] for v in op.graph_inputs()]
+    result = op.results[0]
+    dtype = DTYPES[result.type.element_type]
+    used.add(dtype)
+    names[result] = out = f"v{len(names)}"
+    lines.append(f"  {out} = {_expr(op, args, dtype)}")
+    dead = dict.fromkeys(names[v] for v in op.operands if last[v] == i and v not in keep)
+    if result not in last and result not in keep: dead[out] = None
     if dead: lines.append(f"  del {', '.join(dead)}")
-  outs = ", ".join(names[v] for v in graph.outputs)
-  lines.append(f"  return ({outs}{',' if len(graph.outputs) == 1 else ''})")
+  outs = ", ".join(names[v] for v in ret.arguments)
+  lines.append(f"  return ({outs}{',' if len(ret.arguments) == 1 else ''})")
   header = ['"""Generated by blutrain.nova.codegen_cpu."""', "import numpy as np", "from blutrain import dtypes",
             "from blutrain.backend.cpu import kernels", "",
             *(f"{_dtype_name(d)} = dtypes.{_dtype_name(d)}.np" for d in dtypes.all_dtypes if d in used), "", ""]

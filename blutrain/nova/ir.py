@@ -1,4 +1,5 @@
-"""Graph <-> xDSL module: `to_module` builds the `nova` IR of a captured graph, `to_graph` reads it back.
+"""Graph -> xDSL module: `to_module` builds the `nova` IR of a captured graph; `print_module` and `parse_module`
+convert it to and from MLIR syntax.
 
 A graph becomes one `func.func @step` whose block arguments are the graph's inputs, one nova op per equation in
 program order, and a `func.return` of the outputs:
@@ -19,8 +20,8 @@ from xdsl.ir import Block, Region, SSAValue
 from xdsl.parser import Parser
 from xdsl.printer import Printer
 
-from blutrain.nova.dialect import OP_CLASSES, Nova, NovaOp, aval, tensor_type
-from blutrain.nova.graph import Equation, Graph, Value
+from blutrain.nova.dialect import OP_CLASSES, Nova, tensor_type
+from blutrain.nova.graph import Graph, Value
 
 
 def context() -> Context:
@@ -70,29 +71,6 @@ def function(module: ModuleOp) -> FuncOp:
   funcs = [op for op in module.ops if isinstance(op, FuncOp)]
   if len(funcs) != 1: raise ValueError(f"nova: expected a module with one func.func, got {len(funcs)}")
   return funcs[0]
-
-
-def to_graph(module: ModuleOp, device=None) -> Graph:
-  """The graph of a nova module (values renumbered in program order: inputs first)."""
-  block = function(module).body.block
-  graph = Graph(device=device)
-  env: dict[SSAValue, Value] = {}
-
-  def value(v: SSAValue) -> Value:
-    a = aval(v.type)
-    env[v] = out = Value(len(env), a.shape, a.dtype)
-    return out
-
-  graph.inputs = [value(arg) for arg in block.args]
-  for op in block.ops:
-    if isinstance(op, ReturnOp):
-      graph.outputs = [env[v] for v in op.arguments]
-    elif isinstance(op, NovaOp):
-      inputs = [None if v is None else env[v] for v in op.graph_inputs()]
-      graph.equations.append(Equation(op.opname, inputs, op.attrs(), value(op.result)))
-    else:
-      raise ValueError(f"nova: unexpected op {op.name} in a nova function")
-  return graph
 
 
 def print_module(module: ModuleOp) -> str:

@@ -1,4 +1,4 @@
-"""The compiler's driver: graph -> nova IR -> passes -> graph -> numpy source -> callable.
+"""The compiler's driver: graph -> nova IR -> passes -> numpy source -> callable.
 
 `optimize` runs the passes: canonicalize and fold alternate until fold finds nothing to fold (each reaches its own
 fixed point with one worklist walk, and only fold's new splats can expose new identities such as x * 1), then cse
@@ -17,10 +17,10 @@ from typing import Callable
 
 from xdsl.dialects.builtin import ModuleOp
 
-from blutrain.nova import codegen_cpu, hashing
+from blutrain.nova import codegen_cpu
 from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
-from blutrain.nova.ir import function, print_module, to_graph, to_module
+from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, NovaPass
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
@@ -75,24 +75,23 @@ class CompiledGraph:
   """A graph compiled for the CPU: `fn(*arrays) -> tuple of arrays`, with what it took to get there.
 
   Attributes:
-    key: structural hash of the captured graph (`hashing.graph_key`).
     source: the generated Python source of `fn`.
     fn: the compiled step.
-    graph: the optimized graph `source` was generated from.
+    module: the optimized nova module `source` was generated from.
     counts_before, counts_after: op counts of the captured and the optimized IR.
-    timings: seconds per phase (hash, build, optimize, lower, codegen, load).
+    timings: seconds per phase (build, optimize, codegen, load).
   """
-  key: str
   source: str
   fn: Callable
-  graph: Graph
+  module: ModuleOp
   counts_before: dict[str, int]
   counts_after: dict[str, int]
   timings: dict[str, float] = field(default_factory=dict)
 
 
 def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verify: bool | None = None) -> CompiledGraph:
-  """Compile a captured graph to a numpy function.
+  """Compile a captured graph to a numpy function. The graph's structural hash (`hashing.graph_key`) is the caller's
+  business: the runtime computes it once, as its cache key, before deciding to compile.
 
   Args:
     graph: the captured graph.
@@ -111,19 +110,15 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
     now = time.perf_counter()
     timings[phase], t = now - t, now
 
-  key = hashing.graph_key(graph)
-  lap("hash")
   module = to_module(graph)
   counts_before = op_counts(module)
   lap("build")
   optimize(module, dump_dir, verify)
   counts_after = op_counts(module)
   lap("optimize")
-  optimized = to_graph(module, graph.device)
-  lap("lower")
-  source = codegen_cpu.generate(optimized)
+  source = codegen_cpu.generate(module)
   if dump_dir: (Path(dump_dir) / "step.py").write_text(source)
   lap("codegen")
   fn = codegen_cpu.load(source)
   lap("load")
-  return CompiledGraph(key, source, fn, optimized, counts_before, counts_after, timings)
+  return CompiledGraph(source, fn, module, counts_before, counts_after, timings)

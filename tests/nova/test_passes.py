@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from blutrain.nova import ir
+from blutrain.nova.dialect import FullOp
 from blutrain.nova.hashing import canonical
 from blutrain.nova.passes import PASSES, CanonicalizePass, CSEPass, DCEPass, FoldPass
 from blutrain.nova.pipeline import op_counts, optimize
@@ -197,9 +198,9 @@ def _folded_value(body: str, result: str):
   module = ir.parse_module(func("", result, body))
   FoldPass().run(module)
   DCEPass().run(module)
-  (eq,) = ir.to_graph(module).equations
-  assert eq.op == "full"
-  return eq.attrs["value"]
+  op, _ = ir.function(module).body.block.ops
+  assert isinstance(op, FullOp)
+  return op.attrs()["value"]
 
 
 def test_fold_computes_in_the_dtype():
