@@ -5,6 +5,7 @@ import math
 from typing import Iterable
 
 from blutrain import dtypes, ops
+from blutrain.autograd.tape import hooks
 from blutrain.ops import no_grad
 from blutrain.tensor import Tensor
 
@@ -68,7 +69,7 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
 def _multi_tensor(grads: list[Tensor]) -> bool:
   """Whether one multi-tensor kernel per dtype can take the gradients: eager, dense float32/16 on one CUDA device."""
   d = grads[0].device
-  return (d.type == "cuda" and ops.core.capture.trace is None
+  return (d.type == "cuda" and hooks.trace is None
           and all(g.device == d and g.dtype in (dtypes.float32, dtypes.bfloat16, dtypes.float16) and g.is_contiguous()
                   for g in grads))
 

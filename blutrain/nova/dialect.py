@@ -41,7 +41,7 @@ from xdsl.utils.exceptions import VerifyException
 from blutrain import dtypes
 from blutrain.dtypes import DType
 from blutrain.ops import registry
-from blutrain.ops.core import Aval
+from blutrain.autograd.tape import Aval
 
 # *** types ***
 

@@ -18,7 +18,7 @@ import numpy as np
 from blutrain import backend
 from blutrain.device import Device
 from blutrain.nova.capture import StaleGraph, Trace
-from blutrain.ops import core
+from blutrain.autograd.tape import grad_mode, hooks
 from blutrain.tensor import Tensor
 
 
@@ -176,7 +176,7 @@ class Compiled:
   def _guard(self, leaves: list, tree: Any) -> tuple:
     modules, optimizers = self._found
     params = _params(modules, optimizers)
-    return (tree, core.grad_mode.enabled,
+    return (tree, grad_mode.enabled,
             tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
             tuple((id(p), p.grad is None) for p in params),
             tuple(m.training for top in modules for m in top.modules()),
@@ -211,14 +211,14 @@ class Compiled:
     for i, x in enumerate(leaves):
       if isinstance(x, Tensor): trace.bind_arg(i, x)
     t0 = time.perf_counter()
-    core.capture.trace = trace
+    hooks.trace = trace
     try:
       out = self.fn(*args, **kwargs)
     except BaseException:
       for p, g in saved_grads: p.grad = g
       raise
     finally:
-      core.capture.trace = None
+      hooks.trace = None
     out_leaves, out_tree = flatten(out)
     returned = [x for x in out_leaves if isinstance(x, Tensor)]
     if any(x.requires_grad and x._node is not None for x in returned) and not trace.ran_backward:

@@ -3,18 +3,18 @@ from __future__ import annotations
 
 import math
 
-from blutrain import dtypes, ops
+from blutrain import dtypes
 from blutrain.dtypes import DType
 from blutrain.ops.core import op
 from blutrain.shapes import broadcast_shapes
-from blutrain.ops.creation import scalar_operand
+from blutrain.ops.creation import as_tensor_like, ones_like, scalar_operand, zeros_like
 from blutrain.tensor import Tensor
 
 
 def _same(x, **_): return x.shape, x.dtype
 
 
-def _floating(x: Tensor) -> Tensor:
+def floating(x: Tensor) -> Tensor:
   """Integer and bool inputs of float functions (exp, sqrt, ...) are promoted to float32, as in PyTorch."""
   return x if x.dtype.is_floating_point else x.to(dtypes.default_float)
 
@@ -41,29 +41,29 @@ gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
                inputs="x", attrs="approximate:str")
 
 
-def exp(x: Tensor, *, into: Tensor | None = None) -> Tensor: return exp_op(_floating(x), into=into)
-def log(x: Tensor) -> Tensor: return log_op(_floating(x))
-def sqrt(x: Tensor, *, into: Tensor | None = None) -> Tensor: return sqrt_op(_floating(x), into=into)
-def rsqrt(x: Tensor) -> Tensor: return rsqrt_op(_floating(x))
-def sin(x: Tensor) -> Tensor: return sin_op(_floating(x))
-def cos(x: Tensor) -> Tensor: return cos_op(_floating(x))
-def tanh(x: Tensor) -> Tensor: return tanh_op(_floating(x))
-def sigmoid(x: Tensor) -> Tensor: return sigmoid_op(_floating(x))
-def erf(x: Tensor) -> Tensor: return erf_op(_floating(x))
+def exp(x: Tensor, *, into: Tensor | None = None) -> Tensor: return exp_op(floating(x), into=into)
+def log(x: Tensor) -> Tensor: return log_op(floating(x))
+def sqrt(x: Tensor, *, into: Tensor | None = None) -> Tensor: return sqrt_op(floating(x), into=into)
+def rsqrt(x: Tensor) -> Tensor: return rsqrt_op(floating(x))
+def sin(x: Tensor) -> Tensor: return sin_op(floating(x))
+def cos(x: Tensor) -> Tensor: return cos_op(floating(x))
+def tanh(x: Tensor) -> Tensor: return tanh_op(floating(x))
+def sigmoid(x: Tensor) -> Tensor: return sigmoid_op(floating(x))
+def erf(x: Tensor) -> Tensor: return erf_op(floating(x))
 def floor(x: Tensor) -> Tensor: return x if not x.dtype.is_floating_point else floor_op(x)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
   """GELU: x * Phi(x) (`approximate="none"`, erf) or its tanh approximation (`approximate="tanh"`)."""
   if approximate not in ("none", "tanh"): raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-  return gelu_op(_floating(x), approximate=approximate)
+  return gelu_op(floating(x), approximate=approximate)
 
 
 def zeros_like_grad(g: Tensor) -> Tensor: return g * 0
 def silu(x: Tensor) -> Tensor: return x * sigmoid(x)                         # x * sigmoid(x)
 def sign(x: Tensor) -> Tensor: return (x > 0).to(x.dtype) - (x < 0).to(x.dtype) if x.dtype is not dtypes.bool_ else copy(x)
 def square(x: Tensor) -> Tensor: return x * x
-def reciprocal(x: Tensor) -> Tensor: return 1 / _floating(x)
+def reciprocal(x: Tensor) -> Tensor: return 1 / floating(x)
 
 
 # *** binary ***
@@ -75,7 +75,7 @@ def _binary_rule(name: str, out_dtype: DType | None = None):
 
 def _unbroadcast(g: Tensor, x) -> Tensor:
   """Sum a broadcast gradient back to the input's shape."""
-  return g if g.shape == tuple(x.shape) else ops.sum_to(g, x.shape)
+  return g if g.shape == tuple(x.shape) else g.sum_to_size(x.shape)
 
 
 def _max_vjp(g, out, x, y):
@@ -162,7 +162,7 @@ def logical_or(x, y) -> Tensor: return _cmp["logical_or"](*operands("logical_or"
 def logical_xor(x, y) -> Tensor: return _cmp["logical_xor"](*operands("logical_xor", x, y, dtype=dtypes.bool_))
 def logical_not(x: Tensor) -> Tensor: return logical_not_op(x.to(dtypes.bool_))
 def isnan(x: Tensor) -> Tensor: return x != x
-def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs(x) < float("inf")) if x.dtype.is_floating_point else ops.ones_like(x, dtype=dtypes.bool_)
+def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs(x) < float("inf")) if x.dtype.is_floating_point else ones_like(x, dtype=dtypes.bool_)
 
 
 # *** where, cast, copy ***
@@ -172,7 +172,7 @@ def _where_rule(c, x, y):
 
 
 where_op = op("where", _where_rule, lambda g, out, c, x, y: (
-  None, _unbroadcast(where_op(c, g, ops.zeros_like(g)), x), _unbroadcast(where_op(c, ops.zeros_like(g), g), y)), saves=(0,),
+  None, _unbroadcast(where_op(c, g, zeros_like(g)), x), _unbroadcast(where_op(c, zeros_like(g), g), y)), saves=(0,),
     inputs="c x y")
 
 
@@ -219,7 +219,7 @@ def masked_fill(x: Tensor, mask: Tensor, value, *, into: Tensor | None = None) -
   if broadcast_shapes(mask.shape, x.shape, op="masked_fill") != tuple(x.shape):
     raise ValueError(f"masked_fill: mask of shape {mask.shape} does not broadcast to the tensor's shape {x.shape}")
   if isinstance(value, (bool, int, float)): value = scalar_operand(value, x.dtype, x.device)
-  else: value = ops.as_tensor_like(value, x).to(x.dtype)
+  else: value = as_tensor_like(value, x).to(x.dtype)
   return where(mask, value, x, into=into)
 
 

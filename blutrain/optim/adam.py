@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import dtypes, ops
+from blutrain.autograd.tape import hooks
 from blutrain.optim.optimizer import Optimizer, ParamsT
 from blutrain.profiler import record_function
 from blutrain.tensor import Tensor
@@ -73,7 +74,7 @@ class Adam(Optimizer):
   @staticmethod
   def _fusable(group: dict[str, Any], params: list[Tensor]) -> bool:
     """Whether fused_adamw can update the group: eager, AdamW's update, dense floating CUDA parameters and grads."""
-    return (group["fused"] is not False and ops.core.capture.trace is None and bool(params)
+    return (group["fused"] is not False and hooks.trace is None and bool(params)
             and not group["amsgrad"] and not group["maximize"]
             and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
             and all(p.device.type == "cuda" and p.dtype.is_floating_point and p.grad.dtype.is_floating_point

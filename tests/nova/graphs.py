@@ -11,7 +11,7 @@ from blutrain import dtypes
 from blutrain.dtypes import DType
 from blutrain.nova.graph import Equation, Graph, Value
 from blutrain.ops import registry
-from blutrain.ops.core import Aval
+from blutrain.autograd.tape import Aval
 
 
 class Builder:
