@@ -55,6 +55,13 @@ def get_autocast_dtype(device_type: str = "cuda") -> DType | None:
   return _state.dtype.get(device_type)
 
 
+def state() -> tuple:
+  """What autocast does in this thread now, as a hashable value: ((device type, dtype), ...) for the device types it
+  casts on, and whether parameter casts are cached. Nova's guard holds it: a step captured under autocast must not
+  replay outside it."""
+  return tuple(sorted((k, d.name) for k, d in _state.dtype.items() if d is not None)), _state.cache_enabled
+
+
 def _lower(t: Tensor, dtype: DType) -> Tensor:
   """t in dtype; a parameter's cast is made once per outermost autocast context (and per grad mode and version)."""
   if not (_state.cache_enabled and t.is_leaf and t.requires_grad and hooks.trace is None): return t.to(dtype)

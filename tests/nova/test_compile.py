@@ -133,6 +133,49 @@ def test_guard_recaptures_on_new_shape_and_hyperparameter():
   assert step.captures == 3
 
 
+def test_guard_holds_autocast_and_matmul_precision():
+  """Global state that changes what a step computes is part of the guard: flipping it between calls recaptures, and
+  each replay computes what eager mode computes under the state of its call."""
+  bt.manual_seed(0)
+  w, x = bt.randn(6, 5), bt.randn(4, 6)
+  fn = bt.compile(lambda a: a @ w)
+  autocast = bt.autocast("cpu", dtype=bt.bfloat16)
+  for _ in range(2):
+    with autocast: out = fn(x)
+  assert fn.captures == 1 and out.dtype is bt.bfloat16
+  with autocast: want = x @ w
+  np.testing.assert_array_equal(out.float().numpy(), want.float().numpy())
+  out = fn(x)  # autocast ended: a float32 graph, not the bfloat16 one replayed
+  assert fn.captures == 2 and out.dtype is bt.float32
+  np.testing.assert_allclose(out.numpy(), (x @ w).numpy(), rtol=1e-6)
+  with autocast: assert fn(x).dtype is bt.bfloat16 and fn.captures == 2  # both graphs stay cached
+
+  bt.set_float32_matmul_precision("high")
+  try:
+    fn(x)
+    assert fn.captures == 3, "the precision is a matmul attribute: a new precision is a new graph"
+    with bt.autocast("cpu", dtype=bt.bfloat16, enabled=False): fn(x)
+    assert fn.captures == 3, "autocast disabled casts nothing: the same graph"
+  finally:
+    bt.set_float32_matmul_precision("highest")
+  fn(x)
+  assert fn.captures == 3
+
+
+def test_matmul_precision_travels_as_an_attribute(tmp_path):
+  bt.manual_seed(0)
+  w, x = bt.randn(6, 5), bt.randn(4, 6)
+  for precision, tf32 in (("highest", "false"), ("high", "true")):
+    bt.set_float32_matmul_precision(precision)
+    try:
+      fn = bt.compile(lambda a: a @ w, dump_ir=str(tmp_path / precision))
+      for _ in range(2): fn(x)
+    finally:
+      bt.set_float32_matmul_precision("highest")
+    captured = next((tmp_path / precision).rglob("00-captured.mlir")).read_text()
+    assert f"tf32 = {tf32}" in captured, captured
+
+
 def test_warm_cache_skips_the_passes():
   def make_step():
     bt.manual_seed(0)
