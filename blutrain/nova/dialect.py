@@ -272,6 +272,8 @@ OPS: dict[str, tuple[type[NovaOp], str, str]] = {
   "cross_entropy": (NNOp, "logits target", "ignore_index:int"),
   "flash_attention": (NNOp, "q k v", "causal:bool scale:float tf32:bool?"),
   "flash_attention_backward": (NNOp, "g q k v out", "causal:bool scale:float tf32:bool?"),
+  # multi-tensor
+  "sum_squares": (NNOp, "*xs", ""),
 }
 
 def _optional_format(operands: list[str]) -> str:

@@ -1,7 +1,7 @@
 """The op library: every primitive once (signature, shape/dtype rule, VJP, name), composites over them.
 
 Modules build on each other in this order, each importing only those before it: core (Op, apply), creation,
-random, elementwise, reduce, movement, linalg, nn, inplace; methods gives Tensor its methods from all of them.
+random, elementwise, reduce, movement, linalg, nn, optim (multi-tensor ops), inplace; methods gives Tensor its methods from all of them.
 A VJP that needs an op of a later module reaches it through a tensor method.
 """
 from blutrain.autograd.tape import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
@@ -20,6 +20,7 @@ from blutrain.ops.movement import (cat, chunk, expand, flatten, getitem, narrow,
 from blutrain.ops.nn import (cross_entropy, dropout, embedding, gather, index_select, layer_norm, linear, log_softmax,
                              mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter_add, softmax,
                              tril, triu)
+from blutrain.ops.optim import adamw_, scale_, sum_squares
 from blutrain.ops.random import (Generator, bernoulli_mask, default_generator, manual_seed, rand, rand_like, randint,
                                  randn, randn_like)
 from blutrain.ops.reduce import (all, amax, amin, any, argmax, argmin, cumsum, logsumexp, max, mean, min, std, sum,

@@ -17,7 +17,8 @@ def _signature(graph):
 
 
 def test_one_op_per_primitive():
-  assert set(OPS) == set(registry) - {"to_device"}
+  # adamw and scale have several results, which this table's single-result ops cannot declare
+  assert set(OPS) == set(registry) - {"to_device", "adamw", "scale"}
   assert all(cls.name == f"nova.{name}" for name, cls in OP_CLASSES.items())
   graph, _ = every_op()
   assert {eq.op for eq in graph.equations} == set(OPS), "every_op() must cover every primitive"
