@@ -55,7 +55,6 @@ class Op:
   attrs: tuple[Attr, ...] = ()
   kernels: dict[str, Callable] = field(default_factory=dict, repr=False)  # device type -> kernel, filled by apply
 
-  def __call__(self, *inputs, **attrs): return apply(self, *inputs, **attrs)
   def __repr__(self) -> str: return f"Op({self.name})"
 
 
@@ -74,6 +73,7 @@ def op(name: str, rule, vjp=None, *, inputs: str, attrs: str = "", **kw) -> Op:
 
 def _device_of(op_: Op, inputs) -> tuple[Any, bool]:
   """The device the op runs on, and whether CPU scalars ride along with tensors of another device."""
+  if len(inputs) == 1 and inputs[0] is not None: return inputs[0]._storage.device, False
   dev = None
   for t in inputs:
     if t is None: continue
@@ -114,8 +114,7 @@ def _kernel(op_: Op, device) -> Callable:
   return k
 
 
-def _launch(op_: Op, kernel: Callable, device, inputs, arrays: list, attrs: dict):
-  if hooks.profile is None: return kernel(*arrays, **attrs)
+def _profiled(op_: Op, kernel: Callable, device, inputs, arrays: list, attrs: dict):
   with hooks.profile(op_.name, device, inputs): return kernel(*arrays, **attrs)
 
 
@@ -129,7 +128,8 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
   instead of a new tensor: when the backend's kernel writes into an `out=` array (its `writes_out`), no node is
   needed and `can_write_into` allows it, the result is stored in into's memory (cast to its dtype), its version is
   bumped and `into` is returned. Otherwise new tensors are returned, which the caller writes (`ops.inplace`)."""
-  if hooks.autocast is not None: inputs = hooks.autocast(op_.name, inputs)
+  h = hooks
+  if h.autocast is not None: inputs = h.autocast(op_.name, inputs)
   grad = grad_mode.enabled
   if grad:
     for t in inputs:
@@ -141,9 +141,9 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
   if grad and op_.vjp is not None and op_.differentiable:
     for t in inputs:
       if t is not None and t.requires_grad: record = True; break
-  if scalars and (hooks.trace is not None or op_.view is not None): _device_error(op_, inputs)
-  if hooks.trace is not None:
-    out = hooks.trace.emit(op_, inputs, attrs, avals, dev, rng)
+  if scalars and (h.trace is not None or op_.view is not None): _device_error(op_, inputs)
+  if h.trace is not None:
+    out = h.trace.emit(op_, inputs, attrs, avals, dev, rng)
   elif op_.view is not None:
     x = inputs[0]
     vshape, strides, offset = op_.view(x, **attrs)
@@ -155,16 +155,21 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
     if scalars and not getattr(kernel, "host_scalars", False): _device_error(op_, inputs)
     arrays = [None if t is None else t._array() for t in inputs]
     if into is not None and not record and getattr(kernel, "writes_out", False) and _fits(into, avals, dev, inputs, op_):
-      _launch(op_, kernel, dev, inputs, arrays, {**attrs, "out": _out_arrays(into, op_)})
+      attrs["out"] = _out_arrays(into, op_)
+      if h.profile is None: kernel(*arrays, **attrs)
+      else: _profiled(op_, kernel, dev, inputs, arrays, attrs)
       for t in (into if op_.multi else (into,)): t._storage.version += 1
       return into
-    result = _launch(op_, kernel, dev, inputs, arrays, attrs)
+    result = kernel(*arrays, **attrs) if h.profile is None else _profiled(op_, kernel, dev, inputs, arrays, attrs)
     out_dev = attrs["target"] if op_.transfer else dev
     if op_.multi: return tuple(Tensor._wrap(r, out_dev, dt) for r, (_, dt) in zip(result, avals))
     out = Tensor._wrap(result, out_dev, avals[1])
     assert out.shape == avals[0], f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {avals[0]}"
   if record: tape_record(op_, inputs, attrs, out)
   return out
+
+
+Op.__call__ = apply  # an op is called as `add_op(x, y)`, straight into apply
 
 
 def _fits(into, avals, dev, inputs, op_: Op) -> bool:

@@ -103,9 +103,15 @@ _cmp = {name: op(name, _binary_rule(name, dtypes.bool_), differentiable=False, i
 logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differentiable=False, inputs="x")
 
 
-def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor]:
+def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor] | tuple:
   """Bring tensors and Python numbers to one dtype (PyTorch's promotion) and one device; numbers become CPU scalars
   that kernels take by value (`scalar_operand`)."""
+  if dtype is None and len(xs) == 2:  # the common cases first: two tensors of one dtype, a float tensor and a number
+    x, y = xs
+    if isinstance(x, Tensor):
+      if isinstance(y, Tensor):
+        if x.dtype is y.dtype: return xs
+      elif y.__class__ in (int, float) and x.dtype.category == 2: return x, scalar_operand(y, x.dtype, x.device)
   dt = dtype or dtypes.result_type(*xs)
   like = next((x for x in xs if isinstance(x, Tensor)), None)
   if like is None: raise TypeError(f"{op_name}: expected at least one tensor, got {[type(x).__name__ for x in xs]}")
@@ -119,7 +125,7 @@ def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor]:
 
 def _scaled(y, alpha):
   """alpha * y, skipped for a Python 1 (alpha may be a tensor, e.g. a compiled step's learning rate)."""
-  return y if not isinstance(alpha, Tensor) and alpha == 1 else y * alpha
+  return y if alpha.__class__ is int and alpha == 1 or not isinstance(alpha, Tensor) and alpha == 1 else y * alpha
 
 
 # `into`, here and below: a tensor that may receive the result in place of a new one (in-place methods pass theirs,
@@ -127,7 +133,7 @@ def _scaled(y, alpha):
 
 def add(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
   """x + alpha * y, broadcasting."""
-  return add_op(*operands("add", x, _scaled(y, alpha)), into=into)
+  return add_op(*operands("add", x, y if alpha.__class__ is int and alpha == 1 else _scaled(y, alpha)), into=into)
 
 
 def sub(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:

@@ -29,8 +29,11 @@ def inplace(x: Tensor, fn, *args, **kwargs) -> Tensor:
   if recording and base is None and x._node is not None and x._node.op.view is not None:
     raise RuntimeError(f"in-place op on a view ({x._node.op.name}) of a tensor that requires grad inside bt.compile; "
                        "use an out-of-place op (e.g. `x = x.masked_fill(...)`)")
-  old = Tensor._make(x._storage, x.shape, x._strides, x._offset, x.dtype)
-  old.requires_grad, old._node = x.requires_grad, x._node
+  if recording and (x.requires_grad or _any_requires_grad(args) or _any_requires_grad(kwargs.values())):
+    old = Tensor._make(x._storage, x.shape, x._strides, x._offset, x.dtype)
+    old.requires_grad, old._node = x.requires_grad, x._node
+  else:
+    old = x  # no node will save it: x itself is the input, read before the write
   new = fn(old, *args, into=x, **kwargs)
   if new is x: return x
   if new.dtype is not x.dtype:
@@ -76,6 +79,12 @@ def setitem(x: Tensor, key, value) -> None:
     idx, positions = tuple(t for _, t in adv), tuple(p for p, _ in adv)
     region = index_shape(y.shape, [t.shape for t in idx], positions)
     inplace(y, lambda old, into: index_put(old, _fit(value, region).to(x.dtype), *idx, positions=positions))
+
+
+def _any_requires_grad(values) -> bool:
+  for v in values:
+    if isinstance(v, Tensor) and v.requires_grad: return True
+  return False
 
 
 def _fit(value: Tensor, shape) -> Tensor:
