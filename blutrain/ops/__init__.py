@@ -3,6 +3,10 @@
 Modules build on each other in this order, each importing only those before it: core (Op, apply), creation,
 random, elementwise, reduce, movement, linalg, nn, optim (multi-tensor ops), inplace; methods gives Tensor its methods from all of them.
 A VJP that needs an op of a later module reaches it through a tensor method.
+
+Names: a primitive's `Op` object is `<name>_op` (`add_op`, `layer_norm_backward_op`); the public function of the same
+name (`add`, `layer_norm`) converts and checks its arguments and calls it. The string name is the same in the registry,
+the backends' kernel tables and Nova's dialect (`nova.add`).
 """
 from blutrain.autograd.tape import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from blutrain.ops import methods

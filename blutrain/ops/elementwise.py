@@ -21,26 +21,29 @@ def floating(x: Tensor) -> Tensor:
 
 # *** unary ***
 
-neg = op("neg", _same, lambda g, out, x: (-g,), saves=(), inputs="x")
+neg_op = op("neg", _same, lambda g, out, x: (-g,), saves=(), inputs="x")
 exp_op = op("exp", _same, lambda g, out, x: (g * out,), saves=(), saves_output=True, inputs="x")
 log_op = op("log", _same, lambda g, out, x: (g / x,), inputs="x")
 sqrt_op = op("sqrt", _same, lambda g, out, x: (g / (2 * out),), saves=(), saves_output=True, inputs="x")
 rsqrt_op = op("rsqrt", _same, lambda g, out, x: (-0.5 * g * out * out * out,), saves=(), saves_output=True, inputs="x")
-abs = op("abs", _same, lambda g, out, x: (g * sign(x),), inputs="x")
+abs_op = op("abs", _same, lambda g, out, x: (g * sign(x),), inputs="x")
 sin_op = op("sin", _same, lambda g, out, x: (g * cos(x),), inputs="x")
 cos_op = op("cos", _same, lambda g, out, x: (-g * sin(x),), inputs="x")
 tanh_op = op("tanh", _same, lambda g, out, x: (g * (1 - out * out),), saves=(), saves_output=True, inputs="x")
 sigmoid_op = op("sigmoid", _same, lambda g, out, x: (g * out * (1 - out),), saves=(), saves_output=True, inputs="x")
-relu = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True,
+relu_op = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True,
           inputs="x")  # passes at NaN, as torch
 erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),), inputs="x")
 floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
-gelu_backward = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype), inputs="g x", attrs="approximate:str")
+gelu_backward_op = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype), inputs="g x", attrs="approximate:str")
 gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
-             lambda g, out, x, approximate: (gelu_backward(g, x, approximate=approximate),),
+             lambda g, out, x, approximate: (gelu_backward_op(g, x, approximate=approximate),),
                inputs="x", attrs="approximate:str")
 
 
+def neg(x: Tensor, *, into: Tensor | None = None) -> Tensor: return neg_op(x, into=into)
+def abs(x: Tensor, *, into: Tensor | None = None) -> Tensor: return abs_op(x, into=into)
+def relu(x: Tensor, *, into: Tensor | None = None) -> Tensor: return relu_op(x, into=into)
 def exp(x: Tensor, *, into: Tensor | None = None) -> Tensor: return exp_op(floating(x), into=into)
 def log(x: Tensor) -> Tensor: return log_op(floating(x))
 def sqrt(x: Tensor, *, into: Tensor | None = None) -> Tensor: return sqrt_op(floating(x), into=into)
@@ -168,7 +171,7 @@ def logical_or(x, y) -> Tensor: return _cmp["logical_or"](*operands("logical_or"
 def logical_xor(x, y) -> Tensor: return _cmp["logical_xor"](*operands("logical_xor", x, y, dtype=dtypes.bool_))
 def logical_not(x: Tensor) -> Tensor: return logical_not_op(x.to(dtypes.bool_))
 def isnan(x: Tensor) -> Tensor: return x != x
-def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs(x) < float("inf")) if x.dtype.is_floating_point else ones_like(x, dtype=dtypes.bool_)
+def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs_op(x) < float("inf")) if x.dtype.is_floating_point else ones_like(x, dtype=dtypes.bool_)
 
 
 # *** where, cast, copy ***
@@ -194,7 +197,12 @@ def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
 
 cast_op = op("cast", lambda x, dtype: (x.shape, dtype), lambda g, out, x, dtype: (g.to(x.dtype),), saves=(),
              inputs="x", attrs="dtype:dtype")
-copy = op("copy", _same, lambda g, out, x: (g,), saves=(), inputs="x")
+copy_op = op("copy", _same, lambda g, out, x: (g,), saves=(), inputs="x")
+
+
+def copy(x: Tensor) -> Tensor:
+  """A new tensor with x's values (contiguous)."""
+  return copy_op(x)
 
 
 def cast(x: Tensor, dtype: DType) -> Tensor:

@@ -6,7 +6,7 @@ from blutrain.autograd.tape import grad_mode, hooks, no_grad
 from blutrain.ops.core import can_cast, refresh_view, view_positions, write
 from blutrain.ops.creation import arange, as_tensor_like
 from blutrain.ops.elementwise import copy
-from blutrain.ops.movement import getitem, index_put, index_shape, parse_key, put
+from blutrain.ops.movement import getitem, index_put_op, index_shape, parse_key, put
 from blutrain.tensor import Tensor
 
 
@@ -78,7 +78,7 @@ def setitem(x: Tensor, key, value) -> None:
       return
     idx, positions = tuple(t for _, t in adv), tuple(p for p, _ in adv)
     region = index_shape(y.shape, [t.shape for t in idx], positions)
-    inplace(y, lambda old, into: index_put(old, _fit(value, region).to(x.dtype), *idx, positions=positions))
+    inplace(y, lambda old, into: index_put_op(old, _fit(value, region).to(x.dtype), *idx, positions=positions))
 
 
 def _any_requires_grad(values) -> bool:

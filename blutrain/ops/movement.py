@@ -150,10 +150,10 @@ def _slice_layout(x, index):
   return shape, strides, x._offset + sum(st * start for st, (start, _, _) in zip(x._strides, index) if start)
 
 
-slice_backward = op("slice_backward", lambda g, shape, index: (shape, g.dtype),
+slice_backward_op = op("slice_backward", lambda g, shape, index: (shape, g.dtype),
                     lambda g2, out, g, shape, index: (slice_op(g2, index=index),), saves=(),
                       inputs="g", attrs="shape:ints index:index")
-slice_op = op("slice", _slice_rule, lambda g, out, x, index: (slice_backward(g, shape=x.shape, index=index),),
+slice_op = op("slice", _slice_rule, lambda g, out, x, index: (slice_backward_op(g, shape=x.shape, index=index),),
               view=_slice_layout, saves=(), inputs="x", attrs="index:index")
 
 
@@ -283,13 +283,13 @@ def _index_rule(x, *idx, positions):
   return index_shape(x.shape, [t.shape for t in idx], positions), x.dtype
 
 
-index_backward = op("index_backward", lambda g, *idx, shape, positions: (shape, g.dtype),
+index_backward_op = op("index_backward", lambda g, *idx, shape, positions: (shape, g.dtype),
                     lambda g2, out, g, *idx, shape, positions: (index_op(g2, *idx, positions=positions),) + (None,) * len(idx),
                     saves=None, inputs="g *idx", attrs="shape:ints positions:ints")
 index_op = op("index", _index_rule, lambda g, out, x, *idx, positions: (
-  index_backward(g, *idx, shape=x.shape, positions=positions),) + (None,) * len(idx), saves=None,
+  index_backward_op(g, *idx, shape=x.shape, positions=positions),) + (None,) * len(idx), saves=None,
     inputs="x *idx", attrs="positions:ints")
-index_put = op("index_put", lambda x, v, *idx, positions: (x.shape, x.dtype), differentiable=False,
+index_put_op = op("index_put", lambda x, v, *idx, positions: (x.shape, x.dtype), differentiable=False,
                inputs="x v *idx", attrs="positions:ints")
 
 
@@ -349,7 +349,7 @@ def put(x: Tensor, pos: Tensor, value: Tensor) -> Tensor:
   Where pos repeats, the last write wins, as in the eager write (PyTorch leaves that case undefined)."""
   if pos.numel() == 0: return x
   pos, n = pos.reshape(-1), x.numel()
-  src = index_put(full((n,), -1, dtype=dtypes.int64, device=x.device),
+  src = index_put_op(full((n,), -1, dtype=dtypes.int64, device=x.device),
                   arange(pos.numel(), device=x.device), pos, positions=(0,))  # which value lands where
   picked = value.reshape(-1).gather(0, where(src >= 0, src, 0))
   return where((src >= 0).reshape(x.shape), picked.reshape(x.shape), x)

@@ -49,7 +49,7 @@ def _layer_norm_rule(x, w, b, n, eps):
 
 def _layer_norm_vjp(g, out, x, w, b, n, eps):
   size, N = math.prod(x.shape), math.prod(x.shape[x.ndim - n:])
-  grads = layer_norm_backward(g, x, w, n=n, eps=eps, has_bias=b is not None)
+  grads = layer_norm_backward_op(g, x, w, n=n, eps=eps, has_bias=b is not None)
   dx = grads.narrow(0, 0, size).reshape(x.shape)
   dw = grads.narrow(0, size, N).reshape(w.shape).to(w.dtype) if w is not None else None
   db = grads.narrow(0, grads.shape[0] - N, N).reshape(b.shape).to(b.dtype) if b is not None else None
@@ -64,7 +64,7 @@ def _layer_norm_backward_rule(g, x, w, n, eps, has_bias):
 # dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) with gw = g w, dw = sum(g xhat), db = sum(g) over the leading dims,
 # xhat = (x - mean) rstd. One kernel computes all three: a primitive has one output, so the backward returns
 # cat([dx.flatten(), dw, db]) (dw and db when present), which the VJP splits by views.
-layer_norm_backward = op("layer_norm_backward", _layer_norm_backward_rule,
+layer_norm_backward_op = op("layer_norm_backward", _layer_norm_backward_rule,
                          inputs="g x ?weight", attrs="n:int eps:float has_bias:bool")
 layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1),
                    inputs="x ?weight ?bias", attrs="n:int eps:float")
@@ -141,10 +141,10 @@ def _embedding_rule(weight, idx):
   return idx.shape + (weight.shape[1],), weight.dtype
 
 
-embedding_backward = op("embedding_backward", lambda g, idx, num: ((num, g.shape[-1]), g.dtype),
+embedding_backward_op = op("embedding_backward", lambda g, idx, num: ((num, g.shape[-1]), g.dtype),
                         inputs="g idx", attrs="num:int")
 embedding_op = op("embedding", _embedding_rule, lambda g, out, weight, idx: (
-  embedding_backward(g, idx, num=weight.shape[0]), None), saves=(1,), inputs="weight idx")
+  embedding_backward_op(g, idx, num=weight.shape[0]), None), saves=(1,), inputs="weight idx")
 
 
 def embedding(input: Tensor, weight: Tensor) -> Tensor:
@@ -168,10 +168,10 @@ def _cross_entropy_rule(logits, target, ignore_index):
   return target.shape, logits.dtype
 
 
-cross_entropy_backward = op("cross_entropy_backward", lambda g, logits, target, ignore_index: (logits.shape, logits.dtype),
+cross_entropy_backward_op = op("cross_entropy_backward", lambda g, logits, target, ignore_index: (logits.shape, logits.dtype),
                             inputs="g logits target", attrs="ignore_index:int")
 cross_entropy_op = op("cross_entropy", _cross_entropy_rule, lambda g, out, logits, target, ignore_index: (
-  cross_entropy_backward(g, logits, target, ignore_index=ignore_index), None),
+  cross_entropy_backward_op(g, logits, target, ignore_index=ignore_index), None),
     inputs="logits target", attrs="ignore_index:int")
 
 
@@ -255,16 +255,16 @@ def _flash_attention_rule(q, k, v, causal, scale, tf32=False):
 
 def _flash_attention_vjp(g, out, q, k, v, causal, scale, tf32=False):
   L, S = q.shape[-2], k.shape[-2]
-  dqkv = flash_attention_backward(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
+  dqkv = flash_attention_backward_op(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
   return dqkv.narrow(-2, 0, L), dqkv.narrow(-2, L, S), dqkv.narrow(-2, L + S, S)
 
 
 # softmax(q k^T * scale [causal]) v without the (L, S) weights in memory. One kernel computes dq, dk and dv together,
 # and a primitive has one output: the backward returns cat([dq, dk, dv], -2), which the VJP splits by views.
-flash_attention_backward = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale, tf32=False: (
+flash_attention_backward_op = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale, tf32=False: (
   q.shape[:-2] + (q.shape[-2] + 2 * k.shape[-2], q.shape[-1]), q.dtype),
     inputs="g q k v out", attrs="causal:bool scale:float tf32:bool?")
-flash_attention = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True,
+flash_attention_op = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True,
                      inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
 _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
@@ -284,7 +284,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
   if (attn_mask is None and dropout_p == 0.0 and query.dtype in _FLASH_DTYPES and query.dtype is key.dtype is value.dtype
       and key.shape == value.shape and query.shape[:-2] == key.shape[:-2] and query.shape[-1] <= 256
       and query.shape[-2] > 0 and key.shape[-2] > 0):
-    return flash_attention(query, key, value, causal=bool(is_causal), scale=float(scale),
+    return flash_attention_op(query, key, value, causal=bool(is_causal), scale=float(scale),
                            tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
   scores = matmul(query, key.mT) * scale
   if is_causal:
