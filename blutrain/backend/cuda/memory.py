@@ -178,6 +178,13 @@ def copy_d2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
     check(runtime._driver().cuMemcpyDtoDAsync(dst, src, nbytes, s._s.handle), "cuMemcpyDtoDAsync")
 
 
+def zero(a: CudaArray) -> None:
+  """Queue a memset of the contiguous array `a` to zero bytes on the current stream."""
+  if a.nbytes:
+    s = current_stream(a.device)
+    check(runtime._driver().cuMemsetD8Async(a.ptr, 0, a.nbytes, s._s.handle), "cuMemsetD8Async")
+
+
 # *** host <-> device ***
 
 def from_numpy(array: np.ndarray, device: int | None = None) -> CudaArray:

@@ -68,7 +68,8 @@ def _gelu_tanh_gate(x):
 
 
 @triton.jit
-def _gelu(x, TANH: tl.constexpr):
+def gelu(x, TANH: tl.constexpr):
+  """GELU of float32 x: x Phi(x), or its tanh approximation (TANH); the GEMM epilogues use it too."""
   if TANH:
     y = x * _gelu_tanh_gate(x)
   else:
@@ -77,7 +78,8 @@ def _gelu(x, TANH: tl.constexpr):
 
 
 @triton.jit
-def _gelu_backward(g, x, TANH: tl.constexpr):
+def gelu_backward(g, x, TANH: tl.constexpr):
+  """g times GELU's derivative at x (of the tanh approximation when TANH), in float32."""
   if TANH:
     s = _gelu_tanh_gate(x)  # 1 - tanh(u)^2 = 4 s (1 - s)
     d = s + 2.0 * x * s * (1.0 - s) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
@@ -120,9 +122,9 @@ def _apply(a, b, c, OP: tl.constexpr):
   elif OP == "logical_not":
     r = a == 0
   elif OP == "gelu":
-    r = _gelu(a, False)
+    r = gelu(a, False)
   elif OP == "gelu_tanh":
-    r = _gelu(a, True)
+    r = gelu(a, True)
   elif OP == "add":
     r = a | b if a.dtype == tl.int1 else a + b
   elif OP == "sub":
@@ -162,9 +164,9 @@ def _apply(a, b, c, OP: tl.constexpr):
   elif OP == "logical_xor":
     r = (a != 0) ^ (b != 0)
   elif OP == "gelu_backward":
-    r = _gelu_backward(a, b, False)
+    r = gelu_backward(a, b, False)
   elif OP == "gelu_backward_tanh":
-    r = _gelu_backward(a, b, True)
+    r = gelu_backward(a, b, True)
   else:
     tl.static_assert(OP == "where", "unknown elementwise op")
     r = tl.where(c, a, b)
