@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from blutrain import dtypes  # noqa: E402
 from blutrain.backend.cuda import runtime  # noqa: E402
 from blutrain.backend.cuda.kernels.gemm.plan import Plan  # noqa: E402
 from blutrain.backend.cuda.kernels.gemm.source import CONSTEXPRS, main_spec  # noqa: E402

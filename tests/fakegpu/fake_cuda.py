@@ -1,6 +1,6 @@
 """A fake CUDA device for running the CUDA backend's host code on a machine without a GPU.
 
-Only the lowest layers are replaced: the driver module (`runtime._driver`: allocations hand out fake addresses,
+Only the lowest layers are replaced: the driver module (`runtime.driver`: allocations hand out fake addresses,
 copies and memsets do nothing, pinned staging is real host memory), cuda.core's Device, Stream, Event, ObjectCode and
 launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt with its
 nvmath enums. Triton compiles every kernel for real. Nothing is computed: device memory holds no values and host
@@ -103,7 +103,7 @@ class FakeLt:
 
 def install() -> None:
   drv = FakeDriver()
-  runtime._driver = lambda: drv
+  runtime.driver = lambda: drv
   runtime._probe = (True, "")
   cuda.core.ObjectCode, cuda.core.launch = FakeObjectCode, fake_launch
   st = object.__new__(runtime._DeviceState)

@@ -6,7 +6,10 @@ Each module defines `KERNELS: dict[str, Callable]` (op name -> host wrapper with
 their variant with the same spec helpers, so what CI compiles is what runs.
 
 Shared here: the dtype names of signatures, the layout helpers (broadcast strides, dim collapsing), the compile
-cache in front of `launch.compile`, and the strided-offset helper of the Triton kernels.
+cache in front of `launch.compile`, and the device functions that several families call: offsets of up to 5 strided
+dims (`strided`, `axis_offsets`, with their host-side arguments `axis_args`), NaN-propagating extremes and IEEE sqrt.
+Helpers of one family that others use are public in that family's module (`elementwise.launch`, `creation.fill`,
+`reduce.reduce`, `norm.row_stats`).
 """
 from __future__ import annotations
 
@@ -148,6 +151,39 @@ def strided(r, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND: tl.constexpr):
           r = r // Z1
           off += r * T0
   return off
+
+
+@triton.jit
+def axis_offsets(i, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND: tl.constexpr, UNIT: tl.constexpr):
+  """`strided` offsets along one axis; a single unit-stride dim (UNIT) is the identity, which tells Triton the axis
+  is contiguous."""
+  if UNIT and ND == 1:
+    off = i
+  else:
+    off = strided(i, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND)
+  return off
+
+
+def axis_params(p: str) -> list[str]:
+  """The names of the 9 scalars that address axis p of a kernel (see `axis_args`)."""
+  return [f"{p}Z1", f"{p}Z2", f"{p}Z3", f"{p}Z4", f"{p}0", f"{p}1", f"{p}2", f"{p}3", f"{p}4"]
+
+
+def axis_args(shape, strides) -> list[int]:
+  """The 9 scalars of one axis (up to 5 collapsed dims) for `strided`: sizes Z1..Z4 and strides T0..T4, left-padded."""
+  return pad(shape, 5, 1)[1:] + pad(strides, 5, 0)
+
+
+@triton.jit
+def max_nan(a, b):
+  """The larger of a and b, NaN when either is (as numpy's maximum)."""
+  return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def min_nan(a, b):
+  """The smaller of a and b, NaN when either is (as numpy's minimum)."""
+  return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Elementwise kernels: unary, binary, compare, where, cast and copy on strided, broadcast inputs; full and arange.
+"""Elementwise kernels: unary, binary, compare, where, cast and copy on strided, broadcast inputs.
 
 Two Triton kernels serve every elementwise op, the op chosen by a constexpr (dead branches are pruned at compile
 time): `_flat` for outputs whose inputs are contiguous or scalars (1-D, 16-byte vector loads when aligned, large
@@ -21,7 +21,7 @@ from triton.language.extra.cuda import libdevice
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (MAX_DIMS, broadcast_shape, broadcast_strides, cdiv, collapse,
-                                           empty, f64_bits, needs_i64, pad, ptr, run, spec, sqrt_rn,
+                                           empty, needs_i64, pad, ptr, spec, sqrt_rn,
                                            strided, view)
 from blutrain.dtypes import DType
 from blutrain.configurator import flat_schedule, tile_schedule
@@ -391,68 +391,6 @@ def elementwise(op: str, out_dtype: DType, *ins: CudaArray | Value) -> CudaArray
   return launch(op, empty(broadcast_shape(*(x.shape for x in ins)), out_dtype, a.device), *ins)
 
 
-@functools.lru_cache(maxsize=4096)
-def fill_spec(itemsize: int, n: int, i64: bool):
-  block, warps = flat_schedule(n, itemsize)
-  return spec(_fill_kernel, {"out": f"*i{8 * itemsize}", "n": "i64" if i64 else "i32", "bits": "i64"},
-              dict(BLOCK=block, IDX64=i64), num_warps=warps)
-
-
-def _fill(out: CudaArray, value) -> CudaArray:
-  """Write value (converted to out's dtype as numpy does) into every element of the contiguous `out`."""
-  n = out.size
-  if n == 0: return out
-  s = fill_spec(out.dtype.itemsize, n, needs_i64(out.shape, out.strides))
-  with np.errstate(all="ignore"):
-    bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
-  s.kernel((cdiv(n, s[2]["BLOCK"]),), out, n, bits)
-  return out
-
-
-@triton.jit
-def _fill_kernel(out, n, bits, BLOCK: tl.constexpr, IDX64: tl.constexpr):
-  """Store the bit pattern `bits` (the value in out's dtype, read as an integer of its width) everywhere."""
-  start = tl.program_id(0)
-  if IDX64:
-    start = start.to(tl.int64)
-  offs = start * BLOCK + tl.arange(0, BLOCK)
-  v = tl.full([BLOCK], 0, out.dtype.element_ty) + bits.to(out.dtype.element_ty)
-  tl.store(out + offs, v, mask=offs < n)
-
-
-@triton.jit
-def _arange_kernel(out, n, start, step, BLOCK: tl.constexpr, FLOAT: tl.constexpr):
-  """out[i] = start + step * i, in float64 (start and step arrive as their bits) or in int64."""
-  i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-  if FLOAT:
-    v = start.to(tl.float64, bitcast=True) + step.to(tl.float64, bitcast=True) * i.to(tl.float64)
-  else:
-    v = start + step * i
-  tl.store(out + i, v.to(out.dtype.element_ty), mask=i < n)
-
-
-def full(*, shape, value, dtype: DType, out: CudaArray | None = None) -> CudaArray:
-  """A new array of `value` in dtype on the current device, or `out` (any layout and dtype) filled with the value
-  converted to dtype."""
-  if out is None: return _fill(empty(shape, dtype), value)
-  if dtype is out.dtype and out.is_contiguous(): return _fill(out, value)
-  return launch("copy", out, _fill(empty((), dtype, out.device), value))
-
-
-full.writes_out = True
-
-
-def arange(*, start, step, shape, dtype: DType, device: int | None = None) -> CudaArray:
-  out = empty(shape, dtype, device)
-  if out.size == 0: return out
-  fl = dtype.is_floating_point or isinstance(start, float) or isinstance(step, float)
-  block, warps = flat_schedule(out.size, out.dtype.itemsize)
-  s = spec(_arange_kernel, {"out": ptr(dtype), "n": "i64", "start": "i64", "step": "i64"}, dict(BLOCK=block, FLOAT=fl),
-           num_warps=warps)
-  run(s, (cdiv(out.size, block),), out.ptr, out.size, *((f64_bits(start), f64_bits(step)) if fl else (start, step)))
-  return out
-
-
 def _op(op: str, arg: int = 0):
   """The kernel of an elementwise op: a new array of the broadcast shape (bool for comparisons, else the dtype of
   input `arg`), or the result written into `out=` (any strided layout, converted to its dtype on store; inputs that
@@ -476,14 +414,12 @@ KERNELS = {  # copy.py wraps "copy"
   "gelu": lambda x, approximate: elementwise("gelu_tanh" if approximate == "tanh" else "gelu", x.dtype, x),
   "gelu_backward": lambda g, x, approximate: elementwise(
     "gelu_backward_tanh" if approximate == "tanh" else "gelu_backward", x.dtype, g, x),
-  "full": full,
-  "arange": lambda *, start, step, shape, dtype: arange(start=start, step=step, shape=shape, dtype=dtype),
 }
 
 
 def _specs() -> list:
   """Every op once on the flat kernel in float32 (bool for logical ops); the tiled kernel for one op of each kind;
-  integer, half and float64 arithmetic; both alignments and index widths; full and arange for every dtype."""
+  integer, half and float64 arithmetic; both alignments and index widths."""
   f32, bf16, b = dtypes.float32, dtypes.bfloat16, dtypes.bool_
   out = []
   for op in UNARY + BINARY:
@@ -512,11 +448,6 @@ def _specs() -> list:
   out.append(tiled_spec("mul", bf16, (bf16, bf16), 2, (True, True, False), 4096, 768, True, False, (False, True)))
   out.append(tiled_spec("where", f32, (f32, f32, b), 3, (True, False, True, False), 1 << 10, 64, False, False,
                         (True, False, False)))
-  for bits in (8, 16, 32, 64):
-    out.append(spec(_fill_kernel, {"out": f"*i{bits}", "n": "i32", "bits": "i64"}, dict(BLOCK=1024, IDX64=False)))
-  for dt in dtypes.all_dtypes:
-    out.append(spec(_arange_kernel, {"out": ptr(dt), "n": "i64", "start": "i64", "step": "i64"},
-                    dict(BLOCK=1024, FLOAT=dt.is_floating_point)))
   return out
 
 

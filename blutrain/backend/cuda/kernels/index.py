@@ -29,7 +29,8 @@ from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broa
                                            contiguous_strides, empty, needs_i64, pad, ptr, run, spec,
                                            strided, view)
 from blutrain.backend.cuda.kernels.copy import cast, copy
-from blutrain.backend.cuda.kernels.elementwise import _fill, launch
+from blutrain.backend.cuda.kernels.creation import fill
+from blutrain.backend.cuda.kernels.elementwise import launch
 from blutrain.dtypes import DType
 from blutrain.configurator import index_schedule
 
@@ -138,12 +139,12 @@ def _run(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: 
       *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st), *xs, *[0] * (4 - len(xs)), *xn, *[1] * (4 - len(xn)))
 
 
-def _acc(dtype: DType) -> DType:
+def _atomic_dtype(dtype: DType) -> DType:
   """The dtype atomic adds accumulate in."""
   return dtypes.float32 if dtype in HALF else dtypes.int32 if dtype is dtypes.bool_ else dtype
 
 
-def _zeros(shape, dtype: DType, device: int) -> CudaArray: return _fill(empty(shape, dtype, device), 0)
+def _zeros(shape, dtype: DType, device: int) -> CudaArray: return fill(empty(shape, dtype, device), 0)
 
 
 def _done(acc: CudaArray, dtype: DType) -> CudaArray: return acc if acc.dtype is dtype else cast(acc, dtype)
@@ -163,7 +164,7 @@ def embedding(weight: CudaArray, idx: CudaArray) -> CudaArray:
 
 
 def embedding_backward(g: CudaArray, idx: CudaArray, num: int) -> CudaArray:
-  acc = _zeros((num, g.shape[-1]), _acc(g.dtype), g.device)
+  acc = _zeros((num, g.shape[-1]), _atomic_dtype(g.dtype), g.device)
   _run("add", acc, g, g.shape, g.strides, (0,) * idx.ndim + (1,), [(idx, broadcast_strides(idx, g.shape[:-1]) + (0,))],
        [g.shape[-1]], [num])
   return _done(acc, g.dtype)
@@ -177,7 +178,7 @@ def gather(x: CudaArray, index: CudaArray, dim: int) -> CudaArray:
 
 
 def scatter_add(x: CudaArray, index: CudaArray, src: CudaArray, dim: int) -> CudaArray:
-  acc = cast(x, _acc(x.dtype))
+  acc = cast(x, _atomic_dtype(x.dtype))
   _run("add", acc, src, index.shape, src.strides, _contiguous_zero(acc.shape, dim), [(index, index.strides)],
        [acc.strides[dim]], [x.shape[dim]])
   return _done(acc, x.dtype)
@@ -213,7 +214,7 @@ def index(x: CudaArray, *idx: CudaArray, positions) -> CudaArray:
 
 
 def index_backward(g: CudaArray, *idx: CudaArray, shape, positions) -> CudaArray:
-  acc = _zeros(shape, _acc(g.dtype), g.device)
+  acc = _zeros(shape, _atomic_dtype(g.dtype), g.device)
   out_shape, tst, terms, xs, xn = _index_args(acc.shape, acc.strides, idx, positions)
   _run("add", acc, g, out_shape, broadcast_strides(g, out_shape), tst, terms, xs, xn)
   return _done(acc, g.dtype)

@@ -16,8 +16,9 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import cdiv, empty, needs_i64, ptr, run, spec
-from blutrain.backend.cuda.kernels.norm import _acc, row_schedule, row_stats
+from blutrain.backend.cuda.kernels import TL, cdiv, empty, needs_i64, ptr, run, spec
+from blutrain.backend.cuda.kernels.norm import row_stats, stats_dtype
+from blutrain.configurator import row_schedule
 
 
 @triton.jit
@@ -78,7 +79,7 @@ def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: b
   bm, bn, warps, _ = row_schedule(N, C)
   bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward reads the row twice anyway
   return spec(_ce_backward if backward else _ce_forward, _sig(logits, target, i64, backward),
-              dict(ACC=_acc(logits), C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+              dict(ACC=TL[stats_dtype(logits)], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
 def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int) -> CudaArray:

@@ -16,12 +16,14 @@ import triton.language as tl
 from blutrain import dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (cdiv, collapse, empty, needs_i64, pad, ptr, run, spec, sqrt_rn,
-                                           strided, view)
+from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, cdiv, collapse, empty, max_nan,
+                                           needs_i64, pad, ptr, run, spec, sqrt_rn, strided, view)
 from blutrain.backend.cuda.kernels.copy import copy
-from blutrain.backend.cuda.kernels.elementwise import _fill, launch
-from blutrain.backend.cuda.kernels.reduce import _axis, _max_nan, _names, _offsets, _reduce
+from blutrain.backend.cuda.kernels.creation import fill
+from blutrain.backend.cuda.kernels.elementwise import launch
+from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.configurator import row_schedule
+from blutrain.dtypes import DType
 
 
 @triton.jit
@@ -44,7 +46,7 @@ def row_stats(x, m_off, m_mask, N, NS, ACC: tl.constexpr, N_UNIT: tl.constexpr, 
     n_off = ns if N_UNIT else ns * NS
     v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < N)[None, :], other=float("-inf"))
     m, s = _online(m, s, v.to(ACC))
-  row_max = tl.reduce(m, 1, _max_nan)
+  row_max = tl.reduce(m, 1, max_nan)
   row_sum = tl.sum(s * tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max[:, None])), axis=1)
   return row_max, row_sum
 
@@ -59,13 +61,13 @@ def _softmax_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1
     pid = pid.to(tl.int64)
   ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = ms < M
-  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
-  o_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, O0, O1, O2, O3, O4, MND, M_UNIT)
+  m_off = axis_offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  o_off = axis_offsets(ms, MZ1, MZ2, MZ3, MZ4, O0, O1, O2, O3, O4, MND, M_UNIT)
   if ONE_PASS:
     ns = tl.arange(0, BLOCK_N)
     mask = m_mask[:, None] & (ns < N)[None, :]
     v = tl.load(x + m_off[:, None] + (ns if N_UNIT else ns * NS)[None, :], mask=mask, other=float("-inf")).to(ACC)
-    row_max = tl.reduce(v, 1, _max_nan)
+    row_max = tl.reduce(v, 1, max_nan)
     e = tl.exp(v - row_max[:, None])
     row_sum = tl.sum(e, axis=1)
     if LOG:
@@ -236,21 +238,18 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, M, N, eps, ROWS, 
           _add_partial(db_part + pid * N + ns, tl.sum(gv, axis=0), ns < N, first)
 
 
-def _acc_dtype(dtype):
+def stats_dtype(dtype: DType) -> DType:
+  """The dtype row statistics are kept in: float64 for float64 rows, else float32."""
   return dtypes.float64 if dtype is dtypes.float64 else dtypes.float32
-
-
-def _acc(dtype):
-  return tl.float64 if dtype is dtypes.float64 else tl.float32
 
 
 @functools.lru_cache(maxsize=4096)
 def softmax_spec(log: bool, x, mnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")}, **{f"O{i}": it for i in range(5)},
+  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in axis_params("M")}, **{f"O{i}": it for i in range(5)},
          "NS": it, "ONS": it}
-  return spec(_softmax_kernel, sig, dict(LOG=log, ACC=_acc(x), MND=mnd, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
+  return spec(_softmax_kernel, sig, dict(LOG=log, ACC=TL[stats_dtype(x)], MND=mnd, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
                                          BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
 
 
@@ -265,7 +264,7 @@ def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
   i64 = needs_i64(x.shape, x.strides)
   m_unit = kst[-1] == 1 and ost[-1] == 1
   s = softmax_spec(log, x.dtype, len(kshape), m_unit, x.strides[dim] == 1, M, N, i64)
-  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0), x.strides[dim],
+  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *axis_args(kshape, kst), *pad(ost, 5, 0), x.strides[dim],
       out.strides[dim])
   return out
 
@@ -275,8 +274,8 @@ def layer_norm_spec(x, w, b, mnd: int, M: int, N: int, i64: bool):
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
   sig = {"out": ptr(x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
-         **{k: it for k in _names("M")}}
-  return spec(_layer_norm_kernel, sig, dict(ACC=_acc(x), MND=mnd, HAS_W=w is not None, HAS_B=b is not None,
+         **{k: it for k in axis_params("M")}}
+  return spec(_layer_norm_kernel, sig, dict(ACC=TL[stats_dtype(x)], MND=mnd, HAS_W=w is not None, HAS_B=b is not None,
                                             BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
 
 
@@ -294,17 +293,17 @@ def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, e
   i64 = needs_i64(x.shape, x.strides)
   s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64)
   run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N, float(eps),
-      *_axis(kshape, kst))
+      *axis_args(kshape, kst))
   return out
 
 
 @functools.lru_cache(maxsize=4096)
 def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool):
   bm, bn, warps, one = row_schedule(M, N)
-  it, acc = "i64" if i64 else "i32", _acc_dtype(x)
+  it, acc = "i64" if i64 else "i32", stats_dtype(x)
   sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x), "M": it,
          "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
-  return spec(_layer_norm_backward_kernel, sig, dict(ACC=_acc(x), HAS_W=w is not None, HAS_B=has_b, BLOCK_M=bm,
+  return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[stats_dtype(x)], HAS_W=w is not None, HAS_B=has_b, BLOCK_M=bm,
                                                      BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
 
 
@@ -317,17 +316,17 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int,
   n_params = (w is not None) + has_bias
   out = empty((M * N + N * n_params,), x.dtype, x.device)
   if out.size == 0: return out
-  if M == 0: return _fill(out, 0)
+  if M == 0: return fill(out, 0)
   g, x, w = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w))
   s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides))
   bm = s[2]["BLOCK_M"]
   rows = cdiv(cdiv(M, bm), 4 * runtime.hardware(x.device).sms) * bm
   programs = cdiv(M, rows)
-  parts = empty((2, programs, N), _acc_dtype(x.dtype), x.device)
+  parts = empty((2, programs, N), stats_dtype(x.dtype), x.device)
   run(s, (programs,), out.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
       (w or x).ptr, M, N, float(eps), rows)
   for i in range(n_params):  # dw then db
-    total = _reduce(view(parts, (programs, N), (N, 1), (i + (w is None)) * programs * N), (0,), False, "sum",
+    total = reduce(view(parts, (programs, N), (N, 1), (i + (w is None)) * programs * N), (0,), False, "sum",
                     parts.dtype)
     launch("copy", view(out, (N,), (1,), M * N + i * N), total)
   return out

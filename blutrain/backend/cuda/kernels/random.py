@@ -18,7 +18,7 @@ import triton.language as tl
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import cdiv, empty, ptr, run, spec
-from blutrain.backend.cuda.kernels.elementwise import flat_schedule
+from blutrain.configurator import flat_schedule
 from blutrain.dtypes import DType
 
 

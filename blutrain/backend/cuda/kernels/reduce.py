@@ -19,31 +19,13 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (TL, cdiv, collapse, empty, needs_i64, pad, ptr, run, spec,
-                                           strided)
+from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, cdiv, collapse, empty, max_nan,
+                                           min_nan, needs_i64, pad, ptr, run, spec)
 from blutrain.backend.cuda.kernels.copy import copy
-from blutrain.backend.cuda.kernels.elementwise import _fill, launch
-from blutrain.dtypes import DType
+from blutrain.backend.cuda.kernels.creation import fill
+from blutrain.backend.cuda.kernels.elementwise import launch
 from blutrain.configurator import reduce_schedule, split_rule
-
-@triton.jit
-def _max_nan(a, b):
-  return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _min_nan(a, b):
-  return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _offsets(i, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND: tl.constexpr, UNIT: tl.constexpr):
-  """Offsets along one axis; a single unit-stride dim is the identity, which tells Triton the axis is contiguous."""
-  if UNIT and ND == 1:
-    off = i
-  else:
-    off = strided(i, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND)
-  return off
+from blutrain.dtypes import DType
 
 
 @triton.jit
@@ -58,27 +40,27 @@ def _reduce_kernel(out, x, M, N, chunk, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, 
     pid_m = pid_m.to(tl.int64)
     pid_s = pid_s.to(tl.int64)
   ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  m_off = axis_offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
   m_mask = ms < M
   start = pid_s * chunk
   end = tl.minimum(start + chunk, N)
   acc = tl.full([BLOCK_M, BLOCK_N], IDENT, ACC)
   for n0 in range(start, end, BLOCK_N):
     ns = n0 + tl.arange(0, BLOCK_N)
-    n_off = _offsets(ns, NZ1, NZ2, NZ3, NZ4, N0, N1, N2, N3, N4, NND, N_UNIT)
+    n_off = axis_offsets(ns, NZ1, NZ2, NZ3, NZ4, N0, N1, N2, N3, N4, NND, N_UNIT)
     v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < end)[None, :], other=IDENT).to(ACC)
     if OP == "sum":
       acc += v
     elif OP == "amax":
-      acc = _max_nan(acc, v)
+      acc = max_nan(acc, v)
     else:
-      acc = _min_nan(acc, v)
+      acc = min_nan(acc, v)
   if OP == "sum":
     r = tl.sum(acc, axis=1)
   elif OP == "amax":
-    r = tl.reduce(acc, 1, _max_nan)
+    r = tl.reduce(acc, 1, max_nan)
   else:
-    r = tl.reduce(acc, 1, _min_nan)
+    r = tl.reduce(acc, 1, min_nan)
   tl.store(out + pid_s * M + ms, r.to(out.dtype.element_ty), mask=m_mask)
 
 
@@ -116,7 +98,7 @@ def _arg_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, NS, OP: tl
   if IDX64:
     pid = pid.to(tl.int64)
   ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  m_off = axis_offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
   m_mask = ms < M
   best = tl.full([BLOCK_M, BLOCK_N], IDENT, ACC)
   best_i = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)
@@ -145,8 +127,8 @@ def _cumsum_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1,
   if IDX64:
     pid = pid.to(tl.int64)
   ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
-  o_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, O0, O1, O2, O3, O4, MND, M_UNIT)
+  m_off = axis_offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  o_off = axis_offsets(ms, MZ1, MZ2, MZ3, MZ4, O0, O1, O2, O3, O4, MND, M_UNIT)
   m_mask = ms < M
   carry = tl.zeros([BLOCK_M], ACC)
   n_tiles = tl.cdiv(N, BLOCK_N)
@@ -165,14 +147,6 @@ def _cumsum_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1,
 
 
 # *** host side ***
-
-def _names(p: str) -> list[str]: return [f"{p}Z1", f"{p}Z2", f"{p}Z3", f"{p}Z4", f"{p}0", f"{p}1", f"{p}2", f"{p}3", f"{p}4"]
-
-
-def _axis(shape, strides) -> list[int]:
-  """The 9 scalars of one axis for `strided`: sizes Z1..Z4 and strides T0..T4, left-padded."""
-  return pad(shape, 5, 1)[1:] + pad(strides, 5, 0)
-
 
 def _layout(shape, strides, dims):
   """(perm, kept shape, kept strides, reduced shape, reduced strides), collapsed, the reduced dims by falling stride.
@@ -200,7 +174,7 @@ def _ident(op: str, dtype: DType):
   return -2**bits if op in ("amax", "argmax") else 2**bits - 1
 
 
-def _acc(op: str, x: DType, out: DType) -> DType:
+def accumulation_dtype(op: str, x: DType, out: DType) -> DType:
   """The accumulation dtype: float32 for half types, int64 for integer sums, int32 for bool extremes."""
   if op != "sum":
     return dtypes.float32 if x in (dtypes.float16, dtypes.bfloat16) else dtypes.int32 if x is dtypes.bool_ else x
@@ -212,15 +186,16 @@ def _acc(op: str, x: DType, out: DType) -> DType:
 def reduce_spec(op: str, x: DType, out: DType, mnd: int, nnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
   bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not (n_unit and nnd == 1))
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(out), "x": ptr(x), "M": it, "N": it, "chunk": it, **{k: it for k in _names("M") + _names("N")}}
-  return spec(_reduce_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[_acc(op, x, out)], MND=mnd, NND=nnd,
+  sig = {"out": ptr(out), "x": ptr(x), "M": it, "N": it, "chunk": it, **{k: it for k in axis_params("M") + axis_params("N")}}
+  return spec(_reduce_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[accumulation_dtype(op, x, out)], MND=mnd, NND=nnd,
                                         M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
-def _reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
+def reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
+  """op ("sum", "amax", "amin") of x over `dims` in out_dtype, a new contiguous array (see the module's docstring)."""
   out_shape, perm, passes = _reduce_plan(op, x.shape, x.strides, x.dtype, tuple(dims), keepdim, out_dtype)
   out = empty(out_shape, out_dtype, x.device)
-  if not passes: return out if 0 in out_shape else _fill(out, 0)
+  if not passes: return out if 0 in out_shape else fill(out, 0)
   if perm is not None: x = copy(_permuted(x, perm))
   for kernel, grid, scalars, partial in passes:
     dst = out if partial is None else empty(*partial, x.device)
@@ -246,13 +221,13 @@ def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], k
   if (pieces := split_rule(cdiv(M, bm), N, bn)) > 1:
     chunk = cdiv(cdiv(N, pieces), bn) * bn
     pieces = cdiv(N, chunk)
-    acc = _acc(op, dtype, out_dtype)
+    acc = accumulation_dtype(op, dtype, out_dtype)
     s = reduce_spec(op, dtype, acc, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
-    passes.append((s.kernel, (cdiv(M, bm), pieces), (M, N, chunk, *_axis(kshape, kst), *_axis(rshape, rst)),
+    passes.append((s.kernel, (cdiv(M, bm), pieces), (M, N, chunk, *axis_args(kshape, kst), *axis_args(rshape, rst)),
                    ((pieces, M), acc)))
     kshape, kst, rshape, rst, N = (M,), (1,), (pieces,), (M,), pieces
     s = reduce_spec(op, acc, out_dtype, 1, 1, True, False, M, N, i64)
-  passes.append((s.kernel, (cdiv(M, s[2]["BLOCK_M"]), 1), (M, N, N, *_axis(kshape, kst), *_axis(rshape, rst)), None))
+  passes.append((s.kernel, (cdiv(M, s[2]["BLOCK_M"]), 1), (M, N, N, *axis_args(kshape, kst), *axis_args(rshape, rst)), None))
   return out_shape, perm, passes
 
 
@@ -260,8 +235,8 @@ def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], k
 def arg_spec(op: str, x: DType, mnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
   bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not n_unit)
   it = "i64" if i64 else "i32"
-  sig = {"out": "*i64", "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")}, "NS": it}
-  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[_acc(op, x, x)], MND=mnd, M_UNIT=m_unit,
+  sig = {"out": "*i64", "x": ptr(x), "M": it, "N": it, **{k: it for k in axis_params("M")}, "NS": it}
+  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[accumulation_dtype(op, x, x)], MND=mnd, M_UNIT=m_unit,
                                      N_UNIT=n_unit, BLOCK_M=bm,
                                      BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
@@ -275,7 +250,7 @@ def _arg(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
   M, N = math.prod(kshape), math.prod(rshape)
   i64 = needs_i64(x.shape, x.strides)
   s = arg_spec(op, x.dtype, len(kshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
-  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), rst[-1])
+  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *axis_args(kshape, kst), rst[-1])
   return out
 
 
@@ -283,9 +258,9 @@ def _arg(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
 def cumsum_spec(x: DType, mnd: int, m_unit: bool, reverse: bool, M: int, N: int, i64: bool):
   bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1)
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")},
+  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in axis_params("M")},
          **{f"O{i}": it for i in range(5)}, "NS": it, "ONS": it}
-  return spec(_cumsum_kernel, sig, dict(ACC=TL[_acc("sum", x, x)], MND=mnd, M_UNIT=m_unit, REVERSE=reverse, BLOCK_M=bm,
+  return spec(_cumsum_kernel, sig, dict(ACC=TL[accumulation_dtype("sum", x, x)], MND=mnd, M_UNIT=m_unit, REVERSE=reverse, BLOCK_M=bm,
                                         BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
@@ -301,15 +276,15 @@ def cumsum(x: CudaArray, dim: int, reverse: bool = False) -> CudaArray:
   M, N = math.prod(kshape), x.shape[dim]
   i64 = needs_i64(x.shape, x.strides)
   s = cumsum_spec(x.dtype, len(kshape), kst[-1] == 1 and ost[-1] == 1, reverse, M, N, i64)
-  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0),
+  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *axis_args(kshape, kst), *pad(ost, 5, 0),
       x.strides[dim], out.strides[dim])
   return out
 
 
 KERNELS = {
-  "sum": lambda x, dims, keepdim, dtype: _reduce(x, dims, keepdim, "sum", dtype),
-  "amax": lambda x, dims, keepdim: _reduce(x, dims, keepdim, "amax", x.dtype),
-  "amin": lambda x, dims, keepdim: _reduce(x, dims, keepdim, "amin", x.dtype),
+  "sum": lambda x, dims, keepdim, dtype: reduce(x, dims, keepdim, "sum", dtype),
+  "amax": lambda x, dims, keepdim: reduce(x, dims, keepdim, "amax", x.dtype),
+  "amin": lambda x, dims, keepdim: reduce(x, dims, keepdim, "amin", x.dtype),
   "argmax": lambda x, dim, keepdim: _arg(x, dim, keepdim, "argmax"),
   "argmin": lambda x, dim, keepdim: _arg(x, dim, keepdim, "argmin"),
   "cumsum": cumsum,

@@ -12,13 +12,14 @@ import itertools
 
 from blutrain import configurator as cfg
 from blutrain import dtypes
-from blutrain.backend.cuda import launch, runtime
+from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import TY, broadcast_strides, collapse, empty, needs_i64
 from blutrain.backend.cuda.kernels.gemm.operand_copy import copy_layout, rowmajor_copy
 from blutrain.backend.cuda.kernels.gemm.source import (CONSTEXPRS, UNALIGNED_INTS, Structure, epilogue_pointers,
                                                        main_spec, reduce_spec)
 from blutrain.backend.cuda.kernels.matrix import blas_layout, leading_stride, transposed, unit_axis
+from blutrain.backend.cuda.launch import Kernel
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
 
@@ -47,7 +48,7 @@ class Plan:
     self.schedule, self.structure = schedule, structure
 
   @functools.cached_property
-  def kernels(self) -> list[launch.Kernel]:
+  def kernels(self) -> list[Kernel]:
     """The launches' compiled kernels (compiled on first use: planning needs no compiler)."""
     return [sp.kernel for sp, _, _ in self.launches]
 
