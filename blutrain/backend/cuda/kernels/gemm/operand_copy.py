@@ -65,7 +65,7 @@ def rowmajor_copy(x: CudaArray, round_tf32: bool) -> CudaArray:
   rows, cols = x.shape[-2:]
   y = empty((batch * rows * cols,), x.dtype, x.device)
   s = copy_spec(x, round_tf32)
-  unit_rows = s[2]["UNIT_ROWS"]
-  run(s, (cdiv(rows, s[2]["BLOCK_R"]), cdiv(cols, s[2]["BLOCK_C"]), batch), x, y, rows, cols,
+  unit_rows = s.constexprs["UNIT_ROWS"]
+  run(s, (cdiv(rows, s.constexprs["BLOCK_R"]), cdiv(cols, s.constexprs["BLOCK_C"]), batch), x, y, rows, cols,
       x.strides[-1 if unit_rows else -2], batch_stride)
   return CudaArray(y.ptr, x.shape, strides, x.dtype, x.device, y.owner)

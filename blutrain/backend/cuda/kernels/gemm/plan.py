@@ -166,7 +166,7 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   if split:
     sp = reduce_spec(st, rows, N, aligned)
     ptrs_reduce = ptrs | {"W": ("ws", offsets["ws"]), "C": ("out", offsets["out"])}
-    grid = (cdiv(rows, sp[2]["BLOCK_R"]), cdiv(N, sp[2]["BLOCK_C"]), Z)
+    grid = (cdiv(rows, sp.constexprs["BLOCK_R"]), cdiv(N, sp.constexprs["BLOCK_C"]), Z)
     launches.append((sp, grid, _args(sp[0], ptrs_reduce, ints)))
   return Plan(copied, len(offsets["a"]), launches, (s.split_k, Z, wm, N) if split and K else None, s, st)
 
