@@ -95,7 +95,7 @@ class _Staging:
     """Buffer j, ready to be written: its last copy has completed."""
     while len(self.buffers) <= j:
       runtime.state(self.device)
-      self.buffers.append(int(check(runtime._driver().cuMemAllocHost(CHUNK), f"cuMemAllocHost({CHUNK})")))
+      self.buffers.append(int(check(runtime.driver().cuMemAllocHost(CHUNK), f"cuMemAllocHost({CHUNK})")))
     self.events[j].synchronize()
     return self.buffers[j]
 
@@ -108,7 +108,7 @@ class _Ring:
 
   def __init__(self, device: int):
     runtime.state(device)
-    self.base = int(check(runtime._driver().cuMemAllocHost(self.SLOTS * self.SLOT), "cuMemAllocHost(ring)"))
+    self.base = int(check(runtime.driver().cuMemAllocHost(self.SLOTS * self.SLOT), "cuMemAllocHost(ring)"))
     self.events, self.next = [Event() for _ in range(self.SLOTS)], 0
 
   def slot(self) -> tuple[int, Event]:
@@ -132,7 +132,7 @@ def copy_h2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Queue a copy of `nbytes` from host address `src` to device address `dst` on `s`; `src` may be reused
   as soon as this returns."""
   runtime.state(s.device)  # its context current in this thread
-  st, drv = _stage(s.device), runtime._driver()
+  st, drv = _stage(s.device), runtime.driver()
   with st.lock:
     if nbytes <= _Ring.SLOT:
       ring = _rings.get(s.device) or _rings.setdefault(s.device, _Ring(s.device))
@@ -153,7 +153,7 @@ def copy_d2h(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Copy `nbytes` from device address `src` to host address `dst` after the work queued on `s`; returns
   when the host memory holds the data."""
   runtime.state(s.device)  # its context current in this thread
-  st, drv = _stage(s.device), runtime._driver()
+  st, drv = _stage(s.device), runtime.driver()
   with st.lock:
     last = None
     for k, off in enumerate(range(0, nbytes, CHUNK)):
@@ -175,7 +175,14 @@ def copy_d2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Queue a device-to-device copy of `nbytes` on `s`."""
   if nbytes:
     runtime.state(s.device)
-    check(runtime._driver().cuMemcpyDtoDAsync(dst, src, nbytes, s._s.handle), "cuMemcpyDtoDAsync")
+    check(runtime.driver().cuMemcpyDtoDAsync(dst, src, nbytes, s._s.handle), "cuMemcpyDtoDAsync")
+
+
+def zero(a: CudaArray) -> None:
+  """Queue a memset of the contiguous array `a` to zero bytes on the current stream."""
+  if a.nbytes:
+    s = current_stream(a.device)
+    check(runtime.driver().cuMemsetD8Async(a.ptr, 0, a.nbytes, s._s.handle), "cuMemsetD8Async")
 
 
 # *** host <-> device ***
