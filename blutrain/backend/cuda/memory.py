@@ -6,6 +6,7 @@ import ctypes
 import functools
 import math
 import threading
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -76,9 +77,9 @@ def broadcast_to(a: CudaArray, shape: tuple[int, ...]) -> CudaArray:
   return CudaArray(a.ptr, shape, strides, a.dtype, a.device, a.owner)
 
 
-def _kernel(name: str):
-  from blutrain.backend import cuda  # the kernel table; imported late since the kernel library imports this module
-  return cuda.kernels.get(name)
+# The kernel library's strided copy (kernels/copy.py sets it when it loads: the library sits above this module), for
+# copies a memcpy cannot do: other layouts, dtype conversions, and compacting a sparse view before a download.
+strided_copy: Callable[..., CudaArray] | None = None
 
 
 # *** pinned staging ***
@@ -205,7 +206,7 @@ def to_numpy(a: CudaArray) -> np.ndarray:
     copy_d2h(out.ctypes.data, a.ptr, a.nbytes, s)
     return out
   lo, hi = span(a.shape, a.strides)
-  if not is_dense(a) and hi - lo > 2 * a.size + (1 << 20) // item and (copy := _kernel("copy")) is not None:
+  if not is_dense(a) and hi - lo > 2 * a.size + (1 << 20) // item and (copy := strided_copy) is not None:
     return to_numpy(copy(a))  # a sparse view of a large buffer: gather it on the device first
   buf = np.empty(hi - lo, a.dtype.np)
   copy_d2h(buf.ctypes.data, a.ptr + lo * item, (hi - lo) * item, s)
@@ -234,13 +235,8 @@ def copy_into(dst: CudaArray, src: CudaArray) -> None:
       lo, _ = span(dst.shape, dst.strides)
       copy_d2d(dst.ptr + lo * dst.dtype.itemsize, src.ptr + lo * src.dtype.itemsize, dst.nbytes, s)
       return
-  _require("copy", src, dst)(src, out=dst)
-
-
-def _require(name: str, src: CudaArray, dst: CudaArray):
-  k = _kernel(name)
-  if k is None:
+  if strided_copy is None:
     raise RuntimeError(f"copy_into: writing a {src.dtype.name} array of shape {src.shape} (strides {src.strides}) into "
                        f"a {dst.dtype.name} one with strides {dst.strides} on cuda:{dst.device} needs the CUDA "
-                       f"'{name}' kernel, which is not loaded (blutrain.backend.cuda.kernels)")
-  return k
+                       "'copy' kernel, which is not loaded (blutrain.backend.cuda.kernels)")
+  strided_copy(src, out=dst)

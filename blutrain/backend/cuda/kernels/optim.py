@@ -26,7 +26,7 @@ from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import TL, f64_bits, run, spec, sqrt_rn
 from blutrain.backend.cuda.kernels.copy import cat, copy
-from blutrain.backend.cuda.kernels.reduce import _reduce as reduce
+from blutrain.backend.cuda.kernels.reduce import reduce
 
 CHUNK = 65536  # elements per program: 16 tiles of 4096
 
