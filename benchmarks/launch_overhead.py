@@ -28,7 +28,7 @@ RAW = "blutrain raw kernel launch (x + y)"
 def raw_add(x: bt.Tensor, y: bt.Tensor, out: bt.Tensor):
   """out = x + y by the elementwise kernel the op library picks for contiguous float32 operands, launched directly."""
   from blutrain.backend.cuda import launch
-  from blutrain.backend.cuda.kernels import cdiv
+  from blutrain.shapes import cdiv
   from blutrain.backend.cuda.kernels.elementwise import flat_spec
   n = x.numel()
   fn, signature, constexprs, options = flat_spec("add", x.dtype, (x.dtype, y.dtype), (False, False), n, True, False)

@@ -1,12 +1,12 @@
-"""Matmuls on the GPU: Nova's synthesized GEMMs (configurator-scheduled, no autotuning) against cuBLASLt (blutrain's
-nvmath binding), PyTorch's matmul, XLA (jax.jit) and Triton's tutorial matmul autotuned over its own configs, on
+"""Matmuls on the GPU: blutrain's synthesized Triton GEMMs (kernels/gemm/, configurator-scheduled, no autotuning)
+against cuBLASLt (blutrain's nvmath binding), PyTorch's matmul, XLA (jax.jit) and Triton's tutorial matmul autotuned over its own configs, on
 GPT-2 124M's training GEMMs (16384 tokens, every linear in the forward, input-gradient and weight-gradient
 orientations, operands in the layouts training produces: no copies) and squares 1024-8192, in TF32 and bf16.
 
 Timing: device time per call. For the CUDA-stream peers a spin kernel first holds the stream, so the host queues
 all repeats before the start event runs and launch overhead never shows; XLA is timed by wall clock over many
 repeats ending in block_until_ready. Relative error against float64 (Frobenius, on 256 sampled rows x 256 sampled
-columns of C); inputs are random normal (weights scaled by 0.05). Nova's configurator time and cold compile time
+columns of C); inputs are random normal (weights scaled by 0.05). The configurator's time and cold compile time
 are reported per kernel. Writes benchmarks/results/matmul.json and matmul.png and prints a markdown table.
 
   python benchmarks/matmul.py [--precisions tf32,bf16] [--shapes gpt2,squares] [--peers cublas,torch,xla,triton]
@@ -48,10 +48,14 @@ import blutrain as bt  # noqa: E402
 from blutrain import dtypes  # noqa: E402
 from blutrain.backend.cuda import launch, runtime  # noqa: E402
 from blutrain.backend.cuda.array import CudaArray  # noqa: E402
+from blutrain.backend.cuda.kernels.gemm.operand_copy import rowmajor_copy  # noqa: E402
+from blutrain.backend.cuda.kernels.gemm.source import main_spec  # noqa: E402
+from blutrain.backend.cuda.kernels.matrix import transposed  # noqa: E402
+from blutrain.backend.cuda.memory import empty as bt_empty  # noqa: E402
 from blutrain import configurator as cfg  # noqa: E402
 
 G = importlib.import_module("blutrain.backend.cuda.kernels.gemm")
-MM = importlib.import_module("blutrain.backend.cuda.kernels.matmul")
+MM = importlib.import_module("blutrain.backend.cuda.kernels.cublaslt")
 
 TOKENS = 16384
 LINEARS = {"qkv": (2304, 768), "proj": (768, 768), "fc": (3072, 768), "fc2": (768, 3072), "lm_head": (50304, 768)}
@@ -235,7 +239,7 @@ def xla_fn(p: Problem, tf32: bool):
 
 # *** runs ***
 
-def run_nova(p: Problem, a: torch.Tensor, b: torch.Tensor, prec: str, n: int) -> tuple[dict, torch.Tensor]:
+def run_synthesized(p: Problem, a: torch.Tensor, b: torch.Tensor, prec: str, n: int) -> tuple[dict, torch.Tensor]:
   da, db = array(a), array(b)
   item = a.element_size()
   problem = cfg.GemmProblem(p.M, p.N, p.K, 1, item, item, prec, not p.a_t, p.b_t, True)
@@ -313,7 +317,7 @@ def explore(prec_name: str) -> list[dict]:
     tf32 = prec_name == "tf32"
     a, b = operands(p, torch.float32 if tf32 else torch.bfloat16, 7)
     da, db = array(a), array(b)
-    out = G.empty((p.M, p.N), da.dtype, 0)
+    out = bt_empty((p.M, p.N), da.dtype, 0)
     prec = "tf32" if tf32 else ""
     plan = G.plan(da, db, out, precision=prec)
     s, st = plan.schedule, plan.structure
@@ -327,16 +331,16 @@ def explore(prec_name: str) -> list[dict]:
     ptrs = {"a": da.ptr, "b": db.ptr, "out": out.ptr, "bias": 0, "ws": 0}
     keep = []
     for op in plan.copy:
-      keep.append(G._rowmajor(da if op == "a" else G._mT(db), tf32))
+      keep.append(rowmajor_copy(da if op == "a" else transposed(db), tf32))
       ptrs[op] = keep[-1].ptr
     if plan.workspace:
-      keep.append(G.empty(plan.workspace, dtypes.float32, 0))
+      keep.append(bt_empty(plan.workspace, dtypes.float32, 0))
       ptrs["ws"] = keep[-1].ptr
     values = [ptrs[x[1]] + x[2][0] if x[0] == "p" else 1.0 if x[0] == "alpha" else x[1] for x in args]
     for name, (vst, vs) in variants.items():
       try:
         if vs.BM * vs.BN != s.BM * s.BN and (st.kind != "tma" or s.split_k > 1): continue  # grid would change
-        k = G.main_spec(vst, vs, spec[1]["A"].endswith(":16")).kernel
+        k = main_spec(vst, vs, spec[1]["A"].endswith(":16")).kernel
         ms = device_ms(lambda: k(grid, *values), repeats_for(p, tf32), "bt")
         rows.append({"precision": prec_name, "problem": p.name, "variant": name, "tflops": p.flop / ms / 1e9})
       except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal
@@ -367,14 +371,14 @@ def main() -> None:
       torch.cuda.synchronize()
       n = repeats_for(p, tf32)
       row = {"precision": prec_name, "problem": p.name, "M": p.M, "N": p.N, "K": p.K, "repeats": n}
-      info, c = run_nova(p, a, b, "tf32" if tf32 else "", n)
-      row["nova"] = info | {"tflops": p.flop / info["ms"] / 1e9, "rel_err": rel_err(c, a, b, rows, cols)}
+      info, c = run_synthesized(p, a, b, "tf32" if tf32 else "", n)
+      row["synthesized"] = info | {"tflops": p.flop / info["ms"] / 1e9, "rel_err": rel_err(c, a, b, rows, cols)}
       del c
       for peer in peers:
         info, c = PEERS[peer](p, a, b, tf32, n)
         row[peer] = info | {"tflops": p.flop / info["ms"] / 1e9, "rel_err": rel_err(c, a, b, rows, cols)}
         del c
-      if "cublas" in peers: row["ratio"] = row["cublas"]["ms"] / row["nova"]["ms"]
+      if "cublas" in peers: row["ratio"] = row["cublas"]["ms"] / row["synthesized"]["ms"]
       results.append(row)
       print(json.dumps({k: (round(v["tflops"], 1) if isinstance(v, dict) else v) for k, v in row.items()}), flush=True)
       del a, b
@@ -396,27 +400,27 @@ def report(results: list[dict], explored: list[dict], peers: list[str], total_s:
   summary = {}
   for prec in sorted({r["precision"] for r in results}):
     ratios = [r["ratio"] for r in results if r["precision"] == prec and "ratio" in r]
-    errs = [r["nova"]["rel_err"] for r in results if r["precision"] == prec]
+    errs = [r["synthesized"]["rel_err"] for r in results if r["precision"] == prec]
     if ratios: summary[prec] = {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
                                 "max_rel_err": max(errs)}
   (out_dir / "matmul.json").write_text(json.dumps({"env": env, "summary": summary, "results": results,
                                                    "explore": explored}, indent=1))
-  cols = ["nova"] + peers
+  cols = ["synthesized"] + peers
   print(f"\n{env['gpu']}, {env['date']}: TFLOP/s (device time per call), relative error vs float64; "
         f"{total_s:.0f} s in all\n")
-  print("| precision | problem | M x N x K | " + " | ".join(cols) + " | nova / cuBLAS | nova error | cuBLAS error "
-        "| nova schedule | configurator (us) + compile (s) |")
+  print("| precision | problem | M x N x K | " + " | ".join(cols) + " | synthesized / cuBLAS | synthesized error | cuBLAS error "
+        "| synthesized schedule | configurator (us) + compile (s) |")
   print("|" + " --- |" * (len(cols) + 8))
   for r in results:
     tf = " | ".join(f"{r[c]['tflops']:.0f}" for c in cols)
     ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
     cerr = f"{r['cublas']['rel_err']:.1e}" if "cublas" in r else "-"
     print(f"| {r['precision']} | {r['problem']} | {r['M']} x {r['N']} x {r['K']} | {tf} | {ratio} | "
-          f"{r['nova']['rel_err']:.1e} | {cerr} | {r['nova']['schedule']} | "
-          f"{r['nova']['configurator_us']:.0f} + {r['nova']['compile_s']:.1f} |")
+          f"{r['synthesized']['rel_err']:.1e} | {cerr} | {r['synthesized']['schedule']} | "
+          f"{r['synthesized']['configurator_us']:.0f} + {r['synthesized']['compile_s']:.1f} |")
   for prec, s in summary.items():
-    print(f"\n{prec}: median nova/cuBLAS {s['median_ratio']:.3f}, lowest {s['min_ratio']:.3f}, "
-          f"largest nova error {s['max_rel_err']:.1e}")
+    print(f"\n{prec}: median synthesized/cuBLAS {s['median_ratio']:.3f}, lowest {s['min_ratio']:.3f}, "
+          f"largest synthesized error {s['max_rel_err']:.1e}")
   plot(results, cols, out_dir / "matmul.png")
 
 

@@ -25,9 +25,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from blutrain import dtypes  # noqa: E402
 from blutrain.backend.cuda import runtime  # noqa: E402
-from blutrain.backend.cuda.kernels import cdiv  # noqa: E402
+from blutrain.backend.cuda.kernels.gemm.plan import Plan  # noqa: E402
+from blutrain.backend.cuda.kernels.gemm.source import CONSTEXPRS, main_spec  # noqa: E402
+from blutrain.backend.cuda.memory import empty  # noqa: E402
+from blutrain.shapes import cdiv  # noqa: E402
 from benchmarks.matmul import array, as_torch  # noqa: E402
 
 G = importlib.import_module("blutrain.backend.cuda.kernels.gemm")
@@ -71,18 +73,18 @@ def changed(plan, K: int, st, s):
   """The plan with its main kernel built for structure `st` and schedule `s` (K_TILES follows s.BK)."""
   spec, grid, args = plan.launches[0]
   aligned = spec[1]["A"].endswith(":16")
-  new = G.main_spec(st, s, aligned)
-  names = [n for n in spec[0].arg_names if n not in G._CONSTS]
+  new = main_spec(st, s, aligned)
+  names = [n for n in spec[0].arg_names if n not in CONSTEXPRS]
   k_tiles = cdiv(cdiv(K, s.BK), s.split_k)
   args = [("i", k_tiles) if n == "K_TILES" else x for n, x in zip(names, args)]
-  return G._Plan(plan.copy, plan.steps, [(new, grid, args)] + plan.launches[1:], plan.workspace, s, st)
+  return Plan(plan.copy, plan.steps, [(new, grid, args)] + plan.launches[1:], plan.workspace, s, st)
 
 
-def run(plan, a, b, prec: str) -> list[torch.Tensor]:
+def run(plan, a, b) -> list[torch.Tensor]:
   outs = []
   for _ in range(RUNS):
-    out = G.empty((a.shape[0], b.shape[1]), a.dtype, 0)
-    G._launch(plan, a, b, out, None, [], 1.0, prec)
+    out = empty((a.shape[0], b.shape[1]), a.dtype, 0)
+    plan.launch(a, b, out, None, [], 1.0)
     outs.append(as_torch(out).float().clone())
   return outs
 
@@ -94,7 +96,7 @@ def measure(fault, prec_name, shape, a_t, b_t, change) -> list[dict]:
   ref = ta.double() @ tb.double()
   a, b = array(ta), array(tb)
   prec = "tf32" if prec_name == "tf32" else ""
-  plan = G.plan(a, b, G.empty((M, N), a.dtype, 0), precision=prec)
+  plan = G.plan(a, b, empty((M, N), a.dtype, 0), precision=prec)
   rows = []
   for which, p in (("configurator", plan), ("avoided", changed(plan, K, *change(plan.structure, plan.schedule)))):
     s, st = p.schedule, p.structure
@@ -102,7 +104,7 @@ def measure(fault, prec_name, shape, a_t, b_t, change) -> list[dict]:
            "kernel": f"{s.BM}x{s.BN}x{s.BK} s{s.num_stages} split{s.split_k}{' ws' if s.warp_specialize else ''}"
                      f"{' tma-store' if st.tma_store else ''}{' round-b' if st.round_b else ''}"}
     try:
-      outs = run(p, a, b, prec)
+      outs = run(p, a, b)
       row["max_rel_err"] = max(float((o.double() - ref).norm() / ref.norm()) for o in outs)
       row["reproducible"] = all(torch.equal(outs[0], o) for o in outs[1:])
     except Exception as e:  # a schedule that does not compile or launch is a finding too

@@ -5,7 +5,7 @@ Autocast is one table, `POLICY`: per device type, op name -> `LOWER` (float32 in
 dtype: matmul, linear, attention) or `FP32` (float16/bfloat16 inputs are cast up: softmax, norms, losses, sums,
 exp/log on CUDA). Ops not in the table run in their inputs' dtypes. The table follows PyTorch's lists
 (aten/src/ATen/autocast_mode.cpp), which differ by device: on the CPU only matmuls and attention go down and only
-the losses go up. `ops.core.apply` consults it for every primitive, and the few composites PyTorch lists (linear,
+the losses go up. `ops.apply` consults it (through `hooks.autocast`) for every primitive, and the few composites PyTorch lists (linear,
 scaled_dot_product_attention) and `sum` (whose result dtype is an attribute) consult it by name; VJPs run outside
 autocast, in the dtypes the forward used, so gradients of float32 parameters arrive in float32.
 """
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from blutrain import dtypes
 from blutrain.dtypes import DType
-from blutrain.ops import core
+from blutrain.autograd.tape import grad_mode, hooks
 from blutrain.tensor import Tensor
 
 __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "POLICY"]
@@ -55,10 +55,17 @@ def get_autocast_dtype(device_type: str = "cuda") -> DType | None:
   return _state.dtype.get(device_type)
 
 
+def state() -> tuple:
+  """What autocast does in this thread now, as a hashable value: ((device type, dtype), ...) for the device types it
+  casts on, and whether parameter casts are cached. Nova's guard holds it: a step captured under autocast must not
+  replay outside it."""
+  return tuple(sorted((k, d.name) for k, d in _state.dtype.items() if d is not None)), _state.cache_enabled
+
+
 def _lower(t: Tensor, dtype: DType) -> Tensor:
   """t in dtype; a parameter's cast is made once per outermost autocast context (and per grad mode and version)."""
-  if not (_state.cache_enabled and t.is_leaf and t.requires_grad and core.capture.trace is None): return t.to(dtype)
-  key = (id(t), dtype, core.is_grad_enabled())
+  if not (_state.cache_enabled and t.is_leaf and t.requires_grad and hooks.trace is None): return t.to(dtype)
+  key = (id(t), dtype, grad_mode.enabled)
   hit = _state.cache.get(key)
   if hit is None or hit[0] is not t or hit[1] != t._storage.version:
     hit = _state.cache[key] = (t, t._storage.version, t.to(dtype))
@@ -66,7 +73,7 @@ def _lower(t: Tensor, dtype: DType) -> Tensor:
 
 
 def _cast(name: str, inputs: tuple) -> tuple:
-  """The inputs of op `name` as the policy table says (the hook `ops.core.apply` calls under autocast)."""
+  """The inputs of op `name` as the policy table says (the `hooks.autocast` slot that `ops.apply` calls under autocast)."""
   kind = None
   for t in inputs:  # the first tensor's device type; CPU scalars (numbers) go with other devices' tensors
     if isinstance(t, Tensor):
@@ -111,16 +118,16 @@ class autocast:
 
   def __enter__(self) -> autocast:
     s = _state
-    self._saved.append((s.dtype.get(self.device_type), s.cache_enabled, core.autocast_state.cast))
+    self._saved.append((s.dtype.get(self.device_type), s.cache_enabled, hooks.autocast))
     s.dtype[self.device_type] = self.fast_dtype if self.enabled else None
     s.cache_enabled = s.cache_enabled and self.cache_enabled
     s.depth += 1
-    core.autocast_state.cast = _cast if any(d is not None for d in s.dtype.values()) else None
+    hooks.autocast = _cast if any(d is not None for d in s.dtype.values()) else None
     return self
 
   def __exit__(self, *exc) -> None:
     s = _state
-    s.dtype[self.device_type], s.cache_enabled, core.autocast_state.cast = self._saved.pop()
+    s.dtype[self.device_type], s.cache_enabled, hooks.autocast = self._saved.pop()
     s.depth -= 1
     if s.depth == 0: s.cache.clear()
 

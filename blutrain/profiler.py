@@ -7,18 +7,18 @@
 Every primitive that runs a kernel is timed twice: on the host (Python dispatch and the launch) and on its device
 (CUDA events recorded around the kernel on the current stream; on the CPU the host time is the device time).
 `record_function(name)` times a region that runs kernels outside the op library, such as the fused optimizer step.
-Rows are keyed by op name and input shapes. Profiling adds two events per op, so profiled steps run slower.
+Rows are keyed by op name and input shapes. Profiling adds two events per op, so profiled steps run slower. A profile
+fills the `hooks.profile` slot of blutrain.autograd.tape, which `ops.apply` calls around every kernel.
 """
 from __future__ import annotations
 
-import threading
 import time
-from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from blutrain.device import Device
+from blutrain.autograd.tape import hooks
+from blutrain.device import Device, to_device
 
 
 @dataclass
@@ -31,13 +31,6 @@ class Row:
   device_ms: float = 0.0
 
 
-class _Active(threading.local):
-  session: profile | None = None
-
-
-active = _Active()
-
-
 class profile:
   """Time the ops run inside the `with` block. `table()` lists them by device time; `rows` holds the totals."""
 
@@ -46,12 +39,12 @@ class profile:
     self._pending: list[tuple[tuple[str, str], float, object, object]] = []
 
   def __enter__(self) -> profile:
-    if active.session is not None: raise RuntimeError("bt.profiler.profile: a profile is already active in this thread")
-    active.session, self._t0 = self, time.perf_counter()
+    if hooks.profile is not None: raise RuntimeError("bt.profiler.profile: a profile is already active in this thread")
+    hooks.profile, self._t0 = self._time, time.perf_counter()
     return self
 
   def __exit__(self, *exc) -> None:
-    active.session = None
+    hooks.profile = None
     from blutrain.backend.cuda import runtime
     if any(start is not None for _, _, start, _ in self._pending): runtime.synchronize()
     self.wall_ms = (time.perf_counter() - self._t0) * 1e3
@@ -64,7 +57,8 @@ class profile:
     self.rows, self._pending = sorted(totals.values(), key=lambda r: -r.device_ms), []
 
   @contextmanager
-  def _time(self, name: str, device: Device | None, shapes: str) -> Iterator[None]:
+  def _time(self, name: str, device: Device | None, inputs=()) -> Iterator[None]:
+    """Time one kernel call (or a `record_function` region) of `name` on `device`'s clock."""
     start = end = None
     if device is not None and device.type == "cuda":
       from blutrain.backend.cuda.runtime import Event
@@ -74,7 +68,7 @@ class profile:
     yield
     host_ms = (time.perf_counter() - t0) * 1e3
     if end is not None: end.record()
-    self._pending.append(((name, shapes if self.by_shapes else ""), host_ms, start, end))
+    self._pending.append(((name, _shapes(inputs) if self.by_shapes else ""), host_ms, start, end))
 
   def table(self, limit: int = 30) -> str:
     """The `limit` rows with the most device time, with their share of the profile's total device time."""
@@ -94,17 +88,10 @@ def _shapes(inputs) -> str:
 
 
 @contextmanager
-def op_timer(name: str, device: Device | None, inputs=()) -> Iterator[None]:
-  """Time one kernel call under the active profile (the op library calls this only while one is active)."""
-  with active.session._time(name, device, _shapes(inputs)): yield
-
-
-@contextmanager
 def record_function(name: str, device: Device | str | None = None) -> Iterator[None]:
   """Time the block as one row named `name` when a profile is active (a no-op otherwise); `device` says which
   device's clock to read (default: the host's)."""
-  if active.session is None:
+  if hooks.profile is None:
     yield
     return
-  from blutrain.device import to_device
-  with active.session._time(name, None if device is None else to_device(device), ""): yield
+  with hooks.profile(name, None if device is None else to_device(device)): yield

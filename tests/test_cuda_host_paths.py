@@ -13,7 +13,9 @@ HERE = Path(__file__).parent
 
 
 def _run_fake(code: str, tmp_path: Path) -> str:
-  script = f"import sys; sys.path.insert(0, {str(HERE / 'fakegpu')!r})\nimport fake_cuda; fake_cuda.install()\n{code}"
+  """Run code in a fresh process on the fake GPU, importing blutrain from this checkout."""
+  paths = [str(HERE / "fakegpu"), str(HERE.parent)]
+  script = f"import sys; sys.path[:0] = {paths!r}\nimport fake_cuda; fake_cuda.install()\n{code}"
   r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
   assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
   return r.stdout

@@ -41,7 +41,7 @@ def test_flash_path_matches_torch(qshape, kshape, causal, dtype):
 def test_primitive_equals_composite_in_float64(causal):
   (q, k, v), _, g = _inputs((2, 6, 8), (2, 10, 8), bt.float32, seed=3)
   q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-  flash = ops.nn.flash_attention(q64, k64, v64, causal=causal, scale=0.3)
+  flash = ops.nn.flash_attention_op(q64, k64, v64, causal=causal, scale=0.3)
   comp = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, scale=0.3)  # float64 takes the composite
   assert comp.grad_fn.op.name != "flash_attention"
   gt = bt.tensor(g, dtype=bt.float64)
@@ -63,6 +63,6 @@ def test_composite_kept_for_masks_dropout_and_broadcast():
 def test_rule_errors_name_the_op():
   q = bt.randn(2, 4, 8)
   with pytest.raises(ValueError, match=r"flash_attention: expected q \(\.\.\., L, E\).*\(2, 4, 8\), \(2, 5, 8\)"):
-    ops.nn.flash_attention(q, bt.randn(2, 5, 8), bt.randn(2, 4, 8), causal=False, scale=1.0)
+    ops.nn.flash_attention_op(q, bt.randn(2, 5, 8), bt.randn(2, 4, 8), causal=False, scale=1.0)
   with pytest.raises(TypeError, match="flash_attention: q, k, v must share one dtype"):
-    ops.nn.flash_attention(q, q.bfloat16(), q, causal=False, scale=1.0)
+    ops.nn.flash_attention_op(q, q.bfloat16(), q, causal=False, scale=1.0)

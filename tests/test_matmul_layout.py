@@ -8,9 +8,8 @@ import pytest
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-
-pytest.importorskip("nvmath")
-from blutrain.backend.cuda.kernels.matmul import gemm_calls, layout  # noqa: E402
+from blutrain.backend.cuda.kernels.cublaslt import gemm_calls
+from blutrain.backend.cuda.kernels.matrix import blas_layout
 
 BASE = 1 << 20  # the fake memory's address 0
 
@@ -123,12 +122,12 @@ def test_bias_epilogue_row_vector():
 
 def test_layout_rules():
   arr = lambda shape, strides: CudaArray(BASE, shape, strides, dtypes.float32, 0, None)
-  assert layout(arr((3, 4), (4, 1))) == (False, 4)
-  assert layout(arr((3, 4), (1, 3))) == (True, 3)
-  assert layout(arr((3, 4), (8, 1))) == (False, 8)
-  assert layout(arr((1, 4), (0, 1))) == (False, 4)       # one row: any row stride
-  assert layout(arr((3, 4), (0, 1))) is None              # broadcast rows overlap: copy
-  assert layout(arr((3, 4), (8, 2))) is None              # no unit stride: copy
+  assert blas_layout(arr((3, 4), (4, 1))) == (False, 4)
+  assert blas_layout(arr((3, 4), (1, 3))) == (True, 3)
+  assert blas_layout(arr((3, 4), (8, 1))) == (False, 8)
+  assert blas_layout(arr((1, 4), (0, 1))) == (False, 4)       # one row: any row stride
+  assert blas_layout(arr((3, 4), (0, 1))) is None              # broadcast rows overlap: copy
+  assert blas_layout(arr((3, 4), (8, 2))) is None              # no unit stride: copy
 
 
 def test_alignment_reaches_the_problem():

@@ -786,10 +786,10 @@ VJP_CASES = {
   "permute": (lambda x: x.permute(2, 0, 1), [(2, 3, 4)], {}),
   "expand": (lambda x: x.expand(2, 3, 4), [(3, 1)], {}),
   "slice": (lambda x: x[1:, ::2], [(3, 5)], {}),
-  "slice_backward": (lambda g: _mv.slice_backward(g, shape=(4, 5), index=((1, 4, 1), (0, 5, 2))), [(3, 3)], {}),
+  "slice_backward": (lambda g: _mv.slice_backward_op(g, shape=(4, 5), index=((1, 4, 1), (0, 5, 2))), [(3, 3)], {}),
   "cat": (lambda x, y: bt.cat([x, y, x], 1), [(3, 4), (3, 2)], {}),
   "index": (lambda x, i: x[i, 1:], [(5, 3), np.array([0, 4, 4, -1])], {}),
-  "index_backward": (lambda g, i: _mv.index_backward(g, i, shape=(5, 3), positions=(0,)),
+  "index_backward": (lambda g, i: _mv.index_backward_op(g, i, shape=(5, 3), positions=(0,)),
     [(4, 3), np.array([0, 4, 4, 2])], {}),
   "matmul": (lambda a, b: a @ b, [(2, 3, 4), (4, 5)], {}),
   "softmax": (lambda x: x.softmax(-1), [(3, 4)], {}),
@@ -799,7 +799,7 @@ VJP_CASES = {
   "gather": (lambda x, i: x.gather(0, i), [(3, 4), np.array([[0, 2, 2, 1], [1, 1, 0, 2]])], {}),
   "embedding": (lambda i, w: ops.embedding(i, w), [np.array([[1, 0], [3, 3]]), (4, 5)], {}),
   "cross_entropy": (lambda x, t: ops.cross_entropy(x, t, reduction="none"), [(4, 5), np.array([0, 4, -100, 2])], {}),
-  "flash_attention": (lambda q, k, v: ops.nn.flash_attention(q, k, v, causal=True, scale=0.4),
+  "flash_attention": (lambda q, k, v: ops.nn.flash_attention_op(q, k, v, causal=True, scale=0.4),
     [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
 }
 

@@ -106,6 +106,50 @@ def test_param_groups_match_torch():
     assert_params_equal(bparams, tparams, f"step {step}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_multi_tensor_adamw_equals_the_per_parameter_update(dtype):
+  """`ops.adamw_` (AdamW with fused unset: one op for the group) against fused=False (one composite update per
+  parameter, the reference), on float32 and bfloat16 parameters with float32 gradients, in place."""
+  dt = getattr(bt, dtype)
+  runs = []
+  for fused in (None, False):
+    params = [nn.Parameter(p.detach().to(dt)) for p in make_params(3)[0]]
+    opt = optim.AdamW(params, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    rng, versions = np.random.default_rng(4), [p._storage.version for p in params]
+    for _ in range(4):
+      for p in params: p.grad = bt.tensor(rng.standard_normal(p.shape).astype(np.float32))
+      opt.step()
+    assert all(p._storage.version > v for p, v in zip(params, versions)), "the update is in place, versions bumped"
+    runs.append((params, opt))
+  (fused_params, fused_opt), (ref_params, ref_opt) = runs
+  # bfloat16: the multi-tensor op rounds once per step, the composite after each of its ops (a few ulps of 2^-8)
+  tol = dict(rtol=1e-6, atol=1e-7) if dtype == "float32" else dict(rtol=4 * 4 * 2**-8, atol=1e-2)
+  for p, q in zip(fused_params, ref_params):
+    np.testing.assert_allclose(p.detach().float().numpy(), q.detach().float().numpy(), **tol)
+    for key in ("exp_avg", "exp_avg_sq"):
+      np.testing.assert_allclose(fused_opt.state[p][key].float().numpy(), ref_opt.state[q][key].float().numpy(), **tol)
+    assert fused_opt.state[p]["step"].item() == ref_opt.state[q]["step"].item() == 4
+
+
+def test_sum_squares_and_scale_against_numpy():
+  rng = np.random.default_rng(5)
+  arrays = [rng.standard_normal(s).astype(np.float32) for s in ((3, 4), (7,), (2, 2, 2))]
+  xs = [bt.tensor(a) for a in arrays] + [bt.tensor(arrays[0]).bfloat16()]
+  want = sum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays)
+  want += float(np.sum(np.square(xs[-1].float().numpy(), dtype=np.float64)))
+  got = bt.ops.sum_squares(xs)
+  assert got.dtype is bt.float32 and got.shape == ()
+  np.testing.assert_allclose(got.item(), want, rtol=1e-6)
+  factor, before = bt.tensor(0.37), [x.float().numpy().copy() for x in xs]
+  bt.ops.scale_(xs, factor)
+  for x, b in zip(xs, before):
+    np.testing.assert_allclose(x.float().numpy(), b * np.float32(0.37), rtol=1e-6 if x.dtype is bt.float32 else 1e-2)
+  with pytest.raises(TypeError, match="sum_squares: expected float32, bfloat16 or float16"):
+    bt.ops.sum_squares([bt.tensor([1, 2])])
+  with pytest.raises(ValueError, match="scale: the factor must be a 0-d float32 tensor"):
+    bt.ops.scale_(xs, bt.tensor([1.0, 2.0]))
+
+
 def test_fused_and_foreach_flags():
   bparams, _ = make_params()
   assert optim.AdamW(bparams, fused=True).param_groups[0]["fused"] is True

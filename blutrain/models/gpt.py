@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import blutrain as bt
-from blutrain import nn
+from blutrain import nn, ops
+from blutrain.optim import AdamW
+from blutrain.tensor import Tensor
 from blutrain.nn import functional as F
 
 
@@ -45,7 +46,7 @@ class CausalSelfAttention(nn.Module):
     self.attn_dropout, self.resid_dropout = config.dropout, nn.Dropout(config.dropout)
     self.n_head, self.n_embd = config.n_head, config.n_embd
 
-  def forward(self, x: bt.Tensor) -> bt.Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     B, T, C = x.shape
     q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
     q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
@@ -61,7 +62,7 @@ class MLP(nn.Module):
     self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
     self.dropout = nn.Dropout(config.dropout)
 
-  def forward(self, x: bt.Tensor) -> bt.Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
@@ -73,7 +74,7 @@ class Block(nn.Module):
     self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
     self.mlp = MLP(config)
 
-  def forward(self, x: bt.Tensor) -> bt.Tensor:
+  def forward(self, x: Tensor) -> Tensor:
     x = x + self.attn(self.ln_1(x))
     return x + self.mlp(self.ln_2(x))
 
@@ -90,7 +91,7 @@ class GPT(nn.Module):
 
   Example:
     >>> model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    >>> logits, loss = model(bt.randint(65, (4, 32)), bt.randint(65, (4, 32)))
+    >>> logits, loss = model(ops.randint(65, (4, 32)), ops.randint(65, (4, 32)))
   """
 
   def __init__(self, config: GPTConfig):
@@ -127,11 +128,11 @@ class GPT(nn.Module):
     n = sum(p.numel() for p in self.parameters())
     return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-  def forward(self, idx: bt.Tensor, targets: bt.Tensor | None = None) -> tuple[bt.Tensor, bt.Tensor | None]:
+  def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     B, T = idx.shape
     if T > self.config.block_size:
       raise ValueError(f"GPT: sequence of length {T} is longer than block_size {self.config.block_size}")
-    pos = bt.arange(T, device=idx.device)
+    pos = ops.arange(T, device=idx.device)
     x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
     for block in self.transformer.h: x = block(x)
     x = self.transformer.ln_f(x)
@@ -144,11 +145,11 @@ class GPT(nn.Module):
     params = [p for p in self.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return bt.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+    return AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
-  @bt.no_grad()
-  def generate(self, idx: bt.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-               generator: bt.Generator | None = None) -> bt.Tensor:
+  @ops.no_grad()
+  def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+               generator: ops.Generator | None = None) -> Tensor:
     """Append `max_new_tokens` tokens sampled from the model to `idx` (B, T), one at a time."""
     if temperature <= 0: raise ValueError(f"generate: temperature must be positive, got {temperature}")
     for _ in range(max_new_tokens):
@@ -158,11 +159,11 @@ class GPT(nn.Module):
       if top_k is not None:
         kth = _kth_largest(logits, min(top_k, logits.shape[-1]))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-      idx = bt.cat([idx, _sample(F.softmax(logits, dim=-1), generator)], dim=1)
+      idx = ops.cat([idx, _sample(F.softmax(logits, dim=-1), generator)], dim=1)
     return idx
 
 
-def _kth_largest(logits: bt.Tensor, k: int) -> bt.Tensor:
+def _kth_largest(logits: Tensor, k: int) -> Tensor:
   """The k-th largest value of each row, (B, 1), by k rounds of max-and-mask (k is small in sampling)."""
   work = logits
   for _ in range(k - 1):
@@ -170,7 +171,7 @@ def _kth_largest(logits: bt.Tensor, k: int) -> bt.Tensor:
   return work.amax(-1, keepdim=True)
 
 
-def _sample(probs: bt.Tensor, generator: bt.Generator | None) -> bt.Tensor:
+def _sample(probs: Tensor, generator: ops.Generator | None) -> Tensor:
   """One index per row drawn from the row's distribution, by inverting the cumulative sum."""
-  u = bt.rand(probs.shape[0], 1, device=probs.device, generator=generator)
+  u = ops.rand(probs.shape[0], 1, device=probs.device, generator=generator)
   return (probs.cumsum(-1) < u).sum(-1, keepdim=True).clamp(max=probs.shape[-1] - 1)

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator
 
 from blutrain import dtypes, ops
 from blutrain.device import Device, to_device
-from blutrain.ops.core import no_grad
+from blutrain.autograd import no_grad
 from blutrain.tensor import Tensor
 
 

@@ -5,6 +5,7 @@ import math
 from typing import Iterable
 
 from blutrain import dtypes, ops
+from blutrain.autograd.tape import hooks
 from blutrain.ops import no_grad
 from blutrain.tensor import Tensor
 
@@ -45,8 +46,7 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
   device = grads[0].device
   fused = norm_type == 2 and _multi_tensor(grads)
   if fused:
-    from blutrain.backend.cuda.kernels.optim import sum_squares
-    total = Tensor._wrap(sum_squares([g._array() for g in grads], device.index), device, dtypes.float32).sum().sqrt()
+    total = ops.sum_squares(grads).sqrt()
   else:
     norms = [_vector_norm(g, norm_type).to(device) for g in grads]
     total = _vector_norm(ops.stack([n.to(norms[0].dtype) for n in norms]), norm_type)
@@ -56,9 +56,7 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
                        "`error_if_nonfinite=False`")
   scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
   if fused:
-    from blutrain.backend.cuda.kernels.optim import scale_
-    scale_([g._array() for g in grads], scale._array())
-    for g in grads: g._storage.version += 1
+    with no_grad(): ops.scale_(grads, scale)
     return total
   with no_grad():
     for g in grads: g.mul_(scale.to(g.device).to(g.dtype))
@@ -66,9 +64,10 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
 
 
 def _multi_tensor(grads: list[Tensor]) -> bool:
-  """Whether one multi-tensor kernel per dtype can take the gradients: eager, dense float32/16 on one CUDA device."""
+  """Whether the multi-tensor ops (`ops.sum_squares`, `ops.scale_`) take the gradients: dense float32/16 on one
+  device."""
   d = grads[0].device
-  return (d.type == "cuda" and ops.core.capture.trace is None
+  return (hooks.trace is None
           and all(g.device == d and g.dtype in (dtypes.float32, dtypes.bfloat16, dtypes.float16) and g.is_contiguous()
                   for g in grads))
 

@@ -141,7 +141,8 @@ class Trace:
 
   # *** the hooks ops call ***
 
-  def emit(self, op, inputs, attrs, shape, dtype, device, rng) -> Tensor:
+  def emit(self, op, inputs, attrs, avals, device, rng) -> Tensor:
+    shape, dtype = avals
     if op.name == "to_device":
       raise RuntimeError("bt.compile: .to(device) inside a compiled function is not supported; move tensors before the call")
     ins = [None if t is None else self.value(t) for t in inputs]

@@ -46,9 +46,9 @@ from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from blutrain import dtypes
+from blutrain.autograd.tape import Aval
 from blutrain.dtypes import DType
 from blutrain.ops import registry
-from blutrain.ops.core import Aval
 
 # *** types ***
 
@@ -815,6 +815,15 @@ class FlashAttentionBackwardOp(NNOp):
   tf32 = opt_prop_def(BOOL | NONE)
 
 
+# *** multi-tensor ops: one op over a whole list of tensors (the optimizer's update, gradient clipping) ***
+
+@irdl_op_definition
+class SumSquaresOp(SingleResultOp):
+  """The float32 sum of the squares of every element of every operand (their joint squared 2-norm)."""
+  name = "nova.sum_squares"
+  xs = var_operand_def(TENSOR)
+
+
 Nova = Dialect("nova", [
   FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp,
   NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, LogicalNotOp,
@@ -825,6 +834,7 @@ Nova = Dialect("nova", [
   SliceBackwardOp, CatOp, IndexOp, IndexBackwardOp, IndexPutOp,
   MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp,
+  SumSquaresOp,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations}  # the op library's name -> class

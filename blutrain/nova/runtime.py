@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from blutrain import backend
+from blutrain import amp, backend, backends
 from blutrain.device import Device
 from blutrain.nova.capture import StaleGraph, Trace
-from blutrain.ops import core
+from blutrain.autograd.tape import grad_mode, hooks
 from blutrain.tensor import Tensor
 
 
@@ -174,9 +174,12 @@ class Compiled:
     functools.update_wrapper(self, fn, updated=())
 
   def _guard(self, leaves: list, tree: Any) -> tuple:
+    """The key of a captured graph: everything that changes what the eager step would compute or which tensors it
+    reads. Global state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul engine) is read
+    here because a capture bakes it into the graph's ops and attributes."""
     modules, optimizers = self._found
     params = _params(modules, optimizers)
-    return (tree, core.grad_mode.enabled,
+    return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,
             tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
             tuple((id(p), p.grad is None) for p in params),
             tuple(m.training for top in modules for m in top.modules()),
@@ -211,14 +214,14 @@ class Compiled:
     for i, x in enumerate(leaves):
       if isinstance(x, Tensor): trace.bind_arg(i, x)
     t0 = time.perf_counter()
-    core.capture.trace = trace
+    hooks.trace = trace
     try:
       out = self.fn(*args, **kwargs)
     except BaseException:
       for p, g in saved_grads: p.grad = g
       raise
     finally:
-      core.capture.trace = None
+      hooks.trace = None
     out_leaves, out_tree = flatten(out)
     returned = [x for x in out_leaves if isinstance(x, Tensor)]
     if any(x.requires_grad and x._node is not None for x in returned) and not trace.ran_backward:
@@ -245,7 +248,8 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None):
   The first call runs eagerly; the second captures forward, backward and optimizer update into one graph,
   optimizes it and runs it; later calls replay it while the guard (argument shapes, dtypes, devices,
   requires_grad, parameters and their gradients, training flags, optimizer hyperparameters except the
-  learning rate, which is read at each call) holds, and recapture when it does not.
+  learning rate, which is read at each call; grad mode, autocast, `bt.set_float32_matmul_precision` and
+  `bt.backends.matmul`) holds, and recapture when it does not.
 
   Args:
     fn: the function or module; used as `@bt.compile` or `bt.compile(dump_ir="dir")(fn)`.

@@ -1,20 +1,34 @@
-"""The op library: every primitive once (shape/dtype rule, VJP, name), composites over them."""
-from blutrain.ops.core import (Op, registry, apply, is_grad_enabled, set_grad_enabled, no_grad, enable_grad, dynamic_scalar)
-from blutrain.shapes import broadcast_shapes
-from blutrain.ops.creation import (full, zeros, ones, empty, full_like, zeros_like, ones_like, empty_like, arange,
-                                   linspace, eye, tensor, as_tensor, from_numpy, from_dlpack, as_tensor_like, to_device,
-                                   Generator, default_generator, manual_seed, rand, randn, randint, bernoulli_mask,
-                                   rand_like, randn_like, inplace)
-from blutrain.ops.elementwise import (neg, exp, log, sqrt, rsqrt, abs, sin, cos, tanh, sigmoid, relu, erf, floor, gelu,
-                                      silu, sign, square, reciprocal, add, sub, mul, div, pow, maximum, minimum, eq, ne,
-                                      lt, le, gt, ge, logical_and, logical_or, logical_xor, logical_not, isnan, isfinite,
-                                      where, cast, copy, clamp, clip, masked_fill, lerp, operands)
-from blutrain.ops.reduce import (sum, mean, var, std, amax, amin, argmax, argmin, max, min, logsumexp, cumsum, all, any,
-                                 sum_to)
-from blutrain.ops.movement import (view, reshape, permute, transpose, expand, narrow, squeeze, unsqueeze, flatten,
-                                   unflatten, split, chunk, unbind, repeat, cat, stack, getitem, setitem, nonzero)
+"""The op library: every primitive once (signature, shape/dtype rule, VJP, name), composites over them.
+
+Modules build on each other in this order, each importing only those before it: core (Op, apply), creation,
+random, elementwise, reduce, movement, linalg, nn, optim (multi-tensor ops), inplace; methods gives Tensor its methods from all of them.
+A VJP that needs an op of a later module reaches it through a tensor method.
+
+Names: a primitive's `Op` object is `<name>_op` (`add_op`, `layer_norm_backward_op`); the public function of the same
+name (`add`, `layer_norm`) converts and checks its arguments and calls it. The string name is the same in the registry,
+the backends' kernel tables and Nova's dialect (`nova.add`).
+"""
+from blutrain.autograd.tape import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from blutrain.ops import methods
+from blutrain.ops.core import Op, apply, dynamic_scalar, registry
+from blutrain.ops.creation import (arange, as_tensor, as_tensor_like, empty, empty_like, eye, from_dlpack, from_numpy,
+                                   full, full_like, linspace, ones, ones_like, tensor, to_device, zeros, zeros_like)
+from blutrain.ops.elementwise import (abs, add, cast, clamp, clip, copy, cos, div, eq, erf, exp, floor, ge, gelu, gt,
+                                      isfinite, isnan, le, lerp, log, logical_and, logical_not, logical_or, logical_xor,
+                                      lt, masked_fill, maximum, minimum, mul, ne, neg, operands, pow, reciprocal, relu,
+                                      rsqrt, sigmoid, sign, silu, sin, sqrt, square, sub, tanh, where)
+from blutrain.ops.inplace import inplace, setitem
 from blutrain.ops.linalg import matmul
-from blutrain.ops.nn import (softmax, log_softmax, layer_norm, rms_norm, gather, scatter_add, index_select, embedding,
-                             one_hot, cross_entropy, nll_loss, mse_loss, dropout, tril, triu, linear,
-                             scaled_dot_product_attention)
-from blutrain.ops import elementwise
+from blutrain.ops.movement import (cat, chunk, expand, flatten, getitem, narrow, nonzero, permute, repeat, reshape, split,
+                                   squeeze, stack, transpose, unbind, unflatten, unsqueeze, view)
+from blutrain.ops.nn import (cross_entropy, dropout, embedding, gather, index_select, layer_norm, linear, log_softmax,
+                             mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter_add, softmax,
+                             tril, triu)
+from blutrain.ops.optim import adamw_, scale_, sum_squares
+from blutrain.ops.random import (Generator, bernoulli_mask, default_generator, manual_seed, rand, rand_like, randint,
+                                 randn, randn_like)
+from blutrain.ops.reduce import (all, amax, amin, any, argmax, argmin, cumsum, logsumexp, max, mean, min, std, sum,
+                                 sum_to, var)
+from blutrain.shapes import broadcast_shapes
+
+methods.attach()

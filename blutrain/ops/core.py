@@ -1,19 +1,22 @@
 """The op registry and `apply`, the one door every primitive goes through.
 
-A primitive is an `Op`: a name, a rule from input tensors to the output's shape and dtype, a VJP written
-with other ops (one gradient per input, None where there is none), and, for view ops, a layout rule
-that makes the output share the input's storage. Kernels live in the backends, keyed by the op name.
+A primitive is an `Op`: a name, a signature, a rule from input tensors to the output's shape and dtype, a VJP
+written with other ops (one gradient per input, None where there is none), and, for view ops, a layout rule that
+makes the output share the input's storage. Kernels live in the backends, keyed by the op name. `apply` reads the
+modes of `blutrain.autograd.tape` (grad mode, and the capture, autocast and profiler hooks that higher layers fill).
 """
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from blutrain import backend
+import numpy as np
+
+from blutrain import backend, dtypes
+from blutrain.autograd.tape import grad_mode, hooks, record as tape_record
+from blutrain.device import cpu
 from blutrain.dtypes import DType
 from blutrain.shapes import Shape
-from blutrain.profiler import active as profiling, op_timer, record_function
 from blutrain.tensor import Tensor
 
 
@@ -45,10 +48,13 @@ class Op:
   saves: tuple[int, ...] | None = None       # inputs the VJP reads (None: all); the rest reach it as Avals
   saves_output: bool = False                 # the VJP reads `out`; otherwise it gets None
   differentiable: bool = True                # False: outputs never require grad (comparisons, argmax)
+  multi: bool = False                        # several outputs: the rule returns a list of (shape, dtype), the kernel
+                                             # a tuple of arrays, apply a tuple of tensors (no VJP yet)
+  transfer: bool = False                     # the output lives on the device of the `target` attribute (to_device)
   inputs: tuple[str, ...] = ()               # operand names: `x`, `?w` optional, `*xs` variadic
   attrs: tuple[Attr, ...] = ()
+  kernels: dict[str, Callable] = field(default_factory=dict, repr=False)  # device type -> kernel, filled by apply
 
-  def __call__(self, *inputs, **attrs) -> Tensor: return apply(self, *inputs, **attrs)
   def __repr__(self) -> str: return f"Op({self.name})"
 
 
@@ -58,103 +64,16 @@ registry: dict[str, Op] = {}
 def op(name: str, rule, vjp=None, *, inputs: str, attrs: str = "", **kw) -> Op:
   """Declare a primitive with its signature; its name is unique across the library, the backends and Nova's dialect."""
   assert name not in registry, f"op {name} declared twice"
+  assert not (kw.get("multi") and vjp), f"op {name}: multi-output primitives have no VJP"
   registry[name] = o = Op(name, rule, vjp, **kw, **dict(zip(("inputs", "attrs"), parse_signature(inputs, attrs))))
   return o
 
 
-# *** grad mode ***
-
-class _GradMode(threading.local):
-  enabled = True
-
-
-grad_mode = _GradMode()
-
-
-def is_grad_enabled() -> bool: return grad_mode.enabled
-
-
-class _Capture(threading.local):
-  trace = None  # the active Nova capture (blutrain.nova.capture.Trace), or None: ops run eagerly
-
-
-capture = _Capture()
-
-
-class _Autocast(threading.local):
-  cast = None  # under blutrain.amp.autocast: (op name, inputs) -> inputs cast by its policy table; None: off
-
-
-autocast_state = _Autocast()
-
-
-def autocast_inputs(name: str, *inputs):
-  """`inputs` of op `name` cast as the active autocast's policy says (unchanged outside autocast); composites that
-  PyTorch's autocast lists (linear, attention) call it, `apply` does for every primitive."""
-  return inputs if autocast_state.cast is None else autocast_state.cast(name, inputs)
-
-
-class autocast_suspended:
-  """Run without autocast: VJPs do, so the backward runs in the forward's dtypes, as PyTorch's does."""
-  def __enter__(self): self.prev, autocast_state.cast = autocast_state.cast, None
-  def __exit__(self, *exc): autocast_state.cast = self.prev
-
-
-class set_grad_enabled:
-  """Context manager (and decorator) that turns gradient recording on or off, as torch.set_grad_enabled."""
-  def __init__(self, mode: bool): self.mode, self.prev = bool(mode), []
-  def __enter__(self): self.prev.append(grad_mode.enabled); grad_mode.enabled = self.mode
-  def __exit__(self, *exc): grad_mode.enabled = self.prev.pop()
-
-  def __call__(self, fn):
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-      with set_grad_enabled(self.mode): return fn(*a, **k)
-    return wrapper
-
-
-class no_grad(set_grad_enabled):
-  """Disable gradient recording inside the block: `with bt.no_grad(): ...` or `@bt.no_grad()`."""
-  def __init__(self): super().__init__(False)
-
-
-class enable_grad(set_grad_enabled):
-  """Enable gradient recording inside the block, even under `no_grad`."""
-  def __init__(self): super().__init__(True)
-
-
 # *** apply ***
-
-class Aval:
-  """What a VJP may know of an input it does not save: shape, dtype, device (never changed once made)."""
-  __slots__ = ("shape", "dtype", "device")
-
-  def __init__(self, shape: Shape, dtype: DType, device: Any): self.shape, self.dtype, self.device = shape, dtype, device
-  def __repr__(self) -> str: return f"Aval(shape={self.shape}, dtype={self.dtype!r}, device={self.device})"
-  @property
-  def ndim(self) -> int: return len(self.shape)
-
-
-@dataclass(eq=False, slots=True)
-class Node:
-  """One tape entry. `parents` are the gradient edges (a Node, a leaf Tensor that requires grad, or None);
-  `saved` holds only the inputs the VJP reads (the others as Avals) and `out`, detached so the tape
-  holds no cycle, when the VJP reads the output. `versions` catch in-place changes to what was saved."""
-  op: Op
-  attrs: dict[str, Any]
-  parents: tuple
-  saved: tuple | None
-  versions: tuple
-  out: Tensor | None
-  retained: Any = None  # weakref to the output when retain_grad() asked for its .grad
-  hooks: list | None = None
-  freed: bool = False
-
 
 def _device_of(op_: Op, inputs) -> tuple[Any, bool]:
   """The device the op runs on, and whether CPU scalars ride along with tensors of another device."""
+  if len(inputs) == 1 and inputs[0] is not None: return inputs[0]._storage.device, False
   dev = None
   for t in inputs:
     if t is None: continue
@@ -187,71 +106,80 @@ def _device_error(op_: Op, inputs):
   raise RuntimeError(f"{op_.name}: expected all tensors on one device, got {desc}. Move them with .to(device).")
 
 
-def _record(op_: Op, inputs, attrs, out: Tensor) -> None:
-  """Make out the result of a tape node of op_ on inputs (at least one requires grad)."""
-  keep, parents, saved, versions = op_.saves, [], [], []
-  for i, t in enumerate(inputs):
-    if t is None: parents.append(None); saved.append(None); continue
-    parents.append((t if t._node is None else t._node) if t.requires_grad else None)
-    if keep is None or i in keep: saved.append(t); versions.append((t, t._storage.version))
-    else: saved.append(Aval(t.shape, t.dtype, t._storage.device))
-  saved_out = None
-  if op_.saves_output:
-    saved_out = out.detach()
-    versions.append((saved_out, saved_out._storage.version))
-  out.requires_grad = True
-  out._node = Node(op_, attrs, tuple(parents), tuple(saved), tuple(versions), saved_out)
+def _kernel(op_: Op, device) -> Callable:
+  """The backend's kernel for op_ on device's type (cached on the op); NotImplementedError naming both if none."""
+  k = backend.get(device).kernels.get(op_.name)
+  if k is None: raise NotImplementedError(f"{op_.name}: no kernel on the {device.type} backend")
+  op_.kernels[device.type] = k
+  return k
 
 
-def apply(op_: Op, *inputs: Tensor | None, into: Tensor | None = None, device=None, rng=None, **attrs) -> Tensor:
+def _profiled(op_: Op, kernel: Callable, device, inputs, arrays: list, attrs: dict):
+  with hooks.profile(op_.name, device, inputs): return kernel(*arrays, **attrs)
+
+
+def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **attrs):
   """Run a primitive: check devices, infer the output by the op's rule, run the backend kernel (or make a
   view), and record a tape node when gradients are needed. Under a Nova capture the op is recorded into the
   graph instead of run. `rng` names the generator a random op draws from (capture makes its state an input).
+  An op with several outputs (`Op.multi`) returns a tuple of tensors.
 
-  `into` (in-place ops pass their tensor) may receive the result instead of a new tensor: when the backend's kernel
-  writes into an `out=` array (its `writes_out`), no node is needed and `can_write_into` allows it, the result is
-  stored in into's memory (cast to its dtype), its version is bumped and `into` is returned. Otherwise a new tensor
-  is returned, which the caller writes (`ops.inplace`)."""
-  if autocast_state.cast is not None: inputs = autocast_state.cast(op_.name, inputs)
+  `into` (in-place ops pass their tensor, or a sequence of tensors for a multi-output op) may receive the result
+  instead of a new tensor: when the backend's kernel writes into an `out=` array (its `writes_out`), no node is
+  needed and `can_write_into` allows it, the result is stored in into's memory (cast to its dtype), its version is
+  bumped and `into` is returned. Otherwise new tensors are returned, which the caller writes (`ops.inplace`)."""
+  h = hooks
+  if h.autocast is not None: inputs = h.autocast(op_.name, inputs)
   grad = grad_mode.enabled
   if grad:
     for t in inputs:
       if t is not None and t._base is not None and t._base._node is not t._base_node: refresh_view(t)
   dev, scalars = _device_of(op_, inputs)
   dev = dev or device
-  shape, dtype = op_.rule(*inputs, **attrs)
+  avals = op_.rule(*inputs, **attrs)
   record = False
   if grad and op_.vjp is not None and op_.differentiable:
     for t in inputs:
       if t is not None and t.requires_grad: record = True; break
-  if scalars and (capture.trace is not None or op_.view is not None): _device_error(op_, inputs)
-  if capture.trace is not None:
-    out = capture.trace.emit(op_, inputs, attrs, shape, dtype, dev, rng)
+  if scalars and (h.trace is not None or op_.view is not None): _device_error(op_, inputs)
+  if h.trace is not None:
+    out = h.trace.emit(op_, inputs, attrs, avals, dev, rng)
   elif op_.view is not None:
     x = inputs[0]
     vshape, strides, offset = op_.view(x, **attrs)
-    out = Tensor._make(x._storage, vshape, strides, offset, dtype)
+    out = Tensor._make(x._storage, vshape, strides, offset, avals[1])
     out._base = base = x if x._base is None else x._base
     out._base_node = base._node
   else:
-    kernel = backend.get(dev).kernels.get(op_.name)
-    if kernel is None: raise NotImplementedError(f"{op_.name}: no kernel on the {dev.type} backend")
+    kernel = op_.kernels.get(dev.type) or _kernel(op_, dev)
     if scalars and not getattr(kernel, "host_scalars", False): _device_error(op_, inputs)
     arrays = [None if t is None else t._array() for t in inputs]
-    if (into is not None and not record and getattr(kernel, "writes_out", False)
-        and can_write_into(into, shape, dtype, dev, inputs)):
-      if profiling.session is None: kernel(*arrays, out=into._array(), **attrs)
-      else:
-        with op_timer(op_.name, dev, inputs): kernel(*arrays, out=into._array(), **attrs)
-      into._storage.version += 1
+    if into is not None and not record and getattr(kernel, "writes_out", False) and _fits(into, avals, dev, inputs, op_):
+      attrs["out"] = _out_arrays(into, op_)
+      if h.profile is None: kernel(*arrays, **attrs)
+      else: _profiled(op_, kernel, dev, inputs, arrays, attrs)
+      for t in (into if op_.multi else (into,)): t._storage.version += 1
       return into
-    if profiling.session is None: result = kernel(*arrays, **attrs)
-    else:
-      with op_timer(op_.name, dev, inputs): result = kernel(*arrays, **attrs)
-    out = Tensor._wrap(result, dev, dtype)
-    assert out.shape == shape, f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {shape}"
-  if record: _record(op_, inputs, attrs, out)
+    result = kernel(*arrays, **attrs) if h.profile is None else _profiled(op_, kernel, dev, inputs, arrays, attrs)
+    out_dev = attrs["target"] if op_.transfer else dev
+    if op_.multi: return tuple(Tensor._wrap(r, out_dev, dt) for r, (_, dt) in zip(result, avals))
+    out = Tensor._wrap(result, out_dev, avals[1])
+    assert out.shape == avals[0], f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {avals[0]}"
+  if record: tape_record(op_, inputs, attrs, out)
   return out
+
+
+Op.__call__ = apply  # an op is called as `add_op(x, y)`, straight into apply
+
+
+def _fits(into, avals, dev, inputs, op_: Op) -> bool:
+  """Whether `into` may take the result as the kernel writes it (see `can_write_into`), every output for a multi-output op."""
+  if not op_.multi: return can_write_into(into, avals[0], avals[1], dev, inputs)
+  return len(into) == len(avals) and all(can_write_into(t, s, d, dev, inputs) for t, (s, d) in zip(into, avals))
+
+
+def _out_arrays(into, op_: Op):
+  return [t._array() for t in into] if op_.multi else into._array()
 
 
 def can_cast(src: DType, dst: DType) -> bool:
@@ -288,22 +216,34 @@ def _span(t: Tensor) -> tuple[int, int]:
   return lo, t._offset + 1 + sum(st * (n - 1) for n, st in zip(t.shape, t._strides) if st > 0)
 
 
+def view_positions(x: Tensor, base: Tensor) -> Tensor:
+  """The flat index in `base` of each element of `x`, a view of base's storage (from their layouts, not values)."""
+  def storage_index(t: Tensor) -> np.ndarray:
+    idx = np.full(t.shape, t._offset, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(t.shape, t._strides)):
+      idx += (np.arange(n, dtype=np.int64) * s).reshape((n,) + (1,) * (t.ndim - d - 1))
+    return idx
+  at, of_base = storage_index(x), storage_index(base).reshape(-1)
+  flat = np.zeros(max(at.max(initial=0), of_base.max(initial=0)) + 1, dtype=np.int64)
+  flat[of_base] = np.arange(of_base.size)
+  return Tensor._wrap(np.ascontiguousarray(flat[at]), cpu, dtypes.int64).to(base.device)
+
+
 def refresh_view(t: Tensor) -> None:
   """A view whose root was changed in place since the view's node was made reads the root anew: its node
   becomes an index of the root's current graph (PyTorch regenerates such a view's grad_fn likewise)."""
-  from blutrain.ops.movement import index_op, view_positions
   base = t._base
-  fresh = index_op(base.reshape(-1), view_positions(t, base), positions=(0,))
+  fresh = registry["index"](base.reshape(-1), view_positions(t, base), positions=(0,))
   t._node, t.requires_grad, t._base_node = fresh._node, fresh.requires_grad, base._node
 
 
 def write(x: Tensor, new: Tensor) -> None:
   """The last step of an in-place op that did not write itself: store `new` (of x's shape, in x's dtype or one that
   casts to it) into x's memory, bump its version."""
-  if capture.trace is not None: capture.trace.write(x, new)
-  elif profiling.session is None: backend.get(x.device).copy_into(x._array(), new._array())
+  if hooks.trace is not None: hooks.trace.write(x, new)
+  elif hooks.profile is None: backend.get(x.device).copy_into(x._array(), new._array())
   else:
-    with record_function("copy_into", x.device): backend.get(x.device).copy_into(x._array(), new._array())
+    with hooks.profile("copy_into", x.device, (new,)): backend.get(x.device).copy_into(x._array(), new._array())
   x._storage.version += 1
 
 
@@ -311,6 +251,12 @@ def dynamic_scalar(value: Callable[[], float], device) -> float | Tensor:
   """A number that may change between calls of a compiled function without changing its graph, such as a
   scheduled learning rate: eagerly `value()`, under capture a 0-d float64 input read by `value()` at each call
   (float64, like a Python number: with a float32 tensor it gives float32)."""
-  return value() if capture.trace is None else capture.trace.scalar_input(value, device)
+  return value() if hooks.trace is None else hooks.trace.scalar_input(value, device)
+
+
+def autocast_inputs(name: str, *inputs):
+  """`inputs` of op `name` cast as the active autocast's policy says (unchanged outside autocast); composites that
+  PyTorch's autocast lists (linear, attention) call it, `apply` does for every primitive."""
+  return inputs if hooks.autocast is None else hooks.autocast(name, inputs)
 
 

@@ -3,67 +3,70 @@ from __future__ import annotations
 
 import math
 
-from blutrain import dtypes, ops
+from blutrain import dtypes
 from blutrain.dtypes import DType
 from blutrain.ops.core import op
 from blutrain.shapes import broadcast_shapes
-from blutrain.ops.creation import scalar_operand
+from blutrain.ops.creation import as_tensor_like, ones_like, scalar_operand, zeros_like
 from blutrain.tensor import Tensor
 
 
 def _same(x, **_): return x.shape, x.dtype
 
 
-def _floating(x: Tensor) -> Tensor:
+def floating(x: Tensor) -> Tensor:
   """Integer and bool inputs of float functions (exp, sqrt, ...) are promoted to float32, as in PyTorch."""
   return x if x.dtype.is_floating_point else x.to(dtypes.default_float)
 
 
 # *** unary ***
 
-neg = op("neg", _same, lambda g, out, x: (-g,), saves=(), inputs="x")
+neg_op = op("neg", _same, lambda g, out, x: (-g,), saves=(), inputs="x")
 exp_op = op("exp", _same, lambda g, out, x: (g * out,), saves=(), saves_output=True, inputs="x")
 log_op = op("log", _same, lambda g, out, x: (g / x,), inputs="x")
 sqrt_op = op("sqrt", _same, lambda g, out, x: (g / (2 * out),), saves=(), saves_output=True, inputs="x")
 rsqrt_op = op("rsqrt", _same, lambda g, out, x: (-0.5 * g * out * out * out,), saves=(), saves_output=True, inputs="x")
-abs = op("abs", _same, lambda g, out, x: (g * sign(x),), inputs="x")
+abs_op = op("abs", _same, lambda g, out, x: (g * sign(x),), inputs="x")
 sin_op = op("sin", _same, lambda g, out, x: (g * cos(x),), inputs="x")
 cos_op = op("cos", _same, lambda g, out, x: (-g * sin(x),), inputs="x")
 tanh_op = op("tanh", _same, lambda g, out, x: (g * (1 - out * out),), saves=(), saves_output=True, inputs="x")
 sigmoid_op = op("sigmoid", _same, lambda g, out, x: (g * out * (1 - out),), saves=(), saves_output=True, inputs="x")
-relu = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True,
+relu_op = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True,
           inputs="x")  # passes at NaN, as torch
 erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),), inputs="x")
 floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
-gelu_backward = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype), inputs="g x", attrs="approximate:str")
+gelu_backward_op = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype), inputs="g x", attrs="approximate:str")
 gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
-             lambda g, out, x, approximate: (gelu_backward(g, x, approximate=approximate),),
+             lambda g, out, x, approximate: (gelu_backward_op(g, x, approximate=approximate),),
                inputs="x", attrs="approximate:str")
 
 
-def exp(x: Tensor, *, into: Tensor | None = None) -> Tensor: return exp_op(_floating(x), into=into)
-def log(x: Tensor) -> Tensor: return log_op(_floating(x))
-def sqrt(x: Tensor, *, into: Tensor | None = None) -> Tensor: return sqrt_op(_floating(x), into=into)
-def rsqrt(x: Tensor) -> Tensor: return rsqrt_op(_floating(x))
-def sin(x: Tensor) -> Tensor: return sin_op(_floating(x))
-def cos(x: Tensor) -> Tensor: return cos_op(_floating(x))
-def tanh(x: Tensor) -> Tensor: return tanh_op(_floating(x))
-def sigmoid(x: Tensor) -> Tensor: return sigmoid_op(_floating(x))
-def erf(x: Tensor) -> Tensor: return erf_op(_floating(x))
+def neg(x: Tensor, *, into: Tensor | None = None) -> Tensor: return neg_op(x, into=into)
+def abs(x: Tensor, *, into: Tensor | None = None) -> Tensor: return abs_op(x, into=into)
+def relu(x: Tensor, *, into: Tensor | None = None) -> Tensor: return relu_op(x, into=into)
+def exp(x: Tensor, *, into: Tensor | None = None) -> Tensor: return exp_op(floating(x), into=into)
+def log(x: Tensor) -> Tensor: return log_op(floating(x))
+def sqrt(x: Tensor, *, into: Tensor | None = None) -> Tensor: return sqrt_op(floating(x), into=into)
+def rsqrt(x: Tensor) -> Tensor: return rsqrt_op(floating(x))
+def sin(x: Tensor) -> Tensor: return sin_op(floating(x))
+def cos(x: Tensor) -> Tensor: return cos_op(floating(x))
+def tanh(x: Tensor) -> Tensor: return tanh_op(floating(x))
+def sigmoid(x: Tensor) -> Tensor: return sigmoid_op(floating(x))
+def erf(x: Tensor) -> Tensor: return erf_op(floating(x))
 def floor(x: Tensor) -> Tensor: return x if not x.dtype.is_floating_point else floor_op(x)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
   """GELU: x * Phi(x) (`approximate="none"`, erf) or its tanh approximation (`approximate="tanh"`)."""
   if approximate not in ("none", "tanh"): raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-  return gelu_op(_floating(x), approximate=approximate)
+  return gelu_op(floating(x), approximate=approximate)
 
 
 def zeros_like_grad(g: Tensor) -> Tensor: return g * 0
 def silu(x: Tensor) -> Tensor: return x * sigmoid(x)                         # x * sigmoid(x)
 def sign(x: Tensor) -> Tensor: return (x > 0).to(x.dtype) - (x < 0).to(x.dtype) if x.dtype is not dtypes.bool_ else copy(x)
 def square(x: Tensor) -> Tensor: return x * x
-def reciprocal(x: Tensor) -> Tensor: return 1 / _floating(x)
+def reciprocal(x: Tensor) -> Tensor: return 1 / floating(x)
 
 
 # *** binary ***
@@ -75,7 +78,7 @@ def _binary_rule(name: str, out_dtype: DType | None = None):
 
 def _unbroadcast(g: Tensor, x) -> Tensor:
   """Sum a broadcast gradient back to the input's shape."""
-  return g if g.shape == tuple(x.shape) else ops.sum_to(g, x.shape)
+  return g if g.shape == tuple(x.shape) else g.sum_to_size(x.shape)
 
 
 def _max_vjp(g, out, x, y):
@@ -103,9 +106,15 @@ _cmp = {name: op(name, _binary_rule(name, dtypes.bool_), differentiable=False, i
 logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differentiable=False, inputs="x")
 
 
-def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor]:
+def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor] | tuple:
   """Bring tensors and Python numbers to one dtype (PyTorch's promotion) and one device; numbers become CPU scalars
   that kernels take by value (`scalar_operand`)."""
+  if dtype is None and len(xs) == 2:  # the common cases first: two tensors of one dtype, a float tensor and a number
+    x, y = xs
+    if isinstance(x, Tensor):
+      if isinstance(y, Tensor):
+        if x.dtype is y.dtype: return xs
+      elif y.__class__ in (int, float) and x.dtype.category == 2: return x, scalar_operand(y, x.dtype, x.device)
   dt = dtype or dtypes.result_type(*xs)
   like = next((x for x in xs if isinstance(x, Tensor)), None)
   if like is None: raise TypeError(f"{op_name}: expected at least one tensor, got {[type(x).__name__ for x in xs]}")
@@ -119,7 +128,7 @@ def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor]:
 
 def _scaled(y, alpha):
   """alpha * y, skipped for a Python 1 (alpha may be a tensor, e.g. a compiled step's learning rate)."""
-  return y if not isinstance(alpha, Tensor) and alpha == 1 else y * alpha
+  return y if alpha.__class__ is int and alpha == 1 or not isinstance(alpha, Tensor) and alpha == 1 else y * alpha
 
 
 # `into`, here and below: a tensor that may receive the result in place of a new one (in-place methods pass theirs,
@@ -127,7 +136,7 @@ def _scaled(y, alpha):
 
 def add(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
   """x + alpha * y, broadcasting."""
-  return add_op(*operands("add", x, _scaled(y, alpha)), into=into)
+  return add_op(*operands("add", x, y if alpha.__class__ is int and alpha == 1 else _scaled(y, alpha)), into=into)
 
 
 def sub(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
@@ -162,7 +171,7 @@ def logical_or(x, y) -> Tensor: return _cmp["logical_or"](*operands("logical_or"
 def logical_xor(x, y) -> Tensor: return _cmp["logical_xor"](*operands("logical_xor", x, y, dtype=dtypes.bool_))
 def logical_not(x: Tensor) -> Tensor: return logical_not_op(x.to(dtypes.bool_))
 def isnan(x: Tensor) -> Tensor: return x != x
-def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs(x) < float("inf")) if x.dtype.is_floating_point else ops.ones_like(x, dtype=dtypes.bool_)
+def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs_op(x) < float("inf")) if x.dtype.is_floating_point else ones_like(x, dtype=dtypes.bool_)
 
 
 # *** where, cast, copy ***
@@ -172,7 +181,7 @@ def _where_rule(c, x, y):
 
 
 where_op = op("where", _where_rule, lambda g, out, c, x, y: (
-  None, _unbroadcast(where_op(c, g, ops.zeros_like(g)), x), _unbroadcast(where_op(c, ops.zeros_like(g), g), y)), saves=(0,),
+  None, _unbroadcast(where_op(c, g, zeros_like(g)), x), _unbroadcast(where_op(c, zeros_like(g), g), y)), saves=(0,),
     inputs="c x y")
 
 
@@ -188,7 +197,12 @@ def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
 
 cast_op = op("cast", lambda x, dtype: (x.shape, dtype), lambda g, out, x, dtype: (g.to(x.dtype),), saves=(),
              inputs="x", attrs="dtype:dtype")
-copy = op("copy", _same, lambda g, out, x: (g,), saves=(), inputs="x")
+copy_op = op("copy", _same, lambda g, out, x: (g,), saves=(), inputs="x")
+
+
+def copy(x: Tensor) -> Tensor:
+  """A new tensor with x's values (contiguous)."""
+  return copy_op(x)
 
 
 def cast(x: Tensor, dtype: DType) -> Tensor:
@@ -219,7 +233,7 @@ def masked_fill(x: Tensor, mask: Tensor, value, *, into: Tensor | None = None) -
   if broadcast_shapes(mask.shape, x.shape, op="masked_fill") != tuple(x.shape):
     raise ValueError(f"masked_fill: mask of shape {mask.shape} does not broadcast to the tensor's shape {x.shape}")
   if isinstance(value, (bool, int, float)): value = scalar_operand(value, x.dtype, x.device)
-  else: value = ops.as_tensor_like(value, x).to(x.dtype)
+  else: value = as_tensor_like(value, x).to(x.dtype)
   return where(mask, value, x, into=into)
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import math
 
-from blutrain import backends, dtypes, ops
+from blutrain import backends, dtypes
 from blutrain.ops.core import op
+from blutrain.ops.reduce import sum_to
 from blutrain.shapes import broadcast_shapes
 from blutrain.tensor import Tensor
 
@@ -24,8 +25,8 @@ def _matmul_vjp(g, out, a, b, tf32=False):
     # b stored transposed (nn.Linear's weight.mT): compute db in that layout, so the weight's grad comes out dense
     db = matmul_op(g2.mT, a2, tf32=tf32).mT if b.stride()[-2] == 1 and b.shape[-1] > 1 else matmul_op(a2.mT, g2, tf32=tf32)
   else:
-    db = ops.sum_to(matmul_op(a.mT, g, tf32=tf32), b.shape)
-  return ops.sum_to(matmul_op(g, b.mT, tf32=tf32), a.shape), db
+    db = sum_to(matmul_op(a.mT, g, tf32=tf32), b.shape)
+  return sum_to(matmul_op(g, b.mT, tf32=tf32), a.shape), db
 
 
 matmul_op = op("matmul", _matmul_rule, _matmul_vjp, inputs="a b", attrs="tf32:bool?")

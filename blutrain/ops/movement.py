@@ -6,10 +6,12 @@ import math
 
 import numpy as np
 
-from blutrain import dtypes, ops
-from blutrain.ops.core import grad_mode, op
-from blutrain.shapes import broadcast_shapes, normalize_dim, normalize_dims
-from blutrain.shapes import contiguous_strides
+from blutrain import dtypes
+from blutrain.ops.core import op
+from blutrain.ops.creation import arange, from_numpy, full, tensor
+from blutrain.ops.elementwise import copy, operands, where
+from blutrain.ops.reduce import sum_to
+from blutrain.shapes import broadcast_shapes, contiguous_strides, normalize_dim, normalize_dims
 from blutrain.tensor import Tensor
 
 
@@ -75,7 +77,7 @@ def reshape(x: Tensor, shape) -> Tensor:
   """x with a new shape: a view when the layout allows, else a copy."""
   shape = _infer_shape(x, shape, "reshape")
   strides = view_strides(x.shape, x._strides, shape)
-  if strides is None: x = ops.copy(x)
+  if strides is None: x = copy(x)
   elif (shape, strides) == (x.shape, x._strides): return x
   return view_op(x, shape=shape)
 
@@ -124,7 +126,7 @@ def _expand_layout(x, shape):
   return shape, strides, x._offset
 
 
-expand_op = op("expand", _expand_rule, lambda g, out, x, shape: (ops.sum_to(g, x.shape),), view=_expand_layout, saves=(),
+expand_op = op("expand", _expand_rule, lambda g, out, x, shape: (sum_to(g, x.shape),), view=_expand_layout, saves=(),
                inputs="x", attrs="shape:ints")
 
 
@@ -148,10 +150,10 @@ def _slice_layout(x, index):
   return shape, strides, x._offset + sum(st * start for st, (start, _, _) in zip(x._strides, index) if start)
 
 
-slice_backward = op("slice_backward", lambda g, shape, index: (shape, g.dtype),
+slice_backward_op = op("slice_backward", lambda g, shape, index: (shape, g.dtype),
                     lambda g2, out, g, shape, index: (slice_op(g2, index=index),), saves=(),
                       inputs="g", attrs="shape:ints index:index")
-slice_op = op("slice", _slice_rule, lambda g, out, x, index: (slice_backward(g, shape=x.shape, index=index),),
+slice_op = op("slice", _slice_rule, lambda g, out, x, index: (slice_backward_op(g, shape=x.shape, index=index),),
               view=_slice_layout, saves=(), inputs="x", attrs="index:index")
 
 
@@ -248,7 +250,7 @@ def cat(tensors, dim: int = 0) -> Tensor:
   """Concatenate along an existing dim."""
   tensors = [t for t in tensors]
   if not tensors: raise ValueError("cat: expected a non-empty list of tensors")
-  tensors = ops.operands("cat", *tensors)
+  tensors = operands("cat", *tensors)
   return cat_op(*tensors, dim=normalize_dim(dim, tensors[0].ndim, "cat"))
 
 
@@ -264,7 +266,7 @@ def stack(tensors, dim: int = 0) -> Tensor:
 
 # *** advanced indexing ***
 
-def _index_shape(shape, idx_shapes, positions):
+def index_shape(shape, idx_shapes, positions):
   """NumPy's rule: broadcast index shapes replace the indexed dims, in place when those are adjacent,
   else at the front."""
   b = broadcast_shapes(*idx_shapes, op="index")
@@ -278,24 +280,24 @@ def _index_shape(shape, idx_shapes, positions):
 def _index_rule(x, *idx, positions):
   for t in idx:
     if t.dtype.category != 1: raise TypeError(f"index: tensors used as indices must be integer, got {t.dtype.name}")
-  return _index_shape(x.shape, [t.shape for t in idx], positions), x.dtype
+  return index_shape(x.shape, [t.shape for t in idx], positions), x.dtype
 
 
-index_backward = op("index_backward", lambda g, *idx, shape, positions: (shape, g.dtype),
+index_backward_op = op("index_backward", lambda g, *idx, shape, positions: (shape, g.dtype),
                     lambda g2, out, g, *idx, shape, positions: (index_op(g2, *idx, positions=positions),) + (None,) * len(idx),
                     saves=None, inputs="g *idx", attrs="shape:ints positions:ints")
 index_op = op("index", _index_rule, lambda g, out, x, *idx, positions: (
-  index_backward(g, *idx, shape=x.shape, positions=positions),) + (None,) * len(idx), saves=None,
+  index_backward_op(g, *idx, shape=x.shape, positions=positions),) + (None,) * len(idx), saves=None,
     inputs="x *idx", attrs="positions:ints")
-index_put = op("index_put", lambda x, v, *idx, positions: (x.shape, x.dtype), differentiable=False,
+index_put_op = op("index_put", lambda x, v, *idx, positions: (x.shape, x.dtype), differentiable=False,
                inputs="x v *idx", attrs="positions:ints")
 
 
-def _parse_key(x: Tensor, key):
+def parse_key(x: Tensor, key):
   """Split an index into the basic part, applied as one slice view plus a reshape, and the tensor indices
   that remain: returns (view, [(dim in view, index tensor)])."""
   key = key if isinstance(key, tuple) else (key,)
-  key = tuple(ops.tensor(k, dtype=dtypes.int64, device=x.device) if isinstance(k, list) else k for k in key)
+  key = tuple(tensor(k, dtype=dtypes.int64, device=x.device) if isinstance(k, list) else k for k in key)
   used = sum(k.ndim if isinstance(k, Tensor) and k.dtype is dtypes.bool_ else 0 if k is None or k is Ellipsis else 1 for k in key)
   if used > x.ndim: raise IndexError(f"too many indices for a tensor of dimension {x.ndim} (got {used})")
   if sum(k is Ellipsis for k in key) > 1: raise IndexError("an index can only have a single ellipsis ('...')")
@@ -305,12 +307,12 @@ def _parse_key(x: Tensor, key):
   for k in key:
     if k is None: out_shape.append(1)
     elif isinstance(k, Tensor) and k.dtype is dtypes.bool_ and k.ndim == 0:  # a new dim of size 1 (True) or 0
-      adv.append((len(out_shape), ops.nonzero(k.reshape(1), as_tuple=True)[0]))
+      adv.append((len(out_shape), nonzero(k.reshape(1), as_tuple=True)[0]))
       out_shape.append(1)
     elif isinstance(k, Tensor) and k.dtype is dtypes.bool_:
       if k.shape != x.shape[d:d + k.ndim]:
         raise IndexError(f"boolean mask of shape {k.shape} does not match the indexed shape {x.shape[d:d + k.ndim]}")
-      for nz in ops.nonzero(k, as_tuple=True):
+      for nz in nonzero(k, as_tuple=True):
         adv.append((len(out_shape), nz))
         out_shape.append(x.shape[d])
         d += 1
@@ -337,66 +339,24 @@ def _parse_key(x: Tensor, key):
 
 def getitem(x: Tensor, key) -> Tensor:
   """x[key] with PyTorch's semantics: basic indices give views, tensor indices gather."""
-  y, adv = _parse_key(x, key)
+  y, adv = parse_key(x, key)
   if not adv: return y
   return index_op(y, *(t for _, t in adv), positions=tuple(p for p, _ in adv))
 
 
-def setitem(x: Tensor, key, value) -> None:
-  """x[key] = value, in place. When x or value requires grad, x's graph continues through the write: the
-  gradient reaches value at the written positions and x's history elsewhere."""
-  value = ops.as_tensor_like(value, x)
-  if grad_mode.enabled and (x.requires_grad or value.requires_grad):
-    with ops.no_grad():
-      pos = getitem(ops.arange(x.numel(), device=x.device).reshape(x.shape), key)
-    ops.inplace(x, lambda old, into: _put(old, pos, _fit(value, pos.shape).to(x.dtype)))
-    return
-  with ops.no_grad():
-    y, adv = _parse_key(x, key)
-    if not adv:
-      ops.inplace(y, lambda old, into: _fit(value, old.shape).to(x.dtype))
-      return
-    idx, positions = tuple(t for _, t in adv), tuple(p for p, _ in adv)
-    region = _index_shape(y.shape, [t.shape for t in idx], positions)
-    ops.inplace(y, lambda old, into: index_put(old, _fit(value, region).to(x.dtype), *idx, positions=positions))
-
-
-def _fit(value: Tensor, shape) -> Tensor:
-  """value broadcast to the indexed region's shape; leading size-1 dims of value may be dropped, as in PyTorch."""
-  while value.ndim > len(shape) and value.shape[0] == 1: value = value.squeeze(0)
-  try:
-    return value.expand(shape)
-  except ValueError:
-    raise ValueError(f"setitem: a value of shape {tuple(value.shape)} cannot be assigned to an indexed region of "
-                     f"shape {tuple(shape)}") from None
-
-
-def view_positions(x: Tensor, base: Tensor) -> Tensor:
-  """The flat index in `base` of each element of `x`, a view of base's storage (from their layouts, not values)."""
-  def storage_index(t: Tensor) -> np.ndarray:
-    idx = np.full(t.shape, t._offset, dtype=np.int64)
-    for d, (n, s) in enumerate(zip(t.shape, t._strides)):
-      idx += (np.arange(n, dtype=np.int64) * s).reshape((n,) + (1,) * (t.ndim - d - 1))
-    return idx
-  at, of_base = storage_index(x), storage_index(base).reshape(-1)
-  flat = np.zeros(max(at.max(initial=0), of_base.max(initial=0)) + 1, dtype=np.int64)
-  flat[of_base] = np.arange(of_base.size)
-  return ops.from_numpy(flat[at]).to(base.device)
-
-
-def _put(x: Tensor, pos: Tensor, value: Tensor) -> Tensor:
+def put(x: Tensor, pos: Tensor, value: Tensor) -> Tensor:
   """x with value written at the flat positions pos (same shape as value), differentiable in x and value.
   Where pos repeats, the last write wins, as in the eager write (PyTorch leaves that case undefined)."""
   if pos.numel() == 0: return x
   pos, n = pos.reshape(-1), x.numel()
-  src = index_put(ops.full((n,), -1, dtype=dtypes.int64, device=x.device),
-                  ops.arange(pos.numel(), device=x.device), pos, positions=(0,))  # which value lands where
-  picked = ops.gather(value.reshape(-1), 0, ops.where(src >= 0, src, 0))
-  return ops.where((src >= 0).reshape(x.shape), picked.reshape(x.shape), x)
+  src = index_put_op(full((n,), -1, dtype=dtypes.int64, device=x.device),
+                  arange(pos.numel(), device=x.device), pos, positions=(0,))  # which value lands where
+  picked = value.reshape(-1).gather(0, where(src >= 0, src, 0))
+  return where((src >= 0).reshape(x.shape), picked.reshape(x.shape), x)
 
 
 def nonzero(x: Tensor, *, as_tuple: bool = False):
   """Indices of the nonzero entries: (count, ndim), or a tuple of ndim index vectors. The count depends on the
   data, so this reads the values back to the host and cannot be compiled."""
-  idx = ops.from_numpy(np.argwhere(x.detach().numpy()).astype(np.int64)).to(x.device)
+  idx = from_numpy(np.argwhere(x.detach().numpy()).astype(np.int64)).to(x.device)
   return tuple(idx[:, i] for i in range(x.ndim)) if as_tuple else idx

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import math
 
-from blutrain import backends, dtypes, ops
+from blutrain import backends, dtypes
 from blutrain.ops.core import autocast_inputs, op
+from blutrain.ops.creation import arange, ones, zeros
+from blutrain.ops.elementwise import exp, floating, rsqrt, where
+from blutrain.ops.linalg import matmul
+from blutrain.ops.random import bernoulli_mask
 from blutrain.shapes import normalize_dim
 from blutrain.tensor import Tensor
 
@@ -16,20 +20,20 @@ def _same_dim(x, dim): return x.shape, x.dtype
 
 softmax_op = op("softmax", _same_dim, lambda g, out, x, dim: (out * (g - (g * out).sum(dim, keepdim=True)),),
                 saves=(), saves_output=True, inputs="x", attrs="dim:int")
-log_softmax_op = op("log_softmax", _same_dim, lambda g, out, x, dim: (g - ops.exp(out) * g.sum(dim, keepdim=True),),
+log_softmax_op = op("log_softmax", _same_dim, lambda g, out, x, dim: (g - exp(out) * g.sum(dim, keepdim=True),),
                     saves=(), saves_output=True, inputs="x", attrs="dim:int")
 
 
 def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
   """exp(x) / sum(exp(x)) along dim, computed stably."""
-  x = x.to(dtype) if dtype is not None else ops.elementwise._floating(x)
+  x = x.to(dtype) if dtype is not None else floating(x)
   d = normalize_dim(dim, x.ndim, "softmax")
   return softmax_op(x, dim=d) if x.ndim else softmax_op(x.reshape(1), dim=0).reshape(())
 
 
 def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
   """x - logsumexp(x) along dim."""
-  x = x.to(dtype) if dtype is not None else ops.elementwise._floating(x)
+  x = x.to(dtype) if dtype is not None else floating(x)
   d = normalize_dim(dim, x.ndim, "log_softmax")
   return log_softmax_op(x, dim=d) if x.ndim else log_softmax_op(x.reshape(1), dim=0).reshape(())
 
@@ -45,7 +49,7 @@ def _layer_norm_rule(x, w, b, n, eps):
 
 def _layer_norm_vjp(g, out, x, w, b, n, eps):
   size, N = math.prod(x.shape), math.prod(x.shape[x.ndim - n:])
-  grads = layer_norm_backward(g, x, w, n=n, eps=eps, has_bias=b is not None)
+  grads = layer_norm_backward_op(g, x, w, n=n, eps=eps, has_bias=b is not None)
   dx = grads.narrow(0, 0, size).reshape(x.shape)
   dw = grads.narrow(0, size, N).reshape(w.shape).to(w.dtype) if w is not None else None
   db = grads.narrow(0, grads.shape[0] - N, N).reshape(b.shape).to(b.dtype) if b is not None else None
@@ -60,7 +64,7 @@ def _layer_norm_backward_rule(g, x, w, n, eps, has_bias):
 # dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) with gw = g w, dw = sum(g xhat), db = sum(g) over the leading dims,
 # xhat = (x - mean) rstd. One kernel computes all three: a primitive has one output, so the backward returns
 # cat([dx.flatten(), dw, db]) (dw and db when present), which the VJP splits by views.
-layer_norm_backward = op("layer_norm_backward", _layer_norm_backward_rule,
+layer_norm_backward_op = op("layer_norm_backward", _layer_norm_backward_rule,
                          inputs="g x ?weight", attrs="n:int eps:float has_bias:bool")
 layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1),
                    inputs="x ?weight ?bias", attrs="n:int eps:float")
@@ -84,7 +88,7 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: flo
     raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match normalized shape {shape}")
   dims = tuple(range(x.ndim - len(shape), x.ndim))
   eps = eps if eps is not None else float(__import__("numpy").finfo(x.dtype.np).eps)
-  out = x * ops.rsqrt((x * x).mean(dims, keepdim=True) + eps)
+  out = x * rsqrt((x * x).mean(dims, keepdim=True) + eps)
   return out * weight if weight is not None else out
 
 
@@ -104,7 +108,7 @@ scatter_add_op = op("scatter_add", _scatter_add_rule, lambda g, out, x, index, s
   g, None, gather_op(g, index, dim=dim) if index.shape == src.shape else None), saves=(1,),
     inputs="x index src", attrs="dim:int")
 gather_op = op("gather", lambda x, index, dim: _gather_rule(x, dim, index), lambda g, out, x, index, dim: (
-  scatter_add_op(ops.zeros(x.shape, dtype=g.dtype, device=g.device), index, g, dim=dim), None), saves=(1,),
+  scatter_add_op(zeros(x.shape, dtype=g.dtype, device=g.device), index, g, dim=dim), None), saves=(1,),
     inputs="x index", attrs="dim:int")
 
 
@@ -137,10 +141,10 @@ def _embedding_rule(weight, idx):
   return idx.shape + (weight.shape[1],), weight.dtype
 
 
-embedding_backward = op("embedding_backward", lambda g, idx, num: ((num, g.shape[-1]), g.dtype),
+embedding_backward_op = op("embedding_backward", lambda g, idx, num: ((num, g.shape[-1]), g.dtype),
                         inputs="g idx", attrs="num:int")
 embedding_op = op("embedding", _embedding_rule, lambda g, out, weight, idx: (
-  embedding_backward(g, idx, num=weight.shape[0]), None), saves=(1,), inputs="weight idx")
+  embedding_backward_op(g, idx, num=weight.shape[0]), None), saves=(1,), inputs="weight idx")
 
 
 def embedding(input: Tensor, weight: Tensor) -> Tensor:
@@ -153,7 +157,7 @@ def one_hot(x: Tensor, num_classes: int = -1) -> Tensor:
   """int64 one-hot encoding along a new last dim."""
   _check_index("one_hot", x)
   if num_classes < 0: num_classes = int(x.max().item()) + 1
-  return (x.unsqueeze(-1) == ops.arange(num_classes, device=x.device)).to(dtypes.int64)
+  return (x.unsqueeze(-1) == arange(num_classes, device=x.device)).to(dtypes.int64)
 
 
 # *** losses ***
@@ -164,10 +168,10 @@ def _cross_entropy_rule(logits, target, ignore_index):
   return target.shape, logits.dtype
 
 
-cross_entropy_backward = op("cross_entropy_backward", lambda g, logits, target, ignore_index: (logits.shape, logits.dtype),
+cross_entropy_backward_op = op("cross_entropy_backward", lambda g, logits, target, ignore_index: (logits.shape, logits.dtype),
                             inputs="g logits target", attrs="ignore_index:int")
 cross_entropy_op = op("cross_entropy", _cross_entropy_rule, lambda g, out, logits, target, ignore_index: (
-  cross_entropy_backward(g, logits, target, ignore_index=ignore_index), None),
+  cross_entropy_backward_op(g, logits, target, ignore_index=ignore_index), None),
     inputs="logits target", attrs="ignore_index:int")
 
 
@@ -183,7 +187,7 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100, reduc
                      f"{tuple(input.shape)}; expected a target of shape {lead}")
   if input.ndim > 2: input = input.permute(0, *range(2, input.ndim), 1)  # (N, C, d...) -> (N, d..., C)
   input, target = input.reshape(-1, input.shape[-1]), target.reshape(-1)
-  losses = cross_entropy_op(ops.elementwise._floating(input), target, ignore_index=ignore_index)
+  losses = cross_entropy_op(floating(input), target, ignore_index=ignore_index)
   if reduction == "none": return losses.reshape(lead)
   if reduction == "sum": return losses.sum()
   return losses.sum() / (target != ignore_index).sum().to(losses.dtype)
@@ -192,7 +196,7 @@ def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100, reduc
 def nll_loss(input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
   """Negative log-likelihood of log-probabilities `input` (N, C) at class indices `target`."""
   valid = target != ignore_index
-  picked = -gather(input, 1, ops.where(valid, target, 0).unsqueeze(1)).squeeze(1) * valid.to(input.dtype)
+  picked = -gather(input, 1, where(valid, target, 0).unsqueeze(1)).squeeze(1) * valid.to(input.dtype)
   if reduction == "none": return picked
   if reduction == "sum": return picked.sum()
   return picked.sum() / valid.sum().to(input.dtype)
@@ -211,16 +215,16 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator=None) ->
   if not 0.0 <= p <= 1.0: raise ValueError(f"dropout: probability must be in [0, 1], got {p}")
   if not training or p == 0.0: return x
   if p == 1.0: return x * 0.0
-  keep = ops.bernoulli_mask(x.shape, 1.0 - p, device=x.device, generator=generator)
-  return ops.where(keep, x, 0.0) * (1.0 / (1.0 - p))  # 3 kernels; backward keeps the 1-byte mask, not a float copy
+  keep = bernoulli_mask(x.shape, 1.0 - p, device=x.device, generator=generator)
+  return where(keep, x, 0.0) * (1.0 / (1.0 - p))  # 3 kernels; backward keeps the 1-byte mask, not a float copy
 
 
 def _band(x: Tensor, diagonal: int, lower: bool) -> Tensor:
   if x.ndim < 2: raise ValueError(f"{'tril' if lower else 'triu'}: expected at least 2 dims, got shape {x.shape}")
-  rows = ops.arange(x.shape[-2], device=x.device).unsqueeze(1)
-  cols = ops.arange(x.shape[-1], device=x.device).unsqueeze(0)
+  rows = arange(x.shape[-2], device=x.device).unsqueeze(1)
+  cols = arange(x.shape[-1], device=x.device).unsqueeze(0)
   keep = (cols - rows <= diagonal) if lower else (cols - rows >= diagonal)
-  return ops.where(keep, x, ops.zeros((), dtype=x.dtype, device=x.device))
+  return where(keep, x, zeros((), dtype=x.dtype, device=x.device))
 
 
 def tril(x: Tensor, diagonal: int = 0) -> Tensor:
@@ -236,7 +240,7 @@ def triu(x: Tensor, diagonal: int = 0) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
   """x @ weight.T + bias, as nn.Linear."""
   x, weight, bias = autocast_inputs("linear", x, weight, bias)
-  out = ops.matmul(x, weight.mT)
+  out = matmul(x, weight.mT)
   return out + bias if bias is not None else out
 
 
@@ -251,16 +255,16 @@ def _flash_attention_rule(q, k, v, causal, scale, tf32=False):
 
 def _flash_attention_vjp(g, out, q, k, v, causal, scale, tf32=False):
   L, S = q.shape[-2], k.shape[-2]
-  dqkv = flash_attention_backward(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
+  dqkv = flash_attention_backward_op(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
   return dqkv.narrow(-2, 0, L), dqkv.narrow(-2, L, S), dqkv.narrow(-2, L + S, S)
 
 
 # softmax(q k^T * scale [causal]) v without the (L, S) weights in memory. One kernel computes dq, dk and dv together,
 # and a primitive has one output: the backward returns cat([dq, dk, dv], -2), which the VJP splits by views.
-flash_attention_backward = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale, tf32=False: (
+flash_attention_backward_op = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale, tf32=False: (
   q.shape[:-2] + (q.shape[-2] + 2 * k.shape[-2], q.shape[-1]), q.dtype),
     inputs="g q k v out", attrs="causal:bool scale:float tf32:bool?")
-flash_attention = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True,
+flash_attention_op = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True,
                      inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
 _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
@@ -280,14 +284,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
   if (attn_mask is None and dropout_p == 0.0 and query.dtype in _FLASH_DTYPES and query.dtype is key.dtype is value.dtype
       and key.shape == value.shape and query.shape[:-2] == key.shape[:-2] and query.shape[-1] <= 256
       and query.shape[-2] > 0 and key.shape[-2] > 0):
-    return flash_attention(query, key, value, causal=bool(is_causal), scale=float(scale),
+    return flash_attention_op(query, key, value, causal=bool(is_causal), scale=float(scale),
                            tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
-  scores = ops.matmul(query, key.mT) * scale
+  scores = matmul(query, key.mT) * scale
   if is_causal:
     L, S = query.shape[-2], key.shape[-2]
-    attn_mask = ops.tril(ops.ones(L, S, dtype=dtypes.bool_, device=query.device))
+    attn_mask = tril(ones(L, S, dtype=dtypes.bool_, device=query.device))
   if attn_mask is not None:
     scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype is dtypes.bool_ else scores + attn_mask
   weights = softmax(scores, -1)
   if dropout_p > 0.0: weights = dropout(weights, dropout_p)
-  return ops.matmul(weights, value)
+  return matmul(weights, value)

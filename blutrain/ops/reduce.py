@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 
-from blutrain import dtypes, ops
+from blutrain import dtypes
 from blutrain.ops.core import autocast_inputs, op
+from blutrain.ops.creation import zeros
+from blutrain.ops.elementwise import exp, isfinite, log, maximum, minimum, sqrt, where
 from blutrain.shapes import normalize_dim, normalize_dims
 from blutrain.tensor import Tensor
 
@@ -77,7 +79,7 @@ def var(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbi
 
 def std(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbiased: bool | None = None) -> Tensor:
   """Standard deviation: sqrt(var)."""
-  return ops.sqrt(var(x, dim, keepdim, correction=correction, unbiased=unbiased))
+  return sqrt(var(x, dim, keepdim, correction=correction, unbiased=unbiased))
 
 
 def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
@@ -114,14 +116,14 @@ def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
 
 def max(x: Tensor, dim=None, keepdim: bool = False):
   """`x.max()` is the largest value; `x.max(dim)` gives (values, indices); `x.max(other)` is maximum."""
-  if isinstance(dim, Tensor): return ops.maximum(x, dim)
+  if isinstance(dim, Tensor): return maximum(x, dim)
   if dim is None: return amax(x)
   return _select(x, argmax(x, dim, keepdim=True), dim, keepdim)
 
 
 def min(x: Tensor, dim=None, keepdim: bool = False):
   """`x.min()`, `x.min(dim)` -> (values, indices), or `x.min(other)`."""
-  if isinstance(dim, Tensor): return ops.minimum(x, dim)
+  if isinstance(dim, Tensor): return minimum(x, dim)
   if dim is None: return amin(x)
   return _select(x, argmin(x, dim, keepdim=True), dim, keepdim)
 
@@ -129,7 +131,7 @@ def min(x: Tensor, dim=None, keepdim: bool = False):
 def _select(x: Tensor, idx: Tensor, dim: int, keepdim: bool):
   """(values, indices) of max/min along dim; values are gathered so that, as in PyTorch, the gradient goes
   to the returned index only (amax/amin share it among ties)."""
-  values = ops.gather(x, dim, idx)
+  values = x.gather(dim, idx)
   return values_indices(values, idx) if keepdim else values_indices(values.squeeze(dim), idx.squeeze(dim))
 
 
@@ -138,11 +140,11 @@ def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
   dims = normalize_dims(dim, x.ndim, "logsumexp")
   if x.ndim == 0: return logsumexp(x.reshape(1), 0)
   if x.numel() == 0:  # the empty sum gives log(0) = -inf, as torch's
-    m = ops.zeros(_reduced_shape(x.shape, dims, True), dtype=x.dtype, device=x.device)
+    m = zeros(_reduced_shape(x.shape, dims, True), dtype=x.dtype, device=x.device)
   else:
     m = amax(x.detach(), dims, keepdim=True)
-    m = ops.where(ops.isfinite(m), m, 0.0)
-  out = ops.log(sum(ops.exp(x - m), dims, keepdim=True)) + m
+    m = where(isfinite(m), m, 0.0)
+  out = log(sum(exp(x - m), dims, keepdim=True)) + m
   return out if keepdim else out.squeeze(dims)
 
 

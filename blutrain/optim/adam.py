@@ -4,9 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import dtypes, ops
+from blutrain.autograd.tape import hooks
 from blutrain.optim.optimizer import Optimizer, ParamsT
-from blutrain.profiler import record_function
 from blutrain.tensor import Tensor
+
+_FUSED_DTYPES = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
 
 
 class Adam(Optimizer):
@@ -28,10 +30,10 @@ class Adam(Optimizer):
     amsgrad: use the maximum of past second moments.
     maximize: ascend instead of descend.
     foreach: accepted for PyTorch compatibility.
-    fused: unless False, a group whose parameters are all CUDA tensors is updated by one multi-tensor kernel
-      (blutrain.backend.cuda.kernels.optim.fused_adamw: the same float32 operations, in the same order, as the
-      per-parameter update below, which stays the reference and runs everywhere else: on the CPU, with amsgrad or
-      maximize, Adam's coupled weight decay, or inside bt.compile).
+    fused: unless False, a group of dense floating parameters is updated by one multi-tensor op (`ops.adamw_`: one
+      kernel launch for the whole group on CUDA; the same float32 operations, in the same order, as the
+      per-parameter update below, which stays the reference and runs otherwise: with amsgrad or maximize, Adam's
+      coupled weight decay, or strided parameters).
     decoupled_weight_decay: decay the parameter directly (AdamW) instead of adding to the gradient.
   """
 
@@ -58,25 +60,23 @@ class Adam(Optimizer):
   def _step_group(self, group: dict[str, Any]) -> None:
     params = [p for p in group["params"] if p.grad is not None]
     if not self._fusable(group, params): return super()._step_group(group)
-    from blutrain.backend.cuda.kernels.optim import fused_adamw
     states = [self.state[p] for p in params]
     for p, state in zip(params, states): self._init_state(p, state, group)
     if not all(s["exp_avg"].is_contiguous() and s["exp_avg_sq"].is_contiguous() for s in states):
       return super()._step_group(group)
-    (beta1, beta2), keys = group["betas"], ("step", "exp_avg", "exp_avg_sq")
-    with record_function("fused_adamw", params[0].device):
-      fused_adamw([p._array() for p in params], [p.grad._array() for p in params],
-                  *([s[k]._array() for s in states] for k in keys[1:]), [s["step"]._array() for s in states],
-                  float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
-    for t in params + [s[k] for s in states for k in keys]: t._storage.version += 1
+    (beta1, beta2), device = group["betas"], params[0].device
+    ops.adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+               [s["step"] for s in states], ops.dynamic_scalar(lambda: group["lr"], device), beta1=beta1, beta2=beta2,
+               eps=group["eps"], weight_decay=group["weight_decay"])
 
   @staticmethod
   def _fusable(group: dict[str, Any], params: list[Tensor]) -> bool:
-    """Whether fused_adamw can update the group: eager, AdamW's update, dense floating CUDA parameters and grads."""
-    return (group["fused"] is not False and ops.core.capture.trace is None and bool(params)
+    """Whether `ops.adamw_` can update the group: AdamW's update of dense float32/16 parameters and grads on one
+    device."""
+    return (group["fused"] is not False and hooks.trace is None and bool(params)
             and not group["amsgrad"] and not group["maximize"]
             and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
-            and all(p.device.type == "cuda" and p.dtype.is_floating_point and p.grad.dtype.is_floating_point
+            and all(p.device == params[0].device and p.dtype in _FUSED_DTYPES and p.grad.dtype in _FUSED_DTYPES
                     and p.is_contiguous() and p.grad.is_contiguous() and p.grad.shape == p.shape for p in params))
 
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Synthesized GEMMs (kernels/gemm.py) on the GPU against float64 numpy: each structure the host picks (persistent TMA
+"""Synthesized GEMMs (kernels/gemm/) on the GPU against float64 numpy: each structure the host picks (persistent TMA
 and pointer kernels, split-K, the K-major copy of TF32 operands, the swapped orientation), every precision, operand
 layout and stride, batches and broadcasts, every epilogue op against the composition of ops, and matmul through the
 op library with `bt.backends.matmul = "triton"`. Errors are relative in the Frobenius norm: TF32 < 5e-4 (the issue's

@@ -9,7 +9,7 @@ import pytest
 import blutrain as bt
 from blutrain import dtypes
 from blutrain.backend.cuda import memory
-from blutrain.backend.cuda.kernels import matmul as mm
+from blutrain.backend.cuda.kernels import cublaslt
 from tests.cuda.operands import host, linear_on_both, place, stride_zero_batch
 
 pytestmark = pytest.mark.cuda
@@ -40,7 +40,7 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 def check(a, b, ma, mb, name, rows=None, what=""):
   dtype, precision, bound = PRECISIONS[name]
   bt.set_float32_matmul_precision(precision)
-  out = mm.matmul(place(a, dtype, ma), place(b, dtype, mb), tf32=precision != "highest")
+  out = cublaslt.matmul(place(a, dtype, ma), place(b, dtype, mb), tf32=precision != "highest")
   assert out.dtype is dtype and out.shape == np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
   got = host(out)
   if rows is not None: got, a = got[..., rows, :], a[..., rows, :]
@@ -102,27 +102,27 @@ def test_batched_and_broadcast(sa, sb, ma, mb, name):
 
 def test_expanded_operand_with_stride_zero_batch():
   expanded, b, want = stride_zero_batch()
-  assert rel_err(host(mm.matmul(expanded, b)), want) < 1e-5
+  assert rel_err(host(cublaslt.matmul(expanded, b)), want) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
 def test_bias_epilogue(name):
   dtype, _, bound = PRECISIONS[name]
   x, w, bias = rounded((3, 100, 96), dtype, 12), rounded((80, 96), dtype, 13), rounded((80,), dtype, 14)
-  got = host(mm.matmul_bias(place(x, dtype, "n"), place(w.T, dtype, "t"), memory.from_numpy(bias.astype(dtype.np))))
+  got = host(cublaslt.matmul_bias(place(x, dtype, "n"), place(w.T, dtype, "t"), memory.from_numpy(bias.astype(dtype.np))))
   assert rel_err(got, x @ w.T + bias) < bound
 
 
 def test_empty_and_zero_k():
-  out = mm.matmul(place(np.ones((4, 0)), dtypes.float32, "n"), place(np.ones((0, 3)), dtypes.float32, "n"))
+  out = cublaslt.matmul(place(np.ones((4, 0)), dtypes.float32, "n"), place(np.ones((0, 3)), dtypes.float32, "n"))
   np.testing.assert_array_equal(host(out), np.zeros((4, 3)))
-  assert mm.matmul(place(np.ones((0, 5)), dtypes.float32, "n"), place(np.ones((5, 3)), dtypes.float32, "n")).shape == (0, 3)
+  assert cublaslt.matmul(place(np.ones((0, 5)), dtypes.float32, "n"), place(np.ones((5, 3)), dtypes.float32, "n")).shape == (0, 3)
 
 
 def test_integer_matmul_is_refused():
   a = memory.from_numpy(np.ones((2, 2), np.int64))
   with pytest.raises(RuntimeError, match="matmul: int64 matmul .* not supported on CUDA"):
-    mm.matmul(a, a)
+    cublaslt.matmul(a, a)
 
 
 @pytest.mark.parametrize("precision", ["highest", "high"])

@@ -6,7 +6,7 @@ import pytest
 
 import blutrain as bt
 from blutrain import ops
-from blutrain.backend.cuda.kernels import elementwise
+from blutrain.backend.cuda.kernels import creation
 from tests.cuda.test_kernels import check, pair
 
 pytestmark = pytest.mark.cuda
@@ -54,7 +54,7 @@ def test_where_and_masked_fill_with_numbers():
 
 def test_numbers_launch_one_kernel_and_no_fill(monkeypatch):
   fills = []
-  monkeypatch.setattr(elementwise, "_fill", lambda out, value: fills.append(value) or out)
+  monkeypatch.setattr(creation, "fill", lambda out, value: fills.append(value) or out)
   x = bt.from_numpy(np.arange(6.0, dtype=np.float32)).to("cuda")
   y = (x * 2.0 - 1) / 4 + 2 ** x
   assert not fills, f"fills of {fills}"

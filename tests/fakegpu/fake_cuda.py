@@ -1,6 +1,6 @@
 """A fake CUDA device for running the CUDA backend's host code on a machine without a GPU.
 
-Only the lowest layers are replaced: the driver module (`runtime._driver`: allocations hand out fake addresses,
+Only the lowest layers are replaced: the driver module (`runtime.driver`: allocations hand out fake addresses,
 copies and memsets do nothing, pinned staging is real host memory), cuda.core's Device, Stream, Event, ObjectCode and
 launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt with its
 nvmath enums. Triton compiles every kernel for real. Nothing is computed: device memory holds no values and host
@@ -16,8 +16,9 @@ import types
 import cuda.core
 from cuda.core._kernel_arg_handler import ParamHolder
 
-from blutrain.backend.cuda import blas, runtime
+from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.allocator import CachingAllocator
+from blutrain.backend.cuda.kernels import cublaslt
 
 _addresses = itertools.count(1 << 40, 1 << 36)
 _handles = itertools.count(0x1000)
@@ -102,7 +103,7 @@ class FakeLt:
 
 def install() -> None:
   drv = FakeDriver()
-  runtime._driver = lambda: drv
+  runtime.driver = lambda: drv
   runtime._probe = (True, "")
   cuda.core.ObjectCode, cuda.core.launch = FakeObjectCode, fake_launch
   st = object.__new__(runtime._DeviceState)
@@ -112,8 +113,8 @@ def install() -> None:
   st._properties = runtime.DeviceProperties("Fake H200", 9, 0, 141 << 30, 132, 2048, 48 << 10, 227 << 10, 228 << 10,
                                             65536, 50 << 20, 32, 2619000, 6144, 13000)
   runtime._states[0] = st
-  blas._lt = FakeLt()
-  blas._handles[0] = 0
-  blas.compute_type = lambda dtype, tf32=False: (0, 0)  # nvmath's enums: nvmath need not be installed
-  blas.plan = lambda p, device: types.SimpleNamespace(problem=p, desc=0, alpha=0, beta=0, algo=0,
-                                                      layouts={"a": 0, "b": 0, "d": 0})
+  cublaslt._lt = FakeLt()
+  cublaslt._handles[0] = 0
+  cublaslt.compute_type = lambda dtype, tf32=False: (0, 0)  # nvmath's enums: nvmath need not be installed
+  cublaslt.plan = lambda p, device: types.SimpleNamespace(problem=p, desc=0, alpha=0, beta=0, algo=0,
+                                                          layouts={"a": 0, "b": 0, "d": 0})

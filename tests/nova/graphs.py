@@ -11,7 +11,7 @@ from blutrain import dtypes
 from blutrain.dtypes import DType
 from blutrain.nova.graph import Equation, Graph, Value
 from blutrain.ops import registry
-from blutrain.ops.core import Aval
+from blutrain.autograd.tape import Aval
 
 
 class Builder:
@@ -178,7 +178,7 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   q, k = b("view", x, shape=(1, 3, 4)), b("view", pos, shape=(1, 3, 4))
   att = b("flash_attention", q, k, k, causal=True, scale=0.5)
   outs += [att, b("flash_attention", q, k, q, causal=False, scale=1.0),
-           b("flash_attention_backward", q, q, k, k, att, causal=True, scale=0.5)]
+           b("flash_attention_backward", q, q, k, k, att, causal=True, scale=0.5), b("sum_squares", x, pos, w)]
   return b.output(*outs), arrays
 
 

@@ -6,7 +6,8 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from blutrain.backend.cpu.kernels import kernels  # noqa: F401  (the backend's kernel table)
+from blutrain import backend
+from blutrain.backend.cpu.kernels import kernels
 from blutrain.shapes import contiguous_strides
 
 
@@ -31,6 +32,14 @@ def from_numpy(array: np.ndarray) -> np.ndarray: return np.array(array, copy=Tru
 def to_numpy(array: np.ndarray) -> np.ndarray: return array
 def from_dlpack(ext) -> np.ndarray: return np.from_dlpack(ext)
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None: np.copyto(dst, src, casting="unsafe")
+
+
+def to_device(x: np.ndarray, target) -> object:
+  """A copy of a host array in the memory of another device's backend (the `to_device` op's kernel)."""
+  return x.copy() if target.type == "cpu" else backend.get(target).from_numpy(x, target.index)
+
+
+kernels["to_device"] = to_device
 
 
 def dlpack(array: np.ndarray, stream=None, **kw):

@@ -308,3 +308,46 @@ _UFUNCS = ("neg exp log sqrt abs sin cos tanh floor logical_not add sub mul div 
            "logical_and logical_or logical_xor").split()
 kernels = {name: _writing(_upcast_halves(fn)) if name in _UFUNCS else _upcast_halves(fn) for name, fn in kernels.items()}
 kernels["full"], kernels["where"] = _fill, _where
+
+
+# *** multi-tensor kernels (the optimizer's update, gradient norms and scaling) ***
+
+def _store(out, i: int, value: np.ndarray, like: np.ndarray) -> np.ndarray:
+  """value in like's dtype, written into out[i] when given (`out=`: the op's in-place form) or returned new."""
+  if out is None: return value.astype(like.dtype)
+  np.copyto(out[i], value, casting="unsafe")
+  return out[i]
+
+
+def _adamw(*xs, n, beta1, beta2, eps, weight_decay, out=None):
+  """AdamW over n tensors: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr. The float32 operations and
+  their order are the CUDA kernel's (blutrain/backend/cuda/kernels/optim.py) and PyTorch's; steps are float64."""
+  f32, lr = np.float32, float(xs[5 * n])
+  params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
+  results: list[list] = [[], [], [], []]
+  for i, (p0, g0, m0, v0, s0) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+    step = s0 + 1.0
+    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    p, g, m, v = (a.astype(f32) for a in (p0, g0, m0, v0))
+    if weight_decay != 0: p = p * f32(1 - lr * weight_decay)
+    m = m + f32(1 - beta1) * (g - m)
+    v = v * f32(beta2) + (f32(1 - beta2) * g) * g
+    p = p + (f32(-lr / bc1) * m) / (np.sqrt(v) / f32(np.sqrt(bc2)) + f32(eps))
+    for k, (new, like) in enumerate(((p, p0), (m, m0), (v, v0), (np.asarray(step), s0))):
+      results[k].append(_store(out, k * n + i, new, like))
+  return tuple(r for rs in results for r in rs)
+
+
+def _sum_squares(*xs):
+  """The float32 sum of the squares of every element of every tensor."""
+  return np.asarray(sum((np.sum(np.square(x, dtype=np.float32), dtype=np.float32) for x in xs), np.float32(0)))
+
+
+def _scale(*xs, out=None):
+  """xs[:-1] each times the 0-d xs[-1], in their own dtypes."""
+  s = xs[-1].astype(np.float32)
+  return tuple(_store(out, i, x.astype(np.float32) * s, x) for i, x in enumerate(xs[:-1]))
+
+
+_adamw.writes_out = _scale.writes_out = True
+kernels |= {"adamw": _adamw, "sum_squares": _sum_squares, "scale": _scale}

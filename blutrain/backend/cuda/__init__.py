@@ -39,6 +39,16 @@ def _load_kernels() -> dict:
 kernels = _load_kernels()  # assigned after the imports, which bind the subpackage to this name
 
 
+def to_device(x: CudaArray, target):
+  """A copy of x on another device (the `to_device` op's kernel): a host array for the CPU, through host memory to
+  another GPU."""
+  host = memory.to_numpy(x)
+  return host if target.type == "cpu" else memory.from_numpy(host, target.index)
+
+
+kernels["to_device"] = to_device
+
+
 def require() -> None:
   """Raise ImportError saying why, when this machine cannot run the CUDA backend."""
   if not runtime.is_available(): raise ImportError(f"no usable NVIDIA GPU: {runtime.unavailable_reason()}")

@@ -131,7 +131,7 @@ def _order(device: int, stream: int | None) -> None:
   if stream == 0: raise BufferError("__dlpack__: stream=0 is ambiguous for CUDA; pass 1 for the legacy default stream")
   e = Event()
   e.record(s)
-  check(runtime._driver().cuStreamWaitEvent(1 if stream is None else stream, e._e.handle, 0), "cuStreamWaitEvent")
+  check(runtime.driver().cuStreamWaitEvent(1 if stream is None else stream, e._e.handle, 0), "cuStreamWaitEvent")
 
 
 # *** import ***

@@ -249,7 +249,7 @@ class Kernel:
       if self.shared > limit:
         raise RuntimeError(f"{self.name}: needs {self.shared} bytes of shared memory per block, cuda:{device} allows "
                            f"{limit}; compile it with smaller blocks or fewer stages")
-      drv = runtime._driver()
+      drv = runtime.driver()
       runtime.check(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                              limit, fn.handle, device), f"{self.name}: opting in to shared memory")
     self._fns[device] = fn

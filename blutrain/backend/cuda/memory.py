@@ -6,6 +6,7 @@ import ctypes
 import functools
 import math
 import threading
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -76,9 +77,9 @@ def broadcast_to(a: CudaArray, shape: tuple[int, ...]) -> CudaArray:
   return CudaArray(a.ptr, shape, strides, a.dtype, a.device, a.owner)
 
 
-def _kernel(name: str):
-  from blutrain.backend import cuda  # the kernel table; imported late since the kernel library imports this module
-  return cuda.kernels.get(name)
+# The kernel library's strided copy (kernels/copy.py sets it when it loads: the library sits above this module), for
+# copies a memcpy cannot do: other layouts, dtype conversions, and compacting a sparse view before a download.
+strided_copy: Callable[..., CudaArray] | None = None
 
 
 # *** pinned staging ***
@@ -95,7 +96,7 @@ class _Staging:
     """Buffer j, ready to be written: its last copy has completed."""
     while len(self.buffers) <= j:
       runtime.state(self.device)
-      self.buffers.append(int(check(runtime._driver().cuMemAllocHost(CHUNK), f"cuMemAllocHost({CHUNK})")))
+      self.buffers.append(int(check(runtime.driver().cuMemAllocHost(CHUNK), f"cuMemAllocHost({CHUNK})")))
     self.events[j].synchronize()
     return self.buffers[j]
 
@@ -108,7 +109,7 @@ class _Ring:
 
   def __init__(self, device: int):
     runtime.state(device)
-    self.base = int(check(runtime._driver().cuMemAllocHost(self.SLOTS * self.SLOT), "cuMemAllocHost(ring)"))
+    self.base = int(check(runtime.driver().cuMemAllocHost(self.SLOTS * self.SLOT), "cuMemAllocHost(ring)"))
     self.events, self.next = [Event() for _ in range(self.SLOTS)], 0
 
   def slot(self) -> tuple[int, Event]:
@@ -132,7 +133,7 @@ def copy_h2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Queue a copy of `nbytes` from host address `src` to device address `dst` on `s`; `src` may be reused
   as soon as this returns."""
   runtime.state(s.device)  # its context current in this thread
-  st, drv = _stage(s.device), runtime._driver()
+  st, drv = _stage(s.device), runtime.driver()
   with st.lock:
     if nbytes <= _Ring.SLOT:
       ring = _rings.get(s.device) or _rings.setdefault(s.device, _Ring(s.device))
@@ -153,7 +154,7 @@ def copy_d2h(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Copy `nbytes` from device address `src` to host address `dst` after the work queued on `s`; returns
   when the host memory holds the data."""
   runtime.state(s.device)  # its context current in this thread
-  st, drv = _stage(s.device), runtime._driver()
+  st, drv = _stage(s.device), runtime.driver()
   with st.lock:
     last = None
     for k, off in enumerate(range(0, nbytes, CHUNK)):
@@ -175,7 +176,14 @@ def copy_d2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Queue a device-to-device copy of `nbytes` on `s`."""
   if nbytes:
     runtime.state(s.device)
-    check(runtime._driver().cuMemcpyDtoDAsync(dst, src, nbytes, s._s.handle), "cuMemcpyDtoDAsync")
+    check(runtime.driver().cuMemcpyDtoDAsync(dst, src, nbytes, s._s.handle), "cuMemcpyDtoDAsync")
+
+
+def zero(a: CudaArray) -> None:
+  """Queue a memset of the contiguous array `a` to zero bytes on the current stream."""
+  if a.nbytes:
+    s = current_stream(a.device)
+    check(runtime.driver().cuMemsetD8Async(a.ptr, 0, a.nbytes, s._s.handle), "cuMemsetD8Async")
 
 
 # *** host <-> device ***
@@ -198,7 +206,7 @@ def to_numpy(a: CudaArray) -> np.ndarray:
     copy_d2h(out.ctypes.data, a.ptr, a.nbytes, s)
     return out
   lo, hi = span(a.shape, a.strides)
-  if not is_dense(a) and hi - lo > 2 * a.size + (1 << 20) // item and (copy := _kernel("copy")) is not None:
+  if not is_dense(a) and hi - lo > 2 * a.size + (1 << 20) // item and (copy := strided_copy) is not None:
     return to_numpy(copy(a))  # a sparse view of a large buffer: gather it on the device first
   buf = np.empty(hi - lo, a.dtype.np)
   copy_d2h(buf.ctypes.data, a.ptr + lo * item, (hi - lo) * item, s)
@@ -227,13 +235,8 @@ def copy_into(dst: CudaArray, src: CudaArray) -> None:
       lo, _ = span(dst.shape, dst.strides)
       copy_d2d(dst.ptr + lo * dst.dtype.itemsize, src.ptr + lo * src.dtype.itemsize, dst.nbytes, s)
       return
-  _require("copy", src, dst)(src, out=dst)
-
-
-def _require(name: str, src: CudaArray, dst: CudaArray):
-  k = _kernel(name)
-  if k is None:
+  if strided_copy is None:
     raise RuntimeError(f"copy_into: writing a {src.dtype.name} array of shape {src.shape} (strides {src.strides}) into "
                        f"a {dst.dtype.name} one with strides {dst.strides} on cuda:{dst.device} needs the CUDA "
-                       f"'{name}' kernel, which is not loaded (blutrain.backend.cuda.kernels)")
-  return k
+                       "'copy' kernel, which is not loaded (blutrain.backend.cuda.kernels)")
+  strided_copy(src, out=dst)

@@ -26,7 +26,7 @@ _init_lock = threading.Lock()
 
 # *** availability ***
 
-def _driver():
+def driver():
   """cuda.bindings' driver module (imported on first use so that the package imports without it)."""
   from cuda.bindings import driver
   return driver
@@ -36,7 +36,7 @@ def check(ret: tuple, what: str) -> Any:
   """Unpack a cuda.bindings result `(CUresult, *values)`, raising RuntimeError with the error's name."""
   err = ret[0]
   if err != 0:
-    drv = _driver()
+    drv = driver()
     name = drv.cuGetErrorName(err)[1]
     desc = drv.cuGetErrorString(err)[1]
     raise RuntimeError(f"{what} failed: {name.decode() if name else int(err)} "
@@ -49,7 +49,7 @@ def _probe_driver() -> tuple[bool, str]:
   if _probe is None:
     try:
       import cuda.core  # noqa: F401
-      drv = _driver()
+      drv = driver()
       (err,) = drv.cuInit(0)
       if err != 0: _probe = (False, f"cuInit failed with {drv.cuGetErrorName(err)[1].decode()}")
       else:
@@ -72,7 +72,7 @@ def unavailable_reason() -> str:
 
 def device_count() -> int:
   """The number of GPUs the driver sees (0 when CUDA is not available)."""
-  return check(_driver().cuDeviceGetCount(), "cuDeviceGetCount") if is_available() else 0
+  return check(driver().cuDeviceGetCount(), "cuDeviceGetCount") if is_available() else 0
 
 
 # *** per-device state ***
@@ -104,7 +104,7 @@ class _DeviceDriver:
 
   def malloc(self, nbytes: int) -> int:
     state(self.index)
-    drv = _driver()
+    drv = driver()
     err, ptr = drv.cuMemAlloc(nbytes)
     if err == drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY: raise MemoryError
     check((err,), f"cuMemAlloc({nbytes}) on cuda:{self.index}")
@@ -112,11 +112,11 @@ class _DeviceDriver:
 
   def free(self, ptr: int) -> None:
     state(self.index)
-    check(_driver().cuMemFree(ptr), f"cuMemFree on cuda:{self.index}")
+    check(driver().cuMemFree(ptr), f"cuMemFree on cuda:{self.index}")
 
   def mem_get_info(self) -> tuple[int, int]:
     state(self.index)
-    free, total = check(_driver().cuMemGetInfo(), "cuMemGetInfo")
+    free, total = check(driver().cuMemGetInfo(), "cuMemGetInfo")
     return int(free), int(total)
 
   def record_event(self, stream: Stream) -> Event:
@@ -140,7 +140,7 @@ class _DeviceState:
   @property
   def properties(self) -> DeviceProperties:
     if self._properties is None:
-      p, drv = self.device.properties, _driver()
+      p, drv = self.device.properties, driver()
       total = check(drv.cuDeviceTotalMem(self.index), "cuDeviceTotalMem")
       self._properties = DeviceProperties(
         self.device.name, p.compute_capability_major, p.compute_capability_minor, int(total), p.multiprocessor_count,
@@ -235,7 +235,7 @@ class Stream:
 
   def query(self) -> bool:
     """True when all work queued on this stream has completed."""
-    drv = _driver()
+    drv = driver()
     (err,) = drv.cuStreamQuery(self._s.handle)
     if err == drv.CUresult.CUDA_ERROR_NOT_READY: return False
     check((err,), "cuStreamQuery")

@@ -6,7 +6,10 @@ Each module defines `KERNELS: dict[str, Callable]` (op name -> host wrapper with
 their variant with the same spec helpers, so what CI compiles is what runs.
 
 Shared here: the dtype names of signatures, the layout helpers (broadcast strides, dim collapsing), the compile
-cache in front of `launch.compile`, and the strided-offset helper of the Triton kernels.
+cache in front of `launch.compile`, and the device functions that several families call: offsets of up to 5 strided
+dims (`strided`, `axis_offsets`, with their host-side arguments `axis_args`), NaN-propagating extremes and IEEE sqrt.
+Helpers of one family that others use are public in that family's module (`elementwise.launch`, `creation.fill`,
+`reduce.reduce`, `norm.row_stats`).
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from blutrain import dtypes
 from blutrain.backend.cuda import launch, memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv, contiguous_strides, next_pow2  # noqa: F401  (the kernel modules' shape helpers)
 
 # element types in Triton signatures and as compile-time constants
 TY = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp16", dtypes.bfloat16: "bf16",
@@ -42,6 +44,11 @@ def ptr(dtype: DType) -> str: return "*" + TY[dtype]
 class Spec(tuple):
   """One compiled variant: (fn, signature, constexprs, options). Its `kernel` is looked up once and kept on it, so
   the specs that host wrappers cache launch with no lookup at all."""
+
+  @property
+  def constexprs(self) -> dict[str, Any]:
+    """The compile-time constants of the variant (block sizes a host wrapper sizes its grid by)."""
+    return self[2]
 
   @functools.cached_property
   def kernel(self) -> launch.Kernel:
@@ -121,33 +128,70 @@ def pad(values, n: int, fill: int) -> list[int]:
 
 
 @triton.jit
-def strided(r, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND: tl.constexpr):
-  """Element offsets of flat indices r over up to 5 dims (sizes Z0..Z4, innermost last; the outermost size is not
-  needed), with strides T0..T4; the ND innermost dims are used (none: offset 0)."""
-  if ND == 0:
-    off = r * 0
-  elif ND == 1:
-    off = r * T4
+def strided(index, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4, DIMS: tl.constexpr):
+  """Element offsets of flat indices over up to 5 dims (sizes size0..size4, innermost last; the outermost size is
+  not needed) with strides stride0..stride4; the DIMS innermost dims are used (none: offset 0)."""
+  if DIMS == 0:
+    off = index * 0
+  elif DIMS == 1:
+    off = index * stride4
   else:
-    off = (r % Z4) * T4
-    r = r // Z4
-    if ND == 2:
-      off += r * T3
+    off = (index % size4) * stride4
+    index = index // size4
+    if DIMS == 2:
+      off += index * stride3
     else:
-      off += (r % Z3) * T3
-      r = r // Z3
-      if ND == 3:
-        off += r * T2
+      off += (index % size3) * stride3
+      index = index // size3
+      if DIMS == 3:
+        off += index * stride2
       else:
-        off += (r % Z2) * T2
-        r = r // Z2
-        if ND == 4:
-          off += r * T1
+        off += (index % size2) * stride2
+        index = index // size2
+        if DIMS == 4:
+          off += index * stride1
         else:
-          off += (r % Z1) * T1
-          r = r // Z1
-          off += r * T0
+          off += (index % size1) * stride1
+          index = index // size1
+          off += index * stride0
   return off
+
+
+@triton.jit
+def axis_offsets(index, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4, DIMS: tl.constexpr,
+                 UNIT: tl.constexpr):
+  """`strided` offsets along one axis of a kernel's problem; a single unit-stride dim (UNIT) is the identity, which
+  tells Triton the axis is contiguous."""
+  if UNIT and DIMS == 1:
+    off = index
+  else:
+    off = strided(index, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4, DIMS)
+  return off
+
+
+def axis_params(axis: str, *arrays: str) -> list[str]:
+  """The names of the scalars addressing `axis` of a kernel's problem in some arrays, in the order `axis_args` gives
+  them: the sizes of the axis's 4 inner dims ("m_size1".."m_size4"), then each array's 5 strides along it
+  ("x_m_stride0".."x_m_stride4")."""
+  return [f"{axis}_size{i}" for i in range(1, 5)] + [f"{a}_{axis}_stride{i}" for a in arrays for i in range(5)]
+
+
+def axis_args(shape, *strides) -> list[int]:
+  """The scalars addressing one axis of up to 5 collapsed dims for `strided`: the inner sizes, then each array's
+  strides, left-padded (see `axis_params`)."""
+  return pad(shape, 5, 1)[1:] + [s for st in strides for s in pad(st, 5, 0)]
+
+
+@triton.jit
+def max_nan(a, b):
+  """The larger of a and b, NaN when either is (as numpy's maximum)."""
+  return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def min_nan(a, b):
+  """The smaller of a and b, NaN when either is (as numpy's minimum)."""
+  return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

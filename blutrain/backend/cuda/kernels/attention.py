@@ -28,12 +28,12 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import HALF, Spec, TY, cdiv, empty, next_pow2, run, spec, view
-from blutrain.dtypes import DType
+from blutrain.backend.cuda.kernels import HALF, INT32_MAX, TY, Spec, empty, run, spec, view
 from blutrain.configurator import attention_schedule
+from blutrain.dtypes import DType
+from blutrain.shapes import cdiv, next_pow2
 
 _LOG2E = 1.4426950408889634
-INT32_MAX = 2**31 - 1
 
 
 # *** kernels ***

@@ -10,6 +10,7 @@ from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import empty, view
 from blutrain.backend.cuda.kernels.elementwise import flat_spec, launch, tiled_spec
+from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.memory import overlaps
 from blutrain.dtypes import DType
 
@@ -24,6 +25,9 @@ def copy(x: CudaArray, out: CudaArray | None = None) -> CudaArray:
   source that overlaps `out` is first copied out, so the result is as if it were read before any write."""
   if out is None: return launch("copy", empty(x.shape, x.dtype, x.device), x)
   return launch("copy", out, copy(x) if overlaps(out, x) else x)
+
+
+memory.strided_copy = copy  # the runtime's copies that a memcpy cannot do
 
 
 def cast(x: CudaArray, dtype: DType) -> CudaArray:

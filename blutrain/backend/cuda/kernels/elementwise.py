@@ -1,4 +1,4 @@
-"""Elementwise kernels: unary, binary, compare, where, cast and copy on strided, broadcast inputs; full and arange.
+"""Elementwise kernels: unary, binary, compare, where, cast and copy on strided, broadcast inputs.
 
 Two Triton kernels serve every elementwise op, the op chosen by a constexpr (dead branches are pruned at compile
 time): `_flat` for outputs whose inputs are contiguous or scalars (1-D, 16-byte vector loads when aligned, large
@@ -20,11 +20,11 @@ from triton.language.extra.cuda import libdevice
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (MAX_DIMS, broadcast_shape, broadcast_strides, cdiv, collapse,
-                                           empty, f64_bits, needs_i64, pad, ptr, run, spec, sqrt_rn,
-                                           strided, view)
-from blutrain.dtypes import DType
+from blutrain.backend.cuda.kernels import (MAX_DIMS, broadcast_shape, broadcast_strides, collapse, empty, needs_i64,
+                                           pad, ptr, spec, sqrt_rn, strided, view)
 from blutrain.configurator import flat_schedule, tile_schedule
+from blutrain.dtypes import DType
+from blutrain.shapes import cdiv
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
          "logical_not", "gelu", "gelu_tanh", "copy")
@@ -68,7 +68,8 @@ def _gelu_tanh_gate(x):
 
 
 @triton.jit
-def _gelu(x, TANH: tl.constexpr):
+def gelu(x, TANH: tl.constexpr):
+  """GELU of float32 x: x Phi(x), or its tanh approximation (TANH); the GEMM epilogues use it too."""
   if TANH:
     y = x * _gelu_tanh_gate(x)
   else:
@@ -77,7 +78,8 @@ def _gelu(x, TANH: tl.constexpr):
 
 
 @triton.jit
-def _gelu_backward(g, x, TANH: tl.constexpr):
+def gelu_backward(g, x, TANH: tl.constexpr):
+  """g times GELU's derivative at x (of the tanh approximation when TANH), in float32."""
   if TANH:
     s = _gelu_tanh_gate(x)  # 1 - tanh(u)^2 = 4 s (1 - s)
     d = s + 2.0 * x * s * (1.0 - s) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
@@ -120,9 +122,9 @@ def _apply(a, b, c, OP: tl.constexpr):
   elif OP == "logical_not":
     r = a == 0
   elif OP == "gelu":
-    r = _gelu(a, False)
+    r = gelu(a, False)
   elif OP == "gelu_tanh":
-    r = _gelu(a, True)
+    r = gelu(a, True)
   elif OP == "add":
     r = a | b if a.dtype == tl.int1 else a + b
   elif OP == "sub":
@@ -162,9 +164,9 @@ def _apply(a, b, c, OP: tl.constexpr):
   elif OP == "logical_xor":
     r = (a != 0) ^ (b != 0)
   elif OP == "gelu_backward":
-    r = _gelu_backward(a, b, False)
+    r = gelu_backward(a, b, False)
   elif OP == "gelu_backward_tanh":
-    r = _gelu_backward(a, b, True)
+    r = gelu_backward(a, b, True)
   else:
     tl.static_assert(OP == "where", "unknown elementwise op")
     r = tl.where(c, a, b)
@@ -188,15 +190,15 @@ def _load_flat(p, offs, mask, SCALAR: tl.constexpr, ALIGNED: tl.constexpr, OP: t
 
 
 @triton.jit
-def _flat_block(out, a, b, c, offs, mask, OP: tl.constexpr, N_IN: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
-                SC: tl.constexpr, ALIGNED: tl.constexpr):
-  x = _load_flat(a, offs, mask, SA, ALIGNED, OP)
+def _flat_block(out, a, b, c, offs, mask, OP: tl.constexpr, N_IN: tl.constexpr, A_SCALAR: tl.constexpr,
+                B_SCALAR: tl.constexpr, C_SCALAR: tl.constexpr, ALIGNED: tl.constexpr):
+  x = _load_flat(a, offs, mask, A_SCALAR, ALIGNED, OP)
   y = x
   z = x
   if N_IN >= 2:
-    y = _load_flat(b, offs, mask, SB, ALIGNED, OP)
+    y = _load_flat(b, offs, mask, B_SCALAR, ALIGNED, OP)
   if N_IN == 3:  # where(c, a, b): the condition is the third pointer
-    z = _load_flat(c, offs, mask, SC, ALIGNED, OP)
+    z = _load_flat(c, offs, mask, C_SCALAR, ALIGNED, OP)
   q = out + offs
   if ALIGNED:
     q = tl.multiple_of(q, 16)
@@ -204,9 +206,9 @@ def _flat_block(out, a, b, c, offs, mask, OP: tl.constexpr, N_IN: tl.constexpr, 
 
 
 @triton.jit
-def _flat(out, a, b, c, n, OP: tl.constexpr, N_IN: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr,
-          BLOCK: tl.constexpr, ALIGNED: tl.constexpr, IDX64: tl.constexpr):
-  """out[i] = op(a[i], b[i], c[i]) over contiguous operands; an S* flag marks an operand that is one scalar.
+def _flat(out, a, b, c, n, OP: tl.constexpr, N_IN: tl.constexpr, A_SCALAR: tl.constexpr, B_SCALAR: tl.constexpr,
+          C_SCALAR: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, IDX64: tl.constexpr):
+  """out[i] = op(a[i], b[i], c[i]) over contiguous operands; a *_SCALAR flag marks an operand that is one element.
   Full blocks run unmasked so their loads vectorize; only the last block is masked."""
   start = tl.program_id(0)
   if IDX64:
@@ -214,42 +216,50 @@ def _flat(out, a, b, c, n, OP: tl.constexpr, N_IN: tl.constexpr, SA: tl.constexp
   start = start * BLOCK
   offs = start + tl.arange(0, BLOCK)
   if start + BLOCK <= n:
-    _flat_block(out, a, b, c, offs, None, OP, N_IN, SA, SB, SC, ALIGNED)
+    _flat_block(out, a, b, c, offs, None, OP, N_IN, A_SCALAR, B_SCALAR, C_SCALAR, ALIGNED)
   else:
-    _flat_block(out, a, b, c, offs, offs < n, OP, N_IN, SA, SB, SC, ALIGNED)
+    _flat_block(out, a, b, c, offs, offs < n, OP, N_IN, A_SCALAR, B_SCALAR, C_SCALAR, ALIGNED)
 
 
 @triton.jit
-def _load_tile(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, mask, ND: tl.constexpr, UNIT: tl.constexpr,
-               ALIGNED: tl.constexpr, OP: tl.constexpr):
+def _load_tile(p, rows, cols, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4, col_stride, mask,
+               ROW_DIMS: tl.constexpr, UNIT: tl.constexpr, ALIGNED: tl.constexpr, OP: tl.constexpr):
   if not p.dtype.is_ptr():  # a number passed by value
     x = p
   else:
-    x = tl.load(_tile_ptrs(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, ND, UNIT, ALIGNED), mask=mask)
+    x = tl.load(_tile_ptrs(p, rows, cols, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4,
+                           col_stride, ROW_DIMS, UNIT, ALIGNED), mask=mask)
   return _compute(x, OP)
 
 
 @triton.jit
-def _tile_ptrs(p, rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, ND: tl.constexpr, UNIT: tl.constexpr,
-               ALIGNED: tl.constexpr):
+def _tile_ptrs(p, rows, cols, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4, col_stride,
+               ROW_DIMS: tl.constexpr, UNIT: tl.constexpr, ALIGNED: tl.constexpr):
+  """Pointers of a (rows, cols) tile: rows over the ROW_DIMS outer dims, columns along the innermost one (unit
+  stride when UNIT, else col_stride)."""
   if UNIT:
     inner = cols
   else:
-    inner = cols * TC
-  q = p + strided(rows, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND)[:, None] + inner[None, :]
+    inner = cols * col_stride
+  q = p + strided(rows, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4, ROW_DIMS)[:, None]
+  q += inner[None, :]
   if UNIT and ALIGNED:
     q = tl.multiple_of(q, [16, 16])
   return q
 
 
 @triton.jit
-def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, Z1, Z2, Z3, Z4,
-           O0, O1, O2, O3, O4, OC, A0, A1, A2, A3, A4, AC, B0, B1, B2, B3, B4, BC, C0, C1, C2, C3, C4, CC,
-           OP: tl.constexpr, N_IN: tl.constexpr, ND: tl.constexpr, UO: tl.constexpr, UA: tl.constexpr,
-           UB: tl.constexpr, UC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_R: tl.constexpr,
-           EVEN_C: tl.constexpr, ALIGNED: tl.constexpr, IDX64: tl.constexpr):
-  """out = op(a, b, c) on any strided layout: rows index the ND outer dims (sizes Z, strides X0..X4 per operand),
-  columns the innermost dim (stride XC, or 1 when UX says so)."""
+def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, row_size1, row_size2, row_size3, row_size4,
+           out_row_stride0, out_row_stride1, out_row_stride2, out_row_stride3, out_row_stride4, out_col_stride,
+           a_row_stride0, a_row_stride1, a_row_stride2, a_row_stride3, a_row_stride4, a_col_stride,
+           b_row_stride0, b_row_stride1, b_row_stride2, b_row_stride3, b_row_stride4, b_col_stride,
+           c_row_stride0, c_row_stride1, c_row_stride2, c_row_stride3, c_row_stride4, c_col_stride,
+           OP: tl.constexpr, N_IN: tl.constexpr, ROW_DIMS: tl.constexpr, OUT_UNIT: tl.constexpr,
+           A_UNIT: tl.constexpr, B_UNIT: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_R: tl.constexpr,
+           BLOCK_C: tl.constexpr, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr, ALIGNED: tl.constexpr,
+           IDX64: tl.constexpr):
+  """out = op(a, b, c) on any strided layout: rows index the ROW_DIMS outer dims (sizes row_size*, each operand's
+  strides x_row_stride*), columns the innermost dim (stride x_col_stride, or 1 when X_UNIT says so)."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
@@ -260,14 +270,22 @@ def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, Z1, Z2, Z3, Z4,
     mask = (rows < n_rows)[:, None]
   if not EVEN_C:
     mask = (cols < n_cols)[None, :] if EVEN_R else mask & (cols < n_cols)[None, :]
-  x = _load_tile(a, rows, cols, Z1, Z2, Z3, Z4, A0, A1, A2, A3, A4, AC, mask, ND, UA, ALIGNED, OP)
+  x = _load_tile(a, rows, cols, row_size1, row_size2, row_size3, row_size4,
+                 a_row_stride0, a_row_stride1, a_row_stride2, a_row_stride3, a_row_stride4, a_col_stride,
+                 mask, ROW_DIMS, A_UNIT, ALIGNED, OP)
   y = x
   z = x
   if N_IN >= 2:
-    y = _load_tile(b, rows, cols, Z1, Z2, Z3, Z4, B0, B1, B2, B3, B4, BC, mask, ND, UB, ALIGNED, OP)
+    y = _load_tile(b, rows, cols, row_size1, row_size2, row_size3, row_size4,
+                   b_row_stride0, b_row_stride1, b_row_stride2, b_row_stride3, b_row_stride4, b_col_stride,
+                   mask, ROW_DIMS, B_UNIT, ALIGNED, OP)
   if N_IN == 3:
-    z = _load_tile(c, rows, cols, Z1, Z2, Z3, Z4, C0, C1, C2, C3, C4, CC, mask, ND, UC, ALIGNED, OP)
-  q = _tile_ptrs(out, rows, cols, Z1, Z2, Z3, Z4, O0, O1, O2, O3, O4, OC, ND, UO, ALIGNED)
+    z = _load_tile(c, rows, cols, row_size1, row_size2, row_size3, row_size4,
+                   c_row_stride0, c_row_stride1, c_row_stride2, c_row_stride3, c_row_stride4, c_col_stride,
+                   mask, ROW_DIMS, C_UNIT, ALIGNED, OP)
+  q = _tile_ptrs(out, rows, cols, row_size1, row_size2, row_size3, row_size4,
+                 out_row_stride0, out_row_stride1, out_row_stride2, out_row_stride3, out_row_stride4, out_col_stride,
+                 ROW_DIMS, OUT_UNIT, ALIGNED)
   tl.store(q, _apply(x, y, z, OP).to(out.dtype.element_ty), mask=mask)
 
 
@@ -292,23 +310,25 @@ def flat_spec(op: str, out: DType, ins: tuple[DType, ...], scalars: tuple[bool, 
   block, warps = flat_schedule(n, min([out.itemsize] + [d.itemsize for d in ins]))
   sig = {**_operand_types(out, ins, values), "n": "i64" if i64 else "i32"}
   sa, sb, sc = (list(scalars) + [False, False])[:3]
-  return spec(_flat, sig, dict(OP=op, N_IN=len(ins), SA=sa, SB=sb, SC=sc, BLOCK=block, ALIGNED=aligned, IDX64=i64),
-              num_warps=warps)
+  return spec(_flat, sig, dict(OP=op, N_IN=len(ins), A_SCALAR=sa, B_SCALAR=sb, C_SCALAR=sc, BLOCK=block,
+                               ALIGNED=aligned, IDX64=i64), num_warps=warps)
 
 
-_TILE_ARGS = ["n_rows", "n_cols", "n_col_blocks", "Z1", "Z2", "Z3", "Z4"] + \
-             [f"{o}{i}" for o in "OABC" for i in ("0", "1", "2", "3", "4", "C")]
+_TILE_ARGS = ["n_rows", "n_cols", "n_col_blocks", *(f"row_size{i}" for i in range(1, 5))] + \
+             [f"{x}_{s}" for x in ("out", "a", "b", "c") for s in [*(f"row_stride{i}" for i in range(5)), "col_stride"]]
 
 
 @functools.lru_cache(maxsize=4096)
-def tiled_spec(op: str, out: DType, ins: tuple[DType, ...], nd: int, units: tuple[bool, ...], n_rows: int,
+def tiled_spec(op: str, out: DType, ins: tuple[DType, ...], row_dims: int, units: tuple[bool, ...], n_rows: int,
                n_cols: int, aligned: bool, i64: bool, values: tuple[bool, ...] = ()):
-  """The tiled kernel of op; `values` marks the operands passed by value."""
+  """The tiled kernel of op over rows of `row_dims` dims; `units` marks the operands (out first) whose columns have
+  unit stride, `values` those passed by value."""
   br, bc, warps = tile_schedule(n_rows, n_cols)
   sig = {**_operand_types(out, ins, values), **{k: "i64" if i64 else "i32" for k in _TILE_ARGS}}
   uo, ua, ub, uc = (list(units) + [False, False])[:4]
-  return spec(_tiled, sig, dict(OP=op, N_IN=len(ins), ND=nd, UO=uo, UA=ua, UB=ub, UC=uc, BLOCK_R=br, BLOCK_C=bc,
-                                EVEN_R=n_rows % br == 0, EVEN_C=n_cols % bc == 0, ALIGNED=aligned, IDX64=i64),
+  return spec(_tiled, sig, dict(OP=op, N_IN=len(ins), ROW_DIMS=row_dims, OUT_UNIT=uo, A_UNIT=ua, B_UNIT=ub, C_UNIT=uc,
+                                BLOCK_R=br, BLOCK_C=bc, EVEN_R=n_rows % br == 0, EVEN_C=n_cols % bc == 0,
+                                ALIGNED=aligned, IDX64=i64),
               num_warps=warps)
 
 
@@ -367,7 +387,7 @@ def _plan(op: str, *layouts: Layout) -> tuple:
     scalars = tuple(s[0] == 0 or cshape[0] == 1 for s in ists)
     aligned = all(a.ptr % 16 == 0 for a, sc in zip(arrays, (False,) + scalars) if not sc)
     s = flat_spec(op, out.dtype, dts, scalars, cshape[0], aligned, i64, values if any(values) else ())
-    return s.kernel, (cdiv(cshape[0], s[2]["BLOCK"]),), (cshape[0],), any(values)
+    return s.kernel, (cdiv(cshape[0], s.constexprs["BLOCK"]),), (cshape[0],), any(values)
   nd = len(cshape) - 1
   n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
   units = tuple(st[-1] == 1 for st in (ost, *ists))
@@ -387,68 +407,6 @@ def elementwise(op: str, out_dtype: DType, *ins: CudaArray | Value) -> CudaArray
   a = ins[0]
   if a.__class__ is not CudaArray: a = next(x for x in ins if x.__class__ is CudaArray)
   return launch(op, empty(broadcast_shape(*(x.shape for x in ins)), out_dtype, a.device), *ins)
-
-
-@functools.lru_cache(maxsize=4096)
-def fill_spec(itemsize: int, n: int, i64: bool):
-  block, warps = flat_schedule(n, itemsize)
-  return spec(_fill_kernel, {"out": f"*i{8 * itemsize}", "n": "i64" if i64 else "i32", "bits": "i64"},
-              dict(BLOCK=block, IDX64=i64), num_warps=warps)
-
-
-def _fill(out: CudaArray, value) -> CudaArray:
-  """Write value (converted to out's dtype as numpy does) into every element of the contiguous `out`."""
-  n = out.size
-  if n == 0: return out
-  s = fill_spec(out.dtype.itemsize, n, needs_i64(out.shape, out.strides))
-  with np.errstate(all="ignore"):
-    bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
-  s.kernel((cdiv(n, s[2]["BLOCK"]),), out, n, bits)
-  return out
-
-
-@triton.jit
-def _fill_kernel(out, n, bits, BLOCK: tl.constexpr, IDX64: tl.constexpr):
-  """Store the bit pattern `bits` (the value in out's dtype, read as an integer of its width) everywhere."""
-  start = tl.program_id(0)
-  if IDX64:
-    start = start.to(tl.int64)
-  offs = start * BLOCK + tl.arange(0, BLOCK)
-  v = tl.full([BLOCK], 0, out.dtype.element_ty) + bits.to(out.dtype.element_ty)
-  tl.store(out + offs, v, mask=offs < n)
-
-
-@triton.jit
-def _arange_kernel(out, n, start, step, BLOCK: tl.constexpr, FLOAT: tl.constexpr):
-  """out[i] = start + step * i, in float64 (start and step arrive as their bits) or in int64."""
-  i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-  if FLOAT:
-    v = start.to(tl.float64, bitcast=True) + step.to(tl.float64, bitcast=True) * i.to(tl.float64)
-  else:
-    v = start + step * i
-  tl.store(out + i, v.to(out.dtype.element_ty), mask=i < n)
-
-
-def full(*, shape, value, dtype: DType, out: CudaArray | None = None) -> CudaArray:
-  """A new array of `value` in dtype on the current device, or `out` (any layout and dtype) filled with the value
-  converted to dtype."""
-  if out is None: return _fill(empty(shape, dtype), value)
-  if dtype is out.dtype and out.is_contiguous(): return _fill(out, value)
-  return launch("copy", out, _fill(empty((), dtype, out.device), value))
-
-
-full.writes_out = True
-
-
-def arange(*, start, step, shape, dtype: DType, device: int | None = None) -> CudaArray:
-  out = empty(shape, dtype, device)
-  if out.size == 0: return out
-  fl = dtype.is_floating_point or isinstance(start, float) or isinstance(step, float)
-  block, warps = flat_schedule(out.size, out.dtype.itemsize)
-  s = spec(_arange_kernel, {"out": ptr(dtype), "n": "i64", "start": "i64", "step": "i64"}, dict(BLOCK=block, FLOAT=fl),
-           num_warps=warps)
-  run(s, (cdiv(out.size, block),), out.ptr, out.size, *((f64_bits(start), f64_bits(step)) if fl else (start, step)))
-  return out
 
 
 def _op(op: str, arg: int = 0):
@@ -474,14 +432,12 @@ KERNELS = {  # copy.py wraps "copy"
   "gelu": lambda x, approximate: elementwise("gelu_tanh" if approximate == "tanh" else "gelu", x.dtype, x),
   "gelu_backward": lambda g, x, approximate: elementwise(
     "gelu_backward_tanh" if approximate == "tanh" else "gelu_backward", x.dtype, g, x),
-  "full": full,
-  "arange": lambda *, start, step, shape, dtype: arange(start=start, step=step, shape=shape, dtype=dtype),
 }
 
 
 def _specs() -> list:
   """Every op once on the flat kernel in float32 (bool for logical ops); the tiled kernel for one op of each kind;
-  integer, half and float64 arithmetic; both alignments and index widths; full and arange for every dtype."""
+  integer, half and float64 arithmetic; both alignments and index widths."""
   f32, bf16, b = dtypes.float32, dtypes.bfloat16, dtypes.bool_
   out = []
   for op in UNARY + BINARY:
@@ -510,11 +466,6 @@ def _specs() -> list:
   out.append(tiled_spec("mul", bf16, (bf16, bf16), 2, (True, True, False), 4096, 768, True, False, (False, True)))
   out.append(tiled_spec("where", f32, (f32, f32, b), 3, (True, False, True, False), 1 << 10, 64, False, False,
                         (True, False, False)))
-  for bits in (8, 16, 32, 64):
-    out.append(spec(_fill_kernel, {"out": f"*i{bits}", "n": "i32", "bits": "i64"}, dict(BLOCK=1024, IDX64=False)))
-  for dt in dtypes.all_dtypes:
-    out.append(spec(_arange_kernel, {"out": ptr(dt), "n": "i64", "start": "i64", "step": "i64"},
-                    dict(BLOCK=1024, FLOAT=dt.is_floating_point)))
   return out
 
 

@@ -25,46 +25,66 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broadcast_strides, cdiv, collapse,
-                                           contiguous_strides, empty, needs_i64, pad, ptr, run, spec,
-                                           strided, view)
+from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broadcast_strides, collapse, empty,
+                                           needs_i64, pad, ptr, run, spec, strided, view)
 from blutrain.backend.cuda.kernels.copy import cast, copy
-from blutrain.backend.cuda.kernels.elementwise import _fill, launch
-from blutrain.dtypes import DType
+from blutrain.backend.cuda.kernels.creation import fill
+from blutrain.backend.cuda.kernels.elementwise import launch
 from blutrain.configurator import index_schedule
+from blutrain.dtypes import DType
+from blutrain.shapes import cdiv, contiguous_strides
 
 MAX_INDICES = 4
 
 
 @triton.jit
-def _tile(rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, ND: tl.constexpr, UNIT: tl.constexpr):
+def _tile_offsets(rows, cols, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4, col_stride,
+                  ROW_DIMS: tl.constexpr, UNIT: tl.constexpr):
+  """Element offsets of a (rows, cols) tile: rows over the ROW_DIMS outer dims, columns along the innermost one
+  (unit stride when UNIT, else col_stride)."""
   if UNIT:
     inner = cols
   else:
-    inner = cols * TC
-  return strided(rows, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND)[:, None] + inner[None, :]
+    inner = cols * col_stride
+  return strided(rows, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4, ROW_DIMS)[:, None] + \
+    inner[None, :]
 
 
 @triton.jit
-def _term(p, rows, cols, mask, Z1, Z2, Z3, Z4, I0, I1, I2, I3, I4, IC, XS, XN, ND: tl.constexpr, ROW: tl.constexpr):
-  """(offset along the indexed dim, in range) for one index tensor; ROW: constant along columns, loaded per row."""
-  if ROW:  # rows are clamped in range, so this load needs no mask
-    i = tl.load(p + strided(rows, Z1, Z2, Z3, Z4, I0, I1, I2, I3, I4, ND))[:, None]
+def _index_term(p, rows, cols, mask, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4,
+                col_stride, dim_stride, dim_size, ROW_DIMS: tl.constexpr, PER_ROW: tl.constexpr):
+  """(offset along the indexed target dim, in range) for one index tensor, whose entries wrap around dim_size;
+  PER_ROW: the index is constant along columns, so it is loaded once per row."""
+  if PER_ROW:  # rows are clamped in range, so this load needs no mask
+    i = tl.load(p + strided(rows, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4,
+                            ROW_DIMS))[:, None]
   else:
-    i = tl.load(p + _tile(rows, cols, Z1, Z2, Z3, Z4, I0, I1, I2, I3, I4, IC, ND, False), mask=mask)
+    i = tl.load(p + _tile_offsets(rows, cols, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4,
+                                  col_stride, ROW_DIMS, False), mask=mask)
   i = i.to(tl.int64)
-  i = tl.where(i < 0, i + XN, i)
-  return i * XS, (i >= 0) & (i < XN)
+  i = tl.where(i < 0, i + dim_size, i)
+  return i * dim_stride, (i >= 0) & (i < dim_size)
 
 
 @triton.jit
-def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks, Z1, Z2, Z3, Z4,
-                  V0, V1, V2, V3, V4, VC, T0, T1, T2, T3, T4, TC,
-                  A0, A1, A2, A3, A4, AC, B0, B1, B2, B3, B4, BC, C0, C1, C2, C3, C4, CC, D0, D1, D2, D3, D4, DC,
-                  XS0, XS1, XS2, XS3, XN0, XN1, XN2, XN3,
-                  MODE: tl.constexpr, K: tl.constexpr, ND: tl.constexpr, UV: tl.constexpr, UT: tl.constexpr,
-                  R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IDX64: tl.constexpr):
+def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks,
+                  row_size1, row_size2, row_size3, row_size4,
+                  values_row_stride0, values_row_stride1, values_row_stride2, values_row_stride3, values_row_stride4,
+                  values_col_stride,
+                  target_row_stride0, target_row_stride1, target_row_stride2, target_row_stride3, target_row_stride4,
+                  target_col_stride,
+                  i0_row_stride0, i0_row_stride1, i0_row_stride2, i0_row_stride3, i0_row_stride4, i0_col_stride,
+                  i1_row_stride0, i1_row_stride1, i1_row_stride2, i1_row_stride3, i1_row_stride4, i1_col_stride,
+                  i2_row_stride0, i2_row_stride1, i2_row_stride2, i2_row_stride3, i2_row_stride4, i2_col_stride,
+                  i3_row_stride0, i3_row_stride1, i3_row_stride2, i3_row_stride3, i3_row_stride4, i3_col_stride,
+                  dim_stride0, dim_stride1, dim_stride2, dim_stride3, dim_size0, dim_size1, dim_size2, dim_size3,
+                  MODE: tl.constexpr, N_INDICES: tl.constexpr, ROW_DIMS: tl.constexpr, VALUES_UNIT: tl.constexpr,
+                  TARGET_UNIT: tl.constexpr, I0_PER_ROW: tl.constexpr, I1_PER_ROW: tl.constexpr,
+                  I2_PER_ROW: tl.constexpr, I3_PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  IDX64: tl.constexpr):
+  """Over the index space (rows by columns, as `_tile_offsets`): the target's element at its positional offset plus,
+  per index tensor k, wrap(i_k) * dim_stride_k; MODE "get" reads it into values, "add" adds values to it
+  atomically, "put" stores values in it. Out-of-range indices read 0 and write nothing."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
@@ -72,23 +92,35 @@ def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks, 
   cols = (pid % n_col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
   mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
   rows = tl.minimum(rows, n_rows - 1)  # masked rows read row n_rows - 1, so per-row loads need no mask
-  t_off = _tile(rows, cols, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, TC, ND, UT).to(tl.int64)
-  d, ok = _term(i0, rows, cols, mask, Z1, Z2, Z3, Z4, A0, A1, A2, A3, A4, AC, XS0, XN0, ND, R0)
+  t_off = _tile_offsets(rows, cols, row_size1, row_size2, row_size3, row_size4, target_row_stride0, target_row_stride1,
+                        target_row_stride2, target_row_stride3, target_row_stride4, target_col_stride, ROW_DIMS,
+                        TARGET_UNIT).to(tl.int64)
+  d, ok = _index_term(i0, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
+                      i0_row_stride0, i0_row_stride1, i0_row_stride2, i0_row_stride3, i0_row_stride4, i0_col_stride,
+                      dim_stride0, dim_size0, ROW_DIMS, I0_PER_ROW)
   t_off += d
   valid = mask & ok
-  if K > 1:
-    d, ok = _term(i1, rows, cols, mask, Z1, Z2, Z3, Z4, B0, B1, B2, B3, B4, BC, XS1, XN1, ND, R1)
+  if N_INDICES > 1:
+    d, ok = _index_term(i1, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
+                        i1_row_stride0, i1_row_stride1, i1_row_stride2, i1_row_stride3, i1_row_stride4, i1_col_stride,
+                        dim_stride1, dim_size1, ROW_DIMS, I1_PER_ROW)
     t_off += d
     valid = valid & ok
-  if K > 2:
-    d, ok = _term(i2, rows, cols, mask, Z1, Z2, Z3, Z4, C0, C1, C2, C3, C4, CC, XS2, XN2, ND, R2)
+  if N_INDICES > 2:
+    d, ok = _index_term(i2, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
+                        i2_row_stride0, i2_row_stride1, i2_row_stride2, i2_row_stride3, i2_row_stride4, i2_col_stride,
+                        dim_stride2, dim_size2, ROW_DIMS, I2_PER_ROW)
     t_off += d
     valid = valid & ok
-  if K > 3:
-    d, ok = _term(i3, rows, cols, mask, Z1, Z2, Z3, Z4, D0, D1, D2, D3, D4, DC, XS3, XN3, ND, R3)
+  if N_INDICES > 3:
+    d, ok = _index_term(i3, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
+                        i3_row_stride0, i3_row_stride1, i3_row_stride2, i3_row_stride3, i3_row_stride4, i3_col_stride,
+                        dim_stride3, dim_size3, ROW_DIMS, I3_PER_ROW)
     t_off += d
     valid = valid & ok
-  v_ptr = values + _tile(rows, cols, Z1, Z2, Z3, Z4, V0, V1, V2, V3, V4, VC, ND, UV)
+  v_ptr = values + _tile_offsets(rows, cols, row_size1, row_size2, row_size3, row_size4, values_row_stride0,
+                                 values_row_stride1, values_row_stride2, values_row_stride3, values_row_stride4,
+                                 values_col_stride, ROW_DIMS, VALUES_UNIT)
   if MODE == "get":
     tl.store(v_ptr, tl.load(target + t_off, mask=valid, other=0).to(values.dtype.element_ty), mask=mask)
   elif MODE == "add":
@@ -97,24 +129,29 @@ def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks, 
     tl.store(target + t_off, tl.load(v_ptr, mask=mask).to(target.dtype.element_ty), mask=valid)
 
 
-_ARGS = ["n_rows", "n_cols", "n_col_blocks", "Z1", "Z2", "Z3", "Z4"] + [f"{o}{i}" for o in "VTABCD" for i in "01234C"] + \
-        [f"XS{k}" for k in range(4)] + [f"XN{k}" for k in range(4)]
+_TILE_ARGS = ["n_rows", "n_cols", "n_col_blocks", *(f"row_size{i}" for i in range(1, 5))] + \
+             [f"{x}_{s}" for x in ("values", "target", "i0", "i1", "i2", "i3")
+              for s in [*(f"row_stride{i}" for i in range(5)), "col_stride"]]
+_DIM_ARGS = [f"dim_stride{k}" for k in range(MAX_INDICES)] + [f"dim_size{k}" for k in range(MAX_INDICES)]
 
 
 @functools.lru_cache(maxsize=4096)
-def index_spec(mode: str, target: DType, values: DType, idx: tuple[DType, ...], nd: int, uv: bool, ut: bool,
-               rows: tuple[bool, ...], n_rows: int, n_cols: int, i64: bool):
+def index_spec(mode: str, target: DType, values: DType, idx: tuple[DType, ...], row_dims: int, values_unit: bool,
+               target_unit: bool, per_row: tuple[bool, ...], n_rows: int, n_cols: int, i64: bool):
+  """The indexing kernel's variant (idx: the index tensors' dtypes; per_row: which of them are constant along
+  columns)."""
   br, bc, warps = index_schedule(n_rows, n_cols)
   it = "i64" if i64 else "i32"
   sig = {"target": ptr(target), "values": ptr(values), **{f"i{k}": ptr(idx[min(k, len(idx) - 1)]) for k in range(4)},
-         **{k: it for k in _ARGS}}
-  sig.update({f"XS{k}": "i64" for k in range(4)} | {f"XN{k}": "i64" for k in range(4)})
-  r = list(rows) + [False] * (4 - len(rows))
-  return spec(_index_kernel, sig, dict(MODE=mode, K=len(idx), ND=nd, UV=uv, UT=ut, R0=r[0], R1=r[1], R2=r[2], R3=r[3],
-                                       BLOCK_R=br, BLOCK_C=bc, IDX64=i64), num_warps=warps)
+         **{k: it for k in _TILE_ARGS}, **{k: "i64" for k in _DIM_ARGS}}
+  r = list(per_row) + [False] * (4 - len(per_row))
+  return spec(_index_kernel, sig, dict(MODE=mode, N_INDICES=len(idx), ROW_DIMS=row_dims, VALUES_UNIT=values_unit,
+                                       TARGET_UNIT=target_unit, I0_PER_ROW=r[0], I1_PER_ROW=r[1], I2_PER_ROW=r[2],
+                                       I3_PER_ROW=r[3], BLOCK_R=br, BLOCK_C=bc, IDX64=i64), num_warps=warps)
 
 
-def _run(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: list[tuple[CudaArray, tuple]], xs, xn):
+def _launch_index(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: list[tuple[CudaArray, tuple]],
+                  xs, xn):
   """Launch over the index space `shape`: values and the target's positional part walk it with strides vst and tst,
   index tensor k with its strides over it, adding wrap(index) * xs[k] (xn[k] the size of that target dim)."""
   if math.prod(shape) == 0: return
@@ -123,30 +160,31 @@ def _run(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: 
   cshape, (cv, ct, *ci) = collapse(shape, vst, tst, *(s for _, s in idx))
   if len(cshape) > MAX_DIMS:  # loop over the outermost dim on the host
     for i in range(cshape[0]):
-      _run(mode, view(target, target.shape, target.strides, i * ct[0]),
-           view(values, values.shape, values.strides, i * cv[0]), cshape[1:], cv[1:], ct[1:],
-           [(view(a, a.shape, a.strides, i * s[0]), s[1:]) for (a, _), s in zip(idx, ci)], xs, xn)
+      _launch_index(mode, view(target, target.shape, target.strides, i * ct[0]),
+                    view(values, values.shape, values.strides, i * cv[0]), cshape[1:], cv[1:], ct[1:],
+                    [(view(a, a.shape, a.strides, i * s[0]), s[1:]) for (a, _), s in zip(idx, ci)], xs, xn)
     return
   n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
   i64 = needs_i64(cshape, cv, ct, *ci) or needs_i64(target.shape, target.strides)
   s = index_spec(mode, target.dtype, values.dtype, tuple(a.dtype for a, _ in idx), len(cshape) - 1, cv[-1] == 1,
                  ct[-1] == 1, tuple(st[-1] == 0 for st in ci), n_rows, n_cols, i64)
-  col_blocks = cdiv(n_cols, s[2]["BLOCK_C"])
+  col_blocks = cdiv(n_cols, s.constexprs["BLOCK_C"])
   ptrs = [a.ptr for a, _ in idx] + [idx[-1][0].ptr] * (4 - len(idx))
   strides = [pad(st, 6, 0) for st in [cv, ct] + ci + [ci[-1]] * (4 - len(idx))]
-  run(s, (cdiv(n_rows, s[2]["BLOCK_R"]) * col_blocks,), target.ptr, values.ptr, *ptrs, n_rows, n_cols, col_blocks,
-      *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st), *xs, *[0] * (4 - len(xs)), *xn, *[1] * (4 - len(xn)))
+  run(s, (cdiv(n_rows, s.constexprs["BLOCK_R"]) * col_blocks,), target.ptr, values.ptr, *ptrs, n_rows, n_cols, col_blocks,
+      *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st), *xs, *[0] * (4 - len(xs)), *xn,
+      *[1] * (4 - len(xn)))
 
 
-def _acc(dtype: DType) -> DType:
+def _atomic_dtype(dtype: DType) -> DType:
   """The dtype atomic adds accumulate in."""
   return dtypes.float32 if dtype in HALF else dtypes.int32 if dtype is dtypes.bool_ else dtype
 
 
-def _zeros(shape, dtype: DType, device: int) -> CudaArray: return _fill(empty(shape, dtype, device), 0)
+def _zeros(shape, dtype: DType, device: int) -> CudaArray: return fill(empty(shape, dtype, device), 0)
 
 
-def _done(acc: CudaArray, dtype: DType) -> CudaArray: return acc if acc.dtype is dtype else cast(acc, dtype)
+def _cast_back(acc: CudaArray, dtype: DType) -> CudaArray: return acc if acc.dtype is dtype else cast(acc, dtype)
 
 
 def _contiguous_zero(shape, dim: int) -> tuple[int, ...]:
@@ -157,30 +195,30 @@ def _contiguous_zero(shape, dim: int) -> tuple[int, ...]:
 
 def embedding(weight: CudaArray, idx: CudaArray) -> CudaArray:
   out = empty(idx.shape + weight.shape[1:], weight.dtype, weight.device)
-  _run("get", weight, out, out.shape, out.strides, (0,) * idx.ndim + (weight.strides[1],),
+  _launch_index("get", weight, out, out.shape, out.strides, (0,) * idx.ndim + (weight.strides[1],),
        [(idx, idx.strides + (0,))], [weight.strides[0]], [weight.shape[0]])
   return out
 
 
 def embedding_backward(g: CudaArray, idx: CudaArray, num: int) -> CudaArray:
-  acc = _zeros((num, g.shape[-1]), _acc(g.dtype), g.device)
-  _run("add", acc, g, g.shape, g.strides, (0,) * idx.ndim + (1,), [(idx, broadcast_strides(idx, g.shape[:-1]) + (0,))],
+  acc = _zeros((num, g.shape[-1]), _atomic_dtype(g.dtype), g.device)
+  _launch_index("add", acc, g, g.shape, g.strides, (0,) * idx.ndim + (1,), [(idx, broadcast_strides(idx, g.shape[:-1]) + (0,))],
        [g.shape[-1]], [num])
-  return _done(acc, g.dtype)
+  return _cast_back(acc, g.dtype)
 
 
 def gather(x: CudaArray, index: CudaArray, dim: int) -> CudaArray:
   out = empty(index.shape, x.dtype, x.device)
   tst = tuple(0 if d == dim else s for d, s in enumerate(x.strides))
-  _run("get", x, out, out.shape, out.strides, tst, [(index, index.strides)], [x.strides[dim]], [x.shape[dim]])
+  _launch_index("get", x, out, out.shape, out.strides, tst, [(index, index.strides)], [x.strides[dim]], [x.shape[dim]])
   return out
 
 
 def scatter_add(x: CudaArray, index: CudaArray, src: CudaArray, dim: int) -> CudaArray:
-  acc = cast(x, _acc(x.dtype))
-  _run("add", acc, src, index.shape, src.strides, _contiguous_zero(acc.shape, dim), [(index, index.strides)],
+  acc = cast(x, _atomic_dtype(x.dtype))
+  _launch_index("add", acc, src, index.shape, src.strides, _contiguous_zero(acc.shape, dim), [(index, index.strides)],
        [acc.strides[dim]], [x.shape[dim]])
-  return _done(acc, x.dtype)
+  return _cast_back(acc, x.dtype)
 
 
 def _index_space(shape, idx: tuple[CudaArray, ...], positions) -> tuple[tuple, list]:
@@ -208,21 +246,21 @@ def _index_args(x_shape, x_strides, idx, positions):
 def index(x: CudaArray, *idx: CudaArray, positions) -> CudaArray:
   out_shape, tst, terms, xs, xn = _index_args(x.shape, x.strides, idx, positions)
   out = empty(out_shape, x.dtype, x.device)
-  _run("get", x, out, out_shape, out.strides, tst, terms, xs, xn)
+  _launch_index("get", x, out, out_shape, out.strides, tst, terms, xs, xn)
   return out
 
 
 def index_backward(g: CudaArray, *idx: CudaArray, shape, positions) -> CudaArray:
-  acc = _zeros(shape, _acc(g.dtype), g.device)
+  acc = _zeros(shape, _atomic_dtype(g.dtype), g.device)
   out_shape, tst, terms, xs, xn = _index_args(acc.shape, acc.strides, idx, positions)
-  _run("add", acc, g, out_shape, broadcast_strides(g, out_shape), tst, terms, xs, xn)
-  return _done(acc, g.dtype)
+  _launch_index("add", acc, g, out_shape, broadcast_strides(g, out_shape), tst, terms, xs, xn)
+  return _cast_back(acc, g.dtype)
 
 
 def index_put(x: CudaArray, v: CudaArray, *idx: CudaArray, positions) -> CudaArray:
   out = copy(x)
   out_shape, tst, terms, xs, xn = _index_args(out.shape, out.strides, idx, positions)
-  _run("put", out, v, out_shape, broadcast_strides(v, out_shape), tst, terms, xs, xn)
+  _launch_index("put", out, v, out_shape, broadcast_strides(v, out_shape), tst, terms, xs, xn)
   return out
 
 

@@ -16,69 +16,75 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import cdiv, empty, needs_i64, ptr, run, spec
-from blutrain.backend.cuda.kernels.norm import _acc, row_schedule, row_stats
+from blutrain.backend.cuda.kernels import TL, empty, needs_i64, ptr, run, spec
+from blutrain.backend.cuda.kernels.norm import row_stats, stats_dtype
+from blutrain.configurator import row_schedule
+from blutrain.shapes import cdiv
 
 
 @triton.jit
-def _target(target, rows, m_mask, TS, C, ignore_index):
+def _target(target, rows, m_mask, target_stride, C, ignore_index):
   """(target, ignored, out of range) per row."""
-  t = tl.load(target + rows * TS, mask=m_mask, other=ignore_index).to(tl.int64)
+  t = tl.load(target + rows * target_stride, mask=m_mask, other=ignore_index).to(tl.int64)
   ignored = t == ignore_index
   bad = ~ignored & ((t < 0) | (t >= C))
   return t, ignored, bad
 
 
 @triton.jit
-def _ce_forward(out, logits, target, N, C, RS, CS, TS, ignore_index, ACC: tl.constexpr, C_UNIT: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
+def _ce_forward(out, logits, target, N, C, row_stride, class_stride, target_stride, ignore_index, ACC: tl.constexpr,
+                C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
+  """out[n] = logsumexp(logits[n]) - logits[n, target[n]] (logits at n row_stride + c class_stride)."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
   rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = rows < N
-  row_max, row_sum = row_stats(logits, rows * RS, m_mask, C, CS, ACC, C_UNIT, BLOCK_M, BLOCK_N)
-  t, ignored, bad = _target(target, rows, m_mask, TS, C, ignore_index)
-  picked = tl.load(logits + rows * RS + t * CS, mask=m_mask & ~ignored & ~bad, other=0).to(ACC)
+  row_max, row_sum = row_stats(logits, rows * row_stride, m_mask, C, class_stride, ACC, C_UNIT, BLOCK_M, BLOCK_N)
+  t, ignored, bad = _target(target, rows, m_mask, target_stride, C, ignore_index)
+  picked = tl.load(logits + rows * row_stride + t * class_stride, mask=m_mask & ~ignored & ~bad, other=0).to(ACC)
   loss = tl.where(ignored, 0.0, row_max + tl.log(row_sum) - picked)
   loss = tl.where(bad, float("nan"), loss)
   tl.store(out + rows, loss.to(out.dtype.element_ty), mask=m_mask)
 
 
 @triton.jit
-def _ce_backward(out, g, logits, target, N, C, RS, CS, TS, GS, ignore_index, ACC: tl.constexpr, C_UNIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
+def _ce_backward(out, g, logits, target, N, C, row_stride, class_stride, target_stride, g_stride, ignore_index,
+                 ACC: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IDX64: tl.constexpr):
   """out[n, c] = (softmax(logits[n])[c] - (c == target[n])) * g[n]; out is contiguous (N, C)."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
   rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = rows < N
-  row_max, row_sum = row_stats(logits, rows * RS, m_mask, C, CS, ACC, C_UNIT, BLOCK_M, BLOCK_N)
-  t, ignored, bad = _target(target, rows, m_mask, TS, C, ignore_index)
-  gt = tl.load(g + rows * GS, mask=m_mask, other=0).to(ACC)
+  row_max, row_sum = row_stats(logits, rows * row_stride, m_mask, C, class_stride, ACC, C_UNIT, BLOCK_M, BLOCK_N)
+  t, ignored, bad = _target(target, rows, m_mask, target_stride, C, ignore_index)
+  gt = tl.load(g + rows * g_stride, mask=m_mask, other=0).to(ACC)
   gt = tl.where(ignored, 0.0, tl.where(bad, float("nan"), gt))
   scale = gt / row_sum
   for c0 in range(0, C, BLOCK_N):
     cs = c0 + tl.arange(0, BLOCK_N)
     mask = m_mask[:, None] & (cs < C)[None, :]
-    v = tl.load(logits + (rows * RS)[:, None] + (cs if C_UNIT else cs * CS)[None, :], mask=mask, other=0).to(ACC)
+    v = tl.load(logits + (rows * row_stride)[:, None] + (cs if C_UNIT else cs * class_stride)[None, :], mask=mask,
+                other=0).to(ACC)
     d = tl.exp(v - row_max[:, None]) * scale[:, None] - tl.where(cs[None, :] == t[:, None], gt[:, None], 0.0)
     tl.store(out + (rows * C)[:, None] + cs[None, :], d.to(out.dtype.element_ty), mask=mask)
 
 
-def _sig(logits, target, i64: bool, backward: bool) -> dict:
+def _signature(logits, target, i64: bool, backward: bool) -> dict:
   it = "i64" if i64 else "i32"
   return {"out": ptr(logits), **({"g": ptr(logits)} if backward else {}), "logits": ptr(logits), "target": ptr(target),
-          "N": it, "C": it, "RS": it, "CS": it, "TS": it, **({"GS": it} if backward else {}), "ignore_index": "i64"}
+          "N": it, "C": it, "row_stride": it, "class_stride": it, "target_stride": it,
+          **({"g_stride": it} if backward else {}), "ignore_index": "i64"}
 
 
 @functools.lru_cache(maxsize=4096)
 def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool):
   bm, bn, warps, _ = row_schedule(N, C)
   bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward reads the row twice anyway
-  return spec(_ce_backward if backward else _ce_forward, _sig(logits, target, i64, backward),
-              dict(ACC=_acc(logits), C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+  return spec(_ce_backward if backward else _ce_forward, _signature(logits, target, i64, backward),
+              dict(ACC=TL[stats_dtype(logits)], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
 def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int) -> CudaArray:
@@ -87,7 +93,7 @@ def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int) -> Cu
   if N == 0: return out
   i64 = needs_i64(logits.shape, logits.strides)
   s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
-  run(s, (cdiv(N, s[2]["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, N, C, *logits.strides, target.strides[0],
+  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, N, C, *logits.strides, target.strides[0],
       ignore_index)
   return out
 
@@ -98,7 +104,7 @@ def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, i
   if out.size == 0: return out
   i64 = needs_i64(logits.shape, logits.strides, (C, 1))
   s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
-  run(s, (cdiv(N, s[2]["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, N, C, *logits.strides,
+  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, N, C, *logits.strides,
       target.strides[0], g.strides[0] if g.ndim else 0, ignore_index)
   return out
 

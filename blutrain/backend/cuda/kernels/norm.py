@@ -16,12 +16,15 @@ import triton.language as tl
 from blutrain import dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (cdiv, collapse, empty, needs_i64, pad, ptr, run, spec, sqrt_rn,
-                                           strided, view)
+from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, collapse, empty, max_nan, needs_i64,
+                                           ptr, run, spec, sqrt_rn, strided, view)
 from blutrain.backend.cuda.kernels.copy import copy
-from blutrain.backend.cuda.kernels.elementwise import _fill, launch
-from blutrain.backend.cuda.kernels.reduce import _axis, _max_nan, _names, _offsets, _reduce
+from blutrain.backend.cuda.kernels.creation import fill
+from blutrain.backend.cuda.kernels.elementwise import launch
+from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.configurator import row_schedule
+from blutrain.dtypes import DType
+from blutrain.shapes import cdiv
 
 
 @triton.jit
@@ -34,57 +37,65 @@ def _online(m, s, v):
 
 
 @triton.jit
-def row_stats(x, m_off, m_mask, N, NS, ACC: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
+def row_stats(x, m_off, m_mask, N, n_stride, ACC: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr):
-  """Per-row (max, sum of exp(x - max)) over N elements of stride NS, as [BLOCK_M] vectors."""
+  """Per-row (max, sum of exp(x - max)) over N elements of stride n_stride, as [BLOCK_M] vectors."""
   m = tl.full([BLOCK_M, BLOCK_N], float("-inf"), ACC)
   s = tl.zeros([BLOCK_M, BLOCK_N], ACC)
   for n0 in range(0, N, BLOCK_N):
     ns = n0 + tl.arange(0, BLOCK_N)
-    n_off = ns if N_UNIT else ns * NS
+    n_off = ns if N_UNIT else ns * n_stride
     v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < N)[None, :], other=float("-inf"))
     m, s = _online(m, s, v.to(ACC))
-  row_max = tl.reduce(m, 1, _max_nan)
+  row_max = tl.reduce(m, 1, max_nan)
   row_sum = tl.sum(s * tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max[:, None])), axis=1)
   return row_max, row_sum
 
 
 @triton.jit
-def _softmax_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1, O2, O3, O4, NS, ONS,
-                    LOG: tl.constexpr, ACC: tl.constexpr, MND: tl.constexpr, M_UNIT: tl.constexpr, N_UNIT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
-  """softmax (or log_softmax when LOG) of rows m along n: x at m_off + n * NS, out at o_off + n * ONS."""
+def _softmax_kernel(out, x, M, N,
+                    m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3, x_m_stride4,
+                    out_m_stride0, out_m_stride1, out_m_stride2, out_m_stride3, out_m_stride4, x_n_stride, out_n_stride,
+                    LOG: tl.constexpr, ACC: tl.constexpr, M_DIMS: tl.constexpr, M_UNIT: tl.constexpr,
+                    N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                    IDX64: tl.constexpr):
+  """softmax (or log_softmax when LOG) of rows m along n: x at m_off + n x_n_stride, out at o_off + n out_n_stride."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
   ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = ms < M
-  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
-  o_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, O0, O1, O2, O3, O4, MND, M_UNIT)
+  m_off = axis_offsets(ms, m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3,
+                       x_m_stride4, M_DIMS, M_UNIT)
+  o_off = axis_offsets(ms, m_size1, m_size2, m_size3, m_size4, out_m_stride0, out_m_stride1, out_m_stride2,
+                       out_m_stride3, out_m_stride4, M_DIMS, M_UNIT)
   if ONE_PASS:
     ns = tl.arange(0, BLOCK_N)
     mask = m_mask[:, None] & (ns < N)[None, :]
-    v = tl.load(x + m_off[:, None] + (ns if N_UNIT else ns * NS)[None, :], mask=mask, other=float("-inf")).to(ACC)
-    row_max = tl.reduce(v, 1, _max_nan)
+    v = tl.load(x + m_off[:, None] + (ns if N_UNIT else ns * x_n_stride)[None, :], mask=mask, other=float("-inf"))
+    v = v.to(ACC)
+    row_max = tl.reduce(v, 1, max_nan)
     e = tl.exp(v - row_max[:, None])
     row_sum = tl.sum(e, axis=1)
     if LOG:
       y = (v - row_max[:, None]) - tl.log(row_sum)[:, None]
     else:
       y = e / row_sum[:, None]
-    tl.store(out + o_off[:, None] + (ns if N_UNIT else ns * ONS)[None, :], y.to(out.dtype.element_ty), mask=mask)
+    tl.store(out + o_off[:, None] + (ns if N_UNIT else ns * out_n_stride)[None, :], y.to(out.dtype.element_ty),
+             mask=mask)
   else:
-    row_max, row_sum = row_stats(x, m_off, m_mask, N, NS, ACC, N_UNIT, BLOCK_M, BLOCK_N)
+    row_max, row_sum = row_stats(x, m_off, m_mask, N, x_n_stride, ACC, N_UNIT, BLOCK_M, BLOCK_N)
     log_sum = tl.log(row_sum)
     for n0 in range(0, N, BLOCK_N):
       ns = n0 + tl.arange(0, BLOCK_N)
       mask = m_mask[:, None] & (ns < N)[None, :]
-      v = tl.load(x + m_off[:, None] + (ns if N_UNIT else ns * NS)[None, :], mask=mask).to(ACC)
+      v = tl.load(x + m_off[:, None] + (ns if N_UNIT else ns * x_n_stride)[None, :], mask=mask).to(ACC)
       if LOG:
         y = (v - row_max[:, None]) - log_sum[:, None]
       else:
         y = tl.exp(v - row_max[:, None]) / row_sum[:, None]
-      tl.store(out + o_off[:, None] + (ns if N_UNIT else ns * ONS)[None, :], y.to(out.dtype.element_ty), mask=mask)
+      tl.store(out + o_off[:, None] + (ns if N_UNIT else ns * out_n_stride)[None, :], y.to(out.dtype.element_ty),
+               mask=mask)
 
 
 @triton.jit
@@ -116,16 +127,19 @@ def _row_moments(x, m_off, m_mask, N, eps, ACC: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _layer_norm_kernel(out, x, w, b, M, N, eps, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, ACC: tl.constexpr,
-                       MND: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
+def _layer_norm_kernel(out, x, w, b, M, N, eps,
+                       m_size1, m_size2, m_size3, m_size4,
+                       x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3, x_m_stride4,
+                       ACC: tl.constexpr, M_DIMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
   """(x - mean) / sqrt(var + eps) * w + b over rows of N contiguous elements (x at m_off + n, out at m * N + n)."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
   ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = ms < M
-  m_off = strided(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND)
+  m_off = strided(ms, m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3,
+                  x_m_stride4, M_DIMS)
   if ONE_PASS:
     ns = tl.arange(0, BLOCK_N)
     mask = m_mask[:, None] & (ns < N)[None, :]
@@ -236,22 +250,20 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, M, N, eps, ROWS, 
           _add_partial(db_part + pid * N + ns, tl.sum(gv, axis=0), ns < N, first)
 
 
-def _acc_dtype(dtype):
+def stats_dtype(dtype: DType) -> DType:
+  """The dtype row statistics are kept in: float64 for float64 rows, else float32."""
   return dtypes.float64 if dtype is dtypes.float64 else dtypes.float32
 
 
-def _acc(dtype):
-  return tl.float64 if dtype is dtypes.float64 else tl.float32
-
-
 @functools.lru_cache(maxsize=4096)
-def softmax_spec(log: bool, x, mnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
+def softmax_spec(log: bool, x: DType, m_dims: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
+  """The (log-)softmax kernel's variant for M rows of N."""
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")}, **{f"O{i}": it for i in range(5)},
-         "NS": it, "ONS": it}
-  return spec(_softmax_kernel, sig, dict(LOG=log, ACC=_acc(x), MND=mnd, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
-                                         BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
+  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in axis_params("m", "x", "out")},
+         "x_n_stride": it, "out_n_stride": it}
+  return spec(_softmax_kernel, sig, dict(LOG=log, ACC=TL[stats_dtype(x)], M_DIMS=m_dims, M_UNIT=m_unit, N_UNIT=n_unit,
+                                         BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
 
 
 def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
@@ -265,19 +277,21 @@ def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
   i64 = needs_i64(x.shape, x.strides)
   m_unit = kst[-1] == 1 and ost[-1] == 1
   s = softmax_spec(log, x.dtype, len(kshape), m_unit, x.strides[dim] == 1, M, N, i64)
-  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0), x.strides[dim],
+  run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, M, N, *axis_args(kshape, kst, ost), x.strides[dim],
       out.strides[dim])
   return out
 
 
 @functools.lru_cache(maxsize=4096)
-def layer_norm_spec(x, w, b, mnd: int, M: int, N: int, i64: bool):
+def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: int, N: int, i64: bool):
+  """The layer-norm kernel's variant for M rows of N (w, b: the dtypes of the weight and bias, None when absent)."""
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
-         **{k: it for k in _names("M")}}
-  return spec(_layer_norm_kernel, sig, dict(ACC=_acc(x), MND=mnd, HAS_W=w is not None, HAS_B=b is not None,
-                                            BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
+  sig = {"out": ptr(x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it,
+         "eps": "fp64" if x is dtypes.float64 else "fp32", **{k: it for k in axis_params("m", "x")}}
+  return spec(_layer_norm_kernel, sig, dict(ACC=TL[stats_dtype(x)], M_DIMS=m_dims, HAS_W=w is not None,
+                                            HAS_B=b is not None, BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64),
+              num_warps=warps)
 
 
 def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float) -> CudaArray:
@@ -293,18 +307,18 @@ def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, e
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   i64 = needs_i64(x.shape, x.strides)
   s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64)
-  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N, float(eps),
-      *_axis(kshape, kst))
+  run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N, float(eps),
+      *axis_args(kshape, kst))
   return out
 
 
 @functools.lru_cache(maxsize=4096)
 def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool):
   bm, bn, warps, one = row_schedule(M, N)
-  it, acc = "i64" if i64 else "i32", _acc_dtype(x)
+  it, acc = "i64" if i64 else "i32", stats_dtype(x)
   sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x), "M": it,
          "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
-  return spec(_layer_norm_backward_kernel, sig, dict(ACC=_acc(x), HAS_W=w is not None, HAS_B=has_b, BLOCK_M=bm,
+  return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[stats_dtype(x)], HAS_W=w is not None, HAS_B=has_b, BLOCK_M=bm,
                                                      BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
 
 
@@ -317,17 +331,17 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int,
   n_params = (w is not None) + has_bias
   out = empty((M * N + N * n_params,), x.dtype, x.device)
   if out.size == 0: return out
-  if M == 0: return _fill(out, 0)
+  if M == 0: return fill(out, 0)
   g, x, w = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w))
   s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides))
   bm = s[2]["BLOCK_M"]
   rows = cdiv(cdiv(M, bm), 4 * runtime.hardware(x.device).sms) * bm
   programs = cdiv(M, rows)
-  parts = empty((2, programs, N), _acc_dtype(x.dtype), x.device)
+  parts = empty((2, programs, N), stats_dtype(x.dtype), x.device)
   run(s, (programs,), out.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
       (w or x).ptr, M, N, float(eps), rows)
   for i in range(n_params):  # dw then db
-    total = _reduce(view(parts, (programs, N), (N, 1), (i + (w is None)) * programs * N), (0,), False, "sum",
+    total = reduce(view(parts, (programs, N), (N, 1), (i + (w is None)) * programs * N), (0,), False, "sum",
                     parts.dtype)
     launch("copy", view(out, (N,), (1,), M * N + i * N), total)
   return out

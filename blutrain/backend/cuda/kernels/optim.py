@@ -25,6 +25,8 @@ from blutrain import dtypes
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import TL, f64_bits, run, spec, sqrt_rn
+from blutrain.backend.cuda.kernels.copy import cat, copy
+from blutrain.backend.cuda.kernels.reduce import reduce
 
 CHUNK = 65536  # elements per program: 16 tiles of 4096
 
@@ -180,7 +182,6 @@ def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
     parts.append(out)
   if not parts: return memory.from_numpy(np.zeros(1, np.float32), device)
   if len(parts) == 1: return parts[0]
-  from blutrain.backend.cuda.kernels.copy import cat
   return cat(*parts, dim=0)
 
 
@@ -191,7 +192,44 @@ def scale_(tensors: list[CudaArray], scale: CudaArray) -> None:
     run(multi_tensor_spec("scale", dtype), (chunks.shape[0],), table, chunks, scale)
 
 
-KERNELS: dict = {}  # no op of their own: the optimizer and gradient clipping call these
+def _into(xs, out) -> list[CudaArray]:
+  """Where a multi-tensor op updates in place: `out` (apply's `into`), holding the values of xs first, or copies of xs."""
+  if out is None: return [copy(x) for x in xs]
+  for x, o in zip(xs, out, strict=True):
+    if o.ptr != x.ptr: memory.copy_into(o, x)
+  return list(out)
+
+
+def _host(x: CudaArray | np.ndarray) -> float:
+  """A 0-d operand's value: a CPU scalar by value; a device scalar (a learning-rate tensor) read back."""
+  return float(x) if isinstance(x, np.ndarray) else float(memory.to_numpy(x))
+
+
+def adamw(*xs, n: int, beta1: float, beta2: float, eps: float, weight_decay: float, out=None) -> tuple:
+  """The `adamw` op: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr; returns (or updates in `out`)
+  params, exp_avgs, exp_avg_sqs and steps, by `fused_adamw`."""
+  params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
+  updated = _into([*params, *exp_avgs, *exp_avg_sqs, *steps], out)
+  p, m, v, s = (updated[k * n:(k + 1) * n] for k in range(4))
+  fused_adamw(p, list(grads), m, v, s, _host(xs[5 * n]), beta1, beta2, eps, weight_decay)
+  return tuple(updated)
+
+
+def sum_squares_op(*xs: CudaArray) -> CudaArray:
+  """The `sum_squares` op: the float32 0-d sum of squares of every element of every tensor."""
+  parts = sum_squares(list(xs), xs[0].device)
+  return reduce(parts, (0,), False, "sum", dtypes.float32)
+
+
+def scale(*xs: CudaArray, out=None) -> tuple:
+  """The `scale` op: xs[:-1] times the 0-d float32 xs[-1], each in its dtype (or updated in `out`)."""
+  updated = _into(xs[:-1], out)
+  scale_(updated, xs[-1])
+  return tuple(updated)
+
+
+adamw.writes_out = adamw.host_scalars = scale.writes_out = True
+KERNELS = {"adamw": adamw, "sum_squares": sum_squares_op, "scale": scale}
 SPECS = [_STEPS] + [adamw_spec(p, g, d) for p, g, d in ((dtypes.float32, dtypes.float32, True),
                                                         (dtypes.float32, dtypes.bfloat16, False),
                                                         (dtypes.bfloat16, dtypes.bfloat16, True))] + \

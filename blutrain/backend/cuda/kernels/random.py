@@ -17,9 +17,10 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import cdiv, empty, ptr, run, spec
-from blutrain.backend.cuda.kernels.elementwise import flat_schedule
+from blutrain.backend.cuda.kernels import empty, ptr, run, spec
+from blutrain.configurator import flat_schedule
 from blutrain.dtypes import DType
+from blutrain.shapes import cdiv
 
 
 @triton.jit
@@ -53,7 +54,7 @@ def _draw(op: str, shape, dtype: DType, seed: int, offset: int, low: int = 0, hi
   out = empty(shape, dtype, None)
   if out.size == 0: return out
   s = random_spec(op, dtype, out.size)
-  run(s, (cdiv(out.size, s[2]["BLOCK"]),), out.ptr, out.size, _signed64(seed), _signed64(offset), low,
+  run(s, (cdiv(out.size, s.constexprs["BLOCK"]),), out.ptr, out.size, _signed64(seed), _signed64(offset), low,
       _signed64(high - low), float(p))
   return out
 

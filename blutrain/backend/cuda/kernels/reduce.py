@@ -19,38 +19,23 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (TL, cdiv, collapse, empty, needs_i64, pad, ptr, run, spec,
-                                           strided)
+from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, collapse, empty, max_nan, min_nan,
+                                           needs_i64, ptr, run, spec)
 from blutrain.backend.cuda.kernels.copy import copy
-from blutrain.backend.cuda.kernels.elementwise import _fill, launch
-from blutrain.dtypes import DType
+from blutrain.backend.cuda.kernels.creation import fill
+from blutrain.backend.cuda.kernels.elementwise import launch
 from blutrain.configurator import reduce_schedule, split_rule
-
-@triton.jit
-def _max_nan(a, b):
-  return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+from blutrain.dtypes import DType
+from blutrain.shapes import cdiv
 
 
 @triton.jit
-def _min_nan(a, b):
-  return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _offsets(i, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND: tl.constexpr, UNIT: tl.constexpr):
-  """Offsets along one axis; a single unit-stride dim is the identity, which tells Triton the axis is contiguous."""
-  if UNIT and ND == 1:
-    off = i
-  else:
-    off = strided(i, Z1, Z2, Z3, Z4, T0, T1, T2, T3, T4, ND)
-  return off
-
-
-@triton.jit
-def _reduce_kernel(out, x, M, N, chunk, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, NZ1, NZ2, NZ3, NZ4, N0, N1, N2, N3,
-                   N4, OP: tl.constexpr, IDENT: tl.constexpr, ACC: tl.constexpr, MND: tl.constexpr, NND: tl.constexpr,
-                   M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   IDX64: tl.constexpr):
+def _reduce_kernel(out, x, M, N, chunk,
+                   m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3, x_m_stride4,
+                   n_size1, n_size2, n_size3, n_size4, x_n_stride0, x_n_stride1, x_n_stride2, x_n_stride3, x_n_stride4,
+                   OP: tl.constexpr, IDENT: tl.constexpr, ACC: tl.constexpr, M_DIMS: tl.constexpr,
+                   N_DIMS: tl.constexpr, M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
   """out[s * M + m] = OP over n in split s (= program_id(1), `chunk` wide) of x[m, n]."""
   pid_m = tl.program_id(0)
   pid_s = tl.program_id(1)
@@ -58,27 +43,29 @@ def _reduce_kernel(out, x, M, N, chunk, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, 
     pid_m = pid_m.to(tl.int64)
     pid_s = pid_s.to(tl.int64)
   ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  m_off = axis_offsets(ms, m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3,
+                       x_m_stride4, M_DIMS, M_UNIT)
   m_mask = ms < M
   start = pid_s * chunk
   end = tl.minimum(start + chunk, N)
   acc = tl.full([BLOCK_M, BLOCK_N], IDENT, ACC)
   for n0 in range(start, end, BLOCK_N):
     ns = n0 + tl.arange(0, BLOCK_N)
-    n_off = _offsets(ns, NZ1, NZ2, NZ3, NZ4, N0, N1, N2, N3, N4, NND, N_UNIT)
+    n_off = axis_offsets(ns, n_size1, n_size2, n_size3, n_size4, x_n_stride0, x_n_stride1, x_n_stride2, x_n_stride3,
+                         x_n_stride4, N_DIMS, N_UNIT)
     v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < end)[None, :], other=IDENT).to(ACC)
     if OP == "sum":
       acc += v
     elif OP == "amax":
-      acc = _max_nan(acc, v)
+      acc = max_nan(acc, v)
     else:
-      acc = _min_nan(acc, v)
+      acc = min_nan(acc, v)
   if OP == "sum":
     r = tl.sum(acc, axis=1)
   elif OP == "amax":
-    r = tl.reduce(acc, 1, _max_nan)
+    r = tl.reduce(acc, 1, max_nan)
   else:
-    r = tl.reduce(acc, 1, _min_nan)
+    r = tl.reduce(acc, 1, min_nan)
   tl.store(out + pid_s * M + ms, r.to(out.dtype.element_ty), mask=m_mask)
 
 
@@ -108,21 +95,24 @@ def _argmin_combine(v1, i1, v2, i2):
 
 
 @triton.jit
-def _arg_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, NS, OP: tl.constexpr, IDENT: tl.constexpr,
-                ACC: tl.constexpr, MND: tl.constexpr, M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
-  """out[m] = the first index n of the maximum (OP="argmax") or minimum of x[m, n] (n has stride NS)."""
+def _arg_kernel(out, x, M, N,
+                m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3, x_m_stride4,
+                x_n_stride, OP: tl.constexpr, IDENT: tl.constexpr, ACC: tl.constexpr, M_DIMS: tl.constexpr,
+                M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                IDX64: tl.constexpr):
+  """out[m] = the first index n of the maximum (OP="argmax") or minimum of x[m, n] (n has stride x_n_stride)."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
   ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
+  m_off = axis_offsets(ms, m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3,
+                       x_m_stride4, M_DIMS, M_UNIT)
   m_mask = ms < M
   best = tl.full([BLOCK_M, BLOCK_N], IDENT, ACC)
   best_i = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)
   for n0 in range(0, N, BLOCK_N):
     ns = n0 + tl.arange(0, BLOCK_N)
-    n_off = ns if N_UNIT else ns * NS
+    n_off = ns if N_UNIT else ns * x_n_stride
     v = tl.load(x + m_off[:, None] + n_off[None, :], mask=m_mask[:, None] & (ns < N)[None, :], other=IDENT)
     v = v.to(ACC)
     i = tl.zeros([BLOCK_M, BLOCK_N], tl.int64) + ns[None, :]
@@ -137,16 +127,20 @@ def _arg_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, NS, OP: tl
 
 
 @triton.jit
-def _cumsum_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1, O2, O3, O4, NS, ONS,
-                   ACC: tl.constexpr, MND: tl.constexpr, M_UNIT: tl.constexpr, REVERSE: tl.constexpr,
+def _cumsum_kernel(out, x, M, N,
+                   m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3, x_m_stride4,
+                   out_m_stride0, out_m_stride1, out_m_stride2, out_m_stride3, out_m_stride4, x_n_stride, out_n_stride,
+                   ACC: tl.constexpr, M_DIMS: tl.constexpr, M_UNIT: tl.constexpr, REVERSE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
   """Running sums of x[m, n] along n (from the end when REVERSE); tiles of BLOCK_N carry the total so far."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
   ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-  m_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, MND, M_UNIT)
-  o_off = _offsets(ms, MZ1, MZ2, MZ3, MZ4, O0, O1, O2, O3, O4, MND, M_UNIT)
+  m_off = axis_offsets(ms, m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3,
+                       x_m_stride4, M_DIMS, M_UNIT)
+  o_off = axis_offsets(ms, m_size1, m_size2, m_size3, m_size4, out_m_stride0, out_m_stride1, out_m_stride2,
+                       out_m_stride3, out_m_stride4, M_DIMS, M_UNIT)
   m_mask = ms < M
   carry = tl.zeros([BLOCK_M], ACC)
   n_tiles = tl.cdiv(N, BLOCK_N)
@@ -155,9 +149,9 @@ def _cumsum_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1,
       t = n_tiles - 1 - t
     ns = t * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = m_mask[:, None] & (ns < N)[None, :]
-    v = tl.load(x + m_off[:, None] + (ns * NS)[None, :], mask=mask, other=0).to(ACC)
+    v = tl.load(x + m_off[:, None] + (ns * x_n_stride)[None, :], mask=mask, other=0).to(ACC)
     s = tl.cumsum(v, axis=1, reverse=REVERSE) + carry[:, None]
-    tl.store(out + o_off[:, None] + (ns * ONS)[None, :], s.to(out.dtype.element_ty), mask=mask)
+    tl.store(out + o_off[:, None] + (ns * out_n_stride)[None, :], s.to(out.dtype.element_ty), mask=mask)
     # NOTE: the carry is the scan's end column; `carry += tl.sum(v, 1)` trips an assertion in Triton 3.6's
     # OptimizeThreadLocality pass
     end = 0 if REVERSE else BLOCK_N - 1
@@ -165,14 +159,6 @@ def _cumsum_kernel(out, x, M, N, MZ1, MZ2, MZ3, MZ4, M0, M1, M2, M3, M4, O0, O1,
 
 
 # *** host side ***
-
-def _names(p: str) -> list[str]: return [f"{p}Z1", f"{p}Z2", f"{p}Z3", f"{p}Z4", f"{p}0", f"{p}1", f"{p}2", f"{p}3", f"{p}4"]
-
-
-def _axis(shape, strides) -> list[int]:
-  """The 9 scalars of one axis for `strided`: sizes Z1..Z4 and strides T0..T4, left-padded."""
-  return pad(shape, 5, 1)[1:] + pad(strides, 5, 0)
-
 
 def _layout(shape, strides, dims):
   """(perm, kept shape, kept strides, reduced shape, reduced strides), collapsed, the reduced dims by falling stride.
@@ -191,7 +177,7 @@ def _permuted(a: CudaArray, perm) -> CudaArray:
   return CudaArray(a.ptr, tuple(a.shape[d] for d in perm), tuple(a.strides[d] for d in perm), a.dtype, a.device, a.owner)
 
 
-def _ident(op: str, dtype: DType):
+def _identity(op: str, dtype: DType):
   """The value masked lanes load: the identity of the op in dtype."""
   if op == "sum": return 0
   if dtype.is_floating_point: return float("-inf") if op in ("amax", "argmax") else float("inf")
@@ -200,7 +186,7 @@ def _ident(op: str, dtype: DType):
   return -2**bits if op in ("amax", "argmax") else 2**bits - 1
 
 
-def _acc(op: str, x: DType, out: DType) -> DType:
+def accumulation_dtype(op: str, x: DType, out: DType) -> DType:
   """The accumulation dtype: float32 for half types, int64 for integer sums, int32 for bool extremes."""
   if op != "sum":
     return dtypes.float32 if x in (dtypes.float16, dtypes.bfloat16) else dtypes.int32 if x is dtypes.bool_ else x
@@ -209,18 +195,24 @@ def _acc(op: str, x: DType, out: DType) -> DType:
 
 
 @functools.lru_cache(maxsize=4096)
-def reduce_spec(op: str, x: DType, out: DType, mnd: int, nnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
-  bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not (n_unit and nnd == 1))
+def reduce_spec(op: str, x: DType, out: DType, m_dims: int, n_dims: int, m_unit: bool, n_unit: bool, M: int, N: int,
+                i64: bool):
+  """The reduction kernel's variant (m_dims, n_dims: the dims of the kept and reduced axes; *_unit: a single
+  unit-stride dim)."""
+  bm, bn, warps = reduce_schedule(M, N, m_unit and m_dims == 1 and not (n_unit and n_dims == 1))
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(out), "x": ptr(x), "M": it, "N": it, "chunk": it, **{k: it for k in _names("M") + _names("N")}}
-  return spec(_reduce_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[_acc(op, x, out)], MND=mnd, NND=nnd,
-                                        M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+  sig = {"out": ptr(out), "x": ptr(x), "M": it, "N": it, "chunk": it,
+         **{k: it for k in axis_params("m", "x") + axis_params("n", "x")}}
+  return spec(_reduce_kernel, sig, dict(OP=op, IDENT=_identity(op, x), ACC=TL[accumulation_dtype(op, x, out)],
+                                        M_DIMS=m_dims, N_DIMS=n_dims, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
+                                        BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
-def _reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
+def reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
+  """op ("sum", "amax", "amin") of x over `dims` in out_dtype, a new contiguous array (see the module's docstring)."""
   out_shape, perm, passes = _reduce_plan(op, x.shape, x.strides, x.dtype, tuple(dims), keepdim, out_dtype)
   out = empty(out_shape, out_dtype, x.device)
-  if not passes: return out if 0 in out_shape else _fill(out, 0)
+  if not passes: return out if 0 in out_shape else fill(out, 0)
   if perm is not None: x = copy(_permuted(x, perm))
   for kernel, grid, scalars, partial in passes:
     dst = out if partial is None else empty(*partial, x.device)
@@ -241,32 +233,33 @@ def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], k
   M, N = math.prod(kshape), math.prod(rshape)
   i64 = needs_i64(shape, strides) if perm is None else needs_i64((M, N), (N, 1))
   s = reduce_spec(op, dtype, out_dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
-  bm, bn = s[2]["BLOCK_M"], s[2]["BLOCK_N"]
+  bm, bn = s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"]
   passes = []
   if (pieces := split_rule(cdiv(M, bm), N, bn)) > 1:
     chunk = cdiv(cdiv(N, pieces), bn) * bn
     pieces = cdiv(N, chunk)
-    acc = _acc(op, dtype, out_dtype)
+    acc = accumulation_dtype(op, dtype, out_dtype)
     s = reduce_spec(op, dtype, acc, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
-    passes.append((s.kernel, (cdiv(M, bm), pieces), (M, N, chunk, *_axis(kshape, kst), *_axis(rshape, rst)),
+    passes.append((s.kernel, (cdiv(M, bm), pieces), (M, N, chunk, *axis_args(kshape, kst), *axis_args(rshape, rst)),
                    ((pieces, M), acc)))
     kshape, kst, rshape, rst, N = (M,), (1,), (pieces,), (M,), pieces
     s = reduce_spec(op, acc, out_dtype, 1, 1, True, False, M, N, i64)
-  passes.append((s.kernel, (cdiv(M, s[2]["BLOCK_M"]), 1), (M, N, N, *_axis(kshape, kst), *_axis(rshape, rst)), None))
+  passes.append((s.kernel, (cdiv(M, s.constexprs["BLOCK_M"]), 1), (M, N, N, *axis_args(kshape, kst), *axis_args(rshape, rst)),
+                 None))
   return out_shape, perm, passes
 
 
 @functools.lru_cache(maxsize=4096)
-def arg_spec(op: str, x: DType, mnd: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
-  bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1 and not n_unit)
+def arg_spec(op: str, x: DType, m_dims: int, m_unit: bool, n_unit: bool, M: int, N: int, i64: bool):
+  """The argmax/argmin kernel's variant."""
+  bm, bn, warps = reduce_schedule(M, N, m_unit and m_dims == 1 and not n_unit)
   it = "i64" if i64 else "i32"
-  sig = {"out": "*i64", "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")}, "NS": it}
-  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_ident(op, x), ACC=TL[_acc(op, x, x)], MND=mnd, M_UNIT=m_unit,
-                                     N_UNIT=n_unit, BLOCK_M=bm,
-                                     BLOCK_N=bn, IDX64=i64), num_warps=warps)
+  sig = {"out": "*i64", "x": ptr(x), "M": it, "N": it, **{k: it for k in axis_params("m", "x")}, "x_n_stride": it}
+  return spec(_arg_kernel, sig, dict(OP=op, IDENT=_identity(op, x), ACC=TL[accumulation_dtype(op, x, x)], M_DIMS=m_dims,
+                                     M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
-def _arg(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
+def _argreduce(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
   out = empty(tuple(1 if d == dim else n for d, n in enumerate(x.shape)) if keepdim else x.shape[:dim] + x.shape[dim + 1:],
               dtypes.int64, x.device)
   if out.size == 0: return out
@@ -275,18 +268,19 @@ def _arg(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
   M, N = math.prod(kshape), math.prod(rshape)
   i64 = needs_i64(x.shape, x.strides)
   s = arg_spec(op, x.dtype, len(kshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
-  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), rst[-1])
+  run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, M, N, *axis_args(kshape, kst), rst[-1])
   return out
 
 
 @functools.lru_cache(maxsize=4096)
-def cumsum_spec(x: DType, mnd: int, m_unit: bool, reverse: bool, M: int, N: int, i64: bool):
-  bm, bn, warps = reduce_schedule(M, N, m_unit and mnd == 1)
+def cumsum_spec(x: DType, m_dims: int, m_unit: bool, reverse: bool, M: int, N: int, i64: bool):
+  """The scan kernel's variant."""
+  bm, bn, warps = reduce_schedule(M, N, m_unit and m_dims == 1)
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in _names("M")},
-         **{f"O{i}": it for i in range(5)}, "NS": it, "ONS": it}
-  return spec(_cumsum_kernel, sig, dict(ACC=TL[_acc("sum", x, x)], MND=mnd, M_UNIT=m_unit, REVERSE=reverse, BLOCK_M=bm,
-                                        BLOCK_N=bn, IDX64=i64), num_warps=warps)
+  sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in axis_params("m", "x", "out")},
+         "x_n_stride": it, "out_n_stride": it}
+  return spec(_cumsum_kernel, sig, dict(ACC=TL[accumulation_dtype("sum", x, x)], M_DIMS=m_dims, M_UNIT=m_unit,
+                                        REVERSE=reverse, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
 def cumsum(x: CudaArray, dim: int, reverse: bool = False) -> CudaArray:
@@ -301,17 +295,17 @@ def cumsum(x: CudaArray, dim: int, reverse: bool = False) -> CudaArray:
   M, N = math.prod(kshape), x.shape[dim]
   i64 = needs_i64(x.shape, x.strides)
   s = cumsum_spec(x.dtype, len(kshape), kst[-1] == 1 and ost[-1] == 1, reverse, M, N, i64)
-  run(s, (cdiv(M, s[2]["BLOCK_M"]),), out.ptr, x.ptr, M, N, *_axis(kshape, kst), *pad(ost, 5, 0),
-      x.strides[dim], out.strides[dim])
+  run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, M, N, *axis_args(kshape, kst, ost), x.strides[dim],
+      out.strides[dim])
   return out
 
 
 KERNELS = {
-  "sum": lambda x, dims, keepdim, dtype: _reduce(x, dims, keepdim, "sum", dtype),
-  "amax": lambda x, dims, keepdim: _reduce(x, dims, keepdim, "amax", x.dtype),
-  "amin": lambda x, dims, keepdim: _reduce(x, dims, keepdim, "amin", x.dtype),
-  "argmax": lambda x, dim, keepdim: _arg(x, dim, keepdim, "argmax"),
-  "argmin": lambda x, dim, keepdim: _arg(x, dim, keepdim, "argmin"),
+  "sum": lambda x, dims, keepdim, dtype: reduce(x, dims, keepdim, "sum", dtype),
+  "amax": lambda x, dims, keepdim: reduce(x, dims, keepdim, "amax", x.dtype),
+  "amin": lambda x, dims, keepdim: reduce(x, dims, keepdim, "amin", x.dtype),
+  "argmax": lambda x, dim, keepdim: _argreduce(x, dim, keepdim, "argmax"),
+  "argmin": lambda x, dim, keepdim: _argreduce(x, dim, keepdim, "argmin"),
   "cumsum": cumsum,
 }
 

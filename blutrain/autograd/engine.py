@@ -1,0 +1,148 @@
+"""Reverse-mode autodiff over the tape that `ops.apply` records: toposort, reverse walk, accumulate.
+
+The walk computes with tensor methods (`+`, `.to`, `.clone`), which the op library attaches to Tensor from above,
+and calls each node's VJP, which the op library wrote with its own ops: this module imports no op.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from blutrain.autograd.tape import Node, autocast_suspended, hooks, no_grad
+from blutrain.tensor import Tensor
+
+
+def _toposort(roots: Sequence[Node]) -> list[Node]:
+  order, seen = [], set()
+  for root in roots:
+    stack = [(root, False)]
+    while stack:
+      node, expanded = stack.pop()
+      if expanded: order.append(node); continue
+      if id(node) in seen: continue
+      seen.add(id(node))
+      stack.append((node, True))
+      stack.extend((p, False) for p in node.parents if isinstance(p, Node) and id(p) not in seen)
+  return order
+
+
+def _check_saved(node: Node) -> None:
+  if node.freed:
+    raise RuntimeError(f"trying to backward through the graph a second time (at {node.op.name}); its saved values were "
+                       "freed by the first backward. Pass retain_graph=True to the first backward.")
+  for t, version in node.versions:
+    if t._storage.version != version:
+      raise RuntimeError(f"one of the tensors needed for gradient computation has been modified by an in-place "
+                         f"operation: a tensor of shape {tuple(t.shape)} ({t.dtype.name}) saved by {node.op.name} is at "
+                         f"version {t._storage.version}; expected version {version}. Use an out-of-place op instead.")
+
+
+def _run_hooks(hooks, g: Tensor) -> Tensor:
+  for hook in hooks or ():
+    new = hook(g)
+    if new is not None: g = new
+  return g
+
+
+def _accumulate(grads: dict, key: int, g: Tensor, owned: set[int] | None = None, fresh: bool = False) -> None:
+  """grads[key] += g out of place; `owned` collects the ids of sums and of `fresh` gradients (memory this backward
+  made and nothing else holds), which later slices of the same input may add into in place."""
+  grads[key] = total = g if key not in grads else grads[key] + g
+  if owned is not None and (fresh or total is not g): owned.add(id(total))
+
+
+def _add_into_slice(node: Node, g: Tensor, store: dict, owned: set[int]) -> bool:
+  """For a slice node: add g into its input's gradient in place when that gradient is a buffer this backward owns,
+  so the q, k, v slices of one projection fill one buffer instead of each making a zero-padded copy that adds sum."""
+  acc = store.get(id(node.parents[0]))
+  if acc is None or id(acc) not in owned or hooks.trace is not None: return False  # Nova fuses its own
+  node.op(acc, **node.attrs).add_(g)  # the same slice of the gradient buffer
+  return True
+
+
+def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=frozenset()):
+  """Propagate gradients from the roots through every VJP. Returns the gradients reaching leaves (by id),
+  the leaves themselves, and the total gradients of the nodes whose ids are in `capture`."""
+  if hooks.trace is not None: hooks.trace.ran_backward = True  # the graph differentiates itself
+  node_grads, leaf_grads, leaves, captured, owned = dict(root_grads), {}, {}, {}, set()
+  for node in reversed(_toposort(roots)):
+    g = node_grads.pop(id(node), None)
+    if g is None: continue
+    g = _run_hooks(node.hooks, g)
+    if id(node) in capture: captured[id(node)] = g
+    if node.retained is not None and (t := node.retained()) is not None:
+      t.grad = g.detach() if t.grad is None else t.grad + g
+    _check_saved(node)
+    is_slice = node.op.name == "slice" and node.parents[0] is not None
+    if is_slice and _add_into_slice(node, g, node_grads if isinstance(node.parents[0], Node) else leaf_grads, owned):
+      if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+      continue
+    in_grads = node.op.vjp(g, node.out, *node.saved, **node.attrs)
+    if len(in_grads) != len(node.parents):
+      raise RuntimeError(f"VJP of {node.op.name} returned {len(in_grads)} gradients for {len(node.parents)} inputs")
+    for parent, ig, inp in zip(node.parents, in_grads, node.saved):
+      if parent is None or ig is None: continue
+      if ig.shape != tuple(inp.shape):
+        raise RuntimeError(f"VJP of {node.op.name}: gradient of shape {ig.shape} for an input of shape {tuple(inp.shape)}")
+      if ig.dtype is not inp.dtype: ig = ig.to(inp.dtype)
+      if isinstance(parent, Node): _accumulate(node_grads, id(parent), ig, owned, is_slice)
+      else: _accumulate(leaf_grads, id(parent), ig, owned, is_slice); leaves[id(parent)] = parent
+    if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+  return leaf_grads, leaves, captured
+
+
+def _seed(outputs, grad_outputs, op_name: str):
+  """Root nodes and their incoming gradients (ones for scalar outputs)."""
+  roots, root_grads = [], {}
+  for t, g in zip(outputs, grad_outputs):
+    if not t.requires_grad or t._node is None:
+      raise RuntimeError(f"{op_name}: a tensor of shape {t.shape} does not require grad or has no grad_fn: nothing to differentiate")
+    if g is None:
+      if t.numel() != 1: raise RuntimeError(f"{op_name}: grad can be implicitly created only for scalar outputs, got shape {t.shape}; pass a gradient")
+      g = t.new_ones(t.shape)
+    elif g.shape != t.shape:
+      raise RuntimeError(f"{op_name}: gradient of shape {g.shape} does not match the tensor's shape {t.shape}")
+    if t._node not in roots: roots.append(t._node)
+    _accumulate(root_grads, id(t._node), g)
+  return roots, root_grads
+
+
+def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | None = None,
+             retain_graph: bool = False) -> None:
+  """Accumulate the gradients of `tensors` (weighted by `grad_tensors`) into the `.grad` of every leaf."""
+  tensors = list(tensors)
+  grad_tensors = list(grad_tensors) if grad_tensors is not None else [None] * len(tensors)
+  with no_grad(), autocast_suspended():
+    direct = [(t, g if g is not None else t.new_ones(t.shape)) for t, g in zip(tensors, grad_tensors)
+              if t.requires_grad and t._node is None]
+    graphed = [(t, g) for t, g in zip(tensors, grad_tensors) if not (t.requires_grad and t._node is None)]
+    roots, root_grads = _seed([t for t, _ in graphed], [g for _, g in graphed], "backward")
+    leaf_grads, leaves, _ = _walk(roots, root_grads, retain_graph)
+    for t, g in direct:
+      _accumulate(leaf_grads, id(t), g)
+      leaves[id(t)] = t
+    fresh: set[int] = set()
+    for key, g in leaf_grads.items():
+      leaf = leaves[key]
+      g = _run_hooks(leaf._hooks, g).detach()
+      if leaf.grad is not None: leaf.grad.add_(g); continue
+      if not g.is_contiguous() or g._offset or id(g._storage) in fresh: g = g.clone()  # own, dense memory
+      fresh.add(id(g._storage))
+      leaf.grad = g
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph: bool | None = None, allow_unused: bool = False) -> tuple:
+  """The gradients of `outputs` with respect to `inputs`, returned rather than accumulated into `.grad`."""
+  outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+  inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+  grad_outputs = [grad_outputs] if isinstance(grad_outputs, Tensor) else list(grad_outputs or [None] * len(outputs))
+  with no_grad(), autocast_suspended():
+    roots, root_grads = _seed(outputs, grad_outputs, "grad")
+    leaf_grads, _, captured = _walk(roots, root_grads, bool(retain_graph),
+                                    capture={id(t._node) for t in inputs if t._node is not None})
+  result = []
+  for i, t in enumerate(inputs):
+    g = leaf_grads.get(id(t)) if t._node is None else captured.get(id(t._node))
+    if g is None and not allow_unused:
+      raise RuntimeError(f"grad: input {i} of shape {t.shape} is not reached from the outputs; pass allow_unused=True")
+    result.append(g)
+  return tuple(result)

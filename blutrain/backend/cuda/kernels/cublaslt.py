@@ -1,0 +1,289 @@
+"""`matmul` on CUDA through cuBLASLt (`nvmath.bindings.cublasLt`, raw pointers), the path of
+`bt.backends.matmul = "cublas"` and of every float64 matmul: one handle per device, a workspace per (device, stream)
+from our allocator, matmul plans (descriptor, layouts, heuristic's algorithm) cached per problem, and the mapping of
+row-major tensors onto cuBLAS's column-major operands, with no copies.
+
+cuBLAS is column-major: a `Problem` is D (m x n, leading dim ldd) = op_a(A) @ op_b(B), each operand a column-major
+matrix with a leading dim, batched by strides (0 broadcasts an operand over the batch). A row-major (m x k) matrix is
+a column-major (k x m) one, so C = A B is computed as C^T = B^T A^T: cuBLAS's first operand is our B, its second our
+A, and D (n x m, column-major) is our contiguous C. An operand whose last two dims are row-major is used as is (op N)
+and one stored transposed (`x.mT` of a contiguous tensor, stride 1 in dim -2) as op T, each with its own leading dim;
+only a matrix with neither unit stride (or overlapping rows) is copied.
+
+Batch dims broadcast: they collapse into as few dims as the strides allow (a broadcast operand gets stride 0, which
+cuBLASLt takes as "the same matrix for every batch"); the innermost collapsed dim is cuBLASLt's strided batch and
+any outer ones loop on the host. A weight shared by the batch (b 2-D or broadcast) with a row-major A folds the
+batch into the rows: one large GEMM instead of many small ones.
+
+With `bt.backends.matmul = "triton"`, float32 and 16-bit matmuls run as synthesized Triton GEMMs instead (gemm/).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from blutrain import backends, dtypes
+from blutrain.backend.cuda import memory, runtime
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import broadcast_shape, broadcast_strides, collapse, empty
+from blutrain.backend.cuda.kernels.copy import cast
+from blutrain.backend.cuda.kernels.gemm import gemm
+from blutrain.backend.cuda.kernels.matrix import blas_layout, blas_operand
+from blutrain.dtypes import DType
+
+WORKSPACE = 32 << 20  # bytes: what cuBLASLt's fastest Hopper kernels ask for (split-K, stream-K)
+
+_lt: Any = None
+
+
+def _cublaslt():
+  """nvmath's cuBLASLt bindings, imported on first use so that the package imports without nvmath."""
+  global _lt
+  if _lt is None:
+    import nvmath.bindings.cublasLt as lt
+    _lt = lt
+  return _lt
+
+
+def _data_type(dtype: DType) -> int:
+  from nvmath import CudaDataType as T
+  types = {dtypes.float16: T.CUDA_R_16F, dtypes.bfloat16: T.CUDA_R_16BF, dtypes.float32: T.CUDA_R_32F,
+           dtypes.float64: T.CUDA_R_64F}
+  if dtype not in types:
+    raise TypeError(f"matmul: cuBLASLt multiplies float16, bfloat16, float32 and float64 on CUDA, got {dtype.name}; "
+                    f"convert with .float() first")
+  return int(types[dtype])
+
+
+def compute_type(dtype: DType, tf32: bool = False) -> tuple[int, int]:
+  """(cublasComputeType_t, scale cudaDataType) for inputs of `dtype`: float32 accumulation for 16-bit inputs,
+  TF32 tensor cores for float32 when `tf32` (the matmul's attribute), float64 for float64."""
+  from nvmath import CudaDataType as T
+  from nvmath.bindings.cublas import ComputeType as C
+  if dtype is dtypes.float64: return int(C.COMPUTE_64F), int(T.CUDA_R_64F)
+  if dtype is dtypes.float32 and tf32:
+    return int(C.COMPUTE_32F_FAST_TF32), int(T.CUDA_R_32F)
+  return int(C.COMPUTE_32F), int(T.CUDA_R_32F)
+
+
+# *** handles and workspaces ***
+
+_handles: dict[int, int] = {}
+_workspaces: dict[tuple[int, int], Any] = {}  # (device, stream handle) -> CudaArray
+_lock = threading.RLock()  # plan() creates the handle under it
+
+
+def handle(device: int) -> int:
+  """The device's cuBLASLt handle, created on first use (with the device's context current)."""
+  h = _handles.get(device)
+  if h is None:
+    runtime.state(device)
+    with _lock:
+      h = _handles.get(device)
+      if h is None: h = _handles[device] = _cublaslt().create()
+  return h
+
+
+def workspace(device: int, stream: runtime.Stream) -> Any:
+  """The stream's workspace: cuBLASLt kernels on one stream run in order, so they can share it."""
+  key = (device, stream.handle)
+  ws = _workspaces.get(key)
+  if ws is None: ws = _workspaces[key] = memory.empty((WORKSPACE // 8,), dtypes.int64, device, stream)
+  return ws
+
+
+# *** plans ***
+
+class Problem(NamedTuple):
+  """One cuBLASLt matmul, column-major: D (m x n) = op_a(A) @ op_b(B) (+ bias), `batch` matrices apart by the strides."""
+  m: int
+  n: int
+  k: int
+  trans_a: bool
+  trans_b: bool
+  lda: int
+  ldb: int
+  ldd: int
+  batch: int
+  stride_a: int
+  stride_b: int
+  stride_d: int
+  dtype: DType        # of A, B and D
+  compute: tuple[int, int]
+  bias: bool          # a bias epilogue: D[i, j] += bias[i]
+  align: tuple[int, int, int, int]  # pointer alignments of A, B, D, bias in bytes (up to 256)
+
+
+class Plan:
+  """A descriptor, four layouts and the heuristic's best algorithm for one Problem, kept for the process's life."""
+
+  def __init__(self, p: Problem, device: int):
+    lt = _cublaslt()
+    attr, lattr, pattr = lt.MatmulDescAttribute, lt.MatrixLayoutAttribute, lt.MatmulPreferenceAttribute
+    self.problem, dt = p, _data_type(p.dtype)
+    self.desc = lt.matmul_desc_create(*p.compute)
+    self._set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSA, np.int32(int(p.trans_a)))
+    self._set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSB, np.int32(int(p.trans_b)))
+    if p.bias:
+      self._set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE, np.uint32(int(lt.Epilogue.BIAS)))
+      self._set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_DATA_TYPE, np.int32(dt))
+    shapes = {"a": (p.k, p.m) if p.trans_a else (p.m, p.k), "b": (p.n, p.k) if p.trans_b else (p.k, p.n), "d": (p.m, p.n)}
+    lds, strides = {"a": p.lda, "b": p.ldb, "d": p.ldd}, {"a": p.stride_a, "b": p.stride_b, "d": p.stride_d}
+    self.layouts = {}
+    for name, (rows, cols) in shapes.items():
+      lay = self.layouts[name] = lt.matrix_layout_create(dt, rows, cols, lds[name])
+      if p.batch > 1:
+        self._set(lt.matrix_layout_set_attribute, lay, lattr.BATCH_COUNT, np.int32(p.batch))
+        self._set(lt.matrix_layout_set_attribute, lay, lattr.STRIDED_BATCH_OFFSET, np.int64(strides[name]))
+    pref = lt.matmul_preference_create()
+    try:
+      self._set(lt.matmul_preference_set_attribute, pref, pattr.MAX_WORKSPACE_BYTES, np.uint64(WORKSPACE))
+      for key, align in zip(("A", "B", "C", "D"), (p.align[0], p.align[1], p.align[2], p.align[2])):
+        self._set(lt.matmul_preference_set_attribute, pref, getattr(pattr, f"MIN_ALIGNMENT_{key}_BYTES"), np.uint32(align))
+      self.heuristic = lt.MatmulHeuristicResult(1)
+      found = np.zeros(1, np.int32)
+      lay = self.layouts
+      lt.matmul_algo_get_heuristic(handle(device), self.desc, lay["a"], lay["b"], lay["d"], lay["d"], pref, 1,
+                                   self.heuristic.ptr, found.ctypes.data)
+    finally:
+      lt.matmul_preference_destroy(pref)
+    if found[0] == 0:
+      raise RuntimeError(f"matmul: cuBLASLt has no algorithm for {p} on cuda:{device}")
+    self.algo = self.heuristic.ptr  # the algorithm is the first field of the heuristic's result
+    one = np.float64 if p.dtype is dtypes.float64 else np.float32
+    self._scalars = np.ones(1, one), np.zeros(1, one)  # host alpha and beta, kept alive with the plan
+    self.alpha, self.beta = self._scalars[0].ctypes.data, self._scalars[1].ctypes.data
+
+  @staticmethod
+  def _set(setter, obj: int, attr, value: np.generic) -> None:
+    buf = np.array(value)
+    setter(obj, int(attr), buf.ctypes.data, buf.itemsize)
+
+
+_plans: dict[tuple[Problem, int], Plan] = {}
+_bias_lock = threading.Lock()
+
+
+def plan(p: Problem, device: int) -> Plan:
+  """The Plan of a problem (created once; it also creates the device's handle)."""
+  pl = _plans.get((p, device))
+  if pl is None:
+    with _lock:
+      pl = _plans.get((p, device))
+      if pl is None: pl = _plans[(p, device)] = Plan(p, device)
+  return pl
+
+
+def alignment(ptr: int, byte_strides=()) -> int:
+  """The largest power of two up to 256 dividing ptr and every stride (each matrix of a batch is that aligned):
+  cuBLASLt's heuristics assume 256 unless told otherwise."""
+  bits = ptr
+  for s in byte_strides: bits |= abs(s)
+  return min(256, bits & -bits) if bits else 256
+
+
+def enqueue(pl: Plan, a: int, b: int, d: int, device: int, bias: int = 0) -> None:
+  """Queue D = op_a(A) @ op_b(B) (+ bias) of a plan on the current stream; a, b, d and bias are device addresses."""
+  lt = _lt
+  s = runtime.current_stream(device)
+  ws = _workspaces.get((device, s.handle)) or workspace(device, s)
+  if pl.problem.bias:
+    with _bias_lock:  # NOTE: the bias pointer lives in the shared descriptor; set and launch together
+      Plan._set(lt.matmul_desc_set_attribute, pl.desc, lt.MatmulDescAttribute.BIAS_POINTER, np.int64(bias))
+      lt.matmul(_handles[device], pl.desc, pl.alpha, a, pl.layouts["a"], b, pl.layouts["b"], pl.beta, d,
+                pl.layouts["d"], d, pl.layouts["d"], pl.algo, ws.ptr, WORKSPACE, s.handle)
+    return
+  lt.matmul(_handles[device], pl.desc, pl.alpha, a, pl.layouts["a"], b, pl.layouts["b"], pl.beta, d, pl.layouts["d"], d,
+            pl.layouts["d"], pl.algo, ws.ptr, WORKSPACE, s.handle)
+
+
+# *** row-major tensors as column-major operands ***
+
+def gemm_calls(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None,
+               compute: tuple[int, int]) -> tuple[Problem, list[tuple[int, int, int]]]:
+  """The cuBLASLt problem computing out = a @ b (+ bias) and, per host-loop step, the byte offsets of cuBLAS's A, B
+  and D from b's, a's and out's addresses; a and b have BLAS layouts (`blas_layout` is not None), out is contiguous,
+  k > 0. Pure: it depends on the layouts and the addresses' alignments only, so its result is cached."""
+  (m, k), n = a.shape[-2:], b.shape[-1]
+  (trans_a, lda), (trans_b, ldb) = blas_layout(a), blas_layout(b)
+  batch = out.shape[:-2]
+  a_bs = broadcast_strides(CudaArray(a.ptr, a.shape[:-2], a.strides[:-2], a.dtype, a.device, None), batch)
+  b_bs = broadcast_strides(CudaArray(b.ptr, b.shape[:-2], b.strides[:-2], b.dtype, b.device, None), batch)
+  d_bs = out.strides[:-2]
+  rows = m
+  if not trans_a and not any(b_bs):  # a weight shared by the batch: fold the batch into A's rows
+    shape, (st,) = collapse(batch + (m,), a_bs + (lda,))
+    if len(shape) == 1 and (shape[0] == 1 or st[0] >= k):  # (rows of one stride, not a broadcast row)
+      rows, lda = shape[0], (st[0] if shape[0] > 1 else lda)
+      batch, a_bs, b_bs, d_bs = (), (), (), ()
+  dims, (a_st, b_st, d_st) = collapse(batch, a_bs, b_bs, d_bs) if batch else ((1,), [(0,), (0,), (0,)])
+  item = a.dtype.itemsize
+  align = [alignment(x.ptr, [s * item for s in st]) for x, st in ((a, a_st), (b, b_st), (out, d_st))]
+  if dims[-1] == 1: a_st, b_st, d_st = a_st[:-1] + (0,), b_st[:-1] + (0,), d_st[:-1] + (0,)  # one matrix: no stride
+  # cuBLAS's first operand is our B, its second our A (C^T = B^T A^T)
+  p = Problem(n, rows, k, trans_b, trans_a, ldb, lda, n, dims[-1], b_st[-1], a_st[-1], d_st[-1], a.dtype, compute,
+              bias is not None, (align[1], align[0], align[2], 256 if bias is None else alignment(bias.ptr)))
+  calls = []
+  for idx in itertools.product(*(range(d) for d in dims[:-1])):
+    off = [sum(i * s for i, s in zip(idx, st[:-1])) * item for st in (a_st, b_st, d_st)]
+    calls.append((off[1], off[0], off[2]))
+  return p, calls
+
+
+def _check(op: str, a: CudaArray, b: CudaArray) -> None:
+  if a.dtype is not b.dtype or a.device != b.device:
+    raise TypeError(f"{op}: operands must share dtype and device, got {a.dtype.name} on cuda:{a.device} and "
+                    f"{b.dtype.name} on cuda:{b.device}")
+  if not a.dtype.is_floating_point:
+    raise RuntimeError(f"{op}: {a.dtype.name} matmul of {a.shape} and {b.shape} is not supported on CUDA (as in "
+                       f"PyTorch); convert the operands with .float()")
+
+
+_calls: dict[tuple, tuple[Plan, list[tuple[int, int, int]]]] = {}  # layouts -> plan and offsets
+
+
+def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool) -> CudaArray:
+  out = empty(broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), a.dtype, a.device)
+  if out.size == 0: return out
+  if a.shape[-1] == 0:  # an empty sum: zeros, or the bias
+    if bias is None: memory.zero(out)
+    else: memory.copy_into(out, bias)
+    return out
+  a, b = blas_operand(a), blas_operand(b)
+  key = (a.shape, a.strides, b.shape, b.strides, a.dtype, tf32, a.ptr & 255,
+         b.ptr & 255, out.ptr & 255, -1 if bias is None else bias.ptr & 255, out.device)
+  hit = _calls.get(key)
+  if hit is None:
+    p, offsets = gemm_calls(a, b, out, bias, compute_type(a.dtype, tf32))
+    hit = _calls[key] = (plan(p, out.device), offsets)
+  pl, offsets = hit
+  bias_ptr = 0 if bias is None else bias.ptr
+  for oa, ob, od in offsets: enqueue(pl, b.ptr + oa, a.ptr + ob, out.ptr + od, out.device, bias_ptr)
+  return out
+
+
+_TRITON_DTYPES = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what bt.backends.matmul = "triton" takes
+
+
+def matmul(a: CudaArray, b: CudaArray, tf32: bool = False) -> CudaArray:
+  """a @ b over broadcast batch dims (the op library passes both operands with at least 2 dims); float32 through TF32
+  tensor cores when `tf32`."""
+  _check("matmul", a, b)
+  if backends.matmul == "triton" and a.dtype in _TRITON_DTYPES:
+    return gemm(a, b, precision="tf32" if tf32 else None)
+  return _matmul(a, b, None, tf32)
+
+
+def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False) -> CudaArray:
+  """a @ b + bias (bias of shape (n,)) with the bias added in cuBLASLt's epilogue, not by another kernel."""
+  _check("matmul_bias", a, b)
+  if bias.shape != (b.shape[-1],):
+    raise ValueError(f"matmul_bias: bias of shape {bias.shape} for an output with {b.shape[-1]} columns")
+  if bias.dtype is not a.dtype or bias.strides != (1,): bias = cast(bias, a.dtype)
+  return _matmul(a, b, bias, tf32)
+
+
+KERNELS = {"matmul": matmul}

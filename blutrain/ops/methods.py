@@ -1,0 +1,205 @@
+"""Tensor's methods and operators, attached to the class from above (as JAX's array_methods): `tensor.py` holds layout
+and state and imports no op; the op library gives each op its PyTorch method name here.
+
+Methods are written as the body of `TensorMethods` (read it as part of `Tensor`), then copied onto `Tensor` by
+`attach()`, which `blutrain.ops` calls once at import. Ops that are methods under their own name are listed in
+`FORWARDED` instead of written out.
+"""
+from __future__ import annotations
+
+from types import FunctionType
+
+from blutrain import dtypes
+from blutrain.ops import creation, elementwise, linalg, movement, nn, random, reduce
+from blutrain.ops.inplace import inplace, setitem
+from blutrain.device import Device, to_device
+from blutrain.dtypes import DType
+from blutrain.tensor import Tensor
+
+
+class TensorMethods:
+  """The methods `attach()` copies onto Tensor (`self` is a Tensor)."""
+
+  def new_full(self, size, fill_value, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """A tensor of `size` filled with `fill_value`, of this tensor's dtype and device unless given."""
+    return creation.full(tuple(size), fill_value, dtype=dtype or self.dtype, device=device or self.device,
+                    requires_grad=requires_grad)
+
+  def new_zeros(self, *size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return self.new_full(_shape_args(size), 0, dtype=dtype, device=device, requires_grad=requires_grad)
+
+  def new_ones(self, *size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return self.new_full(_shape_args(size), 1, dtype=dtype, device=device, requires_grad=requires_grad)
+
+  def new_empty(self, *size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return self.new_zeros(*size, dtype=dtype, device=device, requires_grad=requires_grad)
+
+  def sum_to_size(self, *size) -> Tensor:
+    """The sum of this tensor down to a shape it broadcasts from, as PyTorch's."""
+    return reduce.sum_to(self, _shape_args(size))
+
+  def new_tensor(self, data, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return creation.tensor(data, dtype=dtype or self.dtype, device=device or self.device, requires_grad=requires_grad)
+
+  # *** conversion ***
+
+  def to(self, *args, **kwargs) -> Tensor:
+    """`t.to(device)`, `t.to(dtype)`, `t.to(device, dtype)` or `t.to(other)`; returns self when nothing changes."""
+    if not kwargs and len(args) == 1 and type(args[0]) is DType:  # the common t.to(dtype), as autocast casts
+      return self if args[0] is self.dtype else elementwise.cast(self, args[0])
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    kwargs.pop("non_blocking", None); kwargs.pop("copy", None)
+    if kwargs: raise TypeError(f"to(): unexpected arguments {sorted(kwargs)}")
+    for a in args:
+      if isinstance(a, Tensor): device, dtype = a.device, a.dtype
+      elif isinstance(a, (Device,)) or (isinstance(a, str) and a.split(":")[0] in ("cpu", "cuda")): device = a
+      else: dtype = a
+    out = self
+    if dtype is not None and dtypes.to_dtype(dtype) is not self.dtype: out = elementwise.cast(out, dtypes.to_dtype(dtype))
+    if device is not None and to_device(device) != self.device: out = creation.to_device(out, to_device(device))
+    return out
+
+  def cpu(self) -> Tensor: return self.to("cpu")
+  def cuda(self, device: int | None = None) -> Tensor: return self.to(f"cuda:{device or 0}")
+  def float(self) -> Tensor: return self.to(dtypes.float32)
+  def double(self) -> Tensor: return self.to(dtypes.float64)
+  def half(self) -> Tensor: return self.to(dtypes.float16)
+  def bfloat16(self) -> Tensor: return self.to(dtypes.bfloat16)
+  def long(self) -> Tensor: return self.to(dtypes.int64)
+  def int(self) -> Tensor: return self.to(dtypes.int32)
+  def bool(self) -> Tensor: return self.to(dtypes.bool_)
+  def type_as(self, other: Tensor) -> Tensor: return self.to(other.dtype)
+  def clone(self) -> Tensor: return elementwise.copy(self)
+  def contiguous(self) -> Tensor: return self if self.is_contiguous() else elementwise.copy(self)
+
+  # *** views ***
+
+  def view(self, *shape) -> Tensor: return movement.view(self, _shape_args(shape))
+  def reshape(self, *shape) -> Tensor: return movement.reshape(self, _shape_args(shape))
+  def view_as(self, other: Tensor) -> Tensor: return self.view(other.shape)
+  def reshape_as(self, other: Tensor) -> Tensor: return self.reshape(other.shape)
+  def permute(self, *dims) -> Tensor: return movement.permute(self, _shape_args(dims))
+  def transpose(self, dim0: int, dim1: int) -> Tensor: return movement.transpose(self, dim0, dim1)
+  def t(self) -> Tensor:
+    if self.ndim > 2: raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, got shape {self.shape}")
+    return self.T
+  def expand(self, *shape) -> Tensor: return movement.expand(self, _shape_args(shape))
+  def expand_as(self, other: Tensor) -> Tensor: return self.expand(other.shape)
+  def broadcast_to(self, shape) -> Tensor: return movement.expand(self, tuple(shape))
+  def squeeze(self, dim=None) -> Tensor: return movement.squeeze(self, dim)
+  def unsqueeze(self, dim: int) -> Tensor: return movement.unsqueeze(self, dim)
+  def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor: return movement.flatten(self, start_dim, end_dim)
+  def unflatten(self, dim: int, sizes) -> Tensor: return movement.unflatten(self, dim, tuple(sizes))
+  def narrow(self, dim: int, start: int, length: int) -> Tensor: return movement.narrow(self, dim, start, length)
+  def split(self, split_size, dim: int = 0) -> tuple[Tensor, ...]: return movement.split(self, split_size, dim)
+  def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]: return movement.chunk(self, chunks, dim)
+  def unbind(self, dim: int = 0) -> tuple[Tensor, ...]: return movement.unbind(self, dim)
+  def where(self, condition, other) -> Tensor: return elementwise.where(condition, self, other)
+  def __getitem__(self, key) -> Tensor: return movement.getitem(self, key)
+  def __setitem__(self, key, value) -> None: setitem(self, key, value)
+
+  # *** in-place ***
+
+  def copy_(self, src) -> Tensor: return inplace(self, _copy_source, src)
+  def zero_(self) -> Tensor: return self.fill_(0)
+  def fill_(self, value) -> Tensor:
+    return inplace(self, lambda old, into: creation.full(old.shape, value, dtype=old.dtype, device=old.device, into=into))
+  def add_(self, other, alpha=1) -> Tensor: return inplace(self, elementwise.add, other, alpha=alpha)
+  def sub_(self, other, alpha=1) -> Tensor: return inplace(self, elementwise.sub, other, alpha=alpha)
+  def mul_(self, other) -> Tensor: return inplace(self, elementwise.mul, other)
+  def div_(self, other) -> Tensor: return inplace(self, elementwise.div, other)
+  def pow_(self, other) -> Tensor: return inplace(self, elementwise.pow, other)
+  def neg_(self) -> Tensor: return inplace(self, elementwise.neg)
+  def exp_(self) -> Tensor: return inplace(self, elementwise.exp)
+  def sqrt_(self) -> Tensor: return inplace(self, elementwise.sqrt)
+  def relu_(self) -> Tensor: return inplace(self, elementwise.relu)
+  def clamp_(self, min=None, max=None) -> Tensor: return inplace(self, elementwise.clamp, min, max)
+  def masked_fill_(self, mask, value) -> Tensor: return inplace(self, elementwise.masked_fill, mask, value)
+  def lerp_(self, end, weight) -> Tensor: return inplace(self, elementwise.lerp, end, weight)
+  def addcmul_(self, t1, t2, value=1) -> Tensor:
+    return inplace(self, lambda old, into: elementwise.add(old, value * t1 * t2, into=into))
+  def addcdiv_(self, t1, t2, value=1) -> Tensor:
+    return inplace(self, lambda old, into: elementwise.add(old, value * t1 / t2, into=into))
+  def uniform_(self, a: float = 0.0, b: float = 1.0, generator=None) -> Tensor:
+    return inplace(self, lambda old, into: elementwise.add(
+      random.rand(self.shape, dtype=self.dtype, device=self.device, generator=generator) * (b - a), a, into=into))
+  def normal_(self, mean: float = 0.0, std: float = 1.0, generator=None) -> Tensor:
+    return inplace(self, lambda old, into: elementwise.add(
+      random.randn(self.shape, dtype=self.dtype, device=self.device, generator=generator) * std, mean, into=into))
+  def __iadd__(self, other): return self.add_(other)
+  def __isub__(self, other): return self.sub_(other)
+  def __imul__(self, other): return self.mul_(other)
+  def __itruediv__(self, other): return self.div_(other)
+
+  # *** operators ***
+
+  def __neg__(self): return elementwise.neg(self)
+  def __add__(self, other): return elementwise.add(self, other)
+  def __radd__(self, other): return elementwise.add(other, self)
+  def __sub__(self, other): return elementwise.sub(self, other)
+  def __rsub__(self, other): return elementwise.sub(other, self)
+  def __mul__(self, other): return elementwise.mul(self, other)
+  def __rmul__(self, other): return elementwise.mul(other, self)
+  def __truediv__(self, other): return elementwise.div(self, other)
+  def __rtruediv__(self, other): return elementwise.div(other, self)
+  def __pow__(self, other): return elementwise.pow(self, other)
+  def __rpow__(self, other): return elementwise.pow(other, self)
+  def __matmul__(self, other): return linalg.matmul(self, other)
+  def __rmatmul__(self, other): return linalg.matmul(other, self)
+  def __abs__(self): return elementwise.abs(self)
+  def __eq__(self, other): return elementwise.eq(self, other)  # type: ignore[override]
+  def __ne__(self, other): return elementwise.ne(self, other)  # type: ignore[override]
+  def __lt__(self, other): return elementwise.lt(self, other)
+  def __le__(self, other): return elementwise.le(self, other)
+  def __gt__(self, other): return elementwise.gt(self, other)
+  def __ge__(self, other): return elementwise.ge(self, other)
+  def __invert__(self): return elementwise.logical_not(_bool_operand("~", self))
+  def __and__(self, other): return elementwise.logical_and(_bool_operand("&", self), _bool_operand("&", other))
+  def __rand__(self, other): return elementwise.logical_and(_bool_operand("&", other), _bool_operand("&", self))
+  def __or__(self, other): return elementwise.logical_or(_bool_operand("|", self), _bool_operand("|", other))
+  def __ror__(self, other): return elementwise.logical_or(_bool_operand("|", other), _bool_operand("|", self))
+  def __xor__(self, other): return elementwise.logical_xor(_bool_operand("^", self), _bool_operand("^", other))
+  def __rxor__(self, other): return elementwise.logical_xor(_bool_operand("^", other), _bool_operand("^", self))
+
+
+def _copy_source(old: Tensor, src, into: Tensor) -> Tensor:
+  """copy_'s new values: src as a tensor on the destination's device (for `x.copy_(x)` the alias `old`, so that the
+  write and its version bump still happen)."""
+  return old if src is into else creation.as_tensor_like(src, old).to(old.device)
+
+
+def _bool_operand(op: str, x):
+  """&, |, ^ and ~ are PyTorch's bitwise ops; blutrain has them for bools only, where they are the logical ones."""
+  dt = x.dtype if isinstance(x, Tensor) else dtypes.scalar_dtype(x)
+  if dt is not dtypes.bool_:
+    raise TypeError(f"{op}: supported on bool tensors only, got {dt.name} (integer bitwise ops are not implemented); "
+                    "compare first (x != 0) or use logical_and/logical_or/logical_xor/logical_not")
+  return x
+
+
+def _shape_args(shape: tuple) -> tuple[int, ...]:
+  """Accept both `f(2, 3)` and `f((2, 3))`, as PyTorch does."""
+  if len(shape) == 1 and isinstance(shape[0], (tuple, list)): shape = tuple(shape[0])
+  return tuple(int(s) for s in shape)
+
+
+# methods forwarded to the op library under their own names (the math lives there)
+FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign square reciprocal floor
+  add sub mul div pow maximum minimum eq ne lt le gt ge logical_not logical_and logical_or logical_xor clamp clip
+  masked_fill lerp sum mean max min amax amin argmax argmin var std logsumexp cumsum all any matmul
+  softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite""".split()
+
+def _method(fn):
+  """An op as a method; primitives (`Op` objects, not functions) need the wrapper to receive `self`."""
+  return fn if isinstance(fn, type(_method)) else lambda self, *args, **kwargs: fn(self, *args, **kwargs)
+
+
+def _op_named(name: str):
+  return next(getattr(m, name) for m in (elementwise, reduce, movement, linalg, nn) if hasattr(m, name))
+
+
+def attach() -> None:
+  """Give Tensor its methods: TensorMethods' body and the FORWARDED ops."""
+  for name, fn in vars(TensorMethods).items():
+    if isinstance(fn, FunctionType): setattr(Tensor, name, fn)
+  for name in FORWARDED: setattr(Tensor, name, _method(_op_named(name)))

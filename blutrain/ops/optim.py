@@ -1,0 +1,91 @@
+"""Multi-tensor primitives: one op over a whole list of tensors, for the optimizer's update and gradient clipping.
+
+Each has several outputs and updates its tensors in place eagerly (`apply`'s `into`, one launch on CUDA for the whole
+list); under Nova's capture it is one graph op whose results are written back. They have no VJP: they run under
+`no_grad`, after backward.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from blutrain import dtypes
+from blutrain.ops.core import op, write
+from blutrain.ops.creation import scalar_operand
+from blutrain.tensor import Tensor
+
+_FLOATS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
+
+
+def _dense_floats(name: str, xs: Sequence) -> None:
+  for x in xs:
+    if x.dtype not in _FLOATS or x.device != xs[0].device:
+      raise TypeError(f"{name}: expected float32, bfloat16 or float16 tensors on one device, got {x.dtype.name} on "
+                      f"{x.device} (first: {xs[0].dtype.name} on {xs[0].device})")
+
+
+def _adamw_rule(*xs, n, beta1, beta2, eps, weight_decay):
+  params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
+  if len(xs) != 5 * n + 1: raise ValueError(f"adamw: expected 5 * {n} tensors and the learning rate, got {len(xs)}")
+  _dense_floats("adamw", [*params, *grads])
+  for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+    if not (p.shape == g.shape == m.shape == v.shape) or not (p.dtype is m.dtype is v.dtype) or \
+       s.shape != () or s.dtype is not dtypes.float64:
+      raise ValueError(f"adamw: a parameter {p.dtype.name}{list(p.shape)} needs a gradient of its shape, moments of its "
+                       f"shape and dtype and a float64 0-d step; got {g.dtype.name}{list(g.shape)}, "
+                       f"{m.dtype.name}{list(m.shape)}, {v.dtype.name}{list(v.shape)}, step {s.dtype.name}{list(s.shape)}")
+  return [(t.shape, t.dtype) for t in (*params, *exp_avgs, *exp_avg_sqs, *steps)]
+
+
+adamw_op = op("adamw", _adamw_rule, multi=True, inputs="*xs",
+              attrs="n:int beta1:float beta2:float eps:float weight_decay:float")
+
+
+def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+           exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], lr: float | Tensor, *, beta1: float, beta2: float,
+           eps: float, weight_decay: float) -> None:
+  """AdamW's step on every parameter at once, in place (PyTorch's update, decoupled weight decay):
+
+    step += 1;  p *= 1 - lr * weight_decay
+    m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g^2
+    p += -lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+
+  `lr` is a number or a 0-d float64 tensor (Nova makes a scheduled learning rate one)."""
+  if not params: return
+  lr_t = lr if isinstance(lr, Tensor) else scalar_operand(float(lr), dtypes.float64, params[0].device)
+  into = [*params, *exp_avgs, *exp_avg_sqs, *steps]
+  new = adamw_op(*params, *grads, *exp_avgs, *exp_avg_sqs, *steps, lr_t, into=into, n=len(params), beta1=float(beta1),
+                 beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay))
+  if new is not into:
+    for t, v in zip(into, new): write(t, v)
+
+
+def _sum_squares_rule(*xs):
+  _dense_floats("sum_squares", xs)
+  return (), dtypes.float32
+
+
+sum_squares_op = op("sum_squares", _sum_squares_rule, inputs="*xs")
+
+
+def sum_squares(xs: Sequence[Tensor]) -> Tensor:
+  """The float32 sum of the squares of every element of every tensor (the squared 2-norm of all together)."""
+  return sum_squares_op(*xs)
+
+
+def _scale_rule(*xs):
+  _dense_floats("scale", xs[:-1])
+  if xs[-1].shape != () or xs[-1].dtype is not dtypes.float32:
+    raise ValueError(f"scale: the factor must be a 0-d float32 tensor, got {xs[-1].dtype.name}{list(xs[-1].shape)}")
+  return [(x.shape, x.dtype) for x in xs[:-1]]
+
+
+scale_op = op("scale", _scale_rule, multi=True, inputs="*xs")
+
+
+def scale_(xs: Sequence[Tensor], factor: Tensor) -> None:
+  """xs[i] *= factor (a 0-d tensor) for every tensor, in place, in their own dtypes."""
+  if not xs: return
+  into = list(xs)
+  new = scale_op(*into, factor, into=into)
+  if new is not into:
+    for t, v in zip(into, new): write(t, v)

@@ -1,0 +1,91 @@
+"""Random numbers: a counter-based generator and the draws from it (rand, randn, randint, bernoulli)."""
+from __future__ import annotations
+
+import math
+
+from blutrain import dtypes
+from blutrain.device import to_device as parse_device
+from blutrain.ops.core import op
+from blutrain.ops.creation import shape_from, tensor
+from blutrain.tensor import Tensor
+
+
+class Generator:
+  """A counter-based (Philox) random generator, as PyTorch's CUDA one: a seed and an offset that every draw
+  advances. The same (seed, offset) gives the same numbers on every backend and under Nova's capture."""
+
+  def __init__(self, device=None):
+    self.device = parse_device(device)
+    self.seed, self.offset = 67280421310721, 0
+
+  def manual_seed(self, seed: int) -> Generator:
+    self.seed, self.offset = int(seed) & (2**64 - 1), 0
+    return self
+
+  def initial_seed(self) -> int: return self.seed
+  def get_state(self) -> Tensor: return tensor([self.seed, self.offset], dtype=dtypes.int64)
+  def set_state(self, state: Tensor) -> None: self.seed, self.offset = (int(v) for v in state.tolist())
+
+  def _take(self, n: int) -> tuple[int, int]:
+    """Reserve n numbers: return (seed, offset) for the draw and advance past it."""
+    seed, offset = self.seed, self.offset
+    self.offset += n
+    return seed, offset
+
+
+default_generator = Generator()
+
+
+def manual_seed(seed: int) -> Generator:
+  """Seed the default generator (and so every random op without an explicit generator)."""
+  return default_generator.manual_seed(seed)
+
+
+def _random_rule(*, shape, dtype, **_): return shape, dtype
+
+
+rand_op = op("rand", _random_rule, inputs="", attrs="shape:ints dtype:dtype seed:int offset:int")  # uniform [0, 1)
+randn_op = op("randn", _random_rule, inputs="", attrs="shape:ints dtype:dtype seed:int offset:int")  # standard normal
+randint_op = op("randint", _random_rule, inputs="", attrs="shape:ints dtype:dtype low:int high:int seed:int offset:int")
+bernoulli_op = op("bernoulli", _random_rule, inputs="", attrs="shape:ints dtype:dtype p:float seed:int offset:int")
+
+
+def _draw(op_, shape, dtype, device, generator, **attrs) -> Tensor:
+  gen = generator or default_generator
+  seed, offset = gen._take(math.prod(shape))
+  return op_(device=parse_device(device), rng=gen, shape=shape, dtype=dtype, seed=seed, offset=offset, **attrs)
+
+
+def rand(*size, dtype=None, device=None, generator: Generator | None = None, requires_grad: bool = False) -> Tensor:
+  """Uniform samples on [0, 1)."""
+  t = _draw(rand_op, shape_from(size), dtypes.to_dtype(dtype or dtypes.default_float), device, generator)
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def randn(*size, dtype=None, device=None, generator: Generator | None = None, requires_grad: bool = False) -> Tensor:
+  """Standard normal samples."""
+  t = _draw(randn_op, shape_from(size), dtypes.to_dtype(dtype or dtypes.default_float), device, generator)
+  return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def randint(low: int, high: int | None = None, size=(), *, dtype=None, device=None,
+            generator: Generator | None = None) -> Tensor:
+  """Integers uniform on [low, high): `bt.randint(10, (3,))` or `bt.randint(2, 10, (3,))`."""
+  if isinstance(high, (tuple, list)): high, size = None, high  # randint(high, size), as torch.randint
+  if high is None: low, high = 0, low
+  if high <= low: raise ValueError(f"randint: empty range [{low}, {high})")
+  return _draw(randint_op, shape_from((size,) if isinstance(size, int) else tuple(size)),
+               dtypes.to_dtype(dtype or dtypes.int64), device, generator, low=int(low), high=int(high))
+
+
+def bernoulli_mask(shape, p: float, *, device=None, generator: Generator | None = None) -> Tensor:
+  """A bool tensor whose entries are True with probability p."""
+  return _draw(bernoulli_op, tuple(shape), dtypes.bool_, device, generator, p=float(p))
+
+
+def rand_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
+  return rand(x.shape, dtype=dtype or x.dtype, device=x.device, generator=generator)
+
+
+def randn_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
+  return randn(x.shape, dtype=dtype or x.dtype, device=x.device, generator=generator)
