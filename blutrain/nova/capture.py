@@ -141,8 +141,9 @@ class Trace:
 
   # *** the hooks ops call ***
 
-  def emit(self, op, inputs, attrs, avals, device, rng) -> Tensor:
-    shape, dtype = avals
+  def emit(self, op, inputs, attrs, avals, device, rng) -> Tensor | tuple[Tensor | None, ...]:
+    """Record `op` applied to `inputs` as one equation and return its traced result: a tensor, or for a multi-output
+    op (`avals` a list of (shape, dtype), None for an absent result) a tuple with one tensor per result."""
     if op.name == "to_device":
       raise RuntimeError("bt.compile: .to(device) inside a compiled function is not supported; move tensors before the call")
     ins = [None if t is None else self.value(t) for t in inputs]
@@ -154,9 +155,10 @@ class Trace:
         state = self.rng[id(rng)] = [rng, self._input((2,), dtypes.int64, Rng(rng)), attrs["offset"]]
       attrs["offset"] -= state[2]
       ins = [state[1]]
-    out = self._new(shape, dtype)
-    self.graph.equations.append(Equation(op.name, ins, dict(attrs), out))
-    t = self._traced(out, device)
+    outs = [None if a is None else self._new(*a) for a in (avals if op.multi else [avals])]
+    self.graph.equations.append(Equation(op.name, ins, dict(attrs), outs))
+    if op.multi: return tuple(None if v is None else self._traced(v, device) for v in outs)
+    t = self._traced(outs[0], device)
     if op.view is not None and type(inputs[0]._storage.data) is Traced:  # in the graph a view is a new value
       inputs[0]._storage.data.viewed, t._storage.data.view_of = True, inputs[0]._storage.data
     return t

@@ -2,9 +2,10 @@
 
 Each op is one line. Primitives call the CPU backend's kernel (`kernels[name](*arrays, **attrs)`) and cast its
 result to the op's result dtype, as eager mode does in `blutrain.backend.cpu.wrap` (kernels compute halves in float32
-and may return other integer widths); views, which have no kernel because eager mode makes them by striding, are the
-numpy equivalents (reshape, transpose, broadcast_to, basic slicing). A value is deleted after its last use so that
-peak memory follows liveness. For example:
+and may return other integer widths); a multi-result op's kernel returns a tuple, unpacked on its line and cast on the
+next. Views, which have no kernel because eager mode makes them by striding, are the numpy equivalents (reshape,
+transpose, broadcast_to, basic slicing). A value is deleted after its last use so that peak memory follows liveness.
+For example:
 
   def step(a0, a1):
     v2 = np.asarray(kernels["matmul"](a0, a1), float32)
@@ -27,7 +28,8 @@ from xdsl.ir import SSAValue
 
 from blutrain import dtypes
 from blutrain.dtypes import DType
-from blutrain.nova.dialect import DTYPES, ExpandOp, NovaOp, PermuteOp, RandomOp, SliceOp, ViewOp
+from blutrain.nova.dialect import (DTYPES, ExpandOp, LayoutOp, MultiResultOp, NovaOp, PermuteOp, RandomOp,
+                                   ViewOp)
 from blutrain.nova.ir import function
 
 
@@ -50,21 +52,36 @@ def _slice(index) -> str:
   return ", ".join(f"{a}:{b}" if c == 1 else f"{a}:{b}:{c}" for a, b, c in index)
 
 
-def _expr(op: NovaOp, args: list[str], dtype: DType) -> str:
-  """The right-hand side of one op of result dtype `dtype`."""
+def _view(op: LayoutOp, x: str) -> str:
+  """A layout op as its numpy equivalent (eager mode makes these views by striding, without a kernel)."""
   a = op.attrs()
-  if isinstance(op, ViewOp): return f"{args[0]}.reshape({literal(a['shape'])})"
-  if isinstance(op, PermuteOp): return f"{args[0]}.transpose({literal(a['dims'])})"
-  if isinstance(op, ExpandOp): return f"np.broadcast_to({args[0]}, {literal(a['shape'])})"
-  if isinstance(op, SliceOp): return f"{args[0]}[{_slice(a['index'])}]"
+  if isinstance(op, ViewOp): return f"{x}.reshape({literal(a['shape'])})"
+  if isinstance(op, PermuteOp): return f"{x}.transpose({literal(a['dims'])})"
+  if isinstance(op, ExpandOp): return f"np.broadcast_to({x}, {literal(a['shape'])})"
+  return f"{x}[{_slice(a['index'])}]"
+
+
+def _call(op: NovaOp, args: list[str]) -> str:
+  """The call of the op's CPU kernel; a random op's seed and absolute offset come from its generator state."""
+  a = op.attrs()
   if isinstance(op, RandomOp):
     rng = args[0]
     kw = [f"{k}={literal(v)}" for k, v in a.items() if k != "offset"]
     kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
-    call = f'kernels["{op.opname}"]({", ".join(kw)})'
-  else:
-    call = f'kernels["{op.opname}"]({", ".join(args + [f"{k}={literal(v)}" for k, v in a.items()])})'
-  return f"np.asarray({call}, {_dtype_name(dtype)})"
+    return f'kernels["{op.opname}"]({", ".join(kw)})'
+  return f'kernels["{op.opname}"]({", ".join(args + [f"{k}={literal(v)}" for k, v in a.items()])})'
+
+
+def _lines(op: NovaOp, args: list[str], outs: list[str | None], out_dtypes: list[DType | None]) -> list[str]:
+  """The lines computing one op into the names `outs` (None for an absent result), each result cast to its dtype.
+  A multi-result op's kernel returns a tuple: it is unpacked (`_` for an absent result), then cast."""
+  if isinstance(op, LayoutOp): return [f"  {outs[0]} = {_view(op, args[0])}"]
+  if not isinstance(op, MultiResultOp):
+    return [f"  {outs[0]} = np.asarray({_call(op, args)}, {_dtype_name(out_dtypes[0])})"]
+  targets = ", ".join(o or "_" for o in outs) + ("," if len(outs) == 1 else "")
+  present = [(o, d) for o, d in zip(outs, out_dtypes) if o]
+  casts = ", ".join(f"np.asarray({o}, {_dtype_name(d)})" for o, d in present)
+  return [f"  {targets} = {_call(op, args)}", f"  {', '.join(o for o, _ in present)} = {casts}"]
 
 
 def generate(module: ModuleOp, name: str = "step") -> str:
@@ -84,13 +101,14 @@ def generate(module: ModuleOp, name: str = "step") -> str:
   lines = [f"def {name}({', '.join(names.values())}):"]
   for i, op in enumerate(ops):
     args = ["None" if v is None else names[v] for v in op.graph_inputs()]
-    result = op.results[0]
-    dtype = DTYPES[result.type.element_type]
-    used.add(dtype)
-    names[result] = out = f"v{len(names)}"
-    lines.append(f"  {out} = {_expr(op, args, dtype)}")
+    results = op.graph_outputs()
+    out_dtypes = [None if r is None else DTYPES[r.type.element_type] for r in results]
+    used.update(d for d in out_dtypes if d is not None)
+    for r in results:
+      if r is not None: names[r] = f"v{len(names)}"
+    lines += _lines(op, args, [None if r is None else names[r] for r in results], out_dtypes)
     dead = dict.fromkeys(names[v] for v in op.operands if last[v] == i and v not in keep)
-    if result not in last and result not in keep: dead[out] = None
+    dead.update((names[r], None) for r in op.results if r not in last and r not in keep)
     if dead: lines.append(f"  del {', '.join(dead)}")
   outs = ", ".join(names[v] for v in ret.arguments)
   lines.append(f"  return ({outs}{',' if len(ret.arguments) == 1 else ''})")

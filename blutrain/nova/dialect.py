@@ -41,7 +41,7 @@ from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (AttrSetConstraint, AttrSizedOperandSegments, AttrSizedResultSegments, BaseAttr,
                        EqAttrConstraint, IRDLOperation, OptionalDef, ParsePropInAttrDict, VariadicDef,
                        irdl_op_definition, operand_def, opt_operand_def, opt_prop_def, prop_def, result_def, traits_def,
-                       var_operand_def)
+                       var_operand_def, var_result_def)
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
@@ -75,11 +75,6 @@ def aval(t: Attribute) -> Aval:
       raise VerifyException(f"expected a ranked tensor of {', '.join(d.name for d in ELEMENT_TYPES)}, got {t}")
     a = _avals[t] = Aval(t.get_shape(), DTYPES[t.element_type], None)
   return a
-
-
-def _type_str(t: Attribute) -> str:
-  a = aval(t)
-  return f"{a.dtype.name}{list(a.shape)}"
 
 
 # *** attribute encoding ***
@@ -148,6 +143,22 @@ def _spec(name: str, definition: Any) -> str:
   return ("?" if isinstance(definition, OptionalDef) else "*" if isinstance(definition, VariadicDef) else "") + name
 
 
+def _grouped(specs: tuple[str, ...], values: list) -> list:
+  """A flat list of operands or result types (None for an absent optional one) grouped per definition, as `build`
+  takes them; a variadic definition takes what the others leave."""
+  rest, groups, i = len(values) - len(specs) + 1, [], 0
+  for spec in specs:
+    if spec[0] == "*": groups.append(values[i:i + rest]); i += rest
+    else: groups.append([] if values[i] is None else values[i]); i += 1
+  return groups
+
+
+def _types(avals: list) -> str:
+  """`float32[4, 8]`, or `(float32[4], none)` for several (None for an absent one)."""
+  text = ", ".join("none" if a is None else f"{a[1].name}{list(a[0])}" for a in avals)
+  return text if len(avals) == 1 else f"({text})"
+
+
 # *** families ***
 
 class NovaOp(IRDLOperation):
@@ -164,23 +175,32 @@ class NovaOp(IRDLOperation):
 
   @classmethod
   @functools.cache
-  def signature(cls) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Operand names as the op library writes them (`x`, `?weight` optional, `*xs` variadic) and property names, in
-    declaration order."""
+  def signature(cls) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """Operand names as the op library writes them (`x`, `?weight` optional, `*xs` variadic), property names and
+    result names (written likewise), in declaration order."""
     definition = cls.get_irdl_definition()
     return (tuple(_spec(name, d) for name, d in definition.operands),
-            tuple(k for k in definition.properties if k not in _SEGMENT_SIZES))
+            tuple(k for k in definition.properties if k not in _SEGMENT_SIZES),
+            tuple(_spec(name, d) for name, d in definition.results))
 
   @classmethod
   @functools.cache
-  def _segmented(cls) -> bool:
-    """Whether optional operands keep their place through segment sizes (read by name, built with `build`)."""
-    return any(isinstance(o, AttrSizedOperandSegments) for o in cls.get_irdl_definition().options)
+  def _segmented(cls) -> tuple[bool, bool]:
+    """Whether optional operands, and optional results, keep their place through segment sizes (then they are read
+    by name and built with `build`)."""
+    options = cls.get_irdl_definition().options
+    return (any(isinstance(o, AttrSizedOperandSegments) for o in options),
+            any(isinstance(o, AttrSizedResultSegments) for o in options))
 
   def graph_inputs(self) -> list[SSAValue | None]:
     """The operands in the op library's order, None where an optional one is absent."""
-    if not self._segmented(): return list(self.operands)
+    if not self._segmented()[0]: return list(self.operands)
     return [getattr(self, k.lstrip("?")) for k in self.signature()[0]]
+
+  def graph_outputs(self) -> list[SSAValue | None]:
+    """The results in the op library's order, None where an optional one is absent."""
+    if not self._segmented()[1]: return list(self.results)
+    return [getattr(self, k.lstrip("?")) for k in self.signature()[2]]
 
   def attrs(self) -> dict[str, Any]:
     """The attributes as the op library passes them (absent properties left out)."""
@@ -188,13 +208,14 @@ class NovaOp(IRDLOperation):
     return {k: decode(props[k]) for k in self.signature()[1] if k in props}
 
   @classmethod
-  def make(cls, inputs: list[SSAValue | None], attrs: dict[str, Any], result_type: Attribute) -> NovaOp:
-    """Build the op from graph inputs (None for an absent optional operand) and Python attributes."""
+  def make(cls, inputs: list[SSAValue | None], attrs: dict[str, Any], result_types: list[Attribute | None]) -> NovaOp:
+    """Build the op from graph inputs and result types (None for an absent optional one) and Python attributes."""
     properties = {k: encode(v) for k, v in attrs.items()}
-    if cls._segmented():
-      return cls.build(operands=[[] if v is None else v for v in inputs], result_types=[result_type],
+    if any(cls._segmented()):
+      operands, _, results = cls.signature()
+      return cls.build(operands=_grouped(operands, inputs), result_types=_grouped(results, result_types),
                        properties=properties)
-    return cls.create(operands=inputs, result_types=[result_type], properties=properties)
+    return cls.create(operands=inputs, result_types=result_types, properties=properties)
 
   def rule_args(self) -> tuple:
     """What the shape rule takes positionally: the operands as Avals."""
@@ -203,19 +224,27 @@ class NovaOp(IRDLOperation):
   def verify_(self) -> None:
     args, attrs = self.rule_args(), self.attrs()
     operands = ", ".join("none" if a is None else f"{a.dtype.name}{list(a.shape)}" for a in args)
+    op = registry[self.opname]
     try:
-      shape, dtype = registry[self.opname].rule(*args, **attrs)
+      out = op.rule(*args, **attrs)
     except (ValueError, TypeError, IndexError, KeyError) as e:
       raise VerifyException(f"{self.name}: operands ({operands}) with {attrs} fail the shape rule: {e}") from None
-    out = self.results[0].type
-    if (tuple(shape), dtype) != (aval(out).shape, aval(out).dtype):
-      raise VerifyException(f"{self.name}: operands ({operands}) with {attrs} give {dtype.name}{list(shape)}, "
-                            f"but the result type is {_type_str(out)}")
+    want = [None if a is None else (tuple(a[0]), a[1]) for a in (out if op.multi else [out])]
+    got = [None if v is None else (aval(v.type).shape, aval(v.type).dtype) for v in self.graph_outputs()]
+    if got != want:
+      raise VerifyException(f"{self.name}: operands ({operands}) with {attrs} give {_types(want)}, but the result "
+                            f"{'type is' if len(got) == 1 else 'types are'} {_types(got)}")
 
 
 class SingleResultOp(NovaOp):
   """An op with one ranked-tensor result."""
   result = result_def(TENSOR)
+
+
+class MultiResultOp(NovaOp):
+  """An op with several results (`Op.multi` in the op library), each declared by the op: fixed (`result_def`),
+  optional (`opt_result_def`: None in the graph when absent, with `AttrSizedResultSegments`) or variadic
+  (`var_result_def`). Its CPU kernel returns a tuple of arrays, one per result."""
 
 
 class CreationOp(SingleResultOp):
@@ -818,10 +847,35 @@ class FlashAttentionBackwardOp(NNOp):
 # *** multi-tensor ops: one op over a whole list of tensors (the optimizer's update, gradient clipping) ***
 
 @irdl_op_definition
+class AdamwOp(MultiResultOp):
+  """AdamW's step on n parameters at once (PyTorch's update, decoupled weight decay), as `ops.adamw_` documents it.
+
+  Operands `xs`: n params, n grads, n exp_avgs, n exp_avg_sqs, n steps (0-d float64), then lr (0-d float64).
+  Results `outs`: n new params, n new exp_avgs, n new exp_avg_sqs, n new steps, in the operands' types."""
+  name = "nova.adamw"
+  xs = var_operand_def(TENSOR)
+  outs = var_result_def(TENSOR)
+  n = prop_def(INT)
+  beta1 = prop_def(FLOAT)
+  beta2 = prop_def(FLOAT)
+  eps = prop_def(FLOAT)
+  weight_decay = prop_def(FLOAT)
+
+
+@irdl_op_definition
 class SumSquaresOp(SingleResultOp):
   """The float32 sum of the squares of every element of every operand (their joint squared 2-norm)."""
   name = "nova.sum_squares"
   xs = var_operand_def(TENSOR)
+
+
+@irdl_op_definition
+class ScaleOp(MultiResultOp):
+  """Operands `xs`: n tensors, then a 0-d float32 factor; results `outs`: the n tensors times the factor, each in
+  its own dtype."""
+  name = "nova.scale"
+  xs = var_operand_def(TENSOR)
+  outs = var_result_def(TENSOR)
 
 
 Nova = Dialect("nova", [
@@ -834,7 +888,7 @@ Nova = Dialect("nova", [
   SliceBackwardOp, CatOp, IndexOp, IndexBackwardOp, IndexPutOp,
   MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp,
-  SumSquaresOp,
+  AdamwOp, SumSquaresOp, ScaleOp,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations}  # the op library's name -> class

@@ -1,10 +1,10 @@
 """The captured graph: what capture produces and the IR builder consumes.
 
 A Graph is a list of equations in program order over SSA values. Each equation applies one primitive of
-`blutrain.ops` (its name is the op's registry key) to input values with the op's attributes, and defines one
-value. Inputs are the step's arguments plus every tensor read from outside (parameters, gradients, optimizer
-state, dynamic scalars such as the learning rate); outputs are returned tensors and the new values of the
-tensors updated in place, which the runtime writes back.
+`blutrain.ops` (its name is the op's registry key) to input values with the op's attributes, and defines one value,
+or several for a multi-output primitive (`Op.multi`: adamw, scale). Inputs are the step's arguments plus every tensor
+read from outside (parameters, gradients, optimizer state, dynamic scalars such as the learning rate); outputs are
+returned tensors and the new values of the tensors updated in place, which the runtime writes back.
 """
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ class Value:
 
 @dataclass(eq=False)
 class Equation:
-  """`out = op(*inputs, **attrs)`. An input is None where the op takes an optional tensor (layer_norm's bias).
+  """`*outs = op(*inputs, **attrs)`. An input is None where the op takes an optional tensor (layer_norm's bias).
+  `outs` holds one value, or one per result of a multi-output op, None where an optional result is absent.
 
   Attribute values are ints, floats, bools, strings, None, DTypes, or (nested) tuples of those."""
   op: str
   inputs: list[Value | None]
   attrs: dict[str, Any]
-  out: Value
+  outs: list[Value | None]
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class Graph:
     for eq in self.equations:
       args = ", ".join("None" if v is None else f"%{v.id}" for v in eq.inputs)
       attrs = "".join(f", {k}={v!r}" for k, v in eq.attrs.items())
-      lines.append(f"  {eq.out!r} = {eq.op}({args}{attrs})")
+      outs = ", ".join("None" if v is None else repr(v) for v in eq.outs)
+      lines.append(f"  {outs} = {eq.op}({args}{attrs})")
     lines.append(f"  return {', '.join(f'%{v.id}' for v in self.outputs)}")
     return "\n".join(lines)

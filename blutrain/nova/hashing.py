@@ -1,7 +1,8 @@
 """Structural hashes of graphs: equal for graphs that compute the same thing, whatever their value names.
 
 A value's hash covers what makes it: an input is its position and type; an equation's output is its op name, its
-attributes, its type and the hashes of its inputs, in order. So renaming values, reordering independent equations
+attributes, its type and the hashes of its inputs, in order; each result of a multi-output op covers the types of all
+the op's results and its own index among them. So renaming values, reordering independent equations
 or binding other tensors to the inputs keeps every hash; swapping the operands of `sub`, changing an attribute or a
 dtype changes it. Hashes are hex digests of BLAKE2b (never Python's `hash`, which differs between processes), and
 `FORMAT_VERSION` enters every graph key so that a change of this scheme invalidates caches on disk.
@@ -46,7 +47,11 @@ def _propagate(equations: Iterable[Equation], hashes: dict[Value, str]) -> dict[
     except KeyError:
       continue
     attrs = ",".join(f"{k}={canonical(eq.attrs[k])}" for k in sorted(eq.attrs))
-    hashes[eq.out] = _digest(f"{eq.op}|{attrs}|{_type(eq.out)}|{args}")
+    if len(eq.outs) == 1:
+      hashes[eq.outs[0]] = _digest(f"{eq.op}|{attrs}|{_type(eq.outs[0])}|{args}")
+      continue
+    made = f"{eq.op}|{attrs}|{';'.join('-' if v is None else _type(v) for v in eq.outs)}|{args}"
+    hashes.update((v, _digest(f"{made}#{i}")) for i, v in enumerate(eq.outs) if v is not None)
   return hashes
 
 
@@ -83,7 +88,7 @@ def subgraph_hash(graph: Graph, outputs: Sequence[Value], inputs: Sequence[Value
 
 def _missing(graph: Graph, out: Value, hashes: dict[Value, str]) -> str:
   """Say which value outside the subgraph `out` depends on (for the error message)."""
-  producer = {eq.out: eq for eq in graph.equations}
+  producer = {v: eq for eq in graph.equations for v in eq.outs if v is not None}
   stack = [out]
   while stack:
     v = stack.pop()

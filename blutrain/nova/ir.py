@@ -2,7 +2,7 @@
 convert it to and from MLIR syntax.
 
 A graph becomes one `func.func @step` whose block arguments are the graph's inputs, one nova op per equation in
-program order, and a `func.return` of the outputs:
+program order (an equation's outputs are the op's results, in order), and a `func.return` of the outputs:
 
   func.func @step(%0 : tensor<4x8xf32>, %1 : tensor<8xf32>) -> tensor<4x8xf32> {
     %2 = nova.add %0, %1 : (tensor<4x8xf32>, tensor<8xf32>) -> tensor<4x8xf32>
@@ -47,9 +47,9 @@ def to_module(graph: Graph, name: str = "step") -> ModuleOp:
     cls = OP_CLASSES.get(eq.op)
     if cls is None:
       if eq.op == "to_device":
-        raise ValueError(f"nova: to_device in a captured graph ({eq.out!r}); a compiled function runs on one device, "
-                         "so move tensors before calling it or outside the compiled function")
-      raise ValueError(f"nova: no nova op for {eq.op!r} ({eq.out!r}); every primitive of blutrain.ops needs an op class "
+        raise ValueError(f"nova: to_device in a captured graph ({eq.outs[0]!r}); a compiled function runs on one "
+                         "device, so move tensors before calling it or outside the compiled function")
+      raise ValueError(f"nova: no nova op for {eq.op!r} ({eq.outs}); every primitive of blutrain.ops needs an op class "
                        "in blutrain.nova.dialect")
     try:
       args = [None if v is None else env[v] for v in eq.inputs]
@@ -57,8 +57,8 @@ def to_module(graph: Graph, name: str = "step") -> ModuleOp:
       missing = next(v for v in eq.inputs if v is not None and v not in env)
       raise ValueError(f"nova: {eq.op} reads {missing!r}, which is neither a graph input nor defined before it") \
         from None
-    op = cls.make(args, eq.attrs, ty(eq.out))
-    env[eq.out] = op.result
+    op = cls.make(args, eq.attrs, [None if v is None else ty(v) for v in eq.outs])
+    env.update((v, r) for v, r in zip(eq.outs, op.graph_outputs()) if v is not None)
     ops.append(op)
   ops.append(ReturnOp(*(env[v] for v in graph.outputs)))
   block.add_ops(ops)

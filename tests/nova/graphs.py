@@ -35,13 +35,14 @@ class Builder:
     """A generator state input: (seed, base offset) as int64[2]."""
     return self.input((2,), dtypes.int64)
 
-  def __call__(self, op: str, *inputs: Value | None, **attrs) -> Value:
+  def __call__(self, op: str, *inputs: Value | None, **attrs) -> Value | tuple[Value | None, ...]:
+    """The output of `op` on `inputs`: a value, or a tuple of values for a multi-output op."""
     args = [] if op in ("rand", "randn", "randint", "bernoulli") else \
            [None if v is None else Aval(v.shape, v.dtype, None) for v in inputs]
-    shape, dtype = registry[op].rule(*args, **attrs)
-    out = self._value(shape, dtype)
-    self.graph.equations.append(Equation(op, list(inputs), dict(attrs), out))
-    return out
+    avals = registry[op].rule(*args, **attrs)
+    outs = [None if a is None else self._value(*a) for a in (avals if registry[op].multi else [avals])]
+    self.graph.equations.append(Equation(op, list(inputs), dict(attrs), outs))
+    return tuple(outs) if registry[op].multi else outs[0]
 
   def full(self, shape, value, dtype: DType = dtypes.float32) -> Value:
     return self("full", shape=tuple(shape), value=value, dtype=dtype)
@@ -179,6 +180,10 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   att = b("flash_attention", q, k, k, causal=True, scale=0.5)
   outs += [att, b("flash_attention", q, k, q, causal=False, scale=1.0),
            b("flash_attention_backward", q, q, k, k, att, causal=True, scale=0.5), b("sum_squares", x, pos, w)]
+  step, lr, sq = arg(np.array(3.0)), arg(np.array(1e-3)), arg(rs.uniform(0.1, 1.0, (4,)).astype(np.float32))
+  outs += [*b("adamw", x, w, pos, y, pos, bias, pos, sq, step, step, lr, n=2, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.1),
+           *b("scale", x, w, b.full((), 0.5))]
   return b.output(*outs), arrays
 
 
@@ -200,5 +205,5 @@ def evaluate(graph: Graph, arrays: list[np.ndarray]) -> list[np.ndarray]:
         out = bt.ops.reshape(env[eq.inputs[0]], eq.attrs["shape"])
       else:
         out = op(*(None if v is None else env[v] for v in eq.inputs), device=cpu, **eq.attrs)
-      env[eq.out] = out
+      env.update(zip(eq.outs, out if op.multi else [out]))
   return [env[v].numpy() for v in graph.outputs]

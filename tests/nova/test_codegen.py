@@ -99,8 +99,8 @@ def test_outputs_may_be_inputs_and_unused_values_go():
 def test_to_device_is_rejected():
   b = Builder()
   x = b.input((2,))
-  b.graph.equations.append(Equation("to_device", [x], {"device": "cuda:0"}, Value(1, (2,), dtypes.float32)))
-  b.graph.outputs.append(b.graph.equations[-1].out)
+  b.graph.equations.append(Equation("to_device", [x], {"device": "cuda:0"}, [Value(1, (2,), dtypes.float32)]))
+  b.graph.outputs.extend(b.graph.equations[-1].outs)
   with pytest.raises(ValueError, match="to_device"):
     compile_graph(b.graph)
 

@@ -188,6 +188,31 @@ def test_matmul_precision_travels_as_an_attribute(tmp_path):
     assert f"tf32 = {tf32}" in captured, captured
 
 
+def test_multi_tensor_updates_compile():
+  """sum_squares, scale_ and adamw_ in a compiled function: one op each in the graph (scale and adamw with a result
+  per tensor they update, written back in place); the values equal eager mode's bit for bit."""
+  def make():
+    rng = np.random.default_rng(0)
+    params, grads = ([bt.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in ((3, 4), (4,))] for _ in range(2))
+    state = [[bt.zeros_like(p) for p in params] for _ in range(2)] + [[bt.zeros((), dtype=bt.float64) for _ in params]]
+
+    def step():
+      norm = bt.ops.sum_squares(grads).sqrt()
+      bt.ops.scale_(grads, 1.0 / (norm + 1.0))
+      bt.ops.adamw_(params, grads, *state, 1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+      return norm
+    return step, params + grads + [t for ts in state for t in ts]
+
+  (eager, want), (compiled, got) = make(), make()
+  compiled = bt.compile(compiled)
+  for _ in range(3):
+    assert eager().item() == compiled().item()
+  for a, b in zip(want, got): np.testing.assert_array_equal(b.numpy(), a.numpy())
+  assert compiled.captures == 1
+  assert {k: compiled.info["counts_before"][k] for k in ("adamw", "scale", "sum_squares")} == \
+         {"adamw": 1, "scale": 1, "sum_squares": 1}
+
+
 def test_warm_cache_skips_the_passes():
   def make_step():
     bt.manual_seed(0)

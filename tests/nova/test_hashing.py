@@ -22,7 +22,8 @@ def renamed(graph: Graph, order=None, start: int = 1000) -> Graph:
 
   inputs = [fresh(v) for v in graph.inputs]
   eqs = [graph.equations[i] for i in (order or range(len(graph.equations)))]
-  equations = [Equation(eq.op, [None if v is None else new[v] for v in eq.inputs], dict(eq.attrs), fresh(eq.out)) for eq in eqs]
+  equations = [Equation(eq.op, [None if v is None else new[v] for v in eq.inputs], dict(eq.attrs),
+                        [None if v is None else fresh(v) for v in eq.outs]) for eq in eqs]
   return Graph(inputs, equations, [new[v] for v in graph.outputs])
 
 
@@ -42,7 +43,7 @@ def test_renaming_and_reordering_keep_the_hash():
   assert graph_key(renamed(g, order=[1, 2, 0, 3, 4])) == graph_key(g)
   g2 = renamed(g)
   h, h2 = value_hashes(g), value_hashes(g2)
-  assert [h[eq.out] for eq in g.equations] == [h2[eq.out] for eq in g2.equations]
+  assert [h[v] for eq in g.equations for v in eq.outs] == [h2[v] for eq in g2.equations for v in eq.outs]
 
 
 @pytest.mark.parametrize("other", [
@@ -73,6 +74,18 @@ def test_inputs_are_hashed_by_position():
   key = graph_key(g1)
   g1.inputs.append(Value(99, (5,), dtypes.int64))  # an unused input still changes the calling convention
   assert graph_key(g1) != key
+
+
+def test_each_result_of_an_op_hashes_with_its_index():
+  def scaled(pick: int) -> Graph:
+    b = Builder()
+    x, s = b.input((4,)), b.input(())
+    results = b("scale", x, x, s)
+    return b.output(results[pick])
+  g = scaled(0)
+  first, second = (value_hashes(g)[v] for v in g.equations[0].outs)
+  assert first != second, "two results of one op, of one type"
+  assert graph_key(scaled(0)) == graph_key(renamed(scaled(0))) != graph_key(scaled(1))
 
 
 def test_stable_across_processes():

@@ -278,6 +278,49 @@ def test_dce_drops_dead_chains_keeps_outputs():
     func.return %d : tensor<4xf32>"""))
 
 
+# *** ops with several results ***
+
+XWS = "%x: tensor<3x4xf32>, %w: tensor<4xf32>, %s: tensor<f32>"
+SCALE = "nova.scale %x, %w, %s : (tensor<3x4xf32>, tensor<4xf32>, tensor<f32>) -> (tensor<3x4xf32>, tensor<4xf32>)"
+
+
+def test_cse_merges_ops_with_several_results_result_by_result():
+  check((CSEPass(), DCEPass()), func(XWS, "tensor<3x4xf32>, tensor<4xf32>, tensor<4xf32>", f"""
+    %a, %b = {SCALE}
+    %c, %d = {SCALE}
+    func.return %a, %b, %d : tensor<3x4xf32>, tensor<4xf32>, tensor<4xf32>"""),
+    func(XWS, "tensor<3x4xf32>, tensor<4xf32>, tensor<4xf32>", f"""
+    %a, %b = {SCALE}
+    func.return %a, %b, %b : tensor<3x4xf32>, tensor<4xf32>, tensor<4xf32>"""))
+
+
+def test_dce_keeps_an_op_while_any_result_is_used():
+  check((DCEPass(),), func(XWS, "tensor<4xf32>", f"""
+    %a, %b = {SCALE}
+    %c, %d = nova.scale %x, %x, %s : (tensor<3x4xf32>, tensor<3x4xf32>, tensor<f32>) -> (tensor<3x4xf32>, tensor<3x4xf32>)
+    func.return %b : tensor<4xf32>"""), func(XWS, "tensor<4xf32>", f"""
+    %a, %b = {SCALE}
+    func.return %b : tensor<4xf32>"""))
+
+
+def test_patterns_see_through_and_leave_alone_ops_with_several_results():
+  """x * 1 drops for a result of a multi-result op; a multi-result op of splats is not folded (it is no elementwise
+  op, whatever it computes)."""
+  check(CANON, func(XWS, "tensor<3x4xf32>, tensor<4xf32>", f"""
+    %a, %b = {SCALE}
+    {full("%one", "1.0 : f64", F32)}
+    %c = nova.mul %b, %one : (tensor<4xf32>, tensor<f32>) -> tensor<4xf32>
+    func.return %a, %c : tensor<3x4xf32>, tensor<4xf32>"""), func(XWS, "tensor<3x4xf32>, tensor<4xf32>", f"""
+    %a, %b = {SCALE}
+    func.return %a, %b : tensor<3x4xf32>, tensor<4xf32>"""))
+  splats = func("", "tensor<4xf32>", f"""
+    {full("%f", "2.0 : f64", F32, "4")}
+    {full("%h", "0.5 : f64", F32)}
+    %a = nova.scale %f, %h : (tensor<4xf32>, tensor<f32>) -> tensor<4xf32>
+    func.return %a : tensor<4xf32>""")
+  check(FOLD, splats, splats)
+
+
 # *** the pipeline ***
 
 def test_optimize_folds_into_identities_and_dumps(tmp_path):

@@ -95,7 +95,7 @@ class PermutePattern(RewritePattern):
       outer, x = dims, inner.x
       dims = tuple(decode(inner.dims)[d] for d in outer)
     if dims == tuple(range(len(dims))): _keep(op, x, rewriter)
-    elif x is not op.x: rewriter.replace(op, PermuteOp.make([x], {"dims": dims}, op.result.type))
+    elif x is not op.x: rewriter.replace(op, PermuteOp.make([x], {"dims": dims}, [op.result.type]))
 
 
 class ViewPattern(RewritePattern):
@@ -109,7 +109,7 @@ class ViewPattern(RewritePattern):
   def match_and_rewrite(self, op: ViewOp, rewriter: PatternRewriter):
     x = op.x.owner.x if isinstance(op.x.owner, ViewOp) else op.x
     if not _keep(op, x, rewriter) and x is not op.x:
-      rewriter.replace(op, ViewOp.make([x], {"shape": decode(op.shape)}, op.result.type))
+      rewriter.replace(op, ViewOp.make([x], {"shape": decode(op.shape)}, [op.result.type]))
 
 
 class ExpandPattern(RewritePattern):
@@ -124,7 +124,7 @@ class ExpandPattern(RewritePattern):
   def match_and_rewrite(self, op: ExpandOp, rewriter: PatternRewriter):
     x = op.x.owner.x if isinstance(op.x.owner, ExpandOp) else op.x
     if not _keep(op, x, rewriter) and x is not op.x:
-      rewriter.replace(op, ExpandOp.make([x], {"shape": decode(op.shape)}, op.result.type))
+      rewriter.replace(op, ExpandOp.make([x], {"shape": decode(op.shape)}, [op.result.type]))
 
 
 # B holds every value of A exactly: bool into anything, wider integers and floats, int32 into float64.
@@ -146,7 +146,7 @@ class CastPattern(RewritePattern):
     if isinstance(inner, CastOp) and aval(x.type).dtype in _WIDENS.get(aval(inner.x.type).dtype, ()):
       x = inner.x
     if not _keep(op, x, rewriter) and x is not op.x:
-      rewriter.replace(op, CastOp.make([x], {"dtype": decode(op.dtype)}, op.result.type))
+      rewriter.replace(op, CastOp.make([x], {"dtype": decode(op.dtype)}, [op.result.type]))
 
 
 @dataclass(frozen=True)

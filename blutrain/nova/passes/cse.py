@@ -19,9 +19,10 @@ def _prop_key(a: Attribute):
 
 @dataclass(frozen=True)
 class CSEPass(NovaPass):
-  """Replace an op by an earlier identical one, in one forward walk. As MLIR's CSE on one block of Pure ops, with
-  the one difference that float properties compare by bit pattern (`_prop_key`). The result type is not part of
-  the key: the shape rule makes it a function of the rest."""
+  """Replace an op by an earlier identical one (each of its results by the earlier op's result of the same index), in
+  one forward walk. As MLIR's CSE on one block of Pure ops, with the one difference that float properties compare by
+  bit pattern (`_prop_key`). The result types are not part of the key: the shape rule makes them a function of the
+  rest."""
   name = "cse"
 
   def run(self, module: ModuleOp) -> bool:
@@ -33,7 +34,7 @@ class CSEPass(NovaPass):
       props = tuple((k, _prop_key(a)) for k, a in sorted(op.properties.items()))
       key = (op.name, tuple(op.operands), props)
       if (first := seen.setdefault(key, op)) is not op:
-        op.result.replace_all_uses_with(first.result)
+        for result, kept in zip(op.results, first.results, strict=True): result.replace_all_uses_with(kept)
         block.erase_op(op)
         changed = True
     return changed

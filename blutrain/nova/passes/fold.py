@@ -17,7 +17,7 @@ from blutrain.nova.passes.base import PatternPass, splat
 
 def _full(op: NovaOp, value) -> FullOp:
   out = aval(op.result.type)
-  return FullOp.make([], {"shape": out.shape, "value": value, "dtype": out.dtype}, op.result.type)
+  return FullOp.make([], {"shape": out.shape, "value": value, "dtype": out.dtype}, [op.result.type])
 
 
 class FoldElementwisePattern(RewritePattern):
