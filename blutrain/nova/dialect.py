@@ -3,8 +3,9 @@
 Each op is an `@irdl_op_definition` class named after the op library's primitive (`AddOp` is `nova.add` is
 `ops.registry["add"]` is `kernels["add"]`). It declares the primitive's operands in the op library's order (plain,
 optional or variadic) and its attributes as properties; a family base class owns what its ops share: operands,
-the result, traits, syntax, and the verifier that runs the op's shape rule from `blutrain.ops`. A test holds every
-class to the op library's signature (`Op.inputs`, `Op.attrs`).
+results, traits, syntax, and the verifier that runs the op's shape rule from `blutrain.ops`. A primitive with several
+outputs (`Op.multi`) is a `MultiResultOp`, which declares its results as it declares operands. A test holds every
+class to the op library's signature (`Op.inputs`, `Op.attrs`, `Op.multi`).
 
 Attribute values are encoded generically (`encode` / `decode`), so any op's attributes round-trip exactly:
 
@@ -148,8 +149,12 @@ def _grouped(specs: tuple[str, ...], values: list) -> list:
   takes them; a variadic definition takes what the others leave."""
   rest, groups, i = len(values) - len(specs) + 1, [], 0
   for spec in specs:
-    if spec[0] == "*": groups.append(values[i:i + rest]); i += rest
-    else: groups.append([] if values[i] is None else values[i]); i += 1
+    if spec[0] == "*":
+      groups.append(values[i:i + rest])
+      i += rest
+    else:
+      groups.append([] if values[i] is None else values[i])
+      i += 1
   return groups
 
 
@@ -243,8 +248,9 @@ class SingleResultOp(NovaOp):
 
 class MultiResultOp(NovaOp):
   """An op with several results (`Op.multi` in the op library), each declared by the op: fixed (`result_def`),
-  optional (`opt_result_def`: None in the graph when absent, with `AttrSizedResultSegments`) or variadic
-  (`var_result_def`). Its CPU kernel returns a tuple of arrays, one per result."""
+  optional (`opt_result_def`: None in the graph when absent, with `AttrSizedResultSegments` and a syntax that names
+  them) or variadic (`var_result_def`). Its CPU kernel returns a tuple of arrays, one per result (None for an absent
+  one)."""
 
 
 class CreationOp(SingleResultOp):
