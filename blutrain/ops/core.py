@@ -48,8 +48,9 @@ class Op:
   saves: tuple[int, ...] | None = None       # inputs the VJP reads (None: all); the rest reach it as Avals
   saves_output: bool = False                 # the VJP reads `out`; otherwise it gets None
   differentiable: bool = True                # False: outputs never require grad (comparisons, argmax)
-  multi: bool = False                        # several outputs: the rule returns a list of (shape, dtype), the kernel
-                                             # a tuple of arrays, apply a tuple of tensors (no VJP yet)
+  multi: bool = False                        # several outputs: the rule returns a list of (shape, dtype) (None for an
+                                             # absent optional one), the kernel a tuple of arrays, apply a tuple of
+                                             # tensors (no VJP yet)
   transfer: bool = False                     # the output lives on the device of the `target` attribute (to_device)
   inputs: tuple[str, ...] = ()               # operand names: `x`, `?w` optional, `*xs` variadic
   attrs: tuple[Attr, ...] = ()
@@ -162,7 +163,8 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
       return into
     result = kernel(*arrays, **attrs) if h.profile is None else _profiled(op_, kernel, dev, inputs, arrays, attrs)
     out_dev = attrs["target"] if op_.transfer else dev
-    if op_.multi: return tuple(Tensor._wrap(r, out_dev, dt) for r, (_, dt) in zip(result, avals))
+    if op_.multi:  # an absent optional output is None in the rule's list and the kernel's tuple
+      return tuple(None if r is None else Tensor._wrap(r, out_dev, a[1]) for r, a in zip(result, avals))
     out = Tensor._wrap(result, out_dev, avals[1])
     assert out.shape == avals[0], f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {avals[0]}"
   if record: tape_record(op_, inputs, attrs, out)
