@@ -48,6 +48,7 @@ from xdsl.utils.exceptions import VerifyException
 from blutrain import dtypes
 from blutrain.autograd.tape import Aval
 from blutrain.dtypes import DType
+from blutrain.nova.graph import literal
 from blutrain.ops import registry
 
 # *** types ***
@@ -82,16 +83,10 @@ def aval(t: Attribute) -> Aval:
 _encoded: dict[Any, Attribute] = {}
 
 
-def _typed(v: Any) -> Any:
-  """A cache key that keeps True, 1 and 1.0 (and 0.0, -0.0) apart."""
-  if isinstance(v, (tuple, list)): return tuple(map(_typed, v))
-  return (float, v.hex()) if isinstance(v, float) else (type(v), v)
-
-
 def encode(v: Any) -> Attribute:
   """A Python attribute value as an xDSL attribute (the table in the module docstring); memoized, since a graph
   repeats few distinct values."""
-  key = _typed(v)
+  key = literal(v)  # tells True, 1 and 1.0 (and 0.0, -0.0) apart
   if (a := _encoded.get(key)) is None: a = _encoded[key] = _encode(v)
   return a
 
