@@ -155,13 +155,13 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
     kernel = op_.kernels.get(dev.type) or _kernel(op_, dev)
     if scalars and not getattr(kernel, "host_scalars", False): _device_error(op_, inputs)
     arrays = [None if t is None else t._array() for t in inputs]
-    if into is not None and not record and getattr(kernel, "writes_out", False) and _fits(into, avals, dev, inputs, op_):
-      attrs["out"] = _out_arrays(into, op_)
-      if h.profile is None: kernel(*arrays, **attrs)
-      else: _profiled(op_, kernel, dev, inputs, arrays, attrs)
+    in_place = (into is not None and not record and getattr(kernel, "writes_out", False)
+                and _fits(into, avals, dev, inputs, op_))
+    if in_place: attrs["out"] = _out_arrays(into, op_)
+    result = kernel(*arrays, **attrs) if h.profile is None else _profiled(op_, kernel, dev, inputs, arrays, attrs)
+    if in_place:
       for t in (into if op_.multi else (into,)): t._storage.version += 1
       return into
-    result = kernel(*arrays, **attrs) if h.profile is None else _profiled(op_, kernel, dev, inputs, arrays, attrs)
     out_dev = attrs["target"] if op_.transfer else dev
     if op_.multi:  # an absent optional output is None in the rule's list and the kernel's tuple
       return tuple(None if r is None else Tensor._wrap(r, out_dev, a[1]) for r, a in zip(result, avals))
