@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
   # submodules that pull in more (nn, optim, models, data) load on first use
   import importlib
-  if name == "compile": return importlib.import_module("blutrain.nova.runtime").compile
+  if name == "compile": return importlib.import_module("blutrain.nova.jit").compile
   if name in ("nn", "optim", "models", "data", "cuda", "amp", "utils", "nova", "profiler", "backends"):
     return importlib.import_module(f"blutrain.{name}")
   raise AttributeError(f"module 'blutrain' has no attribute {name!r}")

@@ -5,7 +5,6 @@ import math
 from typing import Iterable
 
 from blutrain import dtypes, ops
-from blutrain.autograd.tape import hooks
 from blutrain.ops import no_grad
 from blutrain.tensor import Tensor
 
@@ -67,9 +66,8 @@ def _multi_tensor(grads: list[Tensor]) -> bool:
   """Whether the multi-tensor ops (`ops.sum_squares`, `ops.scale_`) take the gradients: dense float32/16 on one
   device."""
   d = grads[0].device
-  return (hooks.trace is None
-          and all(g.device == d and g.dtype in (dtypes.float32, dtypes.bfloat16, dtypes.float16) and g.is_contiguous()
-                  for g in grads))
+  return all(g.device == d and g.dtype in (dtypes.float32, dtypes.bfloat16, dtypes.float16) and g.is_contiguous()
+             for g in grads)
 
 
 def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float, foreach: bool | None = None) -> None:

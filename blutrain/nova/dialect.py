@@ -41,14 +41,15 @@ from xdsl.dialects.builtin import (ArrayAttr, DenseArrayBase, FloatAttr, Integer
 from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (AttrSetConstraint, AttrSizedOperandSegments, AttrSizedResultSegments, BaseAttr,
                        EqAttrConstraint, IRDLOperation, OptionalDef, ParsePropInAttrDict, VariadicDef,
-                       irdl_op_definition, operand_def, opt_operand_def, opt_prop_def, prop_def, result_def, traits_def,
-                       var_operand_def, var_result_def)
+                       irdl_op_definition, operand_def, opt_operand_def, opt_prop_def, opt_result_def, prop_def,
+                       result_def, traits_def, var_operand_def, var_result_def)
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from blutrain import dtypes
 from blutrain.autograd.tape import Aval
 from blutrain.dtypes import DType
+from blutrain.nova.graph import literal
 from blutrain.ops import registry
 
 # *** types ***
@@ -83,16 +84,10 @@ def aval(t: Attribute) -> Aval:
 _encoded: dict[Any, Attribute] = {}
 
 
-def _typed(v: Any) -> Any:
-  """A cache key that keeps True, 1 and 1.0 (and 0.0, -0.0) apart."""
-  if isinstance(v, (tuple, list)): return tuple(map(_typed, v))
-  return (float, v.hex()) if isinstance(v, float) else (type(v), v)
-
-
 def encode(v: Any) -> Attribute:
   """A Python attribute value as an xDSL attribute (the table in the module docstring); memoized, since a graph
   repeats few distinct values."""
-  key = _typed(v)
+  key = literal(v)  # tells True, 1 and 1.0 (and 0.0, -0.0) apart
   if (a := _encoded.get(key)) is None: a = _encoded[key] = _encode(v)
   return a
 
@@ -754,9 +749,9 @@ class LayerNormOp(NNOp):
 
 
 @irdl_op_definition
-class LayerNormBackwardOp(NNOp):
-  """layer_norm's gradients (dx, then dweight when weight is given, then dbias when `has_bias`), flattened and
-  concatenated."""
+class LayerNormBackwardOp(MultiResultOp):
+  """layer_norm's gradients: dx, then dweight when weight is given and dbias when `has_bias` (each absent otherwise),
+  all of x's type."""
   name = "nova.layer_norm_backward"
   g = operand_def(TENSOR)
   x = operand_def(TENSOR)
@@ -764,9 +759,13 @@ class LayerNormBackwardOp(NNOp):
   n = prop_def(INT)
   eps = prop_def(FLOAT)
   has_bias = prop_def(BOOL)
-  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  dx = result_def(TENSOR)
+  dweight = opt_result_def(TENSOR)
+  dbias = opt_result_def(TENSOR)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
+                  ParsePropInAttrDict())
   assembly_format = ("$g `,` $x (`weight` $weight^ `:` type($weight))? attr-dict `:` type($g) `,` type($x) "
-                     "`->` type($result)")
+                     "`->` type($dx) (`dweight` type($dweight)^)? (`dbias` type($dbias)^)?")
 
 
 @irdl_op_definition
@@ -837,8 +836,8 @@ class FlashAttentionOp(NNOp):
 
 
 @irdl_op_definition
-class FlashAttentionBackwardOp(NNOp):
-  """flash_attention's gradients dq, dk and dv concatenated along the second-to-last dim."""
+class FlashAttentionBackwardOp(MultiResultOp):
+  """flash_attention's gradients dq, dk and dv, of q's, k's and v's types."""
   name = "nova.flash_attention_backward"
   g = operand_def(TENSOR)
   q = operand_def(TENSOR)
@@ -848,6 +847,9 @@ class FlashAttentionBackwardOp(NNOp):
   causal = prop_def(BOOL)
   scale = prop_def(FLOAT)
   tf32 = opt_prop_def(BOOL | NONE)
+  dq = result_def(TENSOR)
+  dk = result_def(TENSOR)
+  dv = result_def(TENSOR)
 
 
 # *** multi-tensor ops: one op over a whole list of tensors (the optimizer's update, gradient clipping) ***

@@ -8,10 +8,30 @@ returned tensors and the new values of the tensors updated in place, which the r
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from blutrain import dtypes
 from blutrain.dtypes import DType
+
+
+def dtype_name(d: DType) -> str:
+  """The attribute name of a dtype in `blutrain.dtypes` (bool is `bool_`)."""
+  return "bool_" if d is dtypes.bool_ else d.name
+
+
+def literal(v: Any) -> str:
+  """An attribute value as the Python source that evaluates to it (DTypes as `dtypes.<name>`, non-finite floats
+  spelled out, numpy scalars as the numbers they hold). Distinct values have distinct text (1, 1.0 and True; 0.0 and
+  -0.0: `repr` of a float round-trips exactly), so it is also the text that hashes and caches key attributes by."""
+  if isinstance(v, np.generic): v = v.item()
+  if isinstance(v, DType): return f"dtypes.{dtype_name(v)}"
+  if isinstance(v, float) and not math.isfinite(v): return f"float('{v}')"
+  if isinstance(v, (tuple, list)): return "(" + ", ".join(map(literal, v)) + ("," if len(v) == 1 else "") + ")"
+  return repr(v)
 
 
 @dataclass(eq=False)

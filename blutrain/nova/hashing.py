@@ -10,27 +10,15 @@ dtype changes it. Hashes are hex digests of BLAKE2b (never Python's `hash`, whic
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
-import numpy as np
 
-from blutrain.dtypes import DType
-from blutrain.nova.graph import Equation, Graph, Value
+from blutrain.nova.graph import Equation, Graph, Value, literal
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def _digest(text: str) -> str: return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
-def canonical(v: Any) -> str:
-  """Attribute value as text that tells 1, 1.0 and True (and 0.0, -0.0) apart: floats in hex, dtypes by name
-  (numpy scalars as the Python numbers they hold)."""
-  if isinstance(v, np.generic): v = v.item()
-  if isinstance(v, float): return v.hex()
-  if isinstance(v, DType): return v.name
-  if isinstance(v, (tuple, list)): return "(" + ",".join(map(canonical, v)) + ")"
-  return repr(v)
 
 
 def _type(v: Value) -> str: return f"{v.dtype.name}{list(v.shape)}"
@@ -46,7 +34,7 @@ def _propagate(equations: Iterable[Equation], hashes: dict[Value, str]) -> dict[
       args = ",".join("-" if v is None else hashes[v] for v in eq.inputs)
     except KeyError:
       continue
-    attrs = ",".join(f"{k}={canonical(eq.attrs[k])}" for k in sorted(eq.attrs))
+    attrs = ",".join(f"{k}={literal(eq.attrs[k])}" for k in sorted(eq.attrs))
     if len(eq.outs) == 1:
       hashes[eq.outs[0]] = _digest(f"{eq.op}|{attrs}|{_type(eq.outs[0])}|{args}")
       continue

@@ -48,8 +48,9 @@ class Op:
   saves: tuple[int, ...] | None = None       # inputs the VJP reads (None: all); the rest reach it as Avals
   saves_output: bool = False                 # the VJP reads `out`; otherwise it gets None
   differentiable: bool = True                # False: outputs never require grad (comparisons, argmax)
-  multi: bool = False                        # several outputs: the rule returns a list of (shape, dtype), the kernel
-                                             # a tuple of arrays, apply a tuple of tensors (no VJP yet)
+  multi: bool = False                        # several outputs: the rule returns a list of (shape, dtype) (None for an
+                                             # absent optional one), the kernel a tuple of arrays, apply a tuple of
+                                             # tensors (no VJP yet)
   transfer: bool = False                     # the output lives on the device of the `target` attribute (to_device)
   inputs: tuple[str, ...] = ()               # operand names: `x`, `?w` optional, `*xs` variadic
   attrs: tuple[Attr, ...] = ()
@@ -154,15 +155,16 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
     kernel = op_.kernels.get(dev.type) or _kernel(op_, dev)
     if scalars and not getattr(kernel, "host_scalars", False): _device_error(op_, inputs)
     arrays = [None if t is None else t._array() for t in inputs]
-    if into is not None and not record and getattr(kernel, "writes_out", False) and _fits(into, avals, dev, inputs, op_):
-      attrs["out"] = _out_arrays(into, op_)
-      if h.profile is None: kernel(*arrays, **attrs)
-      else: _profiled(op_, kernel, dev, inputs, arrays, attrs)
+    in_place = (into is not None and not record and getattr(kernel, "writes_out", False)
+                and _fits(into, avals, dev, inputs, op_))
+    if in_place: attrs["out"] = _out_arrays(into, op_)
+    result = kernel(*arrays, **attrs) if h.profile is None else _profiled(op_, kernel, dev, inputs, arrays, attrs)
+    if in_place:
       for t in (into if op_.multi else (into,)): t._storage.version += 1
       return into
-    result = kernel(*arrays, **attrs) if h.profile is None else _profiled(op_, kernel, dev, inputs, arrays, attrs)
     out_dev = attrs["target"] if op_.transfer else dev
-    if op_.multi: return tuple(Tensor._wrap(r, out_dev, dt) for r, (_, dt) in zip(result, avals))
+    if op_.multi:  # an absent optional output is None in the rule's list and the kernel's tuple
+      return tuple(None if r is None else Tensor._wrap(r, out_dev, a[1]) for r, a in zip(result, avals))
     out = Tensor._wrap(result, out_dev, avals[1])
     assert out.shape == avals[0], f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {avals[0]}"
   if record: tape_record(op_, inputs, attrs, out)

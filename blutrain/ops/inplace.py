@@ -69,16 +69,16 @@ def setitem(x: Tensor, key, value) -> None:
   if grad_mode.enabled and (x.requires_grad or value.requires_grad):
     with no_grad():
       pos = getitem(arange(x.numel(), device=x.device).reshape(x.shape), key)
-    inplace(x, lambda old, into: put(old, pos, _fit(value, pos.shape).to(x.dtype)))
+    inplace(x, lambda old, into: put(old, pos, _broadcast_value(value, pos.shape).to(x.dtype)))
     return
   with no_grad():
     y, adv = parse_key(x, key)
     if not adv:
-      inplace(y, lambda old, into: _fit(value, old.shape).to(x.dtype))
+      inplace(y, lambda old, into: _broadcast_value(value, old.shape).to(x.dtype))
       return
     idx, positions = tuple(t for _, t in adv), tuple(p for p, _ in adv)
     region = index_shape(y.shape, [t.shape for t in idx], positions)
-    inplace(y, lambda old, into: index_put_op(old, _fit(value, region).to(x.dtype), *idx, positions=positions))
+    inplace(y, lambda old, into: index_put_op(old, _broadcast_value(value, region).to(x.dtype), *idx, positions=positions))
 
 
 def _any_requires_grad(values) -> bool:
@@ -87,7 +87,7 @@ def _any_requires_grad(values) -> bool:
   return False
 
 
-def _fit(value: Tensor, shape) -> Tensor:
+def _broadcast_value(value: Tensor, shape) -> Tensor:
   """value broadcast to the indexed region's shape; leading size-1 dims of value may be dropped, as in PyTorch."""
   while value.ndim > len(shape) and value.shape[0] == 1: value = value.squeeze(0)
   try:

@@ -48,24 +48,20 @@ def _layer_norm_rule(x, w, b, n, eps):
 
 
 def _layer_norm_vjp(g, out, x, w, b, n, eps):
-  size, N = math.prod(x.shape), math.prod(x.shape[x.ndim - n:])
-  grads = layer_norm_backward_op(g, x, w, n=n, eps=eps, has_bias=b is not None)
-  dx = grads.narrow(0, 0, size).reshape(x.shape)
-  dw = grads.narrow(0, size, N).reshape(w.shape).to(w.dtype) if w is not None else None
-  db = grads.narrow(0, grads.shape[0] - N, N).reshape(b.shape).to(b.dtype) if b is not None else None
-  return dx, dw, db
+  dx, dw, db = layer_norm_backward_op(g, x, w, n=n, eps=eps, has_bias=b is not None)
+  return dx, dw if w is None else dw.to(w.dtype), db if b is None else db.to(b.dtype)
 
 
 def _layer_norm_backward_rule(g, x, w, n, eps, has_bias):
-  N = math.prod(x.shape[x.ndim - n:])
-  return (math.prod(x.shape) + N * ((w is not None) + has_bias),), x.dtype
+  params = x.shape[x.ndim - n:], x.dtype
+  return [(x.shape, x.dtype), params if w is not None else None, params if has_bias else None]
 
 
 # dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) with gw = g w, dw = sum(g xhat), db = sum(g) over the leading dims,
-# xhat = (x - mean) rstd. One kernel computes all three: a primitive has one output, so the backward returns
-# cat([dx.flatten(), dw, db]) (dw and db when present), which the VJP splits by views.
-layer_norm_backward_op = op("layer_norm_backward", _layer_norm_backward_rule,
-                         inputs="g x ?weight", attrs="n:int eps:float has_bias:bool")
+# xhat = (x - mean) rstd. One kernel computes all three: the outputs are dx, dw (None without a weight) and db (None
+# unless has_bias), all in x's dtype.
+layer_norm_backward_op = op("layer_norm_backward", _layer_norm_backward_rule, multi=True,
+                            inputs="g x ?weight", attrs="n:int eps:float has_bias:bool")
 layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1),
                    inputs="x ?weight ?bias", attrs="n:int eps:float")
 
@@ -254,16 +250,14 @@ def _flash_attention_rule(q, k, v, causal, scale, tf32=False):
 
 
 def _flash_attention_vjp(g, out, q, k, v, causal, scale, tf32=False):
-  L, S = q.shape[-2], k.shape[-2]
-  dqkv = flash_attention_backward_op(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
-  return dqkv.narrow(-2, 0, L), dqkv.narrow(-2, L, S), dqkv.narrow(-2, L + S, S)
+  return flash_attention_backward_op(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
 
 
-# softmax(q k^T * scale [causal]) v without the (L, S) weights in memory. One kernel computes dq, dk and dv together,
-# and a primitive has one output: the backward returns cat([dq, dk, dv], -2), which the VJP splits by views.
-flash_attention_backward_op = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale, tf32=False: (
-  q.shape[:-2] + (q.shape[-2] + 2 * k.shape[-2], q.shape[-1]), q.dtype),
-    inputs="g q k v out", attrs="causal:bool scale:float tf32:bool?")
+# softmax(q k^T * scale [causal]) v without the (L, S) weights in memory; the backward computes dq, dk and dv
+# together, recomputing the weights
+flash_attention_backward_op = op("flash_attention_backward", lambda g, q, k, v, out, causal, scale, tf32=False: [
+  (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)], multi=True,
+                                 inputs="g q k v out", attrs="causal:bool scale:float tf32:bool?")
 flash_attention_op = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True,
                      inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
 _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import dtypes, ops
-from blutrain.autograd.tape import hooks
 from blutrain.optim.optimizer import Optimizer, ParamsT
 from blutrain.tensor import Tensor
 
@@ -73,7 +72,7 @@ class Adam(Optimizer):
   def _fusable(group: dict[str, Any], params: list[Tensor]) -> bool:
     """Whether `ops.adamw_` can update the group: AdamW's update of dense float32/16 parameters and grads on one
     device."""
-    return (group["fused"] is not False and hooks.trace is None and bool(params)
+    return (group["fused"] is not False and bool(params)
             and not group["amsgrad"] and not group["maximize"]
             and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
             and all(p.device == params[0].device and p.dtype in _FUSED_DTYPES and p.grad.dtype in _FUSED_DTYPES

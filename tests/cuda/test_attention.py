@@ -63,9 +63,8 @@ def run(q, k, v, g, dtype, causal, scale, layout="contiguous", saved_lse=True):
   tf32 = bt.get_float32_matmul_precision() != "highest"
   out = att.flash_attention(dq_, dk_, dv_, causal, scale, tf32)
   saved = out if saved_lse else copy(out)  # a copy is not the forward's output: the backward recomputes the lse
-  grads = host(att.flash_attention_backward(memory.from_numpy(g.astype(dtype.np)), dq_, dk_, dv_, saved, causal, scale, tf32))
-  L, S = q.shape[-2], k.shape[-2]
-  return host(out), grads[..., :L, :], grads[..., L:L + S, :], grads[..., L + S:, :]
+  grads = att.flash_attention_backward(memory.from_numpy(g.astype(dtype.np)), dq_, dk_, dv_, saved, causal, scale, tf32)
+  return (host(out),) + tuple(host(a) for a in grads)
 
 
 def check(qshape, kshape, name, causal, layout="contiguous", saved_lse=True, scale=None):

@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 import blutrain as bt
 from blutrain import dtypes
 from blutrain.nova import codegen_cpu, ir
-from blutrain.nova.graph import Equation, Value
+from blutrain.nova.graph import Equation, Value, literal
 from blutrain.nova.pipeline import compile_graph
 from tests.nova.graphs import Builder, evaluate, every_op, gpt_like
 
@@ -108,9 +108,9 @@ def test_to_device_is_rejected():
 def test_literals_round_trip():
   for v in (float("inf"), float("-inf"), -0.0, 0.1, (1,), (), ((0, 3, 1),), "tanh", None, True, dtypes.bool_,
             dtypes.bfloat16):
-    got = eval(codegen_cpu.literal(v), {"dtypes": dtypes})
+    got = eval(literal(v), {"dtypes": dtypes})
     assert got is v or got == v and str(got) == str(v)
-  assert np.isnan(eval(codegen_cpu.literal(float("nan"))))
+  assert np.isnan(eval(literal(float("nan"))))
 
 
 # *** random chains (hypothesis) ***

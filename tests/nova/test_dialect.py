@@ -11,7 +11,7 @@ from blutrain import dtypes
 from blutrain.nova import ir
 from blutrain.nova.dialect import (FLOAT, INT, KINDS, NONE, OP_CLASSES, TENSOR, MultiResultOp, NNOp, Nova, NovaOp,
                                    RandomOp, SingleResultOp, decode, encode)
-from blutrain.nova.hashing import canonical
+from blutrain.nova.graph import literal
 from blutrain.ops import registry
 from blutrain.ops.core import Op
 from tests.nova.graphs import Builder, every_op, gpt_like
@@ -26,7 +26,7 @@ def _signature(module) -> list[tuple]:
   for op in block.ops:
     if not isinstance(op, NovaOp): continue
     out.append((op.opname, [None if v is None else position[v] for v in op.graph_inputs()],
-                [str(r.type) for r in op.results], {k: canonical(v) for k, v in op.attrs().items()}))
+                [str(r.type) for r in op.results], {k: literal(v) for k, v in op.attrs().items()}))
     position.update((r, len(position)) for r in op.results)
   return out
 
@@ -108,7 +108,7 @@ def test_a_class_off_the_op_library_is_reported():
                                    math.inf, -math.inf, "tanh", None, (), (1, 2), ((0, 3, 1), (2, 5, 2)),
                                    (1, 2.5, None, "a", (True,)), *dtypes.all_dtypes])
 def test_attribute_encoding_round_trips(value):
-  assert canonical(decode(encode(value))) == canonical(value)
+  assert literal(decode(encode(value))) == literal(value)
 
 
 def test_nan_attribute_round_trips():
@@ -131,7 +131,7 @@ def test_special_floats_survive_printing():
   values = [math.inf, -math.inf, -0.0, 1e-300, 0.1, 1 / 3, 2.0**-1074]
   graph = b.output(*(b.full((2,), v) for v in values))
   back = _signature(ir.parse_module(ir.print_module(ir.to_module(graph))))
-  assert [attrs["value"] for *_, attrs in back] == [canonical(v) for v in values]
+  assert [attrs["value"] for *_, attrs in back] == [literal(v) for v in values]
 
 
 def test_optional_operands_keep_their_place():

@@ -167,8 +167,8 @@ def _layer_norm_backward(g, x, w, n, eps, has_bias):
   xhat = xc * rstd
   gw = g if w is None else g * w
   dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
-  parts = [dx] + ([] if w is None else [(g * xhat).sum(axis=batch)]) + ([g.sum(axis=batch)] if has_bias else [])
-  return np.concatenate([p.reshape(-1) for p in parts]).astype(x.dtype, copy=False)
+  dw = None if w is None else (g * xhat).sum(axis=batch).astype(x.dtype, copy=False)
+  return dx.astype(x.dtype, copy=False), dw, g.sum(axis=batch).astype(x.dtype, copy=False) if has_bias else None
 
 
 def _valid_targets(op, target, ignore_index, num_classes):
@@ -219,11 +219,11 @@ def _flash_attention(q, k, v, causal, scale, tf32=False): return np.matmul(_atte
 
 
 def _flash_attention_backward(g, q, k, v, out, causal, scale, tf32=False):
-  """cat([dq, dk, dv], -2), as the flash kernels compute it: P recomputed, rowsum(dP * P) = rowsum(g * out)."""
+  """(dq, dk, dv), as the flash kernels compute them: P recomputed, rowsum(dP * P) = rowsum(g * out)."""
   p = _attention_weights(q, k, causal, scale)
   ds = p * (np.matmul(g, np.swapaxes(v, -1, -2)) - np.sum(g * out, axis=-1, keepdims=True)) * scale
   dq, dk, dv = np.matmul(ds, k), np.matmul(np.swapaxes(ds, -1, -2), q), np.matmul(np.swapaxes(p, -1, -2), g)
-  return np.concatenate([dq, dk, dv], axis=-2)
+  return dq, dk, dv
 
 
 def _matmul(a, b, tf32=False):

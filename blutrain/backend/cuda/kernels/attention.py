@@ -31,7 +31,7 @@ from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import HALF, INT32_MAX, TY, Spec, empty, run, spec, view
 from blutrain.configurator import attention_schedule
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv, next_pow2
+from blutrain.shapes import cdiv, contiguous_strides, next_pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -365,8 +365,8 @@ def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scal
 
 
 def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool,
-                             scale: float, tf32: bool = False) -> CudaArray:
-  """cat([dq, dk, dv], -2) in one new array."""
+                             scale: float, tf32: bool = False) -> tuple[CudaArray, CudaArray, CudaArray]:
+  """(dq, dk, dv): views of one new array, cat([dq, dk, dv], -2), which the kernels write."""
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
   lse = _recall(out, _lse_key(out, k, causal, scale))
@@ -386,7 +386,8 @@ def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaAr
   s = attention_spec("dkdv", q.dtype, D, causal, prec, aligned)
   run(s, (cdiv(S, s[2]["BLOCK_N"]), H, Z), q, k, v, g, dk, dv, lse, delta, scale * _LOG2E, scale, L, S, D,
       *sq, *sk, *sv, *sg, *sd)
-  return grads
+  strides, batch = contiguous_strides(grads.shape), grads.shape[:-2]
+  return tuple(view(grads, batch + (n, D), strides, off * D) for n, off in ((L, 0), (S, L), (S, L + S)))
 
 
 def _specs() -> list[Spec]:

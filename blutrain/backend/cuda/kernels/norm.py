@@ -24,7 +24,7 @@ from blutrain.backend.cuda.kernels.elementwise import launch
 from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.configurator import row_schedule
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv
+from blutrain.shapes import cdiv, contiguous_strides
 
 
 @triton.jit
@@ -323,15 +323,21 @@ def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool):
 
 
 def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int, eps: float,
-                        has_bias: bool) -> CudaArray:
-  """cat([dx.flatten(), dw, db]) of layer_norm over x's last n dims (dw when w is given, db when has_bias). Programs
-  take equal runs of rows (about 4 per SM) and leave per-program column sums of dw and db, summed by a second kernel."""
+                        has_bias: bool) -> tuple[CudaArray, ...]:
+  """(dx, dw, db) of layer_norm over x's last n dims (dw None without w, db None unless has_bias), views of one buffer.
+  Programs take equal runs of rows (about 4 per SM) and leave per-program column sums of dw and db, summed by a
+  second kernel."""
   lead = x.ndim - n
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   n_params = (w is not None) + has_bias
   out = empty((M * N + N * n_params,), x.dtype, x.device)
-  if out.size == 0: return out
-  if M == 0: return fill(out, 0)
+  params = iter(view(out, x.shape[lead:], contiguous_strides(x.shape[lead:]), M * N + i * N) for i in range(n_params))
+  grads = (view(out, x.shape, contiguous_strides(x.shape)), next(params) if w is not None else None,
+           next(params) if has_bias else None)
+  if out.size == 0: return grads
+  if M == 0:
+    fill(out, 0)
+    return grads
   g, x, w = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w))
   s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides))
   bm = s[2]["BLOCK_M"]
@@ -344,7 +350,7 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int,
     total = reduce(view(parts, (programs, N), (N, 1), (i + (w is None)) * programs * N), (0,), False, "sum",
                     parts.dtype)
     launch("copy", view(out, (N,), (1,), M * N + i * N), total)
-  return out
+  return grads
 
 
 KERNELS = {
