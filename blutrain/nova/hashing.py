@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 from typing import Iterable, Sequence
 
-
 from blutrain.nova.graph import Equation, Graph, Value, literal
 
 FORMAT_VERSION = 2
