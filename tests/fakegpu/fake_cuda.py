@@ -1,9 +1,9 @@
 """A fake CUDA device for running the CUDA backend's host code on a machine without a GPU.
 
 Only the lowest layers are replaced: the driver module (`runtime.driver`: allocations hand out fake addresses,
-copies and memsets do nothing, pinned staging is real host memory), cuda.core's Device, Stream, Event, ObjectCode and
-launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt with its
-nvmath enums. Triton compiles every kernel for real. Nothing is computed: device memory holds no values and host
+copies and memsets do nothing, pinned staging is real host memory), the driver's cuLaunchKernel (the launcher still
+packs every argument into its parameter buffer, which checks types and ranges), cuda.core's Device, Stream, Event and
+ObjectCode, and cuBLASLt with its nvmath enums. Triton compiles every kernel for real. Nothing is computed: device memory holds no values and host
 reads see zeros. What runs is everything above: the caching allocator, launch planning and argument packing,
 autograd, autocast, optimizers, checkpoints and the CLI. Import it and call `install()` in a fresh process before
 anything touches the GPU."""
@@ -14,7 +14,6 @@ import itertools
 import types
 
 import cuda.core
-from cuda.core._kernel_arg_handler import ParamHolder
 
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.allocator import CachingAllocator
@@ -27,12 +26,14 @@ launches = [0]
 
 
 class FakeDriver:
-  class CUresult:
+  class CUresult(int):
     CUDA_ERROR_OUT_OF_MEMORY = 2
     CUDA_ERROR_NOT_READY = 600
 
   class CUfunction_attribute:
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+  CUfunction = CUstream = int
 
   def cuInit(self, flags): return (0,)
   def cuDeviceGetCount(self): return (0, 1)
@@ -50,6 +51,13 @@ class FakeDriver:
     buf = ctypes.create_string_buffer(n)
     _pinned.append(buf)
     return (0, ctypes.addressof(buf))
+
+  def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+    """The driver's contract: a grid and block in range, a stream and the address of the parameters' addresses."""
+    launches[0] += 1
+    assert all(isinstance(n, int) and n > 0 for n in (gx, gy, gz, bx, by, bz)) and bx <= 1024, (gx, gy, gz, bx, by, bz)
+    assert shared <= 227 << 10 and stream and params and extra == 0
+    return (0,)
 
   def _nothing(self, *a): return (0,)
   cuMemcpyHtoDAsync = cuMemcpyDtoHAsync = cuMemcpyDtoDAsync = cuMemsetD8Async = cuMemsetD32Async = _nothing
@@ -89,10 +97,6 @@ class FakeObjectCode:
   def get_kernel(self, name): return FakeKernel(name)
 
 
-def fake_launch(stream, config, kernel, *args):
-  """cuda.core's launch up to the driver call: its parameter buffer rejects arguments of the wrong type."""
-  launches[0] += 1
-  ParamHolder(args)
 
 
 class FakeLt:
@@ -105,11 +109,11 @@ def install() -> None:
   drv = FakeDriver()
   runtime.driver = lambda: drv
   runtime._probe = (True, "")
-  cuda.core.ObjectCode, cuda.core.launch = FakeObjectCode, fake_launch
+  cuda.core.ObjectCode = FakeObjectCode
   st = object.__new__(runtime._DeviceState)
   st.index, st.device = 0, FakeDevice()
-  st.compute, st.comm = runtime._new_stream(st.device, 0), runtime._new_stream(st.device, 0)
   st.allocator = CachingAllocator(runtime._DeviceDriver(0), 0)
+  st.compute, st.comm = runtime._new_stream(st, default=True), runtime._new_stream(st)
   st._properties = runtime.DeviceProperties("Fake H200", 9, 0, 141 << 30, 132, 2048, 48 << 10, 227 << 10, 228 << 10,
                                             65536, 50 << 20, 32, 2619000, 6144, 13000)
   runtime._states[0] = st
