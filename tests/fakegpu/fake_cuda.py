@@ -33,7 +33,7 @@ class FakeDriver:
   class CUfunction_attribute:
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
-  CUfunction = CUstream = int
+  CUkernel = int
 
   def cuInit(self, flags): return (0,)
   def cuDeviceGetCount(self): return (0, 1)
@@ -43,6 +43,7 @@ class FakeDriver:
   def cuDeviceTotalMem(self, i): return (0, 141 << 30)
   def cuDriverGetVersion(self): return (0, 13000)
   def cuKernelSetAttribute(self, *a): return (0,)
+  def cuKernelGetFunction(self, kernel): return (0, kernel)
   def cuStreamQuery(self, h): return (0,)
   def cuGetErrorName(self, e): return (0, b"FAKE")
   def cuGetErrorString(self, e): return (0, b"fake")
@@ -51,13 +52,6 @@ class FakeDriver:
     buf = ctypes.create_string_buffer(n)
     _pinned.append(buf)
     return (0, ctypes.addressof(buf))
-
-  def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-    """The driver's contract: a grid and block in range, a stream and the address of the parameters' addresses."""
-    launches[0] += 1
-    assert all(isinstance(n, int) and n > 0 for n in (gx, gy, gz, bx, by, bz)) and bx <= 1024, (gx, gy, gz, bx, by, bz)
-    assert shared <= 227 << 10 and stream and params and extra == 0
-    return (0,)
 
   def _nothing(self, *a): return (0,)
   cuMemcpyHtoDAsync = cuMemcpyDtoHAsync = cuMemcpyDtoDAsync = cuMemsetD8Async = cuMemsetD32Async = _nothing
@@ -105,9 +99,20 @@ class FakeLt:
   def matmul(self, *a): pass
 
 
+def fake_launch_kernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+  """cuLaunchKernel's contract, checked: ctypes arguments, a grid and block in range, a stream and the parameters'
+  addresses."""
+  launches[0] += 1
+  dims = [v.value for v in (gx, gy, gz, bx, by, bz)]
+  assert all(n > 0 for n in dims) and dims[3] <= 1024 and shared.value <= 227 << 10, dims
+  assert isinstance(f, ctypes.c_void_p) and stream.value and ctypes.addressof(params) and extra is None
+  return 0
+
+
 def install() -> None:
   drv = FakeDriver()
   runtime.driver = lambda: drv
+  runtime.launch_function = lambda: fake_launch_kernel
   runtime._probe = (True, "")
   cuda.core.ObjectCode = FakeObjectCode
   st = object.__new__(runtime._DeviceState)

@@ -12,9 +12,8 @@ Launch: Triton 3.6 kernels take two more pointers after the signature's argument
 profiler scratch buffer, each `grid size * size` bytes when the metadata's size is non-zero (else NULL); all of
 Triton's shared memory is dynamic, and above 48 KiB the kernel must opt in to it. Each Kernel generates one packing
 function at creation, so a launch writes its arguments into 8-byte parameter slots with a single `struct` call (no
-per-argument dispatch), and calls the driver's cuLaunchKernel (cuda.bindings) with the kernel and stream handles made
-once: cuda.core's launch, which converts every argument by type, cost several times more (benchmarks/
-launch_overhead.py).
+per-argument dispatch), and calls the driver's cuLaunchKernel through ctypes with arguments made once per grid and
+stream (`runtime.launch_function`). On the H200 machine the driver's own work is most of a launch (about 5 us).
 """
 from __future__ import annotations
 
@@ -200,14 +199,13 @@ def _pointer(v: Any, kernel: str, name: str) -> int:
 
 class _Parameters:
   """One thread's parameter buffer of a kernel: an 8-byte slot per parameter (the two scratch pointers last) and the
-  array of the slots' addresses, which cuLaunchKernel reads them through (`address`: the array's)."""
-  __slots__ = ("slots", "addresses", "address")
+  array of the slots' addresses, which cuLaunchKernel reads them through (a ctypes array passes as its address)."""
+  __slots__ = ("slots", "addresses")
 
   def __init__(self, n: int):
     self.slots = (ctypes.c_uint64 * n)()
     base = ctypes.addressof(self.slots)
     self.addresses = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
-    self.address = ctypes.addressof(self.addresses)
 
 
 class Kernel:
@@ -227,7 +225,7 @@ class Kernel:
     self.compiled, self.name, self.num_warps, self.shared = c, c.name, c.num_warps, c.shared
     self._loaded: dict[int, Any] = {}       # device -> cuda.core Kernel, kept alive with its library
     self._launches: dict[Any, tuple] = {}   # grid -> (device, number of programs, cuLaunchKernel's arguments up to
-    # the stream: the function's handle, grid, block and shared memory)
+    # the stream, as ctypes objects: the kernel's CUfunction in the device's context, grid, block and shared memory)
     self._buffers: dict[int, _Parameters] = {}  # thread id -> its parameter buffer
     self._scratch = c.global_scratch_size > 0 or c.profile_scratch_size > 0
     self._n_params = len(c.params)
@@ -272,7 +270,7 @@ class Kernel:
     self._pack(slots, *values)
 
   def _load(self, device: int) -> Any:
-    """The kernel loaded on `device` (once): cuda.core's Kernel, whose CUkernel handle cuLaunchKernel takes."""
+    """The kernel loaded on `device` (once): cuda.core's Kernel, a CUkernel (its library kept alive with it)."""
     fn = self._loaded.get(device)
     if fn is not None: return fn
     from cuda.core import ObjectCode
@@ -309,10 +307,12 @@ class Kernel:
     stream: the kernel's handle, grid, block and shared memory); no programs: nothing to launch."""
     g = self._grid_dims(grid)
     drv = runtime.driver()
-    self._launch = drv.cuLaunchKernel
-    fn = drv.CUfunction(int(self._load(device).handle))
+    self._launch = runtime.launch_function()
+    fn = runtime.check(drv.cuKernelGetFunction(drv.CUkernel(int(self._load(device).handle))),
+                       f"{self.name}: cuKernelGetFunction on cuda:{device}")
+    head = (ctypes.c_void_p(int(fn)), *(ctypes.c_uint(n) for n in (*g, 32 * self.num_warps, 1, 1, self.shared)))
     if len(self._launches) > 4096: self._launches.clear()
-    entry = self._launches[grid] = (device, math.prod(g), (fn, *g, 32 * self.num_warps, 1, 1, self.shared))
+    entry = self._launches[grid] = (device, math.prod(g), head)
     return entry
 
   def _parameters(self) -> _Parameters:
@@ -335,8 +335,8 @@ class Kernel:
       c = self.compiled
       scratch = [s.allocator.malloc(programs * size, s) for size in (c.global_scratch_size, c.profile_scratch_size)]
       _SCRATCH.pack_into(buf.slots, 8 * self._n_params, scratch[0].ptr, scratch[1].ptr)
-    ret = self._launch(*head, s.driver_handle, buf.address, 0)
-    if ret[0]: runtime.check(ret, f"launching {self.name} on cuda:{s.device}")
+    err = self._launch(*head, s.c_handle, buf.addresses, None)
+    if err: runtime.check((err,), f"launching {self.name} on cuda:{s.device}")
 
   def __repr__(self) -> str:
     c = self.compiled

@@ -10,6 +10,7 @@ current stream only.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import threading
@@ -69,6 +70,17 @@ def is_available() -> bool:
 def unavailable_reason() -> str:
   """Why `is_available()` is False ('' when it is True)."""
   return _probe_driver()[1]
+
+
+@functools.cache
+def launch_function() -> Any:
+  """The driver's cuLaunchKernel, called through ctypes with arguments that are ctypes objects made once (so no
+  Python int is converted per call). NOTE: through PyDLL, which keeps the GIL during the call: releasing and taking
+  it back cost 0.7 us of a 6 us launch on the H200 machine (2026-12-01; cuda.bindings' cuLaunchKernel, which
+  releases it, took 5.8 us, this 5.3), and a launch only waits when CUDA's launch queue is full."""
+  f = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
+  f.restype = ctypes.c_int
+  return f
 
 
 def device_count() -> int:
@@ -215,9 +227,9 @@ class Stream:
   current device. Lower `priority` numbers run first (None: the lowest priority). Each Stream object owns its CUDA
   stream, so streams compare (and hash) by identity.
 
-  What launches need is kept on it: the device's `allocator`, the handle as the driver's CUstream (`driver_handle`)
-  and whether it is the device's default (compute) stream, on which a launch records no cross-stream uses."""
-  __slots__ = ("_s", "device", "handle", "driver_handle", "allocator", "is_default", "__weakref__")
+  What launches need is kept on it: the device's `allocator`, the handle as a ctypes argument (`c_handle`) and
+  whether it is the device's default (compute) stream, on which a launch records no cross-stream uses."""
+  __slots__ = ("_s", "device", "handle", "c_handle", "allocator", "is_default", "__weakref__")
 
   def __init__(self, device: int | None = None, priority: int | None = None):
     self._create(state(device), priority, False)
@@ -226,7 +238,7 @@ class Stream:
     from cuda.core import StreamOptions
     self._s = st.device.create_stream(options=StreamOptions(nonblocking=True, priority=priority))
     self.device, self.handle, self.allocator, self.is_default = st.index, int(self._s.handle), st.allocator, default
-    self.driver_handle = driver().CUstream(self.handle)
+    self.c_handle = ctypes.c_void_p(self.handle)
 
   @property
   def cuda_stream(self) -> int:

@@ -380,8 +380,8 @@ def _launch(op: str, out: CudaArray, ins: tuple[CudaArray | Value, ...], stream:
 def _run(plan: tuple, out: CudaArray, ins: tuple[CudaArray | Value, ...], stream: Stream | None) -> None:
   """Launch a plan; absent operands repeat the last one (the kernel does not read them)."""
   kernel, grid, scalars, by_value = plan
-  if by_value: ins = tuple(a.value if a.__class__ is Value else a for a in ins)
-  kernel(grid, out, ins[0], ins[min(1, len(ins) - 1)], ins[-1], *scalars, stream=stream)
+  if by_value: ins = [a.value if a.__class__ is Value else a for a in ins]
+  kernel(grid, out, ins[0], ins[1] if len(ins) > 1 else ins[0], ins[-1], *scalars, stream=stream)
 
 
 def _plan(op: str, *layouts: Layout) -> tuple:
