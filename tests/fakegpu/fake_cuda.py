@@ -3,10 +3,10 @@
 Only the lowest layers are replaced: the driver module (`runtime.driver`: allocations hand out fake addresses,
 copies and memsets do nothing, pinned staging is real host memory), the driver's cuLaunchKernel (the launcher still
 packs every argument into its parameter buffer, which checks types and ranges), cuda.core's Device, Stream, Event and
-ObjectCode, and cuBLASLt with its nvmath enums. Triton compiles every kernel for real. Nothing is computed: device memory holds no values and host
-reads see zeros. What runs is everything above: the caching allocator, launch planning and argument packing,
-autograd, autocast, optimizers, checkpoints and the CLI. Import it and call `install()` in a fresh process before
-anything touches the GPU."""
+ObjectCode, and cuBLASLt with its nvmath enums. Triton compiles every kernel for real. Nothing is computed: device
+memory holds no values and host reads see zeros. What runs is everything above: the caching allocator, launch
+planning and argument packing, autograd, autocast, optimizers, checkpoints and the CLI. Import it and call `install()`
+in a fresh process before anything touches the GPU."""
 from __future__ import annotations
 
 import ctypes

@@ -13,7 +13,8 @@ profiler scratch buffer, each `grid size * size` bytes when the metadata's size 
 Triton's shared memory is dynamic, and above 48 KiB the kernel must opt in to it. Each Kernel generates one packing
 function at creation, so a launch writes its arguments into 8-byte parameter slots with a single `struct` call (no
 per-argument dispatch), and calls the driver's cuLaunchKernel through ctypes with arguments made once per grid and
-stream (`runtime.launch_function`). On the H200 machine the driver's own work is most of a launch (about 5 us).
+stream (`runtime.launch_function`). A thread packs into a buffer of its own, so threads may launch one kernel at
+once. On the H200 machine the driver's own work is most of a launch (about 5 us).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ _SCALARS: dict[str, Any] = {"i1": np.int8, "i8": np.int8, "i16": np.int16, "i32"
 # each parameter's `struct` format in its 8-byte slot (little-endian; the driver copies the parameter's size from the
 # slot's start); bf16 goes as its 16 bits
 _SLOTS = {"*": "Q", "i1": "b7x", "i8": "b7x", "i16": "h6x", "i32": "i4x", "i64": "q", "u1": "B7x", "u8": "B7x",
-          "u16": "H6x", "u32": "I4x", "u64": "Q", "fp16": "e6x", "bf16": "H6x", "fp32": "f4x", "f32": "f4x", "fp64": "d"}
+          "u16": "H6x", "u32": "I4x", "u64": "Q", "fp16": "e6x", "bf16": "H6x", "fp32": "f4x", "f32": "f4x",
+          "fp64": "d"}
 _SCRATCH = struct.Struct("<QQ")  # the two scratch pointers after the parameters
 
 
