@@ -1,5 +1,8 @@
 """Kernel launch without a GPU: compiling for sm_90, the compile cache, signature checks, argument packing and its
 per-launch cost (host side)."""
+import ctypes
+import struct
+import threading
 import time
 import types
 
@@ -91,44 +94,49 @@ def test_signature_errors_name_the_argument(sig, consts, message):
     launch.compiled(add_kernel, sig, consts)
 
 
+def packed(k: launch.Kernel, *args) -> tuple:
+  """The parameter slots a launch of k with args fills (through the checked path when `struct` refuses an argument),
+  decoded by the parameters' types."""
+  buf = launch._Parameters(len(k.compiled.params) + 2)
+  try: k._pack(buf.slots, *args)
+  except (struct.error, TypeError, OverflowError): k._pack_checked(buf.slots, args)
+  codes = {"*": "Q", "i32": "i4x", "i64": "q", "fp32": "f4x", "fp16": "e6x", "bf16": "H6x", "i1": "b7x"}
+  return struct.unpack_from("<" + "".join(codes["*" if t[0] == "*" else t] for _, t in k.compiled.params), buf.slots)
+
+
 def test_packing_converts_each_argument_by_its_type():
   k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
   x, y, out = array(0x7000_0000_0000, 10, "block"), array(0x7000_0000_0200, 10), array(0x7000_0000_0400, 10)
-  p = k._pack(x, y, out, 10, 2.5)
-  assert p == (x.ptr, y.ptr, out.ptr, 10, 2.5, 0, 0)  # the trailing zeros: no scratch buffers
-  assert [type(v) for v in p] == [int, int, int, int, np.float32, int, int]  # ints in range pass as is
-  q = k._pack(123, None, out, np.int64(7), 1)
-  assert q[:4] == (123, 0, out.ptr, 7) and type(q[3]) is np.int32
-  assert k._pointers(x, 5, None, 10, 2.5) == ("block", None, None)
+  assert packed(k, x, y, out, 10, 2.5) == (x.ptr, y.ptr, out.ptr, 10, 2.5)
+  assert packed(k, 123, None, out, np.int64(7), np.float32(1)) == (123, 0, out.ptr, 7, 1.0)
+  assert packed(k, x, y, out, 10, 1e39)[4] == np.inf  # float32 overflows to inf, as numpy converts it
+  assert packed(k, x, y, out, -2**31, 1.0)[3] == -2**31
+  assert k._owners(x, 5, None, 10, 2.5) == ("block", None, None)
   with pytest.raises(TypeError, match=r"add_kernel: argument 'y_ptr' is a pointer; got str"):
-    k._pack(x, "y", out, 10, 2.5)
-  with pytest.raises(TypeError, match="add_kernel.. missing 1 required positional argument: 'alpha'"):
-    k._pack(x, y, out, 10)
+    packed(k, x, "y", out, 10, 2.5)
+  with pytest.raises(TypeError, match=r"add_kernel: takes 5 arguments \['x_ptr', 'y_ptr', 'out_ptr', 'n', 'alpha'\], "
+                                      r"got 4"):
+    packed(k, x, y, out, 10)
   for n in (2**31, -2**31 - 1):
-    with pytest.raises(OverflowError):
-      k._pack(x, y, out, n, 1.0)
-  assert k._pack(x, y, out, -2**31, 1.0)[3] == -2**31
+    with pytest.raises(OverflowError, match="add_kernel: argument 'n' \\(i32\\)"):
+      packed(k, x, y, out, n, 1.0)
 
 
 def test_packing_of_half_types_and_flags():
   k = launch.compile(scale_kernel, {"x_ptr": "*fp32", "n": "i64", "a": "bf16", "b": "fp16", "flag": "i1"},
                      {"BLOCK": 128})
-  p = k._pack(array(4096, 3), 3, 1.5, 0.25, True)
-  assert p[2] == np.array(1.5, ml_dtypes.bfloat16).view(np.uint16) and type(p[2]) is np.uint16
-  assert type(p[3]) is np.float16 and p[3] == 0.25 and type(p[4]) is np.int8 and p[4] == 1
-  assert type(p[1]) is int
+  p = packed(k, array(4096, 3), 3, 1.5, 0.25, True)
+  assert p == (4096, 3, np.array(1.5, ml_dtypes.bfloat16).view(np.uint16), 0.25, 1)
+  assert packed(k, array(4096, 3), 3, 1.5, 0.25, np.bool_(True))[4] == 1
 
 
-def test_grid_configs_are_checked_and_cached():
-  pytest.importorskip("cuda.core")
+def test_grids_are_checked():
   k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024}, num_warps=8)
-  cfg, programs = k._config((5, 2))
-  assert programs == 10 and cfg.grid == (5, 2, 1) and cfg.block == (256, 1, 1) and k._configs[(5, 2)] == (cfg, 10)
-  assert k._config(0)[1] == 0 and k._config((3, 0, 1))[1] == 0
+  assert k._grid_dims((5, 2)) == (5, 2, 1) and k._grid_dims(7) == (7, 1, 1) and k._grid_dims((3, 0, 1)) == (3, 0, 1)
   with pytest.raises(ValueError, match=r"add_kernel: grid must be"):
-    k._config((1, 2, 3, 4))
+    k._grid_dims((1, 2, 3, 4))
   with pytest.raises(ValueError, match=r"exceeds CUDA's limits"):
-    k._config((1, 70000))
+    k._grid_dims((1, 70000))
 
 
 def test_kernels_with_a_global_scratch_buffer_take_it_after_the_arguments():
@@ -136,18 +144,25 @@ def test_kernels_with_a_global_scratch_buffer_take_it_after_the_arguments():
                      num_stages=1)
   c = k.compiled
   assert c.global_scratch_size > 0 and c.global_scratch_align <= 512 and k._scratch
-  assert k._pack(array(1 << 20, 1), array(2 << 20, 1), 64, 64) == (1 << 20, 2 << 20, 64, 64)  # the launch appends them
+  assert packed(k, array(1 << 20, 1), array(2 << 20, 1), 64, 64) == (1 << 20, 2 << 20, 64, 64)  # the launch adds them
+
+
+def _stubbed(k: launch.Kernel, monkeypatch, grid, streams: dict) -> list:
+  """k launching `grid` on device 0 with the driver call recorded instead; `streams` is the thread's current ones."""
+  monkeypatch.setattr(runtime._tls, "context", 0)
+  monkeypatch.setattr(runtime._tls, "device", 0)
+  monkeypatch.setattr(runtime._tls, "streams", streams)
+  launched = []
+  k._launches[grid] = (0, 4, ("function", 4, 1, 1, 128, 1, 1, 0))
+  k._launch = lambda *args: launched.append(args) or 0
+  return launched
 
 
 def test_a_launch_on_another_stream_records_its_arrays_there(monkeypatch):
   k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
-  k._configs[(4,)] = ("cfg", 4)
-  compute, side = types.SimpleNamespace(device=0, _s="compute"), types.SimpleNamespace(device=0, _s="side")
-  monkeypatch.setattr(runtime, "_states", {0: types.SimpleNamespace(compute=compute)})
-  monkeypatch.setattr(runtime._tls, "context", 0)
-  monkeypatch.setattr(runtime._tls, "streams", {})  # current_stream() remembers what it finds
-  launched = []
-  k._fns[0], k._launch = "function", lambda s, cfg, fn, *params: launched.append((s, params[:3]))
+  compute = types.SimpleNamespace(device=0, is_default=True, c_handle="compute")
+  side = types.SimpleNamespace(device=0, is_default=False, c_handle="side")
+  launched = _stubbed(k, monkeypatch, (4,), {0: compute})
 
   class Owner:
     def __init__(self): self.stream, self.uses = compute, []
@@ -156,23 +171,39 @@ def test_a_launch_on_another_stream_records_its_arrays_there(monkeypatch):
   a, b = Owner(), Owner()
   x, out = array(1 << 40, 10, a), array(2 << 40, 10, b)
   k((4,), x, 3 << 40, out, 10, 2.5)
-  assert a.uses == b.uses == [] and launched[-1] == ("compute", (1 << 40, 3 << 40, 2 << 40))
+  assert a.uses == b.uses == [] and launched[-1][:8] == ("function", 4, 1, 1, 128, 1, 1, 0)
+  assert launched[-1][8] == "compute" and launched[-1][10] is None
+  params = ctypes.cast(launched[-1][9], ctypes.POINTER(ctypes.c_void_p))
+  assert [ctypes.c_uint64.from_address(params[i]).value for i in range(3)] == [1 << 40, 3 << 40, 2 << 40]
   k((4,), x, 3 << 40, out, 10, 2.5, stream=side)
-  assert a.uses == b.uses == [side] and launched[-1][0] == "side"
+  assert a.uses == b.uses == [side] and launched[-1][8] == "side"
+
+
+def test_threads_pack_into_buffers_of_their_own(monkeypatch):
+  k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
+  compute = types.SimpleNamespace(device=0, is_default=True, c_handle="compute")
+  launched = _stubbed(k, monkeypatch, (4,), {0: compute})
+  k((4,), 1 << 40, 2 << 40, 3 << 40, 10, 2.5)
+
+  def other_thread():
+    runtime._tls.context, runtime._tls.device, runtime._tls.streams = 0, 0, {0: compute}
+    k((4,), 4 << 40, 5 << 40, 6 << 40, 10, 2.5)
+
+  t = threading.Thread(target=other_thread)
+  t.start()
+  t.join()
+  assert len(launched) == 2 and len(k._buffers) == 2 and launched[0][9] is not launched[1][9]
 
 
 def test_per_launch_host_overhead(monkeypatch):
-  """The Python work of a launch before the driver call: argument packing, the grid's config, cuda.core's
-  parameter buffer, and all of Kernel.__call__ with the driver call stubbed out. Printed for the record (the GPU
-  test measures whole launches)."""
-  cc = pytest.importorskip("cuda.core._kernel_arg_handler")
+  """The Python work of a launch before the driver call: argument packing and all of Kernel.__call__ with the driver
+  call stubbed out. Printed for the record (benchmarks/launch_overhead.py measures whole launches on the GPU)."""
   k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
   x, y, out = array(1 << 40, 10), array(2 << 40, 10), array(3 << 40, 10)
-  k._configs[(4,)] = ("cfg", 4)
-  stream = types.SimpleNamespace(device=0, _s="stream")
-  monkeypatch.setattr(runtime, "_states", {0: types.SimpleNamespace(compute=stream)})
-  monkeypatch.setattr(runtime._tls, "context", 0)
-  k._fns[0], k._launch = "function", lambda s, cfg, fn, *params: cc.ParamHolder(params)
+  stream = types.SimpleNamespace(device=0, is_default=True, c_handle="stream")
+  _stubbed(k, monkeypatch, (4,), {0: stream})
+  k._launch = lambda *args: 0
+  buf = launch._Parameters(7)
   n = 20000
 
   def per_call(f) -> float:
@@ -180,10 +211,7 @@ def test_per_launch_host_overhead(monkeypatch):
     for _ in range(n): f()
     return (time.perf_counter() - t) / n * 1e6
 
-  pack = per_call(lambda: k._pack(x, y, out, 10, 2.5))
-  config = per_call(lambda: k._configs.get((4,)))
-  holder = per_call(lambda: cc.ParamHolder(k._pack(x, y, out, 10, 2.5)))
+  pack = per_call(lambda: k._pack(buf.slots, x, y, out, 10, 2.5))
   call = per_call(lambda: k((4,), x, y, out, 10, 2.5, stream=stream))
-  print(f"\nper-launch host overhead: pack {pack:.2f} us, config lookup {config:.2f} us, "
-        f"pack + cuda.core ParamHolder {holder:.2f} us, Kernel.__call__ without the driver call {call:.2f} us")
+  print(f"\nper-launch host overhead: pack {pack:.2f} us, Kernel.__call__ without the driver call {call:.2f} us")
   assert pack < 50  # generous: the point is the printout, not a flaky timing bound

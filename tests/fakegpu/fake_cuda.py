@@ -1,12 +1,12 @@
 """A fake CUDA device for running the CUDA backend's host code on a machine without a GPU.
 
 Only the lowest layers are replaced: the driver module (`runtime.driver`: allocations hand out fake addresses,
-copies and memsets do nothing, pinned staging is real host memory), cuda.core's Device, Stream, Event, ObjectCode and
-launch (a launch still builds cuda.core's real parameter buffer, which checks every argument), and cuBLASLt with its
-nvmath enums. Triton compiles every kernel for real. Nothing is computed: device memory holds no values and host
-reads see zeros. What runs is everything above: the caching allocator, launch planning and argument packing,
-autograd, autocast, optimizers, checkpoints and the CLI. Import it and call `install()` in a fresh process before
-anything touches the GPU."""
+copies and memsets do nothing, pinned staging is real host memory), the driver's cuLaunchKernel (the launcher still
+packs every argument into its parameter buffer, which checks types and ranges), cuda.core's Device, Stream, Event and
+ObjectCode, and cuBLASLt with its nvmath enums. Triton compiles every kernel for real. Nothing is computed: device
+memory holds no values and host reads see zeros. What runs is everything above: the caching allocator, launch
+planning and argument packing, autograd, autocast, optimizers, checkpoints and the CLI. Import it and call `install()`
+in a fresh process before anything touches the GPU."""
 from __future__ import annotations
 
 import ctypes
@@ -14,7 +14,6 @@ import itertools
 import types
 
 import cuda.core
-from cuda.core._kernel_arg_handler import ParamHolder
 
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.allocator import CachingAllocator
@@ -27,12 +26,14 @@ launches = [0]
 
 
 class FakeDriver:
-  class CUresult:
+  class CUresult(int):
     CUDA_ERROR_OUT_OF_MEMORY = 2
     CUDA_ERROR_NOT_READY = 600
 
   class CUfunction_attribute:
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+  CUkernel = int
 
   def cuInit(self, flags): return (0,)
   def cuDeviceGetCount(self): return (0, 1)
@@ -42,6 +43,7 @@ class FakeDriver:
   def cuDeviceTotalMem(self, i): return (0, 141 << 30)
   def cuDriverGetVersion(self): return (0, 13000)
   def cuKernelSetAttribute(self, *a): return (0,)
+  def cuKernelGetFunction(self, kernel): return (0, kernel)
   def cuStreamQuery(self, h): return (0,)
   def cuGetErrorName(self, e): return (0, b"FAKE")
   def cuGetErrorString(self, e): return (0, b"fake")
@@ -89,10 +91,6 @@ class FakeObjectCode:
   def get_kernel(self, name): return FakeKernel(name)
 
 
-def fake_launch(stream, config, kernel, *args):
-  """cuda.core's launch up to the driver call: its parameter buffer rejects arguments of the wrong type."""
-  launches[0] += 1
-  ParamHolder(args)
 
 
 class FakeLt:
@@ -101,15 +99,26 @@ class FakeLt:
   def matmul(self, *a): pass
 
 
+def fake_launch_kernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+  """cuLaunchKernel's contract, checked: ctypes arguments, a grid and block in range, a stream and the parameters'
+  addresses."""
+  launches[0] += 1
+  dims = [v.value for v in (gx, gy, gz, bx, by, bz)]
+  assert all(n > 0 for n in dims) and dims[3] <= 1024 and shared.value <= 227 << 10, dims
+  assert isinstance(f, ctypes.c_void_p) and stream.value and ctypes.addressof(params) and extra is None
+  return 0
+
+
 def install() -> None:
   drv = FakeDriver()
   runtime.driver = lambda: drv
+  runtime.launch_function = lambda: fake_launch_kernel
   runtime._probe = (True, "")
-  cuda.core.ObjectCode, cuda.core.launch = FakeObjectCode, fake_launch
+  cuda.core.ObjectCode = FakeObjectCode
   st = object.__new__(runtime._DeviceState)
   st.index, st.device = 0, FakeDevice()
-  st.compute, st.comm = runtime._new_stream(st.device, 0), runtime._new_stream(st.device, 0)
   st.allocator = CachingAllocator(runtime._DeviceDriver(0), 0)
+  st.compute, st.comm = runtime._new_stream(st, default=True), runtime._new_stream(st)
   st._properties = runtime.DeviceProperties("Fake H200", 9, 0, 141 << 30, 132, 2048, 48 << 10, 227 << 10, 228 << 10,
                                             65536, 50 << 20, 32, 2619000, 6144, 13000)
   runtime._states[0] = st

@@ -76,6 +76,7 @@ def wrap(array: CudaArray, dtype: DType) -> tuple:
   if array.dtype is not dtype:
     raise TypeError(f"cuda backend: a kernel returned {array.dtype.name} where the op's rule says {dtype.name}")
   owner = array.owner
+  if array.ptr == owner.ptr: return owner, array.shape, array.strides, 0, array  # a new array: the common case
   offset, rem = divmod(array.ptr - owner.ptr, dtype.itemsize)
   assert rem == 0 and offset >= 0, f"array at 0x{array.ptr:x} is not an element of its storage at 0x{owner.ptr:x}"
   return owner, array.shape, array.strides, offset, array

@@ -111,9 +111,7 @@ class Block:
 
   def __del__(self):
     b = self._b
-    if b is not None and not sys.is_finalizing():
-      self._b = None
-      self._alloc._release(b)
+    if b is not None and not sys.is_finalizing(): self._alloc._release(b)
 
   def __repr__(self) -> str:
     return f"Block(ptr=0x{self.ptr:x}, nbytes={self.nbytes}, device={self.device})"
@@ -151,22 +149,26 @@ class CachingAllocator:
   def malloc(self, nbytes: int, stream: Any) -> Block:
     """A block of at least `nbytes` bytes usable in the order of `stream`."""
     if nbytes == 0: return Block(0, 0, self.device, stream, None, None)
+    size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK  # round_size(nbytes > 0), inline: the hot path
     with self._lock:
       if self._deferred: self._drain()
-      b = self._malloc(nbytes, stream)
+      if self._pending: self._process_events()
+      sid = self._sids.get(stream)
+      if sid is None: sid = self._sids[stream] = len(self._sids)
+      kept = self._kept.get(key := sid << _SID_SHIFT | size << _SIZE_SHIFT)  # _key(sid, size, 0)
+      b = kept.pop() if kept else self._best_fit(nbytes, size, stream, sid)
+      b.requested, b.kept_as = nbytes, key
+      st = self._allocated
+      st.current += b.size
+      if st.current > st.peak: st.peak = st.current
+      st = self._requested
+      st.current += nbytes
+      if st.current > st.peak: st.peak = st.current
+      st = self._active
+      st.current += 1
+      if st.current > st.peak: st.peak = st.current
     if self._deferred: self._try_drain()
     return Block(b.ptr, nbytes, self.device, stream, b, self)
-
-  def _malloc(self, nbytes: int, stream: Any) -> _Block:
-    if self._pending: self._process_events()
-    size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK  # round_size(nbytes > 0), inline: the hot path
-    sid = self._sids.get(stream)
-    if sid is None: sid = self._sids[stream] = len(self._sids)
-    kept = self._kept.get(key := sid << _SID_SHIFT | size << _SIZE_SHIFT)  # _key(sid, size, 0)
-    b = kept.pop() if kept else self._best_fit(nbytes, size, stream, sid)
-    b.requested, b.kept_as = nbytes, key
-    self._allocated.add(b.size); self._requested.add(nbytes); self._active.add(1)
-    return b
 
   def _best_fit(self, nbytes: int, size: int, stream: Any, sid: int) -> _Block:
     """The smallest free block of this stream and pool that fits `size` (nbytes rounded), else the smallest once
@@ -223,17 +225,28 @@ class CachingAllocator:
     if not self._lock.acquire(False):  # non-blocking
       self._deferred.append(b)
       return
-    try: self._free_block(b)
+    try:
+      self._allocated.current -= b.size
+      self._requested.current -= b.requested
+      if b.stream_uses: self._wait_for_uses(b)
+      else:  # _keep(b), inline: the hot path
+        self._active.current -= 1
+        kept = self._kept.get(b.kept_as)
+        if kept is None: self._kept[b.kept_as] = [b]
+        else: kept.append(b)
     finally: self._lock.release()
 
   def _free_block(self, b: _Block) -> None:
     self._allocated.current -= b.size
     self._requested.current -= b.requested
-    if b.stream_uses:
-      b.events = [self.driver.record_event(s) for s in b.stream_uses]
-      b.stream_uses = None
-      self._pending.append(b)
+    if b.stream_uses: self._wait_for_uses(b)
     else: self._keep(b)
+
+  def _wait_for_uses(self, b: _Block) -> None:
+    """Record an event on each other stream that used b; b is kept once they have all completed."""
+    b.events = [self.driver.record_event(s) for s in b.stream_uses]
+    b.stream_uses = None
+    self._pending.append(b)
 
   def _keep(self, b: _Block) -> None:
     """Keep a block whose memory no stream still uses for the next request of its size (as rounded for its last

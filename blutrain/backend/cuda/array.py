@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blutrain.dtypes import DType
@@ -11,13 +11,20 @@ from blutrain.dtypes import DType
 @dataclass(eq=False, slots=True)
 class CudaArray:
   """A strided view of device memory. `ptr` is the address of element (0, ..., 0); strides are in elements;
-  `owner` keeps the memory alive (an allocator block)."""
+  `owner` keeps the memory alive (an allocator block). `layout_key` is made by `key()` on first use."""
   ptr: int
   shape: tuple[int, ...]
   strides: tuple[int, ...]
   dtype: DType
   device: int
   owner: Any
+  layout_key: tuple | None = field(default=None, repr=False)
+
+  def key(self) -> tuple:
+    """(shape, strides, dtype, address mod 16): all that a kernel's launch plan depends on, which host wrappers
+    cache their plans by (the array's layout never changes, so it is made once)."""
+    k = self.layout_key = (self.shape, self.strides, self.dtype, self.ptr & 15)
+    return k
 
   @property
   def ndim(self) -> int: return len(self.shape)

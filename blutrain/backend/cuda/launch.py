@@ -1,5 +1,5 @@
-"""Triton as a compiler only: a @triton.jit function becomes an sm_90 cubin, which cuda.core loads and launches on
-our streams. Triton's own launcher (which needs torch) never runs; compiling needs no GPU.
+"""Triton as a compiler only: a @triton.jit function becomes an sm_90 cubin, which cuda.core loads and the driver's
+cuLaunchKernel launches on our streams. Triton's own launcher (which needs torch) never runs; compiling needs no GPU.
 
 A signature maps each argument to a Triton type: "*fp32" (a pointer), "i32", "i64", "fp32", "bf16", ... or
 "constexpr" (arguments named in `constexprs` may be left out). A ":16" suffix ("*fp32:16", "i32:16") promises that
@@ -9,17 +9,21 @@ promise (the allocator's blocks start 512-byte aligned). Compiled kernels are ca
 functions it calls), the signature, constexprs, options, target and Triton's version.
 
 Launch: Triton 3.6 kernels take two more pointers after the signature's arguments, a global scratch buffer and a
-profiler scratch buffer, each `grid size * num_ctas * size` bytes when the metadata's size is non-zero (else
-NULL); all of Triton's shared memory is dynamic, and above 48 KiB the kernel must opt in to it. Each Kernel
-generates one packing function at creation, so a launch converts its arguments with no per-argument dispatch.
+profiler scratch buffer, each `grid size * size` bytes when the metadata's size is non-zero (else NULL); all of
+Triton's shared memory is dynamic, and above 48 KiB the kernel must opt in to it. Each Kernel generates one packing
+function at creation, so a launch writes its arguments into 8-byte parameter slots with a single `struct` call (no
+per-argument dispatch), and calls the driver's cuLaunchKernel through ctypes with arguments made once per grid and
+stream (`runtime.launch_function`). A thread packs into a buffer of its own, so threads may launch one kernel at
+once. On the H200 machine the driver's own work is most of a launch (about 5 us).
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
 import os
-import sys
+import struct
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,13 +42,13 @@ SHARED_DEFAULT = 48 << 10   # dynamic shared memory a kernel may use without opt
 # the C type of each scalar argument, as Triton's launcher passes it
 _SCALARS: dict[str, Any] = {"i1": np.int8, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
                             "u1": np.uint8, "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64,
-                            "fp16": np.float16, "fp32": np.float32, "f32": np.float32, "fp64": float}
-
-
-# NOTE: cuda.core passes a Python int as 8 bytes (an intptr_t) and the driver copies each parameter's size from the
-# start of its buffer, so on a little-endian host an int in an integer parameter's range needs no numpy scalar
-# (whose creation and cuda.core's type dispatch cost ~0.3 us per argument; the tiled kernels take ~35)
-_INTS_AS_IS = sys.byteorder == "little"
+                            "fp16": np.float16, "fp32": np.float32, "f32": np.float32, "fp64": np.float64}
+# each parameter's `struct` format in its 8-byte slot (little-endian; the driver copies the parameter's size from the
+# slot's start); bf16 goes as its 16 bits
+_SLOTS = {"*": "Q", "i1": "b7x", "i8": "b7x", "i16": "h6x", "i32": "i4x", "i64": "q", "u1": "B7x", "u8": "B7x",
+          "u16": "H6x", "u32": "I4x", "u64": "Q", "fp16": "e6x", "bf16": "H6x", "fp32": "f4x", "f32": "f4x",
+          "fp64": "d"}
+_SCRATCH = struct.Struct("<QQ")  # the two scratch pointers after the parameters
 
 
 def _bf16(v) -> np.uint16:
@@ -195,48 +199,83 @@ def _pointer(v: Any, kernel: str, name: str) -> int:
                   f"or None)")
 
 
+class _Parameters:
+  """One thread's parameter buffer of a kernel: an 8-byte slot per parameter (the two scratch pointers last) and the
+  array of the slots' addresses, which cuLaunchKernel reads them through (a ctypes array passes as its address)."""
+  __slots__ = ("slots", "addresses")
+
+  def __init__(self, n: int):
+    self.slots = (ctypes.c_uint64 * n)()
+    base = ctypes.addressof(self.slots)
+    self.addresses = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+
+
 class Kernel:
   """A loaded kernel: `kernel(grid, *args, stream=None)` queues it on `stream` (default: the current stream).
 
-  `grid` is an int or a tuple of up to 3 ints (blocks, or clusters of num_ctas blocks); arguments follow the
-  signature minus constexprs: CudaArrays (or int addresses, or None) for pointers, numbers for scalars."""
+  `grid` is an int or a tuple of up to 3 ints (blocks); arguments follow the signature minus constexprs: CudaArrays
+  (or int addresses, or None) for pointers, numbers for scalars. A launch packs the arguments into the calling
+  thread's parameter buffer with one `struct` call (which also checks their types and ranges) and calls the
+  driver's cuLaunchKernel."""
 
   def __init__(self, c: Compiled):
+    if c.num_ctas > 1 or c.launch_cooperative_grid or c.launch_pdl:
+      raise NotImplementedError(f"{c.name}: clusters, cooperative and programmatic-dependent launches are not "
+                                f"supported (num_ctas={c.num_ctas})")
+    if max(c.global_scratch_align, c.profile_scratch_align) > 512:
+      raise RuntimeError(f"{c.name}: scratch alignment above the allocator's 512 B")
     self.compiled, self.name, self.num_warps, self.shared = c, c.name, c.num_warps, c.shared
-    self._fns: dict[int, Any] = {}         # device -> cuda.core Kernel
-    self._configs: dict[Any, tuple] = {}   # grid -> (LaunchConfig, number of programs)
+    self._loaded: dict[int, Any] = {}       # device -> cuda.core Kernel, kept alive with its library
+    self._launches: dict[Any, tuple] = {}   # grid -> (device, number of programs, cuLaunchKernel's arguments up to
+    # the stream, as ctypes objects: the kernel's CUfunction in the device's context, grid, block and shared memory)
+    self._buffers: dict[int, _Parameters] = {}  # thread id -> its parameter buffer
     self._scratch = c.global_scratch_size > 0 or c.profile_scratch_size > 0
-    self._pack, self._pointers = self._codegen(c)
+    self._n_params = len(c.params)
+    self._pack, self._owners = self._codegen(c)
 
   def _codegen(self, c: Compiled):
-    """Two functions specialized to this signature: the kernel's parameters from the arguments, and the
-    arguments' memory owners (for uses on streams other than the compute stream)."""
+    """Two functions specialized to this signature: one packing the arguments into a parameter buffer, one listing
+    the arguments' memory owners (for uses on streams other than the default stream)."""
     names = [name for name, _ in c.params]
-    env: dict[str, Any] = {"_CA_": CudaArray, "_ptr_": _pointer, "_bf16_": _bf16}
+    env: dict[str, Any] = {"_CA_": CudaArray, "_ptr_": _pointer, "_bf16_": _bf16,
+                           "_pack_into_": struct.Struct("<" + "".join(_SLOTS[ty if ty[0] != "*" else "*"]
+                                                                      for _, ty in c.params)).pack_into}
     items, owners = [], []
     for a, ty in c.params:
       if ty[0] == "*":
-        items.append(f"{a}.ptr if {a}.__class__ is _CA_ else {a} if {a}.__class__ is int else "
-                     f"_ptr_({a}, {c.name!r}, {a!r})")
+        items.append(f"{a}.ptr if {a}.__class__ is _CA_ else _ptr_({a}, {c.name!r}, {a!r})")
         owners.append(f"{a}.owner if {a}.__class__ is _CA_ else None")
-      elif ty == "bf16": items.append(f"_bf16_({a})")
-      else:
-        env[f"_{ty}_"] = conv = _SCALARS[ty]
-        if not (_INTS_AS_IS and issubclass(conv, np.integer)): items.append(f"_{ty}_({a})")
-        else:  # an int in range passes as is (see _INTS_AS_IS); anything else converts, and raises out of range
-          info = np.iinfo(conv)
-          items.append(f"{a} if {a}.__class__ is int and {info.min} <= {a} <= {min(info.max, 2**63 - 1)} else "
-                       f"_{ty}_({a})")
-    tail = [] if self._scratch else ["0", "0"]
+      else: items.append(f"_bf16_({a})" if ty == "bf16" else a)
     args = ", ".join(names)
-    src = (f"def {c.name}({args}):\n  return ({''.join(x + ', ' for x in items + tail)})\n"
-           f"def pointers({args}):\n  return ({''.join(x + ', ' for x in owners)})\n")
+    src = (f"def {c.name}(_slots_, {args}):\n  _pack_into_(_slots_, 0, {', '.join(items)})\n"
+           f"def _owners_({args}):\n  return ({''.join(x + ', ' for x in owners)})\n")
     exec(src, env)  # noqa: S102 (generated from the signature's types only)
-    return env[c.name], env["pointers"]
+    return env[c.name], env["_owners_"]
+
+  def _pack_checked(self, slots, args: tuple) -> None:
+    """Pack arguments that `struct` refused, converted as numpy converts them (a float32 overflows to inf; an
+    integer out of its type's range still raises), or raise naming the kernel and the parameter."""
+    params = self.compiled.params
+    if len(args) != len(params):
+      raise TypeError(f"{self.name}: takes {len(params)} arguments {[n for n, _ in params]}, got {len(args)}")
+    values = []
+    for (name, ty), v in zip(params, args):
+      if ty[0] == "*":
+        values.append(v.ptr if v.__class__ is CudaArray else _pointer(v, self.name, name))
+        continue
+      try:
+        if ty == "bf16": values.append(_bf16(v))
+        else:
+          with np.errstate(over="ignore"): values.append(_SCALARS[ty](v).item())
+      except (TypeError, ValueError, OverflowError) as e:
+        raise type(e)(f"{self.name}: argument {name!r} ({ty}) cannot take {v!r}: {e}") from None
+    self._pack(slots, *values)
 
   def _load(self, device: int) -> Any:
-    from cuda.core import ObjectCode, launch
-    self._launch = launch
+    """The kernel loaded on `device` (once): cuda.core's Kernel, a CUkernel (its library kept alive with it)."""
+    fn = self._loaded.get(device)
+    if fn is not None: return fn
+    from cuda.core import ObjectCode
     st = runtime.state(device)
     fn = ObjectCode.from_cubin(self.compiled.cubin, name=self.name).get_kernel(self.name)
     props, attrs = st.properties, fn.attributes
@@ -252,47 +291,54 @@ class Kernel:
       drv = runtime.driver()
       runtime.check(drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                              limit, fn.handle, device), f"{self.name}: opting in to shared memory")
-    self._fns[device] = fn
+    self._loaded[device] = fn
     return fn
 
-  def _config(self, grid: Any) -> tuple[Any, int]:
-    """The LaunchConfig of a grid and its number of programs (0: nothing to launch)."""
-    from cuda.core import LaunchConfig
+  def _grid_dims(self, grid: Any) -> tuple[int, int, int]:
+    """`grid` (an int or up to 3 ints) as CUDA's three grid dims, checked against CUDA's limits."""
     g = (grid,) if isinstance(grid, int) else tuple(grid)
     if not 1 <= len(g) <= 3 or not all(isinstance(n, (int, np.integer)) and n >= 0 for n in g):
       raise ValueError(f"{self.name}: grid must be an int or a tuple of 1 to 3 non-negative ints, got {grid!r}")
     g = tuple(int(n) for n in g) + (1,) * (3 - len(g))
     if g[0] >= 2**31 or g[1] > 65535 or g[2] > 65535:
       raise ValueError(f"{self.name}: grid {g} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
-    c = self.compiled
-    if max(c.global_scratch_align, c.profile_scratch_align) > 512:
-      raise RuntimeError(f"{self.name}: scratch alignment above the allocator's 512 B")
-    cfg = (None if 0 in g else LaunchConfig(
-      grid=g, block=32 * c.num_warps, shmem_size=c.shared, cluster=(c.num_ctas, 1, 1) if c.num_ctas > 1 else None,
-      is_cooperative=c.launch_cooperative_grid, programmatic_stream_serialization=c.launch_pdl), math.prod(g))
-    if len(self._configs) > 4096: self._configs.clear()
-    self._configs[grid] = cfg
-    return cfg
+    return g
+
+  def _prepare(self, grid: Any, device: int) -> tuple:
+    """The launch entry of `grid` on `device`: (device, number of programs, cuLaunchKernel's arguments up to the
+    stream: the kernel's handle, grid, block and shared memory); no programs: nothing to launch."""
+    g = self._grid_dims(grid)
+    drv = runtime.driver()
+    self._launch = runtime.launch_function()
+    fn = runtime.check(drv.cuKernelGetFunction(drv.CUkernel(int(self._load(device).handle))),
+                       f"{self.name}: cuKernelGetFunction on cuda:{device}")
+    head = (ctypes.c_void_p(int(fn)), *(ctypes.c_uint(n) for n in (*g, 32 * self.num_warps, 1, 1, self.shared)))
+    if len(self._launches) > 4096: self._launches.clear()
+    entry = self._launches[grid] = (device, math.prod(g), head)
+    return entry
+
+  def _parameters(self) -> _Parameters:
+    buf = self._buffers[threading.get_ident()] = _Parameters(self._n_params + 2)
+    return buf
 
   def __call__(self, grid: Any, *args: Any, stream: runtime.Stream | None = None) -> None:
-    s = runtime.current_stream() if stream is None else stream
-    d = s.device
-    fn = self._fns.get(d)
-    if fn is None: fn = self._load(d)
-    elif runtime._tls.context != d: runtime.state(d)  # a stream of another GPU: its context
-    cfg, programs = self._configs.get(grid) or self._config(grid)
+    s = runtime.launch_stream(stream)
+    entry = self._launches.get(grid)
+    if entry is None or entry[0] != s.device: entry = self._prepare(grid, s.device)
+    _, programs, head = entry
     if not programs: return
-    params = self._pack(*args)
-    if s is not runtime._states[d].compute:
-      for o in self._pointers(*args):
+    buf = self._buffers.get(threading.get_ident()) or self._parameters()
+    try: self._pack(buf.slots, *args)
+    except (struct.error, TypeError, OverflowError): self._pack_checked(buf.slots, args)
+    if not s.is_default:
+      for o in self._owners(*args):
         if o is not None and o.stream is not s: o.record_stream(s)
-    if not self._scratch:
-      self._launch(s._s, cfg, fn, *params)
-      return
-    c, alloc = self.compiled, runtime.state(d).allocator
-    # freed as this returns, into the stream's pool: a reuse is queued behind this launch
-    scratch = [alloc.malloc(programs * c.num_ctas * size, s) for size in (c.global_scratch_size, c.profile_scratch_size)]
-    self._launch(s._s, cfg, fn, *params, scratch[0].ptr, scratch[1].ptr)
+    if self._scratch:  # freed as this returns, into the stream's pool: a reuse is queued behind this launch
+      c = self.compiled
+      scratch = [s.allocator.malloc(programs * size, s) for size in (c.global_scratch_size, c.profile_scratch_size)]
+      _SCRATCH.pack_into(buf.slots, 8 * self._n_params, scratch[0].ptr, scratch[1].ptr)
+    err = self._launch(*head, s.c_handle, buf.addresses, None)
+    if err: runtime.check((err,), f"launching {self.name} on cuda:{s.device}")
 
   def __repr__(self) -> str:
     c = self.compiled

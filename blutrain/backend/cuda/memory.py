@@ -24,10 +24,10 @@ CHUNK = 16 << 20  # bytes per pinned staging buffer; copies run in pieces of thi
 def empty(shape, dtype: DType, device: int | None = None, stream: Stream | None = None) -> CudaArray:
   """A contiguous array of `shape` and `dtype` with undefined values, usable in the order of `stream`
   (default: the device's current stream)."""
-  shape = tuple(shape)
+  if shape.__class__ is not tuple: shape = tuple(shape)
   numel, strides = _dense(shape)
   s = stream or current_stream(device)
-  block = runtime.state(s.device).allocator.malloc(numel * dtype.itemsize, s)
+  block = s.allocator.malloc(numel * dtype.itemsize, s)
   return CudaArray(block.ptr, shape, strides, dtype, s.device, block)
 
 

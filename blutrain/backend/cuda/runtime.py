@@ -10,6 +10,7 @@ current stream only.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import threading
@@ -33,12 +34,13 @@ def driver():
 
 
 def check(ret: tuple, what: str) -> Any:
-  """Unpack a cuda.bindings result `(CUresult, *values)`, raising RuntimeError with the error's name."""
+  """Unpack a cuda.bindings result `(CUresult, *values)` (or a raw CUresult in a 1-tuple), raising RuntimeError with
+  the error's name."""
   err = ret[0]
   if err != 0:
     drv = driver()
-    name = drv.cuGetErrorName(err)[1]
-    desc = drv.cuGetErrorString(err)[1]
+    name = drv.cuGetErrorName(drv.CUresult(err))[1]
+    desc = drv.cuGetErrorString(drv.CUresult(err))[1]
     raise RuntimeError(f"{what} failed: {name.decode() if name else int(err)} "
                        f"({desc.decode() if desc else 'no description'})")
   return ret[1] if len(ret) == 2 else ret[1:]
@@ -68,6 +70,17 @@ def is_available() -> bool:
 def unavailable_reason() -> str:
   """Why `is_available()` is False ('' when it is True)."""
   return _probe_driver()[1]
+
+
+@functools.cache
+def launch_function() -> Any:
+  """The driver's cuLaunchKernel, called through ctypes with arguments that are ctypes objects made once (so no
+  Python int is converted per call). NOTE: through PyDLL, which keeps the GIL during the call: releasing and taking
+  it back cost 0.7 us of a 6 us launch on the H200 machine (2026-12-01; cuda.bindings' cuLaunchKernel, which
+  releases it, took 5.8 us, this 5.3), and a launch only waits when CUDA's launch queue is full."""
+  f = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
+  f.restype = ctypes.c_int
+  return f
 
 
 def device_count() -> int:
@@ -133,8 +146,8 @@ class _DeviceState:
       raise RuntimeError(f"cuda:{index} does not exist: the driver sees {device_count()} GPU(s)")
     self.index, self.device = index, Device(index)
     self.device.set_current()
-    self.compute, self.comm = _new_stream(self.device, index), _new_stream(self.device, index)
     self.allocator = CachingAllocator(_DeviceDriver(index), index)
+    self.compute, self.comm = _new_stream(self, default=True), _new_stream(self)
     self._properties: DeviceProperties | None = None
 
   @property
@@ -211,17 +224,21 @@ def synchronize(device: int | None = None) -> None:
 
 class Stream:
   """A CUDA stream on one device, as torch.cuda.Stream: `Stream()` creates a new non-blocking stream on the
-  current device. Lower `priority` numbers run first (None: the lowest priority)."""
-  __slots__ = ("_s", "device", "handle", "__weakref__")
+  current device. Lower `priority` numbers run first (None: the lowest priority). Each Stream object owns its CUDA
+  stream, so streams compare (and hash) by identity.
+
+  What launches need is kept on it: the device's `allocator`, the handle as a ctypes argument (`c_handle`) and
+  whether it is the device's default (compute) stream, on which a launch records no cross-stream uses."""
+  __slots__ = ("_s", "device", "handle", "c_handle", "allocator", "is_default", "__weakref__")
 
   def __init__(self, device: int | None = None, priority: int | None = None):
-    st = state(device)
-    self._create(st.device, st.index, priority)
+    self._create(state(device), priority, False)
 
-  def _create(self, dev: Any, index: int, priority: int | None) -> None:
+  def _create(self, st: _DeviceState, priority: int | None, default: bool) -> None:
     from cuda.core import StreamOptions
-    self._s = dev.create_stream(options=StreamOptions(nonblocking=True, priority=priority))
-    self.device, self.handle = index, int(self._s.handle)
+    self._s = st.device.create_stream(options=StreamOptions(nonblocking=True, priority=priority))
+    self.device, self.handle, self.allocator, self.is_default = st.index, int(self._s.handle), st.allocator, default
+    self.c_handle = ctypes.c_void_p(self.handle)
 
   @property
   def cuda_stream(self) -> int:
@@ -229,8 +246,6 @@ class Stream:
     return self.handle
 
   def __cuda_stream__(self) -> tuple[int, int]: return (0, self.handle)
-  def __eq__(self, other: object) -> bool: return isinstance(other, Stream) and other.handle == self.handle
-  def __hash__(self) -> int: return self.handle
   def __repr__(self) -> str: return f"<blutrain.cuda.Stream device=cuda:{self.device} cuda_stream=0x{self.handle:x}>"
 
   def query(self) -> bool:
@@ -300,10 +315,10 @@ class Event:
     return float(end._e - self._e)
 
 
-def _new_stream(dev: Any, index: int) -> Stream:
+def _new_stream(st: _DeviceState, default: bool = False) -> Stream:
   """A stream made while the device's state is being built (Stream() would ask for that state)."""
   s = Stream.__new__(Stream)
-  s._create(dev, index, None)
+  s._create(st, None, default)
   return s
 
 
@@ -313,6 +328,15 @@ def current_stream(device: int | None = None) -> Stream:
   i = tls.device if device is None else device
   s = tls.streams.get(i)
   if s is None: s = tls.streams[i] = state(i).compute
+  return s
+
+
+def launch_stream(stream: Stream | None = None) -> Stream:
+  """The stream a launch goes on (`stream`, else the current stream), with its device's context made current in the
+  calling thread (a `with stream(...)` block on another GPU may have left another one current)."""
+  tls = _tls
+  s = stream or tls.streams.get(tls.device) or current_stream()
+  if tls.context != s.device: state(s.device)
   return s
 
 

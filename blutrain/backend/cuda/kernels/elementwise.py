@@ -20,11 +20,12 @@ from triton.language.extra.cuda import libdevice
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.runtime import Stream, current_stream
 from blutrain.backend.cuda.kernels import (MAX_DIMS, broadcast_shape, broadcast_strides, collapse, empty, needs_i64,
                                            pad, ptr, spec, sqrt_rn, strided, view)
 from blutrain.configurator import flat_schedule, tile_schedule
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv
+from blutrain.shapes import cdiv, contiguous_strides
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
          "logical_not", "gelu", "gelu_tanh", "copy")
@@ -341,11 +342,13 @@ _BY_NP = {d.np: d for d in dtypes.all_dtypes}
 class Value:
   """An operand passed to the kernel by value: a CPU scalar (a 0-d host array, `ops.core.is_cpu_scalar`) among the
   inputs of an elementwise op on CUDA, as PyTorch passes its CPU scalars."""
-  __slots__ = ("value", "dtype")
+  __slots__ = ("value", "dtype", "layout_key")
   shape = strides = ()
   ndim = 0
 
-  def __init__(self, a: np.ndarray): self.value, self.dtype = a.item(), _BY_NP[a.dtype]
+  def __init__(self, a: np.ndarray):
+    self.value, self.dtype = a.item(), _BY_NP[a.dtype]
+    self.layout_key = ((), (), self.dtype, -1)
 
 
 def launch(op: str, out: CudaArray, *ins: CudaArray | Value) -> CudaArray:
@@ -354,27 +357,37 @@ def launch(op: str, out: CudaArray, *ins: CudaArray | Value) -> CudaArray:
   return _launch(op, out, (ins[1], ins[2], ins[0]) if op == "where" else ins)  # the kernels read the condition third
 
 
-def _launch(op: str, out: CudaArray, ins: tuple[CudaArray | Value, ...]) -> CudaArray:
-  plan = _plan(op, (out.shape, out.strides, out.dtype, out.ptr & 15),
-               *[(a.shape, a.strides, a.dtype, a.ptr & 15) if a.__class__ is CudaArray else ((), (), a.dtype, -1)
-                 for a in ins])
-  if plan:  # absent operands repeat the last one; the kernel does not read them
-    kernel, grid, scalars, by_value = plan
-    if by_value: ins = tuple(a.value if a.__class__ is Value else a for a in ins)
-    kernel(grid, out, ins[0], ins[min(1, len(ins) - 1)], ins[-1], *scalars)
+_plans: dict[tuple, tuple] = {}  # (op, layouts of out and the inputs) -> _plan's result
+
+
+def _launch(op: str, out: CudaArray, ins: tuple[CudaArray | Value, ...], stream: Stream | None = None) -> CudaArray:
+  key = (op, out.layout_key or out.key(), *[a.layout_key or a.key() for a in ins])
+  plan = _plans.get(key)
+  if plan is None:
+    if len(_plans) > 4096: _plans.clear()
+    plan = _plans[key] = _plan(*key)
+  if plan:
+    _run(plan, out, ins, stream)
     return out
   cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
   for i in range(cshape[0]):  # too many dims for the kernels: loop over the outermost one on the host
     _launch(op, view(out, cshape[1:], ost[1:], i * ost[0]),
-            tuple(a if a.__class__ is Value else view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)))
+            tuple(a if a.__class__ is Value else view(a, cshape[1:], s[1:], i * s[0]) for a, s in zip(ins, ists)),
+            stream)
   return out
 
 
-@functools.lru_cache(maxsize=4096)
+def _run(plan: tuple, out: CudaArray, ins: tuple[CudaArray | Value, ...], stream: Stream | None) -> None:
+  """Launch a plan; absent operands repeat the last one (the kernel does not read them)."""
+  kernel, grid, scalars, by_value = plan
+  if by_value: ins = [a.value if a.__class__ is Value else a for a in ins]
+  kernel(grid, out, ins[0], ins[1] if len(ins) > 1 else ins[0], ins[-1], *scalars, stream=stream)
+
+
 def _plan(op: str, *layouts: Layout) -> tuple:
   """(kernel, grid, scalar arguments after the four operands, whether some operand goes by value) of op on the
   layouts of out and its inputs, or () when they have more than MAX_DIMS dims after collapsing. A function of the
-  layouts only, so it is cached: the arrays it reads are stand-ins with their layout and their address modulo 16,
+  layouts only, so callers cache it: the arrays it reads are stand-ins with their layout and their address modulo 16,
   which is all alignment needs."""
   out, *ins = arrays = [CudaArray(p, shape, strides, dt, 0, None) for shape, strides, dt, p in layouts]
   values = tuple(a.ptr == -1 for a in ins)
@@ -402,11 +415,33 @@ def _plan(op: str, *layouts: Layout) -> tuple:
           (n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st)), any(values))
 
 
+_new_outputs: dict[tuple, tuple] = {}  # (op, output dtype, input layouts) -> (output shape, plan or None)
+
+
 def elementwise(op: str, out_dtype: DType, *ins: CudaArray | Value) -> CudaArray:
-  """A new contiguous array of the broadcast shape holding op(*ins), on the device of the first array among ins."""
+  """A new contiguous array of the broadcast shape holding op(*ins), on the device of the first array among ins and
+  its current stream. For where, ins is (c, x, y)."""
+  if op == "where": ins = (ins[1], ins[2], ins[0])  # the kernels read the condition third
+  key = (op, out_dtype, *[a.layout_key or a.key() for a in ins])
+  hit = _new_outputs.get(key)
+  if hit is None:
+    if len(_new_outputs) > 4096: _new_outputs.clear()
+    hit = _new_outputs[key] = _new_output(*key)
+  shape, plan = hit
   a = ins[0]
   if a.__class__ is not CudaArray: a = next(x for x in ins if x.__class__ is CudaArray)
-  return launch(op, empty(broadcast_shape(*(x.shape for x in ins)), out_dtype, a.device), *ins)
+  s = current_stream(a.device)
+  out = empty(shape, out_dtype, a.device, s)
+  if plan: _run(plan, out, ins, s)
+  elif plan is not None: _launch(op, out, ins, s)
+  return out
+
+
+def _new_output(op: str, out_dtype: DType, *layouts: Layout) -> tuple:
+  """(shape, plan) of op writing a new contiguous array (512-byte aligned, as the allocator's blocks); the plan is
+  None when the array is empty, () when the host loops over dims."""
+  shape = broadcast_shape(*(shape for shape, _, _, _ in layouts))
+  return shape, None if 0 in shape else _plan(op, (shape, contiguous_strides(shape), out_dtype, 0), *layouts)
 
 
 def _op(op: str, arg: int = 0):

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.runtime import current_stream
 from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, collapse, empty, max_nan, min_nan,
                                            needs_i64, ptr, run, spec)
 from blutrain.backend.cuda.kernels.copy import copy
@@ -211,12 +212,13 @@ def reduce_spec(op: str, x: DType, out: DType, m_dims: int, n_dims: int, m_unit:
 def reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
   """op ("sum", "amax", "amin") of x over `dims` in out_dtype, a new contiguous array (see the module's docstring)."""
   out_shape, perm, passes = _reduce_plan(op, x.shape, x.strides, x.dtype, tuple(dims), keepdim, out_dtype)
-  out = empty(out_shape, out_dtype, x.device)
+  s = current_stream(x.device)
+  out = empty(out_shape, out_dtype, x.device, s)
   if not passes: return out if 0 in out_shape else fill(out, 0)
   if perm is not None: x = copy(_permuted(x, perm))
   for kernel, grid, scalars, partial in passes:
-    dst = out if partial is None else empty(*partial, x.device)
-    kernel(grid, dst, x, *scalars)
+    dst = out if partial is None else empty(*partial, x.device, s)
+    kernel(grid, dst, x, *scalars, stream=s)
     x = dst
   return out
 
