@@ -17,12 +17,18 @@ class Device:
 cpu = Device("cpu")
 
 
+_parsed: dict[str, Device] = {}  # one Device object per name, so that device checks mostly compare by identity
+
+
 def to_device(d: str | Device | None) -> Device:
   """Parse 'cpu', 'cuda', 'cuda:1' or a Device; `cuda` means the current GPU, `cuda:0`."""
   if d is None: return cpu
   if isinstance(d, Device): return d
   if isinstance(d, str):
+    if (dev := _parsed.get(d)) is not None: return dev
     kind, _, idx = d.partition(":")
     if kind == "cpu" and not idx: return cpu
-    if kind == "cuda" and (not idx or idx.isdigit()): return Device("cuda", int(idx or 0))
+    if kind == "cuda" and (not idx or idx.isdigit()):
+      dev = _parsed[d] = _parsed.setdefault(f"cuda:{int(idx or 0)}", Device("cuda", int(idx or 0)))
+      return dev
   raise ValueError(f"unknown device {d!r}; expected 'cpu', 'cuda' or 'cuda:N'")

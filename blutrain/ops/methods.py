@@ -134,11 +134,18 @@ class TensorMethods:
   # *** operators ***
 
   def __neg__(self): return elementwise.neg(self)
-  def __add__(self, other): return elementwise.add(self, other)
+  # NOTE: two tensors of one dtype go straight to the primitive (no promotion to work out): the hottest eager path
+  def __add__(self, other):
+    if isinstance(other, Tensor) and other.dtype is self.dtype: return elementwise.add_op(self, other)
+    return elementwise.add(self, other)
   def __radd__(self, other): return elementwise.add(other, self)
-  def __sub__(self, other): return elementwise.sub(self, other)
+  def __sub__(self, other):
+    if isinstance(other, Tensor) and other.dtype is self.dtype: return elementwise.sub_op(self, other)
+    return elementwise.sub(self, other)
   def __rsub__(self, other): return elementwise.sub(other, self)
-  def __mul__(self, other): return elementwise.mul(self, other)
+  def __mul__(self, other):
+    if isinstance(other, Tensor) and other.dtype is self.dtype: return elementwise.mul_op(self, other)
+    return elementwise.mul(self, other)
   def __rmul__(self, other): return elementwise.mul(other, self)
   def __truediv__(self, other): return elementwise.div(self, other)
   def __rtruediv__(self, other): return elementwise.div(other, self)
