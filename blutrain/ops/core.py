@@ -177,7 +177,11 @@ Op.__call__ = apply  # an op is called as `add_op(x, y)`, straight into apply
 def _fits(into, avals, dev, inputs, op_: Op) -> bool:
   """Whether `into` may take the result as the kernel writes it (see `can_write_into`), every output for a multi-output op."""
   if not op_.multi: return can_write_into(into, avals[0], avals[1], dev, inputs)
-  return len(into) == len(avals) and all(can_write_into(t, s, d, dev, inputs) for t, (s, d) in zip(into, avals))
+  if len(into) != len(avals): return False
+  sharing: dict[int, list] = {}  # NOTE: a multi-tensor op has hundreds of outputs: check each against its own storage's
+  for t in inputs:
+    if t is not None: sharing.setdefault(id(t._storage), []).append(t)
+  return all(can_write_into(t, s, d, dev, sharing.get(id(t._storage), ())) for t, (s, d) in zip(into, avals))
 
 
 def _out_arrays(into, op_: Op):
