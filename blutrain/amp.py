@@ -32,6 +32,7 @@ POLICY: dict[str, dict[str, str]] = {
   "cpu": {**_MATMULS, "cross_entropy": FP32},
 }
 _HALVES = (dtypes.float16, dtypes.bfloat16)
+_LISTED = frozenset(name for table in POLICY.values() for name in table)  # NOTE: POLICY is fixed at import
 
 
 class _State(threading.local):
@@ -74,6 +75,7 @@ def _lower(t: Tensor, dtype: DType) -> Tensor:
 
 def _cast(name: str, inputs: tuple) -> tuple:
   """The inputs of op `name` as the policy table says (the `hooks.autocast` slot that `ops.apply` calls under autocast)."""
+  if name not in _LISTED: return inputs  # most ops: nothing to look at
   kind = None
   for t in inputs:  # the first tensor's device type; CPU scalars (numbers) go with other devices' tensors
     if isinstance(t, Tensor):
