@@ -20,7 +20,7 @@ class Optimizer:
   group leaves out come from `defaults`); `state[p]` is a dict of the per-parameter state (step, moments).
   A subclass implements `_update`, the update of one parameter; `step` runs it under no_grad for every
   parameter that has a gradient, group by group through `_step_group`, which a subclass may override to update a
-  whole group at once (Adam's fused CUDA kernel).
+  whole group at once (Adam's multi-tensor op, `ops.adamw_`).
 
   Args:
     params: an iterable of tensors, or of dicts defining parameter groups.
