@@ -1,7 +1,8 @@
 """The op library: every primitive once (signature, shape/dtype rule, VJP, name), composites over them.
 
 Modules build on each other in this order, each importing only those before it: core (Op, apply), creation,
-random, elementwise, reduce, movement, linalg, nn, optim (multi-tensor ops), inplace; methods gives Tensor its methods from all of them.
+random, elementwise, reduce, movement, linalg, nn, optim (multi-tensor ops), inplace; methods gives Tensor its
+methods from all of them.
 A VJP that needs an op of a later module reaches it through a tensor method.
 
 Names: a primitive's `Op` object is `<name>_op` (`add_op`, `layer_norm_backward_op`); the public function of the same
@@ -19,8 +20,8 @@ from blutrain.ops.elementwise import (abs, add, cast, clamp, clip, copy, cos, di
                                       rsqrt, sigmoid, sign, silu, sin, sqrt, square, sub, tanh, where)
 from blutrain.ops.inplace import inplace, setitem
 from blutrain.ops.linalg import matmul
-from blutrain.ops.movement import (cat, chunk, expand, flatten, getitem, narrow, nonzero, permute, repeat, reshape, split,
-                                   squeeze, stack, transpose, unbind, unflatten, unsqueeze, view)
+from blutrain.ops.movement import (cat, chunk, expand, flatten, getitem, narrow, nonzero, permute, repeat, reshape,
+                                   split, squeeze, stack, transpose, unbind, unflatten, unsqueeze, view)
 from blutrain.ops.nn import (cross_entropy, dropout, embedding, gather, index_select, layer_norm, linear, log_softmax,
                              mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter_add, softmax,
                              tril, triu)

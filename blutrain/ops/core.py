@@ -175,7 +175,7 @@ Op.__call__ = apply  # an op is called as `add_op(x, y)`, straight into apply
 
 
 def _fits(into, avals, dev, inputs, op_: Op) -> bool:
-  """Whether `into` may take the result as the kernel writes it (see `can_write_into`), every output for a multi-output op."""
+  """Whether `into` may take the result as the kernel writes it (`can_write_into`; each output of a multi-output op)."""
   if not op_.multi: return can_write_into(into, avals[0], avals[1], dev, inputs)
   if len(into) != len(avals): return False
   sharing: dict[int, list] = {}  # NOTE: a multi-tensor op has hundreds of outputs: check each against its own storage's

@@ -10,10 +10,10 @@ from __future__ import annotations
 from types import FunctionType
 
 from blutrain import dtypes
-from blutrain.ops import creation, elementwise, linalg, movement, nn, random, reduce
-from blutrain.ops.inplace import inplace, setitem
 from blutrain.device import Device, to_device
 from blutrain.dtypes import DType
+from blutrain.ops import creation, elementwise, linalg, movement, nn, random, reduce
+from blutrain.ops.inplace import inplace, setitem
 from blutrain.tensor import Tensor
 
 
@@ -23,7 +23,7 @@ class TensorMethods:
   def new_full(self, size, fill_value, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
     """A tensor of `size` filled with `fill_value`, of this tensor's dtype and device unless given."""
     return creation.full(tuple(size), fill_value, dtype=dtype or self.dtype, device=device or self.device,
-                    requires_grad=requires_grad)
+                         requires_grad=requires_grad)
 
   def new_zeros(self, *size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
     return self.new_full(_shape_args(size), 0, dtype=dtype, device=device, requires_grad=requires_grad)
@@ -55,7 +55,8 @@ class TensorMethods:
       elif isinstance(a, (Device,)) or (isinstance(a, str) and a.split(":")[0] in ("cpu", "cuda")): device = a
       else: dtype = a
     out = self
-    if dtype is not None and dtypes.to_dtype(dtype) is not self.dtype: out = elementwise.cast(out, dtypes.to_dtype(dtype))
+    if dtype is not None and dtypes.to_dtype(dtype) is not self.dtype:
+      out = elementwise.cast(out, dtypes.to_dtype(dtype))
     if device is not None and to_device(device) != self.device: out = creation.to_device(out, to_device(device))
     return out
 
@@ -196,12 +197,9 @@ FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign squ
   masked_fill lerp sum mean max min amax amin argmax argmin var std logsumexp cumsum all any matmul
   softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite""".split()
 
-def _method(fn):
-  """An op as a method; primitives (`Op` objects, not functions) need the wrapper to receive `self`."""
-  return fn if isinstance(fn, type(_method)) else lambda self, *args, **kwargs: fn(self, *args, **kwargs)
-
 
 def _op_named(name: str):
+  """The public function of an op (a plain function: as a class attribute it binds `self`, the tensor)."""
   return next(getattr(m, name) for m in (elementwise, reduce, movement, linalg, nn) if hasattr(m, name))
 
 
@@ -209,4 +207,4 @@ def attach() -> None:
   """Give Tensor its methods: TensorMethods' body and the FORWARDED ops."""
   for name, fn in vars(TensorMethods).items():
     if isinstance(fn, FunctionType): setattr(Tensor, name, fn)
-  for name in FORWARDED: setattr(Tensor, name, _method(_op_named(name)))
+  for name in FORWARDED: setattr(Tensor, name, _op_named(name))
