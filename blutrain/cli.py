@@ -68,6 +68,25 @@ def _info(args: argparse.Namespace) -> int:
   return 0
 
 
+def _count(least: int):
+  """An argparse type: an int of at least `least` (the error names the flag: argparse adds it)."""
+  def parse(text: str) -> int:
+    try: value = int(text)
+    except ValueError: raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < least: raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    return value
+  return parse
+
+
+def _device(text: str) -> str:
+  """An argparse type: 'auto' or a device name that blutrain knows."""
+  from blutrain.device import to_device
+  if text != "auto":
+    try: to_device(text)
+    except RuntimeError as e: raise argparse.ArgumentTypeError(str(e)) from None
+  return text
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="blutrain", description="Train and sample GPT models with blutrain.")
   sub = p.add_subparsers(dest="command", required=True)
@@ -76,25 +95,25 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--preset", help="model preset: char-tiny, char-small (default), char-medium, gpt2, gpt2-medium, ...")
   t.add_argument("--corpus", help="'tinyshakespeare' (bundled, default) or a path to a text file")
   t.add_argument("--tokenizer", choices=["char", "bpe"], help="default: char for char-* presets, bpe otherwise")
-  t.add_argument("--bpe-vocab-size", type=int)
-  t.add_argument("--batch-size", "-b", type=int)
-  t.add_argument("--block-size", type=int, help="context length (default: the preset's)")
-  t.add_argument("--steps", type=int)
+  t.add_argument("--bpe-vocab-size", type=_count(2))
+  t.add_argument("--batch-size", "-b", type=_count(1))
+  t.add_argument("--block-size", type=_count(1), help="context length (default: the preset's)")
+  t.add_argument("--steps", type=_count(1))
   t.add_argument("--lr", type=float, help="peak learning rate (linear warmup, then cosine decay)")
-  t.add_argument("--warmup-steps", type=int)
+  t.add_argument("--warmup-steps", type=_count(0))
   t.add_argument("--weight-decay", type=float)
   t.add_argument("--grad-clip", type=float)
   t.add_argument("--dropout", type=float)
-  t.add_argument("--device", help="auto (default: cuda when available), cpu, cuda, cuda:N")
+  t.add_argument("--device", type=_device, help="auto (default: cuda when available), cpu, cuda, cuda:N")
   t.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
   t.add_argument("--amp", choices=["bfloat16"], help="autocast mixed precision over float32 parameters")
   t.add_argument("--matmul-precision", choices=["highest", "high"], help="float32 matmuls: FP32 (default) or TF32")
   t.add_argument("--seed", type=int)
   t.add_argument("--out-dir", help="output directory (default: runs/<preset>)")
-  t.add_argument("--eval-interval", type=int)
-  t.add_argument("--eval-batches", type=int)
-  t.add_argument("--log-interval", type=int)
-  t.add_argument("--sample-tokens", type=int)
+  t.add_argument("--eval-interval", type=_count(1))
+  t.add_argument("--eval-batches", type=_count(1))
+  t.add_argument("--log-interval", type=_count(1))
+  t.add_argument("--sample-tokens", type=_count(0))
   t.add_argument("--compile", action="store_true", default=None,
                  help="compile the whole training step (forward, backward, optimizer) with Nova")
   t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output directory")
@@ -103,12 +122,12 @@ def _parser() -> argparse.ArgumentParser:
   s = sub.add_parser("sample", help="generate text from a checkpoint")
   s.add_argument("--checkpoint", required=True, help="a run's output directory or a checkpoint directory")
   s.add_argument("--prompt", default="\n")
-  s.add_argument("--max-new-tokens", type=int, default=300)
+  s.add_argument("--max-new-tokens", type=_count(0), default=300)
   s.add_argument("--temperature", type=float, default=0.8)
-  s.add_argument("--top-k", type=int, default=40, help="0 disables top-k filtering")
-  s.add_argument("--num-samples", type=int, default=1)
+  s.add_argument("--top-k", type=_count(0), default=40, help="0 disables top-k filtering")
+  s.add_argument("--num-samples", type=_count(1), default=1)
   s.add_argument("--seed", type=int, default=1337)
-  s.add_argument("--device", default="auto")
+  s.add_argument("--device", type=_device, default="auto")
   s.set_defaults(func=_sample)
 
   i = sub.add_parser("info", help="versions, devices and backends")

@@ -10,6 +10,12 @@ class Device:
   type: str
   index: int | None = None
 
+  def __post_init__(self) -> None:
+    if self.type not in ("cpu", "cuda"):
+      raise RuntimeError(f"unknown device type {self.type!r}; expected 'cpu' or 'cuda'")
+    if self.index is not None and (not isinstance(self.index, int) or self.index < 0):
+      raise RuntimeError(f"device index must be a non-negative int, got {self.index!r}")
+
   def __str__(self) -> str: return self.type if self.index is None else f"{self.type}:{self.index}"
   def __repr__(self) -> str: return f"device(type='{self.type}'" + ("" if self.index is None else f", index={self.index}") + ")"
 
@@ -31,4 +37,4 @@ def to_device(d: str | Device | None) -> Device:
     if kind == "cuda" and (not idx or idx.isdigit()):
       dev = _parsed[d] = _parsed.setdefault(f"cuda:{int(idx or 0)}", Device("cuda", int(idx or 0)))
       return dev
-  raise ValueError(f"unknown device {d!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+  raise RuntimeError(f"unknown device {d!r}; expected 'cpu', 'cuda' or 'cuda:N'")  # the type PyTorch raises

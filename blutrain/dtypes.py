@@ -51,6 +51,11 @@ def to_dtype(x) -> DType:
     raise TypeError(f"unsupported dtype {x!r}; expected one of {', '.join(d.name for d in all_dtypes)}") from None
 
 
+def is_dtype_name(name: str) -> bool:
+  """Whether `to_dtype` takes this string ('float32', 'bf16', ...)."""
+  return name in _by_name
+
+
 def promote_types(a: DType, b: DType) -> DType:
   """The smallest dtype both convert to, as torch.promote_types: float16 with bfloat16 gives float32."""
   if a is b: return a

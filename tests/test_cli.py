@@ -140,3 +140,28 @@ def _isolated_cache(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   yield
   os.environ.pop("BLUTRAIN_DEBUG", None)
+
+
+@pytest.mark.parametrize("flags, message", [
+  (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+  (["--steps", "-5"], "argument --steps: must be at least 1, got -5"),
+  (["--log-interval", "0"], "argument --log-interval: must be at least 1, got 0"),
+  (["--eval-interval", "0"], "argument --eval-interval: must be at least 1, got 0"),
+  (["--batch-size", "0"], "argument --batch-size/-b: must be at least 1, got 0"),
+  (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
+  (["--warmup-steps", "-1"], "argument --warmup-steps: must be at least 0, got -1"),
+  (["--steps", "ten"], "argument --steps: expected an integer, got 'ten'"),
+  (["--device", "tpu"], "argument --device: unknown device 'tpu'"),
+])
+def test_bad_flags_are_refused_before_any_work(flags, message, tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["train", "--out-dir", str(tmp_path / "run"), *flags])
+  assert e.value.code == 2 and message in capsys.readouterr().err
+  assert not (tmp_path / "run").exists(), "nothing was prepared or written"
+
+
+def test_unknown_devices_raise_runtime_error_naming_them():
+  with pytest.raises(RuntimeError, match="unknown device type 'tpu'"): bt.device("tpu")
+  with pytest.raises(RuntimeError, match="unknown device 'tpu'"): bt.zeros(2, device="tpu")
+  with pytest.raises(RuntimeError, match="'tpu' is neither a device"): bt.zeros(2).to("tpu")
+  assert bt.zeros(2).to("bf16").dtype is bt.bfloat16 and str(bt.device("cuda", 1)) == "cuda:1"

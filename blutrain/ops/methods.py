@@ -53,6 +53,8 @@ class TensorMethods:
     for a in args:
       if isinstance(a, Tensor): device, dtype = a.device, a.dtype
       elif isinstance(a, (Device,)) or (isinstance(a, str) and a.split(":")[0] in ("cpu", "cuda")): device = a
+      elif isinstance(a, str) and not dtypes.is_dtype_name(a):
+        raise RuntimeError(f"to(): {a!r} is neither a device ('cpu', 'cuda', 'cuda:N') nor a dtype name")
       else: dtype = a
     out = self
     if dtype is not None and dtypes.to_dtype(dtype) is not self.dtype:
