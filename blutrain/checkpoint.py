@@ -3,9 +3,12 @@
 A checkpoint is a directory `step_000500/` holding `model.safetensors`, `optimizer.safetensors` and
 `state.json`. It is written into a temporary directory and renamed into place, and the `latest` pointer is
 replaced atomically after it, so a crash leaves either the old checkpoint or the new one, never half of one.
+`state.json` holds the SHA-256 of both tensor files, checked when the checkpoint is read: bytes changed on disk are
+an error naming the file, never silently wrong weights.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -47,6 +50,16 @@ def _unflatten(obj: Any, tensors: dict[str, np.ndarray]) -> Any:
   return obj
 
 
+def _sha256(path: Path) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 24), b""): digest.update(block)
+  return digest.hexdigest()
+
+
+_TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+
+
 def _fsync_write(path: Path, text: str) -> None:
   with open(path, "w") as f:
     f.write(text)
@@ -75,16 +88,28 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model_state: dict[s
   opt_tensors: dict[str, np.ndarray] = {}
   opt_json = _flatten(optimizer_state, opt_tensors, "optimizer") if optimizer_state is not None else None
   save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-  _fsync_write(tmp / "state.json", json.dumps({"step": step, "state": state or {}, "optimizer": opt_json}, indent=1))
+  checksums = {name: _sha256(tmp / name) for name in _TENSOR_FILES}
+  _fsync_write(tmp / "state.json", json.dumps({"step": step, "state": state or {}, "optimizer": opt_json,
+                                               "sha256": checksums}, indent=1))
   if final.exists():
     shutil.rmtree(final)
   os.replace(tmp, final)
   pointer = root / f".{LATEST}.tmp"
   _fsync_write(pointer, final.name)
   os.replace(pointer, root / LATEST)
-  for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep] if keep > 0 else []:
+  # retention: the newest `keep` by step, never the one just written (which `latest` names)
+  older = [p for p in sorted(root.glob("step_*")) if p.is_dir() and p != final]
+  for old in older[:len(older) - (keep - 1)] if keep > 0 else []:
     shutil.rmtree(old, ignore_errors=True)
   return final
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+  """Delete the temporary directories that interrupted saves left under `directory` (a run's `checkpoints/`);
+  returns what was removed. Call it before a run starts writing there."""
+  removed = [p for p in Path(directory).glob(".tmp-step_*") if p.is_dir()]
+  for p in removed: shutil.rmtree(p, ignore_errors=True)
+  return removed
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
@@ -106,6 +131,10 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, bt.Tensor], dict
   ckpt = find_checkpoint(path)
   try:
     meta = json.loads((ckpt / "state.json").read_text())
+    for name, want in meta.get("sha256", {}).items():
+      if _sha256(ckpt / name) != want:
+        raise RuntimeError(f"checkpoint {ckpt}: {name} does not match the checksum written with it (its bytes changed "
+                           f"on disk); resume from an earlier checkpoint with `blutrain train --resume PATH`")
     model_state = {k: bt.from_numpy(v) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
     opt_tensors = load_file(str(ckpt / "optimizer.safetensors"))
   except (OSError, ValueError, KeyError, SafetensorError) as e:

@@ -12,7 +12,7 @@ def _train(args: argparse.Namespace) -> int:
   from blutrain.train import Trainer, TrainConfig, config_from_args
   opts = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
   cfg = config_from_args(**opts)
-  trainer = Trainer(cfg, resume=args.resume)
+  trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
   device = trainer.device
   params = trainer.model.num_params()
   print(f"blutrain train: {cfg.preset} ({params / 1e6:.2f}M parameters), {trainer.tokenizer.name} tokenizer with "
@@ -116,7 +116,9 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--sample-tokens", type=_count(0))
   t.add_argument("--compile", action="store_true", default=None,
                  help="compile the whole training step (forward, backward, optimizer) with Nova")
-  t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the output directory")
+  t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
+                 help="continue from the newest checkpoint in the output directory, or from the checkpoint at PATH")
+  t.add_argument("--overwrite", action="store_true", help="replace the run the output directory holds")
   t.set_defaults(func=_train)
 
   s = sub.add_parser("sample", help="generate text from a checkpoint")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import gc
 import json
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
@@ -82,16 +83,19 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
 
 
 class Trainer:
-  """One run: `Trainer(cfg).fit()`; `resume=True` continues from the newest checkpoint in the output dir."""
+  """One run: `Trainer(cfg).fit()`. `resume=True` continues from the newest checkpoint in the output dir, a path
+  from that checkpoint; `overwrite=True` replaces a run the output dir holds (else such a directory is refused)."""
 
-  def __init__(self, cfg: TrainConfig, resume: bool = False, quiet: bool = False):
+  def __init__(self, cfg: TrainConfig, resume: bool | str = False, quiet: bool = False, overwrite: bool = False):
     self.cfg, self.quiet = cfg, quiet
     self.device = cfg.device if cfg.device != "auto" else default_device()
     if cfg.amp and cfg.dtype != "float32":
       raise ValueError(f"--amp {cfg.amp} keeps float32 parameters and computes in {cfg.amp}; it does not combine "
                        f"with --dtype {cfg.dtype}: drop one of them")
     self.out = cfg.output
+    _claim(self.out, resume, overwrite)
     self.out.mkdir(parents=True, exist_ok=True)
+    checkpoint.remove_stale_temporaries(self.out / "checkpoints")
     bt.manual_seed(cfg.seed)
     text = data.load_text(cfg.corpus)
     kind = cfg.tokenizer or ("char" if cfg.preset.startswith("char") else "bpe")
@@ -108,7 +112,7 @@ class Trainer:
     self.step, self.history = 0, []
     update = training_step(self.model, self.optimizer, cfg.grad_clip)
     self._update = bt.compile(update) if cfg.compile else update
-    if resume: self._restore()
+    if resume: self._restore(self.out if resume is True else resume)
 
   # *** checkpoints ***
 
@@ -122,8 +126,8 @@ class Trainer:
     return checkpoint.save_checkpoint(self.out / "checkpoints", self.step, self.model.state_dict(),
                                       self.optimizer.state_dict(), self._state())
 
-  def _restore(self) -> None:
-    model_state, opt_state, state, step = checkpoint.load_checkpoint(self.out)
+  def _restore(self, path: str | Path) -> None:
+    model_state, opt_state, state, step = checkpoint.load_checkpoint(path)
     if state.get("model_config") != self.model.config.to_dict():
       raise RuntimeError(f"--resume: the checkpoint's model {state.get('model_config')} differs from this run's "
                          f"{self.model.config.to_dict()}; use the same preset and flags, or another --out-dir")
@@ -158,7 +162,15 @@ class Trainer:
   def train_step(self) -> float:
     with self._autocast(): loss = self._update(*self.batch())
     self.scheduler.step()
-    return loss.item()
+    value = loss.item()
+    if not np.isfinite(value):
+      last = (self.out / "checkpoints" / checkpoint.LATEST)
+      saved = f"the last checkpoint, {last.read_text().strip()}, holds finite weights" if last.is_file() else \
+              "no checkpoint was written yet"
+      raise RuntimeError(f"step {self.step + 1}: the training loss is {value}; stopped before saving anything from "
+                         f"it ({saved}). Lower --lr, raise --warmup-steps or keep --grad-clip on, and resume with "
+                         "--resume")
+    return value
 
   def fit(self) -> dict:
     """Train to `cfg.steps`; returns the final metrics."""
@@ -225,6 +237,20 @@ class Trainer:
     fig.tight_layout()
     fig.savefig(self.out / "loss.png", dpi=120)
     plt.close(fig)
+
+
+def _claim(out: Path, resume: bool | str, overwrite: bool) -> None:
+  """Refuse to start a new run in a directory that holds one (it would mix both runs' metrics and checkpoints),
+  unless resuming it, or replacing it when asked to."""
+  held = [p for p in (out / "checkpoints" / checkpoint.LATEST, out / "metrics.jsonl") if p.exists()]
+  if not held or resume: return
+  if not overwrite:
+    raise RuntimeError(f"{out} already holds a run ({', '.join(str(p) for p in held)}); pass --resume to continue it, "
+                       "--out-dir for a new one, or --overwrite to replace it")
+  for name in ("checkpoints", "metrics.jsonl", "metrics.csv", "loss.png", "sample.txt", "config.json"):
+    p = out / name
+    if p.is_dir(): shutil.rmtree(p)
+    elif p.exists(): p.unlink()
 
 
 def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,

@@ -165,3 +165,66 @@ def test_unknown_devices_raise_runtime_error_naming_them():
   with pytest.raises(RuntimeError, match="unknown device 'tpu'"): bt.zeros(2, device="tpu")
   with pytest.raises(RuntimeError, match="'tpu' is neither a device"): bt.zeros(2).to("tpu")
   assert bt.zeros(2).to("bf16").dtype is bt.bfloat16 and str(bt.device("cuda", 1)) == "cuda:1"
+
+
+# *** a run never destroys what it cannot replace ***
+
+def test_a_second_run_into_a_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+  out = tmp_path / "run"
+  assert main(["train", *TINY, "--steps", "3", "--out-dir", str(out)]) == 0
+  before = (out / "metrics.jsonl").read_text()
+  capsys.readouterr()
+  assert main(["train", *TINY, "--steps", "3", "--out-dir", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
+  assert (out / "metrics.jsonl").read_text() == before, "the refused run wrote nothing"
+  assert main(["train", *TINY, "--steps", "2", "--out-dir", str(out), "--overwrite"]) == 0
+  assert [r["step"] for r in _metrics(out) if "loss" in r] == [1, 2]
+  assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000002"]
+
+
+def test_retention_never_deletes_the_checkpoint_latest_names(tmp_path):
+  state = {"w": bt.ones(2)}
+  for step in (10, 20): checkpoint.save_checkpoint(tmp_path, step, state)
+  final = checkpoint.save_checkpoint(tmp_path, 5, state)  # a lower step than the ones already there
+  assert (tmp_path / checkpoint.LATEST).read_text() == "step_000005" and final.is_dir()
+  assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000005", "step_000020"]
+  assert checkpoint.load_checkpoint(tmp_path)[3] == 5
+
+
+def test_changed_bytes_in_a_checkpoint_are_detected(tmp_path, capsys):
+  out = tmp_path / "run"
+  main(["train", *TINY, "--steps", "3", "--out-dir", str(out)])
+  latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+  data = bytearray((latest / "model.safetensors").read_bytes())
+  data[-8:] = bytes(8 - i for i in range(8))  # weights' bytes: still a valid safetensors file
+  (latest / "model.safetensors").write_bytes(bytes(data))
+  with pytest.raises(RuntimeError, match="model.safetensors does not match the checksum"):
+    checkpoint.load_checkpoint(out)
+  capsys.readouterr()
+  assert main(["sample", "--checkpoint", str(out)]) == 2
+  assert "model.safetensors does not match the checksum" in capsys.readouterr().err
+
+
+def test_interrupted_saves_are_cleaned_and_resume_takes_a_path(tmp_path):
+  out = tmp_path / "run"
+  main(["train", *TINY, "--steps", "6", "--out-dir", str(out)])
+  stale = out / "checkpoints" / ".tmp-step_000009-4242"
+  stale.mkdir()
+  (stale / "model.safetensors").write_bytes(b"half written")
+  early = out / "checkpoints" / "step_000003"
+  assert main(["train", *TINY, "--steps", "7", "--out-dir", str(out), "--resume", str(early)]) == 0
+  assert not stale.exists()
+  steps = [r["step"] for r in _metrics(out) if "loss" in r]
+  assert steps == [1, 2, 3, 4, 5, 6, 7], "history restarts from step 3's, then steps 4..7 run again"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's overflow warnings: this run diverges on purpose
+def test_a_non_finite_loss_stops_the_run_before_it_is_saved(tmp_path, capsys):
+  out = tmp_path / "run"
+  assert main(["train", *TINY, "--steps", "9", "--lr", "1e30", "--out-dir", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert "the training loss is" in err and "--resume" in err
+  for ckpt in (out / "checkpoints").glob("step_*"):
+    weights = checkpoint.load_checkpoint(ckpt)[0]
+    assert all(np.isfinite(t.float().numpy()).all() for t in weights.values()), ckpt.name
