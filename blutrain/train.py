@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import gc
 import json
+import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -101,10 +102,11 @@ class Trainer:
     kind = cfg.tokenizer or ("char" if cfg.preset.startswith("char") else "bpe")
     self.tokenizer = data.get_tokenizer(kind, text, vocab_size=cfg.bpe_vocab_size)
     train_path, val_path = data.prepare(text, self.tokenizer, self.out / "data")
+    self.train_data, self.val_data = data.load_tokens(train_path), data.load_tokens(val_path)
+    _check_context(cfg, self.device, len(self.train_data), len(self.val_data))
     self.model = build_model(cfg, self.tokenizer.vocab_size).to(self.device, bt.dtypes.to_dtype(cfg.dtype))
     bt.set_float32_matmul_precision(cfg.matmul_precision)
     self.block_size = self.model.config.block_size
-    self.train_data, self.val_data = data.load_tokens(train_path), data.load_tokens(val_path)
     self.optimizer = self.model.configure_optimizers(cfg.weight_decay, cfg.lr, betas=(0.9, cfg.beta2))
     self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, min(cfg.warmup_steps, cfg.steps), cfg.steps,
                                                           cfg.min_lr_ratio)
@@ -237,6 +239,23 @@ class Trainer:
     fig.tight_layout()
     fig.savefig(self.out / "loss.png", dpi=120)
     plt.close(fig)
+
+
+def _check_context(cfg: TrainConfig, device: str, n_train: int, n_val: int) -> None:
+  """Refuse a context length the corpus cannot fill, or whose attention would not fit the CPU's memory (the CPU
+  kernel holds the (T, T) weights of every head), before any model is built."""
+  shape = {**asdict(GPTConfig()), **PRESETS.get(cfg.preset, {})}
+  T, flag = cfg.block_size or shape["block_size"], "--block-size" if cfg.block_size else f"the preset's block size"
+  if T >= min(n_train, n_val):
+    raise ValueError(f"{flag} {T}: the corpus's {'validation' if n_val <= n_train else 'training'} split has "
+                     f"{min(n_train, n_val)} tokens and a window needs {T + 1}; use a shorter context")
+  if device == "cpu":
+    need = 3 * cfg.batch_size * shape["n_head"] * T * T * 4  # scores, weights and their gradient, float32
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have // 2:
+      raise ValueError(f"{flag} {T}: attention on the CPU would hold about {need / 2**30:.0f} GiB ({cfg.batch_size} x "
+                       f"{shape['n_head']} heads x {T}^2 scores), more than half of this machine's "
+                       f"{have / 2**30:.0f} GiB; use a shorter context or a smaller --batch-size")
 
 
 def _claim(out: Path, resume: bool | str, overwrite: bool) -> None:

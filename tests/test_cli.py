@@ -228,3 +228,20 @@ def test_a_non_finite_loss_stops_the_run_before_it_is_saved(tmp_path, capsys):
   for ckpt in (out / "checkpoints").glob("step_*"):
     weights = checkpoint.load_checkpoint(ckpt)[0]
     assert all(np.isfinite(t.float().numpy()).all() for t in weights.values()), ckpt.name
+
+
+@pytest.mark.parametrize("flags, message", [
+  (["--block-size", "200000"], "--block-size 200000: the corpus's validation split has"),
+  (["--block-size", "20000", "--batch-size", "4096"], "--block-size 20000: attention on the CPU would hold about"),
+])
+def test_a_context_the_corpus_or_memory_cannot_hold_is_refused(flags, message, tmp_path, capsys):
+  assert main(["train", "--preset", "char-tiny", "--steps", "1", "--device", "cpu", "--out-dir", str(tmp_path / "r"),
+               *flags]) == 2
+  assert message in capsys.readouterr().err
+
+
+def test_a_binary_corpus_is_named(tmp_path, capsys):
+  corpus = tmp_path / "weights.bin"
+  corpus.write_bytes(bytes(range(256)) * 4)
+  assert main(["train", *TINY, "--steps", "1", "--corpus", str(corpus), "--out-dir", str(tmp_path / "r")]) == 2
+  assert f"{str(corpus)!r} is not UTF-8 text" in capsys.readouterr().err

@@ -32,4 +32,8 @@ def load_text(name_or_path: str | os.PathLike = "tinyshakespeare") -> str:
   if not path.is_file():
     raise FileNotFoundError(f"load_text: no text file at {str(path.resolve())!r} and no bundled corpus named {name!r} "
                             f"(bundled: {', '.join(bundled_corpora())})")
-  return path.read_text(encoding="utf-8")
+  try:
+    return path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"load_text: {str(path.resolve())!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                     f"{e.start}); pass a text file as the corpus") from None
