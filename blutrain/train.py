@@ -278,7 +278,8 @@ def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, tempe
   ids = tokenizer.encode(prompt) or [0]
   idx = bt.tensor([ids], dtype=bt.int64, device=device)
   model.eval()
-  out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+  out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
+                       vocab_size=tokenizer.vocab_size)
   model.train()
   return tokenizer.decode(out[0].tolist())
 

@@ -71,6 +71,19 @@ def test_generate_shapes_determinism_and_topk():
     assert g[0, t].item() == logits[0, -1].argmax().item()
 
 
+def test_generate_samples_only_the_tokenizers_ids():
+  """A vocabulary padded past the tokenizer's (GPT-2's 50304 over a smaller BPE) never yields the padding's ids, even
+  where the model prefers them."""
+  bt.manual_seed(0)
+  model = GPT(GPTConfig(vocab_size=96, block_size=8, n_layer=1, n_head=2, n_embd=16)).eval()
+  with bt.no_grad(): model.transformer.wte.weight[65:] = 5.0  # tied to lm_head: the padding's logits dominate
+  idx = bt.zeros(2, 1, dtype=bt.int64)
+  free = model.generate(idx, 20, generator=bt.Generator().manual_seed(1))
+  assert (free[:, 1:] >= 65).any().item(), "without the bound the padding wins"
+  capped = model.generate(idx, 20, generator=bt.Generator().manual_seed(1), vocab_size=65)
+  assert capped.shape == (2, 21) and (capped < 65).all().item()
+
+
 def test_training_lowers_val_loss():
   """A few hundred steps of the tiny char model on the bundled corpus clearly lower the validation loss."""
   from blutrain import data

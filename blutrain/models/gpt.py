@@ -149,13 +149,14 @@ class GPT(nn.Module):
 
   @ops.no_grad()
   def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-               generator: ops.Generator | None = None) -> Tensor:
-    """Append `max_new_tokens` tokens sampled from the model to `idx` (B, T), one at a time."""
+               generator: ops.Generator | None = None, vocab_size: int | None = None) -> Tensor:
+    """Append `max_new_tokens` tokens sampled from the model to `idx` (B, T), one at a time; only ids below
+    `vocab_size` when given (a vocabulary padded past its tokenizer's, as GPT-2's 50304)."""
     if temperature <= 0: raise ValueError(f"generate: temperature must be positive, got {temperature}")
     for _ in range(max_new_tokens):
       window = idx if idx.shape[1] <= self.config.block_size else idx[:, -self.config.block_size:]
       logits, _ = self(window)
-      logits = logits[:, -1, :] / temperature
+      logits = logits[:, -1, :vocab_size] / temperature
       if top_k is not None:
         kth = _kth_largest(logits, min(top_k, logits.shape[-1]))
         logits = logits.masked_fill(logits < kth, float("-inf"))
