@@ -87,6 +87,16 @@ def _device(text: str) -> str:
   return text
 
 
+def _show_defaults(train: argparse.ArgumentParser) -> None:
+  """Append TrainConfig's default to each train flag's help (the flags default to None: not given, not overriding)."""
+  from blutrain.train import TrainConfig
+  defaults = {f.name: f.default for f in fields(TrainConfig)}
+  for action in train._actions:
+    value = defaults.get(action.dest)
+    if action.dest in defaults and value not in ("", None) and "default" not in (action.help or ""):
+      action.help = f"{action.help + ' ' if action.help else ''}(default: {value})".replace("%", "%%")
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="blutrain", description="Train and sample GPT models with blutrain.")
   sub = p.add_subparsers(dest="command", required=True)
@@ -100,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--block-size", type=_count(1), help="context length (default: the preset's)")
   t.add_argument("--steps", type=_count(1))
   t.add_argument("--lr", type=float, help="peak learning rate (linear warmup, then cosine decay)")
-  t.add_argument("--warmup-steps", type=_count(0))
+  t.add_argument("--warmup-steps", type=_count(0), help="linear warmup (default: a tenth of the run, at most 100)")
   t.add_argument("--weight-decay", type=float)
   t.add_argument("--grad-clip", type=float)
   t.add_argument("--dropout", type=float)
@@ -119,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                  help="continue from the newest checkpoint in the output directory, or from the checkpoint at PATH")
   t.add_argument("--overwrite", action="store_true", help="replace the run the output directory holds")
+  _show_defaults(t)
   t.set_defaults(func=_train)
 
   s = sub.add_parser("sample", help="generate text from a checkpoint")
@@ -146,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"blutrain {args.command}: error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    print(f"blutrain {args.command}: interrupted", file=sys.stderr)
+    print(f"\nblutrain {args.command}: interrupted", file=sys.stderr)  # on its own line, below a progress bar
     return 130
 
 

@@ -31,7 +31,7 @@ class TrainConfig:
   steps: int = 1000
   lr: float = 2e-3
   min_lr_ratio: float = 0.1
-  warmup_steps: int = 100
+  warmup_steps: int = -1          # -1: a tenth of the run, at most 100 steps
   weight_decay: float = 0.1
   beta2: float = 0.99
   grad_clip: float = 1.0
@@ -108,7 +108,7 @@ class Trainer:
     bt.set_float32_matmul_precision(cfg.matmul_precision)
     self.block_size = self.model.config.block_size
     self.optimizer = self.model.configure_optimizers(cfg.weight_decay, cfg.lr, betas=(0.9, cfg.beta2))
-    self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, min(cfg.warmup_steps, cfg.steps), cfg.steps,
+    self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, warmup_steps(cfg), cfg.steps,
                                                           cfg.min_lr_ratio)
     self.batch_rng = np.random.default_rng(cfg.seed)
     self.step, self.history = 0, []
@@ -179,7 +179,9 @@ class Trainer:
     from tqdm import tqdm
     cfg, tokens_per_step = self.cfg, self.cfg.batch_size * self.block_size
     (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-    bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, unit="step", dynamic_ncols=True)
+    # NOTE: a slow smoothing keeps the ETA from swinging after each evaluation's pause
+    bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, unit="step", dynamic_ncols=True, smoothing=0.02)
+    shown_tok_s = None  # the bar's tokens/s, an exponential average over logging windows (metrics keep each window's)
     window_start, window_steps = time.perf_counter(), 0
     gc.collect()
     gc.freeze()  # the model, optimizer and data stay: full collections then scan only what the steps make
@@ -192,7 +194,8 @@ class Trainer:
         tok_s = window_steps * tokens_per_step / max(elapsed, 1e-9)
         self._log({"step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tok_s,
                    "step_ms": 1e3 * elapsed / window_steps})
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        shown_tok_s = tok_s if shown_tok_s is None else 0.8 * shown_tok_s + 0.2 * tok_s
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{shown_tok_s:,.0f}")
         window_start, window_steps = time.perf_counter(), 0
       if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
         val = self.evaluate()
@@ -239,6 +242,12 @@ class Trainer:
     fig.tight_layout()
     fig.savefig(self.out / "loss.png", dpi=120)
     plt.close(fig)
+
+
+def warmup_steps(cfg: TrainConfig) -> int:
+  """The run's warmup: as configured, or by default a tenth of the run, at most 100 steps (so a short run still
+  reaches its peak learning rate and decays)."""
+  return min(cfg.warmup_steps, cfg.steps) if cfg.warmup_steps >= 0 else min(100, cfg.steps // 10)
 
 
 def _check_context(cfg: TrainConfig, device: str, n_train: int, n_val: int) -> None:

@@ -245,3 +245,17 @@ def test_a_binary_corpus_is_named(tmp_path, capsys):
   corpus.write_bytes(bytes(range(256)) * 4)
   assert main(["train", *TINY, "--steps", "1", "--corpus", str(corpus), "--out-dir", str(tmp_path / "r")]) == 2
   assert f"{str(corpus)!r} is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_default_warmup_fits_the_run_and_help_shows_defaults(tmp_path, capsys):
+  from blutrain.train import TrainConfig, warmup_steps
+  assert warmup_steps(TrainConfig(steps=30)) == 3 and warmup_steps(TrainConfig(steps=5000)) == 100
+  assert warmup_steps(TrainConfig(steps=30, warmup_steps=50)) == 30
+  out = tmp_path / "run"
+  no_warmup = TINY[:TINY.index("--warmup-steps")] + TINY[TINY.index("--warmup-steps") + 2:]
+  assert main(["train", *no_warmup, "--steps", "20", "--lr", "1e-2", "--out-dir", str(out)]) == 0
+  lrs = [r["lr"] for r in _metrics(out) if "lr" in r]
+  peak = lrs.index(max(lrs))
+  assert max(lrs) == pytest.approx(1e-2, rel=1e-6) and peak < 5 and lrs[-1] < 0.2 * max(lrs), lrs
+  with pytest.raises(SystemExit): main(["train", "--help"])
+  assert "--steps STEPS         (default: 1000)" in capsys.readouterr().out
