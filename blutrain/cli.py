@@ -63,7 +63,7 @@ def _info(args: argparse.Namespace) -> int:
     cuda = bt.backend.get(bt.device("cuda", 0))
     print(f"  cuda  {cuda.describe()}")
   except (RuntimeError, AttributeError) as e:
-    print(f"  cuda  unavailable ({str(e).split(':')[0]})")
+    print(f"  cuda  unavailable: {_why_no_cuda(e)}")
   print(f"default device: {default_device()}")
   return 0
 
@@ -95,6 +95,16 @@ def _show_defaults(train: argparse.ArgumentParser) -> None:
     value = defaults.get(action.dest)
     if action.dest in defaults and value not in ("", None) and "default" not in (action.help or ""):
       action.help = f"{action.help + ' ' if action.help else ''}(default: {value})".replace("%", "%%")
+
+
+def _why_no_cuda(error: Exception) -> str:
+  """Why the CUDA backend does not load, and what to do about it."""
+  cause = error.__cause__ or error
+  if isinstance(cause, ModuleNotFoundError):
+    return (f"the package {cause.name!r} is missing; `python -m pip install -e .` installs NVIDIA's CUDA Python "
+            "packages on Linux x86-64")
+  return (f"{str(cause).rstrip('.')}. Training runs on the CPU here; for the GPU, this machine needs an NVIDIA GPU "
+          "and its driver")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -88,7 +88,10 @@ def test_sample_and_info(tmp_path, capsys):
   main(["sample", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "15", "--seed", "1"])
   assert first.startswith("ROMEO:") and len(first.strip()) >= len("ROMEO:") and capsys.readouterr().out == first
   assert main(["info"]) == 0
-  assert "numpy" in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert "numpy" in printed and "nvmath-python" in printed
+  cuda = next(line for line in printed.splitlines() if line.strip().startswith("cuda "))
+  assert "SMs" in cuda or ("unavailable: " in cuda and ("driver" in cuda or "missing" in cuda)), cuda
 
 
 def test_missing_and_corrupt_checkpoints(tmp_path, capsys):

@@ -29,7 +29,7 @@ def get(device: Device) -> ModuleType:
       _loaded[device.type] = mod
     except ImportError as e:
       raise RuntimeError(f"device {device} is not available: the {device.type} backend could not load ({e}). "
-                         f"Use device='cpu', or install the 'cuda' extra on a machine with an NVIDIA GPU.") from e
+                         f"Use device='cpu', or a machine with an NVIDIA GPU and its driver (`blutrain info` says more).") from e
   return mod
 
 
