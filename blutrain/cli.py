@@ -139,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                  help="continue from the newest checkpoint in the output directory, or from the checkpoint at PATH")
   t.add_argument("--overwrite", action="store_true", help="replace the run the output directory holds")
+  t.add_argument("--skip-nonfinite", action="store_true", default=None,
+                 help="skip steps whose loss or gradient norm is not finite (else such a step stops the run)")
   _show_defaults(t)
   t.set_defaults(func=_train)
 

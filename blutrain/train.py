@@ -47,6 +47,7 @@ class TrainConfig:
   log_interval: int = 10
   sample_tokens: int = 300
   compile: bool = False
+  skip_nonfinite: bool = False    # skip steps whose loss or gradients are not finite instead of stopping
   extra: dict = field(default_factory=dict)
 
   @property
@@ -61,13 +62,21 @@ def default_device() -> str:
     return "cpu"
 
 
-def training_step(model: GPT, optimizer, grad_clip: float = 1.0):
+def training_step(model: GPT, optimizer, grad_clip: float = 1.0, skip_nonfinite: bool = False):
   """The function of one optimization step on a batch (x, y): forward, backward, gradient clipping, update,
-  gradients to None; it returns the loss. Nova compiles it whole (`bt.compile(training_step(...))`)."""
+  gradients to None; it returns the loss. Nova compiles it whole (`bt.compile(training_step(...))`).
+
+  With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters and the optimizer as
+  they were (as mixed-precision gradient scaling skips such steps); the check reads both on the host, so such a step
+  cannot be compiled."""
   def step(x: bt.Tensor, y: bt.Tensor) -> bt.Tensor:
     _, loss = model(x, y)
     loss.backward()
-    if grad_clip > 0: bt.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if grad_clip > 0 or skip_nonfinite:
+      norm = bt.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+      if skip_nonfinite and not bt.isfinite(loss.detach() + norm.to(loss.device)).item():
+        optimizer.zero_grad(set_to_none=True)
+        return loss
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss
@@ -112,7 +121,9 @@ class Trainer:
                                                           cfg.min_lr_ratio)
     self.batch_rng = np.random.default_rng(cfg.seed)
     self.step, self.history = 0, []
-    update = training_step(self.model, self.optimizer, cfg.grad_clip)
+    if cfg.skip_nonfinite and cfg.compile:
+      raise ValueError("--skip-nonfinite reads each step's loss on the host, which a compiled step cannot: drop one")
+    update = training_step(self.model, self.optimizer, cfg.grad_clip, cfg.skip_nonfinite)
     self._update = bt.compile(update) if cfg.compile else update
     if resume: self._restore(self.out if resume is True else resume)
 
@@ -165,7 +176,9 @@ class Trainer:
     with self._autocast(): loss = self._update(*self.batch())
     self.scheduler.step()
     value = loss.item()
-    if not np.isfinite(value):
+    if not np.isfinite(value) and self.cfg.skip_nonfinite:
+      self._log({"step": self.step + 1, "skipped": str(value)})
+    elif not np.isfinite(value):
       last = (self.out / "checkpoints" / checkpoint.LATEST)
       saved = f"the last checkpoint, {last.read_text().strip()}, holds finite weights" if last.is_file() else \
               "no checkpoint was written yet"

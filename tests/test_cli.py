@@ -262,3 +262,36 @@ def test_default_warmup_fits_the_run_and_help_shows_defaults(tmp_path, capsys):
   assert max(lrs) == pytest.approx(1e-2, rel=1e-6) and peak < 5 and lrs[-1] < 0.2 * max(lrs), lrs
   with pytest.raises(SystemExit): main(["train", "--help"])
   assert "--steps STEPS         (default: 1000)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_non_finite_step_is_skipped_when_asked(skip, tmp_path, capsys, monkeypatch):
+  """One batch gives a NaN loss: the run stops there, or with --skip-nonfinite leaves the weights as they were for
+  that step and goes on."""
+  from blutrain.models import GPT
+  forward, calls, seen = GPT.forward, [0], {}
+
+  def poisoned(self, idx, targets=None):
+    logits, loss = forward(self, idx, targets)
+    if targets is not None and self.training:
+      calls[0] += 1
+      if calls[0] == 3:
+        seen["before"] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        loss = loss * float("nan")
+    return logits, loss
+  monkeypatch.setattr(GPT, "forward", poisoned)
+  out = tmp_path / "run"
+  code = main(["train", *TINY, "--steps", "5", "--out-dir", str(out), *(["--skip-nonfinite"] if skip else [])])
+  if not skip:
+    assert code == 2 and "step 3: the training loss is nan" in capsys.readouterr().err
+    return
+  assert code == 0 and {"step": 3, "skipped": "nan"} in _metrics(out)
+  after3 = checkpoint.load_checkpoint(out / "checkpoints" / "step_000003")[0]
+  for k, v in seen["before"].items():
+    np.testing.assert_array_equal(after3[k].numpy(), v.numpy(), err_msg=k)  # step 3 changed nothing
+  assert all(np.isfinite(t.numpy()).all() for t in checkpoint.load_checkpoint(out)[0].values())
+
+
+def test_skip_nonfinite_and_compile_are_refused_together(tmp_path, capsys):
+  assert main(["train", *TINY, "--steps", "1", "--skip-nonfinite", "--compile", "--out-dir", str(tmp_path / "r")]) == 2
+  assert "--skip-nonfinite" in capsys.readouterr().err
