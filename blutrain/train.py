@@ -267,7 +267,7 @@ def _check_context(cfg: TrainConfig, device: str, n_train: int, n_val: int) -> N
   """Refuse a context length the corpus cannot fill, or whose attention would not fit the CPU's memory (the CPU
   kernel holds the (T, T) weights of every head), before any model is built."""
   shape = {**asdict(GPTConfig()), **PRESETS.get(cfg.preset, {})}
-  T, flag = cfg.block_size or shape["block_size"], "--block-size" if cfg.block_size else f"the preset's block size"
+  T, flag = cfg.block_size or shape["block_size"], "--block-size" if cfg.block_size else "the preset's block size"
   if T >= min(n_train, n_val):
     raise ValueError(f"{flag} {T}: the corpus's {'validation' if n_val <= n_train else 'training'} split has "
                      f"{min(n_train, n_val)} tokens and a window needs {T + 1}; use a shorter context")
