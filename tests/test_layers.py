@@ -126,3 +126,14 @@ def test_imports_are_read_with_their_packages(tmp_path):
   known = set(modules())
   assert imports("blutrain.ops.fake", path, known) == {"blutrain.ops.creation", "blutrain.ops.core",
                                                        "blutrain.backend.cuda.runtime"}
+
+
+OP_CHAIN = ["core", "creation", "random", "elementwise", "reduce", "movement", "linalg", "nn", "optim", "inplace",
+            "methods"]  # blutrain/ops/__init__.py's order: each module imports only those before it
+
+
+def test_op_modules_import_only_earlier_ones():
+  g, rank = graph(), {f"blutrain.ops.{m}": i for i, m in enumerate(OP_CHAIN)}
+  assert set(rank) == {n for n in g if n.startswith("blutrain.ops.")}, "a new op module needs its place in OP_CHAIN"
+  bad = [f"{a} -> {b}" for a in rank for b in g[a] if b in rank and rank[b] >= rank[a]]
+  assert not bad, "op modules importing a later one (ops/__init__.py's order):\n" + "\n".join(bad)
