@@ -150,7 +150,7 @@ def build(graph, dump_dir: str | None) -> tuple[Callable, dict]:
       path.unlink(missing_ok=True)
   compiled = pipeline.compile_graph(graph, dump_dir=Path(dump_dir) / key if dump_dir else None)
   info.update(cache="miss", source=str(path), counts_before=compiled.counts_before, counts_after=compiled.counts_after,
-              timings=compiled.timings)
+              timings=compiled.timings, arena_bytes=compiled.memory.arena, live_peak_bytes=compiled.memory.lower_bound)
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")

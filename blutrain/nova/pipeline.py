@@ -21,6 +21,7 @@ from blutrain.nova import codegen_cpu
 from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
+from blutrain.nova.memory import MemoryPlan, plan as plan_memory
 from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, NovaPass
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
@@ -79,13 +80,15 @@ class CompiledGraph:
     fn: the compiled step.
     module: the optimized nova module `source` was generated from.
     counts_before, counts_after: op counts of the captured and the optimized IR.
-    timings: seconds per phase (build, optimize, codegen, load).
+    memory: the static memory plan of the optimized module's intermediates (`memory.plan`).
+    timings: seconds per phase (build, optimize, plan, codegen, load).
   """
   source: str
   fn: Callable
   module: ModuleOp
   counts_before: dict[str, int]
   counts_after: dict[str, int]
+  memory: MemoryPlan
   timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -116,9 +119,12 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
   optimize(module, dump_dir, verify)
   counts_after = op_counts(module)
   lap("optimize")
+  memory_plan = plan_memory(module)
+  if dump_dir: (Path(dump_dir) / "memory-plan.txt").write_text(memory_plan.report())
+  lap("plan")
   source = codegen_cpu.generate(module)
   if dump_dir: (Path(dump_dir) / "step.py").write_text(source)
   lap("codegen")
   fn = codegen_cpu.load(source)
   lap("load")
-  return CompiledGraph(source, fn, module, counts_before, counts_after, timings)
+  return CompiledGraph(source, fn, module, counts_before, counts_after, memory_plan, timings)

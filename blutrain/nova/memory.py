@@ -1,0 +1,103 @@
+"""Static memory planning: one arena for every intermediate of a step, offsets chosen from liveness.
+
+Every value an op makes gets a lifetime, from the op that makes it to the last op that reads it (a value the step
+returns lives to the end). Layout ops (view, permute, expand, slice) make views: they take no memory and stretch
+their source's lifetime to their own last use. Graph inputs (parameters, gradients, optimizer state, the batch)
+live where they already are and take no arena memory either.
+
+Offsets come from the "greedy by size" rule: the largest buffers are placed first, each at the lowest offset that
+overlaps no placed buffer whose lifetime meets its own, choosing among the gaps the one that fits best. The plan
+reports its arena size beside the lower bound no plan can beat, the most bytes live at one time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import SSAValue
+
+from blutrain.nova.dialect import LayoutOp, NovaOp, aval
+from blutrain.nova.ir import function
+
+ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
+
+
+@dataclass(frozen=True)
+class Buffer:
+  """One planned allocation: the op that makes it, its bytes (aligned), its lifetime [first, last] in op positions
+  and its offset in the arena."""
+  name: str
+  op: str
+  nbytes: int
+  first: int
+  last: int
+  offset: int = -1
+
+  def meets(self, other: Buffer) -> bool:
+    """Whether the two lifetimes share an op position (then they may not share memory)."""
+    return self.first <= other.last and other.first <= self.last
+
+
+@dataclass
+class MemoryPlan:
+  """Offsets of every intermediate in one arena. `arena` is the bytes to allocate; `lower_bound` the most bytes
+  live at one op position, which no plan goes below."""
+  buffers: list[Buffer] = field(default_factory=list)
+  arena: int = 0
+  lower_bound: int = 0
+
+  def report(self) -> str:
+    """The plan as text: a summary, then one line per buffer by offset."""
+    lines = [f"arena {self.arena} bytes for {len(self.buffers)} buffers; live peak {self.lower_bound} bytes "
+             f"({self.arena / max(self.lower_bound, 1):.3f}x)"]
+    lines += [f"{b.offset:>12} {b.nbytes:>12} [{b.first}, {b.last}] {b.name} = {b.op}"
+              for b in sorted(self.buffers, key=lambda b: (b.offset, b.first))]
+    return "\n".join(lines) + "\n"
+
+
+def _nbytes(v: SSAValue) -> int:
+  a = aval(v.type)
+  return -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
+
+
+def lifetimes(module: ModuleOp) -> list[Buffer]:
+  """The buffer of every value an op of the module's function makes (views folded into their sources). The function's
+  return is its last op, so a returned value lives to the end."""
+  ops = list(function(module).body.block.ops)
+  source: dict[SSAValue, SSAValue] = {}  # a view's value -> the value whose memory it reads
+  made: dict[SSAValue, tuple[int, str]] = {}
+  last: dict[SSAValue, int] = {}
+  for i, op in enumerate(ops):
+    for v in op.operands:
+      last[source.get(v, v)] = i
+    if isinstance(op, LayoutOp):
+      source[op.result] = source.get(op.x, op.x)
+    elif isinstance(op, NovaOp):
+      for r in op.results: made[r] = (i, op.opname)
+  return [Buffer(f"op {first} result {v.index}", name, _nbytes(v), first, last.get(v, first))
+          for v, (first, name) in made.items()]
+
+
+def plan(module: ModuleOp) -> MemoryPlan:
+  """Place every buffer of the module's function in one arena (see the module docstring)."""
+  buffers = lifetimes(module)
+  placed: list[Buffer] = []
+  for b in sorted(buffers, key=lambda b: (-b.nbytes, b.first)):
+    taken = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.meets(b))
+    best, best_gap, cursor = None, None, 0
+    for lo, hi in taken:
+      gap = lo - cursor
+      if gap >= b.nbytes and (best_gap is None or gap < best_gap): best, best_gap = cursor, gap
+      cursor = max(cursor, hi)
+    placed.append(Buffer(b.name, b.op, b.nbytes, b.first, b.last, cursor if best is None else best))
+  arena = max((p.offset + p.nbytes for p in placed), default=0)
+  events: dict[int, int] = {}
+  for p in placed:
+    events[p.first] = events.get(p.first, 0) + p.nbytes
+    events[p.last + 1] = events.get(p.last + 1, 0) - p.nbytes
+  live = peak = 0
+  for t in sorted(events):
+    live += events[t]
+    peak = max(peak, live)
+  return MemoryPlan(placed, arena, peak)
