@@ -133,7 +133,7 @@ class Executable:
 
 # *** compile with a disk cache ***
 
-def build(graph, dump_dir: str | None) -> tuple[Callable, dict]:
+def build(graph, dump_dir: str | None, written: dict[int, int] | None = None) -> tuple[Callable, dict]:
   """Compile a captured graph to a CPU function, reusing the generated code cached under its structural hash.
   A cache entry that cannot be read or loaded is ignored and rebuilt."""
   from blutrain.nova import codegen_cpu, hashing, pipeline
@@ -148,7 +148,7 @@ def build(graph, dump_dir: str | None) -> tuple[Callable, dict]:
       return fn, info
     except Exception:  # NOTE: any damage to a cache file (truncated, edited) just means a rebuild
       path.unlink(missing_ok=True)
-  compiled = pipeline.compile_graph(graph, dump_dir=Path(dump_dir) / key if dump_dir else None)
+  compiled = pipeline.compile_graph(graph, dump_dir=Path(dump_dir) / key if dump_dir else None, written=written)
   info.update(cache="miss", source=str(path), counts_before=compiled.counts_before, counts_after=compiled.counts_after,
               timings=compiled.timings, arena_bytes=compiled.memory.arena, live_peak_bytes=compiled.memory.lower_bound)
   try:
@@ -234,7 +234,9 @@ class Compiled:
                       f"{[type(x).__name__ for x in out_leaves if not isinstance(x, Tensor)]}")
     spec = trace.finish(returned)
     capture_s = time.perf_counter() - t0
-    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"))
+    written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
+               for k, (kind, where) in enumerate(spec) if kind == "write"}
+    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written)
     info.update(capture_s=capture_s, equations=len(trace.graph.equations), inputs=len(trace.graph.inputs),
                 outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
     self.captures += 1

@@ -2,8 +2,10 @@
 
 Every value an op makes gets a lifetime, from the op that makes it to the last op that reads it (a value the step
 returns lives to the end). Layout ops (view, permute, expand, slice) make views: they take no memory and stretch
-their source's lifetime to their own last use. Graph inputs (parameters, gradients, optimizer state, the batch)
-live where they already are and take no arena memory either.
+their source's lifetime to their own last use. An elementwise op that reads an input for the last time writes into
+its buffer, in place. Graph inputs (parameters, gradients, optimizer state, the batch) live where they already are
+and take no arena memory either, nor do their new values where the step updates them element by element (the
+optimizer's update writes parameters and moments where they live).
 
 Offsets come from the "greedy by size" rule: the largest buffers are placed first, each at the lowest offset that
 overlaps no placed buffer whose lifetime meets its own, choosing among the gaps the one that fits best. The plan
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import SSAValue
 
-from blutrain.nova.dialect import LayoutOp, NovaOp, aval
+from blutrain.nova.dialect import AdamwOp, ElementwiseOp, LayoutOp, NovaOp, ScaleOp, aval
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
@@ -61,10 +63,15 @@ def _nbytes(v: SSAValue) -> int:
   return -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
 
 
-def lifetimes(module: ModuleOp) -> list[Buffer]:
-  """The buffer of every value an op of the module's function makes (views folded into their sources). The function's
-  return is its last op, so a returned value lives to the end."""
-  ops = list(function(module).body.block.ops)
+def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[Buffer]:
+  """The buffer of every value an op of the module's function makes. Views fold into their sources; an elementwise
+  op whose input (not a view, not a graph input, of the same bytes) is read for the last time by it writes into that
+  input's buffer, in place, as the kernels may when each element is read before it is written. The function's return
+  is its last op, so a returned value lives to the end. `written` maps an output's position to the input position
+  whose new value it is (an in-place update the runtime writes back): when the op making it reads that input for
+  the last time and works element by element, the output takes the input's own memory and no arena buffer."""
+  block = function(module).body.block
+  ops = list(block.ops)
   source: dict[SSAValue, SSAValue] = {}  # a view's value -> the value whose memory it reads
   made: dict[SSAValue, tuple[int, str]] = {}
   last: dict[SSAValue, int] = {}
@@ -75,13 +82,38 @@ def lifetimes(module: ModuleOp) -> list[Buffer]:
       source[op.result] = source.get(op.x, op.x)
     elif isinstance(op, NovaOp):
       for r in op.results: made[r] = (i, op.opname)
-  return [Buffer(f"op {first} result {v.index}", name, _nbytes(v), first, last.get(v, first))
-          for v, (first, name) in made.items()]
+  owner: dict[SSAValue, SSAValue] = {}  # a value written in place -> the value whose buffer it took
+  ops_of: dict[SSAValue, list[str]] = {v: [name] for v, (_, name) in made.items()}
+  for i, op in enumerate(ops):
+    if not isinstance(op, ElementwiseOp): continue
+    r = op.result
+    for u in op.operands:
+      root = owner.get(u, u)
+      if u in made and last.get(root) == i and _nbytes(u) == _nbytes(r):
+        owner[r], last[root] = root, max(last[root], last.get(r, i))
+        ops_of[root].append(ops_of.pop(r)[0])
+        break
+  in_place_inputs = _written_in_place(block.args, ops, written or {}, made, last)
+  return [Buffer(f"op {first} result {v.index}", " > ".join(ops_of[v]), _nbytes(v), first, last.get(v, first))
+          for v, (first, _) in made.items() if v not in owner and v not in in_place_inputs]
 
 
-def plan(module: ModuleOp) -> MemoryPlan:
-  """Place every buffer of the module's function in one arena (see the module docstring)."""
-  buffers = lifetimes(module)
+def _written_in_place(args, ops: list, written: dict[int, int], made: dict, last: dict) -> set[SSAValue]:
+  """The outputs that update an input in its own memory (see `lifetimes`)."""
+  ret, found = ops[-1], set()
+  for k, j in written.items():
+    r, u = ret.operands[k], args[j]
+    if r not in made: continue
+    op = ops[made[r][0]]
+    if isinstance(op, (ElementwiseOp, AdamwOp, ScaleOp)) and u in op.operands and last.get(u) == made[r][0]:
+      found.add(r)
+  return found
+
+
+
+def plan(module: ModuleOp, written: dict[int, int] | None = None) -> MemoryPlan:
+  """Place every buffer of the module's function in one arena (see the module docstring and `lifetimes`)."""
+  buffers = lifetimes(module, written)
   placed: list[Buffer] = []
   for b in sorted(buffers, key=lambda b: (-b.nbytes, b.first)):
     taken = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.meets(b))

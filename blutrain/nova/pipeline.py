@@ -92,7 +92,8 @@ class CompiledGraph:
   timings: dict[str, float] = field(default_factory=dict)
 
 
-def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verify: bool | None = None) -> CompiledGraph:
+def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verify: bool | None = None,
+                  written: dict[int, int] | None = None) -> CompiledGraph:
   """Compile a captured graph to a numpy function. The graph's structural hash (`hashing.graph_key`) is the caller's
   business: the runtime computes it once, as its cache key, before deciding to compile.
 
@@ -102,6 +103,8 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
       (default: the `BLUTRAIN_DUMP_IR` environment variable; none when unset).
     verify: verify the IR before and after every pass (default: `BLUTRAIN_NOVA_VERIFY=1`; off, since the shape
       rules already ran at capture).
+    written: output position -> input position of the inputs the step updates (their new values), for the memory
+      plan.
   """
   dump_dir = dump_dir or os.environ.get("BLUTRAIN_DUMP_IR") or None
   verify = os.environ.get("BLUTRAIN_NOVA_VERIFY") == "1" if verify is None else verify
@@ -119,7 +122,7 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
   optimize(module, dump_dir, verify)
   counts_after = op_counts(module)
   lap("optimize")
-  memory_plan = plan_memory(module)
+  memory_plan = plan_memory(module, written)
   if dump_dir: (Path(dump_dir) / "memory-plan.txt").write_text(memory_plan.report())
   lap("plan")
   source = codegen_cpu.generate(module)

@@ -32,17 +32,32 @@ def test_no_two_live_buffers_share_memory(make):
   p = _check(plan(module))
   ops = list(ir.function(module).body.block.ops)
   made = sum(len(op.results) for op in ops if op.name.startswith("nova.") and not isinstance(op, LayoutOp))
-  assert len(p.buffers) == made, "one buffer per result of an op that is not a view"
+  assert sum(len(buf.op.split(" > ")) for buf in p.buffers) == made, \
+    "every result of an op that is not a view has a buffer, its own or one it writes in place"
 
 
-def test_a_chain_ping_pongs_between_two_buffers():
+def test_a_chain_runs_in_place_in_one_buffer():
   b = Builder()
   x = b.input((64, 64))
   y = x
-  for _ in range(6): y = b("exp", y)  # each result dies at the next op: two buffers suffice
+  for _ in range(6): y = b("exp", y)  # each result is read once, by the next op: it may write in place
   p = _check(plan(ir.to_module(b.output(y))))
   size = 64 * 64 * 4
-  assert len(p.buffers) == 6 and p.lower_bound == 2 * size and p.arena == 2 * size
+  assert len(p.buffers) == 1 and p.arena == p.lower_bound == size
+  assert p.buffers[0].op == " > ".join(["exp"] * 6)
+
+
+def test_in_place_needs_a_last_read_of_an_unviewed_buffer_of_equal_size():
+  b = Builder()
+  x = b.input((8, 8))
+  e = b("exp", x)               # x is a graph input: e gets a buffer of its own
+  t = b("permute", e, dims=(1, 0))
+  s = b("sin", t)               # reads e through a view: not in place
+  c = b("cos", e)               # e's last read, but e is read again below: not in place
+  w = b("add", c, e)            # e's last read and c's last read: writes into c's buffer (the first operand)
+  m = b("sum", w, dims=(0,), keepdim=False, dtype=None)  # not elementwise
+  p = _check(plan(ir.to_module(b.output(s, m))))
+  assert sorted(buf.op for buf in p.buffers) == ["cos > add", "exp", "sin", "sum"]
 
 
 def test_views_stretch_their_source_and_returns_live_to_the_end():
@@ -83,3 +98,40 @@ def test_a_compiled_training_step_reports_and_dumps_its_plan(tmp_path, monkeypat
 def test_compile_graph_carries_the_plan():
   compiled = compile_graph(gpt_like(n_layer=2)[0])
   assert compiled.memory.arena >= compiled.memory.lower_bound > 0 and "plan" in compiled.timings
+
+
+def test_updates_of_inputs_take_the_inputs_memory():
+  """A step's in-place updates (new values written back to their inputs) need no arena buffer when the op reads the
+  input for the last time, element by element; otherwise they keep one."""
+  b = Builder()
+  p, g = b.input((32, 32)), b.input((32, 32))
+  new_p = b("sub", p, g)          # the update of p, written back into p...
+  other = b("exp", p)             # ...but p's old value is read after it: sub needs a buffer of its own
+  kept = b("mul", other, g)       # (in place on exp's buffer)
+  module = ir.to_module(b.output(new_p, kept))
+  assert len(plan(module).buffers) == len(_check(plan(module, written={0: 0})).buffers) == 2
+  b2 = Builder()
+  p2, g2 = b2.input((32, 32)), b2.input((32, 32))
+  keep = b2("exp", p2)
+  new_p2 = b2("sub", p2, g2)      # p's last read: sub may write into p
+  module2 = ir.to_module(b2.output(new_p2, keep))
+  assert len(plan(module2).buffers) == 2 and len(_check(plan(module2, written={0: 0})).buffers) == 1
+
+
+def test_a_training_step_updates_parameters_and_moments_where_they_live(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+  bt.manual_seed(0)
+  model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+  opt = model.configure_optimizers(0.1, 1e-3)
+
+  def step(x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+  compiled = bt.compile(step)
+  x, y = (bt.from_numpy(np.random.default_rng(i).integers(0, 64, (2, 16))) for i in range(2))
+  for _ in range(2): compiled(x, y)
+  state = sum(p.numel() * 4 for p in model.parameters()) * 3  # new parameters, exp_avg, exp_avg_sq
+  assert compiled.info["arena_bytes"] < state, "the optimizer's results take no arena memory of their own"
