@@ -74,21 +74,27 @@ def test_views_stretch_their_source_and_returns_live_to_the_end():
   assert not exp.meets(sin) or exp.offset != sin.offset
 
 
-def test_a_compiled_training_step_reports_and_dumps_its_plan(tmp_path, monkeypatch):
+def _compiled_gpt_step(tmp_path, monkeypatch, dump_ir=None):
+  """A small GPT's training step compiled and run twice (so it is captured), and the model."""
   monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
   bt.manual_seed(0)
   model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
   opt = model.configure_optimizers(0.1, 1e-3)
 
-  @bt.compile(dump_ir=str(tmp_path / "ir"))
   def step(x, y):
     _, loss = model(x, y)
     loss.backward()
     opt.step()
     opt.zero_grad()
     return loss
+  compiled = bt.compile(step, dump_ir=dump_ir)
   x, y = (bt.from_numpy(np.random.default_rng(i).integers(0, 64, (2, 16))) for i in range(2))
-  for _ in range(2): step(x, y)
+  for _ in range(2): compiled(x, y)
+  return compiled, model
+
+
+def test_a_compiled_training_step_reports_and_dumps_its_plan(tmp_path, monkeypatch):
+  step, _ = _compiled_gpt_step(tmp_path, monkeypatch, dump_ir=str(tmp_path / "ir"))
   info = step.info
   assert 0 < info["live_peak_bytes"] <= info["arena_bytes"] <= 1.3 * info["live_peak_bytes"], info
   report = next((tmp_path / "ir").rglob("memory-plan.txt")).read_text()
@@ -119,19 +125,6 @@ def test_updates_of_inputs_take_the_inputs_memory():
 
 
 def test_a_training_step_updates_parameters_and_moments_where_they_live(tmp_path, monkeypatch):
-  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-  bt.manual_seed(0)
-  model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-  opt = model.configure_optimizers(0.1, 1e-3)
-
-  def step(x, y):
-    _, loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-  compiled = bt.compile(step)
-  x, y = (bt.from_numpy(np.random.default_rng(i).integers(0, 64, (2, 16))) for i in range(2))
-  for _ in range(2): compiled(x, y)
+  compiled, model = _compiled_gpt_step(tmp_path, monkeypatch)
   state = sum(p.numel() * 4 for p in model.parameters()) * 3  # new parameters, exp_avg, exp_avg_sq
   assert compiled.info["arena_bytes"] < state, "the optimizer's results take no arena memory of their own"
