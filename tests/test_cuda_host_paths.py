@@ -50,3 +50,43 @@ opt = bt.optim.AdamW([x, w], lr=1e-3, fused=True)
 opt.step()
 assert bt.cuda.memory_allocated() > 0
 """, tmp_path)
+
+
+def test_compiled_gpt_step_replays_as_one_cuda_graph_on_the_fake_gpu(tmp_path):
+  """Nova's GPU target on the fake device: the first compiled call runs kernel by kernel on bound buffers, the next
+  captures a CUDA graph, and a replay is one graph launch plus the copy of the returned loss; with a scheduled
+  learning rate the graph is reused, and BLUTRAIN_CUDA_GRAPHS=0 runs every kernel at every call."""
+  code = """
+import os
+import blutrain as bt
+from blutrain.models import GPT, GPTConfig
+def run(graphs):
+  os.environ["BLUTRAIN_CUDA_GRAPHS"] = graphs
+  bt.manual_seed(0)
+  model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32)).to("cuda")
+  opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
+  @bt.compile
+  def step(x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); opt.zero_grad()
+    return loss
+  x, y = (bt.randint(32, (2, 16)).to("cuda") for _ in range(2))
+  counts = []
+  for i in range(5):
+    opt.param_groups[0]["lr"] = 1e-3 * (i + 1)
+    before = fake_cuda.launches[0]
+    loss = step(x, y)
+    counts.append(fake_cuda.launches[0] - before)
+  assert loss.shape == () and loss.device.type == "cuda" and step.captures == 1
+  return counts, step.info["cuda_graph"]
+graphed, mode = run("1")
+assert mode == "on", mode
+assert graphed[3] == graphed[4] == 2, graphed  # the graph and the loss's copy
+plain, mode = run("0")
+assert mode.startswith("off"), mode
+assert plain[3] == plain[4] > 50, plain
+print("ok")
+"""
+  assert "ok" in _run_fake(code, tmp_path)

@@ -869,6 +869,11 @@ class AdamwOp(MultiResultOp):
   eps = prop_def(FLOAT)
   weight_decay = prop_def(FLOAT)
 
+  def updated_operands(self) -> list[int]:
+    """The operand each result is the new value of: params, exp_avgs, exp_avg_sqs and steps (not grads, not lr)."""
+    n = len(self.outs) // 4
+    return [*range(n), *range(2 * n, 5 * n)]
+
 
 @irdl_op_definition
 class SumSquaresOp(SingleResultOp):
@@ -884,6 +889,10 @@ class ScaleOp(MultiResultOp):
   name = "nova.scale"
   xs = var_operand_def(TENSOR)
   outs = var_result_def(TENSOR)
+
+  def updated_operands(self) -> list[int]:
+    """The operand each result is the new value of: the n tensors."""
+    return list(range(len(self.outs)))
 
 
 Nova = Dialect("nova", [

@@ -17,7 +17,7 @@ import numpy as np
 
 from blutrain import amp, backend, backends
 from blutrain.device import Device
-from blutrain.nova.capture import StaleGraph, Trace
+from blutrain.nova.capture import Arg, StaleGraph, Trace
 from blutrain.autograd.tape import grad_mode, hooks
 from blutrain.tensor import Tensor
 
@@ -94,13 +94,16 @@ def _hashable(v: Any) -> Any:
 
 # *** the executable ***
 
-def _root(a: np.ndarray) -> np.ndarray:
-  while isinstance(a.base, np.ndarray): a = a.base
-  return a
+def _memory(a) -> int:
+  """The identity of the memory an array views: a numpy array's root base, a CudaArray's owner."""
+  if isinstance(a, np.ndarray):
+    while isinstance(a.base, np.ndarray): a = a.base
+    return id(a)
+  return id(getattr(a, "owner", a))
 
 
 class Executable:
-  """A compiled graph bound to where its inputs come from and where its outputs go."""
+  """A compiled graph bound to where its inputs come from and where its outputs go, run kernel by kernel."""
 
   def __init__(self, fn: Callable, trace: Trace, spec: list, out_tree: Any, device: Device, info: dict):
     self.fn, self.sources, self.spec, self.out_tree, self.device, self.info = fn, trace.sources, spec, out_tree, device, info
@@ -112,17 +115,23 @@ class Executable:
 
   def run(self, leaves: list) -> Any:
     inputs = [self._input(s, leaves) for s in self.sources]
-    outs = self.fn(*inputs)
-    owned = {id(_root(a)) for a in inputs}
-    outs = [np.array(a) if id(_root(a)) in owned else a for a in outs]  # never hand out views of inputs
+    return self._deliver(leaves, inputs, self.fn(*inputs))
+
+  def _deliver(self, leaves: list, inputs: list, outs, replayed: bool = False) -> Any:
+    """Hand the step's outputs over: returned tensors, gradients, and the write-backs of updated inputs. After a
+    graph's replay (`replayed`) the write-backs are done and every returned tensor is copied out of the graph's
+    buffers."""
     be = backend.get(self.device)
+    owned, given = {_memory(a) for a in inputs}, {id(a) for a in inputs}
     returned = []
     for (kind, where), arr, dtype in zip(self.spec, outs, self.out_dtypes):
-      if kind == "return": returned.append(Tensor._wrap(arr, self.device, dtype))
-      elif kind == "write":
+      if kind == "write":  # an update the step made in the input's own memory needs no copy
         t = where.tensor(leaves)
-        be.copy_into(t._array(), arr)
+        if not replayed and id(arr) not in given: be.copy_into(t._array(), arr)
         t._storage.version += 1
+        continue
+      if _memory(arr) in owned or replayed and kind == "return": arr = be.kernels["copy"](arr)  # never hand out views of inputs
+      if kind == "return": returned.append(Tensor._wrap(arr, self.device, dtype))
       else:
         p = where()
         if p is None: raise StaleGraph("a parameter the compiled graph updates was freed")
@@ -131,24 +140,102 @@ class Executable:
     return unflatten(self.out_tree, returned)
 
 
+def cuda_graphs_enabled() -> bool:
+  """Whether compiled GPU steps replay as CUDA graphs (`BLUTRAIN_CUDA_GRAPHS=0` runs them kernel by kernel)."""
+  return os.environ.get("BLUTRAIN_CUDA_GRAPHS", "1") != "0"
+
+
+class GraphExecutable(Executable):
+  """A compiled GPU step replayed as one CUDA graph.
+
+  Its inputs are bound to fixed device buffers: a call's own tensors (the batch) are copied into buffers of the
+  executable, dynamic scalars (the learning rate) written into device scalars, and memory that lives across calls
+  (parameters, gradients, optimizer state) is used where it is, which each call checks (memory that moved means a
+  recapture). The first run goes kernel by kernel on those buffers (compiling every kernel, filling the caches); the
+  second captures the step, with the write-backs of updated inputs, into a CUDA graph (`backend.cuda.graphs`) whose
+  intermediates come from a private pool; each run after that copies the batch in and launches the graph. Outputs
+  that are gradients stay in the graph's buffers, which the next replay overwrites (as gradients are updated in place);
+  returned tensors are copied out."""
+
+  def __init__(self, *args):
+    super().__init__(*args)
+    self.static: list | None = None
+    self.pool = self.graph = None
+    self.outs: tuple = ()
+
+  def _bind(self, leaves: list) -> list:
+    from blutrain.backend.cuda import memory, runtime
+    if self.static is None:
+      self.static = [memory.from_numpy(np.asarray(s.array(leaves))) if hasattr(s, "array") else
+                     _copy(s.tensor(leaves)._array()) if isinstance(s, Arg) else s.tensor(leaves)._array()
+                     for s in self.sources]
+      return self.static
+    stream = runtime.current_stream(self.static[0].device if self.static else None)
+    for s, buf in zip(self.sources, self.static):
+      if hasattr(s, "array"):
+        host = np.ascontiguousarray(s.array(leaves), np.float64)
+        memory.copy_h2d(buf.ptr, host.ctypes.data, host.nbytes, stream)
+      elif isinstance(s, Arg): memory.copy_into(buf, s.tensor(leaves)._array())
+      else:
+        a = s.tensor(leaves)._array()
+        if (a.ptr, a.strides) != (buf.ptr, buf.strides):
+          raise StaleGraph("memory a CUDA graph reads moved (a parameter, gradient or optimizer state was replaced)")
+    return self.static
+
+  def _step(self) -> tuple:
+    """The step on the bound buffers, with the write-backs of updated inputs into them."""
+    from blutrain.backend.cuda import memory
+    outs = self.fn(*self.static)
+    given = {id(a) for a in self.static}
+    for (kind, where), arr in zip(self.spec, outs):
+      if kind == "write" and id(arr) not in given: memory.copy_into(self.static[self.sources.index(where)], arr)
+    return outs
+
+  def run(self, leaves: list) -> Any:
+    from blutrain.backend.cuda import graphs, memory
+    static = self._bind(leaves)
+    if self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what the step needs
+      self.pool = graphs.Pool(static[0].device if static else None)
+      outs = self.pool.run(self._step)
+    else:
+      if self.graph is None:
+        self.graph, self.outs = self.pool.capture(self._step)
+        self.info.update(graph_nodes=self.graph.nodes, graph_pool_bytes=self.pool.nbytes())
+      self.graph.replay()
+      outs = self.outs
+    for kind, where in self.spec:  # a call's own tensor updated in place gets its buffer's new value
+      if kind == "write" and isinstance(where, Arg):
+        memory.copy_into(where.tensor(leaves)._array(), static[self.sources.index(where)])
+    return self._deliver(leaves, static, outs, replayed=True)
+
+
+def _copy(a):
+  """A contiguous device copy of a CudaArray (a call's tensor's own buffer in a graph)."""
+  from blutrain.backend.cuda import memory
+  out = memory.empty(a.shape, a.dtype, a.device)
+  memory.copy_into(out, a)
+  return out
+
+
 # *** compile with a disk cache ***
 
-def build(graph, dump_dir: str | None, written: dict[int, int] | None = None) -> tuple[Callable, dict]:
-  """Compile a captured graph to a CPU function, reusing the generated code cached under its structural hash.
-  A cache entry that cannot be read or loaded is ignored and rebuilt."""
-  from blutrain.nova import codegen_cpu, hashing, pipeline
+def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, target: str = "cpu") -> tuple[Callable, dict]:
+  """Compile a captured graph to a function of the target's arrays, reusing the generated code cached under its
+  structural hash and the target. A cache entry that cannot be read or loaded is ignored and rebuilt."""
+  from blutrain.nova import codegen, hashing, pipeline
   t0 = time.perf_counter()
   key = hashing.graph_key(graph)
-  path = backend.cache_dir("nova", f"v{hashing.FORMAT_VERSION}", f"{key}.py")
+  path = backend.cache_dir("nova", f"v{hashing.FORMAT_VERSION}", target, f"{key}.py")
   info: dict = {"key": key, "hash_s": time.perf_counter() - t0}
   if path.is_file() and not dump_dir:
     try:
-      fn = codegen_cpu.load(path.read_text())
+      fn = codegen.load(path.read_text())
       info.update(cache="hit", source=str(path))
       return fn, info
     except Exception:  # NOTE: any damage to a cache file (truncated, edited) just means a rebuild
       path.unlink(missing_ok=True)
-  compiled = pipeline.compile_graph(graph, dump_dir=Path(dump_dir) / key if dump_dir else None, written=written)
+  compiled = pipeline.compile_graph(graph, dump_dir=Path(dump_dir) / key if dump_dir else None, written=written,
+                                    target=target)
   info.update(cache="miss", source=str(path), counts_before=compiled.counts_before, counts_after=compiled.counts_after,
               timings=compiled.timings, arena_bytes=compiled.memory.arena, live_peak_bytes=compiled.memory.lower_bound)
   try:
@@ -207,8 +294,6 @@ class Compiled:
     modules, optimizers = self._found
     params = _params(modules, optimizers)
     device = next((x.device for x in leaves if isinstance(x, Tensor)), None) or (params[0].device if params else Device("cpu"))
-    if device.type != "cpu":
-      raise NotImplementedError(f"bt.compile: Nova's {device.type} target is not built yet; run this step eagerly or on the CPU")
     saved_grads = [(p, p.grad) for p in params]
     trace = Trace(device, {id(p.grad): p for p in params if p.grad is not None})
     for i, x in enumerate(leaves):
@@ -236,12 +321,16 @@ class Compiled:
     capture_s = time.perf_counter() - t0
     written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
                for k, (kind, where) in enumerate(spec) if kind == "write"}
-    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written)
+    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written, device.type)
     info.update(capture_s=capture_s, equations=len(trace.graph.equations), inputs=len(trace.graph.inputs),
                 outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
     self.captures += 1
     self.info = info
-    return Executable(fn, trace, spec, out_tree, device, info)
+    if device.type != "cuda": return Executable(fn, trace, spec, out_tree, device, info)
+    info["cuda_graph"] = ("off: BLUTRAIN_CUDA_GRAPHS=0" if not cuda_graphs_enabled() else
+                          "off: the step draws random numbers, whose seed and offset a graph would freeze" if trace.rng
+                          else "on")
+    return (GraphExecutable if info["cuda_graph"] == "on" else Executable)(fn, trace, spec, out_tree, device, info)
 
 
 def compile(fn: Callable | None = None, *, dump_ir: str | None = None):

@@ -63,15 +63,9 @@ def _nbytes(v: SSAValue) -> int:
   return -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
 
 
-def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[Buffer]:
-  """The buffer of every value an op of the module's function makes. Views fold into their sources; an elementwise
-  op whose input (not a view, not a graph input, of the same bytes) is read for the last time by it writes into that
-  input's buffer, in place, as the kernels may when each element is read before it is written. The function's return
-  is its last op, so a returned value lives to the end. `written` maps an output's position to the input position
-  whose new value it is (an in-place update the runtime writes back): when the op making it reads that input for
-  the last time and works element by element, the output takes the input's own memory and no arena buffer."""
-  block = function(module).body.block
-  ops = list(block.ops)
+def _liveness(ops: list) -> tuple[dict[SSAValue, tuple[int, str]], dict[SSAValue, int]]:
+  """Where each op result is made (position, op name), and the last position that reads each value, a view's reads
+  counting as reads of the value whose memory it views."""
   source: dict[SSAValue, SSAValue] = {}  # a view's value -> the value whose memory it reads
   made: dict[SSAValue, tuple[int, str]] = {}
   last: dict[SSAValue, int] = {}
@@ -82,6 +76,19 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
       source[op.result] = source.get(op.x, op.x)
     elif isinstance(op, NovaOp):
       for r in op.results: made[r] = (i, op.opname)
+  return made, last
+
+
+def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[Buffer]:
+  """The buffer of every value an op of the module's function makes. Views fold into their sources; an elementwise
+  op whose input (not a view, not a graph input, of the same bytes) is read for the last time by it writes into that
+  input's buffer, in place, as the kernels may when each element is read before it is written. The function's return
+  is its last op, so a returned value lives to the end. `written` maps an output's position to the input position
+  whose new value it is (an in-place update the runtime writes back): when the op making it reads that input for
+  the last time and works element by element, the output takes the input's own memory and no arena buffer."""
+  block = function(module).body.block
+  ops = list(block.ops)
+  made, last = _liveness(ops)
   owner: dict[SSAValue, SSAValue] = {}  # a value written in place -> the value whose buffer it took
   ops_of: dict[SSAValue, list[str]] = {v: [name] for v, (_, name) in made.items()}
   for i, op in enumerate(ops):
@@ -98,17 +105,24 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
           for v, (first, _) in made.items() if v not in owner and v not in in_place_inputs]
 
 
-def _written_in_place(args, ops: list, written: dict[int, int], made: dict, last: dict) -> set[SSAValue]:
-  """The outputs that update an input in its own memory (see `lifetimes`)."""
-  ret, found = ops[-1], set()
+def _written_in_place(args, ops: list, written: dict[int, int], made: dict, last: dict) -> dict[SSAValue, SSAValue]:
+  """The outputs that update an input in its own memory (see `lifetimes`), each with that input."""
+  ret, found = ops[-1], {}
   for k, j in written.items():
     r, u = ret.operands[k], args[j]
     if r not in made: continue
     op = ops[made[r][0]]
     if isinstance(op, (ElementwiseOp, AdamwOp, ScaleOp)) and u in op.operands and last.get(u) == made[r][0]:
-      found.add(r)
+      found[r] = u
   return found
 
+
+def updated_in_place(module: ModuleOp, written: dict[int, int] | None = None) -> dict[SSAValue, SSAValue]:
+  """The step's updates of its inputs that the plan puts in the inputs' own memory: new value -> the input (block
+  argument) whose memory it takes. Code generation writes them there (`out=`), so no write-back copies them."""
+  block = function(module).body.block
+  ops = list(block.ops)
+  return _written_in_place(block.args, ops, written or {}, *_liveness(ops))
 
 
 def plan(module: ModuleOp, written: dict[int, int] | None = None) -> MemoryPlan:

@@ -1,4 +1,4 @@
-"""The compiler's driver: graph -> nova IR -> passes -> numpy source -> callable.
+"""The compiler's driver: graph -> nova IR -> passes -> memory plan -> host source (CPU or CUDA) -> callable.
 
 `optimize` runs the passes: canonicalize and fold alternate until fold finds nothing to fold (each reaches its own
 fixed point with one worklist walk, and only fold's new splats can expose new identities such as x * 1), then cse
@@ -17,11 +17,11 @@ from typing import Callable
 
 from xdsl.dialects.builtin import ModuleOp
 
-from blutrain.nova import codegen_cpu
+from blutrain.nova import codegen
 from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
-from blutrain.nova.memory import MemoryPlan, plan as plan_memory
+from blutrain.nova.memory import MemoryPlan, plan as plan_memory, updated_in_place
 from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, NovaPass
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
@@ -73,7 +73,7 @@ def optimize(module: ModuleOp, dump_dir: str | os.PathLike | None = None, verify
 
 @dataclass(eq=False)
 class CompiledGraph:
-  """A graph compiled for the CPU: `fn(*arrays) -> tuple of arrays`, with what it took to get there.
+  """A graph compiled for a target (`codegen.TARGETS`): `fn(*arrays) -> tuple of arrays`, with what it took.
 
   Attributes:
     source: the generated Python source of `fn`.
@@ -93,8 +93,8 @@ class CompiledGraph:
 
 
 def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verify: bool | None = None,
-                  written: dict[int, int] | None = None) -> CompiledGraph:
-  """Compile a captured graph to a numpy function. The graph's structural hash (`hashing.graph_key`) is the caller's
+                  written: dict[int, int] | None = None, target: str = "cpu") -> CompiledGraph:
+  """Compile a captured graph to a function of the target's arrays (numpy on the CPU, CudaArrays on the GPU). The graph's structural hash (`hashing.graph_key`) is the caller's
   business: the runtime computes it once, as its cache key, before deciding to compile.
 
   Args:
@@ -105,6 +105,7 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
       rules already ran at capture).
     written: output position -> input position of the inputs the step updates (their new values), for the memory
       plan.
+    target: "cpu" or "cuda" (`codegen.TARGETS`).
   """
   dump_dir = dump_dir or os.environ.get("BLUTRAIN_DUMP_IR") or None
   verify = os.environ.get("BLUTRAIN_NOVA_VERIFY") == "1" if verify is None else verify
@@ -125,9 +126,9 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
   memory_plan = plan_memory(module, written)
   if dump_dir: (Path(dump_dir) / "memory-plan.txt").write_text(memory_plan.report())
   lap("plan")
-  source = codegen_cpu.generate(module)
+  source = codegen.generate(module, target=target, in_place=updated_in_place(module, written))
   if dump_dir: (Path(dump_dir) / "step.py").write_text(source)
   lap("codegen")
-  fn = codegen_cpu.load(source)
+  fn = codegen.load(source)
   lap("load")
   return CompiledGraph(source, fn, module, counts_before, counts_after, memory_plan, timings)

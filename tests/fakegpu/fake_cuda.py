@@ -56,6 +56,17 @@ class FakeDriver:
   def _nothing(self, *a): return (0,)
   cuMemcpyHtoDAsync = cuMemcpyDtoHAsync = cuMemcpyDtoDAsync = cuMemsetD8Async = cuMemsetD32Async = _nothing
 
+  # CUDA graphs: a capture records nothing (nothing runs); a replay counts as one launch
+  CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_RELAXED=2)
+  cuStreamBeginCapture = cuGraphExecDestroy = cuGraphDestroy = _nothing
+  def cuStreamEndCapture(self, s): return (0, next(_handles))
+  def cuGraphInstantiate(self, g, flags): return (0, next(_handles))
+  def cuGraphGetNodes(self, g, n): return (0, None, 0)
+
+  def cuGraphLaunch(self, exe, s):
+    launches[0] += 1
+    return (0,)
+
 
 class FakeEvent:
   is_done = True

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 import blutrain as bt
 from blutrain import dtypes
-from blutrain.nova import codegen_cpu, ir
+from blutrain.nova import codegen, ir
 from blutrain.nova.graph import Equation, Value, literal
 from blutrain.nova.pipeline import compile_graph
 from tests.nova.graphs import Builder, evaluate, every_op, gpt_like
@@ -25,7 +25,7 @@ def assert_same(got, want, exact=True):
 
 def test_every_op_generated_equals_eager():
   graph, arrays = every_op()
-  fn = codegen_cpu.load(codegen_cpu.generate(ir.to_module(graph)))
+  fn = codegen.load(codegen.generate(ir.to_module(graph)))
   assert_same(fn(*arrays), evaluate(graph, arrays))
 
 
@@ -74,9 +74,9 @@ def test_dead_values_are_freed():
   y = x
   for _ in range(12): y = b("exp", b("neg", y))
   graph = b.output(y)
-  source = codegen_cpu.generate(ir.to_module(graph))
+  source = codegen.generate(ir.to_module(graph))
   assert "  del a0\n" in source and source.count("del ") == 24
-  fn = codegen_cpu.load(source)
+  fn = codegen.load(source)
   arg = np.zeros((256, 1024), np.float32)
   tracemalloc.start()
   fn(arg)
@@ -90,10 +90,10 @@ def test_outputs_may_be_inputs_and_unused_values_go():
   x, y = b.input((2,)), b.input((2,))
   b("exp", x)
   graph = b.output(y, b("add", x, y))
-  source = codegen_cpu.generate(ir.to_module(graph))
+  source = codegen.generate(ir.to_module(graph))
   assert "return (a1, v3)" in source and "del v2" in source
   x_arr, y_arr = np.ones(2, np.float32), np.arange(2, dtype=np.float32)
-  out = codegen_cpu.load(source)(x_arr, y_arr)
+  out = codegen.load(source)(x_arr, y_arr)
   assert out[0] is y_arr and np.array_equal(out[1], x_arr + y_arr)
 
 

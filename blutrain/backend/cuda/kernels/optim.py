@@ -42,8 +42,11 @@ def _steps_kernel(table, T, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(table, chunks, lr_bits, beta1_bits, beta2_bits, decay, one_minus_beta1, beta2, one_minus_beta2, eps,
-                  P: tl.constexpr, G: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(table, chunks, lr_bits, lr_ptr, beta1_bits, beta2_bits, wd_bits, one_minus_beta1, beta2,
+                  one_minus_beta2, eps, P: tl.constexpr, G: tl.constexpr, DECAY: tl.constexpr, LR_PTR: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+  """AdamW over one chunk; the learning rate is lr_bits (a float64's bits) or, with LR_PTR, read from lr_ptr, so that
+  a replayed CUDA graph reads the learning rate of each step."""
   pid = tl.program_id(0)
   t = tl.load(chunks + 2 * pid)
   start = tl.load(chunks + 2 * pid + 1)
@@ -54,7 +57,11 @@ def _adamw_kernel(table, chunks, lr_bits, beta1_bits, beta2_bits, decay, one_min
   v_ptr = tl.load(row + 3).to(tl.pointer_type(P))
   step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float64)))
   end = tl.minimum(start + CHUNK, tl.load(row + 5))
-  lr = lr_bits.to(tl.float64, bitcast=True)
+  if LR_PTR:
+    lr = tl.load(lr_ptr)
+  else:
+    lr = lr_bits.to(tl.float64, bitcast=True)
+  decay = (1.0 - lr * wd_bits.to(tl.float64, bitcast=True)).to(tl.float32)
   bc1 = 1.0 - libdevice.pow(beta1_bits.to(tl.float64, bitcast=True), step)
   bc2 = 1.0 - libdevice.pow(beta2_bits.to(tl.float64, bitcast=True), step)
   step_size = (-lr / bc1).to(tl.float32)
@@ -78,10 +85,11 @@ def _adamw_kernel(table, chunks, lr_bits, beta1_bits, beta2_bits, decay, one_min
 
 
 @functools.lru_cache(maxsize=4096)
-def adamw_spec(param, grad, decay: bool):
-  sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "beta1_bits": "i64", "beta2_bits": "i64", "decay": "fp32",
-         "one_minus_beta1": "fp32", "beta2": "fp32", "one_minus_beta2": "fp32", "eps": "fp32"}
-  return spec(_adamw_kernel, sig, dict(P=TL[param], G=TL[grad], DECAY=decay, CHUNK=CHUNK, BLOCK=4096), num_warps=8)
+def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False):
+  sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "beta1_bits": "i64", "beta2_bits": "i64",
+         "wd_bits": "i64", "one_minus_beta1": "fp32", "beta2": "fp32", "one_minus_beta2": "fp32", "eps": "fp32"}
+  return spec(_adamw_kernel, sig, dict(P=TL[param], G=TL[grad], DECAY=decay, LR_PTR=lr_on_device, CHUNK=CHUNK,
+                                       BLOCK=4096), num_warps=8)
 
 
 _STEPS = spec(_steps_kernel, {"table": "*i64", "T": "i32"}, dict(BLOCK=256))
@@ -103,24 +111,30 @@ def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, Cu
 
 
 def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[CudaArray], exp_avg_sqs: list[CudaArray],
-                steps: list[CudaArray], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                steps: list[CudaArray], lr: float | CudaArray, beta1: float, beta2: float, eps: float,
+                weight_decay: float) -> None:
   """AdamW on every (param, grad, exp_avg, exp_avg_sq, step) in place: steps (0-d float64) are incremented first.
-  Params and moments share a floating dtype and are contiguous; grads may have another floating dtype. One launch
-  per (param dtype, grad dtype) group, plus one that increments the steps."""
+  Params and moments share a floating dtype and are contiguous; grads may have another floating dtype and any layout
+  (a strided one is read through a contiguous copy). One launch per (param dtype, grad dtype) group, plus one that
+  increments the steps. `lr` is a number, or a 0-d float64 device array read by the kernel (no host sync: a CUDA graph
+  captures the read, not the value)."""
   groups: dict[tuple, list[tuple[int, ...]]] = {}
+  grads = [g if g.is_contiguous() else copy(g) for g in grads]
   for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-    if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()) or \
+    if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()) or \
        not p.shape == g.shape == m.shape == v.shape or not (p.dtype is m.dtype is v.dtype) or s.dtype is not dtypes.float64:
       raise ValueError(f"fused_adamw: needs contiguous param, grad and moments of one shape (moments in the param's "
                        f"dtype) and a float64 step; got {p.shape} {p.dtype.name}, {g.shape} {g.dtype.name}, "
                        f"{m.shape} {m.dtype.name}, {v.shape} {v.dtype.name}, step {s.dtype.name}")
     if p.size: groups.setdefault((p.dtype, g.dtype, p.device), []).append((p.ptr, g.ptr, m.ptr, v.ptr, s.ptr, p.size))
+  on_device = isinstance(lr, CudaArray)
   for (pd, gd, device), rows in groups.items():
     table, chunks = _tables_for(rows, device)
     run(_STEPS, (1,), table, len(rows))
-    run(adamw_spec(pd, gd, weight_decay != 0), (chunks.shape[0],), table, chunks, f64_bits(lr), f64_bits(beta1),
-        f64_bits(beta2), float(np.float32(1 - lr * weight_decay)), float(np.float32(1 - beta1)), float(np.float32(beta2)),
-        float(np.float32(1 - beta2)), float(np.float32(eps)))
+    run(adamw_spec(pd, gd, weight_decay != 0, on_device), (chunks.shape[0],), table, chunks,
+        0 if on_device else f64_bits(lr), lr.ptr if on_device else 0, f64_bits(beta1), f64_bits(beta2),
+        f64_bits(weight_decay), float(np.float32(1 - beta1)), float(np.float32(beta2)), float(np.float32(1 - beta2)),
+        float(np.float32(eps)))
 
 
 @triton.jit
@@ -173,8 +187,10 @@ def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[tuple[int, in
 
 def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
   """Partial float32 sums of squares whose total is the squared 2-norm of all the tensors together, from one launch
-  per dtype: one partial per chunk of CHUNK elements (a 1-element zero when there are no elements)."""
+  per dtype: one partial per chunk of CHUNK elements (a 1-element zero when there are no elements). A strided tensor
+  is read through a contiguous copy."""
   parts = []
+  tensors = [x if x.is_contiguous() else copy(x) for x in tensors]
   for (dtype, dev), rows in _groups(tensors, "sum_squares").items():
     table, chunks = _tables_for(rows, dev)
     out = memory.empty((chunks.shape[0],), dtypes.float32, dev)
@@ -200,18 +216,14 @@ def _into(xs, out) -> list[CudaArray]:
   return list(out)
 
 
-def _host(x: CudaArray | np.ndarray) -> float:
-  """A 0-d operand's value: a CPU scalar by value; a device scalar (a learning-rate tensor) read back."""
-  return float(x) if isinstance(x, np.ndarray) else float(memory.to_numpy(x))
-
-
 def adamw(*xs, n: int, beta1: float, beta2: float, eps: float, weight_decay: float, out=None) -> tuple:
   """The `adamw` op: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr; returns (or updates in `out`)
   params, exp_avgs, exp_avg_sqs and steps, by `fused_adamw`."""
   params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
   updated = _into([*params, *exp_avgs, *exp_avg_sqs, *steps], out)
   p, m, v, s = (updated[k * n:(k + 1) * n] for k in range(4))
-  fused_adamw(p, list(grads), m, v, s, _host(xs[5 * n]), beta1, beta2, eps, weight_decay)
+  lr = xs[5 * n]  # a CPU scalar by value, a device scalar (a learning-rate tensor) read by the kernel
+  fused_adamw(p, list(grads), m, v, s, float(lr) if isinstance(lr, np.ndarray) else lr, beta1, beta2, eps, weight_decay)
   return tuple(updated)
 
 
@@ -230,7 +242,7 @@ def scale(*xs: CudaArray, out=None) -> tuple:
 
 adamw.writes_out = adamw.host_scalars = scale.writes_out = True
 KERNELS = {"adamw": adamw, "sum_squares": sum_squares_op, "scale": scale}
-SPECS = [_STEPS] + [adamw_spec(p, g, d) for p, g, d in ((dtypes.float32, dtypes.float32, True),
-                                                        (dtypes.float32, dtypes.bfloat16, False),
-                                                        (dtypes.bfloat16, dtypes.bfloat16, True))] + \
+SPECS = [_STEPS] + [adamw_spec(p, g, d, on) for p, g, d in ((dtypes.float32, dtypes.float32, True),
+                                                            (dtypes.float32, dtypes.bfloat16, False),
+                                                            (dtypes.bfloat16, dtypes.bfloat16, True)) for on in (False, True)] + \
         [multi_tensor_spec(k, d) for k in ("sum_squares", "scale") for d in (dtypes.float32, dtypes.bfloat16)]

@@ -1,0 +1,94 @@
+"""CUDA graphs: the work a function queues, captured once and replayed with one launch.
+
+A `Pool` is a stream of its own whose allocator is private (a CachingAllocator of its own over the same device):
+work run through the pool (`Pool.run`, `Pool.capture`) takes every allocation from it, and memory freed there is
+reused there only, so nothing outside is ever handed memory that a graph captured in the pool reads or writes when
+it replays. A step run once through the pool before its capture leaves the pool holding what the capture needs.
+The pool lives as long as its graphs (and as long as any array cut from it).
+
+Capture runs in relaxed mode, so that the pool may ask the driver for a segment while capturing. Work that needs the
+host (a device-to-host copy, a synchronization) cannot be captured: the driver's error ends the capture, and
+`Pool.capture` raises it as `GraphCaptureError`. `Graph.replay()` launches the whole graph on the current stream,
+ordered with everything else queued there.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda.allocator import CachingAllocator
+
+
+class GraphCaptureError(RuntimeError):
+  """The work of a function could not be captured into a CUDA graph (it synchronizes with the host, or copies to it)."""
+
+
+class Pool:
+  """A private memory pool and the stream whose allocations it serves: work run through it (`run`, `capture`) takes
+  its memory from the pool, on the pool's stream, ordered after the work queued before it on the current stream and
+  before the work queued there after it."""
+
+  def __init__(self, device: int | None = None):
+    origin = runtime.current_stream(device)
+    self.allocator = CachingAllocator(runtime._DeviceDriver(origin.device), origin.device)
+    # the stream lives as long as the pool: per-stream resources made on it (cuBLASLt's workspace) are keyed by its
+    # handle, which a new stream must not take over while a graph captured on it may replay
+    self.stream = runtime.Stream(origin.device)
+    self.stream.allocator, self.stream.is_default = self.allocator, True
+
+  def nbytes(self) -> int:
+    """Device memory the pool holds (segments reserved from the driver)."""
+    return self.allocator.memory_stats()["reserved_bytes.all.current"]
+
+  def _order(self, first: runtime.Stream, then: runtime.Stream) -> None:
+    e = runtime.Event()
+    e.record(first)
+    then.wait_event(e)
+
+  def run(self, fn: Callable[[], Any]) -> Any:
+    """Run `fn()` with the pool's stream current."""
+    origin = runtime.current_stream(self.stream.device)
+    self._order(origin, self.stream)
+    try:
+      with runtime.stream(self.stream): return fn()
+    finally:
+      self._order(self.stream, origin)
+
+  def capture(self, fn: Callable[[], Any]) -> tuple[Graph, Any]:
+    """Capture the work `fn()` queues into a graph; returns the graph and what `fn` returned (arrays whose memory the
+    graph writes when it replays: their values exist only after `replay()`)."""
+    drv = runtime.driver()
+    s = self.stream
+    self._order(runtime.current_stream(s.device), s)
+    mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    runtime.check(drv.cuStreamBeginCapture(s._s.handle, mode), "cuStreamBeginCapture")
+    try:
+      with runtime.stream(s): out = fn()
+    except BaseException as e:
+      err, graph = drv.cuStreamEndCapture(s._s.handle)
+      if err == 0 and graph is not None: drv.cuGraphDestroy(graph)
+      if isinstance(e, RuntimeError) and "CAPTURE" in str(e):
+        raise GraphCaptureError(f"CUDA graph capture failed: {e}. The captured function synchronizes with the host or "
+                                "copies to it; run it kernel by kernel (BLUTRAIN_CUDA_GRAPHS=0)") from e
+      raise
+    graph = runtime.check(drv.cuStreamEndCapture(s._s.handle), "cuStreamEndCapture")
+    exe = runtime.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+    nodes = runtime.check(drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")[-1]
+    return Graph(graph, exe, self, int(nodes)), out
+
+
+class Graph:
+  """An instantiated CUDA graph and the pool its memory comes from. `replay()` launches it."""
+
+  def __init__(self, graph: Any, exe: Any, pool: Pool, nodes: int):
+    self._graph, self._exe, self.pool, self.nodes = graph, exe, pool, nodes
+
+  def replay(self, stream: runtime.Stream | None = None) -> None:
+    """Launch the graph on `stream` (default: the current stream)."""
+    s = runtime.launch_stream(stream)
+    runtime.check(runtime.driver().cuGraphLaunch(self._exe, s._s.handle), "cuGraphLaunch")
+
+  def __del__(self):
+    drv = runtime.driver()
+    if getattr(self, "_exe", None) is not None: drv.cuGraphExecDestroy(self._exe)
+    if getattr(self, "_graph", None) is not None: drv.cuGraphDestroy(self._graph)

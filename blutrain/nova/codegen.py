@@ -1,0 +1,167 @@
+"""Host code generation: an optimized nova module becomes the Python source of one readable function that calls a
+backend's kernels, one line per op, for the CPU (numpy arrays) or the GPU (CudaArrays, kernel by kernel).
+
+Primitives call the target backend's kernel (`kernels[name](*arrays, **attrs)`), as eager mode does; a multi-result
+op's kernel returns a tuple, unpacked on its line. On the CPU each result is cast to the op's result dtype, as eager
+mode does in `blutrain.backend.cpu.wrap` (kernels compute halves in float32 and may return other integer widths); CUDA
+kernels return the op's dtype. Views, which have no kernel because eager mode makes them by striding, are the numpy
+equivalents on the CPU (reshape, transpose, broadcast_to, basic slicing) and on the GPU the op's own layout rule
+applied to the CudaArray (`cuda_view`). A value is deleted after its last use so that peak memory follows liveness.
+For example, on the CPU:
+
+  def step(a0, a1):
+    v2 = np.asarray(kernels["matmul"](a0, a1), float32)
+    del a0
+    v3 = v2.transpose((1, 0))
+    del v2
+    return (v3,)
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import linecache
+from typing import Any, Callable
+
+import numpy as np
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.func import ReturnOp
+from xdsl.ir import SSAValue
+
+from blutrain import dtypes
+from blutrain.dtypes import DType
+from blutrain.nova.dialect import (DTYPES, ElementwiseOp, ExpandOp, LayoutOp, MultiResultOp, NovaOp, PermuteOp, RandomOp,
+                                   ViewOp)
+from blutrain.nova.graph import dtype_name, literal
+from blutrain.nova.ir import function
+
+
+def _slice(index) -> str:
+  if not index: return "..."  # a 0-d array stays an array (x[()] would give a numpy scalar)
+  return ", ".join(f"{a}:{b}" if c == 1 else f"{a}:{b}:{c}" for a, b, c in index)
+
+
+def _view(op: LayoutOp, x: str, target: str) -> str:
+  """A layout op as its numpy equivalent on the CPU (eager mode makes these views by striding, without a kernel), as
+  `cuda_view` of the op on the GPU."""
+  a = op.attrs()
+  if target == "cuda": return f'view({x}, "{op.opname}", {literal(a)})'
+  if isinstance(op, ViewOp): return f"{x}.reshape({literal(a['shape'])})"
+  if isinstance(op, PermuteOp): return f"{x}.transpose({literal(a['dims'])})"
+  if isinstance(op, ExpandOp): return f"np.broadcast_to({x}, {literal(a['shape'])})"
+  return f"{x}[{_slice(a['index'])}]"
+
+
+class _Layout:
+  """What an op's layout rule reads of a tensor (shape, strides, offset, dtype, ndim), for a CudaArray."""
+  __slots__ = ("shape", "_strides", "_offset", "dtype", "ndim")
+
+  def __init__(self, x):
+    self.shape, self._strides, self._offset, self.dtype, self.ndim = x.shape, x.strides, 0, x.dtype, len(x.shape)
+
+
+def cuda_view(x, opname: str, attrs: dict):
+  """The view that layout op `opname` makes of CudaArray x, by the op's own layout rule (`Op.view`), as eager mode
+  makes it; a reshape whose layout cannot view x's memory reads a contiguous copy, as `reshape` does."""
+  from blutrain.backend.cuda import kernels
+  from blutrain.ops import registry
+  shape, strides, offset = registry[opname].view(_Layout(x), **attrs)
+  if strides is None:
+    x = kernels["copy"](x)
+    shape, strides, offset = registry[opname].view(_Layout(x), **attrs)
+  return type(x)(x.ptr + offset * x.dtype.itemsize, tuple(shape), tuple(strides), x.dtype, x.device, x.owner)
+
+
+def _call(op: NovaOp, args: list[str], out: str | None = None) -> str:
+  """The call of the op's kernel (writing into `out` when given); a random op's seed and absolute offset come from its
+  generator state."""
+  a = op.attrs()
+  if isinstance(op, RandomOp):
+    rng = args[0]
+    kw = [f"{k}={literal(v)}" for k, v in a.items() if k != "offset"]
+    kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
+    return f'kernels["{op.opname}"]({", ".join(kw)})'
+  kw = [f"{k}={literal(v)}" for k, v in a.items()] + ([f"out={out}"] if out else [])
+  return f'kernels["{op.opname}"]({", ".join(args + kw)})'
+
+
+def _out(op: NovaOp, names: dict, in_place: dict, kernels: dict) -> str | None:
+  """The `out=` argument that makes an op write its results into the inputs they update, where the memory plan puts
+  them there (`memory.updated_in_place`) and the target's kernel writes into `out` arrays (its `writes_out`)."""
+  if not in_place or not getattr(kernels.get(op.opname), "writes_out", False): return None
+  if isinstance(op, ElementwiseOp):
+    u = in_place.get(op.result)
+    return None if u is None else names[u]
+  if hasattr(op, "updated_operands"):
+    updated = [op.operands[j] for j in op.updated_operands()]
+    if [in_place.get(r) for r in op.results] == updated: return f"({', '.join(names[u] for u in updated)},)"
+  return None
+
+
+def _lines(op: NovaOp, args: list[str], outs: list[str | None], out_dtypes: list[DType | None], target: str,
+           out: str | None) -> list[str]:
+  """The lines computing one op into the names `outs` (None for an absent result), on the CPU each result cast to its
+  dtype. A multi-result op's kernel returns a tuple: it is unpacked (`_` for an absent result), then cast."""
+  if isinstance(op, LayoutOp): return [f"  {outs[0]} = {_view(op, args[0], target)}"]
+  call = _call(op, args, out)
+  if not isinstance(op, MultiResultOp):
+    if target == "cuda": return [f"  {outs[0]} = {call}"]
+    return [f"  {outs[0]} = np.asarray({call}, {dtype_name(out_dtypes[0])})"]
+  targets = ", ".join(o or "_" for o in outs) + ("," if len(outs) == 1 else "")
+  if target == "cuda": return [f"  {targets} = {call}"]
+  present = [(o, d) for o, d in zip(outs, out_dtypes) if o]
+  casts = ", ".join(f"np.asarray({o}, {dtype_name(d)})" for o, d in present)
+  return [f"  {targets} = {call}", f"  {', '.join(o for o, _ in present)} = {casts}"]
+
+
+TARGETS = ("cpu", "cuda")
+
+
+def generate(module: ModuleOp, name: str = "step", target: str = "cpu",
+             in_place: dict[SSAValue, SSAValue] | None = None) -> str:
+  """Python source of `def <name>(a0, a1, ...)` computing the module's function's results (a tuple of arrays) from
+  arrays of the target backend (numpy arrays, or CudaArrays and host scalars), one per argument in order. Results may
+  share memory with arguments (a result may be an argument itself): `in_place` (`memory.updated_in_place`) names the
+  updates of arguments that are written into the arguments' own memory."""
+  if target not in TARGETS: raise ValueError(f"codegen: no target {target!r}; the targets are {TARGETS}")
+  kernels = importlib.import_module(f"blutrain.backend.{target}").kernels
+  block = function(module).body.block
+  names: dict[SSAValue, str] = {v: f"a{i}" for i, v in enumerate(block.args)}
+  *ops, ret = block.ops
+  if not isinstance(ret, ReturnOp): raise ValueError(f"codegen: the function ends in {ret.name}, not func.return")
+  last: dict[SSAValue, int] = {}
+  for i, op in enumerate(ops):
+    if not isinstance(op, NovaOp): raise ValueError(f"codegen: unexpected op {op.name} in a nova function")
+    for v in op.operands: last[v] = i
+  keep = set(ret.arguments)
+  used: set[DType] = set()
+  lines = [f"def {name}({', '.join(names.values())}):"]
+  for i, op in enumerate(ops):
+    args = ["None" if v is None else names[v] for v in op.graph_inputs()]
+    results = op.graph_outputs()
+    out_dtypes = [None if r is None else DTYPES[r.type.element_type] for r in results]
+    used.update(d for d in out_dtypes if d is not None)
+    for r in results:
+      if r is not None: names[r] = f"v{len(names)}"
+    out = _out(op, names, in_place or {}, kernels)
+    lines += _lines(op, args, [None if r is None else names[r] for r in results], out_dtypes, target, out)
+    dead = dict.fromkeys(names[v] for v in op.operands if last[v] == i and v not in keep)
+    dead.update((names[r], None) for r in op.results if r not in last and r not in keep)
+    if dead: lines.append(f"  del {', '.join(dead)}")
+  outs = ", ".join(names[v] for v in ret.arguments)
+  lines.append(f"  return ({outs}{',' if len(ret.arguments) == 1 else ''})")
+  header = [f'"""Generated by blutrain.nova.codegen for the {target}."""', "import numpy as np",
+            "from blutrain import dtypes", f"from blutrain.backend.{target} import kernels"]
+  if target == "cuda": header += ["from blutrain.nova.codegen import cuda_view as view", "", ""]
+  else: header += ["", *(f"{dtype_name(d)} = dtypes.{dtype_name(d)}.np" for d in dtypes.all_dtypes if d in used), "", ""]
+  return "\n".join(header + lines) + "\n"
+
+
+def load(source: str, name: str = "step") -> Callable[..., tuple[np.ndarray, ...]]:
+  """Execute generated source (it imports numpy, dtypes and the kernels itself) and return its function. The source
+  is registered with `linecache`, so tracebacks through the compiled step show the generated lines."""
+  filename = f"<nova {hashlib.blake2b(source.encode(), digest_size=6).hexdigest()}>"
+  linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+  namespace: dict[str, Any] = {}
+  exec(compile(source, filename, "exec"), namespace)
+  return namespace[name]
