@@ -58,7 +58,7 @@ class FakeDriver:
 
   # CUDA graphs: a capture records nothing (nothing runs); a replay counts as one launch
   CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_RELAXED=2)
-  cuStreamBeginCapture = cuGraphExecDestroy = cuGraphDestroy = _nothing
+  cuStreamBeginCapture = cuGraphExecDestroy = cuGraphDestroy = cuMemFreeHost = _nothing
   def cuStreamEndCapture(self, s): return (0, next(_handles))
   def cuGraphInstantiate(self, g, flags): return (0, next(_handles))
   def cuGraphGetNodes(self, g, n): return (0, None, 0)

@@ -62,26 +62,29 @@ class Pool:
     self._order(runtime.current_stream(s.device), s)
     mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
     runtime.check(drv.cuStreamBeginCapture(s._s.handle, mode), "cuStreamBeginCapture")
+    held = runtime.capture_holds[s.handle] = []  # the host sources of captured uploads (pointer tables)
     try:
       with runtime.stream(s): out = fn()
     except BaseException as e:
+      del runtime.capture_holds[s.handle]
       err, graph = drv.cuStreamEndCapture(s._s.handle)
       if err == 0 and graph is not None: drv.cuGraphDestroy(graph)
       if isinstance(e, RuntimeError) and "CAPTURE" in str(e):
         raise GraphCaptureError(f"CUDA graph capture failed: {e}. The captured function synchronizes with the host or "
                                 "copies to it; run it kernel by kernel (BLUTRAIN_CUDA_GRAPHS=0)") from e
       raise
+    del runtime.capture_holds[s.handle]
     graph = runtime.check(drv.cuStreamEndCapture(s._s.handle), "cuStreamEndCapture")
     exe = runtime.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
     nodes = runtime.check(drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")[-1]
-    return Graph(graph, exe, self, int(nodes)), out
+    return Graph(graph, exe, self, int(nodes), held), out
 
 
 class Graph:
   """An instantiated CUDA graph and the pool its memory comes from. `replay()` launches it."""
 
-  def __init__(self, graph: Any, exe: Any, pool: Pool, nodes: int):
-    self._graph, self._exe, self.pool, self.nodes = graph, exe, pool, nodes
+  def __init__(self, graph: Any, exe: Any, pool: Pool, nodes: int, held: list):
+    self._graph, self._exe, self.pool, self.nodes, self.held = graph, exe, pool, nodes, held
 
   def replay(self, stream: runtime.Stream | None = None) -> None:
     """Launch the graph on `stream` (default: the current stream)."""

@@ -129,11 +129,29 @@ def _stage(device: int) -> _Staging:
   return st
 
 
+class PinnedCopy:
+  """Pinned host memory holding the source of a host-to-device copy captured into a CUDA graph, which reads it at
+  every replay: it lives, unchanged, as long as the graph."""
+
+  def __init__(self, src: int, nbytes: int):
+    self.ptr = int(check(runtime.driver().cuMemAllocHost(nbytes), f"cuMemAllocHost({nbytes})"))
+    ctypes.memmove(self.ptr, src, nbytes)
+
+  def __del__(self):
+    if getattr(self, "ptr", None): runtime.driver().cuMemFreeHost(self.ptr)
+
+
 def copy_h2d(dst: int, src: int, nbytes: int, s: Stream) -> None:
   """Queue a copy of `nbytes` from host address `src` to device address `dst` on `s`; `src` may be reused
-  as soon as this returns."""
+  as soon as this returns. On a stream capturing a CUDA graph the copy reads a pinned copy of `src` that the graph
+  keeps (`runtime.capture_holds`), so that each replay copies the same bytes."""
   runtime.state(s.device)  # its context current in this thread
   st, drv = _stage(s.device), runtime.driver()
+  held = runtime.capture_holds.get(s.handle)
+  if held is not None:
+    held.append(buf := PinnedCopy(src, nbytes))
+    check(drv.cuMemcpyHtoDAsync(dst, buf.ptr, nbytes, s._s.handle), "cuMemcpyHtoDAsync")
+    return
   with st.lock:
     if nbytes <= _Ring.SLOT:
       ring = _rings.get(s.device) or _rings.setdefault(s.device, _Ring(s.device))

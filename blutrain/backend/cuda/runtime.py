@@ -322,6 +322,9 @@ def _new_stream(st: _DeviceState, default: bool = False) -> Stream:
   return s
 
 
+capture_holds: dict[int, list] = {}  # handle of a stream capturing a CUDA graph -> what the graph must keep alive
+
+
 def current_stream(device: int | None = None) -> Stream:
   """The stream that blutrain's work goes on in this thread: the one set by `stream(...)`, else the compute stream."""
   tls = _tls
