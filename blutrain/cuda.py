@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import blutrain.backend.cuda as backend_cuda
 from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda.errors import DeviceIndexError  # noqa: F401  (public API)
 from blutrain.backend.cuda.allocator import OutOfMemoryError
 from blutrain.backend.cuda.runtime import DeviceProperties, Event, Stream, stream  # noqa: F401  (public API)
 from blutrain.device import Device, to_device
@@ -46,8 +48,9 @@ def set_device(device: int | str | Device) -> None:
 
 
 def synchronize(device: int | str | Device | None = None) -> None:
-  """Wait until all work queued on the device (every stream) has completed."""
-  runtime.synchronize(_index(device))
+  """Wait until all work queued on the device (every stream) has completed; raises the error a kernel recorded
+  meanwhile (an index out of range: `DeviceIndexError`, an IndexError and a RuntimeError)."""
+  backend_cuda.synchronize(_index(device))
 
 
 def current_stream(device: int | str | Device | None = None) -> Stream:

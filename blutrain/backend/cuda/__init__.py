@@ -13,9 +13,9 @@ import pkgutil
 
 import numpy as np
 
-from blutrain.backend.cuda import interop, memory, runtime
+from blutrain.backend.cuda import errors, interop, memory, runtime
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.memory import copy_into, to_numpy  # noqa: F401  (protocol functions)
+from blutrain.backend.cuda.memory import copy_into  # noqa: F401  (a protocol function)
 from blutrain.backend.cuda.runtime import is_available  # noqa: F401
 from blutrain.dtypes import DType
 
@@ -62,6 +62,19 @@ def empty(numel: int, dtype: DType):
 def from_numpy(array: np.ndarray, device: int | None = None) -> CudaArray:
   """A device copy of a host array, of the same shape (contiguous)."""
   return memory.from_numpy(array, device)
+
+
+def to_numpy(a: CudaArray) -> np.ndarray:
+  """A host copy of a device array; raises the error a kernel queued before it recorded (`errors`)."""
+  out = memory.to_numpy(a)
+  errors.check(a.device)
+  return out
+
+
+def synchronize(device: int | None = None) -> None:
+  """Wait for all work queued on the device; raises the error a kernel recorded (`errors`)."""
+  runtime.synchronize(device)
+  errors.check(runtime.state(device).index)
 
 
 def view(data, shape, strides, offset: int, dtype: DType) -> CudaArray:

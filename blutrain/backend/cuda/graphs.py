@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda import errors, runtime
 from blutrain.backend.cuda.allocator import CachingAllocator
 
 
@@ -90,6 +90,7 @@ class Graph:
     """Launch the graph on `stream` (default: the current stream)."""
     s = runtime.launch_stream(stream)
     runtime.check(runtime.driver().cuGraphLaunch(self._exe, s._s.handle), "cuGraphLaunch")
+    errors.mark(s.device)  # its index kernels may record a bad index
 
   def __del__(self):
     drv = runtime.driver()

@@ -8,8 +8,9 @@ where up to 4 index tensors (broadcast over O) pick positions along some target 
 into `values` (index, gather, embedding), "add" adds values into it atomically (index_backward, scatter_add,
 embedding_backward), "put" stores values into it (index_put; repeated positions keep one of the values).
 
-Negative indices wrap as in numpy. An index out of range reads 0 and writes nothing, instead of raising as the CPU
-backend does: checking would make the host wait for the GPU.
+Negative indices wrap as in numpy. An index out of range reads 0 and writes nothing, and is recorded in the device's
+error flag (`backend.cuda.errors`), which the next synchronization reads and raises from: raising at the op, as the
+CPU backend does, would make the host wait for the GPU.
 
 Atomic adds accumulate in float32 for half types (int32 for bool) and are cast once at the end, so results match the
 CPU's float32 accumulation up to the order of additions, which atomics do not fix: sums over repeated indices can
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from blutrain import dtypes
+from blutrain.backend.cuda import errors
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broadcast_strides, collapse, empty,
                                            needs_i64, pad, ptr, run, spec, strided, view)
@@ -53,21 +55,31 @@ def _tile_offsets(rows, cols, size1, size2, size3, size4, stride0, stride1, stri
 @triton.jit
 def _index_term(p, rows, cols, mask, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4,
                 col_stride, dim_stride, dim_size, ROW_DIMS: tl.constexpr, PER_ROW: tl.constexpr):
-  """(offset along the indexed target dim, in range) for one index tensor, whose entries wrap around dim_size;
-  PER_ROW: the index is constant along columns, so it is loaded once per row."""
+  """(offset along the indexed target dim, in range, the index as given) for one index tensor, whose entries wrap
+  around dim_size; PER_ROW: the index is constant along columns, so it is loaded once per row."""
   if PER_ROW:  # rows are clamped in range, so this load needs no mask
     i = tl.load(p + strided(rows, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4,
                             ROW_DIMS))[:, None]
   else:
     i = tl.load(p + _tile_offsets(rows, cols, size1, size2, size3, size4, stride0, stride1, stride2, stride3, stride4,
                                   col_stride, ROW_DIMS, False), mask=mask)
-  i = i.to(tl.int64)
-  i = tl.where(i < 0, i + dim_size, i)
-  return i * dim_stride, (i >= 0) & (i < dim_size)
+  given = i.to(tl.int64)
+  i = tl.where(given < 0, given + dim_size, given)
+  return i * dim_stride, (i >= 0) & (i < dim_size), given
 
 
 @triton.jit
-def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks,
+def _record(err, op_code, given, dim_size, bad):
+  """Record the bad indices of a tile in the error flag: the op, the largest and smallest bad index, the dim size."""
+  z = tl.zeros_like(bad).to(tl.int64)
+  tl.atomic_max(err + z, op_code + z, mask=bad, sem="relaxed")
+  tl.atomic_max(err + 1 + z, given + z, mask=bad, sem="relaxed")
+  tl.atomic_min(err + 2 + z, given + z, mask=bad, sem="relaxed")
+  tl.atomic_max(err + 3 + z, dim_size + z, mask=bad, sem="relaxed")
+
+
+@triton.jit
+def _index_kernel(target, values, i0, i1, i2, i3, err, op_code, n_rows, n_cols, n_col_blocks,
                   row_size1, row_size2, row_size3, row_size4,
                   values_row_stride0, values_row_stride1, values_row_stride2, values_row_stride3, values_row_stride4,
                   values_col_stride,
@@ -84,7 +96,7 @@ def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks,
                   IDX64: tl.constexpr):
   """Over the index space (rows by columns, as `_tile_offsets`): the target's element at its positional offset plus,
   per index tensor k, wrap(i_k) * dim_stride_k; MODE "get" reads it into values, "add" adds values to it
-  atomically, "put" stores values in it. Out-of-range indices read 0 and write nothing."""
+  atomically, "put" stores values in it. Out-of-range indices read 0, write nothing and are recorded in `err`."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
@@ -95,27 +107,31 @@ def _index_kernel(target, values, i0, i1, i2, i3, n_rows, n_cols, n_col_blocks,
   t_off = _tile_offsets(rows, cols, row_size1, row_size2, row_size3, row_size4, target_row_stride0, target_row_stride1,
                         target_row_stride2, target_row_stride3, target_row_stride4, target_col_stride, ROW_DIMS,
                         TARGET_UNIT).to(tl.int64)
-  d, ok = _index_term(i0, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
+  d, ok, given = _index_term(i0, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
                       i0_row_stride0, i0_row_stride1, i0_row_stride2, i0_row_stride3, i0_row_stride4, i0_col_stride,
                       dim_stride0, dim_size0, ROW_DIMS, I0_PER_ROW)
+  _record(err, op_code, given, dim_size0, mask & ~ok)
   t_off += d
   valid = mask & ok
   if N_INDICES > 1:
-    d, ok = _index_term(i1, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
+    d, ok, given = _index_term(i1, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
                         i1_row_stride0, i1_row_stride1, i1_row_stride2, i1_row_stride3, i1_row_stride4, i1_col_stride,
                         dim_stride1, dim_size1, ROW_DIMS, I1_PER_ROW)
+    _record(err, op_code, given, dim_size1, mask & ~ok)
     t_off += d
     valid = valid & ok
   if N_INDICES > 2:
-    d, ok = _index_term(i2, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
+    d, ok, given = _index_term(i2, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
                         i2_row_stride0, i2_row_stride1, i2_row_stride2, i2_row_stride3, i2_row_stride4, i2_col_stride,
                         dim_stride2, dim_size2, ROW_DIMS, I2_PER_ROW)
+    _record(err, op_code, given, dim_size2, mask & ~ok)
     t_off += d
     valid = valid & ok
   if N_INDICES > 3:
-    d, ok = _index_term(i3, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
+    d, ok, given = _index_term(i3, rows, cols, mask, row_size1, row_size2, row_size3, row_size4,
                         i3_row_stride0, i3_row_stride1, i3_row_stride2, i3_row_stride3, i3_row_stride4, i3_col_stride,
                         dim_stride3, dim_size3, ROW_DIMS, I3_PER_ROW)
+    _record(err, op_code, given, dim_size3, mask & ~ok)
     t_off += d
     valid = valid & ok
   v_ptr = values + _tile_offsets(rows, cols, row_size1, row_size2, row_size3, row_size4, values_row_stride0,
@@ -143,24 +159,25 @@ def index_spec(mode: str, target: DType, values: DType, idx: tuple[DType, ...], 
   br, bc, warps = index_schedule(n_rows, n_cols)
   it = "i64" if i64 else "i32"
   sig = {"target": ptr(target), "values": ptr(values), **{f"i{k}": ptr(idx[min(k, len(idx) - 1)]) for k in range(4)},
-         **{k: it for k in _TILE_ARGS}, **{k: "i64" for k in _DIM_ARGS}}
+         "err": "*i64", "op_code": "i64", **{k: it for k in _TILE_ARGS}, **{k: "i64" for k in _DIM_ARGS}}
   r = list(per_row) + [False] * (4 - len(per_row))
   return spec(_index_kernel, sig, dict(MODE=mode, N_INDICES=len(idx), ROW_DIMS=row_dims, VALUES_UNIT=values_unit,
                                        TARGET_UNIT=target_unit, I0_PER_ROW=r[0], I1_PER_ROW=r[1], I2_PER_ROW=r[2],
                                        I3_PER_ROW=r[3], BLOCK_R=br, BLOCK_C=bc, IDX64=i64), num_warps=warps)
 
 
-def _launch_index(mode: str, target: CudaArray, values: CudaArray, shape, vst, tst, idx: list[tuple[CudaArray, tuple]],
-                  xs, xn):
+def _launch_index(op: str, mode: str, target: CudaArray, values: CudaArray, shape, vst, tst,
+                  idx: list[tuple[CudaArray, tuple]], xs, xn):
   """Launch over the index space `shape`: values and the target's positional part walk it with strides vst and tst,
-  index tensor k with its strides over it, adding wrap(index) * xs[k] (xn[k] the size of that target dim)."""
+  index tensor k with its strides over it, adding wrap(index) * xs[k] (xn[k] the size of that target dim). A bad
+  index is recorded as one of op's."""
   if math.prod(shape) == 0: return
   if len(idx) > MAX_INDICES:
     raise NotImplementedError(f"index: at most {MAX_INDICES} index tensors on the cuda backend, got {len(idx)}")
   cshape, (cv, ct, *ci) = collapse(shape, vst, tst, *(s for _, s in idx))
   if len(cshape) > MAX_DIMS:  # loop over the outermost dim on the host
     for i in range(cshape[0]):
-      _launch_index(mode, view(target, target.shape, target.strides, i * ct[0]),
+      _launch_index(op, mode, view(target, target.shape, target.strides, i * ct[0]),
                     view(values, values.shape, values.strides, i * cv[0]), cshape[1:], cv[1:], ct[1:],
                     [(view(a, a.shape, a.strides, i * s[0]), s[1:]) for (a, _), s in zip(idx, ci)], xs, xn)
     return
@@ -171,7 +188,8 @@ def _launch_index(mode: str, target: CudaArray, values: CudaArray, shape, vst, t
   col_blocks = cdiv(n_cols, s.constexprs["BLOCK_C"])
   ptrs = [a.ptr for a, _ in idx] + [idx[-1][0].ptr] * (4 - len(idx))
   strides = [pad(st, 6, 0) for st in [cv, ct] + ci + [ci[-1]] * (4 - len(idx))]
-  run(s, (cdiv(n_rows, s.constexprs["BLOCK_R"]) * col_blocks,), target.ptr, values.ptr, *ptrs, n_rows, n_cols, col_blocks,
+  run(s, (cdiv(n_rows, s.constexprs["BLOCK_R"]) * col_blocks,), target.ptr, values.ptr, *ptrs,
+      errors.flag(target.device).ptr, errors.OPS.index(op) + 1, n_rows, n_cols, col_blocks,
       *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st), *xs, *[0] * (4 - len(xs)), *xn,
       *[1] * (4 - len(xn)))
 
@@ -195,29 +213,30 @@ def _contiguous_zero(shape, dim: int) -> tuple[int, ...]:
 
 def embedding(weight: CudaArray, idx: CudaArray) -> CudaArray:
   out = empty(idx.shape + weight.shape[1:], weight.dtype, weight.device)
-  _launch_index("get", weight, out, out.shape, out.strides, (0,) * idx.ndim + (weight.strides[1],),
-       [(idx, idx.strides + (0,))], [weight.strides[0]], [weight.shape[0]])
+  _launch_index("embedding", "get", weight, out, out.shape, out.strides, (0,) * idx.ndim + (weight.strides[1],),
+                [(idx, idx.strides + (0,))], [weight.strides[0]], [weight.shape[0]])
   return out
 
 
 def embedding_backward(g: CudaArray, idx: CudaArray, num: int) -> CudaArray:
   acc = _zeros((num, g.shape[-1]), _atomic_dtype(g.dtype), g.device)
-  _launch_index("add", acc, g, g.shape, g.strides, (0,) * idx.ndim + (1,), [(idx, broadcast_strides(idx, g.shape[:-1]) + (0,))],
-       [g.shape[-1]], [num])
+  _launch_index("embedding_backward", "add", acc, g, g.shape, g.strides, (0,) * idx.ndim + (1,),
+                [(idx, broadcast_strides(idx, g.shape[:-1]) + (0,))], [g.shape[-1]], [num])
   return _cast_back(acc, g.dtype)
 
 
 def gather(x: CudaArray, index: CudaArray, dim: int) -> CudaArray:
   out = empty(index.shape, x.dtype, x.device)
   tst = tuple(0 if d == dim else s for d, s in enumerate(x.strides))
-  _launch_index("get", x, out, out.shape, out.strides, tst, [(index, index.strides)], [x.strides[dim]], [x.shape[dim]])
+  _launch_index("gather", "get", x, out, out.shape, out.strides, tst, [(index, index.strides)], [x.strides[dim]],
+                [x.shape[dim]])
   return out
 
 
 def scatter_add(x: CudaArray, index: CudaArray, src: CudaArray, dim: int) -> CudaArray:
   acc = cast(x, _atomic_dtype(x.dtype))
-  _launch_index("add", acc, src, index.shape, src.strides, _contiguous_zero(acc.shape, dim), [(index, index.strides)],
-       [acc.strides[dim]], [x.shape[dim]])
+  _launch_index("scatter_add", "add", acc, src, index.shape, src.strides, _contiguous_zero(acc.shape, dim),
+                [(index, index.strides)], [acc.strides[dim]], [x.shape[dim]])
   return _cast_back(acc, x.dtype)
 
 
@@ -246,21 +265,21 @@ def _index_args(x_shape, x_strides, idx, positions):
 def index(x: CudaArray, *idx: CudaArray, positions) -> CudaArray:
   out_shape, tst, terms, xs, xn = _index_args(x.shape, x.strides, idx, positions)
   out = empty(out_shape, x.dtype, x.device)
-  _launch_index("get", x, out, out_shape, out.strides, tst, terms, xs, xn)
+  _launch_index("index", "get", x, out, out_shape, out.strides, tst, terms, xs, xn)
   return out
 
 
 def index_backward(g: CudaArray, *idx: CudaArray, shape, positions) -> CudaArray:
   acc = _zeros(shape, _atomic_dtype(g.dtype), g.device)
   out_shape, tst, terms, xs, xn = _index_args(acc.shape, acc.strides, idx, positions)
-  _launch_index("add", acc, g, out_shape, broadcast_strides(g, out_shape), tst, terms, xs, xn)
+  _launch_index("index_backward", "add", acc, g, out_shape, broadcast_strides(g, out_shape), tst, terms, xs, xn)
   return _cast_back(acc, g.dtype)
 
 
 def index_put(x: CudaArray, v: CudaArray, *idx: CudaArray, positions) -> CudaArray:
   out = copy(x)
   out_shape, tst, terms, xs, xn = _index_args(out.shape, out.strides, idx, positions)
-  _launch_index("put", out, v, out_shape, broadcast_strides(v, out_shape), tst, terms, xs, xn)
+  _launch_index("index_put", "put", out, v, out_shape, broadcast_strides(v, out_shape), tst, terms, xs, xn)
   return out
 
 
