@@ -28,6 +28,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
@@ -196,7 +197,12 @@ class _Plan:
   chain: list[Operation]  # the ops to clone, operands first
   flops: int
   moved: int
+  a: int = -1  # the position of its last read before the peak (where it now dies)
   clone: SSAValue | None = None
+
+  def transient(self) -> int:
+    """Bytes of the clones other than v's own, alive around b only."""
+    return sum(_nbytes(op.result) for op in self.chain[:-1] if not isinstance(op, LayoutOp))
 
 
 def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
@@ -223,17 +229,23 @@ def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
   return _Plan(v, b, chain, flops, moved)
 
 
-def _candidates(s: _Schedule, cheap: bool, rejected: set) -> list[_Plan]:
+def _across(s: _Schedule, t: int):
+  """(value, reads) of the values an op makes before t, not read at t and read again after t, not by the return."""
+  ret = len(s.ops) - 1
+  for v, reads in s.reads.items():
+    if isinstance(v, BlockArgument) or isinstance(v.owner, LayoutOp) or s.made(v) >= t: continue
+    if t not in reads and t < reads[-1] and ret not in reads: yield v, reads
+
+
+def _candidates(s: _Schedule, cheap: bool) -> list[_Plan]:
   """Recipes for the values alive across the first position at the peak, best (bytes per FLOP) first."""
   t = s.live.index(s.peak)
-  ret = len(s.ops) - 1
   plans = []
-  for v, reads in s.reads.items():
-    if v in rejected or isinstance(v, BlockArgument) or isinstance(v.owner, LayoutOp) or s.made(v) >= t: continue
-    if t in reads or reads[-1] <= t: continue
+  for v, reads in _across(s, t):
     b = next(i for i in reads if i > t)
-    if b == ret or ret in reads: continue
-    if (p := _recipe(s, v, b, cheap)) is not None: plans.append(p)
+    if (p := _recipe(s, v, b, cheap)) is not None:
+      p.a = max((i for i in reads if i < t), default=s.made(v))
+      plans.append(p)
   return sorted(plans, key=lambda p: (-_nbytes(p.value) / max(p.flops, 1), p.moved))
 
 
@@ -311,33 +323,48 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
   report.peak_before = s.peak
   plans: list[_Plan] = []
 
-  def improve(s: _Schedule, cheap: bool, fits, key=_Schedule.key) -> _Schedule:
-    """Keep the best candidate that lowers `key` until `fits` or none does."""
-    rejected: set[SSAValue] = set()
-    while not fits(s):
-      current = key(s)
-      for p in _candidates(s, cheap, rejected):
-        if cheap and report.flops_added + p.flops > DEFAULT_FLOPS_SHARE * report.step_flops:
-          rejected.add(p.value)
+  def improve(s: _Schedule, cheap: bool, target: int | None) -> _Schedule:
+    """Rounds of decisions until the live peak is at most `target` (None: as low as it goes) or a round gains
+    nothing. A round takes the candidates at the peak in order and keeps each that lowers the peak (or the number of
+    positions at it) of the live bytes as it estimates them: the value no longer alive between its last read before
+    the peak and b, the clones of its operands alive at b. Then one replan checks the round; a round that made the
+    plan worse is undone whole. A candidate that reads a value recomputed in the same round, or is read by its clones,
+    waits for the next."""
+    while target is None or s.peak > target:
+      live = np.array(s.live, dtype=np.int64)
+      records, kept, touched = [], [], set()
+      for p in _candidates(s, cheap):
+        if target is not None and live.max() <= target: break
+        if cheap and report.flops_added + sum(q.flops for q in kept) + p.flops > DEFAULT_FLOPS_SHARE * report.step_flops:
           continue
-        record = _apply(s, p)
-        after = _Schedule(module, written)
-        if key(after) < current:
-          plans.append(p)
-          report.flops_added += p.flops
-          s = after
-          break
-        _undo(s, record)
-        rejected.add(p.value)
-      else:
+        reads = {s.root.get(o, o) for op in p.chain for o in op.operands}
+        if p.value in touched or reads & touched: continue
+        new = live.copy()
+        new[p.a + 1:p.b] -= _nbytes(p.value)
+        new[p.b] += p.transient()
+        if (new.max(), int((new == new.max()).sum())) < (live.max(), int((live == live.max()).sum())):
+          records.append(_apply(s, p))
+          kept.append(p)
+          touched |= reads | {p.value}
+          live = new
+      if not kept: return s
+      after = _Schedule(module, written)
+      if after.key() >= s.key():
+        for record in reversed(records): _undo(s, record)
         return s
+      plans.extend(kept)
+      report.flops_added += sum(p.flops for p in kept)
+      s = after
     return s
 
-  s = improve(s, True, lambda s: False)
+  s = improve(s, True, None)
   if budget is not None:
-    s = improve(s, False, lambda s: report.inputs_bytes + s.peak <= budget)
-    arena = lambda s: plan(module, written).arena  # noqa: E731  (the arena may still pass where the live peak fits)
-    s = improve(s, False, lambda s: report.inputs_bytes + arena(s) <= budget, lambda s: (arena(s), s.peak))
+    target = budget - report.inputs_bytes
+    while (arena := plan(module, written).arena) + report.inputs_bytes > budget:
+      before = s.key()
+      s = improve(s, False, target)
+      if s.key() == before: break
+      target -= arena - s.peak if s.peak <= target else 0  # the arena's excess over the live peak comes off it too
   _drop_dead(module)
   s = _Schedule(module, written)
   report.peak_after = s.peak
