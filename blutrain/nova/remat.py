@@ -304,9 +304,6 @@ def _drop_dead(module: ModuleOp) -> None:
 
 # *** the pass ***
 
-_warned: set[tuple[int, int]] = set()
-
-
 def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int, int] | None = None) -> RematReport:
   """Recompute activations in the backward, in place on `module` (see the module docstring for the cost model).
 
@@ -360,19 +357,18 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
   s = improve(s, True, None)
   if budget is not None:
     target = budget - report.inputs_bytes
-    while (arena := plan(module, written).arena) + report.inputs_bytes > budget:
-      before = s.key()
+    while True:
       s = improve(s, False, target)
-      if s.key() == before: break
-      target -= arena - s.peak if s.peak <= target else 0  # the arena's excess over the live peak comes off it too
+      arena = plan(module, written).arena
+      if report.inputs_bytes + arena <= budget or s.peak > target: break
+      target = budget - report.inputs_bytes - (arena - s.peak)  # below s.peak: the arena's excess comes off it too
   _drop_dead(module)
   s = _Schedule(module, written)
   report.peak_after = s.peak
   report.arena_after = plan(module, written).arena
   if budget is not None:
     report.over_budget = max(0, report.inputs_bytes + report.arena_after - budget)
-    if report.over_budget and (key := (budget, report.over_budget)) not in _warned:
-      _warned.add(key)
+    if report.over_budget:  # once per compilation: a compiled step replays without coming here again
       warnings.warn(f"bt.compile: the step's planned memory ({format_size(report.inputs_bytes)} of inputs and a "
                     f"{format_size(report.arena_after)} arena) stays {format_size(report.over_budget)} above its "
                     f"memory budget of {format_size(budget)} after recomputing every activation it can; raise the "
