@@ -147,7 +147,7 @@ class RematReport:
     lines.append(f"recomputed ({len(self.recomputed)}):")
     lines += [f"  {r.value} {r.dtype}{list(r.shape)} = {' < '.join(r.ops)}  frees {r.nbytes} bytes, {r.flops} FLOPs, "
               f"{r.moved} bytes moved" for r in self.recomputed]
-    lines.append(f"saved for the backward ({len(self.saved)}):")
+    lines.append(f"kept across the peak ({len(self.saved)}):")
     lines += [f"  {name} {dtype}{list(shape)} = {op}" for name, shape, dtype, op in self.saved]
     return "\n".join(lines) + "\n"
 

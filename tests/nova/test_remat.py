@@ -190,3 +190,15 @@ def test_memory_budget_sizes():
   with pytest.raises(ValueError, match=">= 0"): parse_size(-1)
   with pytest.raises(TypeError, match="float"): bt.compile(lambda: None, memory_budget=1.5)
   with pytest.raises(ValueError, match="cannot read"): bt.compile(lambda: None, memory_budget="lots")
+
+
+def test_the_allocator_limit_is_a_budget_on_cuda_only(monkeypatch):
+  from types import SimpleNamespace
+  from blutrain.backend.cuda import runtime
+  from blutrain.nova.remat import step_budget
+  limits = {0: 3 * 2**30, 1: None}
+  monkeypatch.setattr(runtime, "state", lambda index=None: SimpleNamespace(allocator=SimpleNamespace(limit=limits[index])))
+  assert step_budget("10GiB", bt.device("cuda", 0)) == step_budget(None, bt.device("cuda", 0)) == 3 * 2**30
+  assert step_budget("1GiB", bt.device("cuda", 0)) == 2**30
+  assert step_budget("10GiB", bt.device("cuda", 1)) == 10 * 2**30 and step_budget(None, bt.device("cuda", 1)) is None
+  assert step_budget(None, bt.device("cpu")) is None and step_budget(512, bt.device("cpu")) == 512
