@@ -36,7 +36,7 @@ from blutrain.nova.dialect import (CreationOp, ElementwiseOp, FlashAttentionBack
                                    LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp, SoftmaxOp,
                                    aval)
 from blutrain.nova.ir import function
-from blutrain.nova.memory import _nbytes, lifetimes, plan
+from blutrain.nova.memory import lifetimes, nbytes, plan
 
 DEFAULT_FLOPS_SHARE = 0.03  # the default recomputes at most this share of the step's FLOPs
 MAX_DEPTH = 8  # ops one recomputation may clone in a chain, so a candidate never recomputes half the forward
@@ -76,12 +76,6 @@ def parse_size(size: int | str) -> int:
     raise ValueError(f"memory_budget: cannot read {size!r}; write bytes or a number and a unit, such as '10GiB' or "
                      "'512MB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
   return int(float(m.group(1)) * units[m.group(2).lower()])
-
-
-def format_size(n: int) -> str:
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if abs(n) >= scale: return f"{n / scale:.2f} {unit}"
-  return f"{n} B"
 
 
 def step_budget(memory_budget: int | str | None, device) -> int | None:
@@ -202,7 +196,7 @@ class _Plan:
 
   def transient(self) -> int:
     """Bytes of the clones other than v's own, alive around b only."""
-    return sum(_nbytes(op.result) for op in self.chain[:-1] if not isinstance(op, LayoutOp))
+    return sum(nbytes(op.result) for op in self.chain[:-1] if not isinstance(op, LayoutOp))
 
 
 def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
@@ -225,7 +219,7 @@ def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
   if not need(v, True): return None
   heavy = [op for op in chain if not isinstance(op, LayoutOp)]
   flops = sum(op_flops(op) for op in heavy)
-  moved = sum(_nbytes(x) for op in heavy for x in (*op.operands, op.result))
+  moved = sum(nbytes(x) for op in heavy for x in (*op.operands, op.result))
   return _Plan(v, b, chain, flops, moved)
 
 
@@ -246,10 +240,10 @@ def _candidates(s: _Schedule, cheap: bool) -> list[_Plan]:
     if (p := _recipe(s, v, b, cheap)) is not None:
       p.a = max((i for i in reads if i < t), default=s.made(v))
       plans.append(p)
-  return sorted(plans, key=lambda p: (-_nbytes(p.value) / max(p.flops, 1), p.moved))
+  return sorted(plans, key=lambda p: (-nbytes(p.value) / max(p.flops, 1), p.moved))
 
 
-def _apply(s: _Schedule, p: _Plan) -> list:
+def _apply(s: _Schedule, p: _Plan) -> tuple[list, list]:
   """Clone p's chain before position b and point every read of v (or of a view of v) from b on at the clones.
   Returns what `_undo` needs."""
   at = s.ops[p.b]
@@ -280,10 +274,10 @@ def _apply(s: _Schedule, p: _Plan) -> list:
       if (y := remap(x)) is not None:
         changed.append((op, i, x))
         op.operands = [*op.operands[:i], y, *op.operands[i + 1:]]
-  return [clones, changed]
+  return clones, changed
 
 
-def _undo(s: _Schedule, record: list) -> None:
+def _undo(s: _Schedule, record: tuple) -> None:
   clones, changed = record
   for op, i, x in reversed(changed): op.operands = [*op.operands[:i], x, *op.operands[i + 1:]]
   for c in reversed(clones): s.block.erase_op(c)
@@ -294,6 +288,9 @@ def _names(module: ModuleOp) -> dict[SSAValue, str]:
   block = function(module).body.block
   values = [*block.args, *(r for op in block.ops for r in op.results)]
   return {v: f"%{i}" for i, v in enumerate(values)}
+
+
+def _mib(n: int) -> str: return f"{n / 2**20:.2f} MiB"
 
 
 def _drop_dead(module: ModuleOp) -> None:
@@ -315,7 +312,7 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
   t0 = time.perf_counter()
   block = function(module).body.block
   report = RematReport(budget=budget, step_flops=sum(op_flops(op) for op in block.ops),
-                       inputs_bytes=sum(_nbytes(a) for a in block.args))
+                       inputs_bytes=sum(nbytes(a) for a in block.args))
   s = _Schedule(module, written)
   report.peak_before = s.peak
   plans: list[_Plan] = []
@@ -329,19 +326,19 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
     waits for the next."""
     while target is None or s.peak > target:
       live = np.array(s.live, dtype=np.int64)
-      records, kept, touched = [], [], set()
+      records, kept, touched, added = [], [], set(), report.flops_added
       for p in _candidates(s, cheap):
         if target is not None and live.max() <= target: break
-        if cheap and report.flops_added + sum(q.flops for q in kept) + p.flops > DEFAULT_FLOPS_SHARE * report.step_flops:
-          continue
+        if cheap and added + p.flops > DEFAULT_FLOPS_SHARE * report.step_flops: continue
         reads = {s.root.get(o, o) for op in p.chain for o in op.operands}
         if p.value in touched or reads & touched: continue
         new = live.copy()
-        new[p.a + 1:p.b] -= _nbytes(p.value)
+        new[p.a + 1:p.b] -= nbytes(p.value)
         new[p.b] += p.transient()
         if (new.max(), int((new == new.max()).sum())) < (live.max(), int((live == live.max()).sum())):
           records.append(_apply(s, p))
           kept.append(p)
+          added += p.flops
           touched |= reads | {p.value}
           live = new
       if not kept: return s
@@ -350,7 +347,7 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
         for record in reversed(records): _undo(s, record)
         return s
       plans.extend(kept)
-      report.flops_added += sum(p.flops for p in kept)
+      report.flops_added = added
       s = after
     return s
 
@@ -369,21 +366,18 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
   if budget is not None:
     report.over_budget = max(0, report.inputs_bytes + report.arena_after - budget)
     if report.over_budget:  # once per compilation: a compiled step replays without coming here again
-      warnings.warn(f"bt.compile: the step's planned memory ({format_size(report.inputs_bytes)} of inputs and a "
-                    f"{format_size(report.arena_after)} arena) stays {format_size(report.over_budget)} above its "
-                    f"memory budget of {format_size(budget)} after recomputing every activation it can; raise the "
-                    "budget or lower the batch size", stacklevel=2)
+      warnings.warn(f"bt.compile: the step's planned memory ({_mib(report.inputs_bytes)} of inputs and a "
+                    f"{_mib(report.arena_after)} arena) stays {_mib(report.over_budget)} above its memory budget of "
+                    f"{_mib(budget)} after recomputing every activation it can; raise the budget or lower the batch "
+                    "size", stacklevel=2)
   names = _names(module)
   for p in plans:
     a = aval(p.value.type)
     value = f"{names.get(p.value, '(dropped)')} -> {names.get(p.clone, '(dropped)')}"
     report.recomputed.append(Recomputed(value, a.shape, a.dtype.name,
-                                        [op.opname for op in reversed(p.chain)], _nbytes(p.value), p.flops, p.moved))
-  t = s.live.index(s.peak)
-  for v, reads in s.reads.items():
-    if not isinstance(v, BlockArgument) and not isinstance(v.owner, LayoutOp) and s.made(v) < t < reads[-1] \
-        and reads[-1] < len(s.ops) - 1 and t not in reads:
-      a = aval(v.type)
-      report.saved.append((names[v], a.shape, a.dtype.name, v.owner.opname))
+                                        [op.opname for op in reversed(p.chain)], nbytes(p.value), p.flops, p.moved))
+  for v, _ in _across(s, s.live.index(s.peak)):
+    a = aval(v.type)
+    report.saved.append((names[v], a.shape, a.dtype.name, v.owner.opname))
   report.seconds = time.perf_counter() - t0
   return report

@@ -99,10 +99,11 @@ def test_remat_lowers_the_planned_peak_and_meets_a_budget(monkeypatch):
 
 
 def test_a_budget_below_the_floor_says_by_how_much():
-  with pytest.warns(UserWarning, match="above its memory budget of 1.00 KiB"):
+  with pytest.warns(UserWarning, match="above its memory budget of 0.00 MiB") as caught:
     info = _train(_gpt, steps=2, memory_budget="1KiB")[2]
   r = info["remat"]
   assert r["budget"] == 1024 and r["over_budget"] == r["inputs_bytes"] + info["arena_bytes"] - 1024 > 0
+  assert f"stays {r['over_budget'] / 2**20:.2f} MiB above" in str(caught[0].message)
 
 
 def test_the_dump_holds_the_remat_report_and_ir(tmp_path):
@@ -197,7 +198,8 @@ def test_the_allocator_limit_is_a_budget_on_cuda_only(monkeypatch):
   from blutrain.backend.cuda import runtime
   from blutrain.nova.remat import step_budget
   limits = {0: 3 * 2**30, 1: None}
-  monkeypatch.setattr(runtime, "state", lambda index=None: SimpleNamespace(allocator=SimpleNamespace(limit=limits[index])))
+  monkeypatch.setattr(runtime, "state",
+                      lambda index=None: SimpleNamespace(allocator=SimpleNamespace(limit=limits[index])))
   assert step_budget("10GiB", bt.device("cuda", 0)) == step_budget(None, bt.device("cuda", 0)) == 3 * 2**30
   assert step_budget("1GiB", bt.device("cuda", 0)) == 2**30
   assert step_budget("10GiB", bt.device("cuda", 1)) == 10 * 2**30 and step_budget(None, bt.device("cuda", 1)) is None
