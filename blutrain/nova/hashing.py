@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 from blutrain.nova.graph import Equation, Graph, Value, literal
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: generated steps recompute activations (remat)
 
 
 def _digest(text: str) -> str: return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
