@@ -136,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--sample-tokens", type=_count(0))
   t.add_argument("--compile", action="store_true", default=None,
                  help="compile the whole training step (forward, backward, optimizer) with Nova")
+  t.add_argument("--memory-budget", metavar="SIZE",
+                 help="with --compile: the memory the step may take (bytes, or e.g. 10GiB); Nova recomputes "
+                      "activations in the backward until its plan fits")
   t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                  help="continue from the newest checkpoint in the output directory, or from the checkpoint at PATH")
   t.add_argument("--overwrite", action="store_true", help="replace the run the output directory holds")

@@ -47,6 +47,7 @@ class TrainConfig:
   log_interval: int = 10
   sample_tokens: int = 300
   compile: bool = False
+  memory_budget: str = ""         # with compile: bytes or a size ("10GiB") the step may take; empty: no budget
   skip_nonfinite: bool = False    # skip steps whose loss or gradients are not finite instead of stopping
   extra: dict = field(default_factory=dict)
 
@@ -123,8 +124,10 @@ class Trainer:
     self.step, self.history = 0, []
     if cfg.skip_nonfinite and cfg.compile:
       raise ValueError("--skip-nonfinite reads each step's loss on the host, which a compiled step cannot: drop one")
+    if cfg.memory_budget and not cfg.compile:
+      raise ValueError("--memory-budget plans the memory of a compiled step: add --compile")
     update = training_step(self.model, self.optimizer, cfg.grad_clip, cfg.skip_nonfinite)
-    self._update = bt.compile(update) if cfg.compile else update
+    self._update = bt.compile(update, memory_budget=cfg.memory_budget or None) if cfg.compile else update
     if resume: self._restore(self.out if resume is True else resume)
 
   # *** checkpoints ***

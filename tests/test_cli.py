@@ -292,6 +292,16 @@ def test_a_non_finite_step_is_skipped_when_asked(skip, tmp_path, capsys, monkeyp
   assert all(np.isfinite(t.numpy()).all() for t in checkpoint.load_checkpoint(out)[0].values())
 
 
+def test_memory_budget_flag(tmp_path, capsys):
+  out = tmp_path / "run"
+  assert main(["train", *TINY, "--steps", "2", "--out-dir", str(out), "--compile", "--memory-budget", "10GiB"]) == 0
+  assert main(["train", *TINY, "--steps", "1", "--out-dir", str(tmp_path / "r"), "--memory-budget", "1GiB"]) == 2
+  assert "add --compile" in capsys.readouterr().err
+  assert main(["train", *TINY, "--steps", "1", "--out-dir", str(tmp_path / "s"), "--compile",
+               "--memory-budget", "ten gigs"]) == 2
+  assert "cannot read 'ten gigs'" in capsys.readouterr().err
+
+
 def test_skip_nonfinite_and_compile_are_refused_together(tmp_path, capsys):
   assert main(["train", *TINY, "--steps", "1", "--skip-nonfinite", "--compile", "--out-dir", str(tmp_path / "r")]) == 2
   assert "--skip-nonfinite" in capsys.readouterr().err

@@ -219,12 +219,16 @@ def _copy(a):
 
 # *** compile with a disk cache ***
 
-def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, target: str = "cpu") -> tuple[Callable, dict]:
+def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, memory_budget: int | None = None,
+          target: str = "cpu") -> tuple[Callable, dict]:
   """Compile a captured graph to a function of the target's arrays, reusing the generated code cached under its
-  structural hash and the target. A cache entry that cannot be read or loaded is ignored and rebuilt."""
+  structural hash and the target (and the memory budget and remat switch, which change the code). A cache entry that
+  cannot be read or loaded is ignored and rebuilt."""
   from blutrain.nova import codegen, hashing, pipeline
   t0 = time.perf_counter()
   key = hashing.graph_key(graph)
+  if os.environ.get("BLUTRAIN_NOVA_REMAT") == "0": key += "-noremat"
+  elif memory_budget is not None: key += f"-budget{memory_budget}"
   path = backend.cache_dir("nova", f"v{hashing.FORMAT_VERSION}", target, f"{key}.py")
   info: dict = {"key": key, "hash_s": time.perf_counter() - t0}
   if path.is_file() and not dump_dir:
@@ -235,9 +239,10 @@ def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, ta
     except Exception:  # NOTE: any damage to a cache file (truncated, edited) just means a rebuild
       path.unlink(missing_ok=True)
   compiled = pipeline.compile_graph(graph, dump_dir=Path(dump_dir) / key if dump_dir else None, written=written,
-                                    target=target)
+                                    memory_budget=memory_budget, target=target)
   info.update(cache="miss", source=str(path), counts_before=compiled.counts_before, counts_after=compiled.counts_after,
-              timings=compiled.timings, arena_bytes=compiled.memory.arena, live_peak_bytes=compiled.memory.lower_bound)
+              timings=compiled.timings, arena_bytes=compiled.memory.arena, live_peak_bytes=compiled.memory.lower_bound,
+              remat=compiled.remat and compiled.remat.info())
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -251,8 +256,11 @@ def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, ta
 class Compiled:
   """The callable `bt.compile(fn)` returns. `.info` describes the last capture (timings, op counts, cache)."""
 
-  def __init__(self, fn: Callable, dump_ir: str | None = None):
-    self.fn, self.dump_ir = fn, dump_ir
+  def __init__(self, fn: Callable, dump_ir: str | None = None, memory_budget: int | str | None = None):
+    self.fn, self.dump_ir, self.memory_budget = fn, dump_ir, memory_budget
+    if memory_budget is not None:  # a bad size fails here, not at the second call
+      from blutrain.nova.remat import parse_size
+      parse_size(memory_budget)
     self._entries: dict = {}
     self._warm = False
     self._found: tuple[list, list] | None = None
@@ -321,7 +329,9 @@ class Compiled:
     capture_s = time.perf_counter() - t0
     written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
                for k, (kind, where) in enumerate(spec) if kind == "write"}
-    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written, device.type)
+    from blutrain.nova.remat import step_budget
+    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written,
+                     step_budget(self.memory_budget, device), device.type)
     info.update(capture_s=capture_s, equations=len(trace.graph.equations), inputs=len(trace.graph.inputs),
                 outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
     self.captures += 1
@@ -333,7 +343,7 @@ class Compiled:
     return (GraphExecutable if info["cuda_graph"] == "on" else Executable)(fn, trace, spec, out_tree, device, info)
 
 
-def compile(fn: Callable | None = None, *, dump_ir: str | None = None):
+def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_budget: int | str | None = None):
   """Compile a function (a whole training step, an inference function) or a module's forward with Nova.
 
   The first call runs eagerly; the second captures forward, backward and optimizer update into one graph,
@@ -345,6 +355,12 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None):
   Args:
     fn: the function or module; used as `@bt.compile` or `bt.compile(dump_ir="dir")(fn)`.
     dump_ir: a directory for the MLIR of the graph after capture and after each pass (also $BLUTRAIN_DUMP_IR).
+    memory_budget: bytes (an int, or a size such as "10GiB") the step may take: its inputs (parameters, optimizer
+      state, batch) plus its arena. Activations are then recomputed in the backward until the planned peak fits;
+      `info["remat"]` (and a warning) says how far above it the step stays when it cannot. On a CUDA device the
+      limit of `bt.cuda.set_memory_limit` also applies. Without it only cheap ops are recomputed (pointwise ops,
+      layer norms, dropout masks, within a few percent of the step's FLOPs); `BLUTRAIN_NOVA_REMAT=0` turns
+      rematerialization off.
 
   Example:
     >>> @bt.compile
@@ -354,8 +370,8 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None):
     ...   opt.step(); opt.zero_grad()
     ...   return loss
   """
-  if fn is None: return lambda f: Compiled(f, dump_ir)
-  return Compiled(fn, dump_ir)
+  if fn is None: return lambda f: Compiled(f, dump_ir, memory_budget)
+  return Compiled(fn, dump_ir, memory_budget)
 
 
 __all__ = ["compile", "Compiled", "Executable"]

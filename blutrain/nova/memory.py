@@ -58,7 +58,8 @@ class MemoryPlan:
     return "\n".join(lines) + "\n"
 
 
-def _nbytes(v: SSAValue) -> int:
+def nbytes(v: SSAValue) -> int:
+  """The bytes of a value's buffer, rounded up to ALIGN."""
   a = aval(v.type)
   return -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
 
@@ -96,12 +97,12 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
     r = op.result
     for u in op.operands:
       root = owner.get(u, u)
-      if u in made and last.get(root) == i and _nbytes(u) == _nbytes(r):
+      if u in made and last.get(root) == i and nbytes(u) == nbytes(r):
         owner[r], last[root] = root, max(last[root], last.get(r, i))
         ops_of[root].append(ops_of.pop(r)[0])
         break
   in_place_inputs = _written_in_place(block.args, ops, written or {}, made, last)
-  return [Buffer(f"op {first} result {v.index}", " > ".join(ops_of[v]), _nbytes(v), first, last.get(v, first))
+  return [Buffer(f"op {first} result {v.index}", " > ".join(ops_of[v]), nbytes(v), first, last.get(v, first))
           for v, (first, _) in made.items() if v not in owner and v not in in_place_inputs]
 
 

@@ -5,6 +5,9 @@ fixed point with one worklist walk, and only fold's new splats can expose new id
 and dce once (neither exposes anything new: patterns look at the producers of operands, which cse only swaps for
 identical ones). With a dump directory every stage is written in MLIR syntax: `00-captured.mlir`,
 `01-canonicalize.mlir`, `02-fold.mlir`, ...
+
+`compile_graph` then rematerializes activations (`remat.rematerialize`, dumped as `NN-remat.mlir` and `remat.txt`)
+and plans the memory of what is left (`memory.plan`, dumped as `memory-plan.txt`).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.memory import MemoryPlan, plan as plan_memory, updated_in_place
 from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, NovaPass
+from blutrain.nova.remat import RematReport, rematerialize
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
 
@@ -53,7 +57,10 @@ def optimize(module: ModuleOp, dump_dir: str | os.PathLike | None = None, verify
     dump_dir: when given, the module is written there after capture and after every pass.
     verify: verify the module (types, properties, shape rules) before and after every pass.
   """
-  dump = _Dumper(dump_dir)
+  return _optimize(module, _Dumper(dump_dir), verify)
+
+
+def _optimize(module: ModuleOp, dump: _Dumper, verify: bool) -> ModuleOp:
   dump("captured", module)
 
   def run(p: NovaPass) -> bool:
@@ -81,7 +88,8 @@ class CompiledGraph:
     module: the optimized nova module `source` was generated from.
     counts_before, counts_after: op counts of the captured and the optimized IR.
     memory: the static memory plan of the optimized module's intermediates (`memory.plan`).
-    timings: seconds per phase (build, optimize, plan, codegen, load).
+    remat: what rematerialization recomputed and kept (`remat.rematerialize`); None when it was turned off.
+    timings: seconds per phase (build, optimize, remat, plan, codegen, load).
   """
   source: str
   fn: Callable
@@ -89,12 +97,15 @@ class CompiledGraph:
   counts_before: dict[str, int]
   counts_after: dict[str, int]
   memory: MemoryPlan
+  remat: RematReport | None
   timings: dict[str, float] = field(default_factory=dict)
 
 
 def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verify: bool | None = None,
-                  written: dict[int, int] | None = None, target: str = "cpu") -> CompiledGraph:
-  """Compile a captured graph to a function of the target's arrays (numpy on the CPU, CudaArrays on the GPU). The graph's structural hash (`hashing.graph_key`) is the caller's
+                  written: dict[int, int] | None = None, memory_budget: int | None = None,
+                  remat: bool | None = None, target: str = "cpu") -> CompiledGraph:
+  """Compile a captured graph to a function of the target's arrays (numpy on the CPU, CudaArrays on the GPU). The
+  graph's structural hash (`hashing.graph_key`) is the caller's
   business: the runtime computes it once, as its cache key, before deciding to compile.
 
   Args:
@@ -105,10 +116,14 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
       rules already ran at capture).
     written: output position -> input position of the inputs the step updates (their new values), for the memory
       plan.
+    memory_budget: bytes the step may take (its inputs plus the arena); rematerialization recomputes activations
+      until the plan fits (see `remat`). None: only the cheap recomputation of the default.
+    remat: recompute activations in the backward (default: on, unless `BLUTRAIN_NOVA_REMAT=0`).
     target: "cpu" or "cuda" (`codegen.TARGETS`).
   """
   dump_dir = dump_dir or os.environ.get("BLUTRAIN_DUMP_IR") or None
   verify = os.environ.get("BLUTRAIN_NOVA_VERIFY") == "1" if verify is None else verify
+  remat = os.environ.get("BLUTRAIN_NOVA_REMAT") != "0" if remat is None else remat
   timings: dict[str, float] = {}
   t = time.perf_counter()
 
@@ -120,9 +135,17 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
   module = to_module(graph)
   counts_before = op_counts(module)
   lap("build")
-  optimize(module, dump_dir, verify)
+  dump = _Dumper(dump_dir)
+  _optimize(module, dump, verify)
   counts_after = op_counts(module)
   lap("optimize")
+  report = None
+  if remat:
+    report = rematerialize(module, memory_budget, written)
+    if verify: module.verify()
+    dump("remat", module)
+    if dump_dir: (Path(dump_dir) / "remat.txt").write_text(report.report())
+  lap("remat")
   memory_plan = plan_memory(module, written)
   if dump_dir: (Path(dump_dir) / "memory-plan.txt").write_text(memory_plan.report())
   lap("plan")
@@ -131,4 +154,4 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
   lap("codegen")
   fn = codegen.load(source)
   lap("load")
-  return CompiledGraph(source, fn, module, counts_before, counts_after, memory_plan, timings)
+  return CompiledGraph(source, fn, module, counts_before, counts_after, memory_plan, report, timings)
