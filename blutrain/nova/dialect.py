@@ -806,11 +806,13 @@ class EmbeddingBackwardOp(NNOp):
 
 @irdl_op_definition
 class CrossEntropyOp(NNOp):
-  """The per-row loss -log_softmax(logits)[target], 0 where target is `ignore_index`."""
+  """The per-row loss -log_softmax(logits)[target], 0 where target is `ignore_index`, in `dtype` (absent: the
+  logits')."""
   name = "nova.cross_entropy"
   logits = operand_def(TENSOR)
   target = operand_def(TENSOR)
   ignore_index = prop_def(INT)
+  dtype = opt_prop_def(ELEMENT | NONE)
 
 
 @irdl_op_definition

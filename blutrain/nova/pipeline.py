@@ -1,9 +1,9 @@
 """The compiler's driver: graph -> nova IR -> passes -> memory plan -> host source (CPU or CUDA) -> callable.
 
 `optimize` runs the passes: canonicalize and fold alternate until fold finds nothing to fold (each reaches its own
-fixed point with one worklist walk, and only fold's new splats can expose new identities such as x * 1), then cse
-and dce once (neither exposes anything new: patterns look at the producers of operands, which cse only swaps for
-identical ones). With a dump directory every stage is written in MLIR syntax: `00-captured.mlir`,
+fixed point with one worklist walk, and only fold's new splats can expose new identities such as x * 1), then
+fuse-casts, cse and dce once (none of them exposes anything new: patterns look at the producers of operands, which
+cse only swaps for identical ones). With a dump directory every stage is written in MLIR syntax: `00-captured.mlir`,
 `01-canonicalize.mlir`, `02-fold.mlir`, ...
 
 `compile_graph` then rematerializes activations (`remat.rematerialize`, dumped as `NN-remat.mlir` and `remat.txt`)
@@ -25,7 +25,7 @@ from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.memory import MemoryPlan, plan as plan_memory, updated_in_place
-from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, NovaPass
+from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, NovaPass
 from blutrain.nova.remat import RematReport, rematerialize
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
@@ -73,6 +73,7 @@ def _optimize(module: ModuleOp, dump: _Dumper, verify: bool) -> ModuleOp:
   for _ in range(MAX_ROUNDS):
     run(CanonicalizePass())
     if not run(FoldPass()): break
+  run(FuseCastsPass())
   run(CSEPass())
   run(DCEPass())
   return module

@@ -158,17 +158,19 @@ def one_hot(x: Tensor, num_classes: int = -1) -> Tensor:
 
 # *** losses ***
 
-def _cross_entropy_rule(logits, target, ignore_index):
+def _cross_entropy_rule(logits, target, ignore_index, dtype=None):
   if logits.ndim != 2 or target.shape != logits.shape[:1]:
     raise ValueError(f"cross_entropy: expected logits (N, C) and target (N,), got {logits.shape} and {target.shape}")
-  return target.shape, logits.dtype
+  return target.shape, dtype or logits.dtype
 
 
+# The losses come in `dtype` (absent: the logits'); kernels compute half logits in float32, so Nova folds autocast's
+# cast of the logits up into the op (passes/fuse_casts.py) by asking for float32 losses of the half logits.
 cross_entropy_backward_op = op("cross_entropy_backward", lambda g, logits, target, ignore_index: (logits.shape, logits.dtype),
                             inputs="g logits target", attrs="ignore_index:int")
-cross_entropy_op = op("cross_entropy", _cross_entropy_rule, lambda g, out, logits, target, ignore_index: (
+cross_entropy_op = op("cross_entropy", _cross_entropy_rule, lambda g, out, logits, target, ignore_index, dtype=None: (
   cross_entropy_backward_op(g, logits, target, ignore_index=ignore_index), None),
-    inputs="logits target", attrs="ignore_index:int")
+    inputs="logits target", attrs="ignore_index:int dtype:dtype?")
 
 
 def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:

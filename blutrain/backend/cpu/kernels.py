@@ -180,7 +180,7 @@ def _valid_targets(op, target, ignore_index, num_classes):
   return valid, np.where(valid, target, 0)
 
 
-def _cross_entropy(logits, target, ignore_index):
+def _cross_entropy(logits, target, ignore_index, dtype=None):
   valid, t = _valid_targets("cross_entropy", target, ignore_index, logits.shape[1])
   m = logits.max(axis=1)
   lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))

@@ -4,11 +4,13 @@
   fold           ops of splats (`nova.full`) into splats                            (fold.py)
   cse            one op per distinct computation                                    (cse.py)
   dce            drop unused ops                                                    (dce.py)
+  fuse-casts     autocast's casts folded into the kernels around them               (fuse_casts.py)
 """
 from blutrain.nova.passes.base import NovaPass, PatternPass
 from blutrain.nova.passes.canonicalize import CanonicalizePass
 from blutrain.nova.passes.cse import CSEPass
 from blutrain.nova.passes.dce import DCEPass
 from blutrain.nova.passes.fold import FoldPass
+from blutrain.nova.passes.fuse_casts import FuseCastsPass
 
-PASSES: dict[str, type[NovaPass]] = {p.name: p for p in (CanonicalizePass, FoldPass, CSEPass, DCEPass)}
+PASSES: dict[str, type[NovaPass]] = {p.name: p for p in (CanonicalizePass, FoldPass, FuseCastsPass, CSEPass, DCEPass)}

@@ -5,7 +5,9 @@ once: one read of the logits, no softmax stored. The backward recomputes the sta
 (softmax - onehot(target)) * g in a second pass: two reads and one write of (N, C), never a softmax tensor.
 Vocabularies of any size are walked in tiles of 4096 (GPT-2's 50304 takes 13).
 
-Targets equal to ignore_index give a zero loss and gradient. A target out of [0, C) makes that row's loss and
+Half logits are read as they are and computed on in float32; the losses come in the dtype asked for (float32 when
+Nova folds autocast's cast of the logits into the forward), the gradient in the logits' dtype, from g of any floating
+dtype. Targets equal to ignore_index give a zero loss and gradient. A target out of [0, C) makes that row's loss and
 gradient NaN instead of raising, as the CPU backend does: checking would make the host wait for the GPU.
 """
 from __future__ import annotations
@@ -72,27 +74,31 @@ def _ce_backward(out, g, logits, target, N, C, row_stride, class_stride, target_
     tl.store(out + (rows * C)[:, None] + cs[None, :], d.to(out.dtype.element_ty), mask=mask)
 
 
-def _signature(logits, target, i64: bool, backward: bool) -> dict:
+def _signature(logits, target, i64: bool, backward: bool, other) -> dict:
   it = "i64" if i64 else "i32"
-  return {"out": ptr(logits), **({"g": ptr(logits)} if backward else {}), "logits": ptr(logits), "target": ptr(target),
+  out, g = (logits, other) if backward else (other, None)
+  return {"out": ptr(out), **({"g": ptr(g)} if backward else {}), "logits": ptr(logits), "target": ptr(target),
           "N": it, "C": it, "row_stride": it, "class_stride": it, "target_stride": it,
           **({"g_stride": it} if backward else {}), "ignore_index": "i64"}
 
 
 @functools.lru_cache(maxsize=4096)
-def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool):
+def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool, other=None):
+  """The forward (losses in dtype `other`, default the logits') or the backward (the gradient in the logits' dtype,
+  from g of dtype `other`, default the logits')."""
   bm, bn, warps, _ = row_schedule(N, C)
   bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward reads the row twice anyway
-  return spec(_ce_backward if backward else _ce_forward, _signature(logits, target, i64, backward),
+  return spec(_ce_backward if backward else _ce_forward,
+              _signature(logits, target, i64, backward, other or logits),
               dict(ACC=TL[stats_dtype(logits)], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
-def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int) -> CudaArray:
+def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int, dtype=None) -> CudaArray:
   N, C = logits.shape
-  out = empty((N,), logits.dtype, logits.device)
+  out = empty((N,), dtype or logits.dtype, logits.device)
   if N == 0: return out
   i64 = needs_i64(logits.shape, logits.strides)
-  s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
+  s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, out.dtype)
   run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, N, C, *logits.strides, target.strides[0],
       ignore_index)
   return out
@@ -103,7 +109,7 @@ def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, i
   out = empty((N, C), logits.dtype, logits.device)
   if out.size == 0: return out
   i64 = needs_i64(logits.shape, logits.strides, (C, 1))
-  s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
+  s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype)
   run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, N, C, *logits.strides,
       target.strides[0], g.strides[0] if g.ndim else 0, ignore_index)
   return out
@@ -111,6 +117,6 @@ def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, i
 
 KERNELS = {"cross_entropy": cross_entropy, "cross_entropy_backward": cross_entropy_backward}
 
-SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False) for b in (False, True)
-         for dt in (dtypes.float32, dtypes.bfloat16)] + \
+SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False, o) for b in (False, True)
+         for dt, o in ((dtypes.float32, None), (dtypes.bfloat16, None), (dtypes.bfloat16, dtypes.float32))] + \
         [ce_spec(b, dtypes.float64, dtypes.int32, False, 100, 10, True) for b in (False, True)]

@@ -1,0 +1,71 @@
+"""Cast fusion: autocast's casts folded into the kernels that consume or produce them.
+
+Under autocast the loss is computed in float32 from half logits: the captured step casts the (tokens, vocabulary)
+logits up, computes the losses and their gradient in float32, and casts the gradient back down, two extra passes
+over the largest tensor of a language model's step. The cross-entropy kernels compute half logits in float32
+themselves (an exact conversion) and take the losses' dtype as an attribute, so:
+
+  cross_entropy(cast(x: half -> f32), t)                 ->  cross_entropy(x, t, dtype=f32)
+  cast(cross_entropy_backward(g, cast(x -> f32), t), half) ->  cross_entropy_backward(g, x, t)
+
+Both are exact: the same float32 arithmetic on the same values, one rounding of the gradient to the half dtype. The
+casts left without users are dce's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+
+from blutrain import dtypes
+from blutrain.nova.dialect import CastOp, CrossEntropyBackwardOp, CrossEntropyOp, aval, decode
+from blutrain.nova.passes.base import PatternPass
+
+_HALVES = (dtypes.float16, dtypes.bfloat16)
+
+
+def _widened_half(v) -> CastOp | None:
+  """The cast that made v, when it widens a half tensor to float32."""
+  op = v.owner
+  if isinstance(op, CastOp) and aval(op.x.type).dtype in _HALVES and aval(op.result.type).dtype is dtypes.float32:
+    return op
+  return None
+
+
+class CrossEntropyOfWidenedLogitsPattern(RewritePattern):
+  """cross_entropy(cast(x: bf16 -> f32), t) -> cross_entropy(x, t, dtype=f32).
+
+    %l = nova.cast %x {dtype = f32} : (tensor<8x50xbf16>) -> tensor<8x50xf32>
+    %c = nova.cross_entropy %l, %t {ignore_index = -100 : i64} : (tensor<8x50xf32>, tensor<8xi64>) -> tensor<8xf32>
+      =>   %c = nova.cross_entropy %x, %t {ignore_index = -100 : i64, dtype = f32} : (...bf16...) -> tensor<8xf32>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CrossEntropyOp, rewriter: PatternRewriter):
+    if (cast := _widened_half(op.logits)) is None: return
+    attrs = {"ignore_index": decode(op.ignore_index), "dtype": aval(op.result.type).dtype}
+    rewriter.replace(op, CrossEntropyOp.make([cast.x, op.target], attrs, [op.result.type]))
+
+
+class NarrowedCrossEntropyBackwardPattern(RewritePattern):
+  """cast(cross_entropy_backward(g, cast(x: bf16 -> f32), t), bf16) -> cross_entropy_backward(g, x, t), when the
+  float32 gradient has no other use.
+
+    %l = nova.cast %x {dtype = f32} : (tensor<8x50xbf16>) -> tensor<8x50xf32>
+    %d = nova.cross_entropy_backward %g, %l, %t {ignore_index = -100 : i64} : (...) -> tensor<8x50xf32>
+    %e = nova.cast %d {dtype = bf16} : (tensor<8x50xf32>) -> tensor<8x50xbf16>
+      =>   %e = nova.cross_entropy_backward %g, %x, %t {ignore_index = -100 : i64} : (...) -> tensor<8x50xbf16>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CastOp, rewriter: PatternRewriter):
+    inner = op.x.owner
+    if not isinstance(inner, CrossEntropyBackwardOp) or not inner.result.has_one_use(): return
+    if (cast := _widened_half(inner.logits)) is None or cast.x.type != op.result.type: return
+    rewriter.replace(op, CrossEntropyBackwardOp.make([inner.g, cast.x, inner.target],
+                                                     {"ignore_index": decode(inner.ignore_index)}, [op.result.type]))
+
+
+@dataclass(frozen=True)
+class FuseCastsPass(PatternPass):
+  """Autocast's casts around the cross-entropy folded into its kernels."""
+  name = "fuse-casts"
+  PATTERNS = (CrossEntropyOfWidenedLogitsPattern(), NarrowedCrossEntropyBackwardPattern())

@@ -1,0 +1,96 @@
+"""Cast fusion (passes/fuse_casts.py): autocast's casts around the cross-entropy fold into its kernels, IR in and IR
+out; the folded step computes the same losses and gradients bit for bit; what must not fold does not."""
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import dtypes
+from blutrain.nova import codegen, ir
+from blutrain.nova.passes import DCEPass, FuseCastsPass
+from blutrain.nova.pipeline import op_counts
+from tests.nova.graphs import Builder
+from tests.nova.test_passes import check, func
+
+LOGITS = "tensor<8x50xbf16>"
+
+
+def _loss_and_grad(half=dtypes.bfloat16, grad_dtype=None, reuse_grad=False):
+  """The autocast pattern: the half logits cast up, the losses and their gradient in float32, the gradient cast
+  back to the logits' dtype (`grad_dtype`); `reuse_grad` also returns the float32 gradient."""
+  b = Builder()
+  x, t, g = b.input((8, 50), half), b.input((8,), dtypes.int64), b.input((8,))
+  up = b("cast", x, dtype=dtypes.float32)
+  loss = b("cross_entropy", up, t, ignore_index=3)
+  d = b("cross_entropy_backward", g, up, t, ignore_index=3)
+  outs = [loss, b("cast", d, dtype=grad_dtype or half)] + ([d] if reuse_grad else [])
+  return b.output(*outs)
+
+
+def test_both_casts_fold_into_the_cross_entropy_ir():
+  before = func(f"%x: {LOGITS}, %t: tensor<8xi64>, %g: tensor<8xf32>", f"tensor<8xf32>, {LOGITS}", f"""
+    %u = nova.cast %x {{dtype = f32}} : ({LOGITS}) -> tensor<8x50xf32>
+    %l = nova.cross_entropy %u, %t {{ignore_index = 3 : i64}} : (tensor<8x50xf32>, tensor<8xi64>) -> tensor<8xf32>
+    %d = nova.cross_entropy_backward %g, %u, %t {{ignore_index = 3 : i64}} : (tensor<8xf32>, tensor<8x50xf32>, tensor<8xi64>) -> tensor<8x50xf32>
+    %e = nova.cast %d {{dtype = bf16}} : (tensor<8x50xf32>) -> {LOGITS}
+    func.return %l, %e : tensor<8xf32>, {LOGITS}""")
+  after = func(f"%x: {LOGITS}, %t: tensor<8xi64>, %g: tensor<8xf32>", f"tensor<8xf32>, {LOGITS}", f"""
+    %l = nova.cross_entropy %x, %t {{ignore_index = 3 : i64, dtype = f32}} : ({LOGITS}, tensor<8xi64>) -> tensor<8xf32>
+    %e = nova.cross_entropy_backward %g, %x, %t {{ignore_index = 3 : i64}} : (tensor<8xf32>, {LOGITS}, tensor<8xi64>) -> {LOGITS}
+    func.return %l, %e : tensor<8xf32>, {LOGITS}""")
+  check((FuseCastsPass(), DCEPass()), before, after)
+
+
+@pytest.mark.parametrize("half", [dtypes.bfloat16, dtypes.float16])
+def test_folded_step_computes_the_same_bits(half):
+  graph = _loss_and_grad(half)
+  plain, fused = ir.to_module(graph), ir.to_module(graph)
+  for p in (FuseCastsPass(), DCEPass()): p.run(fused)
+  assert "cast" in op_counts(plain) and "cast" not in op_counts(fused)
+  rng = np.random.default_rng(0)
+  args = [(rng.standard_normal((8, 50)) * 4).astype(half.np), rng.integers(0, 50, 8), rng.standard_normal(8).astype(np.float32)]
+  want = codegen.load(codegen.generate(plain))(*args)
+  got = codegen.load(codegen.generate(fused))(*args)
+  for a, b in zip(got, want):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["grad_used_in_float32", "not_back_to_the_logits_dtype", "not_a_half"])
+def test_what_must_not_fold(case):
+  if case == "not_a_half":
+    b = Builder()
+    x, t = b.input((8, 50), dtypes.float32), b.input((8,), dtypes.int64)
+    graph = b.output(b("cross_entropy", b("cast", x, dtype=dtypes.float64), t, ignore_index=-100))
+  else:
+    graph = _loss_and_grad(grad_dtype=dtypes.float16 if case == "not_back_to_the_logits_dtype" else None,
+                           reuse_grad=case == "grad_used_in_float32")
+  module = ir.to_module(graph)
+  FuseCastsPass().run(module)
+  DCEPass().run(module)
+  backward = [op for op in ir.function(module).body.block.ops if op.name == "nova.cross_entropy_backward"]
+  assert all(str(op.logits.type).endswith("xf32>") for op in backward)
+  if case == "not_a_half": assert op_counts(module)["cast"] == 1
+
+
+def test_compiled_autocast_step_equals_eager_and_drops_the_casts(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path))
+  from blutrain.models import GPT, GPTConfig
+  losses, params = [], []
+  for compiled in (False, True):
+    bt.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    opt = bt.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+      with bt.autocast(device_type="cpu", dtype=bt.bfloat16):
+        _, loss = model(x, y)
+      loss.backward()
+      opt.step(); opt.zero_grad()
+      return loss
+    fn = bt.compile(step) if compiled else step
+    rng = np.random.default_rng(1)
+    losses.append([fn(*(bt.from_numpy(rng.integers(0, 64, (2, 16))) for _ in range(2))).item() for _ in range(3)])
+    params.append([p.detach().numpy() for p in model.parameters()])
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+  for a, b in zip(*params): np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+  assert fn.info["counts_before"]["cast"] - fn.info["counts_after"]["cast"] >= 2
