@@ -11,6 +11,8 @@ import math
 import numpy as np
 
 from blutrain import dtypes, ops
+from blutrain.nn.spatial import (adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool1d, avg_pool2d, batch_norm, constant,
+                                 conv1d, conv2d, conv_transpose1d, conv_transpose2d, group_norm, max_pool1d, max_pool2d)
 from blutrain.ops import (dropout, gelu, layer_norm, linear, log_softmax, one_hot, relu, rms_norm,
                           scaled_dot_product_attention, sigmoid, silu, softmax, tanh)
 from blutrain.tensor import Tensor
@@ -20,7 +22,8 @@ __all__ = ["linear", "gelu", "silu", "relu", "tanh", "sigmoid", "softmax", "log_
            "normalize", "cosine_similarity", "elu", "selu", "celu", "relu6", "hardsigmoid", "hardtanh", "hardswish",
            "mish", "softplus", "softsign", "logsigmoid", "leaky_relu", "cross_entropy", "nll_loss", "mse_loss",
            "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-           "kl_div"]
+           "kl_div", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "max_pool1d", "max_pool2d", "avg_pool1d",
+           "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "batch_norm", "group_norm"]
 
 
 def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
@@ -351,7 +354,7 @@ def pad(input: Tensor, pad: tuple[int, ...], mode: str = "constant", value: floa
                            f"dimension {dim} of input {tuple(input.shape)}")
       if n == 0 and before + after > 0:
         raise RuntimeError(f"pad: cannot pad an empty dimension {dim} of input {tuple(input.shape)} in mode {mode!r}")
-      idx = ops.tensor(_pad_index(n, before, after, mode), dtype=dtypes.int64, device=input.device)
+      idx = constant(_pad_index(n, before, after, mode), dtype=dtypes.int64, device=input.device)
       if before or after: out = ops.index_select(out, dim, idx)
       continue
     fill = [ops.full(out.shape[:dim] + (n,) + out.shape[dim + 1:], 0 if value is None else value, dtype=out.dtype,
@@ -405,11 +408,11 @@ def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "neares
     if mode == "nearest":
       s = np.float32(scale if scale is not None else n_in / n_out)
       src = np.minimum(np.floor(np.arange(n_out, dtype=np.float32) * s).astype(np.int64), n_in - 1)
-      out = ops.index_select(out, dim, ops.tensor(src, device=input.device))
+      out = ops.index_select(out, dim, constant(src, device=input.device))
       continue
     i0, i1, lam = _linear_weights(n_in, n_out, scale, bool(align_corners))
-    w = ops.tensor(lam.reshape((-1,) + (1,) * (input.ndim - dim - 1)), dtype=input.dtype, device=input.device)
-    a = ops.index_select(out, dim, ops.tensor(i0, device=input.device))
-    b = ops.index_select(out, dim, ops.tensor(i1, device=input.device))
+    w = constant(lam.reshape((-1,) + (1,) * (input.ndim - dim - 1)), dtype=input.dtype, device=input.device)
+    a = ops.index_select(out, dim, constant(i0, device=input.device))
+    b = ops.index_select(out, dim, constant(i1, device=input.device))
     out = a + (b - a) * w
   return out
