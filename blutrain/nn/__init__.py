@@ -11,6 +11,7 @@ from blutrain.nn.loss import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, Hube
                               NLLLoss, SmoothL1Loss)
 from blutrain.nn.module import Module, Parameter
 from blutrain.nn.norm import BatchNorm1d, BatchNorm2d, GroupNorm
+from blutrain.nn.rnn import GRU, LSTM, MultiheadAttention
 
 __all__ = ["Module", "Parameter", "Sequential", "ModuleList", "ModuleDict", "Identity", "Linear", "Embedding",
            "LayerNorm", "RMSNorm", "Dropout", "Flatten", "Unflatten", "GELU", "SiLU", "ReLU", "Tanh", "Sigmoid",
@@ -18,4 +19,4 @@ __all__ = ["Module", "Parameter", "Sequential", "ModuleList", "ModuleDict", "Ide
            "Hardswish", "Mish", "Softplus", "Softsign", "LogSigmoid", "L1Loss", "MSELoss", "SmoothL1Loss", "HuberLoss",
            "NLLLoss", "CrossEntropyLoss", "BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "Conv1d", "Conv2d", "ConvTranspose1d",
            "ConvTranspose2d", "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
-           "BatchNorm1d", "BatchNorm2d", "GroupNorm", "functional", "init", "utils"]
+           "BatchNorm1d", "BatchNorm2d", "GroupNorm", "LSTM", "GRU", "MultiheadAttention", "functional", "init", "utils"]
