@@ -195,3 +195,13 @@ def test_a_worker_error_reaches_the_main_process_with_its_type():
 def test_pin_memory_keeps_cpu_batches():
   (b,) = list(bud.DataLoader(bud.TensorDataset(bt.arange(3)), batch_size=3, pin_memory=True))
   assert b[0].device == bt.device("cpu") and b[0].tolist() == [0, 1, 2]
+
+
+def test_leaving_a_loader_early_stops_its_workers_promptly():
+  import time
+  ds = bud.TensorDataset(bt.randn(400, 64, 64))
+  it = iter(bud.DataLoader(ds, batch_size=50, num_workers=2, prefetch_factor=4))
+  next(it)
+  workers, start = list(it.workers), time.monotonic()
+  it.close()  # what dropping the iterator does; unread batches must not keep a worker waiting to flush its queue
+  assert not any(p.is_alive() for p in workers) and time.monotonic() - start < 4.0

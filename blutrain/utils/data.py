@@ -283,6 +283,7 @@ def _worker_loop(fetcher: _Fetcher, tasks, results, worker_id: int, num_workers:
                  init_fn: Callable[[int], None] | None) -> None:
   """A worker: seed, then answer each task (None stops) with (task, batch), an error, or the end of its stream."""
   global _worker_info
+  results.cancel_join_thread()  # exit without flushing batches nobody will read (the loader was left early)
   random.seed(seed)
   np.random.seed(seed % 2**32)
   ops.manual_seed(seed)
