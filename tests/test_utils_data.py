@@ -205,3 +205,23 @@ def test_leaving_a_loader_early_stops_its_workers_promptly():
   workers, start = list(it.workers), time.monotonic()
   it.close()  # what dropping the iterator does; unread batches must not keep a worker waiting to flush its queue
   assert not any(p.is_alive() for p in workers) and time.monotonic() - start < 4.0
+
+
+def test_persistent_workers_keep_their_processes_and_the_stream():
+  gen = lambda: bt.Generator().manual_seed(4)
+  ref = bud.DataLoader(Squares(), batch_size=4, shuffle=True, generator=gen())
+  loader = bud.DataLoader(Squares(), batch_size=4, shuffle=True, generator=gen(), num_workers=2, persistent_workers=True)
+  want = [[b[0].tolist() for b in ref] for _ in range(3)]
+  first = iter(loader)
+  assert [b[0].tolist() for b in first] == want[0]
+  pids = [p.pid for p in loader._workers.workers]
+  next(iter(loader))  # an epoch left after one batch: its unread batches are dropped at the next epoch
+  assert [b[0].tolist() for b in loader] == want[2] and [p.pid for p in loader._workers.workers] == pids
+  class Stream(bud.IterableDataset):
+    def __iter__(self):
+      w = bud.get_worker_info()
+      return iter(range(w.id, 7, w.num_workers))
+  streams = bud.DataLoader(Stream(), batch_size=2, num_workers=2, persistent_workers=True)
+  assert [b.tolist() for b in streams] == [b.tolist() for b in streams] == [[0, 2], [1, 3], [4, 6], [5]]
+  with pytest.raises(ValueError, match="persistent_workers option needs num_workers > 0"):
+    bud.DataLoader(Squares(), persistent_workers=True)

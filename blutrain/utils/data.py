@@ -246,13 +246,17 @@ def get_worker_info() -> WorkerInfo | None:
 
 
 class _Fetcher:
-  """Turns one task into one batch: a list of indices for a map-style dataset, the next batch of a stream."""
+  """Turns one task into one batch: a list of indices for a map-style dataset, the next batch of a stream. A
+  stream starts (`restart`) in the process that reads it, where get_worker_info() says which worker that is."""
 
   def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable, batch_size: int | None,
                drop_last: bool) -> None:
     self.dataset, self.auto, self.collate_fn, self.batch_size, self.drop_last = (dataset, auto_collation, collate_fn,
                                                                                   batch_size, drop_last)
-    self.stream = iter(dataset) if isinstance(dataset, IterableDataset) else None
+    self.stream: Iterator | None = None
+
+  def restart(self) -> None:
+    if isinstance(self.dataset, IterableDataset): self.stream = iter(self.dataset)
 
   def fetch(self, index: Any) -> Any:
     if self.stream is None:
@@ -276,7 +280,7 @@ class _WorkerError:
     raise exc
 
 
-_STREAM_END = "__stream_end__"
+_STREAM_END, _RESET = "__stream_end__", "__reset__"
 
 
 def _worker_loop(fetcher: _Fetcher, tasks, results, worker_id: int, num_workers: int, seed: int,
@@ -290,12 +294,15 @@ def _worker_loop(fetcher: _Fetcher, tasks, results, worker_id: int, num_workers:
   _worker_info = WorkerInfo(worker_id, num_workers, seed, fetcher.dataset)
   try:
     if init_fn is not None: init_fn(worker_id)
-    if fetcher.stream is not None: fetcher.stream = iter(fetcher.dataset)
+    fetcher.restart()
   except Exception as e:
     results.put((None, _WorkerError(e, worker_id)))
     return
   while (task := tasks.get()) is not None:
     k, index = task
+    if k == _RESET:  # a new epoch of persistent workers: the stream starts over
+      fetcher.restart()
+      continue
     try: results.put((k, fetcher.fetch(index)))
     except StopIteration: results.put((k, _STREAM_END))
     except Exception as e: results.put((k, _WorkerError(e, worker_id)))
@@ -317,8 +324,19 @@ class _MultiProcessIter:
                       daemon=True)
       p.start()
       self.task_queues.append(tq); self.result_queues.append(rq); self.workers.append(p)
-    self.alive, self.pending, self.next_id, self.sent = list(range(n)), collections.deque(), 0, 0
-    for _ in range(loader.prefetch_factor * n): self._send()
+    self.prefetch, self.persistent, self.pending = loader.prefetch_factor * n, loader.persistent_workers, collections.deque()
+    self._start(tasks)
+
+  def _start(self, tasks: Iterator[Any]) -> None:
+    self.tasks, self.alive, self.next_id, self.sent = tasks, list(range(len(self.workers))), 0, 0
+    for _ in range(self.prefetch): self._send()
+
+  def restart(self, tasks: Iterator[Any]) -> _MultiProcessIter:
+    """The next epoch on the same (persistent) workers: unread batches of the last one are dropped."""
+    while self.pending: self.result_queues[self.pending.popleft()].get(timeout=self.timeout)
+    for tq in self.task_queues: tq.put((_RESET, None))
+    self._start(tasks)
+    return self
 
   def _send(self) -> None:
     if self.tasks is None or not self.alive: return
@@ -343,6 +361,7 @@ class _MultiProcessIter:
         raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds waiting for worker {w}") from None
       if isinstance(data, _WorkerError):
         self.close()
+        self.persistent = False
         data.reraise()
       if isinstance(data, str) and data == _STREAM_END:
         if w in self.alive: self.alive.remove(w)
@@ -350,7 +369,7 @@ class _MultiProcessIter:
         continue
       self._send()
       return data
-    self.close()
+    if not self.persistent: self.close()
     raise StopIteration
 
   def close(self) -> None:
@@ -386,6 +405,7 @@ class DataLoader(Generic[T]):
     multiprocessing_context: a start method name or context (the platform's default when None).
     generator: the generator of the random order and of the workers' base seed.
     prefetch_factor: batches each worker has in flight (2 when workers are used).
+    persistent_workers: keep the worker processes (and their dataset copies and seeds) from epoch to epoch.
 
   Example:
     >>> loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, generator=bt.Generator().manual_seed(0))
@@ -397,10 +417,11 @@ class DataLoader(Generic[T]):
                num_workers: int = 0, collate_fn: Callable | None = None, pin_memory: bool = False,
                drop_last: bool = False, timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
                multiprocessing_context: Any = None, generator: Generator | None = None, *,
-               prefetch_factor: int | None = None) -> None:
+               prefetch_factor: int | None = None, persistent_workers: bool = False) -> None:
     if num_workers < 0:
       raise ValueError("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
     if timeout < 0: raise ValueError("timeout option should be non-negative")
+    if persistent_workers and num_workers == 0: raise ValueError("persistent_workers option needs num_workers > 0")
     if num_workers == 0 and prefetch_factor is not None:
       raise ValueError("prefetch_factor option could only be specified in multiprocessing. let num_workers > 0 to "
                        "enable multiprocessing, otherwise set prefetch_factor to None.")
@@ -426,6 +447,7 @@ class DataLoader(Generic[T]):
                                                                                        sampler, batch_sampler)
     self.num_workers, self.pin_memory, self.timeout, self.worker_init_fn = num_workers, pin_memory, timeout, worker_init_fn
     self.multiprocessing_context, self.generator = multiprocessing_context, generator
+    self.persistent_workers, self._workers = persistent_workers, None
     self.prefetch_factor = 2 if num_workers and prefetch_factor is None else prefetch_factor
     self.collate_fn = collate_fn or (default_collate if batch_size is not None or batch_sampler is not None else
                                      default_convert)
@@ -443,11 +465,15 @@ class DataLoader(Generic[T]):
     base_seed = int(ops.randint(0, 2**62, (), generator=self.generator).item())
     fetcher = _Fetcher(self.dataset, self._auto_collation, self.collate_fn, self.batch_size, self.drop_last)
     tasks = self._tasks()
-    if self.num_workers: return _MultiProcessIter(self, fetcher, tasks, base_seed)
-    return self._single(fetcher, tasks)
+    if not self.num_workers: return self._single(fetcher, tasks)
+    if self._workers is not None and self._workers.workers: return self._workers.restart(tasks)
+    it = _MultiProcessIter(self, fetcher, tasks, base_seed)
+    if self.persistent_workers: self._workers = it
+    return it
 
   @staticmethod
   def _single(fetcher: _Fetcher, tasks: Iterator[Any]) -> Iterator[Any]:
+    fetcher.restart()
     for task in tasks:
       try: yield fetcher.fetch(task)
       except StopIteration: return
