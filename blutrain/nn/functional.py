@@ -2,7 +2,8 @@
 
 The math lives in `blutrain.ops`; this module re-exports it, keeps PyTorch's argument order where the op's differs,
 and writes the functions PyTorch has and the op library does not (activations, losses, padding, interpolation) as
-composites of ops, with no VJP of their own.
+composites of ops, with no VJP of their own; convolution, pooling and batch/group norm come from `nn/spatial.py`.
+`inplace=True` is accepted where PyTorch takes it and returns a new tensor, as `nn.Dropout` does.
 """
 from __future__ import annotations
 
@@ -162,6 +163,12 @@ def _class_weight(weight: Tensor | None, classes: int, name: str) -> None:
                        f"got weight tensor of shape: {tuple(weight.shape)}")
 
 
+def _item_weights(t: Tensor, valid: Tensor, weight: Tensor | None, dtype) -> Tensor:
+  """Each item's weight in a class-weighted loss: weight[t] (1 without weights), 0 where the target is ignored."""
+  if weight is None: return valid.to(dtype)
+  return ops.where(valid, weight.to(dtype)[ops.where(valid, t, 0)], 0.0)
+
+
 def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: bool | None = None,
              ignore_index: int = -100, reduce: bool | None = None, reduction: str = "mean") -> Tensor:
   """Negative log-likelihood: -weight[t] * input[t] per item, of log-probabilities (N, C) or (N, C, d...) at class
@@ -170,8 +177,7 @@ def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, size_a
   logp, t, lead = _class_dim_last(input, target, "nll_loss")
   _class_weight(weight, logp.shape[1], "nll_loss")
   valid = t != ignore_index
-  safe = ops.where(valid, t, 0)
-  w = valid.to(logp.dtype) if weight is None else ops.where(valid, weight.to(logp.dtype)[safe], 0.0)
+  safe, w = ops.where(valid, t, 0), _item_weights(t, valid, weight, logp.dtype)
   losses = -logp.gather(1, safe.unsqueeze(1)).squeeze(1) * w
   if reduction == "none": return losses.reshape(lead)
   if reduction == "mean": return losses.sum() / w.sum()
@@ -215,11 +221,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, s
   if label_smoothing == 0: return nll if reduction != "none" else nll.reshape(lead)
   valid = t != ignore_index
   smooth = ops.where(valid, -(logp if weight is None else logp * weight.to(logp.dtype)).sum(1), 0.0)
-  if reduction == "mean":
-    denom = valid.sum().to(logp.dtype) if weight is None else ops.where(valid, weight.to(logp.dtype)[ops.where(valid, t, 0)], 0.0).sum()
-    smooth = smooth.sum() / denom
-  else:
-    smooth = _reduce(smooth, reduction)
+  if reduction == "mean": smooth = smooth.sum() / _item_weights(t, valid, weight, logp.dtype).sum()  # as nll's mean
+  else: smooth = _reduce(smooth, reduction)
   out = (1 - label_smoothing) * nll + smooth * (label_smoothing / classes)
   return out.reshape(lead) if reduction == "none" else out
 
@@ -333,7 +336,8 @@ def pad(input: Tensor, pad: tuple[int, ...], mode: str = "constant", value: floa
   the edge), "circular" (wrap around).
   """
   if len(pad) % 2 or len(pad) // 2 > input.ndim:
-    raise ValueError(f"pad: expected an even number of pad sizes, at most 2 per dim, got {tuple(pad)} for shape {input.shape}")
+    raise ValueError(f"pad: expected an even number of pad sizes, at most 2 per dim, got {tuple(pad)} for shape "
+                     f"{tuple(input.shape)}")
   if mode not in ("constant", "reflect", "replicate", "circular"):
     raise NotImplementedError(f"pad: mode {mode!r} is not supported; use 'constant', 'reflect', 'replicate' or 'circular'")
   if mode != "constant" and value:
@@ -380,12 +384,14 @@ def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "neares
   `align_corners` as PyTorch's. Separable: each spatial dim is resampled in turn by index_select and a lerp.
   """
   spatial = input.ndim - 2
-  if spatial < 1: raise ValueError(f"interpolate: expected an input with at least 3 dims (N, C, ...), got {tuple(input.shape)}")
+  if spatial < 1:
+    raise ValueError(f"interpolate: expected an input with at least 3 dims (N, C, ...), got {tuple(input.shape)}")
   if antialias: raise NotImplementedError("interpolate: antialias=True is not supported")
   if mode not in ("nearest", "linear", "bilinear"):
     raise NotImplementedError(f"interpolate: mode {mode!r} is not supported; use 'nearest', 'linear' or 'bilinear'")
   if mode == "nearest" and align_corners is not None:
-    raise ValueError("align_corners option can only be set with the interpolating modes: linear | bilinear | bicubic | trilinear")
+    raise ValueError("align_corners option can only be set with the interpolating modes: "
+                     "linear | bilinear | bicubic | trilinear")
   need = {"linear": 1, "bilinear": 2}.get(mode)
   if need is not None and spatial != need:
     raise NotImplementedError(f"Got {input.ndim}D input, but {mode} mode needs {need + 2}D input")

@@ -6,6 +6,7 @@ A layer owns its parameters and their initialization (`reset_parameters`); its `
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from blutrain import ops
 from blutrain.nn import functional as F, init
@@ -254,8 +255,8 @@ def _implicit_dim(m: Softmax, input: Tensor) -> int:
 
 
 class _Activation(Module):
-  """An activation with keyword options: `forward` calls `fn(input, **options)`."""
-  fn = staticmethod(lambda input: input)
+  """An activation with keyword options: `forward` calls the subclass's `fn(input, **options)`."""
+  fn: Callable[..., Tensor]
 
   def __init__(self, **options) -> None:
     super().__init__()

@@ -176,7 +176,8 @@ class MultiheadAttention(Module):
                vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
     super().__init__()
     if embed_dim <= 0 or num_heads <= 0:
-      raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} and num_heads={num_heads} instead")
+      raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} and "
+                       f"num_heads={num_heads} instead")
     if embed_dim % num_heads: raise AssertionError("embed_dim must be divisible by num_heads")
     if add_bias_kv or add_zero_attn:
       raise NotImplementedError("MultiheadAttention: add_bias_kv and add_zero_attn are not supported")

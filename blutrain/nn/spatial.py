@@ -80,7 +80,8 @@ def _conv(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tensor | None, 
   if x.dtype is not weight.dtype:
     raise RuntimeError(f"{fn}: input type ({x.dtype.name}) and weight type ({weight.dtype.name}) should be the same")
   if isinstance(padding, str):
-    if padding not in ("same", "valid"): raise RuntimeError(f"Invalid padding string: {padding!r} (expected 'valid' or 'same')")
+    if padding not in ("same", "valid"):
+      raise RuntimeError(f"Invalid padding string: {padding!r} (expected 'valid' or 'same')")
     if padding == "same" and any(s != 1 for s in stride):
       raise RuntimeError("padding='same' is not supported for strided convolutions")
     total = [d * (k - 1) if padding == "same" else 0 for d, k in zip(dilation, kernel)]
