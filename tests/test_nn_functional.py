@@ -83,6 +83,16 @@ def test_regression_losses_match_torch(reduction):
                    layouts=("contiguous", "transposed"))
 
 
+def test_losses_broadcast_and_match_finite_differences():
+  helper_test_op([(5, 6), (6,)], lambda a, b: TF.l1_loss(a, b.expand(5, 6)), lambda a, b: F.l1_loss(a, b))
+  helper_test_op([(5, 1), (5, 6)], lambda a, b: TF.mse_loss(a.expand(5, 6), b), lambda a, b: F.mse_loss(a, b))
+  t = bt.tensor(np.random.default_rng(5).uniform(0.1, 0.9, (3, 4)), dtype=bt.float64)
+  check_vjp(lambda x: F.binary_cross_entropy_with_logits(x, t, pos_weight=t[0] * 3), [(3, 4)], low=-5, high=5)
+  check_vjp(lambda x: F.kl_div(x.log_softmax(-1), t.softmax(-1), reduction="batchmean"), [(3, 4)])
+  check_vjp(lambda x: F.smooth_l1_loss(x, t, beta=0.5) + F.huber_loss(x, t, delta=0.3), [(3, 4)])
+  check_vjp(lambda x: F.nll_loss(x, bt.tensor([0, 3, 1]), t[0]), [(3, 4)])
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_binary_cross_entropy_matches_torch(reduction):
   helper_test_op([(4, 5), (4, 5)], lambda p, t: TF.binary_cross_entropy(p, t, reduction=reduction),
