@@ -1,6 +1,8 @@
 """blutrain.utils.data against torch.utils.data: batches, collation, samplers, lengths and errors equal PyTorch's;
 shuffling reproducible for a generator; worker processes give the single-process stream; drop_last."""
 import collections
+import os
+import time
 
 import numpy as np
 import pytest
@@ -198,7 +200,6 @@ def test_pin_memory_keeps_cpu_batches():
 
 
 def test_leaving_a_loader_early_stops_its_workers_promptly():
-  import time
   ds = bud.TensorDataset(bt.randn(400, 64, 64))
   it = iter(bud.DataLoader(ds, batch_size=50, num_workers=2, prefetch_factor=4))
   next(it)
@@ -225,3 +226,22 @@ def test_persistent_workers_keep_their_processes_and_the_stream():
   assert [b.tolist() for b in streams] == [b.tolist() for b in streams] == [[0, 2], [1, 3], [4, 6], [5]]
   with pytest.raises(ValueError, match="persistent_workers option needs num_workers > 0"):
     bud.DataLoader(Squares(), persistent_workers=True)
+
+
+class Dies(bud.Dataset):
+  def __len__(self): return 4
+  def __getitem__(self, i):
+    if i == 1: os._exit(3)  # a worker killed mid-epoch (as by the out-of-memory killer)
+    return i
+
+
+class Slow(bud.Dataset):
+  def __len__(self): return 2
+  def __getitem__(self, i):
+    time.sleep(1.5)
+    return i
+
+
+def test_a_dead_or_slow_worker_is_an_error_not_a_hang():
+  with pytest.raises(RuntimeError, match="exited unexpectedly with exit code 3"): list(bud.DataLoader(Dies(), num_workers=2))
+  with pytest.raises(RuntimeError, match="timed out after 0.3 seconds"): list(bud.DataLoader(Slow(), num_workers=1, timeout=0.3))

@@ -17,6 +17,7 @@ import math
 import multiprocessing
 import queue
 import random
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
@@ -333,7 +334,7 @@ class _MultiProcessIter:
 
   def restart(self, tasks: Iterator[Any]) -> _MultiProcessIter:
     """The next epoch on the same (persistent) workers: unread batches of the last one are dropped."""
-    while self.pending: self.result_queues[self.pending.popleft()].get(timeout=self.timeout)
+    while self.pending: self._get(self.pending.popleft())
     for tq in self.task_queues: tq.put((_RESET, None))
     self._start(tasks)
     return self
@@ -350,15 +351,27 @@ class _MultiProcessIter:
     self.pending.append(w)
     self.sent += 1
 
+  def _get(self, w: int) -> Any:
+    """Worker w's next answer, polling so that a worker that died (killed, out of memory) is an error, not a hang."""
+    start = time.monotonic()
+    while True:
+      try: return self.result_queues[w].get(timeout=0.25 if self.timeout is None else min(self.timeout, 0.25))[1]
+      except queue.Empty:
+        p = self.workers[w]
+        if not p.is_alive():
+          self.close(force=True)
+          raise RuntimeError(f"DataLoader worker {w} (pid {p.pid}) exited unexpectedly with exit code "
+                             f"{p.exitcode}") from None
+        if self.timeout is not None and time.monotonic() - start > self.timeout:
+          self.close(force=True)
+          raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds waiting for worker {w}") from None
+
   def __iter__(self) -> _MultiProcessIter: return self
 
   def __next__(self) -> Any:
     while self.pending:
       w = self.pending.popleft()
-      try: _, data = self.result_queues[w].get(timeout=self.timeout)
-      except queue.Empty:
-        self.close()
-        raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds waiting for worker {w}") from None
+      data = self._get(w)
       if isinstance(data, _WorkerError):
         self.close()
         self.persistent = False
@@ -372,12 +385,14 @@ class _MultiProcessIter:
     if not self.persistent: self.close()
     raise StopIteration
 
-  def close(self) -> None:
+  def close(self, force: bool = False) -> None:
+    """Stop the workers: ask them to finish (their current batch first), or with `force` terminate them."""
     for tq, p in zip(self.task_queues, self.workers):
-      if p.is_alive(): tq.put(None)
+      if p.is_alive() and not force: tq.put(None)
     for p in self.workers:
-      p.join(timeout=5)
+      if not force: p.join(timeout=5)
       if p.is_alive(): p.terminate()
+      p.join()
     self.workers, self.task_queues, self.result_queues = [], [], []
 
   def __del__(self) -> None:
