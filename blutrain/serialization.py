@@ -16,7 +16,7 @@ import os
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 from safetensors import SafetensorError, deserialize
@@ -32,7 +32,7 @@ FORMAT, VERSION = "blutrain.save", 1
 _STRUCTURE, _TENSORS = "structure.json", "tensors.safetensors"
 
 FileLike = str | os.PathLike | BinaryIO
-MapLocation = str | Device | dict[str, str] | None
+MapLocation = str | Device | dict[str, str] | Callable[[Tensor, str], Tensor] | None
 
 
 # *** object <-> (JSON, tensors) ***
@@ -122,7 +122,8 @@ def load(f: FileLike, map_location: MapLocation = None, weights_only: bool = Tru
   Args:
     f: a path or a readable, seekable binary file object.
     map_location: where tensors go: None (the device each was saved from), a device ("cpu", "cuda", "cuda:1",
-      a `bt.device`), or a dict from saved device names to devices ({"cuda:1": "cuda:0"}; others stay).
+      a `bt.device`), a dict from saved device names to devices ({"cuda:1": "cuda:0"}; others stay), or a function
+      of (the tensor, loaded on the CPU, and its saved device name) returning the tensor to use.
     weights_only: accepted for PyTorch compatibility; the format holds no code whatever its value, so loading
       never executes anything.
 
@@ -161,8 +162,19 @@ def _target(saved: str, map_location: MapLocation) -> Device:
   if map_location is None: return to_device(saved)
   if isinstance(map_location, dict): return to_device(map_location.get(saved, saved))
   if isinstance(map_location, (str, Device)): return to_device(map_location)
-  raise TypeError(f"load: map_location must be None, a device or a dict of device names, got "
+  raise TypeError(f"load: map_location must be None, a device, a dict of device names or a function, got "
                   f"{type(map_location).__name__}")
+
+
+def _placed(t: Tensor, saved: str, map_location: MapLocation) -> Tensor:
+  """A loaded CPU tensor moved to the device map_location names for its saved device."""
+  device = _target(saved, map_location)
+  if device.type == "cpu": return t
+  from blutrain import cuda
+  if not cuda.is_available():
+    raise RuntimeError(f"load: a tensor saved on {saved} is mapped to {device}, but CUDA is not available; "
+                       "pass map_location='cpu' to load it on the CPU")
+  return t.to(device)
 
 
 def _tensors(meta: dict[str, dict], blob: bytes, map_location: MapLocation) -> dict[str, Tensor]:
@@ -172,14 +184,9 @@ def _tensors(meta: dict[str, dict], blob: bytes, map_location: MapLocation) -> d
     dtype, shape = dtypes.to_dtype(m["dtype"]), tuple(m["shape"])
     data = raw[key]["data"]
     if len(data) != int(np.prod(shape)) * dtype.np.itemsize or list(raw[key]["shape"]) != list(shape):
-      raise ValueError(f"tensor {key} holds {len(data)} bytes of shape {raw[key]['shape']}, expected {dtype.name} {shape}")
-    device = _target(m["device"], map_location)
-    if device.type == "cuda":
-      from blutrain import cuda
-      if not cuda.is_available():
-        raise RuntimeError(f"load: a tensor saved on {m['device']} is mapped to {device}, but CUDA is not available; "
-                           "pass map_location='cpu' to load it on the CPU")
+      raise ValueError(f"tensor {key} holds {len(data)} bytes of shape {raw[key]['shape']}, expected {dtype.name} "
+                       f"{shape}")
     t = from_numpy(np.frombuffer(data, dtype=dtype.np).reshape(shape))
-    t = t.to(device) if device.type != "cpu" else t
+    t = map_location(t, m["device"]) if callable(map_location) else _placed(t, m["device"], map_location)
     out[key] = t.requires_grad_(True) if m["requires_grad"] else t
   return out

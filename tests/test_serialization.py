@@ -84,6 +84,9 @@ def test_map_location_forms_and_cuda_without_a_gpu(tmp_path):
     with pytest.raises(RuntimeError, match="map_location='cpu'"): bt.load(path, map_location="cuda")
     with pytest.raises(RuntimeError, match="map_location='cpu'"): bt.load(path, map_location={"cpu": "cuda:0"})
   with pytest.raises(TypeError, match="map_location"): bt.load(path, map_location=3)
+  seen = []
+  got = bt.load(path, map_location=lambda t, loc: seen.append(loc) or t * 2)  # PyTorch's (storage, location) form
+  assert seen == ["cpu"] and got["w"].tolist() == [2.0, 2.0]
 
 
 def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path):
