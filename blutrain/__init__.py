@@ -26,6 +26,7 @@ def __getattr__(name: str):
   # submodules that pull in more (nn, optim, models, data) load on first use
   import importlib
   if name == "compile": return importlib.import_module("blutrain.nova.jit").compile
+  if name in ("save", "load"): return getattr(importlib.import_module("blutrain.serialization"), name)
   if name in ("nn", "optim", "models", "data", "cuda", "amp", "utils", "nova", "profiler", "backends"):
     return importlib.import_module(f"blutrain.{name}")
   raise AttributeError(f"module 'blutrain' has no attribute {name!r}")

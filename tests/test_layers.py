@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
   ("ops", ("blutrain.ops",)),
   ("hooks", ("blutrain.amp", "blutrain.profiler", "blutrain.cuda")),
   ("nova", ("blutrain.nova",)),
-  ("library", ("blutrain.nn", "blutrain.optim", "blutrain.models")),
+  ("library", ("blutrain.nn", "blutrain.optim", "blutrain.models", "blutrain.utils",
+                "blutrain.serialization")),
   ("face", ("blutrain",)),  # blutrain/__init__.py: the public API, which the app uses as users do
   ("app", ("blutrain.data", "blutrain.checkpoint", "blutrain.train", "blutrain.cli")),
 ]

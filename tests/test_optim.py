@@ -1,4 +1,4 @@
-"""optim: SGD, Adam and AdamW step by step against torch.optim from the same init and gradients; state_dict round
+"""optim: SGD, Adam, AdamW, RMSprop and Adagrad step by step against torch.optim from the same init and gradients; state_dict round
 trips (own and PyTorch's); the Optimizer base's checks; LR schedules against torch.optim.lr_scheduler."""
 import math
 
@@ -82,6 +82,43 @@ def test_adam_matches_torch(kwargs):
                                     dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, maximize=True, fused=None)])
 def test_adamw_matches_torch(kwargs):
   assert_adam_state(*run_against_torch(optim.AdamW, torch.optim.AdamW, kwargs, steps=6))
+
+
+RMSPROP_CONFIGS = [dict(), dict(lr=1e-3, alpha=0.9, eps=1e-6), dict(lr=1e-2, momentum=0.9), dict(lr=1e-2, centered=True),
+                   dict(lr=1e-2, momentum=0.5, centered=True, weight_decay=0.1, maximize=True)]
+ADAGRAD_CONFIGS = [dict(), dict(lr=0.1, lr_decay=0.05), dict(lr=0.1, weight_decay=0.1, initial_accumulator_value=0.5),
+                   dict(lr=0.05, eps=1e-6, maximize=True, lr_decay=0.01)]
+
+
+def assert_same_state(bopt, topt, rtol=1e-6, atol=1e-7) -> None:
+  for b, t in zip(bopt.param_groups[0]["params"], topt.param_groups[0]["params"]):
+    bs, ts = bopt.state[b], topt.state[t]
+    assert set(bs) == set(ts) and bs["step"] == int(ts["step"].item())
+    for key in set(bs) - {"step"}:
+      np.testing.assert_allclose(bs[key].numpy(), ts[key].numpy(), rtol=rtol, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize("kwargs", RMSPROP_CONFIGS)
+def test_rmsprop_matches_torch(kwargs):
+  # g / sqrt(v) reaches ~30 in the momentum buffer, whose small entries are differences of such terms
+  assert_same_state(*run_against_torch(optim.RMSprop, torch.optim.RMSprop, kwargs, steps=6), atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", ADAGRAD_CONFIGS)
+def test_adagrad_matches_torch(kwargs):
+  bopt, topt = run_against_torch(optim.Adagrad, torch.optim.Adagrad, kwargs, steps=6)
+  assert_same_state(bopt, topt)
+  fresh = optim.Adagrad(make_params()[0], initial_accumulator_value=0.25)
+  assert len(fresh.state_dict()["state"]) == 3 and float(fresh.state_dict()["state"][0]["sum"].numpy().max()) == 0.25
+
+
+@pytest.mark.parametrize("cls,kwargs,match", [
+  (optim.RMSprop, dict(alpha=-0.1), "alpha"), (optim.RMSprop, dict(momentum=-1.0), "momentum"),
+  (optim.RMSprop, dict(lr=-1.0), "learning rate"), (optim.Adagrad, dict(lr_decay=-1.0), "lr_decay"),
+  (optim.Adagrad, dict(initial_accumulator_value=-1.0), "initial_accumulator_value"), (optim.Adagrad, dict(eps=-1.0), "epsilon")])
+def test_rmsprop_adagrad_invalid_hyperparameters(cls, kwargs, match):
+  with pytest.raises(ValueError, match=match): cls(make_params()[0], **kwargs)
+  with pytest.raises(ValueError, match=match): getattr(torch.optim, cls.__name__)(make_params()[1], **kwargs)
 
 
 def test_adam_decoupled_is_adamw():
@@ -189,7 +226,9 @@ def test_state_dict_format_matches_torch():
 
 
 @pytest.mark.parametrize("cls,kwargs", [(optim.AdamW, dict(lr=1e-2, weight_decay=0.1)), (optim.Adam, dict(lr=1e-2, amsgrad=True)),
-                                        (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True))])
+                                        (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+                                        (optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
+                                        (optim.Adagrad, dict(lr=0.1, lr_decay=0.01))])
 def test_state_dict_round_trip_resumes_exactly(cls, kwargs):
   """Save after 3 steps, load into a fresh optimizer over a copy of the parameters, go on: identical to the
   uninterrupted run, bit for bit."""
@@ -407,6 +446,57 @@ def test_warmup_cosine_state_dict_keeps_its_shape():
   for _ in range(5):
     sched.step(); other.step()
     assert other.get_last_lr() == sched.get_last_lr()
+
+
+ONE_CYCLE = {
+  "sgd_cos": (lambda lib_opt, ps: lib_opt.SGD(ps, lr=0.1, momentum=0.9), dict(max_lr=1.0, total_steps=20)),
+  "sgd_linear_three_phase": (lambda lib_opt, ps: lib_opt.SGD(ps, lr=0.1, momentum=0.9),
+                             dict(max_lr=[0.5, 2.0, 1.0], epochs=3, steps_per_epoch=7, anneal_strategy="linear",
+                                  three_phase=True, pct_start=0.25)),
+  "adam_betas": (lambda lib_opt, ps: lib_opt.Adam(ps, lr=0.1), dict(max_lr=0.01, total_steps=15, div_factor=10.0,
+                                                                    base_momentum=0.8, max_momentum=0.9)),
+  "no_momentum": (lambda lib_opt, ps: lib_opt.SGD(ps, lr=0.1), dict(max_lr=0.3, total_steps=12, cycle_momentum=False)),
+}
+
+
+@pytest.mark.parametrize("name", ONE_CYCLE)
+def test_one_cycle_matches_torch(name):
+  make, kwargs = ONE_CYCLE[name]
+  bparams, tparams = make_params()
+  split = lambda ps: [{"params": [p]} for p in ps] if isinstance(kwargs["max_lr"], list) else ps
+  bopt, topt = make(optim, split(bparams)), make(torch.optim, split(tparams))
+  bs, ts = lr_scheduler.OneCycleLR(bopt, **kwargs), torch.optim.lr_scheduler.OneCycleLR(topt, **kwargs)
+  total = kwargs.get("total_steps") or kwargs["epochs"] * kwargs["steps_per_epoch"]
+  for step in range(total):
+    np.testing.assert_allclose(bs.get_last_lr(), ts.get_last_lr(), rtol=1e-12, err_msg=f"step {step}")
+    for bg, tg in zip(bopt.param_groups, topt.param_groups):
+      for key in ("momentum", "betas", "initial_lr", "max_lr", "min_lr"):
+        if key in tg: assert bg[key] == pytest.approx(tg[key], rel=1e-12), (step, key)
+    bopt.step(); topt.step(); bs.step(); ts.step()
+  with pytest.raises(ValueError, match="Tried to step"): bs.step()
+  with pytest.raises(ValueError, match="total_steps OR"): lr_scheduler.OneCycleLR(bopt, max_lr=1.0)
+  if name == "no_momentum":
+    with pytest.raises(ValueError, match="momentum or beta1"):
+      lr_scheduler.OneCycleLR(optim.Adagrad(make_params()[0]), max_lr=1.0, total_steps=5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(mode="max", factor=0.5, patience=1, threshold=0.1),
+                                    dict(patience=2, cooldown=2, threshold_mode="abs", threshold=0.05, min_lr=[0.02, 0.0])])
+def test_reduce_lr_on_plateau_matches_torch(kwargs):
+  bopt, topt = two_group_optimizers()
+  bs, ts = lr_scheduler.ReduceLROnPlateau(bopt, **kwargs), torch.optim.lr_scheduler.ReduceLROnPlateau(topt, **kwargs)
+  metrics = np.concatenate([np.linspace(1.0, 0.5, 5), np.full(30, 0.5), np.linspace(0.5, 0.45, 5), np.full(20, 0.6)])
+  for step, m in enumerate(metrics):
+    bs.step(float(m)); ts.step(float(m))
+    assert [g["lr"] for g in bopt.param_groups] == pytest.approx([g["lr"] for g in topt.param_groups], rel=1e-12), step
+    assert bs.get_last_lr() == pytest.approx(ts.get_last_lr(), rel=1e-12)
+  assert bopt.param_groups[0]["lr"] < 0.1
+  state = bs.state_dict()
+  other = lr_scheduler.ReduceLROnPlateau(two_group_optimizers()[0], **kwargs)
+  other.load_state_dict(state)
+  assert other.best == bs.best and other.num_bad_epochs == bs.num_bad_epochs
+  with pytest.raises(ValueError, match="Factor should be < 1.0"): lr_scheduler.ReduceLROnPlateau(bopt, factor=1.0)
+  with pytest.raises(ValueError, match="mode avg is unknown"): lr_scheduler.ReduceLROnPlateau(bopt, mode="avg")
 
 
 def test_scheduler_checks():

@@ -6,6 +6,7 @@ A layer owns its parameters and their initialization (`reset_parameters`); its `
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from blutrain import ops
 from blutrain.nn import functional as F, init
@@ -224,3 +225,139 @@ class Tanh(Module):
 class Sigmoid(Module):
   """Sigmoid(x) = 1 / (1 + exp(-x))."""
   def forward(self, input: Tensor) -> Tensor: return F.sigmoid(input)
+
+
+class Softmax(Module):
+  """Softmax(x)_i = exp(x_i) / sum_j exp(x_j) along `dim`."""
+
+  def __init__(self, dim: int | None = None) -> None:
+    super().__init__()
+    self.dim = dim
+
+  def forward(self, input: Tensor) -> Tensor: return F.softmax(input, _implicit_dim(self, input))
+  def extra_repr(self) -> str: return f"dim={self.dim}"
+
+
+class LogSoftmax(Softmax):
+  """LogSoftmax(x) = x - logsumexp(x) along `dim`."""
+  def forward(self, input: Tensor) -> Tensor: return F.log_softmax(input, _implicit_dim(self, input))
+
+
+class Softmin(Softmax):
+  """Softmin(x) = Softmax(-x) along `dim`."""
+  def forward(self, input: Tensor) -> Tensor: return F.softmin(input, _implicit_dim(self, input))
+
+
+def _implicit_dim(m: Softmax, input: Tensor) -> int:
+  """PyTorch's legacy choice when `dim` is None: dim 0 for 0-, 1- and 3-d inputs, else dim 1."""
+  if m.dim is not None: return m.dim
+  return 0 if input.ndim in (0, 1, 3) else 1
+
+
+class _Activation(Module):
+  """An activation with keyword options: `forward` calls the subclass's `fn(input, **options)`."""
+  fn: Callable[..., Tensor]
+
+  def __init__(self, **options) -> None:
+    super().__init__()
+    self._options = options
+    for k, v in options.items(): setattr(self, k, v)
+
+  def forward(self, input: Tensor) -> Tensor: return type(self).fn(input, **{k: getattr(self, k) for k in self._options})
+  def extra_repr(self) -> str: return ", ".join(f"{k}={getattr(self, k)}" for k in self._options if k != "inplace")
+
+
+class LeakyReLU(_Activation):
+  """LeakyReLU(x) = x for x > 0, negative_slope * x otherwise."""
+  fn = staticmethod(F.leaky_relu)
+  def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
+    super().__init__(negative_slope=negative_slope, inplace=inplace)
+
+
+class ELU(_Activation):
+  """ELU(x) = x for x > 0, alpha * (exp(x) - 1) otherwise."""
+  fn = staticmethod(F.elu)
+  def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None: super().__init__(alpha=alpha, inplace=inplace)
+
+
+class CELU(_Activation):
+  """CELU(x) = max(0, x) + min(0, alpha * (exp(x / alpha) - 1))."""
+  fn = staticmethod(F.celu)
+  def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None: super().__init__(alpha=alpha, inplace=inplace)
+
+
+class SELU(_Activation):
+  """SELU(x) = scale * ELU(x, alpha) with the self-normalizing constants."""
+  fn = staticmethod(F.selu)
+  def __init__(self, inplace: bool = False) -> None: super().__init__(inplace=inplace)
+
+
+class Hardtanh(_Activation):
+  """Hardtanh(x) = x clamped to [min_val, max_val]."""
+  fn = staticmethod(F.hardtanh)
+  def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> None:
+    super().__init__(min_val=min_val, max_val=max_val, inplace=inplace)
+
+
+class ReLU6(_Activation):
+  """ReLU6(x) = min(max(0, x), 6)."""
+  fn = staticmethod(F.relu6)
+  def __init__(self, inplace: bool = False) -> None: super().__init__(inplace=inplace)
+
+
+class Hardsigmoid(_Activation):
+  """Hardsigmoid(x) = clamp(x / 6 + 1/2, 0, 1)."""
+  fn = staticmethod(F.hardsigmoid)
+  def __init__(self, inplace: bool = False) -> None: super().__init__(inplace=inplace)
+
+
+class Hardswish(_Activation):
+  """Hardswish(x) = x * Hardsigmoid(x)."""
+  fn = staticmethod(F.hardswish)
+  def __init__(self, inplace: bool = False) -> None: super().__init__(inplace=inplace)
+
+
+class Mish(_Activation):
+  """Mish(x) = x * tanh(softplus(x))."""
+  fn = staticmethod(F.mish)
+  def __init__(self, inplace: bool = False) -> None: super().__init__(inplace=inplace)
+
+
+class Softplus(_Activation):
+  """Softplus(x) = log(1 + exp(beta * x)) / beta, x where beta * x > threshold."""
+  fn = staticmethod(F.softplus)
+  def __init__(self, beta: float = 1.0, threshold: float = 20.0) -> None: super().__init__(beta=beta, threshold=threshold)
+
+
+class Softsign(_Activation):
+  """Softsign(x) = x / (1 + |x|)."""
+  fn = staticmethod(F.softsign)
+
+
+class LogSigmoid(_Activation):
+  """LogSigmoid(x) = log(1 / (1 + exp(-x)))."""
+  fn = staticmethod(F.logsigmoid)
+
+
+class Flatten(Module):
+  """Flattens dims start_dim..end_dim into one. Shape: (N, *dims) -> (N, prod(dims)) by default."""
+
+  def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+    super().__init__()
+    self.start_dim, self.end_dim = start_dim, end_dim
+
+  def forward(self, input: Tensor) -> Tensor: return input.flatten(self.start_dim, self.end_dim)
+  def extra_repr(self) -> str: return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+
+
+class Unflatten(Module):
+  """Splits dim `dim` into `unflattened_size`. Shape: (*, prod(sizes), *) -> (*, *sizes, *)."""
+
+  def __init__(self, dim: int, unflattened_size) -> None:
+    super().__init__()
+    if not isinstance(unflattened_size, (tuple, list)) or not all(isinstance(s, int) for s in unflattened_size):
+      raise TypeError(f"unflattened_size must be a tuple of ints, but found type {type(unflattened_size).__name__}")
+    self.dim, self.unflattened_size = dim, tuple(unflattened_size)
+
+  def forward(self, input: Tensor) -> Tensor: return input.unflatten(self.dim, self.unflattened_size)
+  def extra_repr(self) -> str: return f"dim={self.dim}, unflattened_size={self.unflattened_size}"

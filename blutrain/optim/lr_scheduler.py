@@ -170,6 +170,142 @@ class SequentialLR(LRScheduler):
     super().load_state_dict(state)
 
 
+class OneCycleLR(LRScheduler):
+  """The 1cycle policy (Smith & Topsoe, 2017), as PyTorch's: the lr rises from max_lr / div_factor to max_lr over
+  the first pct_start of total_steps, then anneals to initial_lr / final_div_factor (with three_phase, back to the
+  initial lr first); momentum (SGD's momentum or Adam's beta1) cycles the other way, between max_momentum and
+  base_momentum. Step it after every batch.
+
+  Under `bt.compile`, a cycled momentum is an optimizer hyperparameter the guard checks, so each step recompiles;
+  pass cycle_momentum=False to a compiled step.
+  """
+
+  def __init__(self, optimizer: Optimizer, max_lr: float | Sequence[float], total_steps: int | None = None,
+               epochs: int | None = None, steps_per_epoch: int | None = None, pct_start: float = 0.3,
+               anneal_strategy: str = "cos", cycle_momentum: bool = True, base_momentum: float | Sequence[float] = 0.85,
+               max_momentum: float | Sequence[float] = 0.95, div_factor: float = 25.0, final_div_factor: float = 1e4,
+               three_phase: bool = False, last_epoch: int = -1) -> None:
+    if not isinstance(optimizer, Optimizer): raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+    if total_steps is None:
+      if epochs is None or steps_per_epoch is None:
+        raise ValueError("You must define either total_steps OR (epochs AND steps_per_epoch)")
+      if epochs <= 0 or not isinstance(epochs, int): raise ValueError(f"Expected positive integer epochs, but got {epochs}")
+      if steps_per_epoch <= 0 or not isinstance(steps_per_epoch, int):
+        raise ValueError(f"Expected positive integer steps_per_epoch, but got {steps_per_epoch}")
+      total_steps = epochs * steps_per_epoch
+    elif total_steps <= 0 or not isinstance(total_steps, int):
+      raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
+    if not 0 <= pct_start <= 1 or not isinstance(pct_start, float):
+      raise ValueError(f"Expected float between 0 and 1 pct_start, but got {pct_start}")
+    if anneal_strategy not in ("cos", "linear"):
+      raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
+    self.total_steps, self.anneal_strategy, self.cycle_momentum = total_steps, anneal_strategy, cycle_momentum
+    up = float(pct_start * total_steps) - 1
+    self._schedule_phases = [
+      dict(end_step=up, start_lr="initial_lr", end_lr="max_lr", start_momentum="max_momentum", end_momentum="base_momentum"),
+      dict(end_step=float(2 * pct_start * total_steps) - 2, start_lr="max_lr", end_lr="initial_lr",
+           start_momentum="base_momentum", end_momentum="max_momentum"),
+      dict(end_step=total_steps - 1, start_lr="initial_lr", end_lr="min_lr", start_momentum="max_momentum",
+           end_momentum="max_momentum")] if three_phase else [
+      dict(end_step=up, start_lr="initial_lr", end_lr="max_lr", start_momentum="max_momentum", end_momentum="base_momentum"),
+      dict(end_step=total_steps - 1, start_lr="max_lr", end_lr="min_lr", start_momentum="base_momentum",
+           end_momentum="max_momentum")]
+    groups = optimizer.param_groups
+    if last_epoch == -1:
+      for group, lr in zip(groups, _per_group(optimizer, "max_lr", max_lr)):
+        group["initial_lr"], group["max_lr"], group["min_lr"] = lr / div_factor, lr, lr / div_factor / final_div_factor
+    if cycle_momentum:
+      if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
+        raise ValueError("optimizer must support momentum or beta1 with `cycle_momentum` option enabled")
+      self.use_beta1 = "betas" in optimizer.defaults
+      for group, m_lo, m_hi in zip(groups, _per_group(optimizer, "base_momentum", base_momentum),
+                                   _per_group(optimizer, "max_momentum", max_momentum)):
+        if last_epoch == -1:
+          if self.use_beta1: group["betas"] = (m_hi, *group["betas"][1:])
+          else: group["momentum"] = m_hi
+          group["max_momentum"], group["base_momentum"] = m_hi, m_lo
+    super().__init__(optimizer, last_epoch)
+
+  def _anneal(self, start: float, end: float, pct: float) -> float:
+    if self.anneal_strategy == "linear": return (end - start) * pct + start
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+
+  def get_lr(self) -> list[float]:
+    step = self.last_epoch
+    if step > self.total_steps:
+      raise ValueError(f"Tried to step {step} times. The specified number of total steps is {self.total_steps}")
+    lrs = []
+    for group in self.optimizer.param_groups:
+      start = 0.0
+      for i, phase in enumerate(self._schedule_phases):
+        if step <= phase["end_step"] or i == len(self._schedule_phases) - 1:
+          pct = (step - start) / (phase["end_step"] - start)
+          lrs.append(self._anneal(group[phase["start_lr"]], group[phase["end_lr"]], pct))
+          if self.cycle_momentum:
+            m = self._anneal(group[phase["start_momentum"]], group[phase["end_momentum"]], pct)
+            if self.use_beta1: group["betas"] = (m, *group["betas"][1:])
+            else: group["momentum"] = m
+          break
+        start = phase["end_step"]
+    return lrs
+
+
+def _per_group(optimizer: Optimizer, name: str, value: float | Sequence[float]) -> list[float]:
+  """One value per parameter group: a scalar repeated, or a list with one entry per group."""
+  n = len(optimizer.param_groups)
+  if isinstance(value, (list, tuple)):
+    if len(value) != n: raise ValueError(f"expected {n} values for {name}, got {len(value)}")
+    return list(value)
+  return [value] * n
+
+
+class ReduceLROnPlateau(LRScheduler):
+  """Multiply the lr by `factor` when a metric has stopped improving for `patience` steps, as PyTorch's.
+
+  `step(metric)` takes the metric (a loss in mode "min", an accuracy in mode "max"). An improvement is beyond
+  `threshold`, relative (best * (1 -+ threshold)) or absolute (best -+ threshold); after a reduction, `cooldown`
+  steps pass before bad steps count again; no lr goes below its `min_lr`, and changes smaller than `eps` are skipped.
+  Unlike the closed-form schedules, the lr here depends on the metrics seen, so its state (best, counters) is in
+  state_dict.
+  """
+
+  def __init__(self, optimizer: Optimizer, mode: str = "min", factor: float = 0.1, patience: int = 10,
+               threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0,
+               min_lr: float | Sequence[float] = 0, eps: float = 1e-8) -> None:
+    if factor >= 1.0: raise ValueError("Factor should be < 1.0.")
+    if not isinstance(optimizer, Optimizer): raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+    if mode not in ("min", "max"): raise ValueError(f"mode {mode} is unknown!")
+    if threshold_mode not in ("rel", "abs"): raise ValueError(f"threshold mode {threshold_mode} is unknown!")
+    self.optimizer, self.factor, self.patience, self.cooldown, self.eps = optimizer, factor, patience, cooldown, eps
+    self.min_lrs = _per_group(optimizer, "min_lrs", min_lr)
+    self.mode, self.threshold, self.threshold_mode = mode, threshold, threshold_mode
+    self.best, self.num_bad_epochs, self.cooldown_counter = math.inf if mode == "min" else -math.inf, 0, 0
+    self.last_epoch = 0
+    self._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+  def is_better(self, a: float, best: float) -> bool:
+    if self.mode == "min":
+      return a < best * (1.0 - self.threshold) if self.threshold_mode == "rel" else a < best - self.threshold
+    return a > best * (self.threshold + 1.0) if self.threshold_mode == "rel" else a > best + self.threshold
+
+  def step(self, metrics: float, epoch: int | None = None) -> None:
+    """Record one value of the metric; reduce the lrs if it has not improved for more than `patience` steps."""
+    current = float(metrics)
+    self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
+    if self.is_better(current, self.best): self.best, self.num_bad_epochs = current, 0
+    else: self.num_bad_epochs += 1
+    if self.cooldown_counter > 0:
+      self.cooldown_counter -= 1
+      self.num_bad_epochs = 0
+    if self.num_bad_epochs > self.patience:
+      for group, min_lr in zip(self.optimizer.param_groups, self.min_lrs):
+        old = float(group["lr"])
+        new = max(old * self.factor, min_lr)
+        if old - new > self.eps: group["lr"] = new
+      self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+    self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
 class _WarmupCosine:
   """The multiplier of `warmup_cosine`; an object rather than a closure, so that LambdaLR's state_dict keeps it."""
 

@@ -1,0 +1,114 @@
+"""The library surface on the GPU, against the same code on the CPU: a small CNN's training steps (conv, batch norm,
+pooling), LSTM/GRU/MultiheadAttention gradients, the composite functions, bt.save/bt.load with map_location, and
+DataLoader batches moved to the device."""
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import nn
+from blutrain.nn import functional as F
+from blutrain.utils.data import DataLoader, TensorDataset
+
+pytestmark = pytest.mark.cuda
+
+
+def _close(gpu: bt.Tensor, cpu: bt.Tensor, what: str, tol: float = 1e-4) -> None:
+  g, c = gpu.detach().cpu().numpy(), cpu.detach().numpy()
+  np.testing.assert_allclose(g, c, rtol=tol, atol=tol * max(1.0, float(np.abs(c).max())), err_msg=what)
+
+
+def _twins(make):
+  bt.manual_seed(0)
+  cpu = make()
+  gpu = make()
+  gpu.load_state_dict(cpu.state_dict())
+  return cpu, gpu.cuda()
+
+
+class SmallCNN(nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.conv1, self.bn1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+    self.conv2, self.bn2 = nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=2), nn.BatchNorm2d(16)
+    self.up = nn.ConvTranspose2d(16, 8, 2, stride=2)
+    self.pool, self.gap, self.fc = nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Linear(8, 10)
+
+  def forward(self, x):
+    x = self.pool(F.relu(self.bn1(self.conv1(x))))
+    x = F.relu(self.bn2(self.conv2(x)))
+    return self.fc(self.gap(F.avg_pool2d(self.up(x), 2)).flatten(1))
+
+
+def test_small_cnn_training_steps_match_the_cpu():
+  cpu, gpu = _twins(SmallCNN)
+  opts = [bt.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (cpu, gpu)]
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    x, y = bt.tensor(rng.standard_normal((8, 3, 16, 16)).astype(np.float32)), bt.tensor(rng.integers(0, 10, 8))
+    for m, o, dev in ((cpu, opts[0], "cpu"), (gpu, opts[1], "cuda")):
+      loss = F.cross_entropy(m(x.to(dev)), y.to(dev), label_smoothing=0.1)
+      loss.backward()
+      o.step(); o.zero_grad()
+  for (name, c), g in zip(cpu.state_dict().items(), gpu.state_dict().values()):
+    assert g.device.type == "cuda", name
+    _close(g, c, name, tol=1e-3)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LSTM(8, 16, num_layers=2, bidirectional=True, batch_first=True),
+                                  lambda: nn.GRU(8, 16, num_layers=2), lambda: nn.MultiheadAttention(8, 2)])
+def test_recurrent_and_attention_gradients_match_the_cpu(make):
+  cpu, gpu = _twins(make)
+  x = np.random.default_rng(1).standard_normal((5, 3, 8)).astype(np.float32)
+  for m, dev in ((cpu, "cpu"), (gpu, "cuda")):
+    t = bt.tensor(x, device=dev)
+    out = m(t) if not isinstance(m, nn.MultiheadAttention) else m(t, t, t)
+    (out[0] * out[0]).sum().backward()
+  for (name, c), (_, g) in zip(cpu.named_parameters(), gpu.named_parameters()): _close(g.grad, c.grad, name, tol=1e-3)
+
+
+FUNCTIONS = [
+  lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False),
+  lambda x: F.interpolate(x, size=(5, 3)),
+  lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect"),
+  lambda x: F.pad(x, (1, 1, 0, 2), mode="circular"),
+  lambda x: F.group_norm(x, 2),
+  lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True),
+  lambda x: F.normalize(x, dim=1) + F.softplus(x) + F.mish(x) + F.hardswish(x) + F.elu(x),
+  lambda x: F.binary_cross_entropy_with_logits(x, x.sigmoid().detach(), pos_weight=bt.ones(6, device=x.device) * 2),
+]
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS)
+def test_composite_functions_match_the_cpu(fn):
+  x = np.random.default_rng(2).standard_normal((2, 4, 5, 6)).astype(np.float32)
+  outs, grads = [], []
+  for dev in ("cpu", "cuda"):
+    t = bt.tensor(x, device=dev, requires_grad=True)
+    out = fn(t)
+    (out * out).sum().backward()
+    outs.append(out); grads.append(t.grad)
+  _close(outs[1], outs[0], "output")
+  _close(grads[1], grads[0], "gradient")
+
+
+def test_save_and_load_cuda_tensors(tmp_path):
+  state = {"w": bt.randn(3, 4).cuda(), "b": bt.arange(5).cuda(), "h": bt.randn(2).to(bt.bfloat16).cuda()}
+  bt.save(state, tmp_path / "s.bt")
+  same = bt.load(tmp_path / "s.bt")
+  assert all(v.device.type == "cuda" for v in same.values())
+  on_cpu = bt.load(tmp_path / "s.bt", map_location="cpu")
+  mapped = bt.load(tmp_path / "s.bt", map_location={"cuda:0": "cpu"})
+  for k, v in state.items():
+    assert on_cpu[k].device.type == "cpu" and mapped[k].device.type == "cpu" and on_cpu[k].dtype is v.dtype
+    np.testing.assert_array_equal(on_cpu[k].float().numpy(), v.cpu().float().numpy())
+
+
+def test_data_loader_batches_move_to_the_gpu():
+  ds = TensorDataset(bt.randn(10, 3), bt.arange(10))
+  seen = []
+  for xb, yb in DataLoader(ds, batch_size=4, shuffle=True, generator=bt.Generator().manual_seed(0), pin_memory=True,
+                           num_workers=2):
+    xb, yb = xb.cuda(), yb.cuda()
+    assert xb.device.type == "cuda"
+    seen += yb.cpu().tolist()
+  assert sorted(seen) == list(range(10))

@@ -1,0 +1,166 @@
+"""LSTM, GRU and MultiheadAttention against torch.nn with the same weights: outputs, final states, input and weight
+gradients (multi-layer, bidirectional, batch_first, unbatched, given initial states, masks), a float64
+finite-difference check, errors, and an LSTM's compiled training step equal to eager."""
+import numpy as np
+import pytest
+import torch
+
+import blutrain as bt
+from blutrain import nn
+from blutrain.nn import functional as F
+from tests.helpers import assert_close, check_vjp
+
+RNG = np.random.default_rng(0)
+
+
+def twins(bcls, tcls, *args, **kwargs):
+  """The same layer in both libraries, with torch's random weights copied over."""
+  tm = tcls(*args, **kwargs)
+  bm = bcls(*args, **kwargs)
+  assert [(k, tuple(v.shape)) for k, v in bm.state_dict().items()] == [(k, tuple(v.shape)) for k, v in tm.state_dict().items()]
+  bm.load_state_dict({k: bt.tensor(v.numpy()) for k, v in tm.state_dict().items()})
+  return bm, tm
+
+
+def compare(bouts, touts, bleaves, tleaves, bm, tm, atol=1e-5, rtol=1e-4):
+  """Outputs equal; then gradients of a random projection of every output, for inputs and parameters."""
+  bflat, tflat = [], []
+  for b, t in zip(bouts, touts):
+    if isinstance(t, tuple): bflat += list(b); tflat += list(t)
+    elif t is not None: bflat.append(b); tflat.append(t)
+  bloss, tloss = 0, 0
+  for i, (b, t) in enumerate(zip(bflat, tflat)):
+    assert_close(b, t, what=f"output {i}", atol=atol, rtol=rtol)
+    u = RNG.standard_normal(tuple(t.shape)).astype(np.float32)
+    bloss, tloss = bloss + (b * bt.tensor(u)).sum(), tloss + (t * torch.tensor(u)).sum()
+  bloss.backward(); tloss.backward()
+  for i, (b, t) in enumerate(zip(bleaves, tleaves)): assert_close(b.grad, t.grad, what=f"input grad {i}", atol=atol, rtol=rtol)
+  bp = dict(bm.named_parameters())
+  for name, p in tm.named_parameters(): assert_close(bp[name].grad, p.grad, what=f"grad of {name}", atol=atol, rtol=rtol)
+
+
+def leaf(*shape, transposed=False):
+  a = RNG.standard_normal(shape).astype(np.float32)
+  if transposed:  # a non-contiguous view of the same values
+    b = bt.tensor(np.ascontiguousarray(a.swapaxes(0, 1)), requires_grad=True)
+    t = torch.tensor(np.ascontiguousarray(a.swapaxes(0, 1)), requires_grad=True)
+    return b, t, b.transpose(0, 1), t.transpose(0, 1)
+  b, t = bt.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)
+  return b, t, b, t
+
+
+CONFIGS = [dict(), dict(num_layers=2), dict(bidirectional=True), dict(num_layers=3, bidirectional=True, batch_first=True),
+           dict(bias=False, batch_first=True), dict(num_layers=2, dropout=0.5)]
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_rnn_matches_torch(kind, cfg):
+  bm, tm = twins(getattr(nn, kind), getattr(torch.nn, kind), 5, 6, **cfg)
+  if cfg.get("dropout"): bm.eval(); tm.eval()
+  shape = (3, 4, 5)  # (L, N, H) or (N, L, H) with batch_first
+  bx, tx, bv, tv = leaf(*shape, transposed=True)
+  compare(bm(bv), tm(tv), [bx], [tx], bm, tm)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_rnn_with_initial_states_and_unbatched(kind):
+  bm, tm = twins(getattr(nn, kind), getattr(torch.nn, kind), 4, 3, num_layers=2, bidirectional=True)
+  bx, tx, _, _ = leaf(5, 2, 4)
+  states = [leaf(4, 2, 3) for _ in range(2 if kind == "LSTM" else 1)]
+  bh = tuple(s[0] for s in states) if kind == "LSTM" else states[0][0]
+  th = tuple(s[1] for s in states) if kind == "LSTM" else states[0][1]
+  compare(bm(bx, bh), tm(tx, th), [bx] + [s[0] for s in states], [tx] + [s[1] for s in states], bm, tm)
+  bm.zero_grad(); tm.zero_grad()
+  ux, tux, _, _ = leaf(5, 4)
+  compare(bm(ux), tm(tux), [ux], [tux], bm, tm)
+
+
+def test_rnn_vjp_against_finite_differences():
+  bt.manual_seed(0)
+  m = nn.GRU(3, 2, num_layers=2, bidirectional=True).double()
+  check_vjp(lambda x: m(x)[0], [(4, 2, 3)])
+  lstm = nn.LSTM(3, 2).double()
+  check_vjp(lambda x: lstm(x)[1][1], [(3, 2, 3)])
+
+
+def test_rnn_errors_and_training_dropout():
+  m = nn.LSTM(4, 3, num_layers=2, dropout=0.5)
+  with pytest.raises(RuntimeError, match="input_size. Expected 4, got 5"): m(bt.randn(2, 3, 5))
+  with pytest.raises(ValueError, match="2D or 3D"): m(bt.randn(2, 3, 4, 1))
+  with pytest.raises(RuntimeError, match="Expected hidden size"): m(bt.randn(2, 3, 4), (bt.zeros(1, 3, 3), bt.zeros(1, 3, 3)))
+  with pytest.raises(NotImplementedError, match="proj_size"): nn.LSTM(4, 3, proj_size=2)
+  x = bt.randn(5, 2, 4)
+  assert not np.array_equal(m(x)[0].detach().numpy(), m(x)[0].detach().numpy())  # dropout draws anew in training
+  m.eval()
+  np.testing.assert_array_equal(m(x)[0].detach().numpy(), m(x)[0].detach().numpy())
+
+
+# *** MultiheadAttention ***
+
+MHA = [dict(), dict(batch_first=True), dict(bias=False), dict(kdim=3, vdim=5)]
+
+
+@pytest.mark.parametrize("cfg", MHA)
+@pytest.mark.parametrize("need_weights,average", [(True, True), (True, False), (False, True)])
+def test_multihead_attention_matches_torch(cfg, need_weights, average):
+  bm, tm = twins(nn.MultiheadAttention, torch.nn.MultiheadAttention, 8, 2, **cfg)
+  L, S, N = 4, 6, 3
+  lead = (lambda n, s: (n, s)) if cfg.get("batch_first") else (lambda n, s: (s, n))
+  bq, tq, _, _ = leaf(*lead(N, L), 8)
+  bk, tk, _, _ = leaf(*lead(N, S), cfg.get("kdim", 8))
+  bv, tv, _, _ = leaf(*lead(N, S), cfg.get("vdim", 8))
+  pad = RNG.random((N, S)) < 0.3
+  pad[:, 0] = False  # every query sees at least one key
+  kw = dict(need_weights=need_weights, average_attn_weights=average)
+  compare(bm(bq, bk, bv, key_padding_mask=bt.tensor(pad), **kw), tm(tq, tk, tv, key_padding_mask=torch.tensor(pad), **kw),
+          [bq, bk, bv], [tq, tk, tv], bm, tm)
+
+
+def test_multihead_attention_masks_causal_and_unbatched():
+  bm, tm = twins(nn.MultiheadAttention, torch.nn.MultiheadAttention, 6, 3)
+  bq, tq, _, _ = leaf(5, 2, 6)
+  float_mask = RNG.standard_normal((5, 5)).astype(np.float32)
+  compare(bm(bq, bq, bq, attn_mask=bt.tensor(float_mask)), tm(tq, tq, tq, attn_mask=torch.tensor(float_mask)), [bq], [tq], bm, tm)
+  bm.zero_grad(); tm.zero_grad()
+  causal = np.triu(np.ones((5, 5), bool), 1)
+  bx, tx, _, _ = leaf(5, 6)
+  compare(bm(bx, bx, bx, attn_mask=bt.tensor(causal), is_causal=True),
+          tm(tx, tx, tx, attn_mask=torch.tensor(causal), is_causal=True), [bx], [tx], bm, tm)
+  with pytest.raises(RuntimeError, match="attn_mask"): bm(bq, bq, bq, attn_mask=bt.zeros(4, 4, dtype=bt.bool))
+  with pytest.raises(AssertionError, match="divisible by num_heads"): nn.MultiheadAttention(7, 2)
+
+
+# *** compiled == eager ***
+
+class CharRNN(nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.emb, self.lstm, self.head = nn.Embedding(11, 6), nn.LSTM(6, 8, num_layers=2, batch_first=True), nn.Linear(8, 11)
+
+  def forward(self, x):
+    return self.head(self.lstm(self.emb(x))[0])
+
+
+def test_lstm_training_step_compiled_equals_eager(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+  pairs = []
+  for _ in range(2):
+    bt.manual_seed(0)
+    m = CharRNN()
+    pairs.append((m, bt.optim.Adam(m.parameters(), lr=1e-2)))
+
+  def make_step(model, opt):
+    def step(x, y):
+      loss = F.cross_entropy(model(x).reshape(-1, 11), y.reshape(-1))
+      loss.backward()
+      opt.step()
+      opt.zero_grad()
+      return loss
+    return step
+  eager, compiled = make_step(*pairs[0]), bt.compile(make_step(*pairs[1]))
+  for _ in range(3):
+    x, y = (bt.tensor(RNG.integers(0, 11, (2, 5))) for _ in range(2))
+    np.testing.assert_allclose(compiled(x, y).item(), eager(x, y).item(), rtol=1e-5)
+  for (name, p), q in zip(pairs[0][0].state_dict().items(), pairs[1][0].state_dict().values()):
+    np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
