@@ -1,4 +1,4 @@
-"""`blutrain train | sample | info`."""
+"""`blutrain train | sample | info | launch`."""
 from __future__ import annotations
 
 import argparse
@@ -157,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
 
   i = sub.add_parser("info", help="versions, devices and backends")
   i.set_defaults(func=_info)
+
+  from blutrain.distributed import launch
+  la = sub.add_parser("launch", help="start the ranks of a distributed job on this node (as torchrun)")
+  launch.add_arguments(la)
+  la.set_defaults(func=launch.launch)
   return p
 
 
