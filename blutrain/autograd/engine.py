@@ -21,7 +21,8 @@ def _toposort(roots: Sequence[Node]) -> list[Node]:
       if id(node) in seen: continue
       seen.add(id(node))
       stack.append((node, True))
-      stack.extend((p, False) for p in node.parents if isinstance(p, Node) and id(p) not in seen)
+      # the first input is expanded first, so a weight's short branch (its transpose) runs right after its consumer
+      stack.extend((p, False) for p in reversed(node.parents) if isinstance(p, Node) and id(p) not in seen)
   return order
 
 

@@ -117,10 +117,74 @@ def case_load(path, r, n):
   return {"param": worst(float(np.abs(got - np.load(f"{path}/expected.npy")).max()))}
 
 
+def case_collectives(r, n):
+  """Every collective against numpy on the values each rank can compute for all ranks; errors by name."""
+  rng = [np.random.default_rng(k) for k in range(n)]
+  vals = [g.standard_normal((3, 4)).astype(np.float32) for g in rng]
+  err = {}
+  for op, ref in [(dist.ReduceOp.SUM, sum(vals)), (dist.ReduceOp.AVG, sum(vals) / n),
+                  (dist.ReduceOp.MAX, np.max(vals, 0)), (dist.ReduceOp.MIN, np.min(vals, 0))]:
+    t = bt.from_numpy(vals[r].copy())
+    dist.all_reduce(t, op)
+    err[f"all_reduce_{op.name}"] = float(np.abs(t.numpy() - ref).max())
+  base = bt.from_numpy(np.ascontiguousarray(vals[r].T.copy()))
+  view = base.t()  # a non-contiguous view: reduced through a staging copy and written back
+  work = dist.all_reduce(view, async_op=True)
+  work.wait()
+  err["all_reduce_view"] = float(np.abs(view.numpy() - sum(vals)).max())
+  h = bt.from_numpy(vals[r]).to(bt.bfloat16)
+  dist.all_reduce(h)
+  err["all_reduce_bf16"] = float(np.abs(h.float().numpy() - sum(v.astype(np.float32) for v in [
+    bt.from_numpy(v).to(bt.bfloat16).float().numpy() for v in vals])).max())
+  out = bt.zeros(n * 12)
+  dist.all_gather_into_tensor(out, bt.from_numpy(vals[r]))
+  err["all_gather"] = float(np.abs(out.numpy() - np.concatenate([v.reshape(-1) for v in vals])).max())
+  big = [g.standard_normal(n * 5).astype(np.float32) for g in rng]
+  mine = bt.zeros(5)
+  dist.reduce_scatter_tensor(mine, bt.from_numpy(big[r]), dist.ReduceOp.SUM)
+  err["reduce_scatter"] = float(np.abs(mine.numpy() - sum(big)[r * 5:(r + 1) * 5]).max())
+  b = bt.from_numpy(vals[r].copy())
+  dist.broadcast(b, src=n - 1)
+  err["broadcast"] = float(np.abs(b.numpy() - vals[n - 1]).max())
+  nxt, prv = (r + 1) % n, (r - 1) % n
+  got = bt.zeros(3, 4)
+  sent = dist.isend(bt.from_numpy(vals[r]), nxt)
+  dist.recv(got, prv)
+  sent.wait()
+  err["send_recv"] = float(np.abs(got.numpy() - vals[prv]).max())
+  evens = dist.new_group([k for k in range(n) if k % 2 == 0])
+  if r % 2 == 0:
+    t = bt.from_numpy(vals[r].copy())
+    dist.all_reduce(t, group=evens)
+    err["new_group"] = float(np.abs(t.numpy() - sum(vals[0::2])).max())
+  else:
+    err["new_group"] = 0.0 if evens is None else 1.0
+  dist.barrier()
+  return {k: worst(v) for k, v in err.items()}
+
+
+def case_timeout(r, n):
+  """Rank 1 never arrives at the all_reduce; every other rank must raise within its 1 s timeout naming rank 1."""
+  import os
+  import time
+  if r == 1:
+    time.sleep(6)
+    os._exit(0)
+  start = time.monotonic()
+  try:
+    dist.all_reduce(bt.ones(3))
+    print(json.dumps({"case": "timeout", "rank": r, "raised": False}), flush=True)
+  except RuntimeError as e:
+    print(json.dumps({"case": "timeout", "rank": r, "raised": True, "seconds": time.monotonic() - start,
+                      "message": str(e)}), flush=True)
+  os._exit(0)  # the group is unusable after a timeout: no finalize
+
+
 if __name__ == "__main__":
-  dist.init_process_group("mpi", timeout=60)
+  dist.init_process_group("mpi", timeout=1.0 if sys.argv[1] == "timeout" else 60)
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:]
-  out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load}[name](*args, r, n)
+  out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
+         "collectives": case_collectives, "timeout": case_timeout}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()

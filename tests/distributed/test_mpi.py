@@ -1,0 +1,66 @@
+"""Data-parallel training on 1-4 CPU ranks (mpiexec started here) against one process on the concatenated batch."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("worker.py")
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BLUTRAIN_JOB_SECRET")
+
+
+def mpirun(n: int, *args: str, timeout: float = 60) -> list[dict]:
+  """Run worker.py under `mpiexec -n n`; the JSON lines it printed."""
+  env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  mpiexec = Path(sys.executable).with_name("mpiexec")
+  proc = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n), sys.executable, str(WORKER),
+                         *args], env=env, capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, f"mpiexec -n {n} worker.py {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+  return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_collective_matches_numpy():
+  (out,) = mpirun(3, "collectives")
+  assert out.pop("all_reduce_bf16") < 2e-2  # the float32 sum rounded to bfloat16
+  assert out.pop("world") == 3 and out.pop("case") == "collectives"
+  assert all(v < 1e-5 for v in out.values()), out
+
+
+def test_ddp_gradients_and_parameters_equal_one_process_on_the_whole_batch():
+  (out,) = mpirun(2, "ddp")
+  assert out["buckets"] > 1  # several buckets, each reduced as its gradients arrive
+  assert out["grad"] < 1e-6 and out["param"] < 1e-6, out
+
+
+def test_no_sync_accumulation_equals_one_large_batch():
+  (out,) = mpirun(2, "no_sync")
+  assert out["grad"] < 1e-6, out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_steps_equal_plain_adamw(stage):
+  (out,) = mpirun(2, "zero", str(stage))
+  assert out["param"] < 1e-6, out
+  assert out["state_numel"] == 2 * -(-out["param_numel"] // 2)  # two moments of this rank's half only
+
+
+def test_sharded_checkpoint_reloads_at_another_world_size(tmp_path):
+  mpirun(2, "save", str(tmp_path))
+  index = json.loads((tmp_path / "step_000003" / "index.json").read_text())
+  assert index["world_size"] == 2 and sorted(index["shards"]) == ["shard_00000.safetensors", "shard_00001.safetensors"]
+  assert not list((tmp_path / "step_000003").glob(".tmp-*"))
+  for world in (1, 4):
+    (out,) = mpirun(world, "load", str(tmp_path))
+    assert out["param"] < 1e-6, (world, out)
+
+
+def test_a_collective_whose_peer_never_arrives_raises_within_its_timeout():
+  outs = mpirun(3, "timeout", timeout=30)
+  assert sorted(o["rank"] for o in outs) == [0, 2]
+  for o in outs:
+    assert o["raised"] and o["seconds"] < 8, o  # 1 s timeout, up to 2 s asking the peers, slack for a busy machine
+    assert "all_reduce" in o["message"] and "did not arrive: 1." in o["message"], o["message"]
