@@ -118,3 +118,17 @@ def test_post_accumulate_grad_hook_fires_once_per_leaf_with_its_gradient_during_
   assert names.index("2.weight") < names.index("0.weight")  # the last layer's gradient is complete first
   for name, g in seen: np.testing.assert_array_equal(g, net.get_parameter(name).grad.numpy())
   with pytest.raises(RuntimeError, match="leaf"): (net[0].weight * 2).register_post_accumulate_grad_hook(print)
+
+
+def test_bucket_formula_puts_the_latency_at_its_share_of_a_buckets_all_reduce():
+  from blutrain.configurator import IB_NDR, NVLINK_H200, Link, collective_time, ddp_bucket_bytes
+  for link in (NVLINK_H200, IB_NDR, Link("test", alpha=5e-6, busbw=100e9)):
+    for world in (2, 8, 64):
+      b = ddp_bucket_bytes(world, link, latency_share=0.1)
+      share = link.alpha / collective_time("all_reduce", b, world, link)
+      assert share <= 0.1 and b % (1 << 20) == 0
+      smaller = b - (1 << 20)  # the smallest such size in MiB: one MiB less spends more than the share on latency
+      if smaller > 0: assert link.alpha / collective_time("all_reduce", smaller, world, link) > 0.1
+  assert collective_time("all_reduce", 1 << 30, 1, NVLINK_H200) == 0.0
+  t = collective_time("reduce_scatter", 8 << 20, 4, NVLINK_H200)
+  assert t == pytest.approx(NVLINK_H200.alpha + 0.75 * (8 << 20) / NVLINK_H200.busbw)
