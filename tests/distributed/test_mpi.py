@@ -64,3 +64,15 @@ def test_a_collective_whose_peer_never_arrives_raises_within_its_timeout():
   for o in outs:
     assert o["raised"] and o["seconds"] < 8, o  # 1 s timeout, up to 2 s asking the peers, slack for a busy machine
     assert "all_reduce" in o["message"] and "did not arrive: 1." in o["message"], o["message"]
+
+
+def test_cli_trains_data_parallel_on_two_cpu_ranks(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
+  env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # the venv's mpiexec
+  proc = subprocess.run([sys.executable, "-m", "blutrain.cli", "train", "--preset", "char-tiny", "--steps", "2",
+                         "--batch-size", "2", "--block-size", "16", "--eval-interval", "2", "--eval-batches", "1",
+                         "--sample-tokens", "4", "--device", "cpu", "--out-dir", str(tmp_path / "run"),
+                         "--nproc-per-node", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.count("done: step 2") == 1  # rank 0 reports; rank 1 trains quietly
+  assert (tmp_path / "run" / "checkpoints" / "latest").is_file() and (tmp_path / "run" / "sample.txt").is_file()
