@@ -1,7 +1,7 @@
 """The cost of the data-parallel wrappers at world size 1: GPT-2 124M (B=16, T=1024) training steps, plain vs
 DistributedDataParallel vs ZeroRedundancyOptimizer stage 2, in TF32 and bf16 autocast, same weights and batches, in one
-run on one GPU over NCCL. Also counts the DDP all-reduces enqueued while backward was still running (all of them, when
-the buckets overlap the backward). Writes benchmarks/results/ddp_overhead.json.
+run on one GPU over NCCL. Also counts the DDP all-reduces and ZeRO-2 reduce-scatters enqueued while backward was still
+running (all of them, when the buckets overlap the backward). Writes benchmarks/results/ddp_overhead.json.
 
   NCCL_NVLS_ENABLE=0 python benchmarks/ddp_overhead.py [--steps 20] [--precisions tf32,bf16]
   python benchmarks/ddp_overhead.py --quick      # a tiny GPT on the CPU over MPI: checks that the script runs
@@ -30,7 +30,7 @@ def run(mode: str, cfg, state, batches, precision: str, device: str, warmup: int
   import blutrain.distributed as dist
   from blutrain.distributed.optim import ZeroRedundancyOptimizer
   from blutrain.models import GPT
-  from blutrain.nn.parallel import DistributedDataParallel, distributed as ddp_module
+  from blutrain.nn.parallel import DistributedDataParallel
   bt.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
   model = GPT(cfg)
   model.load_state_dict({k: bt.from_numpy(v) for k, v in state.items()})
@@ -44,19 +44,23 @@ def run(mode: str, cfg, state, batches, precision: str, device: str, warmup: int
   net = DistributedDataParallel(model) if mode == "ddp" else model
   ctx = (lambda: bt.autocast(device_type=device, dtype=bt.bfloat16)) if precision == "bf16" else contextlib.nullcontext
   in_backward, during = [False], []
-  reduce = ddp_module.dist.all_reduce
+  reduce, scatter = dist.all_reduce, dist.reduce_scatter_tensor
 
-  def counted(*a, **k):  # which bucket all-reduces are enqueued before backward returns
-    during.append(in_backward[0])
-    return reduce(*a, **k)
-  ddp_module.dist.all_reduce = counted
+  def counted(fn):  # which bucket collectives are enqueued before backward returns
+    def call(*a, **k):
+      during.append(in_backward[0])
+      return fn(*a, **k)
+    return call
+  if mode == "ddp": dist.all_reduce = counted(reduce)
+  if mode == "zero2": dist.reduce_scatter_tensor = counted(scatter)
 
   def step(x, y):
     with ctx(): loss = net(x, y)[1]
     in_backward[0] = True
     loss.backward()
     in_backward[0] = False
-    bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if mode == "zero2": opt.clip_grad_norm_(1.0)  # the full gradients are gone: the norm over the shards
+    else: bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
@@ -77,9 +81,9 @@ def run(mode: str, cfg, state, batches, precision: str, device: str, warmup: int
       times.append(time.perf_counter() - t0)
     gc.unfreeze()
   finally:
-    ddp_module.dist.all_reduce = reduce
+    dist.all_reduce, dist.reduce_scatter_tensor = reduce, scatter
   out = {"step_s": statistics.median(times), "step_times_s": times, "losses": losses,
-         "bucket_allreduces": len(during), "enqueued_during_backward": sum(during)}
+         "bucket_collectives": len(during), "enqueued_during_backward": sum(during)}
   if device == "cuda": out["peak_bytes"] = bt.cuda.max_memory_allocated()
   return out
 
@@ -121,8 +125,8 @@ def main() -> None:
       rows[f"{precision}/{mode}"] = r
       base = rows[f"{precision}/plain"]["step_s"]
       print(f"{precision:5s} {mode:6s} {r['tokens_per_s']:>12,.0f} tok/s  step {r['step_s'] * 1e3:8.1f} ms  "
-            f"x{r['step_s'] / base:.3f} of plain  all-reduces during backward {r['enqueued_during_backward']}/"
-            f"{r['bucket_allreduces']}", flush=True)
+            f"x{r['step_s'] / base:.3f} of plain  bucket collectives during backward {r['enqueued_during_backward']}/"
+            f"{r['bucket_collectives']}", flush=True)
   meta = {"date": str(date.today()), "device": bt.cuda.get_device_name() if device == "cuda" else platform.processor(),
           "model": "char-tiny (quick)" if args.quick else "gpt2 124M", "batch": args.batch, "block": args.block,
           "world_size": dist.get_world_size(), "backend": dist.get_backend(), "steps": args.steps}

@@ -154,7 +154,8 @@ def save_sharded_checkpoint(directory: str | os.PathLike, step: int, pieces: dic
 
   Args:
     pieces: {name: (full_numel, start, 1-D slice)}: ZeroRedundancyOptimizer.shard_state()'s form; a replicated tensor
-      is one piece (numel, 0, t.reshape(-1)) written by one rank.
+      is one piece (numel, 0, t.reshape(-1)) written by one rank. Several pieces of one tensor on one rank are told
+      apart by a suffix, "name#k"; loading assembles them under "name".
     barrier: a callable every rank calls (blutrain.distributed.barrier); None for one process.
   """
   root = Path(directory)
@@ -191,6 +192,7 @@ def load_sharded_checkpoint(path: str | os.PathLike) -> tuple[dict[str, bt.Tenso
   for shard, entries in index["shards"].items():
     data = load_file(str(p / shard))
     for k, (n, start, end) in entries.items():
-      if k not in full: full[k] = np.zeros(n, dtype=data[k].dtype)
-      full[k][start:end] = data[k]
+      name = k.split("#")[0]
+      if name not in full: full[name] = np.zeros(n, dtype=data[k].dtype)
+      full[name][start:end] = data[k]
   return {k: bt.from_numpy(v) for k, v in full.items()}, index["state"], int(index["step"])

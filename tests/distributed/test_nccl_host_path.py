@@ -121,11 +121,20 @@ with ddp.no_sync():
   log.clear()
   ddp(bt.randn(4, 64, device="cuda")).sum().backward()
   assert not [e for e in log if e[0] == "allreduce"]
-opt = ZeroRedundancyOptimizer(net.parameters(), bt.optim.AdamW, stage=2, lr=1e-3)
+net = bt.nn.Sequential(*[bt.nn.Linear(64, 64) for _ in range(6)]).to("cuda")  # ZeRO-2 reduces without DDP
+opt = ZeroRedundancyOptimizer(net.parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=64 * 65 * 4 * 2 / 2**20, lr=1e-3)
+log.clear()
+loss = net(bt.randn(4, 64, device="cuda")).square().mean()
+loss.backward()
+end = fake_cuda.launches[0]
+scatters = [e for e in log if e[0] == "reduce_scatter"]
+assert len(scatters) == 3 and all(e[1] == comm and e[2] == "AVG" for e in scatters), log
+assert scatters[0][3] < end - 10 and all(p.grad is None for p in net.parameters())  # during backward; grads freed
+opt.clip_grad_norm_(1.0)
 log.clear()
 opt.step()
 names = [e[0] for e in log if e[0] in ("reduce_scatter", "allgather", "allreduce")]
-assert names == ["reduce_scatter", "allgather"], names
+assert names == ["allgather"] * 3, names
 ''', tmp_path)
 
 

@@ -72,7 +72,8 @@ def case_no_sync(r, n):
 
 def train_zero(stage, r, n, m, steps):
   net = DistributedDataParallel(m) if stage == 1 else m
-  opt = ZeroRedundancyOptimizer(m.parameters(), bt.optim.AdamW, stage=stage, lr=0.05, weight_decay=0.1)
+  opt = ZeroRedundancyOptimizer(m.parameters(), bt.optim.AdamW, stage=stage, bucket_cap_mb=100 / 2**20, lr=0.05,
+                                weight_decay=0.1)  # 100-byte buckets: one a parameter, some padded
   for step in steps:
     loss_of(net, *batch(step, r, n)).backward()
     opt.step(); opt.zero_grad()
@@ -89,7 +90,26 @@ def case_zero(stage, r, n):
     ref_opt.step(); ref_opt.zero_grad()
   state = sum(v.numel() for s in opt.optim.state.values() for v in s.values() if isinstance(v, bt.Tensor) and v.ndim)
   return {"param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters()))), "state_numel": state,
-          "param_numel": sum(p.numel() for p in m.parameters())}
+          "param_numel": sum(p.numel() for p in m.parameters()), "shard_numel": sum(s.numel() for s in opt.shards),
+          "buckets": len(opt.buckets)}
+
+
+def case_zero_accumulate_and_clip(r, n):
+  """ZeRO-2 with two backwards per step (accumulation across reduce-scatters) and its sharded gradient clipping,
+  against AdamW with clip_grad_norm_ on the whole batch."""
+  m, ref = model(0), model(0)
+  opt = ZeroRedundancyOptimizer(m.parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=100 / 2**20, lr=0.05)
+  ref_opt = bt.optim.AdamW(ref.parameters(), lr=0.05)
+  norm_err = 0.0
+  for step in range(STEPS):
+    for micro in (2 * step, 2 * step + 1):
+      loss_of(m, *batch(micro, r, n)).backward()
+      loss_of(ref, *batch(micro)).backward()
+    assert all(p.grad is None for p in m.parameters())  # freed as their buckets were reduce-scattered
+    norm, ref_norm = opt.clip_grad_norm_(0.5), bt.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    norm_err = max(norm_err, abs(norm.item() - ref_norm.item()))
+    opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+  return {"norm": worst(norm_err), "param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters())))}
 
 
 def case_save(path, r, n):
@@ -109,7 +129,8 @@ def case_load(path, r, n):
   full, state, step = load_sharded_checkpoint(path)
   m = model(1)
   m.load_state_dict({k: full[f"model.{k}"].reshape(v.shape) for k, v in m.state_dict().items()})
-  opt = ZeroRedundancyOptimizer(m.parameters(), bt.optim.AdamW, stage=2, lr=0.05, weight_decay=0.1)
+  opt = ZeroRedundancyOptimizer(m.parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=100 / 2**20, lr=0.05,
+                                weight_decay=0.1)
   scalars = {k: bt.tensor(v, dtype=bt.float64) for k, v in state["scalars"].items()}
   opt.load_full_state({k: v for k, v in full.items() if not k.startswith("model.")}, scalars)
   loss_of(m, *batch(step, r, n)).backward(); opt.step()
@@ -168,7 +189,7 @@ def case_timeout(r, n):
   import os
   import time
   if r == 1:
-    time.sleep(6)
+    time.sleep(4)  # past the others' timeout and diagnosis, so they have reported before anyone leaves
     os._exit(0)
   start = time.monotonic()
   try:
@@ -177,6 +198,7 @@ def case_timeout(r, n):
   except RuntimeError as e:
     print(json.dumps({"case": "timeout", "rank": r, "raised": True, "seconds": time.monotonic() - start,
                       "message": str(e)}), flush=True)
+  time.sleep(3)  # leave after rank 1: mpiexec may end every rank when the first leaves without MPI_Finalize
   os._exit(0)  # the group is unusable after a timeout: no finalize
 
 
@@ -185,6 +207,6 @@ if __name__ == "__main__":
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:]
   out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
-         "collectives": case_collectives, "timeout": case_timeout}[name](*args, r, n)
+         "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "timeout": case_timeout}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()
