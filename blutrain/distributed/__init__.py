@@ -141,9 +141,10 @@ def new_group(ranks: list[int] | None = None, timeout: timedelta | float | None 
   """A group of `ranks` (global ranks; default all), e.g. the data-parallel and the tensor-parallel groups of a 2-D
   layout. Every rank of the world calls it (NCCL splits the world's communicator); ranks outside get None."""
   world = _group(None, "new_group")
-  ranks = list(range(world.size())) if ranks is None else sorted(set(ranks)) if len(set(ranks)) != len(ranks) else list(ranks)
+  ranks = list(range(world.size())) if ranks is None else [int(r) for r in ranks]
   bad = [r for r in ranks if not 0 <= r < world.size()]
   if bad: raise ValueError(f"new_group: ranks {bad} are outside the world of {world.size()} ranks")
+  if len(set(ranks)) != len(ranks): raise ValueError(f"new_group: ranks {ranks} name a rank twice")
   return world.new_group(ranks, world.timeout if timeout is None else seconds(timeout))
 
 

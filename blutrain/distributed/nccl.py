@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
+from blutrain import ops
 from blutrain.backend.cuda import runtime
 from blutrain.distributed.process_group import ProcessGroup, ReduceOp, Work
 from blutrain.tensor import Tensor
@@ -71,6 +72,7 @@ class NcclGroup(ProcessGroup):
   # *** the watchdog ***
 
   def _watch(self) -> None:
+    runtime.state(self.device)  # the device's context, current in this thread for the event queries
     published = 0
     while not self._stop.wait(0.1):
       if self.store is not None and self.seq != published:
@@ -144,16 +146,11 @@ class NcclGroup(ProcessGroup):
 
   def barrier(self, async_op: bool = False, timeout=None) -> Work | None:
     """An all-reduce of one element; unlike the other collectives the host waits for it, as a barrier must."""
-    from blutrain import ops
     one = ops.ones(1, device=f"cuda:{self.device}")
     work = self.all_reduce(one, ReduceOp.SUM, True, timeout)
     if async_op: return work
-    deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
-    while not work.end.query():
-      if time.monotonic() > deadline or self.error is not None:
-        self.raise_if_failed()
-        time.sleep(0.2)  # the watchdog reports in its next round
-        self.raise_if_failed()
+    while not work.end.query():  # past the timeout the watchdog aborts the communicator and sets the error
+      self.raise_if_failed()
       time.sleep(1e-4)
     return None
 

@@ -92,6 +92,13 @@ assert [e[0] for e in log] == ["record", "wait", "allreduce", "record"], log    
 work.wait()
 assert log[-1] == ("wait", compute, log[-2][2])
 assert dist.get_backend() == "nccl" and dist.get_world_size() == 1
+log.clear()
+dist.barrier()  # an all-reduce of one element whose end event the host waits for
+assert [e[0] for e in log if e[0] not in ("record", "wait")] == ["allreduce"], log
+sub = dist.new_group([0])
+log.clear()
+dist.all_reduce(t, group=sub)
+assert [e[0] for e in log if e[0] not in ("record", "wait")] == ["allreduce"] and sub.ranks == [0], log
 with __import__("pytest").raises(RuntimeError, match="contiguous"): dist.all_reduce(bt.randn(4, 4, device="cuda").t())
 with __import__("pytest").raises(RuntimeError, match="cuda tensors"): dist.all_reduce(bt.ones(3))
 dist.destroy_process_group()
