@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from blutrain.autograd.tape import hooks
 from blutrain.distributed.process_group import (DEFAULT_TIMEOUT, ProcessGroup, RankEnv, ReduceOp, Work, rank_env,
                                                 seconds)
 from blutrain.distributed.store import SECRET_ENV, TCPStore, new_secret
@@ -41,7 +42,17 @@ def is_initialized() -> bool:
   return _world is not None
 
 
+def refuse_capture(what: str) -> None:
+  """Raise when Nova is capturing: collectives are not Nova ops yet (the wrappers call this before their first
+  in-place write, so the error names the collective rather than a graph break)."""
+  if hooks.trace is not None:
+    raise RuntimeError(f"{what} inside a function compiled with bt.compile: collectives are not Nova ops yet, so a "
+                       "step with DistributedDataParallel or ZeroRedundancyOptimizer (or any collective) runs eagerly; "
+                       "drop bt.compile for it")
+
+
 def _group(group: ProcessGroup | None, what: str) -> ProcessGroup:
+  refuse_capture(what)
   if group is not None: return group
   if _world is None:
     raise RuntimeError(f"{what}: the default process group is not initialized; call "

@@ -110,6 +110,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
   def _reduce(self, b: _Bucket) -> None:
     """Reduce-scatter bucket b's gradients (async) and free the parameters' full gradients."""
+    dist.refuse_capture("reduce_scatter_tensor")
     with no_grad():
       flat = _flatten([p.grad for p in b.params], b.params, b.length)
       for p in b.params: p.grad = None
@@ -160,6 +161,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
   def step(self, closure: Callable[[], Any] | None = None) -> Any:
     """Step this rank's pieces with the local optimizer, then all-gather every bucket back into the parameters."""
+    dist.refuse_capture("ZeroRedundancyOptimizer.step")
     loss = None
     if closure is not None:
       with ops.enable_grad(): loss = closure()

@@ -65,6 +65,11 @@ def test_sharded_checkpoint_reloads_at_another_world_size(tmp_path):
     assert out["param"] < 1e-6, (world, out)
 
 
+def test_ddp_under_bt_compile_says_it_is_not_supported():
+  (out,) = mpirun(1, "compile")
+  assert out["error"] and out["error"].startswith("all_reduce inside a function compiled with bt.compile"), out
+
+
 def test_a_collective_whose_peer_never_arrives_raises_within_its_timeout():
   outs = mpirun(3, "timeout", timeout=30, clean_exit=False)
   assert sorted(o["rank"] for o in outs) == [0, 2]

@@ -160,3 +160,4 @@ except RuntimeError as e:
   print("ERROR", e)
 ''', tmp_path)
   assert "ERROR all_reduce (collective #1 of the nccl group of ranks [0])" in out and "timed out after 0.3 s" in out
+

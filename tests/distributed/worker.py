@@ -184,6 +184,24 @@ def case_collectives(r, n):
   return {k: worst(v) for k, v in err.items()}
 
 
+def case_compile(r, n):
+  """A DDP step under bt.compile: the first call runs eagerly, the captured one must refuse the collective."""
+  net = DistributedDataParallel(model(0))
+  opt = bt.optim.SGD(net.parameters(), lr=0.1)
+
+  def step(x, y):
+    loss = loss_of(net, x, y)
+    loss.backward(); opt.step(); opt.zero_grad()
+    return loss
+  compiled = bt.compile(step)
+  compiled(*batch(0, r, n))
+  try:
+    compiled(*batch(1, r, n))
+    return {"error": None}
+  except RuntimeError as e:
+    return {"error": str(e)}
+
+
 def case_timeout(r, n):
   """Rank 1 never arrives at the all_reduce; every other rank must raise within its 1 s timeout naming rank 1."""
   import os
@@ -207,6 +225,6 @@ if __name__ == "__main__":
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:]
   out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
-         "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "timeout": case_timeout}[name](*args, r, n)
+         "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile, "timeout": case_timeout}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()

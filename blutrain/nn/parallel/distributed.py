@@ -101,6 +101,7 @@ class DistributedDataParallel(Module):
     if b.arrived == len(b.params): self._launch(b)
 
   def _launch(self, b: _Bucket) -> None:
+    dist.refuse_capture("all_reduce")
     with no_grad():
       if b.flat is None: b.flat = ops.empty(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
       for p, off in zip(b.params, b.offsets): b.flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
