@@ -41,12 +41,10 @@ class _Bucket:
 
 def _flatten(tensors: list[Tensor | None], like: list[Tensor], length: int) -> Tensor:
   """The tensors' values in one zero-padded vector of `length` elements (None: zeros of its `like`'s size)."""
-  out = ops.zeros(length, dtype=like[0].dtype, device=like[0].device)
-  off = 0
-  for t, ref in zip(tensors, like):
-    if t is not None: out[off:off + ref.numel()].copy_(t.reshape(-1))
-    off += ref.numel()
-  return out
+  zeros = lambda n: ops.zeros(n, dtype=like[0].dtype, device=like[0].device)
+  parts = [t.reshape(-1) if t is not None else zeros(ref.numel()) for t, ref in zip(tensors, like)]
+  pad = length - sum(ref.numel() for ref in like)
+  return ops.cat(parts + [zeros(pad)] if pad else parts)
 
 
 class ZeroRedundancyOptimizer(Optimizer):

@@ -2,10 +2,11 @@
 
 At wrap time rank 0's parameters and buffers are broadcast to every rank. Each parameter gets a post-accumulate-grad
 hook (the autograd engine calls it as soon as that gradient is complete); gradients are packed into buckets of about
-`bucket_cap_mb`, and a bucket whose gradients are all in is copied into one flat buffer and all-reduced (ReduceOp.AVG)
-with async_op=True: on GPUs the NCCL call goes on the communication stream behind an event, so it overlaps the rest of
-the backward. When the last bucket has been launched, every bucket's work is waited on (the current stream waits on its
-event: no host sync) and its averaged values are copied back into the gradients.
+`bucket_cap_mb`, and a bucket whose gradients are all in is concatenated into one flat buffer and all-reduced
+(ReduceOp.AVG) with async_op=True: on GPUs the NCCL call goes on the communication stream behind an event, so it
+overlaps the rest of the backward. When the last bucket has been launched, every bucket's work is waited on (the
+current stream waits on its event: no host sync) and each gradient becomes a view of its bucket's averaged buffer
+(no copy back, as PyTorch's gradient_as_bucket_view).
 
 Buckets are first laid out in reverse registration order (a forward's last parameters get their gradients first); after
 the first backward they are rebuilt in the order that backward actually produced the gradients, as PyTorch does.
@@ -23,7 +24,7 @@ from blutrain.tensor import Tensor
 
 
 class _Bucket:
-  __slots__ = ("params", "offsets", "numel", "flat", "arrived", "work")
+  __slots__ = ("params", "offsets", "numel", "flat", "arrived", "work")  # flat, work: this backward's buffer and its reduce
 
   def __init__(self, params: list[Tensor]):
     self.params, self.offsets, n = params, [], 0
@@ -102,9 +103,7 @@ class DistributedDataParallel(Module):
 
   def _launch(self, b: _Bucket) -> None:
     dist.refuse_capture("all_reduce")
-    with no_grad():
-      if b.flat is None: b.flat = ops.empty(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
-      for p, off in zip(b.params, b.offsets): b.flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+    with no_grad(): b.flat = ops.cat([p.grad.reshape(-1) for p in b.params])
     b.work = dist.all_reduce(b.flat, dist.ReduceOp.AVG, group=self.process_group, async_op=True)
     self._launched += 1
     if self._launched == len(self._buckets): self._finish()
@@ -113,8 +112,8 @@ class DistributedDataParallel(Module):
     with no_grad():
       for b in self._buckets:
         b.work.wait()
-        for p, off in zip(b.params, b.offsets): p.grad.copy_(b.flat[off:off + p.numel()].view(p.shape))
-        b.work, b.arrived = None, 0
+        for p, off in zip(b.params, b.offsets): p.grad = b.flat[off:off + p.numel()].view(p.shape)
+        b.flat, b.work, b.arrived = None, None, 0
     self._launched = 0
     if not self._rebuilt and len(self._order) == len(self._params):
       self._rebuilt = True
