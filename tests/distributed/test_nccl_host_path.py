@@ -147,7 +147,8 @@ assert names == ["allgather"] * 3, names
 
 def test_a_stuck_collective_times_out_through_the_watchdog(tmp_path):
   out = _run('''
-dist.init_process_group("nccl", timeout=0.3)
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, secret="s", timeout=5)
+dist.init_process_group("nccl", timeout=0.3, store=store)  # the watchdog publishes this rank's count to the store
 fake_cuda.FakeEvent.is_done = False  # nothing the comm stream records ever completes
 t = bt.randn(8, device="cuda")
 work = dist.all_reduce(t, async_op=True)
@@ -160,4 +161,5 @@ except RuntimeError as e:
   print("ERROR", e)
 ''', tmp_path)
   assert "ERROR all_reduce (collective #1 of the nccl group of ranks [0])" in out and "timed out after 0.3 s" in out
+  assert "did not arrive: none (they arrived; the transfer stalled)" in out  # rank 0's count in the store is 1
 
