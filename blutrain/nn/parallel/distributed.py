@@ -39,7 +39,8 @@ class DistributedDataParallel(Module):
   Args:
     module: the model (on this rank's device).
     device_ids: accepted for PyTorch compatibility; the module's device is used.
-    bucket_cap_mb: the size of a gradient bucket in MiB (docs/distributed.md derives 25 from the collectives' model).
+    bucket_cap_mb: the size of a gradient bucket in MiB (25: docs/distributed.md's cost model puts its latency at 7 %
+      of its all-reduce on NVLink; configurator.ddp_bucket_bytes gives the smallest size for a latency share).
     process_group: the data-parallel group (default: the world).
     broadcast_buffers: broadcast rank 0's buffers at wrap time too.
 
