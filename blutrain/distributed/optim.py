@@ -80,14 +80,15 @@ class ZeroRedundancyOptimizer(Optimizer):
         if len({(p.dtype, p.device) for p in ps}) != 1:
           raise TypeError("ZeroRedundancyOptimizer: every parameter of a group needs one dtype and device, got "
                           f"{sorted({(p.dtype.name, str(p.device)) for p in ps})}; split them into groups")
-        mine, start, offset, current = [], 0, 0, []
+        mine, start, offset, current, size = [], 0, 0, [], 0
         for i, p in enumerate(ps):
           current.append(p)
-          if i == len(ps) - 1 or sum(q.numel() for q in current) * p.dtype.itemsize + ps[i + 1].numel() * p.dtype.itemsize > cap:
+          size += p.numel() * p.dtype.itemsize
+          if i + 1 == len(ps) or size + ps[i + 1].numel() * p.dtype.itemsize > cap:  # the next one would overflow
             b = _Bucket(gi, current, start, self.world, offset)
             self.buckets.append(b)
             mine.append(_flatten(current, current, b.length)[self.rank * b.piece:(self.rank + 1) * b.piece])
-            start, offset, current = start + b.numel, offset + b.piece, []
+            start, offset, current, size = start + b.numel, offset + b.piece, [], 0
         self.numels.append(start)
         self.shards.append(ops.cat(mine).requires_grad_(True))
     self.optim = optimizer_class([{**{k: v for k, v in g.items() if k != "params"}, "params": [s]}
