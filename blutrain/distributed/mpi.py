@@ -53,7 +53,8 @@ class MpiWork(Work):
     return True
 
   def is_completed(self) -> bool:
-    return self.done or self.group._mpi.Request.Testall(self.requests)
+    if not self.done and self.group._mpi.Request.Testall(self.requests): self.wait()  # AVG's division, write-backs
+    return self.done
 
 
 class MpiGroup(ProcessGroup):

@@ -150,9 +150,10 @@ def case_collectives(r, n):
     err[f"all_reduce_{op.name}"] = float(np.abs(t.numpy() - ref).max())
   base = bt.from_numpy(np.ascontiguousarray(vals[r].T.copy()))
   view = base.t()  # a non-contiguous view: reduced through a staging copy and written back
-  work = dist.all_reduce(view, async_op=True)
+  work = dist.all_reduce(view, dist.ReduceOp.AVG, async_op=True)
+  while not work.is_completed(): pass
   work.wait()
-  err["all_reduce_view"] = float(np.abs(view.numpy() - sum(vals)).max())
+  err["all_reduce_view"] = float(np.abs(view.numpy() - sum(vals) / n).max())
   h = bt.from_numpy(vals[r]).to(bt.bfloat16)
   dist.all_reduce(h)
   err["all_reduce_bf16"] = float(np.abs(h.float().numpy() - sum(v.astype(np.float32) for v in [
