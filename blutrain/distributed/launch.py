@@ -102,7 +102,8 @@ def launch(args: argparse.Namespace, cmd: list[str] | None = None) -> int:
   cmd = cmd or [sys.executable, "-u", args.script, *args.script_args]
   if args.backend == "mpi":
     if args.nnodes != 1: raise ValueError("launch --backend mpi: for several nodes run mpiexec/srun yourself")
-    mpiexec = shutil.which("mpiexec")
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # the mpich wheel's, in this environment
+    mpiexec = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
     if mpiexec is None: raise RuntimeError("launch --backend mpi: mpiexec not found; pip install mpi4py mpich")
     code = subprocess.call([mpiexec, "-n", str(args.nproc_per_node), *cmd])
     if code: print(f"blutrain launch: mpiexec {_describe(code)} (its report above names the failed rank)", file=sys.stderr)
