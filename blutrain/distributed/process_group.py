@@ -34,13 +34,15 @@ class RankEnv:
 def rank_env(environ: dict[str, str] | None = None) -> RankEnv:
   """Read rank, world size and local rank from the first convention present: torchrun's (RANK, WORLD_SIZE,
   LOCAL_RANK, which `blutrain launch` also sets), Open MPI's (OMPI_COMM_WORLD_*), MPICH/Hydra's (PMI_RANK, PMI_SIZE,
-  MPI_LOCALRANKID), then Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); none of them: one process.
+  MPI_LOCALRANKID), then srun's (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID); none of them: one process.
   MASTER_ADDR/MASTER_PORT come from the environment (under Slurm MASTER_ADDR defaults to SLURM_LAUNCH_NODE_IPADDR)."""
   env = os.environ if environ is None else environ
   conventions = [("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
                  ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
                  ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-                 ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")]
+                 # SLURM_STEP_NUM_TASKS: srun sets it for its step; a batch script's own environment (SLURM_NTASKS of
+                 # the whole allocation) must not make one process wait for ranks nobody started
+                 ("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")]
   for launcher, rank, size, local in conventions:
     if rank in env and size in env:
       r, n, lr = int(env[rank]), int(env[size]), int(env.get(local, env[rank]))

@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
   ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
    (2, 4, 0, None, None, "openmpi")),
   ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}, (1, 2, 1, None, None, "mpich")),
-  ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"},
+  ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "5", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"},
    (5, 16, 5, "10.0.0.9", None, "slurm")),
+  ({"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}, (0, 1, 0, None, None, "single")),  # a batch script, not an srun step
   ({}, (0, 1, 0, None, None, "single")),
 ])
 def test_rank_env_reads_each_launchers_convention(environ, want):
