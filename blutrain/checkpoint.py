@@ -142,3 +142,57 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, bt.Tensor], dict
                        f"delete it or resume from an earlier one") from e
   optimizer_state = _unflatten(meta["optimizer"], opt_tensors) if meta.get("optimizer") is not None else None
   return model_state, optimizer_state, meta.get("state", {}), int(meta["step"])
+
+
+# *** sharded checkpoints (data-parallel ranks, ZeRO) ***
+
+def save_sharded_checkpoint(directory: str | os.PathLike, step: int, pieces: dict[str, tuple[int, int, bt.Tensor]],
+                            rank: int, world_size: int, state: dict | None = None, barrier=None) -> Path:
+  """Each rank writes its pieces of flat tensors to `step_NNNNNN/shard_RRRRR.safetensors` (a temporary file renamed
+  into place); after `barrier()` rank 0 writes `index.json` (which shard holds which [start, end) of which tensor, and
+  `state`) the same way and points `latest` at the step. A checkpoint is complete once its index exists.
+
+  Args:
+    pieces: {name: (full_numel, start, 1-D slice)}: ZeroRedundancyOptimizer.shard_state()'s form; a replicated tensor
+      is one piece (numel, 0, t.reshape(-1)) written by one rank. Several pieces of one tensor on one rank are told
+      apart by a suffix, "name#k"; loading assembles them under "name".
+    barrier: a callable every rank calls (blutrain.distributed.barrier); None for one process.
+  """
+  root = Path(directory)
+  final = root / f"step_{step:06d}"
+  final.mkdir(parents=True, exist_ok=True)
+  name = f"shard_{rank:05d}.safetensors"
+  tmp = final / f".tmp-{name}-{os.getpid()}"
+  save_file({k: np.ascontiguousarray(t.detach().cpu().numpy().reshape(-1)) for k, (_, _, t) in pieces.items()}, str(tmp))
+  os.replace(tmp, final / name)
+  entries = {k: [n, start, start + t.numel()] for k, (n, start, t) in pieces.items()}
+  _fsync_write(final / f".meta_{rank:05d}.json", json.dumps(entries))
+  if barrier: barrier()
+  if rank == 0:
+    index = {"step": step, "world_size": world_size, "state": state or {}, "shards": {}}
+    for r in range(world_size):
+      index["shards"][f"shard_{r:05d}.safetensors"] = json.loads((final / f".meta_{r:05d}.json").read_text())
+    _fsync_write(final / ".index.json.tmp", json.dumps(index, indent=1))
+    os.replace(final / ".index.json.tmp", final / "index.json")
+    _fsync_write(root / f".{LATEST}.tmp", final.name)
+    os.replace(root / f".{LATEST}.tmp", root / LATEST)
+  if barrier: barrier()
+  return final
+
+
+def load_sharded_checkpoint(path: str | os.PathLike) -> tuple[dict[str, bt.Tensor], dict, int]:
+  """Read a sharded checkpoint written at any world size: (the full flat tensors, assembled from every shard's
+  pieces; the state; the step). Each rank then takes the slices it owns at its own world size."""
+  p = Path(path)
+  if (p / LATEST).is_file(): p = p / (p / LATEST).read_text().strip()
+  if not (p / "index.json").is_file():
+    raise FileNotFoundError(f"no complete sharded checkpoint at {p} (index.json is missing: a save was interrupted)")
+  index = json.loads((p / "index.json").read_text())
+  full: dict[str, np.ndarray] = {}
+  for shard, entries in index["shards"].items():
+    data = load_file(str(p / shard))
+    for k, (n, start, end) in entries.items():
+      name = k.split("#")[0]
+      if name not in full: full[name] = np.zeros(n, dtype=data[k].dtype)
+      full[name][start:end] = data[k]
+  return {k: bt.from_numpy(v) for k, v in full.items()}, index["state"], int(index["step"])

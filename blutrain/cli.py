@@ -1,4 +1,4 @@
-"""`blutrain train | sample | info`."""
+"""`blutrain train | sample | info | launch`."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +9,23 @@ from dataclasses import fields
 
 
 def _train(args: argparse.Namespace) -> int:
+  from blutrain.distributed import launch, rank_env
+  if args.nproc_per_node > 1 and rank_env().world_size == 1:  # start the ranks, which run this command without the flag
+    from blutrain.backend.cuda import runtime
+    argv, rest = [], iter(args.argv)
+    for a in rest:
+      if a == "--nproc-per-node": next(rest)
+      elif not a.startswith("--nproc-per-node="): argv.append(a)
+    job = argparse.Namespace(nproc_per_node=args.nproc_per_node, nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                             master_port=None, backend="auto" if runtime.is_available() else "mpi", grace=5.0)
+    return launch.launch(job, [sys.executable, "-m", "blutrain.cli", *argv])
   from blutrain.train import Trainer, TrainConfig, config_from_args
   opts = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
   cfg = config_from_args(**opts)
   trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+  if trainer.rank != 0:
+    trainer.fit()
+    return 0
   device = trainer.device
   params = trainer.model.num_params()
   print(f"blutrain train: {cfg.preset} ({params / 1e6:.2f}M parameters), {trainer.tokenizer.name} tokenizer with "
@@ -142,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                  help="continue from the newest checkpoint in the output directory, or from the checkpoint at PATH")
   t.add_argument("--overwrite", action="store_true", help="replace the run the output directory holds")
+  t.add_argument("--nproc-per-node", type=_count(1), default=1,
+                 help="data-parallel ranks on this machine (one per GPU; MPI ranks on the CPU)")
   t.add_argument("--skip-nonfinite", action="store_true", default=None,
                  help="skip steps whose loss or gradient norm is not finite (else such a step stops the run)")
   _show_defaults(t)
@@ -160,11 +175,17 @@ def _parser() -> argparse.ArgumentParser:
 
   i = sub.add_parser("info", help="versions, devices and backends")
   i.set_defaults(func=_info)
+
+  from blutrain.distributed import launch
+  la = sub.add_parser("launch", help="start the ranks of a distributed job on this node (as torchrun)")
+  launch.add_arguments(la)
+  la.set_defaults(func=launch.launch)
   return p
 
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)
   try:
     return args.func(args)
   except (FileNotFoundError, RuntimeError, ValueError) as e:

@@ -430,3 +430,44 @@ def attention_schedule(kernel: str, itemsize: int, block_d: int) -> tuple[int, i
   if block_d <= 64: return (32, 64, 4, 2) if wide else (32, 64, 4, 3)
   if block_d <= 128: return (32, 32, 4, 2) if wide else (32, 64, 4, 2)
   return (16, 32, 4, 1) if wide else (16, 64, 4, 1)
+
+
+# *** collectives (the alpha-beta model of docs/distributed.md) ***
+
+@dataclass(frozen=True)
+class Link:
+  """A collective's cost model over one kind of link: `alpha` seconds of fixed latency per collective and `busbw`
+  bytes/s of bus bandwidth, as nccl-tests reports it (algorithm bandwidth times the collective's traffic factor)."""
+  name: str
+  alpha: float
+  busbw: float
+
+
+# NOTE: published, approximate figures, not measured here: NVLink 4 carries 450 GB/s per direction per H100/H200 and
+# NCCL's ring all-reduce reaches about 360 GB/s of bus bandwidth on 8 GPUs without NVLink SHARP (which stays off on
+# the lent machines); a 400 Gb/s NDR InfiniBand NIC per GPU gives 50 GB/s, of which rings reach about 45. Latencies are
+# NCCL's small-message figures (~10 us in a node, ~30 us across nodes). Replace them with nccl-tests measurements.
+NVLINK_H200 = Link("NVLink 4, 8x H100/H200 (published)", alpha=10e-6, busbw=360e9)
+IB_NDR = Link("InfiniBand NDR 400 Gb/s per GPU (published)", alpha=30e-6, busbw=45e9)
+
+_TRAFFIC = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
+            "all_gather": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0}
+
+
+def collective_time(kind: str, nbytes: int, world: int, link: Link) -> float:
+  """Seconds of one collective on `nbytes` (the full tensor: all_reduce's buffer, all_gather's output,
+  reduce_scatter's input) over `world` ranks: alpha + traffic(p) * nbytes / busbw, where a ring moves
+  2(p-1)/p of the buffer through each rank for all_reduce and (p-1)/p for reduce_scatter and all_gather."""
+  if world == 1: return 0.0
+  return link.alpha + _TRAFFIC[kind](world) * nbytes / link.busbw
+
+
+def ddp_bucket_bytes(world: int, link: Link, latency_share: float = 0.1) -> int:
+  """The smallest gradient bucket whose all-reduce spends at most `latency_share` of its time on the fixed latency:
+  alpha <= share * (alpha + 2(p-1)/p * b / busbw) gives b >= alpha * busbw * (1 - share) / (share * 2(p-1)/p).
+  Larger buckets overlap less of the backward (the last one is exposed whole), so this lower bound is the choice,
+  rounded up to a MiB: 18 MiB for 8 GPUs on NVLINK_H200 (7 MiB on IB_NDR). DDP keeps PyTorch's 25 MB default, where
+  the latency is 7 % of a bucket's all-reduce on NVLink and the exposed last bucket costs 0.14 ms."""
+  if world == 1: return 1 << 20
+  b = link.alpha * link.busbw * (1 - latency_share) / (latency_share * _TRAFFIC["all_reduce"](world))
+  return max(1, math.ceil(b / (1 << 20))) << 20

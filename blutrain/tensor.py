@@ -49,7 +49,7 @@ class GraphBreakError(RuntimeError):
 class Tensor:
   """An n-dimensional array with autograd, as `torch.Tensor`. Create one with `bt.tensor`, `bt.zeros`, ..."""
   __slots__ = ("_storage", "shape", "_strides", "_offset", "dtype", "requires_grad", "grad", "_node",
-               "_retains_grad", "_hooks", "_view", "_base", "_base_node", "__weakref__")
+               "_retains_grad", "_hooks", "_post_hooks", "_view", "_base", "_base_node", "__weakref__")
   __array_priority__ = 1000  # numpy scalars on the left defer to our operators
 
   # *** construction ***
@@ -59,6 +59,7 @@ class Tensor:
     t = object.__new__(cls)
     t._storage, t.shape, t._strides, t._offset, t.dtype = storage, tuple(shape), tuple(strides), offset, dtype
     t.requires_grad, t.grad, t._node, t._retains_grad, t._hooks, t._view = False, None, None, False, None, None
+    t._post_hooks = None
     t._base = t._base_node = None  # a view's root tensor, and the root's node when the view's own node was made
     return t
 
@@ -196,6 +197,15 @@ class Tensor:
       self._hooks = hooks = self._hooks or []
     else:
       self._node.hooks = hooks = self._node.hooks or []
+    hooks.append(hook)
+    return _HookHandle(hooks, hook)
+
+  def register_post_accumulate_grad_hook(self, hook) -> Any:
+    """Call `hook(tensor)` on this leaf right after backward has accumulated its gradient into `.grad` (as soon as
+    the gradient is complete, while the rest of the backward still runs), as PyTorch's hook of that name."""
+    if not self.requires_grad or self._node is not None:
+      raise RuntimeError("register_post_accumulate_grad_hook() needs a leaf tensor that requires grad")
+    self._post_hooks = hooks = self._post_hooks or []
     hooks.append(hook)
     return _HookHandle(hooks, hook)
 

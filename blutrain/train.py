@@ -16,6 +16,8 @@ import numpy as np
 
 import blutrain as bt
 from blutrain import checkpoint, data
+from blutrain import distributed as dist
+from blutrain.nn.parallel import DistributedDataParallel
 from blutrain.models import GPT, GPTConfig, PRESETS
 
 
@@ -100,17 +102,28 @@ class Trainer:
   def __init__(self, cfg: TrainConfig, resume: bool | str = False, quiet: bool = False, overwrite: bool = False):
     self.cfg, self.quiet = cfg, quiet
     self.device = cfg.device if cfg.device != "auto" else default_device()
+    # data parallel when a launcher started several ranks (`blutrain train --nproc-per-node N`, blutrain launch, mpiexec)
+    job = dist.rank_env()
+    self.rank, self.world = job.rank, job.world_size
+    if self.world > 1:
+      if cfg.compile: raise ValueError("--compile does not combine with several ranks yet: drop one of them")
+      if self.device.startswith("cuda"): self.device = f"cuda:{job.local_rank}"
+      dist.init_process_group("nccl" if self.device.startswith("cuda") else "mpi")
+      self.quiet = quiet or self.rank != 0
     if cfg.amp and cfg.dtype != "float32":
       raise ValueError(f"--amp {cfg.amp} keeps float32 parameters and computes in {cfg.amp}; it does not combine "
                        f"with --dtype {cfg.dtype}: drop one of them")
     self.out = cfg.output
-    _claim(self.out, resume, overwrite)
-    self.out.mkdir(parents=True, exist_ok=True)
-    checkpoint.remove_stale_temporaries(self.out / "checkpoints")
+    if self.rank == 0:
+      _claim(self.out, resume, overwrite)
+      self.out.mkdir(parents=True, exist_ok=True)
+      checkpoint.remove_stale_temporaries(self.out / "checkpoints")
     bt.manual_seed(cfg.seed)
     text = data.load_text(cfg.corpus)
     kind = cfg.tokenizer or ("char" if cfg.preset.startswith("char") else "bpe")
     self.tokenizer = data.get_tokenizer(kind, text, vocab_size=cfg.bpe_vocab_size)
+    if self.rank == 0: data.prepare(text, self.tokenizer, self.out / "data")
+    if self.world > 1: dist.barrier()  # rank 0 wrote the token files; the others read them
     train_path, val_path = data.prepare(text, self.tokenizer, self.out / "data")
     self.train_data, self.val_data = data.load_tokens(train_path), data.load_tokens(val_path)
     _check_context(cfg, self.device, len(self.train_data), len(self.val_data))
@@ -120,13 +133,14 @@ class Trainer:
     self.optimizer = self.model.configure_optimizers(cfg.weight_decay, cfg.lr, betas=(0.9, cfg.beta2))
     self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, warmup_steps(cfg), cfg.steps,
                                                           cfg.min_lr_ratio)
-    self.batch_rng = np.random.default_rng(cfg.seed)
+    self.batch_rng = np.random.default_rng(cfg.seed + self.rank)  # each rank its own batches
+    self.ddp = DistributedDataParallel(self.model) if self.world > 1 else None
     self.step, self.history = 0, []
     if cfg.skip_nonfinite and cfg.compile:
       raise ValueError("--skip-nonfinite reads each step's loss on the host, which a compiled step cannot: drop one")
     if cfg.memory_budget and not cfg.compile:
       raise ValueError("--memory-budget plans the memory of a compiled step: add --compile")
-    update = training_step(self.model, self.optimizer, cfg.grad_clip, cfg.skip_nonfinite)
+    update = training_step(self.ddp or self.model, self.optimizer, cfg.grad_clip, cfg.skip_nonfinite)
     self._update = bt.compile(update, memory_budget=cfg.memory_budget or None) if cfg.compile else update
     if resume: self._restore(self.out if resume is True else resume)
 
@@ -138,7 +152,9 @@ class Trainer:
             "batch_rng": self.batch_rng.bit_generator.state,
             "generator": [bt.default_generator.seed, bt.default_generator.offset], "history": self.history}
 
-  def save(self) -> Path:
+  def save(self) -> Path | None:
+    """Write a checkpoint (rank 0 alone: data-parallel ranks hold the same weights)."""
+    if self.rank != 0: return None
     return checkpoint.save_checkpoint(self.out / "checkpoints", self.step, self.model.state_dict(),
                                       self.optimizer.state_dict(), self._state())
 
@@ -193,8 +209,8 @@ class Trainer:
   def fit(self) -> dict:
     """Train to `cfg.steps`; returns the final metrics."""
     from tqdm import tqdm
-    cfg, tokens_per_step = self.cfg, self.cfg.batch_size * self.block_size
-    (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    cfg, tokens_per_step = self.cfg, self.cfg.batch_size * self.block_size * self.world
+    if self.rank == 0: (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
     # NOTE: a slow smoothing keeps the ETA from swinging after each evaluation's pause
     bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, unit="step", dynamic_ncols=True, smoothing=0.02)
     shown_tok_s = None  # the bar's tokens/s, an exponential average over logging windows (metrics keep each window's)
@@ -216,15 +232,16 @@ class Trainer:
       if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
         val = self.evaluate()
         self._log({"step": self.step, "val_loss": val})
-        bar.write(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
+        if self.rank == 0: bar.write(f"step {self.step}: train loss {loss:.4f}, val loss {val:.4f}")
         self.save()
         window_start = time.perf_counter()
       bar.update(1)
     bar.close()
     gc.unfreeze()
-    self._plot()
     sample = self.sample("\n", cfg.sample_tokens)
-    (self.out / "sample.txt").write_text(sample)
+    if self.rank == 0:
+      self._plot()
+      (self.out / "sample.txt").write_text(sample)
     vals = [r["val_loss"] for r in self.history if "val_loss" in r]
     return {"step": self.step, "val_loss": vals[-1] if vals else None, "sample": sample}
 
@@ -236,6 +253,7 @@ class Trainer:
   def _log(self, row: dict) -> None:
     row = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
     self.history.append(row)
+    if self.rank != 0: return
     with open(self.out / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
     columns = ["step", "loss", "val_loss", "lr", "tokens_per_s", "step_ms"]
     with open(self.out / "metrics.csv", "w", newline="") as f:

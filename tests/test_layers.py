@@ -13,7 +13,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "blutrain"
 
-# bottom to top; a module's layer is the first whose prefix matches its dotted name
+# bottom to top; a module's layer is the one whose prefix matches its dotted name most closely (ZeRO,
+# blutrain.distributed.optim, wraps optimizers: a library module inside the distributed package)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
   ("leaves", ("blutrain.dtypes", "blutrain.device", "blutrain.shapes", "blutrain.backends", "blutrain.configurator")),
   ("backend", ("blutrain.backend",)),
@@ -21,9 +22,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
   ("autograd", ("blutrain.autograd",)),
   ("ops", ("blutrain.ops",)),
   ("hooks", ("blutrain.amp", "blutrain.profiler", "blutrain.cuda")),
+  ("distributed", ("blutrain.distributed",)),  # process groups: tensors, ops, the CUDA backend's streams and events
   ("nova", ("blutrain.nova",)),
-  ("library", ("blutrain.nn", "blutrain.optim", "blutrain.models", "blutrain.utils",
-                "blutrain.serialization")),
+  ("library", ("blutrain.nn", "blutrain.optim", "blutrain.models", "blutrain.utils", "blutrain.serialization",
+               "blutrain.distributed.optim")),
   ("face", ("blutrain",)),  # blutrain/__init__.py: the public API, which the app uses as users do
   ("app", ("blutrain.data", "blutrain.checkpoint", "blutrain.train", "blutrain.cli")),
 ]
@@ -39,8 +41,9 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(name: str) -> int:
-  for rank, (_, prefixes) in enumerate(LAYERS):
-    if any(name == p or name.startswith(p + ".") and p != "blutrain" for p in prefixes): return rank
+  matches = [(len(p), rank) for rank, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+             if name == p or name.startswith(p + ".") and p != "blutrain"]
+  if matches: return max(matches)[1]
   raise AssertionError(f"{name} belongs to no layer of tests/test_layers.py: add it to LAYERS and docs/architecture.md")
 
 

@@ -21,7 +21,8 @@ def _toposort(roots: Sequence[Node]) -> list[Node]:
       if id(node) in seen: continue
       seen.add(id(node))
       stack.append((node, True))
-      stack.extend((p, False) for p in node.parents if isinstance(p, Node) and id(p) not in seen)
+      # the first input is expanded first, so a weight's short branch (its transpose) runs right after its consumer
+      stack.extend((p, False) for p in reversed(node.parents) if isinstance(p, Node) and id(p) not in seen)
   return order
 
 
@@ -59,35 +60,54 @@ def _add_into_slice(node: Node, g: Tensor, store: dict, owned: set[int]) -> bool
   return True
 
 
-def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=frozenset()):
+def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=frozenset(), ready=None):
   """Propagate gradients from the roots through every VJP. Returns the gradients reaching leaves (by id),
-  the leaves themselves, and the total gradients of the nodes whose ids are in `capture`."""
+  the leaves themselves, and the total gradients of the nodes whose ids are in `capture`. With `ready`, a leaf's
+  gradient is handed to `ready(leaf, g)` (and left out of the result) as soon as the last node that feeds it has run,
+  so DDP can start reducing it while the rest of the backward runs."""
   if hooks.trace is not None: hooks.trace.ran_backward = True  # the graph differentiates itself
   node_grads, leaf_grads, leaves, captured, owned = dict(root_grads), {}, {}, {}, set()
-  for node in reversed(_toposort(roots)):
-    g = node_grads.pop(id(node), None)
-    if g is None: continue
-    g = _run_hooks(node.hooks, g)
-    if id(node) in capture: captured[id(node)] = g
-    if node.retained is not None and (t := node.retained()) is not None:
-      t.grad = g.detach() if t.grad is None else t.grad + g
-    _check_saved(node)
-    is_slice = node.op.name == "slice" and node.parents[0] is not None
-    if is_slice and _add_into_slice(node, g, node_grads if isinstance(node.parents[0], Node) else leaf_grads, owned):
-      if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
-      continue
-    in_grads = node.op.vjp(g, node.out, *node.saved, **node.attrs)
-    if len(in_grads) != len(node.parents):
-      raise RuntimeError(f"VJP of {node.op.name} returned {len(in_grads)} gradients for {len(node.parents)} inputs")
-    for parent, ig, inp in zip(node.parents, in_grads, node.saved):
-      if parent is None or ig is None: continue
-      if ig.shape != tuple(inp.shape):
-        raise RuntimeError(f"VJP of {node.op.name}: gradient of shape {ig.shape} for an input of shape {tuple(inp.shape)}")
-      if ig.dtype is not inp.dtype: ig = ig.to(inp.dtype)
-      if isinstance(parent, Node): _accumulate(node_grads, id(parent), ig, owned, is_slice)
-      else: _accumulate(leaf_grads, id(parent), ig, owned, is_slice); leaves[id(parent)] = parent
-    if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+  order, pending = list(reversed(_toposort(roots))), {}
+  if ready is not None:
+    for node in order:
+      for p in node.parents:
+        if isinstance(p, Tensor): pending[id(p)] = pending.get(id(p), 0) + 1
+  for node in order:
+    try:
+      _visit(node, node_grads, leaf_grads, leaves, captured, owned, retain_graph, capture)
+    finally:
+      for p in node.parents if ready is not None else ():
+        if isinstance(p, Tensor):
+          pending[id(p)] -= 1
+          if not pending[id(p)] and id(p) in leaf_grads: ready(leaves.pop(id(p)), leaf_grads.pop(id(p)))
   return leaf_grads, leaves, captured
+
+
+def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, captured: dict, owned: set,
+           retain_graph: bool, capture) -> None:
+  """Run one node of the reverse walk: its hooks, its VJP, and the accumulation of its inputs' gradients."""
+  g = node_grads.pop(id(node), None)
+  if g is None: return
+  g = _run_hooks(node.hooks, g)
+  if id(node) in capture: captured[id(node)] = g
+  if node.retained is not None and (t := node.retained()) is not None:
+    t.grad = g.detach() if t.grad is None else t.grad + g
+  _check_saved(node)
+  is_slice = node.op.name == "slice" and node.parents[0] is not None
+  if is_slice and _add_into_slice(node, g, node_grads if isinstance(node.parents[0], Node) else leaf_grads, owned):
+    if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+    return
+  in_grads = node.op.vjp(g, node.out, *node.saved, **node.attrs)
+  if len(in_grads) != len(node.parents):
+    raise RuntimeError(f"VJP of {node.op.name} returned {len(in_grads)} gradients for {len(node.parents)} inputs")
+  for parent, ig, inp in zip(node.parents, in_grads, node.saved):
+    if parent is None or ig is None: continue
+    if ig.shape != tuple(inp.shape):
+      raise RuntimeError(f"VJP of {node.op.name}: gradient of shape {ig.shape} for an input of shape {tuple(inp.shape)}")
+    if ig.dtype is not inp.dtype: ig = ig.to(inp.dtype)
+    if isinstance(parent, Node): _accumulate(node_grads, id(parent), ig, owned, is_slice)
+    else: _accumulate(leaf_grads, id(parent), ig, owned, is_slice); leaves[id(parent)] = parent
+  if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
 
 
 def _seed(outputs, grad_outputs, op_name: str):
@@ -116,18 +136,26 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | 
               if t.requires_grad and t._node is None]
     graphed = [(t, g) for t, g in zip(tensors, grad_tensors) if not (t.requires_grad and t._node is None)]
     roots, root_grads = _seed([t for t, _ in graphed], [g for _, g in graphed], "backward")
-    leaf_grads, leaves, _ = _walk(roots, root_grads, retain_graph)
+    fresh: set[int] = set()
+    seeded = {id(t) for t, _ in direct}
+
+    def store(leaf: Tensor, g: Tensor) -> None:
+      g = _run_hooks(leaf._hooks, g).detach()
+      if leaf.grad is not None: leaf.grad.add_(g)
+      else:
+        if not g.is_contiguous() or g._offset or id(g._storage) in fresh: g = g.clone()  # own, dense memory
+        fresh.add(id(g._storage))
+        leaf.grad = g
+      for hook in leaf._post_hooks or (): hook(leaf)
+
+    ready = lambda leaf, g: store(leaf, g) if id(leaf) not in seeded else _accumulate(held, id(leaf), g)
+    held: dict = {}
+    leaf_grads, leaves, _ = _walk(roots, root_grads, retain_graph, ready=ready)
+    for key, g in held.items(): _accumulate(leaf_grads, key, g)
     for t, g in direct:
       _accumulate(leaf_grads, id(t), g)
       leaves[id(t)] = t
-    fresh: set[int] = set()
-    for key, g in leaf_grads.items():
-      leaf = leaves[key]
-      g = _run_hooks(leaf._hooks, g).detach()
-      if leaf.grad is not None: leaf.grad.add_(g); continue
-      if not g.is_contiguous() or g._offset or id(g._storage) in fresh: g = g.clone()  # own, dense memory
-      fresh.add(id(g._storage))
-      leaf.grad = g
+    for key, g in leaf_grads.items(): store(leaves[key], g)
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph: bool | None = None, allow_unused: bool = False) -> tuple:

@@ -10,8 +10,9 @@ Example:
 from blutrain.data.corpus import bundled_corpora, load_text
 from blutrain.data.tokenizer import (EOT, BPETokenizer, CharTokenizer, Tokenizer, get_tokenizer, tokenizer_from_dict,
                                      train_bpe)
+from blutrain.data.sampler import DistributedSampler
 from blutrain.data.dataset import TokenDataset, get_batch, iterate_eval_batches, load_tokens, prepare, token_dtype
 
 __all__ = ["bundled_corpora", "load_text", "EOT", "Tokenizer", "CharTokenizer", "BPETokenizer", "train_bpe",
            "get_tokenizer", "tokenizer_from_dict", "TokenDataset", "get_batch", "iterate_eval_batches", "load_tokens",
-           "prepare", "token_dtype"]
+           "prepare", "token_dtype", "DistributedSampler"]

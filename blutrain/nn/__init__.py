@@ -1,6 +1,6 @@
 """Neural-network building blocks with `torch.nn`'s names: Module, Parameter, layers, losses, containers, and the
 `functional`, `init` and `utils` submodules."""
-from blutrain.nn import functional, init, utils
+from blutrain.nn import functional, init, parallel, utils
 from blutrain.nn.container import ModuleDict, ModuleList, Sequential
 from blutrain.nn.conv import (AdaptiveAvgPool1d, AdaptiveAvgPool2d, AvgPool1d, AvgPool2d, Conv1d, Conv2d, ConvTranspose1d,
                               ConvTranspose2d, MaxPool1d, MaxPool2d)
@@ -19,4 +19,5 @@ __all__ = ["Module", "Parameter", "Sequential", "ModuleList", "ModuleDict", "Ide
            "Hardswish", "Mish", "Softplus", "Softsign", "LogSigmoid", "L1Loss", "MSELoss", "SmoothL1Loss", "HuberLoss",
            "NLLLoss", "CrossEntropyLoss", "BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "Conv1d", "Conv2d", "ConvTranspose1d",
            "ConvTranspose2d", "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
-           "BatchNorm1d", "BatchNorm2d", "GroupNorm", "LSTM", "GRU", "MultiheadAttention", "functional", "init", "utils"]
+           "BatchNorm1d", "BatchNorm2d", "GroupNorm", "LSTM", "GRU", "MultiheadAttention", "functional", "init", "parallel",
+           "utils"]

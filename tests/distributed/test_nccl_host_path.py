@@ -1,0 +1,165 @@
+"""The NCCL backend's host code on the fake GPU (tests/fakegpu/fake_cuda.py) with a fake nccl.core that logs each call:
+the order of events and streams around every collective, DDP's buckets reduced during backward, ZeRO-2's
+reduce-scatter and all-gather, and the watchdog's timeout. Values are not checked here (nothing is computed on the
+fake device): tests/cuda/test_distributed.py does that on a GPU."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cuda.core")
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
+
+PRELUDE = '''
+import enum, sys, types, time
+import fake_cuda
+fake_cuda.install()
+log = []
+fake_cuda.FakeStream.record = lambda self, e: log.append(("record", self.handle, id(e)))
+fake_cuda.FakeStream.wait = lambda self, e: log.append(("wait", self.handle, id(e)))
+
+
+class UniqueId:
+  def __init__(self, b=bytes(128)): self.b = b
+  def __bytes__(self): return self.b
+  @staticmethod
+  def from_bytes(b): return UniqueId(bytes(b))
+
+
+class NcclRedOp(enum.IntEnum):
+  SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
+
+
+class Communicator:
+  def __init__(self, n=1): self.n = n
+  @classmethod
+  def init(cls, nranks, rank, unique_id):
+    assert isinstance(unique_id, UniqueId) and 0 <= rank < nranks
+    return cls(nranks)
+  def _call(self, name, bufs, stream, *extra):
+    for b in bufs: b.__dlpack__(stream=-1)  # nccl4py reads tensors by DLPack; -1: we order the streams
+    log.append((name, stream, *extra, fake_cuda.launches[0]))
+  def allreduce(self, s, r, op, *, stream): self._call("allreduce", [s, r], stream, op.name)
+  def reduce_scatter(self, s, r, op, *, stream): self._call("reduce_scatter", [s, r], stream, op.name)
+  def allgather(self, s, r, *, stream): self._call("allgather", [s, r], stream)
+  def broadcast(self, s, r, root, *, stream): self._call("broadcast", [s, r], stream, root)
+  def send(self, s, peer, *, stream): self._call("send", [s], stream, peer)
+  def recv(self, r, peer, *, stream): self._call("recv", [r], stream, peer)
+  def split(self, color, key=0): return Communicator(1)
+  def abort(self): log.append(("abort",))
+  def destroy(self): log.append(("destroy",))
+
+
+core = types.ModuleType("nccl.core")
+core.UniqueId, core.NcclRedOp, core.Communicator = UniqueId, NcclRedOp, Communicator
+core.get_unique_id = lambda: UniqueId(b"x" * 128)
+sys.modules["nccl"] = types.ModuleType("nccl")
+sys.modules["nccl.core"] = core
+import blutrain as bt
+import blutrain.distributed as dist
+from blutrain.backend.cuda import runtime
+compute, comm = runtime.default_stream(0).handle, runtime.comm_stream(0).handle
+'''
+
+
+def _run(code: str, tmp_path: Path) -> str:
+  script = f"import sys; sys.path[:0] = {[str(TESTS / 'fakegpu'), str(TESTS.parent)]!r}\n{PRELUDE}\n{code}"
+  r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+  return r.stdout
+
+
+def test_each_collective_runs_on_the_comm_stream_between_events(tmp_path):
+  _run('''
+dist.init_process_group("nccl")
+t = bt.randn(8, device="cuda")
+calls = [lambda: dist.all_reduce(t), lambda: dist.all_reduce(t, dist.ReduceOp.AVG),
+         lambda: dist.broadcast(t, 0), lambda: dist.all_gather_into_tensor(bt.empty(8, device="cuda"), t),
+         lambda: dist.reduce_scatter_tensor(bt.empty(8, device="cuda"), t)]
+for call in calls:
+  log.clear()
+  call()
+  i = next(k for k, e in enumerate(log) if e[0] not in ("record", "wait"))
+  (rec, wait, coll, end, after) = log[i - 2:i + 3]  # (the allocator may record events of its own for freed blocks)
+  assert rec[:2] == ("record", compute) and wait == ("wait", comm, rec[2]), log   # comm waits for the producers
+  assert coll[1] == comm, log                                                       # the NCCL call on the comm stream
+  assert end[:2] == ("record", comm) and after == ("wait", compute, end[2]), log   # compute waits for it: no host sync
+log.clear()
+work = dist.all_reduce(t, async_op=True)
+assert [e[0] for e in log] == ["record", "wait", "allreduce", "record"], log       # async: nobody waits yet
+work.wait()
+assert log[-1] == ("wait", compute, log[-2][2])
+assert dist.get_backend() == "nccl" and dist.get_world_size() == 1
+log.clear()
+dist.barrier()  # an all-reduce of one element whose end event the host waits for
+assert [e[0] for e in log if e[0] not in ("record", "wait")] == ["allreduce"], log
+sub = dist.new_group([0])
+log.clear()
+dist.all_reduce(t, group=sub)
+assert [e[0] for e in log if e[0] not in ("record", "wait")] == ["allreduce"] and sub.ranks == [0], log
+with __import__("pytest").raises(RuntimeError, match="contiguous"): dist.all_reduce(bt.randn(4, 4, device="cuda").t())
+with __import__("pytest").raises(RuntimeError, match="cuda tensors"): dist.all_reduce(bt.ones(3))
+dist.destroy_process_group()
+assert log[-1] == ("destroy",)
+''', tmp_path)
+
+
+def test_ddp_reduces_buckets_during_backward_and_zero2_shards(tmp_path):
+  _run('''
+from blutrain.nn.parallel import DistributedDataParallel
+from blutrain.distributed.optim import ZeroRedundancyOptimizer
+dist.init_process_group("nccl")
+net = bt.nn.Sequential(*[bt.nn.Linear(64, 64) for _ in range(6)]).to("cuda")
+ddp = DistributedDataParallel(net, bucket_cap_mb=64 * 65 * 4 * 2 / 2**20)  # two layers a bucket: three buckets
+assert [e[0] for e in log].count("broadcast") == 12                         # rank 0's weights and biases at wrap time
+for _ in range(2):                                                          # the second backward uses rebuilt buckets
+  log.clear()
+  with bt.autocast(device_type="cuda", dtype=bt.bfloat16):
+    loss = ddp(bt.randn(4, 64, device="cuda")).float().square().mean()
+  before = fake_cuda.launches[0]
+  loss.backward()
+  end = fake_cuda.launches[0]
+  reduces = [e for e in log if e[0] == "allreduce"]
+  assert len(reduces) == 3 and all(e[1] == comm and e[2] == "AVG" for e in reduces), log
+  assert reduces[0][3] < reduces[-1][3] <= end and reduces[0][3] < end - 10   # the first bucket goes while backward runs
+with ddp.no_sync():
+  log.clear()
+  ddp(bt.randn(4, 64, device="cuda")).sum().backward()
+  assert not [e for e in log if e[0] == "allreduce"]
+net = bt.nn.Sequential(*[bt.nn.Linear(64, 64) for _ in range(6)]).to("cuda")  # ZeRO-2 reduces without DDP
+opt = ZeroRedundancyOptimizer(net.parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=64 * 65 * 4 * 2 / 2**20, lr=1e-3)
+log.clear()
+loss = net(bt.randn(4, 64, device="cuda")).square().mean()
+loss.backward()
+end = fake_cuda.launches[0]
+scatters = [e for e in log if e[0] == "reduce_scatter"]
+assert len(scatters) == 3 and all(e[1] == comm and e[2] == "AVG" for e in scatters), log
+assert scatters[0][3] < end - 10 and all(p.grad is None for p in net.parameters())  # during backward; grads freed
+opt.clip_grad_norm_(1.0)
+log.clear()
+opt.step()
+names = [e[0] for e in log if e[0] in ("reduce_scatter", "allgather", "allreduce")]
+assert names == ["allgather"] * 3, names
+''', tmp_path)
+
+
+def test_a_stuck_collective_times_out_through_the_watchdog(tmp_path):
+  out = _run('''
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, secret="s", timeout=5)
+dist.init_process_group("nccl", timeout=0.3, store=store)  # the watchdog publishes this rank's count to the store
+fake_cuda.FakeEvent.is_done = False  # nothing the comm stream records ever completes
+t = bt.randn(8, device="cuda")
+work = dist.all_reduce(t, async_op=True)
+start = time.monotonic()
+while dist._world.error is None and time.monotonic() - start < 10: time.sleep(0.05)
+assert ("abort",) in log
+try:
+  work.wait()
+except RuntimeError as e:
+  print("ERROR", e)
+''', tmp_path)
+  assert "ERROR all_reduce (collective #1 of the nccl group of ranks [0])" in out and "timed out after 0.3 s" in out
+  assert "did not arrive: none (they arrived; the transfer stalled)" in out  # rank 0's count in the store is 1
+
