@@ -94,3 +94,36 @@ def test_compiled_autocast_step_equals_eager_and_drops_the_casts(tmp_path, monke
   np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
   for a, b in zip(*params): np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
   assert fn.info["counts_before"]["cast"] - fn.info["counts_after"]["cast"] >= 2
+
+
+def test_widened_operand_of_an_arithmetic_op_ir():
+  X, Y = "tensor<4x8xf32>", "tensor<4x8xbf16>"
+  before = func(f"%x: {X}, %y: {Y}", f"{X}, {X}, {X}", f"""
+    %w = nova.cast %y {{dtype = f32}} : ({Y}) -> {X}
+    %a = nova.add %w, %x : ({X}, {X}) -> {X}
+    %s = nova.sub %x, %w : ({X}, {X}) -> {X}
+    %t = nova.sub %w, %x : ({X}, {X}) -> {X}
+    func.return %a, %s, %t : {X}, {X}, {X}""")
+  after = func(f"%x: {X}, %y: {Y}", f"{X}, {X}, {X}", f"""
+    %w = nova.cast %y {{dtype = f32}} : ({Y}) -> {X}
+    %a = nova.add %x, %y : ({X}, {Y}) -> {X}
+    %s = nova.sub %x, %y : ({X}, {Y}) -> {X}
+    %t = nova.sub %w, %x : ({X}, {X}) -> {X}
+    func.return %a, %s, %t : {X}, {X}, {X}""")
+  check((FuseCastsPass(), DCEPass()), before, after)
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum", "minimum"])
+def test_widened_operands_compute_the_same_bits(op):
+  b = Builder()
+  x, y = b.input((4, 8)), b.input((8,), dtypes.bfloat16)
+  graph = b.output(b(op, x, b("cast", y, dtype=dtypes.float32)), b(op, b("cast", y, dtype=dtypes.float32), x))
+  plain, fused = ir.to_module(graph), ir.to_module(graph)
+  for p in (FuseCastsPass(), DCEPass()): p.run(fused)
+  commutative = op in ("add", "mul", "maximum", "minimum")
+  assert op_counts(fused).get("cast", 0) == (0 if commutative else 1)
+  rng = np.random.default_rng(2)
+  args = [rng.standard_normal((4, 8)).astype(np.float32), (rng.standard_normal(8) * 3).astype(dtypes.bfloat16.np)]
+  args[0][0, 0], args[1][1] = np.nan, 0.0
+  for a, w in zip(codegen.load(codegen.generate(fused))(*args), codegen.load(codegen.generate(plain))(*args)):
+    np.testing.assert_array_equal(a, w)

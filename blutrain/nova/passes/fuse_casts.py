@@ -1,5 +1,13 @@
 """Cast fusion: autocast's casts folded into the kernels that consume or produce them.
 
+Under autocast a transformer's residual stream stays in float32 while attention and the MLP come out in bfloat16:
+each residual add (and each gradient accumulation in the backward) reads a half tensor widened to float32 by a cast
+of its own. The elementwise kernels read half operands and compute in float32 themselves (an exact conversion), and a
+binary op's result takes its first operand's dtype, so
+
+  add(x: f32, cast(y: half -> f32))  ->  add(x, y)      (sub, mul, div, maximum, minimum too; x and y swap for
+                                                        the commutative ones when the cast is the first operand)
+
 Under autocast the loss is computed in float32 from half logits: the captured step casts the (tokens, vocabulary)
 logits up, computes the losses and their gradient in float32, and casts the gradient back down, two extra passes
 over the largest tensor of a language model's step. The cross-entropy kernels compute half logits in float32
@@ -18,10 +26,13 @@ from dataclasses import dataclass
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
 
 from blutrain import dtypes
-from blutrain.nova.dialect import CastOp, CrossEntropyBackwardOp, CrossEntropyOp, aval, decode
+from blutrain.nova.dialect import (AddOp, BinaryOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp, MaximumOp,
+                                   MinimumOp, MulOp, SubOp, aval, decode)
 from blutrain.nova.passes.base import PatternPass
 
 _HALVES = (dtypes.float16, dtypes.bfloat16)
+_ARITHMETIC = (AddOp, SubOp, MulOp, DivOp, MaximumOp, MinimumOp)  # kernels that read halves as float32
+_COMMUTATIVE = (AddOp, MulOp, MaximumOp, MinimumOp)  # exactly, in IEEE arithmetic (NaNs propagate either way)
 
 
 def _widened_half(v) -> CastOp | None:
@@ -64,8 +75,25 @@ class NarrowedCrossEntropyBackwardPattern(RewritePattern):
                                                      {"ignore_index": decode(inner.ignore_index)}, [op.result.type]))
 
 
+class WidenedOperandPattern(RewritePattern):
+  """op(x: f32, cast(y: bf16 -> f32)) -> op(x, y) for the arithmetic binary ops (for add, mul, maximum and minimum
+  also op(cast(y), x) -> op(x, y)).
+
+    %w = nova.cast %y {dtype = f32} : (tensor<4x8xbf16>) -> tensor<4x8xf32>
+    %s = nova.add %x, %w : (tensor<4x8xf32>, tensor<4x8xf32>) -> tensor<4x8xf32>
+      =>   %s = nova.add %x, %y : (tensor<4x8xf32>, tensor<4x8xbf16>) -> tensor<4x8xf32>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: BinaryOp, rewriter: PatternRewriter):
+    if not isinstance(op, _ARITHMETIC): return
+    x, y = op.x, op.y
+    if _widened_half(x) is not None and _widened_half(y) is None and isinstance(op, _COMMUTATIVE): x, y = y, x
+    if (cast := _widened_half(y)) is None or aval(x.type).dtype is not dtypes.float32: return
+    rewriter.replace(op, type(op).make([x, cast.x], {}, [op.result.type]))
+
+
 @dataclass(frozen=True)
 class FuseCastsPass(PatternPass):
-  """Autocast's casts around the cross-entropy folded into its kernels."""
+  """Autocast's casts folded into the kernels that read them: the cross-entropy's and the arithmetic ops'."""
   name = "fuse-casts"
-  PATTERNS = (CrossEntropyOfWidenedLogitsPattern(), NarrowedCrossEntropyBackwardPattern())
+  PATTERNS = (CrossEntropyOfWidenedLogitsPattern(), NarrowedCrossEntropyBackwardPattern(), WidenedOperandPattern())
