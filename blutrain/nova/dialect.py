@@ -736,13 +736,15 @@ class LogSoftmaxOp(NNOp):
 
 @irdl_op_definition
 class LayerNormOp(NNOp):
-  """(x - mean) / sqrt(var + eps) * weight + bias over the last `n` dims; weight and bias are optional."""
+  """(x - mean) / sqrt(var + eps) * weight + bias over the last `n` dims, in `dtype` (absent: x's); weight and bias
+  are optional."""
   name = "nova.layer_norm"
   x = operand_def(TENSOR)
   weight = opt_operand_def(TENSOR)
   bias = opt_operand_def(TENSOR)
   n = prop_def(INT)
   eps = prop_def(FLOAT)
+  dtype = opt_prop_def(ELEMENT | NONE)
   irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
   assembly_format = ("$x (`weight` $weight^ `:` type($weight))? (`bias` $bias^ `:` type($bias))? attr-dict "
                      "`:` type($x) `->` type($result)")

@@ -40,14 +40,14 @@ def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
 
 # *** normalization ***
 
-def _layer_norm_rule(x, w, b, n, eps):
+def _layer_norm_rule(x, w, b, n, eps, dtype=None):
   for name, p in (("weight", w), ("bias", b)):
     if p is not None and p.shape != x.shape[x.ndim - n:]:
       raise ValueError(f"layer_norm: {name} of shape {p.shape} does not match normalized shape {x.shape[x.ndim - n:]}")
-  return x.shape, x.dtype
+  return x.shape, dtype or x.dtype
 
 
-def _layer_norm_vjp(g, out, x, w, b, n, eps):
+def _layer_norm_vjp(g, out, x, w, b, n, eps, dtype=None):
   dx, dw, db = layer_norm_backward_op(g, x, w, n=n, eps=eps, has_bias=b is not None)
   return dx, dw if w is None else dw.to(w.dtype), db if b is None else db.to(b.dtype)
 
@@ -62,8 +62,10 @@ def _layer_norm_backward_rule(g, x, w, n, eps, has_bias):
 # unless has_bias), all in x's dtype.
 layer_norm_backward_op = op("layer_norm_backward", _layer_norm_backward_rule, multi=True,
                             inputs="g x ?weight", attrs="n:int eps:float has_bias:bool")
+# The output comes in `dtype` (absent: x's); the kernels compute in float32, so Nova folds autocast's cast of the
+# output down for the next matmul into the op (passes/fuse_casts.py).
 layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1),
-                   inputs="x ?weight ?bias", attrs="n:int eps:float")
+                   inputs="x ?weight ?bias", attrs="n:int eps:float dtype:dtype?")
 
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,

@@ -92,7 +92,8 @@ def test_a_class_off_the_op_library_is_reported():
     assembly_format = None
 
   assert _differences(LayerNormOp, registry["layer_norm"]) == [
-    "operands (x, ?bias, ?weight) != (x, ?weight, ?bias)", "properties (n, eps, tf32) != (n, eps)", "n: float != int"]
+    "operands (x, ?bias, ?weight) != (x, ?weight, ?bias)", "properties (n, eps, tf32) != (n, eps, dtype)",
+    "n: float != int"]
   classes = [cls for cls in Nova.operations if cls.name != "nova.add"] + [LayerNormOp]
   assert _unmatched(classes) == (["add"], ["layer_norm"])
 

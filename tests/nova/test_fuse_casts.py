@@ -127,3 +127,35 @@ def test_widened_operands_compute_the_same_bits(op):
   args[0][0, 0], args[1][1] = np.nan, 0.0
   for a, w in zip(codegen.load(codegen.generate(fused))(*args), codegen.load(codegen.generate(plain))(*args)):
     np.testing.assert_array_equal(a, w)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_casts_fold_and_compute_the_same_bits(affine):
+  """The autocast pattern around a layer norm: its float32 output cast down for a matmul, the matmul's half gradient
+  cast up for its backward."""
+  b = Builder()
+  x, g = b.input((6, 32)), b.input((6, 32), dtypes.bfloat16)
+  w, bias = (b.input((32,)), b.input((32,))) if affine else (None, None)
+  y = b("layer_norm", x, w, bias, n=1, eps=1e-5)
+  h = b("cast", y, dtype=dtypes.bfloat16)
+  grads = b("layer_norm_backward", b("cast", g, dtype=dtypes.float32), x, w, n=1, eps=1e-5, has_bias=affine)
+  graph = b.output(h, *(v for v in grads if v is not None))
+  plain, fused = ir.to_module(graph), ir.to_module(graph)
+  for p in (FuseCastsPass(), DCEPass()): p.run(fused)
+  assert "cast" not in op_counts(fused)
+  rng = np.random.default_rng(3)
+  args = [(rng.standard_normal((6, 32)) * 3 + 1).astype(np.float32), rng.standard_normal((6, 32)).astype(dtypes.bfloat16.np)]
+  if affine: args += [rng.standard_normal(32).astype(np.float32) for _ in range(2)]
+  for a, w_ in zip(codegen.load(codegen.generate(fused))(*args), codegen.load(codegen.generate(plain))(*args)):
+    assert a.dtype == w_.dtype
+    np.testing.assert_array_equal(a, w_)
+
+
+def test_layer_norm_output_used_in_float32_keeps_its_cast():
+  b = Builder()
+  x = b.input((6, 32))
+  y = b("layer_norm", x, None, None, n=1, eps=1e-5)
+  graph = b.output(b("cast", y, dtype=dtypes.bfloat16), b("exp", y))
+  module = ir.to_module(graph)
+  FuseCastsPass().run(module)
+  assert op_counts(module)["cast"] == 1

@@ -150,7 +150,7 @@ def _log_softmax(x, dim):
   return shifted - np.log(np.sum(np.exp(shifted), axis=dim, keepdims=True))
 
 
-def _layer_norm(x, w, b, n, eps):
+def _layer_norm(x, w, b, n, eps, dtype=None):
   axes = tuple(range(x.ndim - n, x.ndim))
   mu = x.mean(axis=axes, keepdims=True)
   xc = x - mu

@@ -16,8 +16,13 @@ themselves (an exact conversion) and take the losses' dtype as an attribute, so:
   cross_entropy(cast(x: half -> f32), t)                 ->  cross_entropy(x, t, dtype=f32)
   cast(cross_entropy_backward(g, cast(x -> f32), t), half) ->  cross_entropy_backward(g, x, t)
 
-Both are exact: the same float32 arithmetic on the same values, one rounding of the gradient to the half dtype. The
-casts left without users are dce's.
+and around the layer norms, which run in float32 between half matmuls:
+
+  cast(layer_norm(x, w, b): f32 -> half)            ->  layer_norm(x, w, b, dtype=half)
+  layer_norm_backward(cast(g: half -> f32), x, w)   ->  layer_norm_backward(g, x, w)
+
+All are exact: the same float32 arithmetic on the same values, one rounding to the half dtype where there was one.
+The casts left without users are dce's.
 """
 from __future__ import annotations
 
@@ -26,8 +31,8 @@ from dataclasses import dataclass
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddOp, BinaryOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp, MaximumOp,
-                                   MinimumOp, MulOp, SubOp, aval, decode)
+from blutrain.nova.dialect import (AddOp, BinaryOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp,
+                                   LayerNormBackwardOp, LayerNormOp, MaximumOp, MinimumOp, MulOp, SubOp, aval, decode)
 from blutrain.nova.passes.base import PatternPass
 
 _HALVES = (dtypes.float16, dtypes.bfloat16)
@@ -92,8 +97,42 @@ class WidenedOperandPattern(RewritePattern):
     rewriter.replace(op, type(op).make([x, cast.x], {}, [op.result.type]))
 
 
+class NarrowedLayerNormPattern(RewritePattern):
+  """cast(layer_norm(x, w, b): f32 -> bf16) -> layer_norm(x, w, b, dtype=bf16), when the float32 output has no other
+  use.
+
+    %y = nova.layer_norm %x weight %w : tensor<768xf32> bias %b : tensor<768xf32> {n = 1 : i64, eps = 1.0e-05 : f64}
+         : (tensor<4x768xf32>) -> tensor<4x768xf32>
+    %h = nova.cast %y {dtype = bf16} : (tensor<4x768xf32>) -> tensor<4x768xbf16>
+      =>   %h = nova.layer_norm %x ... {n = 1 : i64, eps = 1.0e-05 : f64, dtype = bf16} : (...) -> tensor<4x768xbf16>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CastOp, rewriter: PatternRewriter):
+    ln = op.x.owner
+    if not isinstance(ln, LayerNormOp) or not ln.result.has_one_use(): return
+    if aval(ln.result.type).dtype is not dtypes.float32 or aval(op.result.type).dtype not in _HALVES: return
+    attrs = {**ln.attrs(), "dtype": aval(op.result.type).dtype}
+    rewriter.replace(op, LayerNormOp.make(ln.graph_inputs(), attrs, [op.result.type]))
+
+
+class LayerNormBackwardOfWidenedGradPattern(RewritePattern):
+  """layer_norm_backward(cast(g: bf16 -> f32), x, w) -> layer_norm_backward(g, x, w): the kernel reads g as float32.
+
+    %g32 = nova.cast %g {dtype = f32} : (tensor<4x768xbf16>) -> tensor<4x768xf32>
+    %dx, %dw, %db = nova.layer_norm_backward %g32, %x, %w ...
+      =>   %dx, %dw, %db = nova.layer_norm_backward %g, %x, %w ...
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: LayerNormBackwardOp, rewriter: PatternRewriter):
+    if (cast := _widened_half(op.g)) is None: return
+    rewriter.replace(op, LayerNormBackwardOp.make([cast.x, *op.graph_inputs()[1:]], op.attrs(),
+                                                  [None if r is None else r.type for r in op.graph_outputs()]))
+
+
 @dataclass(frozen=True)
 class FuseCastsPass(PatternPass):
-  """Autocast's casts folded into the kernels that read them: the cross-entropy's and the arithmetic ops'."""
+  """Autocast's casts folded into the kernels that read or write them: the cross-entropy's, the layer norm's and the
+  arithmetic ops'."""
   name = "fuse-casts"
-  PATTERNS = (CrossEntropyOfWidenedLogitsPattern(), NarrowedCrossEntropyBackwardPattern(), WidenedOperandPattern())
+  PATTERNS = (CrossEntropyOfWidenedLogitsPattern(), NarrowedCrossEntropyBackwardPattern(), WidenedOperandPattern(),
+              NarrowedLayerNormPattern(), LayerNormBackwardOfWidenedGradPattern())

@@ -283,19 +283,21 @@ def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
 
 
 @functools.lru_cache(maxsize=4096)
-def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: int, N: int, i64: bool):
-  """The layer-norm kernel's variant for M rows of N (w, b: the dtypes of the weight and bias, None when absent)."""
+def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: int, N: int, i64: bool,
+                    out: DType | None = None):
+  """The layer-norm kernel's variant for M rows of N (w, b: the dtypes of the weight and bias, None when absent; out:
+  the output's, default x's)."""
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it,
+  sig = {"out": ptr(out or x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it,
          "eps": "fp64" if x is dtypes.float64 else "fp32", **{k: it for k in axis_params("m", "x")}}
   return spec(_layer_norm_kernel, sig, dict(ACC=TL[stats_dtype(x)], M_DIMS=m_dims, HAS_W=w is not None,
                                             HAS_B=b is not None, BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64),
               num_warps=warps)
 
 
-def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float) -> CudaArray:
-  out = empty(x.shape, x.dtype, x.device)
+def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float, dtype=None) -> CudaArray:
+  out = empty(x.shape, dtype or x.dtype, x.device)
   if out.size == 0: return out
   lead = x.ndim - n
   rshape, (rst,) = collapse(x.shape[lead:], x.strides[lead:])
@@ -306,7 +308,7 @@ def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, e
   w, b = (p if p is None or p.is_contiguous() else copy(p) for p in (w, b))
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   i64 = needs_i64(x.shape, x.strides)
-  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64)
+  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64, out.dtype)
   run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N, float(eps),
       *axis_args(kshape, kst))
   return out
@@ -370,6 +372,7 @@ def _specs() -> list:
             softmax_spec(log, f32, 2, True, False, 1000, 17, True)]
   out += [softmax_spec(False, f64, 1, False, False, 10, 100000, False),
           layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False), layer_norm_spec(bf16, f32, None, 2, 1000, 20000, False),
+          layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False, bf16), layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False),
           layer_norm_spec(f64, None, None, 3, 10, 64, True), layer_norm_spec(f32, None, f32, 1, 10, 100000, False),
           layer_norm_backward_spec(f32, f32, f32, True, 1 << 14, 768, False),
           layer_norm_backward_spec(bf16, bf16, bf16, False, 1000, 20000, False),
