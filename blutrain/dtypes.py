@@ -7,6 +7,10 @@ import ml_dtypes
 import numpy as np
 
 
+class DTypeError(RuntimeError, TypeError):
+  """A dtype an op cannot take: a RuntimeError, as PyTorch raises, and a TypeError, as blutrain raised before."""
+
+
 @dataclass(frozen=True, eq=False)
 class DType:
   """A tensor element type. Instances are singletons: compare with `is` or `==`."""

@@ -439,6 +439,12 @@ class FloorOp(UnaryOp):
 
 
 @irdl_op_definition
+class SignOp(UnaryOp):
+  """-1, 0 or 1 as x is negative, zero (or nan) or positive."""
+  name = "nova.sign"
+
+
+@irdl_op_definition
 class LogicalNotOp(UnaryOp):
   """not x, a bool result."""
   name = "nova.logical_not"
@@ -888,7 +894,7 @@ class ScaleOp(MultiResultOp):
 
 Nova = Dialect("nova", [
   FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp,
-  NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, LogicalNotOp,
+  NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, LogicalNotOp,
   CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, MaximumOp, MinimumOp, EqOp, NeOp, LtOp, LeOp, GtOp, GeOp,
   LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp,
   SumOp, AmaxOp, AminOp, ArgmaxOp, ArgminOp, CumsumOp,

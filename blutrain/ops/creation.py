@@ -11,7 +11,7 @@ from blutrain.autograd.tape import hooks
 from blutrain.device import Device, to_device as parse_device
 from blutrain.dtypes import DType
 from blutrain.ops.core import op
-from blutrain.shapes import Shape
+from blutrain.shapes import Shape, ShapeError
 from blutrain.tensor import Storage, Tensor
 
 
@@ -20,7 +20,7 @@ def shape_from(size: Sequence) -> Shape:
   if len(size) == 1 and isinstance(size[0], (tuple, list)): size = tuple(size[0])
   try: shape = tuple(int(s) for s in size)
   except (TypeError, ValueError): raise TypeError(f"expected a size made of ints, got {size!r}") from None
-  if any(s < 0 for s in shape): raise ValueError(f"negative dimension in shape {shape}")
+  if any(s < 0 for s in shape): raise ShapeError(f"negative dimension in shape {shape}")
   return shape
 
 
@@ -96,9 +96,9 @@ def empty_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = Fals
 def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """Values from `start` to `end` (exclusive) by `step`: `bt.arange(5)`, `bt.arange(1, 2, 0.25)`."""
   if end is None: start, end = 0, start
-  if step == 0: raise ValueError("arange: step must be nonzero")
+  if step == 0: raise ShapeError("arange: step must be nonzero")
   if (end - start) * step < 0:
-    raise ValueError(f"arange: the range from {start} to {end} is inconsistent with the sign of step {step}")
+    raise ShapeError(f"arange: the range from {start} to {end} is inconsistent with the sign of step {step}")
   n = max(0, math.ceil((end - start) / step))
   dt = dtypes.to_dtype(dtype) if dtype is not None else dtypes.result_type(start, end, step)
   t = arange_op(device=parse_device(device), start=start, step=step, shape=(n,), dtype=dt)
@@ -107,8 +107,9 @@ def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: b
 
 def linspace(start: float, end: float, steps: int, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """`steps` evenly spaced values from `start` to `end`, both included."""
-  if steps < 0: raise ValueError(f"linspace: the number of steps must be non-negative, got {steps}")
+  if steps < 0: raise ShapeError(f"linspace: the number of steps must be non-negative, got {steps}")
   dt = dtypes.to_dtype(dtype or dtypes.default_float)
+  if dt is dtypes.bool_: raise NotImplementedError("linspace: bool is not supported (as in PyTorch); use a number dtype")
   step = (end - start) / (steps - 1) if steps > 1 else 0.0
   i = arange(steps, dtype=dtypes.float64 if dt is dtypes.float64 else dtypes.float32, device=device)
   # the first half counts up from start and the second down from end, so both ends are exact (as torch's kernel)
@@ -118,7 +119,7 @@ def linspace(start: float, end: float, steps: int, *, dtype=None, device=None, r
 
 def eye(n: int, m: int | None = None, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """The identity matrix, n x m."""
-  if n < 0 or (m is not None and m < 0): raise ValueError(f"eye: sizes must be non-negative, got n={n}, m={m}")
+  if n < 0 or (m is not None and m < 0): raise ShapeError(f"eye: sizes must be non-negative, got n={n}, m={m}")
   rows, cols = arange(n, device=device), arange(n if m is None else m, device=device)
   t = (rows.unsqueeze(1) == cols.unsqueeze(0)).to(dtype or dtypes.default_float)
   return t.requires_grad_(requires_grad) if requires_grad else t

@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 
 from blutrain import dtypes
-from blutrain.dtypes import DType
+from blutrain.dtypes import DType, DTypeError
 from blutrain.ops.core import op
-from blutrain.shapes import broadcast_shapes
+from blutrain.shapes import ShapeError, broadcast_shapes
 from blutrain.ops.creation import as_tensor_like, ones_like, scalar_operand, zeros_like
 from blutrain.tensor import Tensor
 
@@ -34,6 +34,7 @@ sigmoid_op = op("sigmoid", _same, lambda g, out, x: (g * out * (1 - out),), save
 relu_op = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True,
           inputs="x")  # passes at NaN, as torch
 erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),), inputs="x")
+sign_op = op("sign", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
 floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
 gelu_backward_op = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype), inputs="g x", attrs="approximate:str")
 gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
@@ -58,13 +59,13 @@ def floor(x: Tensor) -> Tensor: return x if not x.dtype.is_floating_point else f
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
   """GELU: x * Phi(x) (`approximate="none"`, erf) or its tanh approximation (`approximate="tanh"`)."""
-  if approximate not in ("none", "tanh"): raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+  if approximate not in ("none", "tanh"): raise ShapeError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
   return gelu_op(floating(x), approximate=approximate)
 
 
 def zeros_like_grad(g: Tensor) -> Tensor: return g * 0
 def silu(x: Tensor) -> Tensor: return x * sigmoid(x)                         # x * sigmoid(x)
-def sign(x: Tensor) -> Tensor: return (x > 0).to(x.dtype) - (x < 0).to(x.dtype) if x.dtype is not dtypes.bool_ else copy(x)
+def sign(x: Tensor) -> Tensor: return sign_op(x) if x.dtype is not dtypes.bool_ else copy(x)  # sign(nan) = 0, as torch
 def square(x: Tensor) -> Tensor: return x * x
 def reciprocal(x: Tensor) -> Tensor: return 1 / floating(x)
 
@@ -95,9 +96,17 @@ mul_op = op("mul", _binary_rule("mul"), lambda g, out, x, y: (_unbroadcast(g * y
             inputs="x y")
 div_op = op("div", _binary_rule("div"), lambda g, out, x, y: (_unbroadcast(g / y, x), _unbroadcast(-g * out / y, y)),
             saves=(1,), saves_output=True, inputs="x y")
-pow_op = op("pow", _binary_rule("pow"), lambda g, out, x, y: (
-  _unbroadcast(g * y * pow_op(x, y - 1), x),
-  _unbroadcast(g * out * log(where(x > 0, x, 1.0)), y)), saves_output=True, inputs="x y")
+
+
+def _pow_vjp(g, out, x, y):
+  """PyTorch's edges: d/dx is 0 where y == 0 (even at x = 0); d/dy is 0 where x == 0 and y >= 0, and out * log(x)
+  elsewhere (nan for a negative base, -inf for 0 ** negative)."""
+  dx = where(y == 0, 0.0, y * pow_op(x, y - 1))
+  dy = where((x == 0) & (y >= 0), 0.0, out * log_op(x))
+  return _unbroadcast(g * dx, x), _unbroadcast(g * dy, y)
+
+
+pow_op = op("pow", _binary_rule("pow"), _pow_vjp, saves_output=True, inputs="x y")
 maximum_op = op("maximum", _binary_rule("maximum"), _max_vjp, saves_output=True, inputs="x y")
 minimum_op = op("minimum", _binary_rule("minimum"), _max_vjp, saves_output=True, inputs="x y")
 
@@ -188,7 +197,7 @@ where_op = op("where", _where_rule, lambda g, out, c, x, y: (
 def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
   """Elementwise `x if condition else y`, broadcasting all three."""
   if not isinstance(condition, Tensor) or condition.dtype is not dtypes.bool_:
-    raise TypeError(f"where: condition must be a bool tensor, got {getattr(condition, 'dtype', type(condition).__name__)}")
+    raise DTypeError(f"where: condition must be a bool tensor, got {getattr(condition, 'dtype', type(condition).__name__)}")
   if not isinstance(x, Tensor) and not isinstance(y, Tensor):
     x = scalar_operand(x, dtypes.result_type(x, y), condition.device)
   x, y = operands("where", x, y)
@@ -216,7 +225,7 @@ def cast(x: Tensor, dtype: DType) -> Tensor:
 
 def clamp(x: Tensor, min=None, max=None, *, into: Tensor | None = None) -> Tensor:
   """Limit x to [min, max]; the gradient passes where min <= x <= max."""
-  if min is None and max is None: raise ValueError("clamp: at least one of min and max must be given")
+  if min is None and max is None: raise ShapeError("clamp: at least one of min and max must be given")
   if min is not None:
     x = where(x < min, min if not isinstance(min, Tensor) else min.to(x.dtype), x, into=into if max is None else None)
   if max is not None: x = where(x > max, max if not isinstance(max, Tensor) else max.to(x.dtype), x, into=into)
@@ -229,9 +238,9 @@ clip = clamp
 def masked_fill(x: Tensor, mask: Tensor, value, *, into: Tensor | None = None) -> Tensor:
   """x with `value` where mask is True (mask broadcasts to x)."""
   if not isinstance(mask, Tensor) or mask.dtype is not dtypes.bool_:
-    raise TypeError(f"masked_fill: mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    raise DTypeError(f"masked_fill: mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
   if broadcast_shapes(mask.shape, x.shape, op="masked_fill") != tuple(x.shape):
-    raise ValueError(f"masked_fill: mask of shape {mask.shape} does not broadcast to the tensor's shape {x.shape}")
+    raise ShapeError(f"masked_fill: mask of shape {mask.shape} does not broadcast to the tensor's shape {x.shape}")
   if isinstance(value, (bool, int, float)): value = scalar_operand(value, x.dtype, x.device)
   else: value = as_tensor_like(value, x).to(x.dtype)
   return where(mask, value, x, into=into)

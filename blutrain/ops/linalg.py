@@ -6,13 +6,14 @@ import math
 from blutrain import backends, dtypes
 from blutrain.ops.core import op
 from blutrain.ops.reduce import sum_to
-from blutrain.shapes import broadcast_shapes
+from blutrain.dtypes import DTypeError
+from blutrain.shapes import ShapeError, broadcast_shapes
 from blutrain.tensor import Tensor
 
 
 def _matmul_rule(a, b, tf32=False):
   if a.shape[-1] != b.shape[-2]:
-    raise ValueError(f"matmul: cannot contract {tuple(a.shape)} with {tuple(b.shape)}: {a.shape[-1]} != {b.shape[-2]} "
+    raise ShapeError(f"matmul: cannot contract {tuple(a.shape)} with {tuple(b.shape)}: {a.shape[-1]} != {b.shape[-2]} "
                      f"({a.dtype.name}, {b.dtype.name}, {a.device})")
   batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], op=f"matmul of {tuple(a.shape)} and {tuple(b.shape)}, batch dims")
   return batch + (a.shape[-2], b.shape[-1]), a.dtype
@@ -38,9 +39,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
   says when the op is built (its `tf32` attribute)."""
   if not isinstance(a, Tensor) or not isinstance(b, Tensor):
     raise TypeError(f"matmul: expected two tensors, got {type(a).__name__} and {type(b).__name__}")
-  if a.ndim == 0 or b.ndim == 0: raise ValueError(f"matmul: both arguments need at least 1 dimension, got {a.shape} and {b.shape}")
+  if a.ndim == 0 or b.ndim == 0: raise ShapeError(f"matmul: both arguments need at least 1 dimension, got {a.shape} and {b.shape}")
   if a.dtype is not b.dtype:
-    raise TypeError(f"matmul: expected both operands of one dtype, got {a.dtype.name} and {b.dtype.name} "
+    raise DTypeError(f"matmul: expected both operands of one dtype, got {a.dtype.name} and {b.dtype.name} "
                     f"(shapes {tuple(a.shape)}, {tuple(b.shape)}); convert one with .to(dtype)")
   if a.dtype is dtypes.bool_: raise TypeError("matmul: bool operands are not supported")
   a2 = a.unsqueeze(0) if a.ndim == 1 else a

@@ -11,7 +11,7 @@ from blutrain.ops.core import op
 from blutrain.ops.creation import arange, from_numpy, full, tensor
 from blutrain.ops.elementwise import copy, operands, where
 from blutrain.ops.reduce import sum_to
-from blutrain.shapes import broadcast_shapes, contiguous_strides, normalize_dim, normalize_dims
+from blutrain.shapes import BoundsError, ShapeError, broadcast_shapes, contiguous_strides, normalize_dim, normalize_dims
 from blutrain.tensor import Tensor
 
 
@@ -19,14 +19,14 @@ from blutrain.tensor import Tensor
 
 def _infer_shape(x, shape, name: str) -> tuple[int, ...]:
   numel, shape = math.prod(x.shape), tuple(shape)
-  if shape.count(-1) > 1: raise ValueError(f"{name}: only one dimension can be -1, got {shape}")
+  if shape.count(-1) > 1: raise ShapeError(f"{name}: only one dimension can be -1, got {shape}")
   if -1 in shape:
     rest = math.prod(n for n in shape if n != -1)
     if rest == 0 or numel % rest:
-      raise ValueError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
+      raise ShapeError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
     shape = tuple(numel // rest if n == -1 else n for n in shape)
   if math.prod(shape) != numel:
-    raise ValueError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
+    raise ShapeError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
   return shape
 
 
@@ -84,7 +84,7 @@ def reshape(x: Tensor, shape) -> Tensor:
 
 def _permute_rule(x, dims):
   if sorted(dims) != list(range(x.ndim)):
-    raise ValueError(f"permute: {dims} is not a permutation of the {x.ndim} dimensions of a tensor of shape {x.shape}")
+    raise ShapeError(f"permute: {dims} is not a permutation of the {x.ndim} dimensions of a tensor of shape {x.shape}")
   return tuple(x.shape[d] for d in dims), x.dtype
 
 
@@ -116,7 +116,7 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
 def _expand_rule(x, shape):
   lead = len(shape) - x.ndim
   if lead < 0 or any(n != s and n != 1 for n, s in zip(x.shape, shape[lead:])):
-    raise ValueError(f"expand: cannot expand shape {x.shape} to {shape} (only size-1 dims can grow)")
+    raise ShapeError(f"expand: cannot expand shape {x.shape} to {shape} (only size-1 dims can grow)")
   return shape, x.dtype
 
 
@@ -135,7 +135,7 @@ def expand(x: Tensor, shape) -> Tensor:
   shape = tuple(shape)
   lead = len(shape) - x.ndim
   if -1 in shape[:max(lead, 0)]:
-    raise ValueError(f"expand: -1 (keep the size) is not allowed in a new leading dim: {x.shape} to {shape}")
+    raise ShapeError(f"expand: -1 (keep the size) is not allowed in a new leading dim: {x.shape} to {shape}")
   shape = tuple(x.shape[i - lead] if n == -1 and i >= lead else n for i, n in enumerate(shape))
   return x if shape == x.shape else expand_op(x, shape=shape)
 
@@ -162,14 +162,14 @@ def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
   d = normalize_dim(dim, x.ndim, "narrow")
   if start < 0: start += x.shape[d]
   if not (0 <= start and start + length <= x.shape[d] and length >= 0):
-    raise IndexError(f"narrow: start {start} + length {length} exceeds dimension {dim} of size {x.shape[d]}")
+    raise BoundsError(f"narrow: start {start} + length {length} exceeds dimension {dim} of size {x.shape[d]}")
   index = tuple((start, start + length, 1) if i == d else (0, n, 1) for i, n in enumerate(x.shape))
   return slice_op(x, index=index)
 
 
 def squeeze(x: Tensor, dim=None) -> Tensor:
   """Drop size-1 dims (all, or those named in dim)."""
-  dims = normalize_dims(dim, x.ndim, "squeeze") if x.ndim else ()
+  dims = normalize_dims(dim, x.ndim, "squeeze")
   return reshape(x, tuple(n for i, n in enumerate(x.shape) if not (i in dims and n == 1)))
 
 
@@ -183,7 +183,7 @@ def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
   """Merge dims start_dim..end_dim into one."""
   if x.ndim == 0: return reshape(x, (1,))
   s, e = normalize_dim(start_dim, x.ndim, "flatten"), normalize_dim(end_dim, x.ndim, "flatten")
-  if s > e: raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} (shape {x.shape})")
+  if s > e: raise ShapeError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} (shape {x.shape})")
   return reshape(x, x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:])
 
 
@@ -197,10 +197,10 @@ def split(x: Tensor, split_size, dim: int = 0) -> tuple[Tensor, ...]:
   """Views of consecutive pieces along dim: each of `split_size`, or of the listed sizes."""
   d = normalize_dim(dim, x.ndim, "split")
   n = x.shape[d]
-  if isinstance(split_size, int) and split_size <= 0: raise ValueError(f"split: split_size must be positive, got {split_size}")
+  if isinstance(split_size, int) and split_size <= 0: raise ShapeError(f"split: split_size must be positive, got {split_size}")
   sizes = [split_size] * (n // split_size) + ([n % split_size] if n % split_size else []) if isinstance(split_size, int) \
           else list(split_size)
-  if sum(sizes) != n: raise ValueError(f"split: sizes {sizes} do not add up to dimension {dim} of size {n}")
+  if sum(sizes) != n: raise ShapeError(f"split: sizes {sizes} do not add up to dimension {dim} of size {n}")
   starts = [sum(sizes[:i]) for i in range(len(sizes))]
   return tuple(narrow(x, d, s, k) for s, k in zip(starts, sizes))
 
@@ -208,7 +208,7 @@ def split(x: Tensor, split_size, dim: int = 0) -> tuple[Tensor, ...]:
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
   """`chunks` nearly equal views along dim (the last may be smaller)."""
   n = x.shape[normalize_dim(dim, x.ndim, "chunk")]
-  if chunks <= 0: raise ValueError(f"chunk: the number of chunks must be positive, got {chunks}")
+  if chunks <= 0: raise ShapeError(f"chunk: the number of chunks must be positive, got {chunks}")
   return split(x, max(1, -(-n // chunks)), dim)
 
 
@@ -221,7 +221,7 @@ def unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
 def repeat(x: Tensor, *sizes) -> Tensor:
   """Tile x: `x.repeat(2, 1)` repeats along dim 0 twice."""
   sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes
-  if len(sizes) < x.ndim: raise ValueError(f"repeat: {len(sizes)} sizes for a tensor with {x.ndim} dims")
+  if len(sizes) < x.ndim: raise ShapeError(f"repeat: {len(sizes)} sizes for a tensor with {x.ndim} dims")
   x = reshape(x, (1,) * (len(sizes) - x.ndim) + x.shape)
   grown = expand(reshape(x, tuple(v for n in x.shape for v in (1, n))), tuple(v for r, n in zip(sizes, x.shape) for v in (r, n)))
   return reshape(grown, tuple(r * n for r, n in zip(sizes, x.shape)))
@@ -233,7 +233,7 @@ def _cat_rule(*xs, dim):
   first = xs[0]
   for x in xs[1:]:
     if x.ndim != first.ndim or any(a != b for i, (a, b) in enumerate(zip(x.shape, first.shape)) if i != dim):
-      raise ValueError(f"cat: shapes {[tuple(t.shape) for t in xs]} differ outside dimension {dim}")
+      raise ShapeError(f"cat: shapes {[tuple(t.shape) for t in xs]} differ outside dimension {dim}")
   return first.shape[:dim] + (sum(x.shape[dim] for x in xs),) + first.shape[dim + 1:], first.dtype
 
 
@@ -257,9 +257,9 @@ def cat(tensors, dim: int = 0) -> Tensor:
 def stack(tensors, dim: int = 0) -> Tensor:
   """Join along a new dim."""
   tensors = list(tensors)
-  if not tensors: raise ValueError("stack: expected a non-empty list of tensors")
+  if not tensors: raise ShapeError("stack: expected a non-empty list of tensors")
   shapes = {tuple(t.shape) for t in tensors}
-  if len(shapes) > 1: raise ValueError(f"stack: expects tensors of equal shape, got {sorted(shapes)}")
+  if len(shapes) > 1: raise ShapeError(f"stack: expects tensors of equal shape, got {sorted(shapes)}")
   d = normalize_dim(dim, tensors[0].ndim + 1, "stack")
   return cat([unsqueeze(t, d) for t in tensors], d)
 

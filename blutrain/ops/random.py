@@ -7,6 +7,7 @@ from blutrain import dtypes
 from blutrain.device import to_device as parse_device
 from blutrain.ops.core import op
 from blutrain.ops.creation import shape_from, tensor
+from blutrain.shapes import ShapeError
 from blutrain.tensor import Tensor
 
 
@@ -73,7 +74,7 @@ def randint(low: int, high: int | None = None, size=(), *, dtype=None, device=No
   """Integers uniform on [low, high): `bt.randint(10, (3,))` or `bt.randint(2, 10, (3,))`."""
   if isinstance(high, (tuple, list)): high, size = None, high  # randint(high, size), as torch.randint
   if high is None: low, high = 0, low
-  if high <= low: raise ValueError(f"randint: empty range [{low}, {high})")
+  if high <= low: raise ShapeError(f"randint: empty range [{low}, {high})")
   return _draw(randint_op, shape_from((size,) if isinstance(size, int) else tuple(size)),
                dtypes.to_dtype(dtype or dtypes.int64), device, generator, low=int(low), high=int(high))
 

@@ -1,6 +1,7 @@
 """Reductions over dims (sum, amax, amin, argmax, argmin, cumsum) and their composites."""
 from __future__ import annotations
 
+import builtins
 import math
 from collections import namedtuple
 
@@ -74,7 +75,7 @@ def var(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbi
   n = math.prod(x.shape[d] for d in dims)
   centered = x - mean(x, dims, keepdim=True)
   squares = sum(centered * centered, dims, keepdim)
-  return squares / (n - correction) if n > correction else squares * float("nan")
+  return squares / builtins.max(n - correction, 0)  # inf (nan where all equal) when correction >= n, as PyTorch
 
 
 def std(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbiased: bool | None = None) -> Tensor:
@@ -104,14 +105,16 @@ def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the maximum along `dim` (of the flattened tensor when dim is None)."""
   if dim is None: return argmax_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   _nonempty(x, dim, "argmax")
-  return argmax_op(x, dim=normalize_dim(dim, x.ndim, "argmax"), keepdim=keepdim)
+  d = normalize_dim(dim, x.ndim, "argmax")
+  return argmax_op(x, dim=d, keepdim=keepdim) if x.ndim else argmax_op(x.reshape(1), dim=0, keepdim=False)
 
 
 def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the minimum along `dim`."""
   if dim is None: return argmin_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   _nonempty(x, dim, "argmin")
-  return argmin_op(x, dim=normalize_dim(dim, x.ndim, "argmin"), keepdim=keepdim)
+  d = normalize_dim(dim, x.ndim, "argmin")
+  return argmin_op(x, dim=d, keepdim=keepdim) if x.ndim else argmin_op(x.reshape(1), dim=0, keepdim=False)
 
 
 def max(x: Tensor, dim=None, keepdim: bool = False):
@@ -131,6 +134,7 @@ def min(x: Tensor, dim=None, keepdim: bool = False):
 def _select(x: Tensor, idx: Tensor, dim: int, keepdim: bool):
   """(values, indices) of max/min along dim; values are gathered so that, as in PyTorch, the gradient goes
   to the returned index only (amax/amin share it among ties)."""
+  if not x.ndim: return values_indices(x.reshape(1).gather(0, idx.reshape(1)).reshape(()), idx)
   values = x.gather(dim, idx)
   return values_indices(values, idx) if keepdim else values_indices(values.squeeze(dim), idx.squeeze(dim))
 

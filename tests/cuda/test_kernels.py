@@ -92,7 +92,7 @@ def run(name: str, *inputs, tol=None, **attrs):
 # *** elementwise ***
 
 UNARY_DOMAIN = {"log": (0.01, 5), "sqrt": (0, 5), "rsqrt": (0.01, 5), "exp": (-10, 10)}  # exp(11) > float16's max
-UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor")
+UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "sign")
 
 
 @pytest.mark.parametrize("name", UNARY)
@@ -104,7 +104,7 @@ def test_unary(name, dtype):
     run(name, pair(shape, dtype, layout, low, high))
 
 
-@pytest.mark.parametrize("name", ("neg", "abs", "relu"))
+@pytest.mark.parametrize("name", ("neg", "abs", "relu", "sign"))
 @pytest.mark.parametrize("dtype", (bt.int32, bt.int64), ids=NAME)
 def test_unary_integers(name, dtype):
   run(name, pair((17, 9), dtype, "transposed", -100, 100))
@@ -112,7 +112,7 @@ def test_unary_integers(name, dtype):
 
 def test_unary_special_values():
   x = bt.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, 88.0, -104.0])
-  for name in ("exp", "log", "sqrt", "tanh", "sigmoid", "relu", "abs", "erf", "floor", "neg"):
+  for name in ("exp", "log", "sqrt", "tanh", "sigmoid", "relu", "abs", "erf", "floor", "sign", "neg"):
     run(name, (x, x.to("cuda")))
 
 

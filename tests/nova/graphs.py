@@ -145,7 +145,7 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
           b("rand", rng, shape=(3, 4), dtype=f32, offset=0), b("randn", rng, shape=(3, 4), dtype=f32, offset=12),
           b("randint", rng, shape=(5,), dtype=dtypes.int64, offset=24, low=-3, high=10),
           b("bernoulli", rng, shape=(3, 4), dtype=dtypes.bool_, offset=29, p=0.3)]
-  for name in ("neg", "exp", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "abs", "copy"): outs.append(b(name, x))
+  for name in ("neg", "exp", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "sign", "abs", "copy"): outs.append(b(name, x))
   for name in ("log", "sqrt", "rsqrt"): outs.append(b(name, pos))
   outs += [b("gelu", x, approximate="none"), b("gelu", x, approximate="tanh"),
            b("gelu_backward", pos, x, approximate="none"), b("gelu_backward", pos, x, approximate="tanh"),

@@ -11,14 +11,9 @@ import math
 import ml_dtypes
 import numpy as np
 
+from blutrain.shapes import BoundsError
+
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-
-
-def _errstate(fn):
-  @functools.wraps(fn)
-  def k(*a, **kw):
-    with np.errstate(all="ignore"): return fn(*a, **kw)
-  return k
 
 
 # *** elementwise ***
@@ -77,9 +72,10 @@ def _cumsum(x, dim, reverse=False):
 # *** indexing ***
 
 def _check_bounds(op: str, idx: np.ndarray, size: int, dim: int) -> None:
+  """IndexError (BoundsError, a RuntimeError too, for gather and scatter_add, as PyTorch) naming the first bad index."""
   if idx.size and (idx.min() < -size or idx.max() >= size):
     bad = idx[(idx < -size) | (idx >= size)].flat[0]
-    raise IndexError(f"{op}: index {bad} is out of bounds for dimension {dim} with size {size}")
+    raise (BoundsError if op in ("gather", "scatter_add") else IndexError)(f"{op}: index {bad} is out of bounds for dimension {dim} with size {size}")
 
 
 def _key(x, idx, positions):
@@ -243,13 +239,14 @@ kernels = {
   "randint": lambda *, shape, dtype, seed, offset, low, high: _rng(seed, offset).integers(low, high, shape),
   "bernoulli": lambda *, shape, dtype, seed, offset, p: _rng(seed, offset).random(shape, dtype=np.float32) < p,
   # unary
-  "neg": np.negative, "exp": _errstate(np.exp), "log": _errstate(np.log), "sqrt": _errstate(np.sqrt),
-  "rsqrt": _errstate(lambda x: 1.0 / np.sqrt(x)), "abs": np.abs, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
+  "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+  "rsqrt": lambda x: 1.0 / np.sqrt(x), "abs": np.abs, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
   "sigmoid": _sigmoid, "relu": lambda x: np.maximum(x, 0), "erf": _erf, "floor": np.floor,
-  "gelu": _errstate(_gelu), "gelu_backward": _errstate(_gelu_backward),
-  "logical_not": np.logical_not, "cast": _errstate(lambda x, dtype: x.astype(dtype.np)), "copy": lambda x: np.array(x, copy=True),
+  "sign": lambda x: (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype),
+  "gelu": _gelu, "gelu_backward": _gelu_backward,
+  "logical_not": np.logical_not, "cast": lambda x, dtype: x.astype(dtype.np), "copy": lambda x: np.array(x, copy=True),
   # binary
-  "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _errstate(np.divide), "pow": _errstate(_pow),
+  "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": _pow,
   "maximum": np.maximum, "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
   "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "logical_and": np.logical_and,
   "logical_or": np.logical_or, "logical_xor": np.logical_xor, "where": np.where,
@@ -266,17 +263,19 @@ kernels = {
   "index_put": _index_put, "gather": _gather, "scatter_add": _scatter_add, "embedding": _embedding,
   "embedding_backward": _embedding_backward,
   # linear algebra, normalization, losses
-  "matmul": _matmul, "softmax": _errstate(_softmax), "log_softmax": _errstate(_log_softmax), "layer_norm": _layer_norm,
+  "matmul": _matmul, "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm,
   "layer_norm_backward": _layer_norm_backward,
-  "cross_entropy": _errstate(_cross_entropy), "cross_entropy_backward": _errstate(_cross_entropy_backward),
+  "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
 }
 
 
 def _upcast_halves(fn):
+  """Half inputs computed in float32; IEEE results (inf, nan) without numpy's warnings, as PyTorch gives them."""
   @functools.wraps(fn)
   def kernel(*arrays, **attrs):
-    return fn(*(a.astype(np.float32) if a is not None and a.dtype in _HALF else a for a in arrays), **attrs)
+    with np.errstate(all="ignore"):
+      return fn(*(a.astype(np.float32) if a is not None and a.dtype in _HALF else a for a in arrays), **attrs)
   return kernel
 
 

@@ -28,7 +28,7 @@ from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, contiguous_strides
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
-         "logical_not", "gelu", "gelu_tanh", "copy")
+         "sign", "logical_not", "gelu", "gelu_tanh", "copy")
 BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
           "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "logical_not")
@@ -120,6 +120,8 @@ def _apply(a, b, c, OP: tl.constexpr):
     r = tl.math.erf(a)
   elif OP == "floor":
     r = tl.floor(a)
+  elif OP == "sign":
+    r = (a > 0).to(a.dtype) - (a < 0).to(a.dtype)  # 0 at nan, as PyTorch
   elif OP == "logical_not":
     r = a == 0
   elif OP == "gelu":
