@@ -11,6 +11,10 @@ class DTypeError(RuntimeError, TypeError):
   """A dtype an op cannot take: a RuntimeError, as PyTorch raises, and a TypeError, as blutrain raised before."""
 
 
+class UnsupportedDType(NotImplementedError, DTypeError):
+  """An op that has no meaning for a dtype (abs of bools, gelu of integers): NotImplementedError, as PyTorch raises."""
+
+
 @dataclass(frozen=True, eq=False)
 class DType:
   """A tensor element type. Instances are singletons: compare with `is` or `==`."""

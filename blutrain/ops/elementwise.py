@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from blutrain import dtypes
-from blutrain.dtypes import DType, DTypeError
+from blutrain.dtypes import DType, DTypeError, UnsupportedDType
 from blutrain.ops.core import op
 from blutrain.shapes import ShapeError, broadcast_shapes
 from blutrain.ops.creation import as_tensor_like, ones_like, scalar_operand, zeros_like
@@ -42,9 +42,16 @@ gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
                inputs="x", attrs="approximate:str")
 
 
-def neg(x: Tensor, *, into: Tensor | None = None) -> Tensor: return neg_op(x, into=into)
-def abs(x: Tensor, *, into: Tensor | None = None) -> Tensor: return abs_op(x, into=into)
-def relu(x: Tensor, *, into: Tensor | None = None) -> Tensor: return relu_op(x, into=into)
+def _no_bool(x: Tensor, name: str) -> Tensor:
+  if x.dtype is dtypes.bool_:
+    raise UnsupportedDType(f"{name}: not defined for bool tensors (as in PyTorch); use ~x / logical_not to invert a "
+                           f"mask, or convert first with .to(...)")
+  return x
+
+
+def neg(x: Tensor, *, into: Tensor | None = None) -> Tensor: return neg_op(_no_bool(x, "neg"), into=into)
+def abs(x: Tensor, *, into: Tensor | None = None) -> Tensor: return abs_op(_no_bool(x, "abs"), into=into)
+def relu(x: Tensor, *, into: Tensor | None = None) -> Tensor: return relu_op(_no_bool(x, "relu"), into=into)
 def exp(x: Tensor, *, into: Tensor | None = None) -> Tensor: return exp_op(floating(x), into=into)
 def log(x: Tensor) -> Tensor: return log_op(floating(x))
 def sqrt(x: Tensor, *, into: Tensor | None = None) -> Tensor: return sqrt_op(floating(x), into=into)
@@ -54,13 +61,15 @@ def cos(x: Tensor) -> Tensor: return cos_op(floating(x))
 def tanh(x: Tensor) -> Tensor: return tanh_op(floating(x))
 def sigmoid(x: Tensor) -> Tensor: return sigmoid_op(floating(x))
 def erf(x: Tensor) -> Tensor: return erf_op(floating(x))
-def floor(x: Tensor) -> Tensor: return x if not x.dtype.is_floating_point else floor_op(x)
+def floor(x: Tensor) -> Tensor: return floor_op(x) if x.dtype.is_floating_point else copy(_no_bool(x, "floor"))
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
   """GELU: x * Phi(x) (`approximate="none"`, erf) or its tanh approximation (`approximate="tanh"`)."""
   if approximate not in ("none", "tanh"): raise ShapeError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-  return gelu_op(floating(x), approximate=approximate)
+  if not x.dtype.is_floating_point:
+    raise UnsupportedDType(f"gelu: expected a floating point tensor, got {x.dtype.name} (as PyTorch); convert with .float()")
+  return gelu_op(x, approximate=approximate)
 
 
 def zeros_like_grad(g: Tensor) -> Tensor: return g * 0
@@ -82,10 +91,14 @@ def _unbroadcast(g: Tensor, x) -> Tensor:
   return g if g.shape == tuple(x.shape) else g.sum_to_size(x.shape)
 
 
-def _max_vjp(g, out, x, y):
-  """Ties split the gradient evenly, as torch.maximum's does."""
-  share = (x == y).to(g.dtype) * 0.5 + (out == x).to(g.dtype) * ((x != y).to(g.dtype))
-  return _unbroadcast(g * share, x), _unbroadcast(g * (1 - share), y)
+def _extremum_vjp(less: bool):
+  """maximum's VJP (`less`: minimum's): ties split the gradient evenly and a nan on either side passes all of it to
+  both, as PyTorch's."""
+  def vjp(g, out, x, y):
+    gx = where(x == y, g * 0.5, g)
+    lose_x, lose_y = (x > y, x < y) if less else (x < y, x > y)
+    return _unbroadcast(where(lose_x, 0.0, gx), x), _unbroadcast(where(lose_y, 0.0, gx), y)
+  return vjp
 
 
 add_op = op("add", _binary_rule("add"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(g, y)), saves=(),
@@ -107,8 +120,8 @@ def _pow_vjp(g, out, x, y):
 
 
 pow_op = op("pow", _binary_rule("pow"), _pow_vjp, saves_output=True, inputs="x y")
-maximum_op = op("maximum", _binary_rule("maximum"), _max_vjp, saves_output=True, inputs="x y")
-minimum_op = op("minimum", _binary_rule("minimum"), _max_vjp, saves_output=True, inputs="x y")
+maximum_op = op("maximum", _binary_rule("maximum"), _extremum_vjp(False), inputs="x y")
+minimum_op = op("minimum", _binary_rule("minimum"), _extremum_vjp(True), inputs="x y")
 
 _cmp = {name: op(name, _binary_rule(name, dtypes.bool_), differentiable=False, inputs="x y")
         for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor")}
@@ -164,6 +177,8 @@ def div(x, y, *, into: Tensor | None = None) -> Tensor:
 
 def pow(x, y, *, into: Tensor | None = None) -> Tensor:
   """x ** y; an integer base with a float exponent gives float32."""
+  if isinstance(y, int) and y < 0 and isinstance(x, Tensor) and not x.dtype.is_floating_point:
+    raise ShapeError(f"pow: integers to negative integer powers are not allowed ({x.dtype.name} ** {y}); use a float base")
   return pow_op(*operands("pow", x, y), into=into)
 
 

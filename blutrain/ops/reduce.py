@@ -7,9 +7,9 @@ from collections import namedtuple
 
 from blutrain import dtypes
 from blutrain.ops.core import autocast_inputs, op
-from blutrain.ops.creation import zeros
-from blutrain.ops.elementwise import exp, isfinite, log, maximum, minimum, sqrt, where
-from blutrain.shapes import normalize_dim, normalize_dims
+from blutrain.ops.creation import ones_like, zeros
+from blutrain.ops.elementwise import exp, isfinite, isnan, log, maximum, minimum, sqrt, where
+from blutrain.shapes import BoundsError, normalize_dim, normalize_dims
 from blutrain.tensor import Tensor
 
 values_indices = namedtuple("values_indices", ["values", "indices"])
@@ -73,7 +73,7 @@ def var(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbi
   if unbiased is not None: correction = int(unbiased)
   dims = normalize_dims(dim, x.ndim, "var")
   n = math.prod(x.shape[d] for d in dims)
-  centered = x - mean(x, dims, keepdim=True)
+  centered = x - mean(x.detach(), dims, keepdim=True)  # the mean's own gradient is 0 (inf - inf = nan at infinities)
   squares = sum(centered * centered, dims, keepdim)
   return squares / builtins.max(n - correction, 0)  # inf (nan where all equal) when correction >= n, as PyTorch
 
@@ -96,6 +96,8 @@ def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
 
 
 def _nonempty(x: Tensor, dim, name: str) -> None:
+  if dim is None and x.numel() == 0:  # PyTorch raises RuntimeError (amax) or IndexError (argmax): both
+    raise BoundsError(f"{name}: cannot reduce a tensor of shape {x.shape} with no elements; name a dim to reduce")
   dims = normalize_dims(dim, x.ndim, name)
   if 0 in (x.shape[d] for d in dims):
     raise IndexError(f"{name}: cannot reduce over an empty dimension of a tensor of shape {x.shape}")
@@ -103,16 +105,16 @@ def _nonempty(x: Tensor, dim, name: str) -> None:
 
 def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the maximum along `dim` (of the flattened tensor when dim is None)."""
-  if dim is None: return argmax_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   _nonempty(x, dim, "argmax")
+  if dim is None: return argmax_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   d = normalize_dim(dim, x.ndim, "argmax")
   return argmax_op(x, dim=d, keepdim=keepdim) if x.ndim else argmax_op(x.reshape(1), dim=0, keepdim=False)
 
 
 def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the minimum along `dim`."""
-  if dim is None: return argmin_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   _nonempty(x, dim, "argmin")
+  if dim is None: return argmin_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   d = normalize_dim(dim, x.ndim, "argmin")
   return argmin_op(x, dim=d, keepdim=keepdim) if x.ndim else argmin_op(x.reshape(1), dim=0, keepdim=False)
 
@@ -120,15 +122,25 @@ def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
 def max(x: Tensor, dim=None, keepdim: bool = False):
   """`x.max()` is the largest value; `x.max(dim)` gives (values, indices); `x.max(other)` is maximum."""
   if isinstance(dim, Tensor): return maximum(x, dim)
-  if dim is None: return amax(x)
+  if dim is None: return _whole(x, amax, -math.inf) if x.numel() else amax(x)
   return _select(x, argmax(x, dim, keepdim=True), dim, keepdim)
 
 
 def min(x: Tensor, dim=None, keepdim: bool = False):
   """`x.min()`, `x.min(dim)` -> (values, indices), or `x.min(other)`."""
   if isinstance(dim, Tensor): return minimum(x, dim)
-  if dim is None: return amin(x)
+  if dim is None: return _whole(x, amin, math.inf) if x.numel() else amin(x)
   return _select(x, argmin(x, dim, keepdim=True), dim, keepdim)
+
+
+def _whole(x: Tensor, extreme, fill: float) -> Tensor:
+  """`x.max()`/`x.min()` (extreme: amax/amin, fill: its identity): where x holds a nan the gradient is shared among
+  the nans, as PyTorch's (amax's would be nan everywhere); the extreme is taken without them so its VJP stays finite."""
+  if not x.dtype.is_floating_point: return extreme(x)
+  nans = isnan(x)
+  count = sum(nans.to(x.dtype))
+  among_nans = sum(where(nans, x, 0.0)) / maximum(count, ones_like(count))
+  return where(count > 0, among_nans, extreme(where(nans, fill, x)))
 
 
 def _select(x: Tensor, idx: Tensor, dim: int, keepdim: bool):

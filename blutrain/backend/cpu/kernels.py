@@ -198,8 +198,11 @@ def _rng(seed, offset) -> np.random.Generator:
 
 
 def _pow(x, y):
+  """Integers to negative powers truncate toward zero as C does (1, -1 or 0), as PyTorch's for tensor exponents and
+  the CUDA kernel's (`pow` refuses a negative Python number, as PyTorch)."""
   if x.dtype.kind in "iu" and y.dtype.kind in "iu" and (y < 0).any():
-    raise RuntimeError("pow: integers to negative integer powers are not allowed; use a floating point base")
+    neg = y < 0
+    return np.where(neg, np.where(x == 1, 1, np.where(x == -1, np.where(y & 1, -1, 1), 0)), np.power(x, np.where(neg, 0, y)))
   return np.power(x, y)
 
 
