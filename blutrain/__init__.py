@@ -13,6 +13,8 @@ from blutrain.ops import (no_grad, enable_grad, set_grad_enabled, is_grad_enable
                           chunk, unbind, cat, stack, nonzero, matmul, softmax, log_softmax, gather, scatter_add,
                           index_select, tril, triu, isnan, isfinite)
 from blutrain.ops import default_generator
+from blutrain.ops import (allclose, argsort, bernoulli, bmm, cumprod, diag, diagonal, einsum, equal, flip, inference_mode,
+                          isclose, kthvalue, mm, msort, multinomial, normal, outer, prod, randperm, roll, sort, topk, Size)
 from blutrain import autograd
 from blutrain.amp import autocast
 from blutrain.backends import set_float32_matmul_precision, get_float32_matmul_precision

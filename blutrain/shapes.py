@@ -8,6 +8,17 @@ from typing import Sequence
 Shape = tuple[int, ...]
 
 
+class Size(tuple):
+  """A tensor's shape, as torch.Size: a tuple of ints (equal to and hashing as the plain tuple), with `numel()`.
+  Its slices and sums are plain tuples (NOTE: indexing stays the tuple's C code; shapes are read in every op).
+  `str()` is the tuple's, so messages read `(2, 3)`; `repr()` is `bt.Size([2, 3])`."""
+  __slots__ = ()
+
+  def numel(self) -> int: return math.prod(self)
+  def __repr__(self) -> str: return f"bt.Size({list(self)})"
+  def __str__(self) -> str: return tuple.__repr__(self)
+
+
 def contiguous_strides(shape: Sequence[int]) -> Shape:
   """Row-major strides in elements; a size-0 dim counts as 1, as PyTorch's do."""
   strides, acc = [], 1

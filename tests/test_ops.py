@@ -768,6 +768,7 @@ VJP_CASES = {
   "erf": (lambda x: x.erf(), [(3, 4)], {}),
   "floor": (lambda x: x.floor() * x, [(3, 4)], {}),
   "sign": (lambda x: x.sign() * x, [(3, 4)], {}),
+  "cumprod": (lambda x: x.cumprod(1), [(3, 4)], {}),
   "gelu": (lambda x: ops.gelu(x), [(3, 4)], {}),
   "gelu_tanh": (lambda x: ops.gelu(x, approximate="tanh"), [(3, 4)], {}),
   "add": (lambda x, y: x + y, [(3, 4), (4,)], {}),

@@ -635,6 +635,21 @@ class CumsumOp(ReduceOp):
   reverse = opt_prop_def(BOOL | NONE)
 
 
+@irdl_op_definition
+class CumprodOp(ReduceOp):
+  """The running product along `dim`."""
+  name = "nova.cumprod"
+  dim = prop_def(INT)
+
+
+@irdl_op_definition
+class ArgsortOp(ReduceOp):
+  """The int64 positions that sort x along `dim` (stable; nan above +inf; largest first when `descending`)."""
+  name = "nova.argsort"
+  dim = prop_def(INT)
+  descending = prop_def(BOOL)
+
+
 # *** views ***
 
 @irdl_op_definition
@@ -897,7 +912,7 @@ Nova = Dialect("nova", [
   NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, LogicalNotOp,
   CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, MaximumOp, MinimumOp, EqOp, NeOp, LtOp, LeOp, GtOp, GeOp,
   LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp,
-  SumOp, AmaxOp, AminOp, ArgmaxOp, ArgminOp, CumsumOp,
+  SumOp, AmaxOp, AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp,
   ViewOp, PermuteOp, ExpandOp, SliceOp,
   SliceBackwardOp, CatOp, IndexOp, IndexBackwardOp, IndexPutOp,
   MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp,

@@ -15,8 +15,12 @@ from blutrain.shapes import Shape, ShapeError
 from blutrain.tensor import Storage, Tensor
 
 
-def shape_from(size: Sequence) -> Shape:
-  """A shape from `f(2, 3)` or `f((2, 3))` arguments: ints, none negative (TypeError, ValueError naming them)."""
+def shape_from(size: Sequence, keyword=None) -> Shape:
+  """A shape from `f(2, 3)`, `f((2, 3))` or `f(size=(2, 3))` (`keyword`) arguments: ints, none negative (TypeError,
+  ValueError naming them)."""
+  if keyword is not None:
+    if size: raise TypeError(f"expected the size either as arguments or as size=, got both: {size} and {keyword}")
+    size = (keyword,)
   if len(size) == 1 and isinstance(size[0], (tuple, list)): size = tuple(size[0])
   try: shape = tuple(int(s) for s in size)
   except (TypeError, ValueError): raise TypeError(f"expected a size made of ints, got {size!r}") from None
@@ -62,19 +66,19 @@ def scalar_operand(value: bool | int | float, dtype: DType, device: Device) -> T
   return t
 
 
-def zeros(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+def zeros(*shape, size=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """A tensor of zeros, `bt.zeros(2, 3)` or `bt.zeros((2, 3))`."""
-  return full(shape_from(size), 0, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
+  return full(shape_from(shape, size), 0, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
 
 
-def ones(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+def ones(*shape, size=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """A tensor of ones."""
-  return full(shape_from(size), 1, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
+  return full(shape_from(shape, size), 1, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
 
 
-def empty(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+def empty(*shape, size=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """A tensor whose values are not to be relied on (zeros here)."""
-  return zeros(*size, dtype=dtype, device=device, requires_grad=requires_grad)
+  return zeros(*shape, size=size, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
 def full_like(x: Tensor, fill_value, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:

@@ -264,3 +264,20 @@ def masked_fill(x: Tensor, mask: Tensor, value, *, into: Tensor | None = None) -
 def lerp(x: Tensor, end, weight, *, into: Tensor | None = None) -> Tensor:
   """x + weight * (end - x)."""
   return add(x, weight * (end - x), into=into)
+
+
+def isclose(a: Tensor, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> Tensor:
+  """|a - b| <= atol + rtol |b| elementwise (equal infinities are close; nans only with equal_nan), as PyTorch's."""
+  a, b = operands("isclose", a, b)
+  close = (a == b) | (abs_op(a - b) <= atol + rtol * abs_op(b)) if a.dtype is not dtypes.bool_ else a == b
+  return close | (isnan(a) & isnan(b)) if equal_nan else close
+
+
+def allclose(a: Tensor, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
+  """Whether every element of a is close to b's (isclose)."""
+  return bool(isclose(a, b, rtol, atol, equal_nan).all())
+
+
+def equal(a: Tensor, b: Tensor) -> bool:
+  """Whether a and b have one shape and equal elements (nan is equal to nothing)."""
+  return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())

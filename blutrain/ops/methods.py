@@ -12,7 +12,7 @@ from types import FunctionType
 from blutrain import dtypes
 from blutrain.device import Device, to_device
 from blutrain.dtypes import DType
-from blutrain.ops import creation, elementwise, linalg, movement, nn, random, reduce
+from blutrain.ops import creation, elementwise, linalg, movement, nn, ordering, random, reduce
 from blutrain.ops.inplace import inplace, setitem
 from blutrain.tensor import Tensor
 
@@ -72,6 +72,16 @@ class TensorMethods:
   def int(self) -> Tensor: return self.to(dtypes.int32)
   def bool(self) -> Tensor: return self.to(dtypes.bool_)
   def type_as(self, other: Tensor) -> Tensor: return self.to(other.dtype)
+
+  def type(self, dtype=None):
+    """The type name (`'blutrain.FloatTensor'`) without an argument, else this tensor converted to `dtype` (a dtype or
+    a name such as 'torch.LongTensor')."""
+    if dtype is None: return f"blutrain.{'cuda.' if self.device.type == 'cuda' else ''}{_TYPE_NAMES[self.dtype]}Tensor"
+    if isinstance(dtype, str) and dtype.endswith("Tensor"):
+      name = dtype.rsplit(".", 1)[-1].removesuffix("Tensor")
+      dtype = next((d for d, n in _TYPE_NAMES.items() if n == name), None)
+      if dtype is None: raise TypeError(f"type(): unknown tensor type {name!r}")
+    return self.to(dtype)
   def clone(self) -> Tensor: return elementwise.copy(self)
   def contiguous(self) -> Tensor: return self if self.is_contiguous() else elementwise.copy(self)
 
@@ -172,6 +182,10 @@ class TensorMethods:
   def __rxor__(self, other): return elementwise.logical_xor(_bool_operand("^", other), _bool_operand("^", self))
 
 
+_TYPE_NAMES = {dtypes.bool_: "Bool", dtypes.int32: "Int", dtypes.int64: "Long", dtypes.float16: "Half",
+               dtypes.bfloat16: "BFloat16", dtypes.float32: "Float", dtypes.float64: "Double"}
+
+
 def _copy_source(old: Tensor, src, into: Tensor) -> Tensor:
   """copy_'s new values: src as a tensor on the destination's device (for `x.copy_(x)` the alias `old`, so that the
   write and its version bump still happen)."""
@@ -197,12 +211,14 @@ def _shape_args(shape: tuple) -> tuple[int, ...]:
 FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign square reciprocal floor
   add sub mul div pow maximum minimum eq ne lt le gt ge logical_not logical_and logical_or logical_xor clamp clip
   masked_fill lerp sum mean max min amax amin argmax argmin var std logsumexp cumsum all any matmul
-  softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite""".split()
+  softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite
+  bernoulli sort argsort msort topk kthvalue multinomial cumprod prod flip roll diag diagonal outer mm bmm isclose allclose
+  equal""".split()
 
 
 def _op_named(name: str):
   """The public function of an op (a plain function: as a class attribute it binds `self`, the tensor)."""
-  return next(getattr(m, name) for m in (elementwise, reduce, movement, linalg, nn) if hasattr(m, name))
+  return next(getattr(m, name) for m in (elementwise, reduce, movement, linalg, nn, ordering, random) if hasattr(m, name))
 
 
 def attach() -> None:

@@ -360,3 +360,59 @@ def nonzero(x: Tensor, *, as_tuple: bool = False):
   data, so this reads the values back to the host and cannot be compiled."""
   idx = from_numpy(np.argwhere(x.detach().numpy()).astype(np.int64)).to(x.device)
   return tuple(idx[:, i] for i in range(x.ndim)) if as_tuple else idx
+
+
+# *** reordering composites ***
+
+def flip(x: Tensor, dims) -> Tensor:
+  """x with the entries along each of `dims` in reverse order (a copy, as PyTorch's)."""
+  dims = (dims,) if isinstance(dims, int) else tuple(dims)
+  for d in (normalize_dims(dims, x.ndim, "flip") if dims else ()):
+    x = x[(slice(None),) * d + (arange(x.shape[d] - 1, -1, -1, device=x.device),)]
+  return copy(x) if not dims or not x.ndim else x
+
+
+def roll(x: Tensor, shifts, dims=None) -> Tensor:
+  """x with its entries moved `shifts` places along `dims`, those past the end coming round to the start (over the
+  flattened tensor when dims is None)."""
+  if dims is None:
+    if not isinstance(shifts, int) and len(shifts) != 1:
+      raise ShapeError(f"roll: without dims, shifts must be one number, got {shifts}")
+    return roll(x.reshape(-1), shifts if isinstance(shifts, int) else shifts[0], 0).reshape(x.shape)
+  shifts, dims = ((shifts,), (dims,)) if isinstance(dims, int) else (tuple(shifts), tuple(dims))
+  if len(shifts) != len(dims): raise ShapeError(f"roll: {len(shifts)} shifts for {len(dims)} dims")
+  out = x if x.ndim else x.reshape(1)
+  for s, d in zip(shifts, dims):
+    d = normalize_dim(d, x.ndim, "roll")
+    n = out.shape[d]
+    if n and s % n: out = cat([narrow(out, d, n - s % n, s % n), narrow(out, d, 0, n - s % n)], d)
+  return copy(out) if out is x else out.reshape(x.shape)
+
+
+def diagonal(x: Tensor, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Tensor:
+  """The entries x[..., i, i + offset] of dims (dim1, dim2), on a new last dim (a copy, not a view as in PyTorch)."""
+  return _diagonal(x, offset, dim1, dim2)
+
+
+def _diagonal(x: Tensor, offset: int, dim1: int, dim2: int) -> Tensor:
+  d1, d2 = normalize_dim(dim1, x.ndim, "diagonal"), normalize_dim(dim2, x.ndim, "diagonal")
+  if d1 == d2: raise ShapeError(f"diagonal: dim1 and dim2 name the same dim {dim1} of a tensor of shape {x.shape}")
+  rest = [d for d in range(x.ndim) if d not in (d1, d2)]
+  x = permute(x, (*rest, d1, d2))
+  r, c = x.shape[-2], x.shape[-1]
+  n = max(0, min(r, c - offset) if offset >= 0 else min(r + offset, c))
+  i = arange(n, device=x.device)
+  rows, cols = (i, i + offset) if offset >= 0 else (i - offset, i)
+  return x[(Ellipsis, rows, cols)]
+
+
+def diag(x: Tensor, diagonal: int = 0) -> Tensor:
+  """A 1-D x as the `diagonal`-th diagonal of a square matrix of zeros; of a 2-D x, that diagonal."""
+  if x.ndim == 2: return _diagonal(x, diagonal, 0, 1)
+  if x.ndim != 1: raise ShapeError(f"diag: expected a 1-D or 2-D tensor, got shape {x.shape}")
+  n, k = x.shape[0], diagonal
+  m = n + abs(k)
+  if n == 0: return full((m, m), 0, dtype=x.dtype, device=x.device)
+  i, j = arange(m, device=x.device).reshape(m, 1), arange(m, device=x.device).reshape(1, m)
+  source = (i if k >= 0 else j).expand(m, m).clamp(0, n - 1)  # the entry of x each position would hold
+  return where(j - i == k, x[source], 0)

@@ -51,6 +51,22 @@ cumsum_op = op("cumsum", lambda x, dim, reverse=False: (x.shape, x.dtype),
                  inputs="x", attrs="dim:int reverse:bool?")
 
 
+
+def _cumprod_vjp(g, out, x, dim):
+  """PyTorch's, exact at zeros: before the first zero along dim, sum_{j>=i} g_j out_j / x_i; at the first zero, the
+  same sum over the products that leave it out; after it, 0."""
+  zero = x == 0
+  seen = cumsum(zero, dim)
+  before, first = seen == 0, zero & (seen == 1)
+  at_first = cumsum_op(g * cumprod_op(where(first, 1.0, x), dim=dim), dim=dim, reverse=True)
+  return (where(before, cumsum_op(g * out, dim=dim, reverse=True) / where(before, x, 1.0),
+                where(first, at_first, 0.0)),)
+
+
+cumprod_op = op("cumprod", lambda x, dim: (x.shape, x.dtype), _cumprod_vjp, saves_output=True, inputs="x",
+                attrs="dim:int")
+
+
 def sum(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   """Sum over `dim` (an int, a tuple, or None for all). Integer and bool inputs sum in int64, as in PyTorch."""
   if dtype is None: x, = autocast_inputs("sum", x)  # autocast may pick float32 for the result, as PyTorch's does
@@ -170,6 +186,32 @@ def cumsum(x: Tensor, dim: int, *, dtype=None) -> Tensor:
   elif not x.dtype.is_floating_point: x = x.to(dtypes.int64)
   d = normalize_dim(dim, x.ndim, "cumsum")
   return cumsum_op(x, dim=d) if x.ndim else cumsum_op(x.reshape(1), dim=0).reshape(())
+
+
+def cumprod(x: Tensor, dim: int, *, dtype=None) -> Tensor:
+  """Running product along dim (integers and bools in int64, as PyTorch)."""
+  if dtype is not None: x = x.to(dtype)
+  elif not x.dtype.is_floating_point: x = x.to(dtypes.int64)
+  d = normalize_dim(dim, x.ndim, "cumprod")
+  return cumprod_op(x, dim=d) if x.ndim else cumprod_op(x.reshape(1), dim=0).reshape(())
+
+
+def prod(x: Tensor, dim: int | None = None, keepdim: bool = False, *, dtype=None) -> Tensor:
+  """Product over one dim, or of every element when dim is None (1 for none); the last running product, so the
+  gradient is cumprod's, exact at zeros."""
+  if dtype is not None: x = x.to(dtype)
+  elif not x.dtype.is_floating_point: x = x.to(dtypes.int64)
+  if dim is None:
+    if not x.numel(): return sum(x) + 1
+    flat = x.reshape(-1)
+    if x.dtype.is_floating_point:  # two zeros or more: a zero gradient everywhere, as PyTorch's (not 0 * inf = nan)
+      flat = where(sum(flat == 0) >= 2, flat.detach(), flat)
+    return cumprod(flat, 0).narrow(0, x.numel() - 1, 1).reshape(())
+  d = normalize_dim(dim, x.ndim, "prod")
+  if not x.ndim: return cumprod(x, 0)
+  n = x.shape[d]
+  out = cumprod(x, d).narrow(d, n - 1, 1) if n else sum(x, d, keepdim=True) + 1
+  return out if keepdim else out.squeeze(d)
 
 
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:

@@ -293,6 +293,31 @@ def test_cumsum(dtype):
           tol=(atol * 3 * math.sqrt(n), rtol * 4) if dtype.is_floating_point else None)
 
 
+@pytest.mark.parametrize("dtype", (bt.float32, bt.float64, bt.int64), ids=NAME)
+def test_cumprod(dtype):
+  for (shape, dim), layout in zip((((1000,), 0), ((16, 3000), 1), ((3000, 5), 0), ((4, 5, 6), 1), ((9, 33), 0)), LAYOUTS):
+    # values near +-1 keep long products finite; zeros and a nan show they propagate
+    prep = lambda v: np.where(np.abs(v) < 0.05, 0, 1 + v / 1000) if dtype.is_floating_point else np.sign(v)
+    run("cumprod", pair(shape, dtype, layout, -3, 3, prep=prep), dim=dim,
+        tol=(1e-5, 1e-4) if dtype is bt.float32 else None)
+
+
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float16, bt.float64, bt.int64, bt.int32), ids=NAME)
+def test_argsort(dtype):
+  # few distinct values make many ties: the order of equal values shows the sort is stable
+  special = lambda v: np.where(v > 2.5, np.nan, np.where(v < -2.6, -np.inf, np.round(v))) if dtype.is_floating_point \
+    else v
+  for (shape, dim), layout in zip((((1000,), 0), ((16, 50304), 1), ((300, 5), 0), ((4, 5, 6), 1), ((9, 33), 0),
+                                   ((1, 1), 0), ((3, 0), 1)), LAYOUTS + ("contiguous", "contiguous")):
+    for descending in (False, True):
+      run("argsort", pair(shape, dtype, layout, -3, 3, prep=special), dim=dim, descending=descending)
+
+
+def test_integer_pow_negative_exponents():
+  base, exp = pair((300,), bt.int64, "contiguous", -3, 4), pair((300,), bt.int64, "contiguous", -4, 3, seed=1)
+  run("pow", base, exp)
+
+
 # *** softmax, layer_norm, cross-entropy ***
 
 @pytest.mark.parametrize("name", ("softmax", "log_softmax"))

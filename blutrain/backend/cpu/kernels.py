@@ -197,6 +197,14 @@ def _rng(seed, offset) -> np.random.Generator:
   return np.random.Generator(np.random.Philox(key=seed).advance(offset))
 
 
+def _argsort(x, dim, descending):
+  """Stable; nan above +inf (numpy's order). Descending sorts the reversed array and reverses back, so that equal
+  values still keep their order."""
+  if not descending: return np.argsort(x, axis=dim, kind="stable")
+  n = x.shape[dim]
+  return n - 1 - np.flip(np.argsort(np.flip(x, dim), axis=dim, kind="stable"), dim)
+
+
 def _pow(x, y):
   """Integers to negative powers truncate toward zero as C does (1, -1 or 0), as PyTorch's for tensor exponents and
   the CUDA kernel's (`pow` refuses a negative Python number, as PyTorch)."""
@@ -259,7 +267,7 @@ kernels = {
   "amin": lambda x, dims, keepdim: np.min(x, axis=dims, keepdims=keepdim),
   "argmax": lambda x, dim, keepdim: np.argmax(x, axis=dim, keepdims=keepdim),
   "argmin": lambda x, dim, keepdim: np.argmin(x, axis=dim, keepdims=keepdim),
-  "cumsum": _cumsum,
+  "cumsum": _cumsum, "cumprod": lambda x, dim: np.cumprod(x, dim), "argsort": _argsort,
   # movement and indexing
   "slice_backward": _slice_backward, "cat": lambda *xs, dim: np.concatenate(xs, axis=dim),
   "index": lambda x, *idx, positions: x[_key(x, idx, positions)], "index_backward": _index_backward,
