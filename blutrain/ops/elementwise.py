@@ -269,7 +269,10 @@ def lerp(x: Tensor, end, weight, *, into: Tensor | None = None) -> Tensor:
 def isclose(a: Tensor, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> Tensor:
   """|a - b| <= atol + rtol |b| elementwise (equal infinities are close; nans only with equal_nan), as PyTorch's."""
   a, b = operands("isclose", a, b)
-  close = (a == b) | (abs_op(a - b) <= atol + rtol * abs_op(b)) if a.dtype is not dtypes.bool_ else a == b
+  if a.dtype is dtypes.bool_: close = a == b
+  else:
+    err = abs_op(a - b)
+    close = (a == b) | (isfinite(err) & (err <= atol + rtol * abs_op(b)))
   return close | (isnan(a) & isnan(b)) if equal_nan else close
 
 
