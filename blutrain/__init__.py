@@ -14,7 +14,9 @@ from blutrain.ops import (no_grad, enable_grad, set_grad_enabled, is_grad_enable
                           index_select, tril, triu, isnan, isfinite)
 from blutrain.ops import default_generator
 from blutrain.ops import (allclose, argsort, bernoulli, bmm, cumprod, diag, diagonal, einsum, equal, flip, inference_mode,
-                          isclose, kthvalue, mm, msort, multinomial, normal, outer, prod, randperm, roll, sort, topk, Size)
+                          isclose, kthvalue, mm, msort, multinomial, normal, outer, prod, randperm, roll, sort, topk, Size,
+                          acos, acosh, asin, asinh, atan, atan2, atanh, ceil, copysign, cosh, exp2, expm1, floor_divide,
+                          fmod, isinf, log1p, log2, log10, logaddexp, remainder, round, sinh, tan, trunc)
 from blutrain import autograd
 from blutrain.amp import autocast
 from blutrain.backends import set_float32_matmul_precision, get_float32_matmul_precision

@@ -196,7 +196,10 @@ def compare(fn, make, what: str, grads: bool = True) -> None:
   ws = [rng.uniform(0.5, 1.5, tuple(t.shape)) for t, _ in pairs]
   tl = sum((t * torch.tensor(w, dtype=t.dtype)).sum() for (t, _), w in zip(pairs, ws))
   bl = sum((b * bt.tensor(w, dtype=b.dtype)).sum() for (_, b), w in zip(pairs, ws))
-  tl.backward()
+  try: tl.backward()
+  except RuntimeError as e:  # floor_divide: PyTorch defines no derivative, blutrain's is 0 (as div(rounding_mode=))
+    assert "derivative for" in str(e) and "not implemented" in str(e), e
+    return
   if bl.requires_grad: bl.backward()
   for i, (t, b) in enumerate(zip(tins, bins)): assert_same(b.grad, t.grad, f"gradient {i} of {what}")
 

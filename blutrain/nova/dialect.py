@@ -445,6 +445,108 @@ class SignOp(UnaryOp):
 
 
 @irdl_op_definition
+class TanOp(UnaryOp):
+  """tan(x)."""
+  name = "nova.tan"
+
+
+@irdl_op_definition
+class AsinOp(UnaryOp):
+  """The inverse sine."""
+  name = "nova.asin"
+
+
+@irdl_op_definition
+class AcosOp(UnaryOp):
+  """The inverse cosine."""
+  name = "nova.acos"
+
+
+@irdl_op_definition
+class AtanOp(UnaryOp):
+  """The inverse tangent."""
+  name = "nova.atan"
+
+
+@irdl_op_definition
+class SinhOp(UnaryOp):
+  """The hyperbolic sine."""
+  name = "nova.sinh"
+
+
+@irdl_op_definition
+class CoshOp(UnaryOp):
+  """The hyperbolic cosine."""
+  name = "nova.cosh"
+
+
+@irdl_op_definition
+class AsinhOp(UnaryOp):
+  """The inverse hyperbolic sine."""
+  name = "nova.asinh"
+
+
+@irdl_op_definition
+class AcoshOp(UnaryOp):
+  """The inverse hyperbolic cosine."""
+  name = "nova.acosh"
+
+
+@irdl_op_definition
+class AtanhOp(UnaryOp):
+  """The inverse hyperbolic tangent."""
+  name = "nova.atanh"
+
+
+@irdl_op_definition
+class Exp2Op(UnaryOp):
+  """2 ** x."""
+  name = "nova.exp2"
+
+
+@irdl_op_definition
+class Log2Op(UnaryOp):
+  """The base-2 logarithm."""
+  name = "nova.log2"
+
+
+@irdl_op_definition
+class Log10Op(UnaryOp):
+  """The base-10 logarithm."""
+  name = "nova.log10"
+
+
+@irdl_op_definition
+class Log1pOp(UnaryOp):
+  """log(1 + x), exact near 0."""
+  name = "nova.log1p"
+
+
+@irdl_op_definition
+class Expm1Op(UnaryOp):
+  """e ** x - 1, exact near 0."""
+  name = "nova.expm1"
+
+
+@irdl_op_definition
+class CeilOp(UnaryOp):
+  """The smallest integer not below x."""
+  name = "nova.ceil"
+
+
+@irdl_op_definition
+class TruncOp(UnaryOp):
+  """x rounded toward zero."""
+  name = "nova.trunc"
+
+
+@irdl_op_definition
+class RoundOp(UnaryOp):
+  """x rounded to the nearest integer, half to even."""
+  name = "nova.round"
+
+
+@irdl_op_definition
 class LogicalNotOp(UnaryOp):
   """not x, a bool result."""
   name = "nova.logical_not"
@@ -498,6 +600,36 @@ class DivOp(BinaryOp):
 class PowOp(BinaryOp):
   """x ** y."""
   name = "nova.pow"
+
+
+@irdl_op_definition
+class Atan2Op(BinaryOp):
+  """The angle of the point (y, x): atan(x / y) in the right quadrant."""
+  name = "nova.atan2"
+
+
+@irdl_op_definition
+class CopysignOp(BinaryOp):
+  """|x| with the sign of y."""
+  name = "nova.copysign"
+
+
+@irdl_op_definition
+class FmodOp(BinaryOp):
+  """The remainder of x / y truncated (the sign of x)."""
+  name = "nova.fmod"
+
+
+@irdl_op_definition
+class RemainderOp(BinaryOp):
+  """The remainder of x / y floored (the sign of y)."""
+  name = "nova.remainder"
+
+
+@irdl_op_definition
+class FloorDivideOp(BinaryOp):
+  """floor(x / y)."""
+  name = "nova.floor_divide"
 
 
 @irdl_op_definition
@@ -909,8 +1041,9 @@ class ScaleOp(MultiResultOp):
 
 Nova = Dialect("nova", [
   FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp,
-  NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, LogicalNotOp,
-  CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, MaximumOp, MinimumOp, EqOp, NeOp, LtOp, LeOp, GtOp, GeOp,
+  NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp, AsinhOp, AcoshOp, AtanhOp, Exp2Op, Log2Op, Log10Op, Log1pOp, Expm1Op, CeilOp, TruncOp, RoundOp,
+  LogicalNotOp,
+  CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp, FloorDivideOp, MaximumOp, MinimumOp, EqOp, NeOp, LtOp, LeOp, GtOp, GeOp,
   LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp,
   SumOp, AmaxOp, AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp,
   ViewOp, PermuteOp, ExpandOp, SliceOp,

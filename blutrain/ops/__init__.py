@@ -14,7 +14,9 @@ from blutrain.ops import methods
 from blutrain.ops.core import Op, apply, dynamic_scalar, registry
 from blutrain.ops.creation import (arange, as_tensor, as_tensor_like, empty, empty_like, eye, from_dlpack, from_numpy,
                                    full, full_like, linspace, ones, ones_like, tensor, to_device, zeros, zeros_like)
-from blutrain.ops.elementwise import (abs, add, allclose, equal, isclose, cast, clamp, clip, copy, cos, div, eq, erf, exp, floor, ge, gelu, gt,
+from blutrain.ops.elementwise import (abs, acos, acosh, add, allclose, asin, asinh, atan, atan2, atanh, ceil, copysign,
+                                      cosh, equal, exp2, expm1, floor_divide, fmod, isclose, isinf, log1p, log2, log10,
+                                      logaddexp, remainder, round, sinh, tan, trunc, cast, clamp, clip, copy, cos, div, eq, erf, exp, floor, ge, gelu, gt,
                                       isfinite, isnan, le, lerp, log, logical_and, logical_not, logical_or, logical_xor,
                                       lt, masked_fill, maximum, minimum, mul, ne, neg, operands, pow, reciprocal, relu,
                                       rsqrt, sigmoid, sign, silu, sin, sqrt, square, sub, tanh, where)

@@ -36,6 +36,23 @@ relu_op = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=
 erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),), inputs="x")
 sign_op = op("sign", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
 floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
+tan_op = op("tan", _same, lambda g, out, x: (g * (1 + out * out),), saves=(), saves_output=True, inputs="x")
+asin_op = op("asin", _same, lambda g, out, x: (g * rsqrt(1 - x * x),), inputs="x")
+acos_op = op("acos", _same, lambda g, out, x: (-g * rsqrt(1 - x * x),), inputs="x")
+atan_op = op("atan", _same, lambda g, out, x: (g / (1 + x * x),), inputs="x")
+sinh_op = op("sinh", _same, lambda g, out, x: (g * cosh_op(x),), inputs="x")
+cosh_op = op("cosh", _same, lambda g, out, x: (g * sinh_op(x),), inputs="x")
+asinh_op = op("asinh", _same, lambda g, out, x: (g * rsqrt(x * x + 1),), inputs="x")
+acosh_op = op("acosh", _same, lambda g, out, x: (g * rsqrt(x * x - 1),), inputs="x")
+atanh_op = op("atanh", _same, lambda g, out, x: (g / (1 - x * x),), inputs="x")
+exp2_op = op("exp2", _same, lambda g, out, x: (g * out * math.log(2),), saves=(), saves_output=True, inputs="x")
+log2_op = op("log2", _same, lambda g, out, x: (g / (x * math.log(2)),), inputs="x")
+log10_op = op("log10", _same, lambda g, out, x: (g / (x * math.log(10)),), inputs="x")
+log1p_op = op("log1p", _same, lambda g, out, x: (g / (x + 1),), inputs="x")
+expm1_op = op("expm1", _same, lambda g, out, x: (g * (out + 1),), saves=(), saves_output=True, inputs="x")
+ceil_op = op("ceil", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
+trunc_op = op("trunc", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
+round_op = op("round", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")  # half to even
 gelu_backward_op = op("gelu_backward", lambda g, x, approximate: (x.shape, x.dtype), inputs="g x", attrs="approximate:str")
 gelu_op = op("gelu", lambda x, approximate: (x.shape, x.dtype),
              lambda g, out, x, approximate: (gelu_backward_op(g, x, approximate=approximate),),
@@ -62,6 +79,30 @@ def tanh(x: Tensor) -> Tensor: return tanh_op(floating(x))
 def sigmoid(x: Tensor) -> Tensor: return sigmoid_op(floating(x))
 def erf(x: Tensor) -> Tensor: return erf_op(floating(x))
 def floor(x: Tensor) -> Tensor: return floor_op(x) if x.dtype.is_floating_point else copy(_no_bool(x, "floor"))
+def ceil(x: Tensor) -> Tensor: return ceil_op(x) if x.dtype.is_floating_point else copy(_no_bool(x, "ceil"))
+def trunc(x: Tensor) -> Tensor: return trunc_op(x) if x.dtype.is_floating_point else copy(_no_bool(x, "trunc"))
+def tan(x: Tensor) -> Tensor: return tan_op(floating(x))
+def asin(x: Tensor) -> Tensor: return asin_op(floating(x))
+def acos(x: Tensor) -> Tensor: return acos_op(floating(x))
+def atan(x: Tensor) -> Tensor: return atan_op(floating(x))
+def sinh(x: Tensor) -> Tensor: return sinh_op(floating(x))
+def cosh(x: Tensor) -> Tensor: return cosh_op(floating(x))
+def asinh(x: Tensor) -> Tensor: return asinh_op(floating(x))
+def acosh(x: Tensor) -> Tensor: return acosh_op(floating(x))
+def atanh(x: Tensor) -> Tensor: return atanh_op(floating(x))
+def exp2(x: Tensor) -> Tensor: return exp2_op(floating(x))
+def log2(x: Tensor) -> Tensor: return log2_op(floating(x))
+def log10(x: Tensor) -> Tensor: return log10_op(floating(x))
+def log1p(x: Tensor) -> Tensor: return log1p_op(floating(x))
+def expm1(x: Tensor) -> Tensor: return expm1_op(floating(x))
+
+
+def round(x: Tensor, decimals: int = 0) -> Tensor:
+  """Round half to even, at `decimals` places (negative: tens, hundreds...) as PyTorch: round(x * 10^d) / 10^d."""
+  if not x.dtype.is_floating_point: return copy(_no_bool(x, "round"))
+  if not decimals: return round_op(x)
+  return round_op(x * 10.0 ** decimals) / 10.0 ** decimals if decimals > 0 else \
+    round_op(x / 10.0 ** -decimals) * 10.0 ** -decimals
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -120,6 +161,26 @@ def _pow_vjp(g, out, x, y):
 
 
 pow_op = op("pow", _binary_rule("pow"), _pow_vjp, saves_output=True, inputs="x y")
+
+
+def _atan2_vjp(g, out, x, y):
+  """0 at the origin, as PyTorch's."""
+  r2 = x * x + y * y
+  scale = where(r2 == 0, 0.0, g / r2)
+  return _unbroadcast(scale * y, x), _unbroadcast(-scale * x, y)
+
+
+atan2_op = op("atan2", _binary_rule("atan2"), _atan2_vjp, inputs="x y")
+# integer division by 0 raises on the CPU, as PyTorch; C's semantics for remainder and truncation, Python's for floor
+fmod_op = op("fmod", _binary_rule("fmod"), lambda g, out, x, y: (
+  _unbroadcast(g, x), _unbroadcast(-g * trunc_op(x / y), y)), inputs="x y")
+remainder_op = op("remainder", _binary_rule("remainder"), lambda g, out, x, y: (
+  _unbroadcast(g, x), _unbroadcast(-g * floor_divide_op(x, y), y)), inputs="x y")
+floor_divide_op = op("floor_divide", _binary_rule("floor_divide"), lambda g, out, x, y: (
+  _unbroadcast(zeros_like_grad(g), x), _unbroadcast(zeros_like_grad(g), y)), saves=(), inputs="x y")
+copysign_op = op("copysign", _binary_rule("copysign"), lambda g, out, x, y: (
+  _unbroadcast(g * where(x == 0, 0.0, out / x), x), _unbroadcast(zeros_like_grad(g), y)), saves=(0,),
+    saves_output=True, inputs="x y")
 maximum_op = op("maximum", _binary_rule("maximum"), _extremum_vjp(False), inputs="x y")
 minimum_op = op("minimum", _binary_rule("minimum"), _extremum_vjp(True), inputs="x y")
 
@@ -169,8 +230,16 @@ def sub(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
 def mul(x, y, *, into: Tensor | None = None) -> Tensor: return mul_op(*operands("mul", x, y), into=into)
 
 
-def div(x, y, *, into: Tensor | None = None) -> Tensor:
-  """True division; integer inputs give float32."""
+def div(x, y, *, rounding_mode: str | None = None, into: Tensor | None = None) -> Tensor:
+  """True division (integer inputs give float32); `rounding_mode="trunc"` rounds toward zero and `"floor"` down,
+  in the inputs' dtype, as PyTorch."""
+  if rounding_mode == "floor": return floor_divide(x, y)
+  if rounding_mode == "trunc":
+    if dtypes.result_type(x, y).is_floating_point: return trunc(div(x, y))
+    q, r = floor_divide(x, y), remainder(x, y)
+    return q + ((q < 0) & (r != 0)).to(q.dtype)  # floor is one below trunc for inexact negative quotients
+  if rounding_mode is not None:
+    raise ShapeError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}")
   dt = dtypes.result_type(x, y)
   return div_op(*operands("div", x, y, dtype=dt if dt.is_floating_point else dtypes.default_float), into=into)
 
@@ -180,6 +249,30 @@ def pow(x, y, *, into: Tensor | None = None) -> Tensor:
   if isinstance(y, int) and y < 0 and isinstance(x, Tensor) and not x.dtype.is_floating_point:
     raise ShapeError(f"pow: integers to negative integer powers are not allowed ({x.dtype.name} ** {y}); use a float base")
   return pow_op(*operands("pow", x, y), into=into)
+
+
+def atan2(x, y) -> Tensor: return atan2_op(*_float_operands("atan2", x, y))
+def copysign(x, y) -> Tensor: return copysign_op(*_float_operands("copysign", x, y))
+def fmod(x, y) -> Tensor: return fmod_op(*_no_bools("fmod", x, y))
+def remainder(x, y) -> Tensor: return remainder_op(*_no_bools("remainder", x, y))
+def floor_divide(x, y) -> Tensor: return floor_divide_op(*_no_bools("floor_divide", x, y))
+
+
+def _float_operands(name: str, x, y) -> list:
+  dt = dtypes.result_type(x, y)
+  return operands(name, x, y, dtype=dt if dt.is_floating_point else dtypes.default_float)
+
+
+def _no_bools(name: str, x, y) -> list:
+  xs = operands(name, x, y)
+  return [_no_bool(t, name) for t in xs]
+
+
+def logaddexp(x, y) -> Tensor:
+  """log(exp(x) + exp(y)), without overflow; equal infinities give themselves, as PyTorch."""
+  x, y = _float_operands("logaddexp", x, y)
+  m = maximum(x, y)
+  return where(isinf(m) & (x == y), x, m + log1p(exp(-abs_op(x - y))))
 
 
 def maximum(x, y) -> Tensor: return maximum_op(*operands("maximum", x, y))
@@ -195,6 +288,7 @@ def logical_or(x, y) -> Tensor: return _cmp["logical_or"](*operands("logical_or"
 def logical_xor(x, y) -> Tensor: return _cmp["logical_xor"](*operands("logical_xor", x, y, dtype=dtypes.bool_))
 def logical_not(x: Tensor) -> Tensor: return logical_not_op(x.to(dtypes.bool_))
 def isnan(x: Tensor) -> Tensor: return x != x
+def isinf(x: Tensor) -> Tensor: return abs_op(x) == float("inf") if x.dtype.is_floating_point else zeros_like(x, dtype=dtypes.bool_)
 def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs_op(x) < float("inf")) if x.dtype.is_floating_point else ones_like(x, dtype=dtypes.bool_)
 
 

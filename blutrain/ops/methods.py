@@ -164,6 +164,10 @@ class TensorMethods:
   def __rtruediv__(self, other): return elementwise.div(other, self)
   def __pow__(self, other): return elementwise.pow(self, other)
   def __rpow__(self, other): return elementwise.pow(other, self)
+  def __floordiv__(self, other): return elementwise.floor_divide(self, other)
+  def __rfloordiv__(self, other): return elementwise.floor_divide(other, self)
+  def __mod__(self, other): return elementwise.remainder(self, other)
+  def __rmod__(self, other): return elementwise.remainder(other, self)
   def __matmul__(self, other): return linalg.matmul(self, other)
   def __rmatmul__(self, other): return linalg.matmul(other, self)
   def __abs__(self): return elementwise.abs(self)
@@ -213,7 +217,8 @@ FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign squ
   masked_fill lerp sum mean max min amax amin argmax argmin var std logsumexp cumsum all any matmul
   softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite
   bernoulli sort argsort msort topk kthvalue multinomial cumprod prod flip roll diag diagonal outer mm bmm isclose allclose
-  equal""".split()
+  equal tan asin acos atan atan2 sinh cosh asinh acosh atanh exp2 log2 log10 log1p expm1 ceil trunc round copysign fmod
+  remainder floor_divide logaddexp isinf""".split()
 
 
 def _op_named(name: str):

@@ -91,8 +91,12 @@ def run(name: str, *inputs, tol=None, **attrs):
 
 # *** elementwise ***
 
-UNARY_DOMAIN = {"log": (0.01, 5), "sqrt": (0, 5), "rsqrt": (0.01, 5), "exp": (-10, 10)}  # exp(11) > float16's max
-UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "sign")
+UNARY_DOMAIN = {"log": (0.01, 5), "sqrt": (0, 5), "rsqrt": (0.01, 5), "exp": (-10, 10),  # exp(11) > float16's max
+                "log2": (0.01, 5), "log10": (0.01, 5), "log1p": (-0.99, 5), "asin": (-1, 1), "acos": (-1, 1),
+                "atanh": (-0.99, 0.99), "acosh": (1, 6), "tan": (-1.5, 1.5), "exp2": (-10, 10)}
+UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "sign",
+         "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "exp2", "log2", "log10", "log1p",
+         "expm1", "ceil", "trunc", "round")
 
 
 @pytest.mark.parametrize("name", UNARY)
@@ -112,7 +116,9 @@ def test_unary_integers(name, dtype):
 
 def test_unary_special_values():
   x = bt.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, 88.0, -104.0])
-  for name in ("exp", "log", "sqrt", "tanh", "sigmoid", "relu", "abs", "erf", "floor", "sign", "neg"):
+  for name in ("exp", "log", "sqrt", "tanh", "sigmoid", "relu", "abs", "erf", "floor", "sign", "neg", "tan", "asin",
+               "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "exp2", "log2", "log10", "log1p", "expm1",
+               "ceil", "trunc", "round"):
     run(name, (x, x.to("cuda")))
 
 
@@ -129,7 +135,8 @@ def test_gelu_and_backward(approximate, dtype):
     run("gelu_backward", pair(shape, dtype, "contiguous", seed=1), x, approximate=approximate)
 
 
-BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge")
+BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "fmod", "remainder",
+          "floor_divide")
 SHAPES2 = (((1000,), (1000,)), ((3, 1, 5), (1, 4, 5)), ((2, 3, 4, 65), (65,)), ((5000,), ()), ((), (7, 3)),
            ((64, 768), (768,)), ((6, 1), (1, 9)), ((2, 1, 3, 1, 4, 1, 5), (1, 2, 1, 3, 1, 4, 1)))
 
@@ -138,13 +145,34 @@ SHAPES2 = (((1000,), (1000,)), ((3, 1, 5), (1, 4, 5)), ((2, 3, 4, 65), (65,)), (
 @pytest.mark.parametrize("dtype", FLOATS + (bt.int32, bt.int64), ids=NAME)
 def test_binary_broadcast(name, dtype):
   fl = dtype.is_floating_point
-  domains = {"pow": ((0.5, 3), (-2, 3)) if fl else ((-3, 4), (0, 5)), "div": ((-5, 6), (1, 5))}
+  domains = {"pow": ((0.5, 3), (-2, 3)) if fl else ((-3, 4), (0, 5)), "div": ((-5, 6), (1, 5)),
+             **dict.fromkeys(("fmod", "remainder", "floor_divide"), ((-20, 21), (1, 5)))}  # + and - divisors below
   x_dom, y_dom = domains.get(name, ((-5, 6), (-5, 6)))
   for (s1, s2), layout in zip(SHAPES2, LAYOUTS * 2):
     run(name, pair(s1, dtype, layout, *x_dom), pair(s2, dtype, "contiguous", *y_dom, seed=1))
 
 
-@pytest.mark.parametrize("name", ("eq", "ne", "lt", "maximum", "minimum", "add", "mul"))
+@pytest.mark.parametrize("name", ("atan2", "copysign"))
+@pytest.mark.parametrize("dtype", FLOATS, ids=NAME)
+def test_float_binary(name, dtype):
+  for (s1, s2), layout in zip(SHAPES2, LAYOUTS * 2):
+    run(name, pair(s1, dtype, layout), pair(s2, dtype, "contiguous", seed=1))
+
+
+@pytest.mark.parametrize("name", ("fmod", "remainder", "floor_divide"))
+@pytest.mark.parametrize("dtype", FLOATS + (bt.int32, bt.int64), ids=NAME)
+def test_division_signs(name, dtype):
+  """Every sign of dividend and divisor, exact and inexact quotients; floats also at 0, inf and nan."""
+  a, b = np.meshgrid([-7, -6, -1, 0, 1, 5, 6, 7], [-3, -2, -1, 1, 2, 3])
+  x, y = bt.tensor(a.ravel(), dtype=dtype), bt.tensor(b.ravel(), dtype=dtype)
+  run(name, (x, x.to("cuda")), (y, y.to("cuda")))
+  if dtype.is_floating_point:
+    s = bt.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2.5, -2.5, 1e-30], dtype=dtype)
+    u, v = s.reshape(-1, 1).expand(8, 8), s.reshape(1, -1).expand(8, 8)
+    run(name, (u, u.to("cuda")), (v, v.to("cuda")))
+
+
+@pytest.mark.parametrize("name", ("eq", "ne", "lt", "maximum", "minimum", "add", "mul", "atan2", "copysign"))
 def test_binary_nan_and_ties(name):
   a = bt.tensor([1.0, float("nan"), 2.0, float("nan"), -0.0, float("inf")])
   b = bt.tensor([1.0, 3.0, float("nan"), float("nan"), 0.0, float("inf")])

@@ -205,6 +205,15 @@ def _argsort(x, dim, descending):
   return n - 1 - np.flip(np.argsort(np.flip(x, dim), axis=dim, kind="stable"), dim)
 
 
+def _int_division(name: str, fn):
+  """An integer division or remainder that raises at a zero divisor, as PyTorch's (numpy gives 0)."""
+  def kernel(x, y, **kw):
+    if x.dtype.kind in "iu" and (np.asarray(y) == 0).any():
+      raise RuntimeError(f"{name}: integer division by zero; divide floating point tensors to get inf/nan instead")
+    return fn(x, y, **kw)
+  return kernel
+
+
 def _pow(x, y):
   """Integers to negative powers truncate toward zero as C does (1, -1 or 0), as PyTorch's for tensor exponents and
   the CUDA kernel's (`pow` refuses a negative Python number, as PyTorch)."""
@@ -254,10 +263,15 @@ kernels = {
   "rsqrt": lambda x: 1.0 / np.sqrt(x), "abs": np.abs, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
   "sigmoid": _sigmoid, "relu": lambda x: np.maximum(x, 0), "erf": _erf, "floor": np.floor,
   "sign": lambda x: (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype),
+  "tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh,
+  "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh, "exp2": np.exp2, "log2": np.log2, "log10": np.log10,
+  "log1p": np.log1p, "expm1": np.expm1, "ceil": np.ceil, "trunc": np.trunc, "round": np.rint,
   "gelu": _gelu, "gelu_backward": _gelu_backward,
   "logical_not": np.logical_not, "cast": lambda x, dtype: x.astype(dtype.np), "copy": lambda x: np.array(x, copy=True),
   # binary
   "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": _pow,
+  "atan2": np.arctan2, "copysign": np.copysign, "fmod": _int_division("fmod", np.fmod),
+  "remainder": _int_division("remainder", np.remainder), "floor_divide": _int_division("floor_divide", np.floor_divide),
   "maximum": np.maximum, "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
   "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "logical_and": np.logical_and,
   "logical_or": np.logical_or, "logical_xor": np.logical_xor, "where": np.where,
@@ -315,7 +329,8 @@ def _where(c, x, y, out=None):
 
 _fill.writes_out = _where.writes_out = True
 _UFUNCS = ("neg exp log sqrt abs sin cos tanh floor logical_not add sub mul div maximum minimum eq ne lt le gt ge "
-           "logical_and logical_or logical_xor").split()
+           "logical_and logical_or logical_xor tan asin acos atan sinh cosh asinh acosh atanh exp2 log2 log10 log1p "
+           "expm1 ceil trunc round atan2 copysign fmod remainder floor_divide").split()
 kernels = {name: _writing(_upcast_halves(fn)) if name in _UFUNCS else _upcast_halves(fn) for name, fn in kernels.items()}
 kernels["full"], kernels["where"] = _fill, _where
 

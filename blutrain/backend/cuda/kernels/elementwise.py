@@ -28,9 +28,11 @@ from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, contiguous_strides
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
-         "sign", "logical_not", "gelu", "gelu_tanh", "copy")
+         "sign", "logical_not", "gelu", "gelu_tanh", "copy", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
+         "acosh", "atanh", "exp2", "log2", "log10", "log1p", "expm1", "ceil", "trunc", "round")
 BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
-          "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh")
+          "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh", "atan2", "copysign", "fmod", "remainder",
+          "floor_divide")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "logical_not")
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _SQRT_2_PI = tl.constexpr(0.7978845608028654)
@@ -60,6 +62,24 @@ def _ipow(a, b):
     e = e >> 1
   neg = tl.where(a == 1, 1, tl.where(a == -1, tl.where((b & 1) != 0, -1, 1), 0))
   return tl.where(b < 0, neg, r)
+
+
+@triton.jit
+def _floor_divide(a, b):
+  """Python's a // b. Floats as PyTorch's div_floor: from fmod, so that (a - mod) / b is exact, then rounded to the
+  nearest integer; IEEE's a / b where b is 0. Integers from C's truncating division."""
+  if a.dtype.is_floating():
+    mod = libdevice.fmod(a, b)
+    d = (a - mod) / b
+    d = tl.where((mod != 0) & ((b < 0) != (mod < 0)), d - 1, d)
+    fd = tl.floor(d)
+    fd = tl.where(d - fd > 0.5, fd + 1, fd)
+    fd = tl.where(d == 0, libdevice.copysign(d * 0, a / b), fd)
+    r = tl.where(b == 0, a / b, fd)
+  else:
+    q = a // b
+    r = tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
+  return r
 
 
 @triton.jit
@@ -122,6 +142,40 @@ def _apply(a, b, c, OP: tl.constexpr):
     r = tl.floor(a)
   elif OP == "sign":
     r = (a > 0).to(a.dtype) - (a < 0).to(a.dtype)  # 0 at nan, as PyTorch
+  elif OP == "tan":
+    r = libdevice.tan(a)
+  elif OP == "asin":
+    r = libdevice.asin(a)
+  elif OP == "acos":
+    r = libdevice.acos(a)
+  elif OP == "atan":
+    r = libdevice.atan(a)
+  elif OP == "sinh":
+    r = libdevice.sinh(a)
+  elif OP == "cosh":
+    r = libdevice.cosh(a)
+  elif OP == "asinh":
+    r = libdevice.asinh(a)
+  elif OP == "acosh":
+    r = libdevice.acosh(a)
+  elif OP == "atanh":
+    r = libdevice.atanh(a)
+  elif OP == "exp2":
+    r = libdevice.exp2(a)
+  elif OP == "log2":
+    r = libdevice.log2(a)
+  elif OP == "log10":
+    r = libdevice.log10(a)
+  elif OP == "log1p":
+    r = libdevice.log1p(a)
+  elif OP == "expm1":
+    r = libdevice.expm1(a)
+  elif OP == "ceil":
+    r = libdevice.ceil(a)
+  elif OP == "trunc":
+    r = libdevice.trunc(a)
+  elif OP == "round":
+    r = libdevice.rint(a)  # half to even
   elif OP == "logical_not":
     r = a == 0
   elif OP == "gelu":
@@ -144,6 +198,17 @@ def _apply(a, b, c, OP: tl.constexpr):
       r = libdevice.pow(a, b)
     else:
       r = _ipow(a, b)
+  elif OP == "atan2":
+    r = libdevice.atan2(a, b)
+  elif OP == "copysign":
+    r = libdevice.copysign(a, b)
+  elif OP == "fmod":
+    r = libdevice.fmod(a, b) if a.dtype.is_floating() else a % b  # C's: the sign of a
+  elif OP == "remainder":
+    r = libdevice.fmod(a, b) if a.dtype.is_floating() else a % b
+    r = tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)  # Python's: the sign of b
+  elif OP == "floor_divide":
+    r = _floor_divide(a, b)
   elif OP == "maximum":
     r = a | b if a.dtype == tl.int1 else tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
   elif OP == "minimum":
@@ -486,7 +551,7 @@ def _specs() -> list:
     out.append(tiled_spec(op, b if op in COMPARE else dt, (dt,) * n_in, 2, (True,) + (True, False)[:n_in], 4096, 768,
                           True, False))
   for dt in (dtypes.float16, bf16, dtypes.float64, dtypes.int32, dtypes.int64):
-    for op in ("add", "lt", "pow", "div"):
+    for op in ("add", "lt", "pow", "div", "fmod", "remainder", "floor_divide"):
       out.append(flat_spec(op, b if op in COMPARE else dt, (dt, dt), (False, True), 1000, False, False))
   for dt in (dtypes.float16, bf16, dtypes.float64):
     out.append(tiled_spec("gelu_backward", dt, (dt, dt), 5, (True, False, True), 1 << 12, 100, False, True))
