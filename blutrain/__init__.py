@@ -16,7 +16,8 @@ from blutrain.ops import default_generator
 from blutrain.ops import (allclose, argsort, bernoulli, bmm, cumprod, diag, diagonal, einsum, equal, flip, inference_mode,
                           isclose, kthvalue, mm, msort, multinomial, normal, outer, prod, randperm, roll, sort, topk, Size,
                           acos, acosh, asin, asinh, atan, atan2, atanh, ceil, copysign, cosh, exp2, expm1, floor_divide,
-                          fmod, isinf, log1p, log2, log10, logaddexp, remainder, round, sinh, tan, trunc)
+                          fmod, isinf, log1p, log2, log10, logaddexp, remainder, round, sinh, tan, trunc, bitwise_and,
+                          bitwise_or, bitwise_xor, bitwise_not, bitwise_left_shift, bitwise_right_shift)
 from blutrain import autograd
 from blutrain.amp import autocast
 from blutrain.backends import set_float32_matmul_precision, get_float32_matmul_precision

@@ -947,9 +947,9 @@ BAD_INPUTS = {
   "negative_size": (lambda: bt.zeros(2, -1), ValueError, "negative dimension"),
   "item": (lambda: _x().item(), RuntimeError, r"item\(\): a tensor with 6 elements"),
   "mean_int": (lambda: bt.tensor([1, 2]).mean(), RuntimeError, "mean: expected a floating point tensor"),
-  "bitwise_int": (lambda: bt.tensor([1, 2]) & bt.tensor([3, 1]),
-    TypeError, "&: supported on bool tensors only, got int64"),
-  "invert_float": (lambda: ~_x(), TypeError, "~: supported on bool tensors only, got float32"),
+  "bitwise_float": (lambda: _x() & _x(), NotImplementedError, "bitwise_and: defined for integer and bool tensors, got float32"),
+  "invert_float": (lambda: ~_x(), TypeError, "bitwise_not: defined for integer and bool tensors, got float32"),
+  "shift_bool": (lambda: bt.tensor([True]) << bt.tensor([True]), NotImplementedError, "bitwise_left_shift: not defined for bool"),
   "amax_empty": (lambda: bt.zeros(0, 2).amax(0), IndexError, r"amax: cannot reduce over an empty dimension.*\(0, 2\)"),
 }
 

@@ -547,6 +547,12 @@ class RoundOp(UnaryOp):
 
 
 @irdl_op_definition
+class BitwiseNotOp(UnaryOp):
+  """~x, bitwise."""
+  name = "nova.bitwise_not"
+
+
+@irdl_op_definition
 class LogicalNotOp(UnaryOp):
   """not x, a bool result."""
   name = "nova.logical_not"
@@ -630,6 +636,36 @@ class RemainderOp(BinaryOp):
 class FloorDivideOp(BinaryOp):
   """floor(x / y)."""
   name = "nova.floor_divide"
+
+
+@irdl_op_definition
+class BitwiseAndOp(BinaryOp):
+  """x & y, bitwise."""
+  name = "nova.bitwise_and"
+
+
+@irdl_op_definition
+class BitwiseOrOp(BinaryOp):
+  """x | y, bitwise."""
+  name = "nova.bitwise_or"
+
+
+@irdl_op_definition
+class BitwiseXorOp(BinaryOp):
+  """x ^ y, bitwise."""
+  name = "nova.bitwise_xor"
+
+
+@irdl_op_definition
+class BitwiseLeftShiftOp(BinaryOp):
+  """x << y (0 past the width)."""
+  name = "nova.bitwise_left_shift"
+
+
+@irdl_op_definition
+class BitwiseRightShiftOp(BinaryOp):
+  """x >> y, arithmetic (the sign past the width)."""
+  name = "nova.bitwise_right_shift"
 
 
 @irdl_op_definition
@@ -1042,8 +1078,8 @@ class ScaleOp(MultiResultOp):
 Nova = Dialect("nova", [
   FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp,
   NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp, AsinhOp, AcoshOp, AtanhOp, Exp2Op, Log2Op, Log10Op, Log1pOp, Expm1Op, CeilOp, TruncOp, RoundOp,
-  LogicalNotOp,
-  CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp, FloorDivideOp, MaximumOp, MinimumOp, EqOp, NeOp, LtOp, LeOp, GtOp, GeOp,
+  BitwiseNotOp, LogicalNotOp,
+  CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp, FloorDivideOp, BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp, EqOp, NeOp, LtOp, LeOp, GtOp, GeOp,
   LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp,
   SumOp, AmaxOp, AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp,
   ViewOp, PermuteOp, ExpandOp, SliceOp,

@@ -14,7 +14,9 @@ from blutrain.ops import methods
 from blutrain.ops.core import Op, apply, dynamic_scalar, registry
 from blutrain.ops.creation import (arange, as_tensor, as_tensor_like, empty, empty_like, eye, from_dlpack, from_numpy,
                                    full, full_like, linspace, ones, ones_like, tensor, to_device, zeros, zeros_like)
-from blutrain.ops.elementwise import (abs, acos, acosh, add, allclose, asin, asinh, atan, atan2, atanh, ceil, copysign,
+from blutrain.ops.elementwise import (abs, acos, acosh, add, allclose, asin, asinh, atan, atan2, atanh, bitwise_and,
+                                      bitwise_left_shift, bitwise_not, bitwise_or, bitwise_right_shift, bitwise_xor, ceil,
+                                      copysign,
                                       cosh, equal, exp2, expm1, floor_divide, fmod, isclose, isinf, log1p, log2, log10,
                                       logaddexp, remainder, round, sinh, tan, trunc, cast, clamp, clip, copy, cos, div, eq, erf, exp, floor, ge, gelu, gt,
                                       isfinite, isnan, le, lerp, log, logical_and, logical_not, logical_or, logical_xor,

@@ -186,6 +186,10 @@ minimum_op = op("minimum", _binary_rule("minimum"), _extremum_vjp(True), inputs=
 
 _cmp = {name: op(name, _binary_rule(name, dtypes.bool_), differentiable=False, inputs="x y")
         for name in ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor")}
+# integer (and bool) bitwise ops; shifts by a negative amount or past the width give 0 (the sign for >>), as PyTorch
+_bitwise = {name: op(name, _binary_rule(name), differentiable=False, inputs="x y")
+            for name in ("bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift")}
+bitwise_not_op = op("bitwise_not", _same, differentiable=False, inputs="x")
 logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differentiable=False, inputs="x")
 
 
@@ -287,6 +291,31 @@ def logical_and(x, y) -> Tensor: return _cmp["logical_and"](*operands("logical_a
 def logical_or(x, y) -> Tensor: return _cmp["logical_or"](*operands("logical_or", x, y, dtype=dtypes.bool_))
 def logical_xor(x, y) -> Tensor: return _cmp["logical_xor"](*operands("logical_xor", x, y, dtype=dtypes.bool_))
 def logical_not(x: Tensor) -> Tensor: return logical_not_op(x.to(dtypes.bool_))
+
+
+def _integers(name: str, *xs) -> list:
+  out = operands(name, *xs)
+  if out[0].dtype.is_floating_point:
+    raise UnsupportedDType(f"{name}: defined for integer and bool tensors, got {out[0].dtype.name} (as PyTorch)")
+  return out
+
+
+def bitwise_and(x, y) -> Tensor: return _bitwise["bitwise_and"](*_integers("bitwise_and", x, y))
+def bitwise_or(x, y) -> Tensor: return _bitwise["bitwise_or"](*_integers("bitwise_or", x, y))
+def bitwise_xor(x, y) -> Tensor: return _bitwise["bitwise_xor"](*_integers("bitwise_xor", x, y))
+def bitwise_not(x: Tensor) -> Tensor: return bitwise_not_op(*_integers("bitwise_not", x))
+
+
+def bitwise_left_shift(x, y) -> Tensor:
+  x, y = _integers("bitwise_left_shift", x, y)
+  if x.dtype is dtypes.bool_: raise UnsupportedDType("bitwise_left_shift: not defined for bool tensors (as PyTorch)")
+  return _bitwise["bitwise_left_shift"](x, y)
+
+
+def bitwise_right_shift(x, y) -> Tensor:
+  x, y = _integers("bitwise_right_shift", x, y)
+  if x.dtype is dtypes.bool_: raise UnsupportedDType("bitwise_right_shift: not defined for bool tensors (as PyTorch)")
+  return _bitwise["bitwise_right_shift"](x, y)
 def isnan(x: Tensor) -> Tensor: return x != x
 def isinf(x: Tensor) -> Tensor: return abs_op(x) == float("inf") if x.dtype.is_floating_point else zeros_like(x, dtype=dtypes.bool_)
 def isfinite(x: Tensor) -> Tensor: return (x == x) & (abs_op(x) < float("inf")) if x.dtype.is_floating_point else ones_like(x, dtype=dtypes.bool_)

@@ -177,13 +177,17 @@ class TensorMethods:
   def __le__(self, other): return elementwise.le(self, other)
   def __gt__(self, other): return elementwise.gt(self, other)
   def __ge__(self, other): return elementwise.ge(self, other)
-  def __invert__(self): return elementwise.logical_not(_bool_operand("~", self))
-  def __and__(self, other): return elementwise.logical_and(_bool_operand("&", self), _bool_operand("&", other))
-  def __rand__(self, other): return elementwise.logical_and(_bool_operand("&", other), _bool_operand("&", self))
-  def __or__(self, other): return elementwise.logical_or(_bool_operand("|", self), _bool_operand("|", other))
-  def __ror__(self, other): return elementwise.logical_or(_bool_operand("|", other), _bool_operand("|", self))
-  def __xor__(self, other): return elementwise.logical_xor(_bool_operand("^", self), _bool_operand("^", other))
-  def __rxor__(self, other): return elementwise.logical_xor(_bool_operand("^", other), _bool_operand("^", self))
+  def __invert__(self): return elementwise.logical_not(self) if self.dtype is dtypes.bool_ else elementwise.bitwise_not(self)
+  def __and__(self, other): return _bitwise("and", self, other)
+  def __rand__(self, other): return _bitwise("and", other, self)
+  def __or__(self, other): return _bitwise("or", self, other)
+  def __ror__(self, other): return _bitwise("or", other, self)
+  def __xor__(self, other): return _bitwise("xor", self, other)
+  def __rxor__(self, other): return _bitwise("xor", other, self)
+  def __lshift__(self, other): return elementwise.bitwise_left_shift(self, other)
+  def __rlshift__(self, other): return elementwise.bitwise_left_shift(other, self)
+  def __rshift__(self, other): return elementwise.bitwise_right_shift(self, other)
+  def __rrshift__(self, other): return elementwise.bitwise_right_shift(other, self)
 
 
 _TYPE_NAMES = {dtypes.bool_: "Bool", dtypes.int32: "Int", dtypes.int64: "Long", dtypes.float16: "Half",
@@ -196,13 +200,10 @@ def _copy_source(old: Tensor, src, into: Tensor) -> Tensor:
   return old if src is into else creation.as_tensor_like(src, old).to(old.device)
 
 
-def _bool_operand(op: str, x):
-  """&, |, ^ and ~ are PyTorch's bitwise ops; blutrain has them for bools only, where they are the logical ones."""
-  dt = x.dtype if isinstance(x, Tensor) else dtypes.scalar_dtype(x)
-  if dt is not dtypes.bool_:
-    raise TypeError(f"{op}: supported on bool tensors only, got {dt.name} (integer bitwise ops are not implemented); "
-                    "compare first (x != 0) or use logical_and/logical_or/logical_xor/logical_not")
-  return x
+def _bitwise(kind: str, x, y) -> Tensor:
+  """&, |, ^: logical on two bools (the common mask case), bitwise on integers, as PyTorch's."""
+  both_bool = all((t.dtype if isinstance(t, Tensor) else dtypes.scalar_dtype(t)) is dtypes.bool_ for t in (x, y))
+  return getattr(elementwise, f"logical_{kind}" if both_bool else f"bitwise_{kind}")(x, y)
 
 
 def _shape_args(shape: tuple) -> tuple[int, ...]:
@@ -218,7 +219,8 @@ FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign squ
   softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite
   bernoulli sort argsort msort topk kthvalue multinomial cumprod prod flip roll diag diagonal outer mm bmm isclose allclose
   equal tan asin acos atan atan2 sinh cosh asinh acosh atanh exp2 log2 log10 log1p expm1 ceil trunc round copysign fmod
-  remainder floor_divide logaddexp isinf""".split()
+  remainder floor_divide logaddexp isinf bitwise_and bitwise_or bitwise_xor bitwise_not bitwise_left_shift
+  bitwise_right_shift""".split()
 
 
 def _op_named(name: str):

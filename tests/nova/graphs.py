@@ -157,6 +157,10 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
                "fmod", "remainder", "floor_divide"): outs.append(b(name, x, y))
   outs.append(b("pow", pos, y))
   for name in ("logical_and", "logical_or", "logical_xor"): outs.append(b(name, mask, other))
+  ints = b("cast", b("mul", x, b.full((), 10.0)), dtype=dtypes.int64)
+  for name in ("bitwise_and", "bitwise_or", "bitwise_xor"): outs.append(b(name, ints, b("neg", ints)))
+  outs += [b("bitwise_not", ints), b("bitwise_left_shift", ints, b.full((), 3, dtypes.int64)),
+           b("bitwise_right_shift", ints, b.full((), 2, dtypes.int64))]
   outs += [b("where", mask, x, y),
            b("sum", x, dims=(1,), keepdim=False, dtype=f32), b("sum", mask, dims=(0, 1), keepdim=True, dtype=dtypes.int64),
            b("amax", x, dims=(0,), keepdim=True), b("amin", x, dims=(0, 1), keepdim=False),

@@ -214,6 +214,13 @@ def _int_division(name: str, fn):
   return kernel
 
 
+def _shift(fn, x, y, negative_fill: int):
+  """x shifted by y; by a negative amount or past the width 0 (negative x shifted right: -1), as PyTorch."""
+  bits = 8 * x.dtype.itemsize
+  inside = (y >= 0) & (y < bits)
+  return np.where(inside, fn(x, np.where(inside, y, 0)), np.where(x < 0, negative_fill, 0)).astype(x.dtype)
+
+
 def _pow(x, y):
   """Integers to negative powers truncate toward zero as C does (1, -1 or 0), as PyTorch's for tensor exponents and
   the CUDA kernel's (`pow` refuses a negative Python number, as PyTorch)."""
@@ -275,6 +282,9 @@ kernels = {
   "maximum": np.maximum, "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
   "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "logical_and": np.logical_and,
   "logical_or": np.logical_or, "logical_xor": np.logical_xor, "where": np.where,
+  "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor, "bitwise_not": np.invert,
+  "bitwise_left_shift": lambda x, y: _shift(np.left_shift, x, y, 0),
+  "bitwise_right_shift": lambda x, y: _shift(np.right_shift, x, y, -1),
   # reductions
   "sum": lambda x, dims, keepdim, dtype: np.sum(x, axis=dims, keepdims=keepdim),
   "amax": lambda x, dims, keepdim: np.max(x, axis=dims, keepdims=keepdim),
@@ -330,7 +340,8 @@ def _where(c, x, y, out=None):
 _fill.writes_out = _where.writes_out = True
 _UFUNCS = ("neg exp log sqrt abs sin cos tanh floor logical_not add sub mul div maximum minimum eq ne lt le gt ge "
            "logical_and logical_or logical_xor tan asin acos atan sinh cosh asinh acosh atanh exp2 log2 log10 log1p "
-           "expm1 ceil trunc round atan2 copysign fmod remainder floor_divide").split()
+           "expm1 ceil trunc round atan2 copysign fmod remainder floor_divide bitwise_and bitwise_or bitwise_xor "
+           "bitwise_not").split()
 kernels = {name: _writing(_upcast_halves(fn)) if name in _UFUNCS else _upcast_halves(fn) for name, fn in kernels.items()}
 kernels["full"], kernels["where"] = _fill, _where
 

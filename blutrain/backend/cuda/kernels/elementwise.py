@@ -29,10 +29,10 @@ from blutrain.shapes import cdiv, contiguous_strides
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
          "sign", "logical_not", "gelu", "gelu_tanh", "copy", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
-         "acosh", "atanh", "exp2", "log2", "log10", "log1p", "expm1", "ceil", "trunc", "round")
+         "acosh", "atanh", "exp2", "log2", "log10", "log1p", "expm1", "ceil", "trunc", "round", "bitwise_not")
 BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
           "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh", "atan2", "copysign", "fmod", "remainder",
-          "floor_divide")
+          "floor_divide", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "logical_not")
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _SQRT_2_PI = tl.constexpr(0.7978845608028654)
@@ -176,6 +176,8 @@ def _apply(a, b, c, OP: tl.constexpr):
     r = libdevice.trunc(a)
   elif OP == "round":
     r = libdevice.rint(a)  # half to even
+  elif OP == "bitwise_not":
+    r = ~a
   elif OP == "logical_not":
     r = a == 0
   elif OP == "gelu":
@@ -209,6 +211,18 @@ def _apply(a, b, c, OP: tl.constexpr):
     r = tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)  # Python's: the sign of b
   elif OP == "floor_divide":
     r = _floor_divide(a, b)
+  elif OP == "bitwise_and":
+    r = a & b
+  elif OP == "bitwise_or":
+    r = a | b
+  elif OP == "bitwise_xor":
+    r = a ^ b
+  elif OP == "bitwise_left_shift":  # past the width (or negative) 0, as PyTorch: LLVM's shift would be poison there
+    inside = (b >= 0) & (b < a.dtype.primitive_bitwidth)
+    r = tl.where(inside, a << tl.where(inside, b, 0), 0)
+  elif OP == "bitwise_right_shift":  # arithmetic; past the width the sign
+    inside = (b >= 0) & (b < a.dtype.primitive_bitwidth)
+    r = tl.where(inside, a >> tl.where(inside, b, 0), tl.where(a < 0, -1, 0))
   elif OP == "maximum":
     r = a | b if a.dtype == tl.int1 else tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
   elif OP == "minimum":
@@ -538,21 +552,24 @@ KERNELS = {  # copy.py wraps "copy"
 
 
 def _specs() -> list:
-  """Every op once on the flat kernel in float32 (bool for logical ops); the tiled kernel for one op of each kind;
-  integer, half and float64 arithmetic; both alignments and index widths."""
+  """Every op once on the flat kernel in float32 (bool for logical ops, int32 for bitwise ones); the tiled kernel for
+  one op of each kind; integer, half and float64 arithmetic; both alignments and index widths."""
   f32, bf16, b = dtypes.float32, dtypes.bfloat16, dtypes.bool_
   out = []
   for op in UNARY + BINARY:
     n_in = 1 if op in UNARY else 2
-    dt = b if op.startswith("logical") else f32
+    dt = b if op.startswith("logical") else dtypes.int32 if op.startswith("bitwise") else f32
     out.append(flat_spec(op, b if op in COMPARE else dt, (dt,) * n_in, (False,) * n_in, 1 << 20, True, False))
   for op, dt in (("copy", f32), ("add", f32), ("gelu", f32), ("lt", bf16), ("pow", dtypes.int64), ("logical_xor", b)):
     n_in = 1 if op in UNARY else 2
     out.append(tiled_spec(op, b if op in COMPARE else dt, (dt,) * n_in, 2, (True,) + (True, False)[:n_in], 4096, 768,
                           True, False))
   for dt in (dtypes.float16, bf16, dtypes.float64, dtypes.int32, dtypes.int64):
-    for op in ("add", "lt", "pow", "div", "fmod", "remainder", "floor_divide"):
-      out.append(flat_spec(op, b if op in COMPARE else dt, (dt, dt), (False, True), 1000, False, False))
+    for op in ("add", "lt", "pow", "div", "fmod", "remainder", "floor_divide") + (
+        ("bitwise_and", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift", "bitwise_not")
+        if not dt.is_floating_point else ()):
+      n_in = 1 if op in UNARY else 2
+      out.append(flat_spec(op, b if op in COMPARE else dt, (dt,) * n_in, (False, True)[:n_in], 1000, False, False))
   for dt in (dtypes.float16, bf16, dtypes.float64):
     out.append(tiled_spec("gelu_backward", dt, (dt, dt), 5, (True, False, True), 1 << 12, 100, False, True))
   out.append(flat_spec("sqrt", dtypes.float64, (dtypes.float64,), (False,), 1 << 20, True, True))
