@@ -238,3 +238,45 @@ def test_inference_mode():
   with bt.inference_mode(False): assert (w * 2).requires_grad
   assert bt.inference_mode()(lambda: (w * 2).requires_grad)() is False
   assert (w * 2).requires_grad
+
+
+# *** indexing and scans ***
+
+@pytest.mark.parametrize("repeats,dim", [(2, 0), (3, 1), (1, -1), (0, 0), (2, None)])
+def test_repeat_interleave(repeats, dim):
+  helper_test_op([(3, 4)], lambda t: t.repeat_interleave(repeats, dim), layouts=LAYOUTS)
+
+
+def test_repeat_interleave_counts():
+  counts = [2, 0, 1]
+  helper_test_op([(3, 4)], lambda t: t.repeat_interleave(torch.tensor(counts), 0),
+                 lambda t: t.repeat_interleave(bt.tensor(counts), 0), layouts=LAYOUTS)
+  with pytest.raises(RuntimeError, match="2 counts for dimension 0 of size 3"): bt.ones(3).repeat_interleave(bt.tensor([1, 2]))
+
+
+def test_masked_select():
+  mask = np.array([[True, False, True, True]])
+  helper_test_op([(3, 4)], lambda t: t.masked_select(torch.tensor(mask)), lambda t: t.masked_select(bt.tensor(mask)),
+                 layouts=LAYOUTS)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_logcumsumexp(dim):
+  helper_test_op([(3, 5)], lambda t: t.logcumsumexp(dim), layouts=LAYOUTS, low=-30.0, high=30.0)
+  edges = [[0.0, -float("inf"), 2.0], [-float("inf"), -float("inf"), 1.0], [float("inf"), 3.0, float("nan")]]
+  assert_close(bt.tensor(edges).logcumsumexp(dim), torch.tensor(edges).logcumsumexp(dim))
+
+
+def test_nested_tuple_indices():
+  x = np.arange(12.0).reshape(3, 4)
+  for key in (((0,),), ((0, 1),), ((0, 1), (1, 2)), ([0, 2], (1, 3))):
+    helper_test_op([x], lambda t: t[key], layouts=LAYOUTS)
+
+
+def test_sdpa_grouped_query_heads():
+  fn = lambda lib: lambda q, k, v: (torch.nn.functional if lib is torch else bt.nn.functional).scaled_dot_product_attention(
+    q, k, v, enable_gqa=True, is_causal=True)
+  helper_test_op([(2, 6, 5, 8), (2, 2, 5, 8), (2, 2, 5, 8)], fn(torch), fn(bt), tol_scale=4)
+  helper_test_op([(2, 6, 5, 8), (2, 2, 5, 8), (2, 2, 5, 8)], fn(torch), fn(bt), dtype=bt.float64)
+  with pytest.raises(RuntimeError, match="6 query heads cannot be grouped over 4"):
+    fn(bt)(bt.ones(1, 6, 2, 4), bt.ones(1, 4, 2, 4), bt.ones(1, 4, 2, 4))

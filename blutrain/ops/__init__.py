@@ -24,7 +24,7 @@ from blutrain.ops.elementwise import (abs, acos, acosh, add, allclose, asin, asi
                                       rsqrt, sigmoid, sign, silu, sin, sqrt, square, sub, tanh, where)
 from blutrain.ops.inplace import inplace, setitem
 from blutrain.ops.linalg import bmm, einsum, matmul, mm, outer
-from blutrain.ops.movement import (cat, diag, diagonal, flip, roll, chunk, expand, flatten, getitem, narrow, nonzero, permute, repeat, reshape,
+from blutrain.ops.movement import (cat, diag, diagonal, flip, masked_select, repeat_interleave, roll, chunk, expand, flatten, getitem, narrow, nonzero, permute, repeat, reshape,
                                    split, squeeze, stack, transpose, unbind, unflatten, unsqueeze, view)
 from blutrain.ops.nn import (cross_entropy, dropout, embedding, gather, index_select, layer_norm, linear, log_softmax,
                              mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter_add, softmax,
@@ -33,7 +33,7 @@ from blutrain.ops.optim import adamw_, scale_, sum_squares
 from blutrain.ops.ordering import argsort, kthvalue, msort, multinomial, randperm, sort, topk
 from blutrain.ops.random import (Generator, bernoulli, bernoulli_mask, normal, default_generator, manual_seed, rand, rand_like, randint,
                                  randn, randn_like)
-from blutrain.ops.reduce import (all, amax, amin, any, argmax, argmin, cumprod, cumsum, prod, logsumexp, max, mean, min, std, sum,
+from blutrain.ops.reduce import (all, amax, amin, any, argmax, argmin, cumprod, cumsum, logcumsumexp, prod, logsumexp, max, mean, min, std, sum,
                                  sum_to, var)
 from blutrain.shapes import Size, broadcast_shapes
 

@@ -297,7 +297,8 @@ def parse_key(x: Tensor, key):
   """Split an index into the basic part, applied as one slice view plus a reshape, and the tensor indices
   that remain: returns (view, [(dim in view, index tensor)])."""
   key = key if isinstance(key, tuple) else (key,)
-  key = tuple(tensor(k, dtype=dtypes.int64, device=x.device) if isinstance(k, list) else k for k in key)
+  # a list or a tuple inside the key is a sequence of indices, as in PyTorch (`x[((0, 1),)]` is `x[[0, 1]]`)
+  key = tuple(tensor(k, dtype=dtypes.int64, device=x.device) if isinstance(k, (list, tuple)) else k for k in key)
   used = sum(k.ndim if isinstance(k, Tensor) and k.dtype is dtypes.bool_ else 0 if k is None or k is Ellipsis else 1 for k in key)
   if used > x.ndim: raise IndexError(f"too many indices for a tensor of dimension {x.ndim} (got {used})")
   if sum(k is Ellipsis for k in key) > 1: raise IndexError("an index can only have a single ellipsis ('...')")
@@ -416,3 +417,27 @@ def diag(x: Tensor, diagonal: int = 0) -> Tensor:
   i, j = arange(m, device=x.device).reshape(m, 1), arange(m, device=x.device).reshape(1, m)
   source = (i if k >= 0 else j).expand(m, m).clamp(0, n - 1)  # the entry of x each position would hold
   return where(j - i == k, x[source], 0)
+
+
+def repeat_interleave(x: Tensor, repeats, dim: int | None = None, *, output_size: int | None = None) -> Tensor:
+  """Each entry along dim repeated `repeats` times in place (`[a, b]` -> `[a, a, b, b]`; over the flattened tensor
+  when dim is None); `repeats` may be a tensor of one count per entry (read on the host)."""
+  if dim is None: x, dim = x.reshape(-1), 0
+  d = normalize_dim(dim, x.ndim, "repeat_interleave")
+  n = x.shape[d] if x.ndim else 1
+  if isinstance(repeats, Tensor) and repeats.numel() != 1:
+    counts = repeats.tolist()
+    if len(counts) != n or any(c < 0 for c in counts):
+      raise ShapeError(f"repeat_interleave: {len(counts)} counts for dimension {dim} of size {n}; each must be >= 0")
+    return x[(slice(None),) * d + (tensor(np.repeat(np.arange(n), counts), device=x.device),)]
+  r = int(repeats.item()) if isinstance(repeats, Tensor) else int(repeats)
+  if r < 0: raise ShapeError(f"repeat_interleave: repeats must be non-negative, got {r}")
+  if not x.ndim: x = x.reshape(1)
+  shape = x.shape
+  return expand(x.unsqueeze(d + 1), shape[:d + 1] + (r,) + shape[d + 1:]).reshape(shape[:d] + (n * r,) + shape[d + 1:])
+
+
+def masked_select(x: Tensor, mask: Tensor) -> Tensor:
+  """The entries of x where mask (broadcast with x) is True, as a 1-D tensor."""
+  shape = broadcast_shapes(x.shape, mask.shape, op="masked_select")
+  return expand(x, shape)[expand(mask, shape)] if shape else x.reshape(1)[mask.reshape(1)]

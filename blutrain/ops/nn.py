@@ -265,11 +265,19 @@ _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None) -> Tensor:
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
   """softmax(q k^T * scale + mask) v over (..., L, E) queries and (..., S, E) keys.
 
   `attn_mask` is bool (True takes part) or float (added to the scores); `is_causal` masks keys after each
-  query (top-left aligned, as PyTorch). Dropout applies to the attention weights."""
+  query (top-left aligned, as PyTorch). Dropout applies to the attention weights. `enable_gqa`: keys and values
+  of fewer heads (dim -3) than the queries, each shared by a group of query heads."""
+  if enable_gqa and query.ndim >= 3 and key.shape[-3] != query.shape[-3]:
+    hq, hk = query.shape[-3], key.shape[-3]
+    if hk == 0 or hq % hk or value.shape[-3] != hk:
+      raise ShapeError(f"scaled_dot_product_attention: {hq} query heads cannot be grouped over {hk} key and "
+                       f"{value.shape[-3]} value heads (enable_gqa needs a divisor)")
+    key, value = key.repeat_interleave(hq // hk, -3), value.repeat_interleave(hq // hk, -3)
   if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
     raise ShapeError(f"scaled_dot_product_attention: incompatible shapes q {query.shape}, k {key.shape}, v {value.shape}")
   if is_causal and attn_mask is not None: raise ShapeError("scaled_dot_product_attention: pass either attn_mask or is_causal")

@@ -214,6 +214,18 @@ def prod(x: Tensor, dim: int | None = None, keepdim: bool = False, *, dtype=None
   return out if keepdim else out.squeeze(d)
 
 
+def logcumsumexp(x: Tensor, dim: int) -> Tensor:
+  """log(cumsum(exp(x))) along dim, computed around the largest value of each slice."""
+  if not x.dtype.is_floating_point:
+    raise dtypes.UnsupportedDType(f"logcumsumexp: expected a floating point tensor, got {x.dtype.name} (as PyTorch)")
+  if not x.ndim: return logcumsumexp(x.reshape(1), dim).reshape(())
+  d = normalize_dim(dim, x.ndim, "logcumsumexp")
+  if x.numel() == 0: return x * 1
+  m = amax(x.detach(), d, keepdim=True)
+  m = where(isfinite(m), m, 0.0)
+  return log(cumsum(exp(x - m), d)) + m
+
+
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """True where every element along dim is nonzero."""
   return sum((x == 0).to(dtypes.int64), dim, keepdim) == 0
