@@ -84,5 +84,16 @@ def normalize_dims(dim, ndim: int, op: str) -> Shape:
   return out if ndim else ()  # a 0-d tensor's dim 0 (or -1) is the tensor itself: nothing to reduce or squeeze
 
 
+def dim_alias(fn):
+  """Let a function of `dim` take numpy's name `axis=` for it too, as PyTorch's do."""
+  @functools.wraps(fn)
+  def aliased(*args, axis=None, **kw):
+    if axis is not None:
+      if "dim" in kw: raise TypeError(f"{fn.__name__}: got both dim= and its alias axis=")
+      kw["dim"] = axis
+    return fn(*args, **kw)
+  return aliased
+
+
 def cdiv(a: int, b: int) -> int: return -(-a // b)
 def next_pow2(n: int) -> int: return 1 << max(0, n - 1).bit_length()  # NOTE: triton's own helpers are slow jit wrappers

@@ -280,3 +280,10 @@ def test_sdpa_grouped_query_heads():
   helper_test_op([(2, 6, 5, 8), (2, 2, 5, 8), (2, 2, 5, 8)], fn(torch), fn(bt), dtype=bt.float64)
   with pytest.raises(RuntimeError, match="6 query heads cannot be grouped over 4"):
     fn(bt)(bt.ones(1, 6, 2, 4), bt.ones(1, 4, 2, 4), bt.ones(1, 4, 2, 4))
+
+
+@pytest.mark.parametrize("name", ["sum", "mean", "amax", "argmin", "std", "all", "prod", "cumsum", "logsumexp", "sort"])
+def test_axis_is_dim(name):
+  helper_test_op([(3, 4)], lambda t: getattr(t, name)(axis=1), grad=name not in ("argmin", "all"))
+  with pytest.raises(TypeError, match="both dim= and its alias axis="): getattr(bt.ones(2, 2), name)(dim=0, axis=1)
+  assert bt.cat([bt.ones(2, 1), bt.ones(2, 2)], axis=1).shape == (2, 3)

@@ -15,26 +15,27 @@ from blutrain.ops.core import Op, apply, dynamic_scalar, registry
 from blutrain.ops.creation import (arange, as_tensor, as_tensor_like, empty, empty_like, eye, from_dlpack, from_numpy,
                                    full, full_like, linspace, ones, ones_like, tensor, to_device, zeros, zeros_like)
 from blutrain.ops.elementwise import (abs, acos, acosh, add, allclose, asin, asinh, atan, atan2, atanh, bitwise_and,
-                                      bitwise_left_shift, bitwise_not, bitwise_or, bitwise_right_shift, bitwise_xor, ceil,
-                                      copysign,
-                                      cosh, equal, exp2, expm1, floor_divide, fmod, isclose, isinf, log1p, log2, log10,
-                                      logaddexp, remainder, round, sinh, tan, trunc, cast, clamp, clip, copy, cos, div, eq, erf, exp, floor, ge, gelu, gt,
-                                      isfinite, isnan, le, lerp, log, logical_and, logical_not, logical_or, logical_xor,
-                                      lt, masked_fill, maximum, minimum, mul, ne, neg, operands, pow, reciprocal, relu,
-                                      rsqrt, sigmoid, sign, silu, sin, sqrt, square, sub, tanh, where)
+                                      bitwise_left_shift, bitwise_not, bitwise_or, bitwise_right_shift, bitwise_xor,
+                                      cast, ceil, clamp, clip, copy, copysign, cos, cosh, div, eq, equal, erf, exp,
+                                      exp2, expm1, floor, floor_divide, fmod, ge, gelu, gt, isclose, isfinite, isinf,
+                                      isnan, le, lerp, log, log10, log1p, log2, logaddexp, logical_and, logical_not,
+                                      logical_or, logical_xor, lt, masked_fill, maximum, minimum, mul, ne, neg,
+                                      operands, pow, reciprocal, relu, remainder, round, rsqrt, sigmoid, sign, silu,
+                                      sin, sinh, sqrt, square, sub, tan, tanh, trunc, where)
 from blutrain.ops.inplace import inplace, setitem
 from blutrain.ops.linalg import bmm, einsum, matmul, mm, outer
-from blutrain.ops.movement import (cat, diag, diagonal, flip, masked_select, repeat_interleave, roll, chunk, expand, flatten, getitem, narrow, nonzero, permute, repeat, reshape,
-                                   split, squeeze, stack, transpose, unbind, unflatten, unsqueeze, view)
+from blutrain.ops.movement import (cat, chunk, diag, diagonal, expand, flatten, flip, getitem, masked_select, narrow,
+                                   nonzero, permute, repeat, repeat_interleave, reshape, roll, split, squeeze, stack,
+                                   transpose, unbind, unflatten, unsqueeze, view)
 from blutrain.ops.nn import (cross_entropy, dropout, embedding, gather, index_select, layer_norm, linear, log_softmax,
                              mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter_add, softmax,
                              tril, triu)
 from blutrain.ops.optim import adamw_, scale_, sum_squares
 from blutrain.ops.ordering import argsort, kthvalue, msort, multinomial, randperm, sort, topk
-from blutrain.ops.random import (Generator, bernoulli, bernoulli_mask, normal, default_generator, manual_seed, rand, rand_like, randint,
-                                 randn, randn_like)
-from blutrain.ops.reduce import (all, amax, amin, any, argmax, argmin, cumprod, cumsum, logcumsumexp, prod, logsumexp, max, mean, min, std, sum,
-                                 sum_to, var)
+from blutrain.ops.random import (bernoulli, bernoulli_mask, default_generator, Generator, manual_seed, normal, rand,
+                                 rand_like, randint, randn, randn_like)
+from blutrain.ops.reduce import (all, amax, amin, any, argmax, argmin, cumprod, cumsum, logcumsumexp, logsumexp, max,
+                                 mean, min, prod, std, sum, sum_to, var)
 from blutrain.shapes import Size, broadcast_shapes
 
 methods.attach()

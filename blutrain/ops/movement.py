@@ -11,7 +11,8 @@ from blutrain.ops.core import op
 from blutrain.ops.creation import arange, from_numpy, full, tensor
 from blutrain.ops.elementwise import copy, operands, where
 from blutrain.ops.reduce import sum_to
-from blutrain.shapes import BoundsError, ShapeError, broadcast_shapes, contiguous_strides, normalize_dim, normalize_dims
+from blutrain.shapes import (BoundsError, ShapeError, broadcast_shapes, contiguous_strides, dim_alias, normalize_dim,
+                             normalize_dims)
 from blutrain.tensor import Tensor
 
 
@@ -246,6 +247,7 @@ def _cat_vjp(g, out, *xs, dim):
 cat_op = op("cat", _cat_rule, _cat_vjp, saves=(), inputs="*xs", attrs="dim:int")
 
 
+@dim_alias
 def cat(tensors, dim: int = 0) -> Tensor:
   """Concatenate along an existing dim."""
   tensors = [t for t in tensors]
@@ -254,6 +256,7 @@ def cat(tensors, dim: int = 0) -> Tensor:
   return cat_op(*tensors, dim=normalize_dim(dim, tensors[0].ndim, "cat"))
 
 
+@dim_alias
 def stack(tensors, dim: int = 0) -> Tensor:
   """Join along a new dim."""
   tensors = list(tensors)

@@ -12,7 +12,7 @@ from blutrain.ops.movement import narrow
 from blutrain.ops.nn import gather
 from blutrain.ops.random import Generator, rand, randint
 from blutrain.ops.reduce import cumsum, sum, values_indices
-from blutrain.shapes import BoundsError, ShapeError, normalize_dim
+from blutrain.shapes import BoundsError, ShapeError, dim_alias, normalize_dim
 from blutrain.tensor import Tensor
 
 # the int64 positions that order x along dim: stable (ties keep their order), nan above +inf, as PyTorch's sort
@@ -27,11 +27,13 @@ def _argsort(x: Tensor, dim: int, descending: bool, name: str) -> Tensor:
   return argsort_op(x, dim=d, descending=descending)
 
 
+@dim_alias
 def argsort(x: Tensor, dim: int = -1, descending: bool = False, *, stable: bool = False) -> Tensor:
   """The positions that sort x along dim (always stable: equal values keep their order)."""
   return _argsort(x, dim, descending, "argsort")
 
 
+@dim_alias
 def sort(x: Tensor, dim: int = -1, descending: bool = False, *, stable: bool = False):
   """(values, indices) of x sorted along dim; nan sorts above +inf, as in PyTorch."""
   idx = _argsort(x, dim, descending, "sort")
@@ -47,6 +49,7 @@ def msort(x: Tensor) -> Tensor:
   return sort(x, 0).values
 
 
+@dim_alias
 def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
   """(values, indices) of the k largest (smallest when not `largest`) entries along dim, in order."""
   d = normalize_dim(dim, x.ndim, "topk")
@@ -57,6 +60,7 @@ def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = 
   return values_indices(_take(x, d, idx), idx)
 
 
+@dim_alias
 def kthvalue(x: Tensor, k: int, dim: int = -1, keepdim: bool = False):
   """(values, indices) of the k-th smallest entry (k from 1) along dim."""
   d = normalize_dim(dim, x.ndim, "kthvalue")

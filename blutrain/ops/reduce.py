@@ -9,7 +9,7 @@ from blutrain import dtypes
 from blutrain.ops.core import autocast_inputs, op
 from blutrain.ops.creation import ones_like, zeros
 from blutrain.ops.elementwise import exp, isfinite, isnan, log, maximum, minimum, sqrt, where
-from blutrain.shapes import BoundsError, normalize_dim, normalize_dims
+from blutrain.shapes import BoundsError, dim_alias, normalize_dim, normalize_dims
 from blutrain.tensor import Tensor
 
 values_indices = namedtuple("values_indices", ["values", "indices"])
@@ -67,6 +67,7 @@ cumprod_op = op("cumprod", lambda x, dim: (x.shape, x.dtype), _cumprod_vjp, save
                 attrs="dim:int")
 
 
+@dim_alias
 def sum(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   """Sum over `dim` (an int, a tuple, or None for all). Integer and bool inputs sum in int64, as in PyTorch."""
   if dtype is None: x, = autocast_inputs("sum", x)  # autocast may pick float32 for the result, as PyTorch's does
@@ -75,6 +76,7 @@ def sum(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   return sum_op(x, dims=dims, keepdim=keepdim, dtype=out_dtype)
 
 
+@dim_alias
 def mean(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   """Arithmetic mean over `dim`."""
   if not dtypes.to_dtype(dtype or x.dtype).is_floating_point:
@@ -84,6 +86,7 @@ def mean(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   return sum(x, dims, keepdim, dtype=dtype) / n if n else sum(x, dims, keepdim, dtype=dtype) * float("nan")
 
 
+@dim_alias
 def var(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbiased: bool | None = None) -> Tensor:
   """Variance over `dim` with Bessel's `correction` (1 by default, as torch.var)."""
   if unbiased is not None: correction = int(unbiased)
@@ -94,17 +97,20 @@ def var(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbi
   return squares / builtins.max(n - correction, 0)  # inf (nan where all equal) when correction >= n, as PyTorch
 
 
+@dim_alias
 def std(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbiased: bool | None = None) -> Tensor:
   """Standard deviation: sqrt(var)."""
   return sqrt(var(x, dim, keepdim, correction=correction, unbiased=unbiased))
 
 
+@dim_alias
 def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """Maximum over `dim` (gradient split evenly among ties)."""
   _nonempty(x, dim, "amax")
   return amax_op(x, dims=normalize_dims(dim, x.ndim, "amax"), keepdim=keepdim)
 
 
+@dim_alias
 def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """Minimum over `dim`."""
   _nonempty(x, dim, "amin")
@@ -119,6 +125,7 @@ def _nonempty(x: Tensor, dim, name: str) -> None:
     raise IndexError(f"{name}: cannot reduce over an empty dimension of a tensor of shape {x.shape}")
 
 
+@dim_alias
 def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the maximum along `dim` (of the flattened tensor when dim is None)."""
   _nonempty(x, dim, "argmax")
@@ -127,6 +134,7 @@ def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   return argmax_op(x, dim=d, keepdim=keepdim) if x.ndim else argmax_op(x.reshape(1), dim=0, keepdim=False)
 
 
+@dim_alias
 def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the minimum along `dim`."""
   _nonempty(x, dim, "argmin")
@@ -135,6 +143,7 @@ def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   return argmin_op(x, dim=d, keepdim=keepdim) if x.ndim else argmin_op(x.reshape(1), dim=0, keepdim=False)
 
 
+@dim_alias
 def max(x: Tensor, dim=None, keepdim: bool = False):
   """`x.max()` is the largest value; `x.max(dim)` gives (values, indices); `x.max(other)` is maximum."""
   if isinstance(dim, Tensor): return maximum(x, dim)
@@ -142,6 +151,7 @@ def max(x: Tensor, dim=None, keepdim: bool = False):
   return _select(x, argmax(x, dim, keepdim=True), dim, keepdim)
 
 
+@dim_alias
 def min(x: Tensor, dim=None, keepdim: bool = False):
   """`x.min()`, `x.min(dim)` -> (values, indices), or `x.min(other)`."""
   if isinstance(dim, Tensor): return minimum(x, dim)
@@ -167,6 +177,7 @@ def _select(x: Tensor, idx: Tensor, dim: int, keepdim: bool):
   return values_indices(values, idx) if keepdim else values_indices(values.squeeze(dim), idx.squeeze(dim))
 
 
+@dim_alias
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
   """log(sum(exp(x))) over dim, computed stably around the maximum."""
   dims = normalize_dims(dim, x.ndim, "logsumexp")
@@ -180,6 +191,7 @@ def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
   return out if keepdim else out.squeeze(dims)
 
 
+@dim_alias
 def cumsum(x: Tensor, dim: int, *, dtype=None) -> Tensor:
   """Running sum along dim."""
   if dtype is not None: x = x.to(dtype)
@@ -188,6 +200,7 @@ def cumsum(x: Tensor, dim: int, *, dtype=None) -> Tensor:
   return cumsum_op(x, dim=d) if x.ndim else cumsum_op(x.reshape(1), dim=0).reshape(())
 
 
+@dim_alias
 def cumprod(x: Tensor, dim: int, *, dtype=None) -> Tensor:
   """Running product along dim (integers and bools in int64, as PyTorch)."""
   if dtype is not None: x = x.to(dtype)
@@ -196,6 +209,7 @@ def cumprod(x: Tensor, dim: int, *, dtype=None) -> Tensor:
   return cumprod_op(x, dim=d) if x.ndim else cumprod_op(x.reshape(1), dim=0).reshape(())
 
 
+@dim_alias
 def prod(x: Tensor, dim: int | None = None, keepdim: bool = False, *, dtype=None) -> Tensor:
   """Product over one dim, or of every element when dim is None (1 for none); the last running product, so the
   gradient is cumprod's, exact at zeros."""
@@ -214,6 +228,7 @@ def prod(x: Tensor, dim: int | None = None, keepdim: bool = False, *, dtype=None
   return out if keepdim else out.squeeze(d)
 
 
+@dim_alias
 def logcumsumexp(x: Tensor, dim: int) -> Tensor:
   """log(cumsum(exp(x))) along dim, computed around the largest value of each slice."""
   if not x.dtype.is_floating_point:
@@ -226,11 +241,13 @@ def logcumsumexp(x: Tensor, dim: int) -> Tensor:
   return log(cumsum(exp(x - m), d)) + m
 
 
+@dim_alias
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """True where every element along dim is nonzero."""
   return sum((x == 0).to(dtypes.int64), dim, keepdim) == 0
 
 
+@dim_alias
 def any(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """True where some element along dim is nonzero."""
   return sum((x != 0).to(dtypes.int64), dim, keepdim) > 0
