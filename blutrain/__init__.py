@@ -1,5 +1,5 @@
 """blutrain: a deep-learning training framework with PyTorch's surface and a whole-graph compiler, Nova."""
-from blutrain.dtypes import (DType as dtype, bool_ as bool, int32, int64, float16, bfloat16, float32, float64,
+from blutrain.dtypes import (DType as dtype, bool_ as bool, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64,
                              promote_types, result_type)
 from blutrain.device import Device as device
 from blutrain.tensor import Tensor
@@ -23,7 +23,7 @@ from blutrain import autograd
 from blutrain.amp import autocast
 from blutrain.backends import set_float32_matmul_precision, get_float32_matmul_precision
 
-half, float, long, int, double, bool_ = float16, float32, int64, int32, float64, bool
+half, float, long, int, short, double, bool_ = float16, float32, int64, int32, int16, float64, bool
 
 __version__ = "0.1.0"
 

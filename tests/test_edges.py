@@ -160,6 +160,7 @@ ONE_DIM = {"cumsum", "cumprod", "prod", "logcumsumexp"}           # reductions o
 DIM_REQUIRED = {"cumsum", "cumprod", "logsumexp", "logcumsumexp"}            # reductions without a whole-tensor form
 EDGES = [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.0, 30.0, INF, -INF, NAN]
 INT_EDGES = [0, 1, -1, 2, -3, 7]
+SMALL_INT_EDGES = {bt.uint8: [0, 1, 2, 7, 200, 255], bt.int8: [0, 1, -1, 2, -128, 127]}  # wrap-around at both ends
 # where blutrain keeps its own value: PyTorch's vectorized CPU gelu gives nan at +inf (its tanh form and its scalar path
 # give inf, as blutrain does)
 NOT_PYTORCHS = {"gelu": [INF]}
@@ -210,18 +211,19 @@ def tensor(lib, values, dtype):
 
 
 @pytest.mark.parametrize("name", UNARY)
-@pytest.mark.parametrize("dtype", FLOATS + [bt.int64, bt.bool], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS + [bt.int64, bt.uint8, bt.int8, bt.bool], ids=str)
 def test_unary_at_the_edges(name, dtype):
-  values = EDGES if dtype.is_floating_point else INT_EDGES if dtype is bt.int64 else [True, False]
+  values = EDGES if dtype.is_floating_point else SMALL_INT_EDGES.get(dtype, INT_EDGES) if dtype is not bt.bool else \
+    [True, False]
   values = [v for v in values if v not in NOT_PYTORCHS.get(name, [])]
   for what, v in (("edges", values), ("0-d", values[3 % len(values)]), ("empty", np.zeros((0, 3)).tolist())):
     compare(call(name), lambda lib: [tensor(lib, v, dtype)], f"{name} of {what} {dtype.name}")
 
 
 @pytest.mark.parametrize("name", BINARY)
-@pytest.mark.parametrize("dtype", FLOATS + [bt.int64], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS + [bt.int64, bt.uint8, bt.int8], ids=str)
 def test_binary_at_the_edges(name, dtype):
-  values = EDGES if dtype.is_floating_point else INT_EDGES
+  values = EDGES if dtype.is_floating_point else SMALL_INT_EDGES.get(dtype, INT_EDGES)
   x, y = np.repeat(values, len(values)).tolist(), np.tile(values, len(values)).tolist()  # every pair of edges
   for what, a, b in (("pairs", x, y), ("0-d and 1-d", values[4], values), ("empty", [], values[4])):
     compare(call(name), lambda lib: [tensor(lib, a, dtype), tensor(lib, b, dtype)], f"{name} of {what} {dtype.name}")

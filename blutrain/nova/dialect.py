@@ -37,7 +37,7 @@ import functools
 from typing import Any
 
 from xdsl.dialects.builtin import (ArrayAttr, DenseArrayBase, FloatAttr, IntegerAttr, StringAttr, TensorType, UnitAttr,
-                                   bf16, f16, f32, f64, i1, i32, i64)
+                                   IntegerType, Signedness, bf16, f16, f32, f64, i1, i8, i16, i32, i64)
 from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (AttrSetConstraint, AttrSizedOperandSegments, AttrSizedResultSegments, BaseAttr,
                        EqAttrConstraint, IRDLOperation, OptionalDef, ParsePropInAttrDict, VariadicDef,
@@ -54,8 +54,10 @@ from blutrain.ops import registry
 
 # *** types ***
 
-ELEMENT_TYPES: dict[DType, Attribute] = {dtypes.bool_: i1, dtypes.int32: i32, dtypes.int64: i64, dtypes.float16: f16,
-                                         dtypes.bfloat16: bf16, dtypes.float32: f32, dtypes.float64: f64}
+ELEMENT_TYPES: dict[DType, Attribute] = {dtypes.bool_: i1, dtypes.uint8: IntegerType(8, Signedness.UNSIGNED),
+                                         dtypes.int8: i8, dtypes.int16: i16, dtypes.int32: i32, dtypes.int64: i64,
+                                         dtypes.float16: f16, dtypes.bfloat16: bf16, dtypes.float32: f32,
+                                         dtypes.float64: f64}
 DTYPES: dict[Attribute, DType] = {t: d for d, t in ELEMENT_TYPES.items()}
 
 ELEMENT = AttrSetConstraint(frozenset(ELEMENT_TYPES.values()))

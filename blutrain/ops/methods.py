@@ -69,6 +69,9 @@ class TensorMethods:
   def half(self) -> Tensor: return self.to(dtypes.float16)
   def bfloat16(self) -> Tensor: return self.to(dtypes.bfloat16)
   def long(self) -> Tensor: return self.to(dtypes.int64)
+  def short(self) -> Tensor: return self.to(dtypes.int16)
+  def char(self) -> Tensor: return self.to(dtypes.int8)
+  def byte(self) -> Tensor: return self.to(dtypes.uint8)
   def int(self) -> Tensor: return self.to(dtypes.int32)
   def bool(self) -> Tensor: return self.to(dtypes.bool_)
   def type_as(self, other: Tensor) -> Tensor: return self.to(other.dtype)
@@ -190,7 +193,7 @@ class TensorMethods:
   def __rrshift__(self, other): return elementwise.bitwise_right_shift(other, self)
 
 
-_TYPE_NAMES = {dtypes.bool_: "Bool", dtypes.int32: "Int", dtypes.int64: "Long", dtypes.float16: "Half",
+_TYPE_NAMES = {dtypes.bool_: "Bool", dtypes.uint8: "Byte", dtypes.int8: "Char", dtypes.int16: "Short", dtypes.int32: "Int", dtypes.int64: "Long", dtypes.float16: "Half",
                dtypes.bfloat16: "BFloat16", dtypes.float32: "Float", dtypes.float64: "Double"}
 
 

@@ -374,7 +374,7 @@ def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, row_size1, row_size2, row
 # *** specs ***
 
 # the argument type of an operand of each dtype passed by value (a CPU scalar): halves as the float32 they compute in
-BY_VALUE = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp32",
+BY_VALUE = {dtypes.bool_: "i1", dtypes.uint8: "i32", dtypes.int8: "i32", dtypes.int16: "i32", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp32",
             dtypes.bfloat16: "fp32", dtypes.float32: "fp32", dtypes.float64: "fp64"}
 
 
@@ -564,7 +564,7 @@ def _specs() -> list:
     n_in = 1 if op in UNARY else 2
     out.append(tiled_spec(op, b if op in COMPARE else dt, (dt,) * n_in, 2, (True,) + (True, False)[:n_in], 4096, 768,
                           True, False))
-  for dt in (dtypes.float16, bf16, dtypes.float64, dtypes.int32, dtypes.int64):
+  for dt in (dtypes.float16, bf16, dtypes.float64, dtypes.uint8, dtypes.int8, dtypes.int16, dtypes.int32, dtypes.int64):
     for op in ("add", "lt", "pow", "div", "fmod", "remainder", "floor_divide") + (
         ("bitwise_and", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift", "bitwise_not")
         if not dt.is_floating_point else ()):
@@ -576,7 +576,7 @@ def _specs() -> list:
   out.append(flat_spec("pow", dtypes.int64, (dtypes.int64,) * 2, (True, False), 1000, True, False))  # a scalar base
   out.append(flat_spec("where", f32, (f32, f32, b), (False, True, False), 1 << 20, True, True))
   out.append(tiled_spec("where", bf16, (bf16, bf16, b), 3, (True, False, True, False), 1 << 10, 64, False, False))
-  for dt in (f32, bf16, dtypes.float16, dtypes.float64, dtypes.int32, dtypes.int64):  # a Python number by value
+  for dt in (f32, bf16, dtypes.float16, dtypes.float64, dtypes.uint8, dtypes.int32, dtypes.int64):  # a number by value
     for op, values in (("mul", (False, True)), ("sub", (True, False)), ("lt", (False, True)), ("pow", (True, False))):
       out.append(flat_spec(op, b if op in COMPARE else dt, (dt, dt), values, 1 << 20, True, False, values))
   out.append(flat_spec("add", b, (b, b), (False, True), 1 << 20, True, False, (False, True)))

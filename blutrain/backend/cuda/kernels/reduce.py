@@ -187,6 +187,7 @@ def _identity(op: str, dtype: DType):
   if op == "sum": return 0
   if dtype.is_floating_point: return float("-inf") if op in ("amax", "argmax") else float("inf")
   if dtype is dtypes.bool_: return 0 if op in ("amax", "argmax") else 1
+  if dtype is dtypes.uint8: return 0 if op in ("amax", "argmax") else 255
   bits = 8 * dtype.itemsize - 1
   return -2**bits if op in ("amax", "argmax") else 2**bits - 1
 
@@ -330,7 +331,10 @@ def _specs() -> list:
           reduce_spec("sum", f16, f32, 2, 1, True, True, 100, 3, False),
           reduce_spec("amax", i64, i64, 1, 2, False, True, 10, 1000, False),
           reduce_spec("amin", b, b, 1, 1, True, True, 10, 1000, False),
-          reduce_spec("sum", f64, f64, 5, 5, False, False, 1000, 1000, False)]
+          reduce_spec("sum", f64, f64, 5, 5, False, False, 1000, 1000, False),
+          reduce_spec("sum", dtypes.uint8, i64, 1, 1, True, True, 100, 1000, False),
+          reduce_spec("amax", dtypes.uint8, dtypes.uint8, 1, 1, True, True, 100, 1000, False),
+          reduce_spec("amin", dtypes.int8, dtypes.int8, 1, 1, True, False, 1000, 100, False)]
   for op in ("argmax", "argmin"):
     out += [arg_spec(op, f32, 1, True, True, 1 << 14, 50304, False), arg_spec(op, bf16, 2, True, False, 1000, 64, False),
             arg_spec(op, i64, 3, False, False, 1000, 64, True)]
