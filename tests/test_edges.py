@@ -153,11 +153,12 @@ def _registry_ops(module: str, n_inputs: int) -> list[str]:
 UNARY, BINARY = _registry_ops("elementwise", 1), _registry_ops("elementwise", 2)
 # reductions: the primitives and the composites over them, each a Tensor method of PyTorch's name and signature
 REDUCTIONS = _registry_ops("reduce", 1) + ["mean", "var", "std", "logsumexp", "all", "any", "max", "min", "prod",
-                                            "logcumsumexp"]
+                                            "logcumsumexp", "cummax", "cummin"]
 METHODS = {"copy": "clone"}                       # primitives whose PyTorch (and blutrain) method has another name
 FUNCTIONAL = {"gelu"}                             # reached through nn.functional in both libraries
-ONE_DIM = {"cumsum", "cumprod", "prod", "logcumsumexp"}           # reductions over one dim only
-DIM_REQUIRED = {"cumsum", "cumprod", "logsumexp", "logcumsumexp"}            # reductions without a whole-tensor form
+SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}  # running reductions: one dim, no keepdim
+ONE_DIM = SCANS | {"prod"}           # reductions over one dim only
+DIM_REQUIRED = SCANS | {"logsumexp"}            # reductions without a whole-tensor form
 EDGES = [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.0, 30.0, INF, -INF, NAN]
 INT_EDGES = [0, 1, -1, 2, -3, 7]
 SMALL_INT_EDGES = {bt.uint8: [0, 1, 2, 7, 200, 255], bt.int8: [0, 1, -1, 2, -128, 127]}  # wrap-around at both ends
@@ -245,7 +246,7 @@ def test_reduction_at_the_edges(name, dtype, keepdim):
     ndim = np.asarray(v).ndim
     for dim in ([] if name in DIM_REQUIRED else [None]) + [0, -1] + ([1, (0, 1)] if ndim == 2 else []):
       if name in ONE_DIM and isinstance(dim, tuple): continue
-      kw = {} if name in ("cumsum", "cumprod", "logcumsumexp") or dim is None else {"keepdim": keepdim}
+      kw = {} if name in SCANS or dim is None else {"keepdim": keepdim}
       fn = call(name, *(() if dim is None else (dim,)), **kw)
       compare(fn, lambda lib: [tensor(lib, v, dtype)], f"{name} of {what} {dtype.name}, dim={dim} {kw}",
               grads=(name, what) not in GRAD_NOT_PYTORCHS or dim is None)

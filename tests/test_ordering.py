@@ -287,3 +287,16 @@ def test_axis_is_dim(name):
   helper_test_op([(3, 4)], lambda t: getattr(t, name)(axis=1), grad=name not in ("argmin", "all"))
   with pytest.raises(TypeError, match="both dim= and its alias axis="): getattr(bt.ones(2, 2), name)(dim=0, axis=1)
   assert bt.cat([bt.ones(2, 1), bt.ones(2, 2)], axis=1).shape == (2, 3)
+
+
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cummax_cummin(name, dim):
+  helper_test_op([ties((5, 9), 3)], lambda t: getattr(t, name)(dim), layouts=LAYOUTS)  # ties: the latest index
+  helper_test_op([Int((4, 7), -3, 4)], lambda t: getattr(t, name)(dim), grad=False)
+  edges = [[1.0, float("nan"), 3.0, float("nan")], [-float("inf"), 2.0, 2.0, float("inf")]]
+  b, t = getattr(bt.tensor(edges), name)(dim), getattr(torch.tensor(edges), name)(dim)
+  assert_close(b.values, t.values)
+  assert b.indices.tolist() == t.indices.tolist()
+  b, t = getattr(bt.tensor(2.5), name)(0), getattr(torch.tensor(2.5), name)(0)
+  assert b.values.shape == t.values.shape == () and b.indices.item() == t.indices.item() == 0

@@ -31,7 +31,7 @@ from blutrain.ops.nn import (cross_entropy, dropout, embedding, gather, index_se
                              mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter_add, softmax,
                              tril, triu)
 from blutrain.ops.optim import adamw_, scale_, sum_squares
-from blutrain.ops.ordering import argsort, kthvalue, msort, multinomial, randperm, sort, topk
+from blutrain.ops.ordering import argsort, cummax, cummin, kthvalue, msort, multinomial, randperm, sort, topk
 from blutrain.ops.random import (bernoulli, bernoulli_mask, default_generator, Generator, manual_seed, normal, rand,
                                  rand_like, randint, randn, randn_like)
 from blutrain.ops.reduce import (all, amax, amin, any, argmax, argmin, cumprod, cumsum, logcumsumexp, logsumexp, max,

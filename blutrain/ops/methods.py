@@ -223,7 +223,7 @@ FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign squ
   bernoulli sort argsort msort topk kthvalue multinomial cumprod prod flip roll diag diagonal outer mm bmm isclose allclose
   equal tan asin acos atan atan2 sinh cosh asinh acosh atanh exp2 log2 log10 log1p expm1 ceil trunc round copysign fmod
   remainder floor_divide logaddexp isinf bitwise_and bitwise_or bitwise_xor bitwise_not bitwise_left_shift
-  bitwise_right_shift logcumsumexp masked_select repeat_interleave""".split()
+  bitwise_right_shift logcumsumexp masked_select repeat_interleave cummax cummin""".split()
 
 
 def _op_named(name: str):

@@ -8,7 +8,8 @@ from blutrain import dtypes
 from blutrain.autograd.tape import hooks
 from blutrain.ops.core import op
 from blutrain.ops.elementwise import log, where
-from blutrain.ops.movement import narrow
+from blutrain.ops.creation import arange
+from blutrain.ops.movement import cat, narrow
 from blutrain.ops.nn import gather
 from blutrain.ops.random import Generator, rand, randint
 from blutrain.ops.reduce import cumsum, sum, values_indices
@@ -70,6 +71,38 @@ def kthvalue(x: Tensor, k: int, dim: int = -1, keepdim: bool = False):
   idx = narrow(_argsort(x, d, False, "kthvalue"), d, k - 1, 1)
   values = _take(x, d, idx)
   return values_indices(values, idx) if keepdim else values_indices(values.squeeze(d), idx.squeeze(d))
+
+
+@dim_alias
+def cummax(x: Tensor, dim: int):
+  """(values, indices) of the running maximum along dim: nan counts as the largest, ties take the latest index
+  (PyTorch's)."""
+  return _running_extreme(x, dim, "cummax", True)
+
+
+@dim_alias
+def cummin(x: Tensor, dim: int):
+  """(values, indices) of the running minimum along dim."""
+  return _running_extreme(x, dim, "cummin", False)
+
+
+def _running_extreme(x: Tensor, dim: int, name: str, largest: bool):
+  """Positions by a log2(n)-step scan (Hillis-Steele) over (value, index) pairs, values gathered at them (so the
+  gradient reaches the entries chosen)."""
+  d = normalize_dim(dim, x.ndim, name)
+  if not x.ndim:
+    v, i = _running_extreme(x.reshape(1), 0, name, largest)
+    return values_indices(v.reshape(()), i.reshape(()))
+  n = x.shape[d]
+  v = x.detach()
+  i = arange(n, device=x.device).reshape(tuple(n if k == d else 1 for k in range(x.ndim))).expand(x.shape)
+  k = 1
+  while k < n:  # element j combines the window ending at j - k (earlier, `left`) with its own
+    lv, li, rv, ri = narrow(v, d, 0, n - k), narrow(i, d, 0, n - k), narrow(v, d, k, n - k), narrow(i, d, k, n - k)
+    left = (rv == rv) & ((lv != lv) | ((lv > rv) if largest else (lv < rv)))
+    v, i = cat([narrow(v, d, 0, k), where(left, lv, rv)], d), cat([narrow(i, d, 0, k), where(left, li, ri)], d)
+    k *= 2
+  return values_indices(gather(x, d, i), i)
 
 
 def randperm(n: int, *, generator: Generator | None = None, dtype=None, device=None,
