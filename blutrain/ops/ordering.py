@@ -129,8 +129,10 @@ def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *,
                      f"{'with' if replacement else 'without'} replacement")
   w = input.detach() if input.ndim == 2 else input.detach().reshape(1, n)
   rows = w.shape[0]
-  if hooks.trace is None and bool(((w < 0) | (w != w) | (w == math.inf)).any()) or bool((sum(w, 1) <= 0).any()):
-    raise ShapeError("multinomial: weights must be finite, non-negative and have a positive sum in every row")
+  if hooks.trace is None:  # a check of values: eager code affords it, a captured graph does not read them
+    bad = ((w < 0) | (w != w) | (w == math.inf)).any(1) | (sum(w, 1) <= 0)
+    if bool(bad.any()):
+      raise ShapeError("multinomial: weights must be finite, non-negative and have a positive sum in every row")
   if replacement:
     cdf = cumsum(w.to(dtypes.float64), 1)
     u = rand(rows, num_samples, device=w.device, generator=generator).to(dtypes.float64) * narrow(cdf, 1, n - 1, 1)
