@@ -6,6 +6,7 @@ import math
 from collections import namedtuple
 
 from blutrain import dtypes
+from blutrain.autograd.tape import grad_mode
 from blutrain.ops.core import autocast_inputs, op
 from blutrain.ops.creation import ones_like, zeros
 from blutrain.ops.elementwise import exp, isfinite, isnan, log, maximum, minimum, sqrt, where
@@ -162,7 +163,7 @@ def min(x: Tensor, dim=None, keepdim: bool = False):
 def _whole(x: Tensor, extreme, fill: float) -> Tensor:
   """`x.max()`/`x.min()` (extreme: amax/amin, fill: its identity): where x holds a nan the gradient is shared among
   the nans, as PyTorch's (amax's would be nan everywhere); the extreme is taken without them so its VJP stays finite."""
-  if not x.dtype.is_floating_point: return extreme(x)
+  if not (x.dtype.is_floating_point and x.requires_grad and grad_mode.enabled): return extreme(x)  # the same value
   nans = isnan(x)
   count = sum(nans.to(x.dtype))
   among_nans = sum(where(nans, x, 0.0)) / maximum(count, ones_like(count))
@@ -218,7 +219,7 @@ def prod(x: Tensor, dim: int | None = None, keepdim: bool = False, *, dtype=None
   if dim is None:
     if not x.numel(): return sum(x) + 1
     flat = x.reshape(-1)
-    if x.dtype.is_floating_point:  # two zeros or more: a zero gradient everywhere, as PyTorch's (not 0 * inf = nan)
+    if x.requires_grad and grad_mode.enabled:  # two zeros or more: a zero gradient everywhere, as PyTorch's
       flat = where(sum(flat == 0) >= 2, flat.detach(), flat)
     return cumprod(flat, 0).narrow(0, x.numel() - 1, 1).reshape(())
   d = normalize_dim(dim, x.ndim, "prod")
