@@ -316,3 +316,17 @@ def test_elementwise_math_compiled_equals_eager():
     for e, c in zip(f(x, y, n), compiled(x, y, n)):
       assert e.dtype is c.dtype
       np.testing.assert_allclose(c.numpy(), e.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_nanogpt_generate_sampling_ports_verbatim():
+  """The sampling lines of nanoGPT's `generate`, `torch.` written `bt.`: every id drawn is among its row's top k."""
+  logits = bt.randn(3, 50)
+  v, _ = bt.topk(logits, min(10, logits.size(-1)))
+  kept = logits.clone()
+  kept[kept < v[:, [-1]]] = -float("Inf")
+  probs = bt.nn.functional.softmax(kept, dim=-1)
+  idx_next = bt.multinomial(probs, num_samples=1)
+  idx = bt.cat((bt.zeros((3, 1), dtype=bt.long), idx_next), dim=1)
+  assert idx.shape == (3, 2)
+  top = logits.topk(10).indices.tolist()
+  assert all(i in row for i, row in zip(idx_next.reshape(-1).tolist(), top))
