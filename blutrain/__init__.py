@@ -1,5 +1,5 @@
 """blutrain: a deep-learning training framework with PyTorch's surface and a whole-graph compiler, Nova."""
-from blutrain.dtypes import (DType as dtype, bool_ as bool, int32, int64, float16, bfloat16, float32, float64,
+from blutrain.dtypes import (DType as dtype, bool_ as bool, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64,
                              promote_types, result_type)
 from blutrain.device import Device as device
 from blutrain.tensor import Tensor
@@ -13,11 +13,17 @@ from blutrain.ops import (no_grad, enable_grad, set_grad_enabled, is_grad_enable
                           chunk, unbind, cat, stack, nonzero, matmul, softmax, log_softmax, gather, scatter_add,
                           index_select, tril, triu, isnan, isfinite)
 from blutrain.ops import default_generator
+from blutrain.ops import (allclose, argsort, bernoulli, bmm, cumprod, diag, diagonal, einsum, equal, flip, inference_mode,
+                          isclose, kthvalue, mm, msort, multinomial, normal, outer, prod, randperm, roll, sort, topk, Size,
+                          acos, acosh, asin, asinh, atan, atan2, atanh, ceil, copysign, cosh, exp2, expm1, floor_divide,
+                          fmod, isinf, log1p, log2, log10, logaddexp, remainder, round, sinh, tan, trunc, bitwise_and,
+                          bitwise_or, bitwise_xor, bitwise_not, bitwise_left_shift, bitwise_right_shift, logcumsumexp,
+                          masked_select, repeat_interleave, cummax, cummin)
 from blutrain import autograd
 from blutrain.amp import autocast
 from blutrain.backends import set_float32_matmul_precision, get_float32_matmul_precision
 
-half, float, long, int, double, bool_ = float16, float32, int64, int32, float64, bool
+half, float, long, int, short, double, bool_ = float16, float32, int64, int32, int16, float64, bool
 
 __version__ = "0.1.0"
 

@@ -27,7 +27,8 @@ __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "POLICY"]
 LOWER, FP32 = "lower", "fp32"
 _MATMULS = dict.fromkeys(("matmul", "linear", "flash_attention", "scaled_dot_product_attention"), LOWER)
 POLICY: dict[str, dict[str, str]] = {
-  "cuda": {**_MATMULS, **dict.fromkeys(("exp", "log", "rsqrt", "pow", "sum", "cumsum", "softmax", "log_softmax",
+  "cuda": {**_MATMULS, **dict.fromkeys(("exp", "log", "rsqrt", "pow", "sum", "cumsum", "cumprod", "softmax", "log_softmax",
+                                        "tan", "asin", "acos", "sinh", "cosh", "exp2", "expm1", "log2", "log10", "log1p",
                                         "layer_norm", "cross_entropy"), FP32)},
   "cpu": {**_MATMULS, "cross_entropy": FP32},
 }

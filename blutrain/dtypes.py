@@ -7,6 +7,14 @@ import ml_dtypes
 import numpy as np
 
 
+class DTypeError(RuntimeError, TypeError):
+  """A dtype an op cannot take: a RuntimeError, as PyTorch raises, and a TypeError, as blutrain raised before."""
+
+
+class UnsupportedDType(NotImplementedError, DTypeError):
+  """An op that has no meaning for a dtype (abs of bools, gelu of integers): NotImplementedError, as PyTorch raises."""
+
+
 @dataclass(frozen=True, eq=False)
 class DType:
   """A tensor element type. Instances are singletons: compare with `is` or `==`."""
@@ -23,6 +31,9 @@ class DType:
 
 
 bool_ = DType("bool", np.dtype(np.bool_), 1, 0)
+uint8 = DType("uint8", np.dtype(np.uint8), 1, 1)
+int8 = DType("int8", np.dtype(np.int8), 1, 1)
+int16 = DType("int16", np.dtype(np.int16), 2, 1)
 int32 = DType("int32", np.dtype(np.int32), 4, 1)
 int64 = DType("int64", np.dtype(np.int64), 8, 1)
 float16 = DType("float16", np.dtype(np.float16), 2, 2)
@@ -30,9 +41,9 @@ bfloat16 = DType("bfloat16", np.dtype(ml_dtypes.bfloat16), 2, 2)
 float32 = DType("float32", np.dtype(np.float32), 4, 2)
 float64 = DType("float64", np.dtype(np.float64), 8, 2)  # NOTE: for references and numpy interop, not training
 
-all_dtypes = (bool_, int32, int64, float16, bfloat16, float32, float64)
+all_dtypes = (bool_, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64)
 _by_name = {d.name: d for d in all_dtypes} | {"bool_": bool_, "half": float16, "float": float32, "long": int64,
-                                              "int": int32, "double": float64, "bf16": bfloat16, "fp16": float16,
+                                              "int": int32, "short": int16, "double": float64, "bf16": bfloat16, "fp16": float16,
                                               "fp32": float32}
 _by_np = {d.np: d for d in all_dtypes}
 default_float = float32
@@ -61,6 +72,8 @@ def promote_types(a: DType, b: DType) -> DType:
   if a is b: return a
   if a.category != b.category: return a if a.category > b.category else b
   if {a, b} == {float16, bfloat16}: return float32
+  if {a, b} == {uint8, int8}: return int16  # the one unsigned type: its values and int8's need the next signed width
+  if uint8 in (a, b) and a.itemsize == b.itemsize: return a if a is not uint8 else b
   return a if a.itemsize >= b.itemsize else b
 
 

@@ -8,6 +8,17 @@ from typing import Sequence
 Shape = tuple[int, ...]
 
 
+class Size(tuple):
+  """A tensor's shape, as torch.Size: a tuple of ints (equal to and hashing as the plain tuple), with `numel()`.
+  Its slices and sums are plain tuples (NOTE: indexing stays the tuple's C code; shapes are read in every op).
+  `str()` is the tuple's, so messages read `(2, 3)`; `repr()` is `bt.Size([2, 3])`."""
+  __slots__ = ()
+
+  def numel(self) -> int: return math.prod(self)
+  def __repr__(self) -> str: return f"bt.Size({list(self)})"
+  def __str__(self) -> str: return tuple.__repr__(self)
+
+
 def contiguous_strides(shape: Sequence[int]) -> Shape:
   """Row-major strides in elements; a size-0 dim counts as 1, as PyTorch's do."""
   strides, acc = [], 1
@@ -37,12 +48,22 @@ def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
   return tuple(out)
 
 
+class ShapeError(RuntimeError, ValueError):
+  """A shape or argument value an op cannot take: a RuntimeError, as PyTorch raises, and a ValueError, as blutrain
+  raised before, so callers catching either still do."""
+
+
+class BoundsError(RuntimeError, IndexError):
+  """An index past a dimension's end where PyTorch raises RuntimeError (gather, scatter_add, narrow); an IndexError
+  too, as blutrain raised before."""
+
+
 def _broadcast_error(shapes, op: str):
   """Raise the error naming the first dimension whose sizes differ."""
   for i in range(-max(len(s) for s in shapes), 0):
     sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
     if len(sizes) > 1:
-      raise ValueError(f"{op}: shapes {' and '.join(str(tuple(s)) for s in shapes)} cannot broadcast "
+      raise ShapeError(f"{op}: shapes {' and '.join(str(tuple(s)) for s in shapes)} cannot broadcast "
                        f"(sizes {sorted(sizes)} in dimension {i})")
 
 
@@ -59,8 +80,19 @@ def normalize_dims(dim, ndim: int, op: str) -> Shape:
   dims = (dim,) if isinstance(dim, int) else tuple(dim) if dim is not None else ()
   if not dims: return tuple(range(ndim))
   out = tuple(sorted({normalize_dim(d, ndim, op) for d in dims}))
-  if len(out) != len(dims): raise ValueError(f"{op}: dimension repeated in {dims}")
-  return out
+  if len(out) != len(dims): raise ShapeError(f"{op}: dimension repeated in {dims}")
+  return out if ndim else ()  # a 0-d tensor's dim 0 (or -1) is the tensor itself: nothing to reduce or squeeze
+
+
+def dim_alias(fn):
+  """Let a function of `dim` take numpy's name `axis=` for it too, as PyTorch's do."""
+  @functools.wraps(fn)
+  def aliased(*args, axis=None, **kw):
+    if axis is not None:
+      if "dim" in kw: raise TypeError(f"{fn.__name__}: got both dim= and its alias axis=")
+      kw["dim"] = axis
+    return fn(*args, **kw)
+  return aliased
 
 
 def cdiv(a: int, b: int) -> int: return -(-a // b)

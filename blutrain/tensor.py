@@ -14,7 +14,7 @@ import numpy as np
 from blutrain import backend, dtypes
 from blutrain.device import Device
 from blutrain.dtypes import DType
-from blutrain.shapes import is_contiguous, normalize_dim
+from blutrain.shapes import Size, is_contiguous, normalize_dim
 
 
 class Storage:
@@ -57,7 +57,7 @@ class Tensor:
   @classmethod
   def _make(cls, storage: Storage, shape, strides, offset: int, dtype: DType) -> Tensor:
     t = object.__new__(cls)
-    t._storage, t.shape, t._strides, t._offset, t.dtype = storage, tuple(shape), tuple(strides), offset, dtype
+    t._storage, t.shape, t._strides, t._offset, t.dtype = storage, Size(shape), tuple(strides), offset, dtype
     t.requires_grad, t.grad, t._node, t._retains_grad, t._hooks, t._view = False, None, None, False, None, None
     t._post_hooks = None
     t._base = t._base_node = None  # a view's root tensor, and the root's node when the view's own node was made

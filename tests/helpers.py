@@ -18,7 +18,7 @@ TOLS = {
   bt.bfloat16: (2e-2, 2e-2),
 }
 
-TORCH_DTYPES = {bt.bool: torch.bool, bt.int32: torch.int32, bt.int64: torch.int64, bt.float16: torch.float16,
+TORCH_DTYPES = {bt.bool: torch.bool, bt.uint8: torch.uint8, bt.int8: torch.int8, bt.int16: torch.int16, bt.int32: torch.int32, bt.int64: torch.int64, bt.float16: torch.float16,
                 bt.bfloat16: torch.bfloat16, bt.float32: torch.float32, bt.float64: torch.float64}
 
 

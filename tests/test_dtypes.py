@@ -31,9 +31,17 @@ def test_names_and_aliases():
 
 
 def test_unsupported_dtype_names_the_choices():
-  for bad in ("float8", np.uint8, np.complex64, object):
+  for bad in ("float8", np.uint16, np.complex64, object):
     with pytest.raises(TypeError, match="unsupported dtype.*float32"): dtypes.to_dtype(bad)
-  with pytest.raises(TypeError, match="unsupported dtype"): bt.zeros(2, dtype="int8")
+  with pytest.raises(TypeError, match="unsupported dtype"): bt.zeros(2, dtype="uint32")
+
+
+def test_small_integer_promotion_is_pytorchs():
+  small = (bt.bool, bt.uint8, bt.int8, bt.int16, bt.int32, bt.int64, bt.float16, bt.bfloat16)
+  for a in small:
+    for b in small:
+      want = torch.promote_types(getattr(torch, a.name), getattr(torch, b.name))
+      assert bt.promote_types(a, b).name == str(want).removeprefix("torch."), (a, b)
 
 
 @pytest.mark.parametrize("dst", FLOATS[:2])

@@ -58,6 +58,12 @@ class enable_grad(set_grad_enabled):
   def __init__(self): super().__init__(True)
 
 
+class inference_mode(set_grad_enabled):
+  """`with bt.inference_mode():` or `@bt.inference_mode()`: no gradient recording (`mode=False`: recording on), as
+  torch.inference_mode; tensors made inside are ordinary tensors (blutrain has no inference tensors)."""
+  def __init__(self, mode: bool = True): super().__init__(not mode)
+
+
 class _Hooks(threading.local):
   trace: Any = None                                  # Nova's capture in progress, or None: ops run
   autocast: Callable[[str, tuple], tuple] | None = None

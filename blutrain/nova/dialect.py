@@ -37,7 +37,7 @@ import functools
 from typing import Any
 
 from xdsl.dialects.builtin import (ArrayAttr, DenseArrayBase, FloatAttr, IntegerAttr, StringAttr, TensorType, UnitAttr,
-                                   bf16, f16, f32, f64, i1, i32, i64)
+                                   IntegerType, Signedness, bf16, f16, f32, f64, i1, i8, i16, i32, i64)
 from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (AttrSetConstraint, AttrSizedOperandSegments, AttrSizedResultSegments, BaseAttr,
                        EqAttrConstraint, IRDLOperation, OptionalDef, ParsePropInAttrDict, VariadicDef,
@@ -54,8 +54,10 @@ from blutrain.ops import registry
 
 # *** types ***
 
-ELEMENT_TYPES: dict[DType, Attribute] = {dtypes.bool_: i1, dtypes.int32: i32, dtypes.int64: i64, dtypes.float16: f16,
-                                         dtypes.bfloat16: bf16, dtypes.float32: f32, dtypes.float64: f64}
+ELEMENT_TYPES: dict[DType, Attribute] = {dtypes.bool_: i1, dtypes.uint8: IntegerType(8, Signedness.UNSIGNED),
+                                         dtypes.int8: i8, dtypes.int16: i16, dtypes.int32: i32, dtypes.int64: i64,
+                                         dtypes.float16: f16, dtypes.bfloat16: bf16, dtypes.float32: f32,
+                                         dtypes.float64: f64}
 DTYPES: dict[Attribute, DType] = {t: d for d, t in ELEMENT_TYPES.items()}
 
 ELEMENT = AttrSetConstraint(frozenset(ELEMENT_TYPES.values()))
@@ -439,6 +441,120 @@ class FloorOp(UnaryOp):
 
 
 @irdl_op_definition
+class SignOp(UnaryOp):
+  """-1, 0 or 1 as x is negative, zero (or nan) or positive."""
+  name = "nova.sign"
+
+
+@irdl_op_definition
+class TanOp(UnaryOp):
+  """tan(x)."""
+  name = "nova.tan"
+
+
+@irdl_op_definition
+class AsinOp(UnaryOp):
+  """The inverse sine."""
+  name = "nova.asin"
+
+
+@irdl_op_definition
+class AcosOp(UnaryOp):
+  """The inverse cosine."""
+  name = "nova.acos"
+
+
+@irdl_op_definition
+class AtanOp(UnaryOp):
+  """The inverse tangent."""
+  name = "nova.atan"
+
+
+@irdl_op_definition
+class SinhOp(UnaryOp):
+  """The hyperbolic sine."""
+  name = "nova.sinh"
+
+
+@irdl_op_definition
+class CoshOp(UnaryOp):
+  """The hyperbolic cosine."""
+  name = "nova.cosh"
+
+
+@irdl_op_definition
+class AsinhOp(UnaryOp):
+  """The inverse hyperbolic sine."""
+  name = "nova.asinh"
+
+
+@irdl_op_definition
+class AcoshOp(UnaryOp):
+  """The inverse hyperbolic cosine."""
+  name = "nova.acosh"
+
+
+@irdl_op_definition
+class AtanhOp(UnaryOp):
+  """The inverse hyperbolic tangent."""
+  name = "nova.atanh"
+
+
+@irdl_op_definition
+class Exp2Op(UnaryOp):
+  """2 ** x."""
+  name = "nova.exp2"
+
+
+@irdl_op_definition
+class Log2Op(UnaryOp):
+  """The base-2 logarithm."""
+  name = "nova.log2"
+
+
+@irdl_op_definition
+class Log10Op(UnaryOp):
+  """The base-10 logarithm."""
+  name = "nova.log10"
+
+
+@irdl_op_definition
+class Log1pOp(UnaryOp):
+  """log(1 + x), exact near 0."""
+  name = "nova.log1p"
+
+
+@irdl_op_definition
+class Expm1Op(UnaryOp):
+  """e ** x - 1, exact near 0."""
+  name = "nova.expm1"
+
+
+@irdl_op_definition
+class CeilOp(UnaryOp):
+  """The smallest integer not below x."""
+  name = "nova.ceil"
+
+
+@irdl_op_definition
+class TruncOp(UnaryOp):
+  """x rounded toward zero."""
+  name = "nova.trunc"
+
+
+@irdl_op_definition
+class RoundOp(UnaryOp):
+  """x rounded to the nearest integer, half to even."""
+  name = "nova.round"
+
+
+@irdl_op_definition
+class BitwiseNotOp(UnaryOp):
+  """~x, bitwise."""
+  name = "nova.bitwise_not"
+
+
+@irdl_op_definition
 class LogicalNotOp(UnaryOp):
   """not x, a bool result."""
   name = "nova.logical_not"
@@ -492,6 +608,66 @@ class DivOp(BinaryOp):
 class PowOp(BinaryOp):
   """x ** y."""
   name = "nova.pow"
+
+
+@irdl_op_definition
+class Atan2Op(BinaryOp):
+  """The angle of the point (y, x): atan(x / y) in the right quadrant."""
+  name = "nova.atan2"
+
+
+@irdl_op_definition
+class CopysignOp(BinaryOp):
+  """|x| with the sign of y."""
+  name = "nova.copysign"
+
+
+@irdl_op_definition
+class FmodOp(BinaryOp):
+  """The remainder of x / y truncated (the sign of x)."""
+  name = "nova.fmod"
+
+
+@irdl_op_definition
+class RemainderOp(BinaryOp):
+  """The remainder of x / y floored (the sign of y)."""
+  name = "nova.remainder"
+
+
+@irdl_op_definition
+class FloorDivideOp(BinaryOp):
+  """floor(x / y)."""
+  name = "nova.floor_divide"
+
+
+@irdl_op_definition
+class BitwiseAndOp(BinaryOp):
+  """x & y, bitwise."""
+  name = "nova.bitwise_and"
+
+
+@irdl_op_definition
+class BitwiseOrOp(BinaryOp):
+  """x | y, bitwise."""
+  name = "nova.bitwise_or"
+
+
+@irdl_op_definition
+class BitwiseXorOp(BinaryOp):
+  """x ^ y, bitwise."""
+  name = "nova.bitwise_xor"
+
+
+@irdl_op_definition
+class BitwiseLeftShiftOp(BinaryOp):
+  """x << y (0 past the width)."""
+  name = "nova.bitwise_left_shift"
+
+
+@irdl_op_definition
+class BitwiseRightShiftOp(BinaryOp):
+  """x >> y, arithmetic (the sign past the width)."""
+  name = "nova.bitwise_right_shift"
 
 
 @irdl_op_definition
@@ -627,6 +803,21 @@ class CumsumOp(ReduceOp):
   name = "nova.cumsum"
   dim = prop_def(INT)
   reverse = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
+class CumprodOp(ReduceOp):
+  """The running product along `dim`."""
+  name = "nova.cumprod"
+  dim = prop_def(INT)
+
+
+@irdl_op_definition
+class ArgsortOp(ReduceOp):
+  """The int64 positions that sort x along `dim` (stable; nan above +inf; largest first when `descending`)."""
+  name = "nova.argsort"
+  dim = prop_def(INT)
+  descending = prop_def(BOOL)
 
 
 # *** views ***
@@ -900,16 +1091,16 @@ class ScaleOp(MultiResultOp):
 
 
 Nova = Dialect("nova", [
-  FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp,
-  NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, LogicalNotOp,
-  CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, MaximumOp, MinimumOp, EqOp, NeOp, LtOp, LeOp, GtOp, GeOp,
-  LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp,
-  SumOp, AmaxOp, AminOp, ArgmaxOp, ArgminOp, CumsumOp,
-  ViewOp, PermuteOp, ExpandOp, SliceOp,
-  SliceBackwardOp, CatOp, IndexOp, IndexBackwardOp, IndexPutOp,
-  MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp,
-  EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp,
-  AdamwOp, SumSquaresOp, ScaleOp,
+  FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp, NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp,
+  TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp, AsinhOp, AcoshOp,
+  AtanhOp, Exp2Op, Log2Op, Log10Op, Log1pOp, Expm1Op, CeilOp, TruncOp, RoundOp, BitwiseNotOp, LogicalNotOp, CopyOp,
+  GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp, FloorDivideOp,
+  BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp, EqOp, NeOp,
+  LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
+  ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
+  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
+  ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
+  FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations}  # the op library's name -> class

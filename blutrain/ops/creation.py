@@ -11,16 +11,20 @@ from blutrain.autograd.tape import hooks
 from blutrain.device import Device, to_device as parse_device
 from blutrain.dtypes import DType
 from blutrain.ops.core import op
-from blutrain.shapes import Shape
+from blutrain.shapes import Shape, ShapeError
 from blutrain.tensor import Storage, Tensor
 
 
-def shape_from(size: Sequence) -> Shape:
-  """A shape from `f(2, 3)` or `f((2, 3))` arguments: ints, none negative (TypeError, ValueError naming them)."""
+def shape_from(size: Sequence, keyword=None) -> Shape:
+  """A shape from `f(2, 3)`, `f((2, 3))` or `f(size=(2, 3))` (`keyword`) arguments: ints, none negative (TypeError,
+  ValueError naming them)."""
+  if keyword is not None:
+    if size: raise TypeError(f"expected the size either as arguments or as size=, got both: {size} and {keyword}")
+    size = (keyword,)
   if len(size) == 1 and isinstance(size[0], (tuple, list)): size = tuple(size[0])
   try: shape = tuple(int(s) for s in size)
   except (TypeError, ValueError): raise TypeError(f"expected a size made of ints, got {size!r}") from None
-  if any(s < 0 for s in shape): raise ValueError(f"negative dimension in shape {shape}")
+  if any(s < 0 for s in shape): raise ShapeError(f"negative dimension in shape {shape}")
   return shape
 
 
@@ -62,19 +66,19 @@ def scalar_operand(value: bool | int | float, dtype: DType, device: Device) -> T
   return t
 
 
-def zeros(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+def zeros(*shape, size=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """A tensor of zeros, `bt.zeros(2, 3)` or `bt.zeros((2, 3))`."""
-  return full(shape_from(size), 0, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
+  return full(shape_from(shape, size), 0, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
 
 
-def ones(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+def ones(*shape, size=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """A tensor of ones."""
-  return full(shape_from(size), 1, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
+  return full(shape_from(shape, size), 1, dtype=dtype or dtypes.default_float, device=device, requires_grad=requires_grad)
 
 
-def empty(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+def empty(*shape, size=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """A tensor whose values are not to be relied on (zeros here)."""
-  return zeros(*size, dtype=dtype, device=device, requires_grad=requires_grad)
+  return zeros(*shape, size=size, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
 def full_like(x: Tensor, fill_value, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
@@ -96,9 +100,9 @@ def empty_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = Fals
 def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """Values from `start` to `end` (exclusive) by `step`: `bt.arange(5)`, `bt.arange(1, 2, 0.25)`."""
   if end is None: start, end = 0, start
-  if step == 0: raise ValueError("arange: step must be nonzero")
+  if step == 0: raise ShapeError("arange: step must be nonzero")
   if (end - start) * step < 0:
-    raise ValueError(f"arange: the range from {start} to {end} is inconsistent with the sign of step {step}")
+    raise ShapeError(f"arange: the range from {start} to {end} is inconsistent with the sign of step {step}")
   n = max(0, math.ceil((end - start) / step))
   dt = dtypes.to_dtype(dtype) if dtype is not None else dtypes.result_type(start, end, step)
   t = arange_op(device=parse_device(device), start=start, step=step, shape=(n,), dtype=dt)
@@ -107,8 +111,9 @@ def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: b
 
 def linspace(start: float, end: float, steps: int, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """`steps` evenly spaced values from `start` to `end`, both included."""
-  if steps < 0: raise ValueError(f"linspace: the number of steps must be non-negative, got {steps}")
+  if steps < 0: raise ShapeError(f"linspace: the number of steps must be non-negative, got {steps}")
   dt = dtypes.to_dtype(dtype or dtypes.default_float)
+  if dt is dtypes.bool_: raise NotImplementedError("linspace: bool is not supported (as in PyTorch); use a number dtype")
   step = (end - start) / (steps - 1) if steps > 1 else 0.0
   i = arange(steps, dtype=dtypes.float64 if dt is dtypes.float64 else dtypes.float32, device=device)
   # the first half counts up from start and the second down from end, so both ends are exact (as torch's kernel)
@@ -118,7 +123,7 @@ def linspace(start: float, end: float, steps: int, *, dtype=None, device=None, r
 
 def eye(n: int, m: int | None = None, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
   """The identity matrix, n x m."""
-  if n < 0 or (m is not None and m < 0): raise ValueError(f"eye: sizes must be non-negative, got n={n}, m={m}")
+  if n < 0 or (m is not None and m < 0): raise ShapeError(f"eye: sizes must be non-negative, got n={n}, m={m}")
   rows, cols = arange(n, device=device), arange(n if m is None else m, device=device)
   t = (rows.unsqueeze(1) == cols.unsqueeze(0)).to(dtype or dtypes.default_float)
   return t.requires_grad_(requires_grad) if requires_grad else t

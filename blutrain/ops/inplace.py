@@ -7,6 +7,7 @@ from blutrain.ops.core import can_cast, refresh_view, view_positions, write
 from blutrain.ops.creation import arange, as_tensor_like
 from blutrain.ops.elementwise import copy
 from blutrain.ops.movement import getitem, index_put_op, index_shape, parse_key, put
+from blutrain.shapes import ShapeError
 from blutrain.tensor import Tensor
 
 
@@ -93,5 +94,5 @@ def _broadcast_value(value: Tensor, shape) -> Tensor:
   try:
     return value.expand(shape)
   except ValueError:
-    raise ValueError(f"setitem: a value of shape {tuple(value.shape)} cannot be assigned to an indexed region of "
+    raise ShapeError(f"setitem: a value of shape {tuple(value.shape)} cannot be assigned to an indexed region of "
                      f"shape {tuple(shape)}") from None

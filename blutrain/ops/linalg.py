@@ -4,15 +4,17 @@ from __future__ import annotations
 import math
 
 from blutrain import backends, dtypes
+from blutrain.ops import creation
 from blutrain.ops.core import op
 from blutrain.ops.reduce import sum_to
-from blutrain.shapes import broadcast_shapes
+from blutrain.dtypes import DTypeError
+from blutrain.shapes import ShapeError, broadcast_shapes
 from blutrain.tensor import Tensor
 
 
 def _matmul_rule(a, b, tf32=False):
   if a.shape[-1] != b.shape[-2]:
-    raise ValueError(f"matmul: cannot contract {tuple(a.shape)} with {tuple(b.shape)}: {a.shape[-1]} != {b.shape[-2]} "
+    raise ShapeError(f"matmul: cannot contract {tuple(a.shape)} with {tuple(b.shape)}: {a.shape[-1]} != {b.shape[-2]} "
                      f"({a.dtype.name}, {b.dtype.name}, {a.device})")
   batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], op=f"matmul of {tuple(a.shape)} and {tuple(b.shape)}, batch dims")
   return batch + (a.shape[-2], b.shape[-1]), a.dtype
@@ -38,9 +40,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
   says when the op is built (its `tf32` attribute)."""
   if not isinstance(a, Tensor) or not isinstance(b, Tensor):
     raise TypeError(f"matmul: expected two tensors, got {type(a).__name__} and {type(b).__name__}")
-  if a.ndim == 0 or b.ndim == 0: raise ValueError(f"matmul: both arguments need at least 1 dimension, got {a.shape} and {b.shape}")
+  if a.ndim == 0 or b.ndim == 0: raise ShapeError(f"matmul: both arguments need at least 1 dimension, got {a.shape} and {b.shape}")
   if a.dtype is not b.dtype:
-    raise TypeError(f"matmul: expected both operands of one dtype, got {a.dtype.name} and {b.dtype.name} "
+    raise DTypeError(f"matmul: expected both operands of one dtype, got {a.dtype.name} and {b.dtype.name} "
                     f"(shapes {tuple(a.shape)}, {tuple(b.shape)}); convert one with .to(dtype)")
   if a.dtype is dtypes.bool_: raise TypeError("matmul: bool operands are not supported")
   a2 = a.unsqueeze(0) if a.ndim == 1 else a
@@ -49,3 +51,88 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
   if b.ndim == 1: out = out.squeeze(-1)
   if a.ndim == 1: out = out.squeeze(-2 if b.ndim > 1 else -1)
   return out
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+  """The matrix product of two 2-D tensors."""
+  if getattr(a, "ndim", None) != 2 or getattr(b, "ndim", None) != 2:
+    raise ShapeError(f"mm: expected two 2-D tensors, got shapes {getattr(a, 'shape', a)} and {getattr(b, 'shape', b)}")
+  return matmul(a, b)
+
+
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+  """Batched matrix products of two 3-D tensors with the same batch size (no broadcasting, as PyTorch's)."""
+  if getattr(a, "ndim", None) != 3 or getattr(b, "ndim", None) != 3 or a.shape[0] != b.shape[0]:
+    raise ShapeError(f"bmm: expected 3-D tensors of one batch size, got shapes {getattr(a, 'shape', a)} and "
+                     f"{getattr(b, 'shape', b)}")
+  return matmul(a, b)
+
+
+def outer(a: Tensor, b: Tensor) -> Tensor:
+  """The outer product of two 1-D tensors: out[i, j] = a[i] * b[j]."""
+  if a.ndim != 1 or b.ndim != 1: raise ShapeError(f"outer: expected two 1-D tensors, got shapes {a.shape} and {b.shape}")
+  return a.reshape(-1, 1) * b.reshape(1, -1)
+
+
+def einsum(equation: str, *operands: Tensor) -> Tensor:
+  """Einstein summation, as torch.einsum (`"bij,bjk->bik"`, implicit output, `...`): each repeated index within an
+  operand is a diagonal, indices of no later use are summed, and operands are contracted left to right by matmul over
+  their shared indices."""
+  if len(operands) == 1 and isinstance(operands[0], (list, tuple)): operands = tuple(operands[0])
+  eq = equation.replace(" ", "")
+  lhs, arrow, rhs = eq.partition("->")
+  terms = lhs.split(",")
+  if len(terms) != len(operands):
+    raise ShapeError(f"einsum: {equation!r} names {len(terms)} operands, got {len(operands)}")
+  spare = iter(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq)
+  n_ell = max((x.ndim - len(t) + 3 for t, x in zip(terms, operands) if "..." in t), default=0)
+  ell = "".join(next(spare) for _ in range(n_ell))
+  terms = [t.replace("...", ell[n_ell - (x.ndim - len(t) + 3):]) for t, x in zip(terms, operands)]
+  if not arrow: rhs = ell + "".join(sorted(c for c in set("".join(terms)) - set(ell) if "".join(terms).count(c) == 1))
+  rhs = rhs.replace("...", ell)
+  xs = []
+  for t, x in zip(terms, operands):
+    if not t.isalpha() and t or len(t) != x.ndim:
+      raise ShapeError(f"einsum: subscripts {t!r} do not fit an operand of shape {tuple(x.shape)} in {equation!r}")
+    xs.append(_distinct(x, t))
+  (x, t), rest = xs[0], xs[1:]
+  for i, (y, u) in enumerate(rest):
+    later = set(rhs).union(*(set(v) for _, v in rest[i + 1:]))
+    x, t = _contract(x, t, y, u, later)
+  x, t = _sum_out(x, t, set(rhs))
+  if sorted(t) != sorted(rhs): raise ShapeError(f"einsum: output subscripts {rhs!r} name indices of no operand")
+  return x.permute(*(t.index(c) for c in rhs))
+
+
+def _distinct(x: Tensor, t: str) -> tuple[Tensor, str]:
+  """x with each index of t once: a repeated index takes the diagonal of its two dims (moved to the front)."""
+  while len(set(t)) != len(t):
+    c = next(c for c in t if t.count(c) > 1)
+    p, q = t.index(c), t.index(c, t.index(c) + 1)
+    rest = [d for d in range(x.ndim) if d not in (p, q)]
+    x = x.permute(p, q, *rest)
+    i = creation.arange(min(x.shape[0], x.shape[1]), device=x.device)
+    x, t = x[i, i], c + "".join(t[d] for d in rest)
+  return x, t
+
+
+def _sum_out(x: Tensor, t: str, keep: set) -> tuple[Tensor, str]:
+  gone = tuple(i for i, c in enumerate(t) if c not in keep)
+  return (x.sum(gone), "".join(c for c in t if c in keep)) if gone else (x, t)
+
+
+def _contract(x: Tensor, t: str, y: Tensor, u: str, later: set) -> tuple[Tensor, str]:
+  """x (indices t) times y (indices u), summed over the shared indices not in `later`: one batched matmul."""
+  x, t = _sum_out(x, t, later | set(u))
+  y, u = _sum_out(y, u, later | set(t))
+  batch = [c for c in t if c in u and c in later]
+  inner = [c for c in t if c in u and c not in later]
+  left, right = [c for c in t if c not in u], [c for c in u if c not in t]
+  size = {**dict(zip(u, y.shape)), **{c: n for c, n in zip(t, x.shape) if n != 1}}
+  a = x.permute(*(t.index(c) for c in batch + left + inner))
+  b = y.permute(*(u.index(c) for c in batch + inner + right))
+  nb = len(batch)
+  a = a.reshape(*a.shape[:nb], math.prod(size[c] for c in left), math.prod(size[c] for c in inner))
+  b = b.reshape(*b.shape[:nb], math.prod(size[c] for c in inner), math.prod(size[c] for c in right))
+  out = matmul(a, b)
+  return out.reshape(*out.shape[:nb], *(size[c] for c in left + right)), "".join(batch + left + right)

@@ -12,7 +12,7 @@ from types import FunctionType
 from blutrain import dtypes
 from blutrain.device import Device, to_device
 from blutrain.dtypes import DType
-from blutrain.ops import creation, elementwise, linalg, movement, nn, random, reduce
+from blutrain.ops import creation, elementwise, linalg, movement, nn, ordering, random, reduce
 from blutrain.ops.inplace import inplace, setitem
 from blutrain.tensor import Tensor
 
@@ -69,9 +69,22 @@ class TensorMethods:
   def half(self) -> Tensor: return self.to(dtypes.float16)
   def bfloat16(self) -> Tensor: return self.to(dtypes.bfloat16)
   def long(self) -> Tensor: return self.to(dtypes.int64)
+  def short(self) -> Tensor: return self.to(dtypes.int16)
+  def char(self) -> Tensor: return self.to(dtypes.int8)
+  def byte(self) -> Tensor: return self.to(dtypes.uint8)
   def int(self) -> Tensor: return self.to(dtypes.int32)
   def bool(self) -> Tensor: return self.to(dtypes.bool_)
   def type_as(self, other: Tensor) -> Tensor: return self.to(other.dtype)
+
+  def type(self, dtype=None):
+    """The type name (`'blutrain.FloatTensor'`) without an argument, else this tensor converted to `dtype` (a dtype or
+    a name such as 'torch.LongTensor')."""
+    if dtype is None: return f"blutrain.{'cuda.' if self.device.type == 'cuda' else ''}{_TYPE_NAMES[self.dtype]}Tensor"
+    if isinstance(dtype, str) and dtype.endswith("Tensor"):
+      name = dtype.rsplit(".", 1)[-1].removesuffix("Tensor")
+      dtype = next((d for d, n in _TYPE_NAMES.items() if n == name), None)
+      if dtype is None: raise TypeError(f"type(): unknown tensor type {name!r}")
+    return self.to(dtype)
   def clone(self) -> Tensor: return elementwise.copy(self)
   def contiguous(self) -> Tensor: return self if self.is_contiguous() else elementwise.copy(self)
 
@@ -154,6 +167,10 @@ class TensorMethods:
   def __rtruediv__(self, other): return elementwise.div(other, self)
   def __pow__(self, other): return elementwise.pow(self, other)
   def __rpow__(self, other): return elementwise.pow(other, self)
+  def __floordiv__(self, other): return elementwise.floor_divide(self, other)
+  def __rfloordiv__(self, other): return elementwise.floor_divide(other, self)
+  def __mod__(self, other): return elementwise.remainder(self, other)
+  def __rmod__(self, other): return elementwise.remainder(other, self)
   def __matmul__(self, other): return linalg.matmul(self, other)
   def __rmatmul__(self, other): return linalg.matmul(other, self)
   def __abs__(self): return elementwise.abs(self)
@@ -163,13 +180,21 @@ class TensorMethods:
   def __le__(self, other): return elementwise.le(self, other)
   def __gt__(self, other): return elementwise.gt(self, other)
   def __ge__(self, other): return elementwise.ge(self, other)
-  def __invert__(self): return elementwise.logical_not(_bool_operand("~", self))
-  def __and__(self, other): return elementwise.logical_and(_bool_operand("&", self), _bool_operand("&", other))
-  def __rand__(self, other): return elementwise.logical_and(_bool_operand("&", other), _bool_operand("&", self))
-  def __or__(self, other): return elementwise.logical_or(_bool_operand("|", self), _bool_operand("|", other))
-  def __ror__(self, other): return elementwise.logical_or(_bool_operand("|", other), _bool_operand("|", self))
-  def __xor__(self, other): return elementwise.logical_xor(_bool_operand("^", self), _bool_operand("^", other))
-  def __rxor__(self, other): return elementwise.logical_xor(_bool_operand("^", other), _bool_operand("^", self))
+  def __invert__(self): return elementwise.logical_not(self) if self.dtype is dtypes.bool_ else elementwise.bitwise_not(self)
+  def __and__(self, other): return _bitwise("and", self, other)
+  def __rand__(self, other): return _bitwise("and", other, self)
+  def __or__(self, other): return _bitwise("or", self, other)
+  def __ror__(self, other): return _bitwise("or", other, self)
+  def __xor__(self, other): return _bitwise("xor", self, other)
+  def __rxor__(self, other): return _bitwise("xor", other, self)
+  def __lshift__(self, other): return elementwise.bitwise_left_shift(self, other)
+  def __rlshift__(self, other): return elementwise.bitwise_left_shift(other, self)
+  def __rshift__(self, other): return elementwise.bitwise_right_shift(self, other)
+  def __rrshift__(self, other): return elementwise.bitwise_right_shift(other, self)
+
+
+_TYPE_NAMES = {dtypes.bool_: "Bool", dtypes.uint8: "Byte", dtypes.int8: "Char", dtypes.int16: "Short", dtypes.int32: "Int", dtypes.int64: "Long", dtypes.float16: "Half",
+               dtypes.bfloat16: "BFloat16", dtypes.float32: "Float", dtypes.float64: "Double"}
 
 
 def _copy_source(old: Tensor, src, into: Tensor) -> Tensor:
@@ -178,13 +203,10 @@ def _copy_source(old: Tensor, src, into: Tensor) -> Tensor:
   return old if src is into else creation.as_tensor_like(src, old).to(old.device)
 
 
-def _bool_operand(op: str, x):
-  """&, |, ^ and ~ are PyTorch's bitwise ops; blutrain has them for bools only, where they are the logical ones."""
-  dt = x.dtype if isinstance(x, Tensor) else dtypes.scalar_dtype(x)
-  if dt is not dtypes.bool_:
-    raise TypeError(f"{op}: supported on bool tensors only, got {dt.name} (integer bitwise ops are not implemented); "
-                    "compare first (x != 0) or use logical_and/logical_or/logical_xor/logical_not")
-  return x
+def _bitwise(kind: str, x, y) -> Tensor:
+  """&, |, ^: logical on two bools (the common mask case), bitwise on integers, as PyTorch's."""
+  both_bool = all((t.dtype if isinstance(t, Tensor) else dtypes.scalar_dtype(t)) is dtypes.bool_ for t in (x, y))
+  return getattr(elementwise, f"logical_{kind}" if both_bool else f"bitwise_{kind}")(x, y)
 
 
 def _shape_args(shape: tuple) -> tuple[int, ...]:
@@ -197,12 +219,16 @@ def _shape_args(shape: tuple) -> tuple[int, ...]:
 FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign square reciprocal floor
   add sub mul div pow maximum minimum eq ne lt le gt ge logical_not logical_and logical_or logical_xor clamp clip
   masked_fill lerp sum mean max min amax amin argmax argmin var std logsumexp cumsum all any matmul
-  softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite""".split()
+  softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite
+  bernoulli sort argsort msort topk kthvalue multinomial cumprod prod flip roll diag diagonal outer mm bmm isclose allclose
+  equal tan asin acos atan atan2 sinh cosh asinh acosh atanh exp2 log2 log10 log1p expm1 ceil trunc round copysign fmod
+  remainder floor_divide logaddexp isinf bitwise_and bitwise_or bitwise_xor bitwise_not bitwise_left_shift
+  bitwise_right_shift logcumsumexp masked_select repeat_interleave cummax cummin""".split()
 
 
 def _op_named(name: str):
   """The public function of an op (a plain function: as a class attribute it binds `self`, the tensor)."""
-  return next(getattr(m, name) for m in (elementwise, reduce, movement, linalg, nn) if hasattr(m, name))
+  return next(getattr(m, name) for m in (elementwise, reduce, movement, linalg, nn, ordering, random) if hasattr(m, name))
 
 
 def attach() -> None:

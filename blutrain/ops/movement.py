@@ -11,7 +11,8 @@ from blutrain.ops.core import op
 from blutrain.ops.creation import arange, from_numpy, full, tensor
 from blutrain.ops.elementwise import copy, operands, where
 from blutrain.ops.reduce import sum_to
-from blutrain.shapes import broadcast_shapes, contiguous_strides, normalize_dim, normalize_dims
+from blutrain.shapes import (BoundsError, ShapeError, broadcast_shapes, contiguous_strides, dim_alias, normalize_dim,
+                             normalize_dims)
 from blutrain.tensor import Tensor
 
 
@@ -19,14 +20,14 @@ from blutrain.tensor import Tensor
 
 def _infer_shape(x, shape, name: str) -> tuple[int, ...]:
   numel, shape = math.prod(x.shape), tuple(shape)
-  if shape.count(-1) > 1: raise ValueError(f"{name}: only one dimension can be -1, got {shape}")
+  if shape.count(-1) > 1: raise ShapeError(f"{name}: only one dimension can be -1, got {shape}")
   if -1 in shape:
     rest = math.prod(n for n in shape if n != -1)
     if rest == 0 or numel % rest:
-      raise ValueError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
+      raise ShapeError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
     shape = tuple(numel // rest if n == -1 else n for n in shape)
   if math.prod(shape) != numel:
-    raise ValueError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
+    raise ShapeError(f"{name}: shape {shape} is invalid for input of shape {tuple(x.shape)} ({numel} elements)")
   return shape
 
 
@@ -84,7 +85,7 @@ def reshape(x: Tensor, shape) -> Tensor:
 
 def _permute_rule(x, dims):
   if sorted(dims) != list(range(x.ndim)):
-    raise ValueError(f"permute: {dims} is not a permutation of the {x.ndim} dimensions of a tensor of shape {x.shape}")
+    raise ShapeError(f"permute: {dims} is not a permutation of the {x.ndim} dimensions of a tensor of shape {x.shape}")
   return tuple(x.shape[d] for d in dims), x.dtype
 
 
@@ -116,7 +117,7 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
 def _expand_rule(x, shape):
   lead = len(shape) - x.ndim
   if lead < 0 or any(n != s and n != 1 for n, s in zip(x.shape, shape[lead:])):
-    raise ValueError(f"expand: cannot expand shape {x.shape} to {shape} (only size-1 dims can grow)")
+    raise ShapeError(f"expand: cannot expand shape {x.shape} to {shape} (only size-1 dims can grow)")
   return shape, x.dtype
 
 
@@ -135,7 +136,7 @@ def expand(x: Tensor, shape) -> Tensor:
   shape = tuple(shape)
   lead = len(shape) - x.ndim
   if -1 in shape[:max(lead, 0)]:
-    raise ValueError(f"expand: -1 (keep the size) is not allowed in a new leading dim: {x.shape} to {shape}")
+    raise ShapeError(f"expand: -1 (keep the size) is not allowed in a new leading dim: {x.shape} to {shape}")
   shape = tuple(x.shape[i - lead] if n == -1 and i >= lead else n for i, n in enumerate(shape))
   return x if shape == x.shape else expand_op(x, shape=shape)
 
@@ -162,14 +163,14 @@ def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
   d = normalize_dim(dim, x.ndim, "narrow")
   if start < 0: start += x.shape[d]
   if not (0 <= start and start + length <= x.shape[d] and length >= 0):
-    raise IndexError(f"narrow: start {start} + length {length} exceeds dimension {dim} of size {x.shape[d]}")
+    raise BoundsError(f"narrow: start {start} + length {length} exceeds dimension {dim} of size {x.shape[d]}")
   index = tuple((start, start + length, 1) if i == d else (0, n, 1) for i, n in enumerate(x.shape))
   return slice_op(x, index=index)
 
 
 def squeeze(x: Tensor, dim=None) -> Tensor:
   """Drop size-1 dims (all, or those named in dim)."""
-  dims = normalize_dims(dim, x.ndim, "squeeze") if x.ndim else ()
+  dims = normalize_dims(dim, x.ndim, "squeeze")
   return reshape(x, tuple(n for i, n in enumerate(x.shape) if not (i in dims and n == 1)))
 
 
@@ -183,7 +184,7 @@ def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
   """Merge dims start_dim..end_dim into one."""
   if x.ndim == 0: return reshape(x, (1,))
   s, e = normalize_dim(start_dim, x.ndim, "flatten"), normalize_dim(end_dim, x.ndim, "flatten")
-  if s > e: raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} (shape {x.shape})")
+  if s > e: raise ShapeError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} (shape {x.shape})")
   return reshape(x, x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:])
 
 
@@ -197,10 +198,10 @@ def split(x: Tensor, split_size, dim: int = 0) -> tuple[Tensor, ...]:
   """Views of consecutive pieces along dim: each of `split_size`, or of the listed sizes."""
   d = normalize_dim(dim, x.ndim, "split")
   n = x.shape[d]
-  if isinstance(split_size, int) and split_size <= 0: raise ValueError(f"split: split_size must be positive, got {split_size}")
+  if isinstance(split_size, int) and split_size <= 0: raise ShapeError(f"split: split_size must be positive, got {split_size}")
   sizes = [split_size] * (n // split_size) + ([n % split_size] if n % split_size else []) if isinstance(split_size, int) \
           else list(split_size)
-  if sum(sizes) != n: raise ValueError(f"split: sizes {sizes} do not add up to dimension {dim} of size {n}")
+  if sum(sizes) != n: raise ShapeError(f"split: sizes {sizes} do not add up to dimension {dim} of size {n}")
   starts = [sum(sizes[:i]) for i in range(len(sizes))]
   return tuple(narrow(x, d, s, k) for s, k in zip(starts, sizes))
 
@@ -208,7 +209,7 @@ def split(x: Tensor, split_size, dim: int = 0) -> tuple[Tensor, ...]:
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
   """`chunks` nearly equal views along dim (the last may be smaller)."""
   n = x.shape[normalize_dim(dim, x.ndim, "chunk")]
-  if chunks <= 0: raise ValueError(f"chunk: the number of chunks must be positive, got {chunks}")
+  if chunks <= 0: raise ShapeError(f"chunk: the number of chunks must be positive, got {chunks}")
   return split(x, max(1, -(-n // chunks)), dim)
 
 
@@ -221,7 +222,7 @@ def unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
 def repeat(x: Tensor, *sizes) -> Tensor:
   """Tile x: `x.repeat(2, 1)` repeats along dim 0 twice."""
   sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes
-  if len(sizes) < x.ndim: raise ValueError(f"repeat: {len(sizes)} sizes for a tensor with {x.ndim} dims")
+  if len(sizes) < x.ndim: raise ShapeError(f"repeat: {len(sizes)} sizes for a tensor with {x.ndim} dims")
   x = reshape(x, (1,) * (len(sizes) - x.ndim) + x.shape)
   grown = expand(reshape(x, tuple(v for n in x.shape for v in (1, n))), tuple(v for r, n in zip(sizes, x.shape) for v in (r, n)))
   return reshape(grown, tuple(r * n for r, n in zip(sizes, x.shape)))
@@ -233,7 +234,7 @@ def _cat_rule(*xs, dim):
   first = xs[0]
   for x in xs[1:]:
     if x.ndim != first.ndim or any(a != b for i, (a, b) in enumerate(zip(x.shape, first.shape)) if i != dim):
-      raise ValueError(f"cat: shapes {[tuple(t.shape) for t in xs]} differ outside dimension {dim}")
+      raise ShapeError(f"cat: shapes {[tuple(t.shape) for t in xs]} differ outside dimension {dim}")
   return first.shape[:dim] + (sum(x.shape[dim] for x in xs),) + first.shape[dim + 1:], first.dtype
 
 
@@ -246,6 +247,7 @@ def _cat_vjp(g, out, *xs, dim):
 cat_op = op("cat", _cat_rule, _cat_vjp, saves=(), inputs="*xs", attrs="dim:int")
 
 
+@dim_alias
 def cat(tensors, dim: int = 0) -> Tensor:
   """Concatenate along an existing dim."""
   tensors = [t for t in tensors]
@@ -254,12 +256,13 @@ def cat(tensors, dim: int = 0) -> Tensor:
   return cat_op(*tensors, dim=normalize_dim(dim, tensors[0].ndim, "cat"))
 
 
+@dim_alias
 def stack(tensors, dim: int = 0) -> Tensor:
   """Join along a new dim."""
   tensors = list(tensors)
-  if not tensors: raise ValueError("stack: expected a non-empty list of tensors")
+  if not tensors: raise ShapeError("stack: expected a non-empty list of tensors")
   shapes = {tuple(t.shape) for t in tensors}
-  if len(shapes) > 1: raise ValueError(f"stack: expects tensors of equal shape, got {sorted(shapes)}")
+  if len(shapes) > 1: raise ShapeError(f"stack: expects tensors of equal shape, got {sorted(shapes)}")
   d = normalize_dim(dim, tensors[0].ndim + 1, "stack")
   return cat([unsqueeze(t, d) for t in tensors], d)
 
@@ -297,7 +300,8 @@ def parse_key(x: Tensor, key):
   """Split an index into the basic part, applied as one slice view plus a reshape, and the tensor indices
   that remain: returns (view, [(dim in view, index tensor)])."""
   key = key if isinstance(key, tuple) else (key,)
-  key = tuple(tensor(k, dtype=dtypes.int64, device=x.device) if isinstance(k, list) else k for k in key)
+  # a list or a tuple inside the key is a sequence of indices, as in PyTorch (`x[((0, 1),)]` is `x[[0, 1]]`)
+  key = tuple(tensor(k, dtype=dtypes.int64, device=x.device) if isinstance(k, (list, tuple)) else k for k in key)
   used = sum(k.ndim if isinstance(k, Tensor) and k.dtype is dtypes.bool_ else 0 if k is None or k is Ellipsis else 1 for k in key)
   if used > x.ndim: raise IndexError(f"too many indices for a tensor of dimension {x.ndim} (got {used})")
   if sum(k is Ellipsis for k in key) > 1: raise IndexError("an index can only have a single ellipsis ('...')")
@@ -360,3 +364,83 @@ def nonzero(x: Tensor, *, as_tuple: bool = False):
   data, so this reads the values back to the host and cannot be compiled."""
   idx = from_numpy(np.argwhere(x.detach().numpy()).astype(np.int64)).to(x.device)
   return tuple(idx[:, i] for i in range(x.ndim)) if as_tuple else idx
+
+
+# *** reordering composites ***
+
+def flip(x: Tensor, dims) -> Tensor:
+  """x with the entries along each of `dims` in reverse order (a copy, as PyTorch's)."""
+  dims = (dims,) if isinstance(dims, int) else tuple(dims)
+  for d in (normalize_dims(dims, x.ndim, "flip") if dims else ()):
+    x = x[(slice(None),) * d + (arange(x.shape[d] - 1, -1, -1, device=x.device),)]
+  return copy(x) if not dims or not x.ndim else x
+
+
+def roll(x: Tensor, shifts, dims=None) -> Tensor:
+  """x with its entries moved `shifts` places along `dims`, those past the end coming round to the start (over the
+  flattened tensor when dims is None)."""
+  if dims is None:
+    if not isinstance(shifts, int) and len(shifts) != 1:
+      raise ShapeError(f"roll: without dims, shifts must be one number, got {shifts}")
+    return roll(x.reshape(-1), shifts if isinstance(shifts, int) else shifts[0], 0).reshape(x.shape)
+  shifts, dims = ((shifts,), (dims,)) if isinstance(dims, int) else (tuple(shifts), tuple(dims))
+  if len(shifts) != len(dims): raise ShapeError(f"roll: {len(shifts)} shifts for {len(dims)} dims")
+  out = x if x.ndim else x.reshape(1)
+  for s, d in zip(shifts, dims):
+    d = normalize_dim(d, x.ndim, "roll")
+    n = out.shape[d]
+    if n and s % n: out = cat([narrow(out, d, n - s % n, s % n), narrow(out, d, 0, n - s % n)], d)
+  return copy(out) if out is x else out.reshape(x.shape)
+
+
+def diagonal(x: Tensor, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Tensor:
+  """The entries x[..., i, i + offset] of dims (dim1, dim2), on a new last dim (a copy, not a view as in PyTorch)."""
+  return _diagonal(x, offset, dim1, dim2)
+
+
+def _diagonal(x: Tensor, offset: int, dim1: int, dim2: int) -> Tensor:
+  d1, d2 = normalize_dim(dim1, x.ndim, "diagonal"), normalize_dim(dim2, x.ndim, "diagonal")
+  if d1 == d2: raise ShapeError(f"diagonal: dim1 and dim2 name the same dim {dim1} of a tensor of shape {x.shape}")
+  rest = [d for d in range(x.ndim) if d not in (d1, d2)]
+  x = permute(x, (*rest, d1, d2))
+  r, c = x.shape[-2], x.shape[-1]
+  n = max(0, min(r, c - offset) if offset >= 0 else min(r + offset, c))
+  i = arange(n, device=x.device)
+  rows, cols = (i, i + offset) if offset >= 0 else (i - offset, i)
+  return x[(Ellipsis, rows, cols)]
+
+
+def diag(x: Tensor, diagonal: int = 0) -> Tensor:
+  """A 1-D x as the `diagonal`-th diagonal of a square matrix of zeros; of a 2-D x, that diagonal."""
+  if x.ndim == 2: return _diagonal(x, diagonal, 0, 1)
+  if x.ndim != 1: raise ShapeError(f"diag: expected a 1-D or 2-D tensor, got shape {x.shape}")
+  n, k = x.shape[0], diagonal
+  m = n + abs(k)
+  if n == 0: return full((m, m), 0, dtype=x.dtype, device=x.device)
+  i, j = arange(m, device=x.device).reshape(m, 1), arange(m, device=x.device).reshape(1, m)
+  source = (i if k >= 0 else j).expand(m, m).clamp(0, n - 1)  # the entry of x each position would hold
+  return where(j - i == k, x[source], 0)
+
+
+def repeat_interleave(x: Tensor, repeats, dim: int | None = None, *, output_size: int | None = None) -> Tensor:
+  """Each entry along dim repeated `repeats` times in place (`[a, b]` -> `[a, a, b, b]`; over the flattened tensor
+  when dim is None); `repeats` may be a tensor of one count per entry (read on the host)."""
+  if dim is None: x, dim = x.reshape(-1), 0
+  d = normalize_dim(dim, x.ndim, "repeat_interleave")
+  n = x.shape[d] if x.ndim else 1
+  if isinstance(repeats, Tensor) and repeats.numel() != 1:
+    counts = repeats.tolist()
+    if len(counts) != n or any(c < 0 for c in counts):
+      raise ShapeError(f"repeat_interleave: {len(counts)} counts for dimension {dim} of size {n}; each must be >= 0")
+    return x[(slice(None),) * d + (tensor(np.repeat(np.arange(n), counts), device=x.device),)]
+  r = int(repeats.item()) if isinstance(repeats, Tensor) else int(repeats)
+  if r < 0: raise ShapeError(f"repeat_interleave: repeats must be non-negative, got {r}")
+  if not x.ndim: x = x.reshape(1)
+  shape = x.shape
+  return expand(x.unsqueeze(d + 1), shape[:d + 1] + (r,) + shape[d + 1:]).reshape(shape[:d] + (n * r,) + shape[d + 1:])
+
+
+def masked_select(x: Tensor, mask: Tensor) -> Tensor:
+  """The entries of x where mask (broadcast with x) is True, as a 1-D tensor."""
+  shape = broadcast_shapes(x.shape, mask.shape, op="masked_select")
+  return expand(x, shape)[expand(mask, shape)] if shape else x.reshape(1)[mask.reshape(1)]

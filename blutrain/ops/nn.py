@@ -9,7 +9,8 @@ from blutrain.ops.creation import arange, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
 from blutrain.ops.linalg import matmul
 from blutrain.ops.random import bernoulli_mask
-from blutrain.shapes import normalize_dim
+from blutrain.dtypes import DTypeError
+from blutrain.shapes import ShapeError, normalize_dim
 from blutrain.tensor import Tensor
 
 
@@ -43,7 +44,7 @@ def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
 def _layer_norm_rule(x, w, b, n, eps, dtype=None):
   for name, p in (("weight", w), ("bias", b)):
     if p is not None and p.shape != x.shape[x.ndim - n:]:
-      raise ValueError(f"layer_norm: {name} of shape {p.shape} does not match normalized shape {x.shape[x.ndim - n:]}")
+      raise ShapeError(f"layer_norm: {name} of shape {p.shape} does not match normalized shape {x.shape[x.ndim - n:]}")
   return x.shape, dtype or x.dtype
 
 
@@ -73,7 +74,7 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
   """(x - mean) / sqrt(var + eps) * weight + bias over the trailing `normalized_shape` dims."""
   shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
   if tuple(x.shape[x.ndim - len(shape):]) != shape:
-    raise ValueError(f"layer_norm: normalized_shape {shape} does not match the trailing dims of input {x.shape}")
+    raise ShapeError(f"layer_norm: normalized_shape {shape} does not match the trailing dims of input {x.shape}")
   return layer_norm_op(x, weight, bias, n=len(shape), eps=float(eps))
 
 
@@ -81,9 +82,9 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: flo
   """x / sqrt(mean(x^2) + eps) * weight over the trailing dims (eps defaults to the dtype's epsilon)."""
   shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
   if tuple(x.shape[x.ndim - len(shape):]) != shape:
-    raise ValueError(f"rms_norm: normalized_shape {shape} does not match the trailing dims of input {x.shape}")
+    raise ShapeError(f"rms_norm: normalized_shape {shape} does not match the trailing dims of input {x.shape}")
   if weight is not None and tuple(weight.shape) != shape:
-    raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match normalized shape {shape}")
+    raise ShapeError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match normalized shape {shape}")
   dims = tuple(range(x.ndim - len(shape), x.ndim))
   eps = eps if eps is not None else float(__import__("numpy").finfo(x.dtype.np).eps)
   out = x * rsqrt((x * x).mean(dims, keepdim=True) + eps)
@@ -93,12 +94,12 @@ def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: flo
 # *** gather, scatter, embedding ***
 
 def _gather_rule(x, dim, index):
-  if index.ndim != x.ndim: raise ValueError(f"gather: index has {index.ndim} dims, input {x.ndim}")
+  if index.ndim != x.ndim: raise ShapeError(f"gather: index has {index.ndim} dims, input {x.ndim}")
   return index.shape, x.dtype
 
 
 def _scatter_add_rule(x, index, src, dim):
-  if not (index.ndim == src.ndim == x.ndim): raise ValueError(f"scatter_add: input, index and src need the same number of dims, got {x.shape}, {index.shape}, {src.shape}")
+  if not (index.ndim == src.ndim == x.ndim): raise ShapeError(f"scatter_add: input, index and src need the same number of dims, got {x.shape}, {index.shape}, {src.shape}")
   return x.shape, x.dtype
 
 
@@ -112,7 +113,7 @@ gather_op = op("gather", lambda x, index, dim: _gather_rule(x, dim, index), lamb
 
 def _check_index(name: str, index: Tensor) -> None:
   if not isinstance(index, Tensor) or index.dtype.category != 1:
-    raise TypeError(f"{name}: index must be an integer tensor, got {getattr(index, 'dtype', type(index).__name__)}")
+    raise DTypeError(f"{name}: index must be an integer tensor, got {getattr(index, 'dtype', type(index).__name__)}")
 
 
 def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
@@ -135,7 +136,7 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
 
 
 def _embedding_rule(weight, idx):
-  if weight.ndim != 2: raise ValueError(f"embedding: weight must be 2-D, got shape {weight.shape}")
+  if weight.ndim != 2: raise ShapeError(f"embedding: weight must be 2-D, got shape {weight.shape}")
   return idx.shape + (weight.shape[1],), weight.dtype
 
 
@@ -220,7 +221,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator=None) ->
 
 
 def _band(x: Tensor, diagonal: int, lower: bool) -> Tensor:
-  if x.ndim < 2: raise ValueError(f"{'tril' if lower else 'triu'}: expected at least 2 dims, got shape {x.shape}")
+  if x.ndim < 2: raise ShapeError(f"{'tril' if lower else 'triu'}: expected at least 2 dims, got shape {x.shape}")
   rows = arange(x.shape[-2], device=x.device).unsqueeze(1)
   cols = arange(x.shape[-1], device=x.device).unsqueeze(0)
   keep = (cols - rows <= diagonal) if lower else (cols - rows >= diagonal)
@@ -246,10 +247,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def _flash_attention_rule(q, k, v, causal, scale, tf32=False):
   if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
-    raise ValueError(f"flash_attention: expected q (..., L, E) and k, v (..., S, E) with the same batch dims, got "
+    raise ShapeError(f"flash_attention: expected q (..., L, E) and k, v (..., S, E) with the same batch dims, got "
                      f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
   if not q.dtype is k.dtype is v.dtype:
-    raise TypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype.name}, {k.dtype.name}, {v.dtype.name}")
+    raise DTypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype.name}, {k.dtype.name}, {v.dtype.name}")
   return q.shape, q.dtype
 
 
@@ -268,14 +269,22 @@ _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None) -> Tensor:
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
   """softmax(q k^T * scale + mask) v over (..., L, E) queries and (..., S, E) keys.
 
   `attn_mask` is bool (True takes part) or float (added to the scores); `is_causal` masks keys after each
-  query (top-left aligned, as PyTorch). Dropout applies to the attention weights."""
+  query (top-left aligned, as PyTorch). Dropout applies to the attention weights. `enable_gqa`: keys and values
+  of fewer heads (dim -3) than the queries, each shared by a group of query heads."""
+  if enable_gqa and query.ndim >= 3 and key.shape[-3] != query.shape[-3]:
+    hq, hk = query.shape[-3], key.shape[-3]
+    if hk == 0 or hq % hk or value.shape[-3] != hk:
+      raise ShapeError(f"scaled_dot_product_attention: {hq} query heads cannot be grouped over {hk} key and "
+                       f"{value.shape[-3]} value heads (enable_gqa needs a divisor)")
+    key, value = key.repeat_interleave(hq // hk, -3), value.repeat_interleave(hq // hk, -3)
   if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
-    raise ValueError(f"scaled_dot_product_attention: incompatible shapes q {query.shape}, k {key.shape}, v {value.shape}")
-  if is_causal and attn_mask is not None: raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal")
+    raise ShapeError(f"scaled_dot_product_attention: incompatible shapes q {query.shape}, k {key.shape}, v {value.shape}")
+  if is_causal and attn_mask is not None: raise ShapeError("scaled_dot_product_attention: pass either attn_mask or is_causal")
   query, key, value = autocast_inputs("scaled_dot_product_attention", query, key, value)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   # NOTE: float64 (a reference dtype) and heads over 256 wide (past what a kernel keeps on chip) stay composite

@@ -7,6 +7,7 @@ from blutrain import dtypes
 from blutrain.device import to_device as parse_device
 from blutrain.ops.core import op
 from blutrain.ops.creation import shape_from, tensor
+from blutrain.shapes import ShapeError, broadcast_shapes
 from blutrain.tensor import Tensor
 
 
@@ -56,15 +57,17 @@ def _draw(op_, shape, dtype, device, generator, **attrs) -> Tensor:
   return op_(device=parse_device(device), rng=gen, shape=shape, dtype=dtype, seed=seed, offset=offset, **attrs)
 
 
-def rand(*size, dtype=None, device=None, generator: Generator | None = None, requires_grad: bool = False) -> Tensor:
+def rand(*shape, size=None, dtype=None, device=None, generator: Generator | None = None,
+         requires_grad: bool = False) -> Tensor:
   """Uniform samples on [0, 1)."""
-  t = _draw(rand_op, shape_from(size), dtypes.to_dtype(dtype or dtypes.default_float), device, generator)
+  t = _draw(rand_op, shape_from(shape, size), dtypes.to_dtype(dtype or dtypes.default_float), device, generator)
   return t.requires_grad_(requires_grad) if requires_grad else t
 
 
-def randn(*size, dtype=None, device=None, generator: Generator | None = None, requires_grad: bool = False) -> Tensor:
+def randn(*shape, size=None, dtype=None, device=None, generator: Generator | None = None,
+          requires_grad: bool = False) -> Tensor:
   """Standard normal samples."""
-  t = _draw(randn_op, shape_from(size), dtypes.to_dtype(dtype or dtypes.default_float), device, generator)
+  t = _draw(randn_op, shape_from(shape, size), dtypes.to_dtype(dtype or dtypes.default_float), device, generator)
   return t.requires_grad_(requires_grad) if requires_grad else t
 
 
@@ -73,7 +76,7 @@ def randint(low: int, high: int | None = None, size=(), *, dtype=None, device=No
   """Integers uniform on [low, high): `bt.randint(10, (3,))` or `bt.randint(2, 10, (3,))`."""
   if isinstance(high, (tuple, list)): high, size = None, high  # randint(high, size), as torch.randint
   if high is None: low, high = 0, low
-  if high <= low: raise ValueError(f"randint: empty range [{low}, {high})")
+  if high <= low: raise ShapeError(f"randint: empty range [{low}, {high})")
   return _draw(randint_op, shape_from((size,) if isinstance(size, int) else tuple(size)),
                dtypes.to_dtype(dtype or dtypes.int64), device, generator, low=int(low), high=int(high))
 
@@ -89,3 +92,21 @@ def rand_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
 
 def randn_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
   return randn(x.shape, dtype=dtype or x.dtype, device=x.device, generator=generator)
+
+
+def bernoulli(input: Tensor, p: float | None = None, *, generator: Generator | None = None) -> Tensor:
+  """0/1 samples (in input's dtype), 1 with probability input (or `p`) elementwise."""
+  probs = input if p is None else p
+  return (rand(input.shape, dtype=dtypes.float32, device=input.device, generator=generator) < probs).to(input.dtype)
+
+
+def normal(mean=0.0, std=1.0, size=None, *, generator: Generator | None = None, dtype=None, device=None) -> Tensor:
+  """Normal samples of mean `mean` and standard deviation `std` (numbers, or tensors that broadcast; `size` when both
+  are numbers)."""
+  like = next((t for t in (mean, std) if isinstance(t, Tensor)), None)
+  if like is None:
+    if size is None: raise TypeError("normal: give size= when mean and std are both numbers")
+    return randn(size=size, dtype=dtype, device=device, generator=generator) * std + mean
+  shape = tuple(size) if size is not None else broadcast_shapes(*(t.shape for t in (mean, std) if isinstance(t, Tensor)),
+                                                                 op="normal")
+  return randn(size=shape, dtype=dtype or like.dtype, device=like.device, generator=generator) * std + mean

@@ -1,14 +1,16 @@
 """Reductions over dims (sum, amax, amin, argmax, argmin, cumsum) and their composites."""
 from __future__ import annotations
 
+import builtins
 import math
 from collections import namedtuple
 
 from blutrain import dtypes
+from blutrain.autograd.tape import grad_mode
 from blutrain.ops.core import autocast_inputs, op
-from blutrain.ops.creation import zeros
-from blutrain.ops.elementwise import exp, isfinite, log, maximum, minimum, sqrt, where
-from blutrain.shapes import normalize_dim, normalize_dims
+from blutrain.ops.creation import ones_like, zeros
+from blutrain.ops.elementwise import exp, isfinite, isnan, log, maximum, minimum, sqrt, where
+from blutrain.shapes import BoundsError, dim_alias, normalize_dim, normalize_dims
 from blutrain.tensor import Tensor
 
 values_indices = namedtuple("values_indices", ["values", "indices"])
@@ -50,6 +52,23 @@ cumsum_op = op("cumsum", lambda x, dim, reverse=False: (x.shape, x.dtype),
                  inputs="x", attrs="dim:int reverse:bool?")
 
 
+
+def _cumprod_vjp(g, out, x, dim):
+  """PyTorch's, exact at zeros: before the first zero along dim, sum_{j>=i} g_j out_j / x_i; at the first zero, the
+  same sum over the products that leave it out; after it, 0."""
+  zero = x == 0
+  seen = cumsum(zero, dim)
+  before, first = seen == 0, zero & (seen == 1)
+  at_first = cumsum_op(g * cumprod_op(where(first, 1.0, x), dim=dim), dim=dim, reverse=True)
+  return (where(before, cumsum_op(g * out, dim=dim, reverse=True) / where(before, x, 1.0),
+                where(first, at_first, 0.0)),)
+
+
+cumprod_op = op("cumprod", lambda x, dim: (x.shape, x.dtype), _cumprod_vjp, saves_output=True, inputs="x",
+                attrs="dim:int")
+
+
+@dim_alias
 def sum(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   """Sum over `dim` (an int, a tuple, or None for all). Integer and bool inputs sum in int64, as in PyTorch."""
   if dtype is None: x, = autocast_inputs("sum", x)  # autocast may pick float32 for the result, as PyTorch's does
@@ -58,6 +77,7 @@ def sum(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   return sum_op(x, dims=dims, keepdim=keepdim, dtype=out_dtype)
 
 
+@dim_alias
 def mean(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   """Arithmetic mean over `dim`."""
   if not dtypes.to_dtype(dtype or x.dtype).is_floating_point:
@@ -67,27 +87,31 @@ def mean(x: Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
   return sum(x, dims, keepdim, dtype=dtype) / n if n else sum(x, dims, keepdim, dtype=dtype) * float("nan")
 
 
+@dim_alias
 def var(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbiased: bool | None = None) -> Tensor:
   """Variance over `dim` with Bessel's `correction` (1 by default, as torch.var)."""
   if unbiased is not None: correction = int(unbiased)
   dims = normalize_dims(dim, x.ndim, "var")
   n = math.prod(x.shape[d] for d in dims)
-  centered = x - mean(x, dims, keepdim=True)
+  centered = x - mean(x.detach(), dims, keepdim=True)  # the mean's own gradient is 0 (inf - inf = nan at infinities)
   squares = sum(centered * centered, dims, keepdim)
-  return squares / (n - correction) if n > correction else squares * float("nan")
+  return squares / builtins.max(n - correction, 0)  # inf (nan where all equal) when correction >= n, as PyTorch
 
 
+@dim_alias
 def std(x: Tensor, dim=None, keepdim: bool = False, *, correction: int = 1, unbiased: bool | None = None) -> Tensor:
   """Standard deviation: sqrt(var)."""
   return sqrt(var(x, dim, keepdim, correction=correction, unbiased=unbiased))
 
 
+@dim_alias
 def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """Maximum over `dim` (gradient split evenly among ties)."""
   _nonempty(x, dim, "amax")
   return amax_op(x, dims=normalize_dims(dim, x.ndim, "amax"), keepdim=keepdim)
 
 
+@dim_alias
 def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """Minimum over `dim`."""
   _nonempty(x, dim, "amin")
@@ -95,46 +119,66 @@ def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
 
 
 def _nonempty(x: Tensor, dim, name: str) -> None:
+  if dim is None and x.numel() == 0:  # PyTorch raises RuntimeError (amax) or IndexError (argmax): both
+    raise BoundsError(f"{name}: cannot reduce a tensor of shape {x.shape} with no elements; name a dim to reduce")
   dims = normalize_dims(dim, x.ndim, name)
   if 0 in (x.shape[d] for d in dims):
     raise IndexError(f"{name}: cannot reduce over an empty dimension of a tensor of shape {x.shape}")
 
 
+@dim_alias
 def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the maximum along `dim` (of the flattened tensor when dim is None)."""
-  if dim is None: return argmax_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   _nonempty(x, dim, "argmax")
-  return argmax_op(x, dim=normalize_dim(dim, x.ndim, "argmax"), keepdim=keepdim)
+  if dim is None: return argmax_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
+  d = normalize_dim(dim, x.ndim, "argmax")
+  return argmax_op(x, dim=d, keepdim=keepdim) if x.ndim else argmax_op(x.reshape(1), dim=0, keepdim=False)
 
 
+@dim_alias
 def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
   """Index of the minimum along `dim`."""
-  if dim is None: return argmin_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
   _nonempty(x, dim, "argmin")
-  return argmin_op(x, dim=normalize_dim(dim, x.ndim, "argmin"), keepdim=keepdim)
+  if dim is None: return argmin_op(x.reshape(-1), dim=0, keepdim=False).reshape((1,) * x.ndim if keepdim else ())
+  d = normalize_dim(dim, x.ndim, "argmin")
+  return argmin_op(x, dim=d, keepdim=keepdim) if x.ndim else argmin_op(x.reshape(1), dim=0, keepdim=False)
 
 
+@dim_alias
 def max(x: Tensor, dim=None, keepdim: bool = False):
   """`x.max()` is the largest value; `x.max(dim)` gives (values, indices); `x.max(other)` is maximum."""
   if isinstance(dim, Tensor): return maximum(x, dim)
-  if dim is None: return amax(x)
+  if dim is None: return _whole(x, amax, -math.inf) if x.numel() else amax(x)
   return _select(x, argmax(x, dim, keepdim=True), dim, keepdim)
 
 
+@dim_alias
 def min(x: Tensor, dim=None, keepdim: bool = False):
   """`x.min()`, `x.min(dim)` -> (values, indices), or `x.min(other)`."""
   if isinstance(dim, Tensor): return minimum(x, dim)
-  if dim is None: return amin(x)
+  if dim is None: return _whole(x, amin, math.inf) if x.numel() else amin(x)
   return _select(x, argmin(x, dim, keepdim=True), dim, keepdim)
+
+
+def _whole(x: Tensor, extreme, fill: float) -> Tensor:
+  """`x.max()`/`x.min()` (extreme: amax/amin, fill: its identity): where x holds a nan the gradient is shared among
+  the nans, as PyTorch's (amax's would be nan everywhere); the extreme is taken without them so its VJP stays finite."""
+  if not (x.dtype.is_floating_point and x.requires_grad and grad_mode.enabled): return extreme(x)  # the same value
+  nans = isnan(x)
+  count = sum(nans.to(x.dtype))
+  among_nans = sum(where(nans, x, 0.0)) / maximum(count, ones_like(count))
+  return where(count > 0, among_nans, extreme(where(nans, fill, x)))
 
 
 def _select(x: Tensor, idx: Tensor, dim: int, keepdim: bool):
   """(values, indices) of max/min along dim; values are gathered so that, as in PyTorch, the gradient goes
   to the returned index only (amax/amin share it among ties)."""
+  if not x.ndim: return values_indices(x.reshape(1).gather(0, idx.reshape(1)).reshape(()), idx)
   values = x.gather(dim, idx)
   return values_indices(values, idx) if keepdim else values_indices(values.squeeze(dim), idx.squeeze(dim))
 
 
+@dim_alias
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
   """log(sum(exp(x))) over dim, computed stably around the maximum."""
   dims = normalize_dims(dim, x.ndim, "logsumexp")
@@ -148,6 +192,7 @@ def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
   return out if keepdim else out.squeeze(dims)
 
 
+@dim_alias
 def cumsum(x: Tensor, dim: int, *, dtype=None) -> Tensor:
   """Running sum along dim."""
   if dtype is not None: x = x.to(dtype)
@@ -156,11 +201,54 @@ def cumsum(x: Tensor, dim: int, *, dtype=None) -> Tensor:
   return cumsum_op(x, dim=d) if x.ndim else cumsum_op(x.reshape(1), dim=0).reshape(())
 
 
+@dim_alias
+def cumprod(x: Tensor, dim: int, *, dtype=None) -> Tensor:
+  """Running product along dim (integers and bools in int64, as PyTorch)."""
+  if dtype is not None: x = x.to(dtype)
+  elif not x.dtype.is_floating_point: x = x.to(dtypes.int64)
+  d = normalize_dim(dim, x.ndim, "cumprod")
+  return cumprod_op(x, dim=d) if x.ndim else cumprod_op(x.reshape(1), dim=0).reshape(())
+
+
+@dim_alias
+def prod(x: Tensor, dim: int | None = None, keepdim: bool = False, *, dtype=None) -> Tensor:
+  """Product over one dim, or of every element when dim is None (1 for none); the last running product, so the
+  gradient is cumprod's, exact at zeros."""
+  if dtype is not None: x = x.to(dtype)
+  elif not x.dtype.is_floating_point: x = x.to(dtypes.int64)
+  if dim is None:
+    if not x.numel(): return sum(x) + 1
+    flat = x.reshape(-1)
+    if x.requires_grad and grad_mode.enabled:  # two zeros or more: a zero gradient everywhere, as PyTorch's
+      flat = where(sum(flat == 0) >= 2, flat.detach(), flat)
+    return cumprod(flat, 0).narrow(0, x.numel() - 1, 1).reshape(())
+  d = normalize_dim(dim, x.ndim, "prod")
+  if not x.ndim: return cumprod(x, 0)
+  n = x.shape[d]
+  out = cumprod(x, d).narrow(d, n - 1, 1) if n else sum(x, d, keepdim=True) + 1
+  return out if keepdim else out.squeeze(d)
+
+
+@dim_alias
+def logcumsumexp(x: Tensor, dim: int) -> Tensor:
+  """log(cumsum(exp(x))) along dim, computed around the largest value of each slice."""
+  if not x.dtype.is_floating_point:
+    raise dtypes.UnsupportedDType(f"logcumsumexp: expected a floating point tensor, got {x.dtype.name} (as PyTorch)")
+  if not x.ndim: return logcumsumexp(x.reshape(1), dim).reshape(())
+  d = normalize_dim(dim, x.ndim, "logcumsumexp")
+  if x.numel() == 0: return x * 1
+  m = amax(x.detach(), d, keepdim=True)
+  m = where(isfinite(m), m, 0.0)
+  return log(cumsum(exp(x - m), d)) + m
+
+
+@dim_alias
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """True where every element along dim is nonzero."""
   return sum((x == 0).to(dtypes.int64), dim, keepdim) == 0
 
 
+@dim_alias
 def any(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
   """True where some element along dim is nonzero."""
   return sum((x != 0).to(dtypes.int64), dim, keepdim) > 0

@@ -145,21 +145,28 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
           b("rand", rng, shape=(3, 4), dtype=f32, offset=0), b("randn", rng, shape=(3, 4), dtype=f32, offset=12),
           b("randint", rng, shape=(5,), dtype=dtypes.int64, offset=24, low=-3, high=10),
           b("bernoulli", rng, shape=(3, 4), dtype=dtypes.bool_, offset=29, p=0.3)]
-  for name in ("neg", "exp", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "abs", "copy"): outs.append(b(name, x))
-  for name in ("log", "sqrt", "rsqrt"): outs.append(b(name, pos))
+  for name in ("neg", "exp", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "sign", "abs", "copy", "tan", "asin",
+               "acos", "atan", "sinh", "cosh", "asinh", "atanh", "exp2", "expm1", "ceil", "trunc", "round"): outs.append(b(name, x))
+  for name in ("log", "sqrt", "rsqrt", "log2", "log10", "log1p", "acosh"): outs.append(b(name, pos))
   outs += [b("gelu", x, approximate="none"), b("gelu", x, approximate="tanh"),
            b("gelu_backward", pos, x, approximate="none"), b("gelu_backward", pos, x, approximate="tanh"),
            b("logical_not", mask), b("cast", x, dtype=dtypes.float64), b("cast", x, dtype=dtypes.int32)]
   half, bhalf = b("cast", x, dtype=dtypes.float16), b("cast", x, dtype=dtypes.bfloat16)
   outs += [b("add", half, b("cast", y, dtype=dtypes.float16)), b("exp", bhalf), b("matmul", bhalf, b("permute", bhalf, dims=(1, 0)))]
-  for name in ("add", "sub", "mul", "div", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"): outs.append(b(name, x, y))
+  for name in ("add", "sub", "mul", "div", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "copysign",
+               "fmod", "remainder", "floor_divide"): outs.append(b(name, x, y))
   outs.append(b("pow", pos, y))
   for name in ("logical_and", "logical_or", "logical_xor"): outs.append(b(name, mask, other))
+  ints = b("cast", b("mul", x, b.full((), 10.0)), dtype=dtypes.int64)
+  for name in ("bitwise_and", "bitwise_or", "bitwise_xor"): outs.append(b(name, ints, b("neg", ints)))
+  outs += [b("bitwise_not", ints), b("bitwise_left_shift", ints, b.full((), 3, dtypes.int64)),
+           b("bitwise_right_shift", ints, b.full((), 2, dtypes.int64))]
   outs += [b("where", mask, x, y),
            b("sum", x, dims=(1,), keepdim=False, dtype=f32), b("sum", mask, dims=(0, 1), keepdim=True, dtype=dtypes.int64),
            b("amax", x, dims=(0,), keepdim=True), b("amin", x, dims=(0, 1), keepdim=False),
            b("argmax", x, dim=1, keepdim=False), b("argmin", x, dim=0, keepdim=True),
-           b("cumsum", x, dim=1), b("cumsum", x, dim=0, reverse=True),
+           b("cumsum", x, dim=1), b("cumsum", x, dim=0, reverse=True), b("cumprod", x, dim=1),
+           b("argsort", x, dim=1, descending=False), b("argsort", x, dim=0, descending=True),
            b("view", x, shape=(2, 6)), b("permute", x, dims=(1, 0)), b("expand", b("view", y, shape=(1, 4)), shape=(2, 3, 4)),
            b("slice", x, index=((0, 3, 2), (1, 4, 1))),
            b("slice_backward", b("slice", x, index=((0, 3, 2), (1, 4, 1))), shape=(3, 4), index=((0, 3, 2), (1, 4, 1))),

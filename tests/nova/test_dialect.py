@@ -171,7 +171,7 @@ def _module(body: str, args: str) -> str:
    r"nova.permute: .* fail the shape rule: permute: \(0, 0\) is not a permutation"),
   ("    %1 = nova.sum %0 {dims = array<i64: 0>, keepdim = 2 : i64} : (tensor<4xf32>) -> tensor<f32>", "%0: tensor<4xf32>",
    "Expected one of false, true, but got 2 : i64"),
-  ("    %1 = nova.exp %0 : (tensor<4xi8>) -> tensor<4xi8>", "%0: tensor<4xi8>", "i8"),
+  ("    %1 = nova.exp %0 : (tensor<4xui32>) -> tensor<4xui32>", "%0: tensor<4xui32>", "ui32"),
   ("    %1 = nova.rand %0 {shape = array<i64: 2>, dtype = f32, offset = 0 : i64} : (tensor<3xi64>) -> tensor<2xf32>",
    "%0: tensor<3xi64>", "tensor<3xi64>"),
   ("    %3, %4 = nova.scale %0, %1, %2 : (tensor<3x4xf32>, tensor<4xf32>, tensor<f32>) -> (tensor<3x4xf32>, tensor<3xf32>)",

@@ -11,14 +11,9 @@ import math
 import ml_dtypes
 import numpy as np
 
+from blutrain.shapes import BoundsError
+
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-
-
-def _errstate(fn):
-  @functools.wraps(fn)
-  def k(*a, **kw):
-    with np.errstate(all="ignore"): return fn(*a, **kw)
-  return k
 
 
 # *** elementwise ***
@@ -77,9 +72,10 @@ def _cumsum(x, dim, reverse=False):
 # *** indexing ***
 
 def _check_bounds(op: str, idx: np.ndarray, size: int, dim: int) -> None:
+  """IndexError (BoundsError, a RuntimeError too, for gather and scatter_add, as PyTorch) naming the first bad index."""
   if idx.size and (idx.min() < -size or idx.max() >= size):
     bad = idx[(idx < -size) | (idx >= size)].flat[0]
-    raise IndexError(f"{op}: index {bad} is out of bounds for dimension {dim} with size {size}")
+    raise (BoundsError if op in ("gather", "scatter_add") else IndexError)(f"{op}: index {bad} is out of bounds for dimension {dim} with size {size}")
 
 
 def _key(x, idx, positions):
@@ -201,9 +197,36 @@ def _rng(seed, offset) -> np.random.Generator:
   return np.random.Generator(np.random.Philox(key=seed).advance(offset))
 
 
+def _argsort(x, dim, descending):
+  """Stable; nan above +inf (numpy's order). Descending sorts the reversed array and reverses back, so that equal
+  values still keep their order."""
+  if not descending: return np.argsort(x, axis=dim, kind="stable")
+  n = x.shape[dim]
+  return n - 1 - np.flip(np.argsort(np.flip(x, dim), axis=dim, kind="stable"), dim)
+
+
+def _int_division(name: str, fn):
+  """An integer division or remainder that raises at a zero divisor, as PyTorch's (numpy gives 0)."""
+  def kernel(x, y, **kw):
+    if x.dtype.kind in "iu" and (np.asarray(y) == 0).any():
+      raise RuntimeError(f"{name}: integer division by zero; divide floating point tensors to get inf/nan instead")
+    return fn(x, y, **kw)
+  return kernel
+
+
+def _shift(fn, x, y, negative_fill: int):
+  """x shifted by y; by a negative amount or past the width 0 (negative x shifted right: -1), as PyTorch."""
+  bits = 8 * x.dtype.itemsize
+  inside = (y >= 0) & (y < bits)
+  return np.where(inside, fn(x, np.where(inside, y, 0)), np.where(x < 0, negative_fill, 0)).astype(x.dtype)
+
+
 def _pow(x, y):
+  """Integers to negative powers truncate toward zero as C does (1, -1 or 0), as PyTorch's for tensor exponents and
+  the CUDA kernel's (`pow` refuses a negative Python number, as PyTorch)."""
   if x.dtype.kind in "iu" and y.dtype.kind in "iu" and (y < 0).any():
-    raise RuntimeError("pow: integers to negative integer powers are not allowed; use a floating point base")
+    neg = y < 0
+    return np.where(neg, np.where(x == 1, 1, np.where(x == -1, np.where(y & 1, -1, 1), 0)), np.power(x, np.where(neg, 0, y)))
   return np.power(x, y)
 
 
@@ -243,40 +266,51 @@ kernels = {
   "randint": lambda *, shape, dtype, seed, offset, low, high: _rng(seed, offset).integers(low, high, shape),
   "bernoulli": lambda *, shape, dtype, seed, offset, p: _rng(seed, offset).random(shape, dtype=np.float32) < p,
   # unary
-  "neg": np.negative, "exp": _errstate(np.exp), "log": _errstate(np.log), "sqrt": _errstate(np.sqrt),
-  "rsqrt": _errstate(lambda x: 1.0 / np.sqrt(x)), "abs": np.abs, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
+  "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+  "rsqrt": lambda x: 1.0 / np.sqrt(x), "abs": np.abs, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
   "sigmoid": _sigmoid, "relu": lambda x: np.maximum(x, 0), "erf": _erf, "floor": np.floor,
-  "gelu": _errstate(_gelu), "gelu_backward": _errstate(_gelu_backward),
-  "logical_not": np.logical_not, "cast": _errstate(lambda x, dtype: x.astype(dtype.np)), "copy": lambda x: np.array(x, copy=True),
+  "sign": lambda x: (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype),
+  "tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh,
+  "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh, "exp2": np.exp2, "log2": np.log2, "log10": np.log10,
+  "log1p": np.log1p, "expm1": np.expm1, "ceil": np.ceil, "trunc": np.trunc, "round": np.rint,
+  "gelu": _gelu, "gelu_backward": _gelu_backward,
+  "logical_not": np.logical_not, "cast": lambda x, dtype: x.astype(dtype.np), "copy": lambda x: np.array(x, copy=True),
   # binary
-  "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _errstate(np.divide), "pow": _errstate(_pow),
+  "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": _pow,
+  "atan2": np.arctan2, "copysign": np.copysign, "fmod": _int_division("fmod", np.fmod),
+  "remainder": _int_division("remainder", np.remainder), "floor_divide": _int_division("floor_divide", np.floor_divide),
   "maximum": np.maximum, "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
   "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "logical_and": np.logical_and,
   "logical_or": np.logical_or, "logical_xor": np.logical_xor, "where": np.where,
+  "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor, "bitwise_not": np.invert,
+  "bitwise_left_shift": lambda x, y: _shift(np.left_shift, x, y, 0),
+  "bitwise_right_shift": lambda x, y: _shift(np.right_shift, x, y, -1),
   # reductions
   "sum": lambda x, dims, keepdim, dtype: np.sum(x, axis=dims, keepdims=keepdim),
   "amax": lambda x, dims, keepdim: np.max(x, axis=dims, keepdims=keepdim),
   "amin": lambda x, dims, keepdim: np.min(x, axis=dims, keepdims=keepdim),
   "argmax": lambda x, dim, keepdim: np.argmax(x, axis=dim, keepdims=keepdim),
   "argmin": lambda x, dim, keepdim: np.argmin(x, axis=dim, keepdims=keepdim),
-  "cumsum": _cumsum,
+  "cumsum": _cumsum, "cumprod": lambda x, dim: np.cumprod(x, dim), "argsort": _argsort,
   # movement and indexing
   "slice_backward": _slice_backward, "cat": lambda *xs, dim: np.concatenate(xs, axis=dim),
   "index": lambda x, *idx, positions: x[_key(x, idx, positions)], "index_backward": _index_backward,
   "index_put": _index_put, "gather": _gather, "scatter_add": _scatter_add, "embedding": _embedding,
   "embedding_backward": _embedding_backward,
   # linear algebra, normalization, losses
-  "matmul": _matmul, "softmax": _errstate(_softmax), "log_softmax": _errstate(_log_softmax), "layer_norm": _layer_norm,
+  "matmul": _matmul, "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm,
   "layer_norm_backward": _layer_norm_backward,
-  "cross_entropy": _errstate(_cross_entropy), "cross_entropy_backward": _errstate(_cross_entropy_backward),
+  "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
 }
 
 
 def _upcast_halves(fn):
+  """Half inputs computed in float32; IEEE results (inf, nan) without numpy's warnings, as PyTorch gives them."""
   @functools.wraps(fn)
   def kernel(*arrays, **attrs):
-    return fn(*(a.astype(np.float32) if a is not None and a.dtype in _HALF else a for a in arrays), **attrs)
+    with np.errstate(all="ignore"):
+      return fn(*(a.astype(np.float32) if a is not None and a.dtype in _HALF else a for a in arrays), **attrs)
   return kernel
 
 
@@ -305,7 +339,9 @@ def _where(c, x, y, out=None):
 
 _fill.writes_out = _where.writes_out = True
 _UFUNCS = ("neg exp log sqrt abs sin cos tanh floor logical_not add sub mul div maximum minimum eq ne lt le gt ge "
-           "logical_and logical_or logical_xor").split()
+           "logical_and logical_or logical_xor tan asin acos atan sinh cosh asinh acosh atanh exp2 log2 log10 log1p "
+           "expm1 ceil trunc round atan2 copysign fmod remainder floor_divide bitwise_and bitwise_or bitwise_xor "
+           "bitwise_not").split()
 kernels = {name: _writing(_upcast_halves(fn)) if name in _UFUNCS else _upcast_halves(fn) for name, fn in kernels.items()}
 kernels["full"], kernels["where"] = _fill, _where
 

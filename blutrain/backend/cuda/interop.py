@@ -22,7 +22,7 @@ from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.runtime import Event, check, current_stream
 
 kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 2, 3, 13
-_CODES = {dtypes.bool_: (6, 8), dtypes.int32: (0, 32), dtypes.int64: (0, 64), dtypes.float16: (2, 16),
+_CODES = {dtypes.bool_: (6, 8), dtypes.uint8: (1, 8), dtypes.int8: (0, 8), dtypes.int16: (0, 16), dtypes.int32: (0, 32), dtypes.int64: (0, 64), dtypes.float16: (2, 16),
           dtypes.bfloat16: (4, 16), dtypes.float32: (2, 32), dtypes.float64: (2, 64)}
 _DTYPES = {v: k for k, v in _CODES.items()}
 _CODE_NAMES = {0: "int", 1: "uint", 2: "float", 4: "bfloat", 5: "complex", 6: "bool"}

@@ -128,7 +128,13 @@ class ExpandPattern(RewritePattern):
 
 
 # B holds every value of A exactly: bool into anything, wider integers and floats, int32 into float64.
-_WIDENS = {dtypes.bool_: set(dtypes.all_dtypes), dtypes.int32: {dtypes.int64, dtypes.float64},
+_WIDENS = {dtypes.bool_: set(dtypes.all_dtypes),
+           dtypes.uint8: {dtypes.int16, dtypes.int32, dtypes.int64, dtypes.float16, dtypes.bfloat16, dtypes.float32,
+                          dtypes.float64},
+           dtypes.int8: {dtypes.int16, dtypes.int32, dtypes.int64, dtypes.float16, dtypes.bfloat16, dtypes.float32,
+                         dtypes.float64},
+           dtypes.int16: {dtypes.int32, dtypes.int64, dtypes.float32, dtypes.float64},
+           dtypes.int32: {dtypes.int64, dtypes.float64},
            dtypes.float16: {dtypes.float32, dtypes.float64}, dtypes.bfloat16: {dtypes.float32, dtypes.float64},
            dtypes.float32: {dtypes.float64}}
 

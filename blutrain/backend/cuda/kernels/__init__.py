@@ -29,9 +29,9 @@ from blutrain.backend.cuda.array import CudaArray
 from blutrain.dtypes import DType
 
 # element types in Triton signatures and as compile-time constants
-TY = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp16", dtypes.bfloat16: "bf16",
+TY = {dtypes.bool_: "i1", dtypes.uint8: "u8", dtypes.int8: "i8", dtypes.int16: "i16", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp16", dtypes.bfloat16: "bf16",
       dtypes.float32: "fp32", dtypes.float64: "fp64"}
-TL = {dtypes.bool_: tl.int1, dtypes.int32: tl.int32, dtypes.int64: tl.int64, dtypes.float16: tl.float16,
+TL = {dtypes.bool_: tl.int1, dtypes.uint8: tl.uint8, dtypes.int8: tl.int8, dtypes.int16: tl.int16, dtypes.int32: tl.int32, dtypes.int64: tl.int64, dtypes.float16: tl.float16,
       dtypes.bfloat16: tl.bfloat16, dtypes.float32: tl.float32, dtypes.float64: tl.float64}
 HALF = (dtypes.float16, dtypes.bfloat16)
 MAX_DIMS = 6        # dims a strided kernel addresses after collapsing; more are looped over on the host

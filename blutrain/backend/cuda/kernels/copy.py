@@ -49,7 +49,7 @@ def cat(*xs: CudaArray, dim: int) -> CudaArray:
 
 KERNELS = {"copy": copy, "cast": cast, "cat": cat}
 
-_CASTS = (dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64)
+_CASTS = (dtypes.bool_, dtypes.uint8, dtypes.int8, dtypes.int16, dtypes.int32, dtypes.int64, dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64)
 SPECS = [flat_spec("copy", b, (a,), (False,), 1 << 16, True, False) for a in _CASTS for b in _CASTS] + [
   tiled_spec("copy", dtypes.float32, (dtypes.float32,), 3, (True, False), 1 << 16, 64, False, False),
   tiled_spec("copy", dtypes.bfloat16, (dtypes.float32,), 1, (True, True), 1 << 10, 4096, True, True),

@@ -28,9 +28,11 @@ from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, contiguous_strides
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
-         "logical_not", "gelu", "gelu_tanh", "copy")
+         "sign", "logical_not", "gelu", "gelu_tanh", "copy", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
+         "acosh", "atanh", "exp2", "log2", "log10", "log1p", "expm1", "ceil", "trunc", "round", "bitwise_not")
 BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
-          "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh")
+          "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh", "atan2", "copysign", "fmod", "remainder",
+          "floor_divide", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "logical_not")
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _SQRT_2_PI = tl.constexpr(0.7978845608028654)
@@ -60,6 +62,24 @@ def _ipow(a, b):
     e = e >> 1
   neg = tl.where(a == 1, 1, tl.where(a == -1, tl.where((b & 1) != 0, -1, 1), 0))
   return tl.where(b < 0, neg, r)
+
+
+@triton.jit
+def _floor_divide(a, b):
+  """Python's a // b. Floats as PyTorch's div_floor: from fmod, so that (a - mod) / b is exact, then rounded to the
+  nearest integer; IEEE's a / b where b is 0. Integers from C's truncating division."""
+  if a.dtype.is_floating():
+    mod = libdevice.fmod(a, b)
+    d = (a - mod) / b
+    d = tl.where((mod != 0) & ((b < 0) != (mod < 0)), d - 1, d)
+    fd = tl.floor(d)
+    fd = tl.where(d - fd > 0.5, fd + 1, fd)
+    fd = tl.where(d == 0, libdevice.copysign(d * 0, a / b), fd)
+    r = tl.where(b == 0, a / b, fd)
+  else:
+    q = a // b
+    r = tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
+  return r
 
 
 @triton.jit
@@ -120,6 +140,44 @@ def _apply(a, b, c, OP: tl.constexpr):
     r = tl.math.erf(a)
   elif OP == "floor":
     r = tl.floor(a)
+  elif OP == "sign":
+    r = (a > 0).to(a.dtype) - (a < 0).to(a.dtype)  # 0 at nan, as PyTorch
+  elif OP == "tan":
+    r = libdevice.tan(a)
+  elif OP == "asin":
+    r = libdevice.asin(a)
+  elif OP == "acos":
+    r = libdevice.acos(a)
+  elif OP == "atan":
+    r = libdevice.atan(a)
+  elif OP == "sinh":
+    r = libdevice.sinh(a)
+  elif OP == "cosh":
+    r = libdevice.cosh(a)
+  elif OP == "asinh":
+    r = libdevice.asinh(a)
+  elif OP == "acosh":
+    r = libdevice.acosh(a)
+  elif OP == "atanh":
+    r = libdevice.atanh(a)
+  elif OP == "exp2":
+    r = libdevice.exp2(a)
+  elif OP == "log2":
+    r = libdevice.log2(a)
+  elif OP == "log10":
+    r = libdevice.log10(a)
+  elif OP == "log1p":
+    r = libdevice.log1p(a)
+  elif OP == "expm1":
+    r = libdevice.expm1(a)
+  elif OP == "ceil":
+    r = libdevice.ceil(a)
+  elif OP == "trunc":
+    r = libdevice.trunc(a)
+  elif OP == "round":
+    r = libdevice.rint(a)  # half to even
+  elif OP == "bitwise_not":
+    r = ~a
   elif OP == "logical_not":
     r = a == 0
   elif OP == "gelu":
@@ -142,6 +200,29 @@ def _apply(a, b, c, OP: tl.constexpr):
       r = libdevice.pow(a, b)
     else:
       r = _ipow(a, b)
+  elif OP == "atan2":
+    r = libdevice.atan2(a, b)
+  elif OP == "copysign":
+    r = libdevice.copysign(a, b)
+  elif OP == "fmod":
+    r = libdevice.fmod(a, b) if a.dtype.is_floating() else a % b  # C's: the sign of a
+  elif OP == "remainder":
+    r = libdevice.fmod(a, b) if a.dtype.is_floating() else a % b
+    r = tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)  # Python's: the sign of b
+  elif OP == "floor_divide":
+    r = _floor_divide(a, b)
+  elif OP == "bitwise_and":
+    r = a & b
+  elif OP == "bitwise_or":
+    r = a | b
+  elif OP == "bitwise_xor":
+    r = a ^ b
+  elif OP == "bitwise_left_shift":  # past the width (or negative) 0, as PyTorch: LLVM's shift would be poison there
+    inside = (b >= 0) & (b < a.dtype.primitive_bitwidth)
+    r = tl.where(inside, a << tl.where(inside, b, 0), 0)
+  elif OP == "bitwise_right_shift":  # arithmetic; past the width the sign
+    inside = (b >= 0) & (b < a.dtype.primitive_bitwidth)
+    r = tl.where(inside, a >> tl.where(inside, b, 0), tl.where(a < 0, -1, 0))
   elif OP == "maximum":
     r = a | b if a.dtype == tl.int1 else tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
   elif OP == "minimum":
@@ -293,7 +374,7 @@ def _tiled(out, a, b, c, n_rows, n_cols, n_col_blocks, row_size1, row_size2, row
 # *** specs ***
 
 # the argument type of an operand of each dtype passed by value (a CPU scalar): halves as the float32 they compute in
-BY_VALUE = {dtypes.bool_: "i1", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp32",
+BY_VALUE = {dtypes.bool_: "i1", dtypes.uint8: "i32", dtypes.int8: "i32", dtypes.int16: "i32", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp32",
             dtypes.bfloat16: "fp32", dtypes.float32: "fp32", dtypes.float64: "fp64"}
 
 
@@ -471,28 +552,31 @@ KERNELS = {  # copy.py wraps "copy"
 
 
 def _specs() -> list:
-  """Every op once on the flat kernel in float32 (bool for logical ops); the tiled kernel for one op of each kind;
-  integer, half and float64 arithmetic; both alignments and index widths."""
+  """Every op once on the flat kernel in float32 (bool for logical ops, int32 for bitwise ones); the tiled kernel for
+  one op of each kind; integer, half and float64 arithmetic; both alignments and index widths."""
   f32, bf16, b = dtypes.float32, dtypes.bfloat16, dtypes.bool_
   out = []
   for op in UNARY + BINARY:
     n_in = 1 if op in UNARY else 2
-    dt = b if op.startswith("logical") else f32
+    dt = b if op.startswith("logical") else dtypes.int32 if op.startswith("bitwise") else f32
     out.append(flat_spec(op, b if op in COMPARE else dt, (dt,) * n_in, (False,) * n_in, 1 << 20, True, False))
   for op, dt in (("copy", f32), ("add", f32), ("gelu", f32), ("lt", bf16), ("pow", dtypes.int64), ("logical_xor", b)):
     n_in = 1 if op in UNARY else 2
     out.append(tiled_spec(op, b if op in COMPARE else dt, (dt,) * n_in, 2, (True,) + (True, False)[:n_in], 4096, 768,
                           True, False))
-  for dt in (dtypes.float16, bf16, dtypes.float64, dtypes.int32, dtypes.int64):
-    for op in ("add", "lt", "pow", "div"):
-      out.append(flat_spec(op, b if op in COMPARE else dt, (dt, dt), (False, True), 1000, False, False))
+  for dt in (dtypes.float16, bf16, dtypes.float64, dtypes.uint8, dtypes.int8, dtypes.int16, dtypes.int32, dtypes.int64):
+    for op in ("add", "lt", "pow", "div", "fmod", "remainder", "floor_divide") + (
+        ("bitwise_and", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift", "bitwise_not")
+        if not dt.is_floating_point else ()):
+      n_in = 1 if op in UNARY else 2
+      out.append(flat_spec(op, b if op in COMPARE else dt, (dt,) * n_in, (False, True)[:n_in], 1000, False, False))
   for dt in (dtypes.float16, bf16, dtypes.float64):
     out.append(tiled_spec("gelu_backward", dt, (dt, dt), 5, (True, False, True), 1 << 12, 100, False, True))
   out.append(flat_spec("sqrt", dtypes.float64, (dtypes.float64,), (False,), 1 << 20, True, True))
   out.append(flat_spec("pow", dtypes.int64, (dtypes.int64,) * 2, (True, False), 1000, True, False))  # a scalar base
   out.append(flat_spec("where", f32, (f32, f32, b), (False, True, False), 1 << 20, True, True))
   out.append(tiled_spec("where", bf16, (bf16, bf16, b), 3, (True, False, True, False), 1 << 10, 64, False, False))
-  for dt in (f32, bf16, dtypes.float16, dtypes.float64, dtypes.int32, dtypes.int64):  # a Python number by value
+  for dt in (f32, bf16, dtypes.float16, dtypes.float64, dtypes.uint8, dtypes.int32, dtypes.int64):  # a number by value
     for op, values in (("mul", (False, True)), ("sub", (True, False)), ("lt", (False, True)), ("pow", (True, False))):
       out.append(flat_spec(op, b if op in COMPARE else dt, (dt, dt), values, 1 << 20, True, False, values))
   out.append(flat_spec("add", b, (b, b), (False, True), 1 << 20, True, False, (False, True)))

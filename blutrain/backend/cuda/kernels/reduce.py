@@ -132,8 +132,9 @@ def _cumsum_kernel(out, x, M, N,
                    m_size1, m_size2, m_size3, m_size4, x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3, x_m_stride4,
                    out_m_stride0, out_m_stride1, out_m_stride2, out_m_stride3, out_m_stride4, x_n_stride, out_n_stride,
                    ACC: tl.constexpr, M_DIMS: tl.constexpr, M_UNIT: tl.constexpr, REVERSE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
-  """Running sums of x[m, n] along n (from the end when REVERSE); tiles of BLOCK_N carry the total so far."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr, PROD: tl.constexpr):
+  """Running sums (products when PROD) of x[m, n] along n (from the end when REVERSE); tiles of BLOCK_N carry the
+  total so far."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
@@ -143,15 +144,18 @@ def _cumsum_kernel(out, x, M, N,
   o_off = axis_offsets(ms, m_size1, m_size2, m_size3, m_size4, out_m_stride0, out_m_stride1, out_m_stride2,
                        out_m_stride3, out_m_stride4, M_DIMS, M_UNIT)
   m_mask = ms < M
-  carry = tl.zeros([BLOCK_M], ACC)
+  carry = tl.zeros([BLOCK_M], ACC) + PROD
   n_tiles = tl.cdiv(N, BLOCK_N)
   for t in range(0, n_tiles):
     if REVERSE:
       t = n_tiles - 1 - t
     ns = t * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = m_mask[:, None] & (ns < N)[None, :]
-    v = tl.load(x + m_off[:, None] + (ns * x_n_stride)[None, :], mask=mask, other=0).to(ACC)
-    s = tl.cumsum(v, axis=1, reverse=REVERSE) + carry[:, None]
+    v = tl.load(x + m_off[:, None] + (ns * x_n_stride)[None, :], mask=mask, other=PROD).to(ACC)
+    if PROD:
+      s = tl.cumprod(v, axis=1, reverse=REVERSE) * carry[:, None]
+    else:
+      s = tl.cumsum(v, axis=1, reverse=REVERSE) + carry[:, None]
     tl.store(out + o_off[:, None] + (ns * out_n_stride)[None, :], s.to(out.dtype.element_ty), mask=mask)
     # NOTE: the carry is the scan's end column; `carry += tl.sum(v, 1)` trips an assertion in Triton 3.6's
     # OptimizeThreadLocality pass
@@ -183,6 +187,7 @@ def _identity(op: str, dtype: DType):
   if op == "sum": return 0
   if dtype.is_floating_point: return float("-inf") if op in ("amax", "argmax") else float("inf")
   if dtype is dtypes.bool_: return 0 if op in ("amax", "argmax") else 1
+  if dtype is dtypes.uint8: return 0 if op in ("amax", "argmax") else 255
   bits = 8 * dtype.itemsize - 1
   return -2**bits if op in ("amax", "argmax") else 2**bits - 1
 
@@ -275,28 +280,30 @@ def _argreduce(x: CudaArray, dim: int, keepdim: bool, op: str) -> CudaArray:
 
 
 @functools.lru_cache(maxsize=4096)
-def cumsum_spec(x: DType, m_dims: int, m_unit: bool, reverse: bool, M: int, N: int, i64: bool):
-  """The scan kernel's variant."""
+def cumsum_spec(x: DType, m_dims: int, m_unit: bool, reverse: bool, M: int, N: int, i64: bool, prod: bool = False):
+  """The scan kernel's variant (of cumprod when `prod`)."""
   bm, bn, warps = reduce_schedule(M, N, m_unit and m_dims == 1)
   it = "i64" if i64 else "i32"
   sig = {"out": ptr(x), "x": ptr(x), "M": it, "N": it, **{k: it for k in axis_params("m", "x", "out")},
          "x_n_stride": it, "out_n_stride": it}
   return spec(_cumsum_kernel, sig, dict(ACC=TL[accumulation_dtype("sum", x, x)], M_DIMS=m_dims, M_UNIT=m_unit,
-                                        REVERSE=reverse, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+                                        REVERSE=reverse, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64, PROD=int(prod)),
+              num_warps=warps)
 
 
-def cumsum(x: CudaArray, dim: int, reverse: bool = False) -> CudaArray:
+def cumsum(x: CudaArray, dim: int, reverse: bool = False, prod: bool = False) -> CudaArray:
+  """Running sums (products when `prod`) along dim."""
   out = empty(x.shape, x.dtype, x.device)
   if out.size == 0: return out
   kept = [d for d in range(x.ndim) if d != dim]
   kshape, (kst, ost) = collapse([x.shape[d] for d in kept], [x.strides[d] for d in kept], [out.strides[d] for d in kept])
   if len(kshape) > 5:  # scan a copy with dim last, whose kept dims collapse to one, and copy back
-    t = cumsum(copy(_permuted(x, kept + [dim])), x.ndim - 1, reverse)
+    t = cumsum(copy(_permuted(x, kept + [dim])), x.ndim - 1, reverse, prod)
     launch("copy", _permuted(out, kept + [dim]), t)
     return out
   M, N = math.prod(kshape), x.shape[dim]
   i64 = needs_i64(x.shape, x.strides)
-  s = cumsum_spec(x.dtype, len(kshape), kst[-1] == 1 and ost[-1] == 1, reverse, M, N, i64)
+  s = cumsum_spec(x.dtype, len(kshape), kst[-1] == 1 and ost[-1] == 1, reverse, M, N, i64, prod)
   run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, M, N, *axis_args(kshape, kst, ost), x.strides[dim],
       out.strides[dim])
   return out
@@ -309,6 +316,7 @@ KERNELS = {
   "argmax": lambda x, dim, keepdim: _argreduce(x, dim, keepdim, "argmax"),
   "argmin": lambda x, dim, keepdim: _argreduce(x, dim, keepdim, "argmin"),
   "cumsum": cumsum,
+  "cumprod": lambda x, dim: cumsum(x, dim, prod=True),
 }
 
 
@@ -323,12 +331,16 @@ def _specs() -> list:
           reduce_spec("sum", f16, f32, 2, 1, True, True, 100, 3, False),
           reduce_spec("amax", i64, i64, 1, 2, False, True, 10, 1000, False),
           reduce_spec("amin", b, b, 1, 1, True, True, 10, 1000, False),
-          reduce_spec("sum", f64, f64, 5, 5, False, False, 1000, 1000, False)]
+          reduce_spec("sum", f64, f64, 5, 5, False, False, 1000, 1000, False),
+          reduce_spec("sum", dtypes.uint8, i64, 1, 1, True, True, 100, 1000, False),
+          reduce_spec("amax", dtypes.uint8, dtypes.uint8, 1, 1, True, True, 100, 1000, False),
+          reduce_spec("amin", dtypes.int8, dtypes.int8, 1, 1, True, False, 1000, 100, False)]
   for op in ("argmax", "argmin"):
     out += [arg_spec(op, f32, 1, True, True, 1 << 14, 50304, False), arg_spec(op, bf16, 2, True, False, 1000, 64, False),
             arg_spec(op, i64, 3, False, False, 1000, 64, True)]
   out += [cumsum_spec(f32, 1, True, False, 100, 1000, False), cumsum_spec(bf16, 1, True, True, 100, 1000, False),
-          cumsum_spec(i64, 3, False, True, 1000, 10, True), cumsum_spec(f64, 1, False, False, 10, 10, False)]
+          cumsum_spec(i64, 3, False, True, 1000, 10, True), cumsum_spec(f64, 1, False, False, 10, 10, False),
+          cumsum_spec(f32, 1, True, False, 100, 1000, False, True), cumsum_spec(i64, 2, False, False, 10, 100, False, True)]
   return out
 
 
