@@ -260,7 +260,7 @@ def test_cat():
 def test_full_and_arange():
   for dtype in dtypes.all_dtypes:
     for value in (0, 1, -3, 2.5, True, float("inf")):
-      if not dtype.is_floating_point and value == float("inf"): continue
+      if not dtype.is_floating_point and value == float("inf") or dtype is dtypes.uint8 and value < 0: continue
       want = apply(P["full"], device=bt.device("cpu"), shape=(3, 1000), value=value, dtype=dtype)
       got = apply(P["full"], device=bt.device("cuda"), shape=(3, 1000), value=value, dtype=dtype)
       check(f"full {value} {dtype.name}", got, want)

@@ -359,8 +359,9 @@ def test_per_launch_overhead(torch_cuda):
 
 # *** DLPack ***
 
-TORCH = {dtypes.bool_: "bool", dtypes.int32: "int32", dtypes.int64: "int64", dtypes.float16: "float16",
-         dtypes.bfloat16: "bfloat16", dtypes.float32: "float32", dtypes.float64: "float64"}
+TORCH = {dtypes.bool_: "bool", dtypes.uint8: "uint8", dtypes.int8: "int8", dtypes.int16: "int16", dtypes.int32: "int32",
+         dtypes.int64: "int64", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16", dtypes.float32: "float32",
+         dtypes.float64: "float64"}
 
 
 def dev_ptr(t: bt.Tensor) -> int: return t._array().ptr
