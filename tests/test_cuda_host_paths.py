@@ -90,3 +90,41 @@ assert plain[3] == plain[4] > 50, plain
 print("ok")
 """
   assert "ok" in _run_fake(code, tmp_path)
+
+
+def test_compiled_step_places_its_buffers_by_the_memory_plan_on_the_fake_gpu(tmp_path):
+  """The graph's pool cuts one arena of the plan's size; the results the plan places come from it at their offsets
+  (announced by `expect`), and only temporaries the plan does not see (kernels' scratch, a view that needs a copy)
+  come from the pool's caching allocator: most bytes come from the arena."""
+  code = """
+import blutrain as bt
+from blutrain.backend.cuda import graphs
+from blutrain.backend.cuda.kernels.cublaslt import WORKSPACE
+from blutrain.models import GPT, GPTConfig
+bt.manual_seed(0)
+model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64)).to("cuda")
+opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
+served = []
+malloc = graphs.PlannedAllocator.malloc
+def spy(self, nbytes, stream):
+  b = malloc(self, nbytes, stream)
+  served.append((self.arena.ptr <= b.ptr < self.arena.ptr + self.arena.nbytes, nbytes))
+  return b
+graphs.PlannedAllocator.malloc = spy
+@bt.compile
+def step(x, y):
+  with bt.autocast(device_type="cuda", dtype=bt.bfloat16):
+    _, loss = model(x, y)
+  loss.backward()
+  opt.step(); opt.zero_grad()
+  return loss
+x, y = (bt.randint(256, (4, 64)).to("cuda") for _ in range(2))
+for _ in range(4): step(x, y)
+exe = next(iter(step._entries.values()))
+assert exe.pool.arena.nbytes == exe.fn.arena_bytes > 0
+served = [(a, n) for a, n in served if n != WORKSPACE]  # cuBLASLt's workspace of the pool's stream, made once
+planned = sum(n for in_arena, n in served if in_arena)
+assert planned > 0.75 * sum(n for _, n in served), (planned, sum(n for _, n in served))
+print("ok")
+"""
+  assert "ok" in _run_fake(code, tmp_path)

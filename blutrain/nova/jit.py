@@ -195,7 +195,7 @@ class GraphExecutable(Executable):
     from blutrain.backend.cuda import graphs, memory
     static = self._bind(leaves)
     if self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what the step needs
-      self.pool = graphs.Pool(static[0].device if static else None)
+      self.pool = graphs.Pool(static[0].device if static else None, getattr(self.fn, "arena_bytes", 0))
       outs = self.pool.run(self._step)
     else:
       if self.graph is None:

@@ -90,20 +90,43 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
   block = function(module).body.block
   ops = list(block.ops)
   made, last = _liveness(ops)
-  owner: dict[SSAValue, SSAValue] = {}  # a value written in place -> the value whose buffer it took
+  reused = _reused(ops, made, last)
   ops_of: dict[SSAValue, list[str]] = {v: [name] for v, (_, name) in made.items()}
+  for r, u in reused.items():  # in program order, so u's root already holds the ops before r
+    root = _root(u, reused)
+    ops_of[root].append(ops_of.pop(r)[0])
+  in_place_inputs = _written_in_place(block.args, ops, written or {}, made, last)
+  return [Buffer(f"op {first} result {v.index}", " > ".join(ops_of[v]), nbytes(v), first, last.get(v, first))
+          for v, (first, _) in made.items() if v not in reused and v not in in_place_inputs]
+
+
+def _root(v: SSAValue, reused: dict[SSAValue, SSAValue]) -> SSAValue:
+  while v in reused: v = reused[v]
+  return v
+
+
+def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
+  """The elementwise results written into the buffer of an operand they read for the last time (see `lifetimes`),
+  each with that operand, in program order; extends the buffer's lifetime (`last` of its root) to theirs."""
+  reused: dict[SSAValue, SSAValue] = {}
   for i, op in enumerate(ops):
     if not isinstance(op, ElementwiseOp): continue
     r = op.result
     for u in op.operands:
-      root = owner.get(u, u)
+      root = _root(u, reused)
       if u in made and last.get(root) == i and nbytes(u) == nbytes(r):
-        owner[r], last[root] = root, max(last[root], last.get(r, i))
-        ops_of[root].append(ops_of.pop(r)[0])
+        reused[r], last[root] = u, max(last[root], last.get(r, i))
         break
-  in_place_inputs = _written_in_place(block.args, ops, written or {}, made, last)
-  return [Buffer(f"op {first} result {v.index}", " > ".join(ops_of[v]), nbytes(v), first, last.get(v, first))
-          for v, (first, _) in made.items() if v not in owner and v not in in_place_inputs]
+  return reused
+
+
+def reused_in_place(module: ModuleOp) -> dict[SSAValue, SSAValue]:
+  """The elementwise results the plan puts in the buffer of an operand of the same type they read for the last time:
+  code generation writes them there (`out=`), so the plan's reuse happens. Results whose operand differs in dtype or
+  shape (the same bytes) keep a buffer of their own at run time."""
+  ops = list(function(module).body.block.ops)
+  made, last = _liveness(ops)
+  return {r: u for r, u in _reused(ops, made, last).items() if u.type == r.type}
 
 
 def _written_in_place(args, ops: list, written: dict[int, int], made: dict, last: dict) -> dict[SSAValue, SSAValue]:

@@ -24,7 +24,7 @@ from blutrain.nova import codegen
 from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
-from blutrain.nova.memory import MemoryPlan, plan as plan_memory, updated_in_place
+from blutrain.nova.memory import MemoryPlan, plan as plan_memory, reused_in_place, updated_in_place
 from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, NovaPass
 from blutrain.nova.remat import RematReport, rematerialize
 
@@ -150,7 +150,9 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
   memory_plan = plan_memory(module, written)
   if dump_dir: (Path(dump_dir) / "memory-plan.txt").write_text(memory_plan.report())
   lap("plan")
-  source = codegen.generate(module, target=target, in_place=updated_in_place(module, written))
+  in_place = updated_in_place(module, written)
+  if target == "cuda": in_place |= reused_in_place(module)  # CUDA kernels return fresh arrays, never an input's memory
+  source = codegen.generate(module, target=target, in_place=in_place, plan=memory_plan)
   if dump_dir: (Path(dump_dir) / "step.py").write_text(source)
   lap("codegen")
   fn = codegen.load(source)

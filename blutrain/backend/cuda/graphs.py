@@ -16,29 +16,62 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from blutrain.backend.cuda import errors, runtime
-from blutrain.backend.cuda.allocator import CachingAllocator
+from blutrain.backend.cuda.allocator import Block, CachingAllocator, round_size
 
 
 class GraphCaptureError(RuntimeError):
   """The work of a function could not be captured into a CUDA graph (it synchronizes with the host, or copies to it)."""
 
 
+class PlannedAllocator:
+  """The allocator of a pool whose work follows a static memory plan: an allocation the plan foresees (announced by
+  `expect` right before the op that makes it, matched by size) is served at its offset in one arena; any other (a
+  kernel's temporary, a copy the plan did not foresee) comes from a caching allocator of the pool's own. Arena memory
+  is never freed block by block: the plan says when it is reused."""
+
+  def __init__(self, arena: Block, scratch: CachingAllocator):
+    self.arena, self.scratch, self.device = arena, scratch, scratch.device
+    self.slots: list[tuple[int, int]] = []
+
+  def expect(self, slots: tuple[tuple[int, int], ...]) -> None:
+    """The (offset, bytes) of the results the next op allocates."""
+    self.slots = list(slots)
+
+  def malloc(self, nbytes: int, stream) -> Block:
+    size = round_size(nbytes)
+    for i, (offset, n) in enumerate(self.slots):
+      if n == size:
+        del self.slots[i]
+        return Block(self.arena.ptr + offset, nbytes, self.device, stream, None, None)
+    return self.scratch.malloc(nbytes, stream)
+
+
+def expect(*slots: tuple[int, int]) -> None:
+  """Announce the planned (offset, bytes) of the results of the op about to run, to the current stream's allocator
+  when it follows a plan (a `Pool` with an arena); otherwise nothing."""
+  a = runtime.current_stream().allocator
+  if a.__class__ is PlannedAllocator: a.expect(slots)
+
+
 class Pool:
   """A private memory pool and the stream whose allocations it serves: work run through it (`run`, `capture`) takes
   its memory from the pool, on the pool's stream, ordered after the work queued before it on the current stream and
-  before the work queued there after it."""
+  before the work queued there after it. With `arena` bytes, the pool holds one arena for the results a static
+  memory plan places (`PlannedAllocator`), cut once from the device's caching allocator."""
 
-  def __init__(self, device: int | None = None):
+  def __init__(self, device: int | None = None, arena: int = 0):
     origin = runtime.current_stream(device)
-    self.allocator = CachingAllocator(runtime._DeviceDriver(origin.device), origin.device)
+    self.scratch = CachingAllocator(runtime._DeviceDriver(origin.device), origin.device)
+    self.arena = origin.allocator.malloc(arena, origin) if arena else None
+    self.allocator = PlannedAllocator(self.arena, self.scratch) if arena else self.scratch
     # the stream lives as long as the pool: per-stream resources made on it (cuBLASLt's workspace) are keyed by its
     # handle, which a new stream must not take over while a graph captured on it may replay
     self.stream = runtime.Stream(origin.device)
     self.stream.allocator, self.stream.is_default = self.allocator, True
 
   def nbytes(self) -> int:
-    """Device memory the pool holds (segments reserved from the driver)."""
-    return self.allocator.memory_stats()["reserved_bytes.all.current"]
+    """Device memory the pool holds: the arena and the segments its caching allocator reserved."""
+    return (self.arena.nbytes if self.arena else 0) + self.scratch.memory_stats()["reserved_bytes.all.current"]
 
   def _order(self, first: runtime.Stream, then: runtime.Stream) -> None:
     e = runtime.Event()

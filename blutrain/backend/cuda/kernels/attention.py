@@ -28,10 +28,10 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import HALF, INT32_MAX, TY, Spec, empty, run, spec, view
+from blutrain.backend.cuda.kernels import HALF, INT32_MAX, TY, Spec, empty, run, spec
 from blutrain.configurator import attention_schedule
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv, contiguous_strides, next_pow2
+from blutrain.shapes import cdiv, next_pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -366,28 +366,27 @@ def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scal
 
 def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool,
                              scale: float, tf32: bool = False) -> tuple[CudaArray, CudaArray, CudaArray]:
-  """(dq, dk, dv): views of one new array, cat([dq, dk, dv], -2), which the kernels write."""
+  """(dq, dk, dv): three new contiguous arrays, which the kernels write (dk and dv share one layout)."""
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
   lse = _recall(out, _lse_key(out, k, causal, scale))
+  batch = q.shape[:-2]
   (q, sq), (k, sk), (v, sv), (out, so), (g, sg) = (_operand(a, nb) for a in (q, k, v, out, g))
   (Z, H), _ = _batch(q, nb)
-  grads = empty(q.shape[:-2] + (L + 2 * S, D), q.dtype, q.device)
-  sd = (H * (L + 2 * S) * D, (L + 2 * S) * D, D)
-  dq, dk, dv = (view(grads, (1,), (1,), off * D) for off in (0, L, L + S))
+  dq, dk, dv = (empty(batch + (n, D), q.dtype, q.device) for n in (L, S, S))
+  sdq, sdk = (H * L * D, L * D, D), (H * S * D, S * D, D)
   have_lse = lse is not None
   if not have_lse: lse = empty((Z * H * L,), dtypes.float32, q.device)
   delta = empty((Z * H * L,), dtypes.float32, q.device)
   prec = _precision(q.dtype, tf32)
-  aligned = _aligned((q, k, v, out, g, dq, dk, dv, lse, delta), sq + sk + sv + so + sg + sd)
+  aligned = _aligned((q, k, v, out, g, dq, dk, dv, lse, delta), sq + sk + sv + so + sg + sdq + sdk)
   s = attention_spec("dq", q.dtype, D, causal, prec, aligned, have_lse)
   run(s, (cdiv(L, s[2]["BLOCK_M"]), H, Z), q, k, v, out, g, dq, lse, delta, scale * _LOG2E, scale, L, S, D,
-      *sq, *sk, *sv, *so, *sg, *sd)
+      *sq, *sk, *sv, *so, *sg, *sdq)
   s = attention_spec("dkdv", q.dtype, D, causal, prec, aligned)
   run(s, (cdiv(S, s[2]["BLOCK_N"]), H, Z), q, k, v, g, dk, dv, lse, delta, scale * _LOG2E, scale, L, S, D,
-      *sq, *sk, *sv, *sg, *sd)
-  strides, batch = contiguous_strides(grads.shape), grads.shape[:-2]
-  return tuple(view(grads, batch + (n, D), strides, off * D) for n, off in ((L, 0), (S, L), (S, L + S)))
+      *sq, *sk, *sv, *sg, *sdk)
+  return dq, dk, dv
 
 
 def _specs() -> list[Spec]:

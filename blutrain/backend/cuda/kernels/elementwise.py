@@ -542,12 +542,22 @@ def _op(op: str, arg: int = 0):
   return kernel
 
 
+def _gelu(x: CudaArray, approximate: str, out: CudaArray | None = None) -> CudaArray:
+  op = "gelu_tanh" if approximate == "tanh" else "gelu"
+  return elementwise(op, x.dtype, x) if out is None else launch(op, out, x)
+
+
+def _gelu_backward(g: CudaArray, x: CudaArray, approximate: str, out: CudaArray | None = None) -> CudaArray:
+  op = "gelu_backward_tanh" if approximate == "tanh" else "gelu_backward"
+  return elementwise(op, x.dtype, g, x) if out is None else launch(op, out, g, x)
+
+
+_gelu.writes_out = _gelu_backward.writes_out = True
 KERNELS = {  # copy.py wraps "copy"
   **{op: _op(op) for op in UNARY + BINARY if op not in ("gelu", "gelu_tanh", "copy") and not op.startswith("gelu_")},
   "where": _op("where", 1),
-  "gelu": lambda x, approximate: elementwise("gelu_tanh" if approximate == "tanh" else "gelu", x.dtype, x),
-  "gelu_backward": lambda g, x, approximate: elementwise(
-    "gelu_backward_tanh" if approximate == "tanh" else "gelu_backward", x.dtype, g, x),
+  "gelu": _gelu,
+  "gelu_backward": _gelu_backward,
 }
 
 

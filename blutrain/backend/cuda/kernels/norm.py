@@ -24,7 +24,7 @@ from blutrain.backend.cuda.kernels.elementwise import launch
 from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.configurator import row_schedule
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv, contiguous_strides
+from blutrain.shapes import cdiv
 
 
 @triton.jit
@@ -326,19 +326,16 @@ def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool):
 
 def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int, eps: float,
                         has_bias: bool) -> tuple[CudaArray, ...]:
-  """(dx, dw, db) of layer_norm over x's last n dims (dw None without w, db None unless has_bias), views of one buffer.
+  """(dx, dw, db) of layer_norm over x's last n dims (dw None without w, db None unless has_bias), new arrays.
   Programs take equal runs of rows (about 4 per SM) and leave per-program column sums of dw and db, summed by a
   second kernel."""
   lead = x.ndim - n
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
-  n_params = (w is not None) + has_bias
-  out = empty((M * N + N * n_params,), x.dtype, x.device)
-  params = iter(view(out, x.shape[lead:], contiguous_strides(x.shape[lead:]), M * N + i * N) for i in range(n_params))
-  grads = (view(out, x.shape, contiguous_strides(x.shape)), next(params) if w is not None else None,
-           next(params) if has_bias else None)
-  if out.size == 0: return grads
-  if M == 0:
-    fill(out, 0)
+  dx = empty(x.shape, x.dtype, x.device)
+  params = [empty(x.shape[lead:], x.dtype, x.device) for _ in range((w is not None) + has_bias)]
+  grads = (dx, params[0] if w is not None else None, params[-1] if has_bias else None)
+  if M * N == 0:
+    for p in params: fill(p, 0)
     return grads
   g, x, w = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w))
   s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides))
@@ -346,12 +343,12 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int,
   rows = cdiv(cdiv(M, bm), 4 * runtime.hardware(x.device).sms) * bm
   programs = cdiv(M, rows)
   parts = empty((2, programs, N), stats_dtype(x.dtype), x.device)
-  run(s, (programs,), out.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
+  run(s, (programs,), dx.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
       (w or x).ptr, M, N, float(eps), rows)
-  for i in range(n_params):  # dw then db
+  for i, p in enumerate(params):  # dw then db
     total = reduce(view(parts, (programs, N), (N, 1), (i + (w is None)) * programs * N), (0,), False, "sum",
                     parts.dtype)
-    launch("copy", view(out, (N,), (1,), M * N + i * N), total)
+    launch("copy", view(p, (N,), (1,)), total)
   return grads
 
 
