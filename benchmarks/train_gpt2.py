@@ -6,7 +6,8 @@ peak memory, first-step time and ratios; writes benchmarks/results/train_gpt2.js
                                   [--order torch_eager,blutrain_eager,blutrain_compile,torch_compile]
 
 A compiled run's peak is measured over its timed steps (after the warm-up, which for blutrain holds the eager first
-call and the capture): the caching allocator's peak plus the memory of the CUDA graph's private pool.
+call and the capture): the caching allocator's peak (which holds the CUDA graph's arena) plus the memory of the
+graph's private caching allocator.
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def run_blutrain(cfg, state, batches, precision: str, warmup: int, compiled: boo
   if compiled:
     out["graph_pool_bytes"] = step.info.get("graph_pool_bytes", 0)
     out["peak_bytes"] += out["graph_pool_bytes"]
-    out["nova"] = {k: v for k, v in step.info.items() if k in ("cuda_graph", "graph_nodes", "total_s", "equations")}
+    out["nova"] = {k: v for k, v in step.info.items()
+                   if k in ("cuda_graph", "graph_nodes", "graph_arena_bytes", "total_s", "equations")}
   del model, step, dev
   gc.collect()
   bt.cuda.empty_cache()

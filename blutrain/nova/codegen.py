@@ -153,6 +153,7 @@ def generate(module: ModuleOp, name: str = "step", target: str = "cpu",
     out = _out(op, names, in_place or {}, kernels)
     if slots.get(i): lines.append(f"  expect({', '.join(f'({o}, {n})' for o, n in slots[i])})")
     lines += _lines(op, args, [None if r is None else names[r] for r in results], out_dtypes, target, out)
+    if slots.get(i): lines.append("  expect()")  # what the op did not take is not the next op's
     dead = dict.fromkeys(names[v] for v in op.operands if last[v] == i and v not in keep)
     dead.update((names[r], None) for r in op.results if r not in last and r not in keep)
     if dead: lines.append(f"  del {', '.join(dead)}")

@@ -200,7 +200,8 @@ class GraphExecutable(Executable):
     else:
       if self.graph is None:
         self.graph, self.outs = self.pool.capture(self._step)
-        self.info.update(graph_nodes=self.graph.nodes, graph_pool_bytes=self.pool.nbytes())
+        self.info.update(graph_nodes=self.graph.nodes, graph_pool_bytes=self.pool.nbytes(),
+                         graph_arena_bytes=self.pool.arena.nbytes if self.pool.arena else 0)
       self.graph.replay()
       outs = self.outs
     for kind, where in self.spec:  # a call's own tensor updated in place gets its buffer's new value

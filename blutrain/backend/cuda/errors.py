@@ -27,7 +27,8 @@ class DeviceIndexError(IndexError, RuntimeError):
 def flag(device: int) -> CudaArray:
   """The device's error flag, for a kernel to record into; marks the device to be checked at the next sync."""
   f = _flags.get(device)
-  if f is None: f = _flags[device] = memory.from_numpy(_CLEAR, device)
+  if f is None:
+    with memory.kept(): f = _flags[device] = memory.from_numpy(_CLEAR, device)
   _pending.add(device)
   return f
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from blutrain.backend.cuda import errors, runtime
+from blutrain.backend.cuda import errors, memory, runtime
 from blutrain.backend.cuda.allocator import Block, CachingAllocator, round_size
 
 
@@ -25,9 +25,10 @@ class GraphCaptureError(RuntimeError):
 
 class PlannedAllocator:
   """The allocator of a pool whose work follows a static memory plan: an allocation the plan foresees (announced by
-  `expect` right before the op that makes it, matched by size) is served at its offset in one arena; any other (a
-  kernel's temporary, a copy the plan did not foresee) comes from a caching allocator of the pool's own. Arena memory
-  is never freed block by block: the plan says when it is reused."""
+  `expect` right before the op that makes it, matched by size, and withdrawn after it) is served at its offset in one
+  arena; any other (a kernel's temporary, a copy the plan did not foresee, and whatever is allocated as
+  `memory.kept`) comes from a caching allocator of the pool's own. Arena memory is never freed block by block: the
+  plan says when it is reused."""
 
   def __init__(self, arena: Block, scratch: CachingAllocator):
     self.arena, self.scratch, self.device = arena, scratch, scratch.device
@@ -38,6 +39,7 @@ class PlannedAllocator:
     self.slots = list(slots)
 
   def malloc(self, nbytes: int, stream) -> Block:
+    if memory.kept.depth: return self.scratch.malloc(nbytes, stream)
     size = round_size(nbytes)
     for i, (offset, n) in enumerate(self.slots):
       if n == size:
@@ -70,8 +72,9 @@ class Pool:
     self.stream.allocator, self.stream.is_default = self.allocator, True
 
   def nbytes(self) -> int:
-    """Device memory the pool holds: the arena and the segments its caching allocator reserved."""
-    return (self.arena.nbytes if self.arena else 0) + self.scratch.memory_stats()["reserved_bytes.all.current"]
+    """Device memory the pool's own caching allocator reserved (the arena is the device allocator's, counted in
+    `bt.cuda.memory_allocated`)."""
+    return self.scratch.memory_stats()["reserved_bytes.all.current"]
 
   def _order(self, first: runtime.Stream, then: runtime.Stream) -> None:
     e = runtime.Event()

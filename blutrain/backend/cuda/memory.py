@@ -21,6 +21,16 @@ from blutrain.shapes import contiguous_strides
 CHUNK = 16 << 20  # bytes per pinned staging buffer; copies run in pieces of this size
 
 
+class kept:
+  """Allocations made inside are kept across steps (a cache's device tables, a workspace, the error flag): an
+  allocator that follows a static memory plan (`graphs.PlannedAllocator`) must never serve them from a planned slot,
+  which the plan hands to another value later in the step."""
+  depth = 0
+
+  def __enter__(self): kept.depth += 1
+  def __exit__(self, *exc): kept.depth -= 1
+
+
 def empty(shape, dtype: DType, device: int | None = None, stream: Stream | None = None) -> CudaArray:
   """A contiguous array of `shape` and `dtype` with undefined values, usable in the order of `stream`
   (default: the device's current stream)."""

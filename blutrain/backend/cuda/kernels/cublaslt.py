@@ -91,7 +91,8 @@ def workspace(device: int, stream: runtime.Stream) -> Any:
   """The stream's workspace: cuBLASLt kernels on one stream run in order, so they can share it."""
   key = (device, stream.handle)
   ws = _workspaces.get(key)
-  if ws is None: ws = _workspaces[key] = memory.empty((WORKSPACE // 8,), dtypes.int64, device, stream)
+  if ws is None:
+    with memory.kept(): ws = _workspaces[key] = memory.empty((WORKSPACE // 8,), dtypes.int64, device, stream)
   return ws
 
 

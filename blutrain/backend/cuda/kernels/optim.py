@@ -104,8 +104,9 @@ def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, Cu
     _tables.move_to_end(key)
     return hit
   chunks = [(t, s) for t, r in enumerate(rows) for s in range(0, r[-1], CHUNK)]
-  hit = _tables[key] = (memory.from_numpy(np.array(rows, np.int64).reshape(len(rows), -1), device),
-                        memory.from_numpy(np.array(chunks, np.int64).reshape(-1, 2), device))
+  with memory.kept():
+    hit = _tables[key] = (memory.from_numpy(np.array(rows, np.int64).reshape(len(rows), -1), device),
+                          memory.from_numpy(np.array(chunks, np.int64).reshape(-1, 2), device))
   if len(_tables) > 16: _tables.popitem(last=False)
   return hit
 
