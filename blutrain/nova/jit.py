@@ -351,7 +351,10 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_bu
   optimizes it and runs it; later calls replay it while the guard (argument shapes, dtypes, devices,
   requires_grad, parameters and their gradients, training flags, optimizer hyperparameters except the
   learning rate, which is read at each call; grad mode, autocast, `bt.set_float32_matmul_precision` and
-  `bt.backends.matmul`) holds, and recapture when it does not.
+  `bt.backends.matmul`) holds, and recapture when it does not. On the GPU the compiled step runs kernel by kernel
+  once, then is captured into one CUDA graph whose buffers follow the step's memory plan, and replays with one
+  launch (`BLUTRAIN_CUDA_GRAPHS=0`, or a step that draws random numbers, runs kernel by kernel every call).
+  Gradients the step leaves in `.grad` live in the graph's buffers, which the next call overwrites.
 
   Args:
     fn: the function or module; used as `@bt.compile` or `bt.compile(dump_ir="dir")(fn)`.
