@@ -4,7 +4,6 @@ Each owns its weights (PyTorch's initialization) and options; the math is `nn.fu
 `nn/spatial.py`)."""
 from __future__ import annotations
 
-import math
 
 from blutrain import ops
 from blutrain.nn import functional as F, init
@@ -49,13 +48,7 @@ class _ConvNd(Module):
     else: self.register_parameter("bias", None)
     self.reset_parameters()
 
-  def reset_parameters(self) -> None:
-    # PyTorch's default: kaiming_uniform_ with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)), bias likewise
-    init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-    if self.bias is not None:
-      fan_in, _ = init._calculate_fan_in_and_fan_out(self.weight)
-      bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-      init.uniform_(self.bias, -bound, bound)
+  def reset_parameters(self) -> None: init.layer_default_(self.weight, self.bias)
 
   def _padded(self, input: Tensor) -> tuple[Tensor, object]:
     """The input padded by padding_mode (when not zeros) and the padding left for the convolution itself."""

@@ -98,3 +98,14 @@ def kaiming_normal_(tensor: Tensor, a: float = 0, mode: str = "fan_in", nonlinea
   """He: N(0, std^2) with std = gain / sqrt(fan), gain = calculate_gain(nonlinearity, a)."""
   if 0 in tensor.shape: return tensor
   return normal_(tensor, 0.0, calculate_gain(nonlinearity, a) / math.sqrt(_fan(tensor, mode)), generator)
+
+
+def layer_default_(weight: Tensor, bias: Tensor | None = None) -> None:
+  """PyTorch's default initialization of linear and convolution layers: kaiming_uniform_ with a=sqrt(5), which gives
+  U(-1/sqrt(fan_in), 1/sqrt(fan_in)), and the bias uniform within the same bound (its long-standing default, see
+  https://github.com/pytorch/pytorch/issues/57109)."""
+  kaiming_uniform_(weight, a=math.sqrt(5))
+  if bias is not None:
+    fan_in, _ = _calculate_fan_in_and_fan_out(weight)
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+    uniform_(bias, -bound, bound)

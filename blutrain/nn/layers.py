@@ -5,7 +5,6 @@ A layer owns its parameters and their initialization (`reset_parameters`); its `
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 from blutrain import ops
@@ -52,14 +51,7 @@ class Linear(Module):
     else: self.register_parameter("bias", None)
     self.reset_parameters()
 
-  def reset_parameters(self) -> None:
-    # kaiming_uniform_ with a=sqrt(5) gives U(-1/sqrt(fan_in), 1/sqrt(fan_in)), PyTorch's long-standing default
-    # (see https://github.com/pytorch/pytorch/issues/57109)
-    init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-    if self.bias is not None:
-      fan_in, _ = init._calculate_fan_in_and_fan_out(self.weight)
-      bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-      init.uniform_(self.bias, -bound, bound)
+  def reset_parameters(self) -> None: init.layer_default_(self.weight, self.bias)
 
   def forward(self, input: Tensor) -> Tensor: return F.linear(input, self.weight, self.bias)
 
