@@ -128,3 +128,32 @@ assert planned > 0.75 * sum(n for _, n in served), (planned, sum(n for _, n in s
 print("ok")
 """
   assert "ok" in _run_fake(code, tmp_path)
+
+
+def test_compiled_step_that_does_not_fit_says_so_and_training_goes_on_on_the_fake_gpu(tmp_path):
+  code = """
+import blutrain as bt
+from blutrain.models import GPT, GPTConfig
+bt.manual_seed(0)
+model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64)).to("cuda")
+opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
+@bt.compile
+def step(x, y):
+  _, loss = model(x, y)
+  loss.backward()
+  opt.step(); opt.zero_grad()
+  return loss
+x, y = (bt.randint(256, (4, 64)).to("cuda") for _ in range(2))
+step(x, y)
+bt.cuda.set_memory_limit(bt.cuda.memory_reserved() + (1 << 20))
+try:
+  step(x, y)
+  raise SystemExit("no error")
+except bt.cuda.OutOfMemoryError as e:
+  msg = str(e)
+assert "memory_budget" in msg and "arena" in msg and "set_memory_limit" in msg, msg
+bt.cuda.set_memory_limit(None)
+for _ in range(3): step(x, y)
+print("ok")
+"""
+  assert "ok" in _run_fake(code, tmp_path)

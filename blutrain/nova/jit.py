@@ -17,6 +17,7 @@ import numpy as np
 
 from blutrain import amp, backend, backends
 from blutrain.device import Device
+from blutrain.backend.cuda.allocator import OutOfMemoryError, format_size
 from blutrain.nova.capture import Arg, StaleGraph, Trace
 from blutrain.autograd.tape import grad_mode, hooks
 from blutrain.tensor import Tensor
@@ -195,8 +196,16 @@ class GraphExecutable(Executable):
     from blutrain.backend.cuda import graphs, memory
     static = self._bind(leaves)
     if self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what the step needs
-      self.pool = graphs.Pool(static[0].device if static else None, getattr(self.fn, "arena_bytes", 0))
-      outs = self.pool.run(self._step)
+      try:
+        pool = graphs.Pool(static[0].device if static else None, getattr(self.fn, "arena_bytes", 0))
+        outs = pool.run(self._step)
+      except OutOfMemoryError as e:
+        raise OutOfMemoryError(f"bt.compile: the compiled step does not fit in memory: its plan places "
+                               f"{format_size(getattr(self.fn, 'arena_bytes', 0))} of intermediates in one arena, "
+                               f"beside its inputs. Pass bt.compile(step, memory_budget=...) (blutrain train "
+                               f"--memory-budget) to recompute activations until the plan fits, or reduce the batch "
+                               f"size. {e}") from e
+      self.pool = pool
     else:
       if self.graph is None:
         self.graph, self.outs = self.pool.capture(self._step)

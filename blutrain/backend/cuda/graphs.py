@@ -64,6 +64,7 @@ class Pool:
   def __init__(self, device: int | None = None, arena: int = 0):
     origin = runtime.current_stream(device)
     self.scratch = CachingAllocator(runtime._DeviceDriver(origin.device), origin.device)
+    self.scratch.limit = origin.allocator.limit  # NOTE: capped alone, not jointly with the device's allocator
     self.arena = origin.allocator.malloc(arena, origin) if arena else None
     self.allocator = PlannedAllocator(self.arena, self.scratch) if arena else self.scratch
     # the stream lives as long as the pool: per-stream resources made on it (cuBLASLt's workspace) are keyed by its
