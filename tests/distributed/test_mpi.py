@@ -65,9 +65,12 @@ def test_sharded_checkpoint_reloads_at_another_world_size(tmp_path):
     assert out["param"] < 1e-6, (world, out)
 
 
-def test_ddp_under_bt_compile_says_it_is_not_supported():
-  (out,) = mpirun(1, "compile")
-  assert out["error"] and out["error"].startswith("all_reduce inside a function compiled with bt.compile"), out
+def test_a_compiled_ddp_step_equals_the_eager_one_and_one_process(tmp_path):
+  (out,) = mpirun(2, "compile", str(tmp_path))
+  assert out["captures"] == 1 and out["buckets"] > 1 and out["all_reduces"] == out["buckets"], out
+  assert out["first_all_reduce"] < out["last_matmul"], out  # the first bucket is reduced while the backward goes on
+  assert out["loss"] < 1e-6 and out["eager"] < 1e-6 and out["param"] < 1e-5, out
+  assert out["error"].startswith("all_reduce inside a function compiled with bt.compile"), out
 
 
 def test_a_collective_whose_peer_never_arrives_raises_within_its_timeout():

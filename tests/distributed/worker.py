@@ -186,21 +186,43 @@ def case_collectives(r, n):
 
 
 def case_compile(r, n):
-  """A DDP step under bt.compile: the first call runs eagerly, the captured one must refuse the collective."""
-  net = DistributedDataParallel(model(0))
-  opt = bt.optim.SGD(net.parameters(), lr=0.1)
+  """A DDP step with AdamW under bt.compile (the first call eager, the second captured, the rest replayed) against the
+  same step eagerly and against one process on the whole batch; and the in-place API's refusal under a capture."""
+  def make_step(net, opt):
+    def step(x, y):
+      loss = loss_of(net, x, y)
+      loss.backward(); opt.step(); opt.zero_grad()
+      return loss
+    return step
 
-  def step(x, y):
-    loss = loss_of(net, x, y)
-    loss.backward(); opt.step(); opt.zero_grad()
-    return loss
-  compiled = bt.compile(step)
-  compiled(*batch(0, r, n))
+  m = DistributedDataParallel(model(100 + r), bucket_cap_mb=200 / 2**20)
+  eager, ref = DistributedDataParallel(replica(m), bucket_cap_mb=200 / 2**20), replica(m)
+  adamw = lambda net: bt.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
+  compiled = bt.compile(make_step(m, adamw(m)), dump_ir=sys.argv[2])
+  eager_step, ref_step = make_step(eager, adamw(eager)), make_step(ref, adamw(ref))
+  loss_err = 0.0
+  for step in range(STEPS + 2):
+    loss, eager_loss = compiled(*batch(step, r, n)), eager_step(*batch(step, r, n))
+    ref_step(*batch(step))
+    loss_err = max(loss_err, abs(loss.item() - eager_loss.item()))
+  source = open(compiled.info["source"]).read()  # the compiled step as it runs, one kernel call a line
+  calls = [line.split('kernels["')[1].split('"')[0] for line in source.splitlines() if 'kernels["' in line]
+
+  def refused():
+    t = bt.ones(3)
+    dist.all_reduce(t)
+    return t
+  once = bt.compile(refused)
+  once()
   try:
-    compiled(*batch(1, r, n))
-    return {"error": None}
+    once()
+    error = None
   except RuntimeError as e:
-    return {"error": str(e)}
+    error = str(e)
+  return {"captures": compiled.captures, "buckets": len(m._buckets), "all_reduces": calls.count("all_reduce"),
+          "first_all_reduce": calls.index("all_reduce"), "last_matmul": len(calls) - 1 - calls[::-1].index("matmul"),
+          "loss": worst(loss_err), "eager": worst(max(diff(p, q) for p, q in zip(m.parameters(), eager.parameters()))),
+          "param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters()))), "error": error}
 
 
 def case_timeout(r, n):
@@ -224,7 +246,7 @@ def case_timeout(r, n):
 if __name__ == "__main__":
   dist.init_process_group("mpi", timeout=1.0 if sys.argv[1] == "timeout" else 60)
   r, n = dist.get_rank(), dist.get_world_size()
-  name, args = sys.argv[1], sys.argv[2:]
+  name, args = sys.argv[1], sys.argv[2:] if sys.argv[1] != "compile" else []
   out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
          "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile, "timeout": case_timeout}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
