@@ -73,6 +73,14 @@ def test_a_compiled_ddp_step_equals_the_eager_one_and_one_process(tmp_path):
   assert out["error"].startswith("all_reduce inside a function compiled with bt.compile"), out
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_compiled_zero_steps_equal_the_eager_ones_and_plain_adamw(stage):
+  (out,) = mpirun(2, "zero_compile", str(stage))
+  assert out["captures"] == 1 and out["all_gathers"] == 4 and out["all_reduces"] == 1, out  # stage 1: DDP's one bucket
+  assert out["reduce_scatters"] == (4 if stage == 2 else 0), out                              # stage 2: the norm's
+  assert out["eager"] < 1e-6 and out["param"] < 1e-5, out
+
+
 def test_a_collective_whose_peer_never_arrives_raises_within_its_timeout():
   outs = mpirun(3, "timeout", timeout=30, clean_exit=False)
   assert sorted(o["rank"] for o in outs) == [0, 2]

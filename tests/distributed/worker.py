@@ -185,6 +185,12 @@ def case_collectives(r, n):
   return {k: worst(v) for k, v in err.items()}
 
 
+def kernel_calls(compiled):
+  """The kernels a compiled step calls, in order, read from its generated source (one call a line)."""
+  source = open(compiled.info["source"]).read()
+  return [line.split('kernels["')[1].split('"')[0] for line in source.splitlines() if 'kernels["' in line]
+
+
 def case_compile(r, n):
   """A DDP step with AdamW under bt.compile (the first call eager, the second captured, the rest replayed) against the
   same step eagerly and against one process on the whole batch; and the in-place API's refusal under a capture."""
@@ -205,8 +211,7 @@ def case_compile(r, n):
     loss, eager_loss = compiled(*batch(step, r, n)), eager_step(*batch(step, r, n))
     ref_step(*batch(step))
     loss_err = max(loss_err, abs(loss.item() - eager_loss.item()))
-  source = open(compiled.info["source"]).read()  # the compiled step as it runs, one kernel call a line
-  calls = [line.split('kernels["')[1].split('"')[0] for line in source.splitlines() if 'kernels["' in line]
+  calls = kernel_calls(compiled)
 
   def refused():
     t = bt.ones(3)
@@ -223,6 +228,36 @@ def case_compile(r, n):
           "first_all_reduce": calls.index("all_reduce"), "last_matmul": len(calls) - 1 - calls[::-1].index("matmul"),
           "loss": worst(loss_err), "eager": worst(max(diff(p, q) for p, q in zip(m.parameters(), eager.parameters()))),
           "param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters()))), "error": error}
+
+
+def case_zero_compile(stage, r, n):
+  """ZeRO-1 (under DDP) or ZeRO-2 (with its sharded clipping) under bt.compile against the same step eagerly and
+  plain AdamW with clip_grad_norm_ on the whole batch, over several steps."""
+  stage = int(stage)
+
+  def make_step(m, ref):
+    net = DistributedDataParallel(m) if stage == 1 and not ref else m
+    opt = bt.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) if ref else ZeroRedundancyOptimizer(
+      m.parameters(), bt.optim.AdamW, stage=stage, bucket_cap_mb=100 / 2**20, lr=0.05, weight_decay=0.1)
+
+    def step(x, y):
+      loss = loss_of(net, x, y)
+      loss.backward()
+      if stage == 2: (bt.nn.utils.clip_grad_norm_(m.parameters(), 0.5) if ref else opt.clip_grad_norm_(0.5))
+      opt.step(); opt.zero_grad()
+      return loss
+    return step
+
+  m, eager, ref = model(0), model(0), model(0)
+  compiled = bt.compile(make_step(m, False))
+  eager_step, ref_step = make_step(eager, False), make_step(ref, True)
+  for step in range(STEPS + 2):
+    compiled(*batch(step, r, n)); eager_step(*batch(step, r, n)); ref_step(*batch(step))
+  calls = kernel_calls(compiled)
+  return {"captures": compiled.captures, "reduce_scatters": calls.count("reduce_scatter"),
+          "all_gathers": calls.count("all_gather"), "all_reduces": calls.count("all_reduce"),
+          "eager": worst(max(diff(p, q) for p, q in zip(m.parameters(), eager.parameters()))),
+          "param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters())))}
 
 
 def case_timeout(r, n):
@@ -248,6 +283,7 @@ if __name__ == "__main__":
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:] if sys.argv[1] != "compile" else []
   out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
-         "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile, "timeout": case_timeout}[name](*args, r, n)
+         "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile,
+         "zero_compile": case_zero_compile, "timeout": case_timeout}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()
