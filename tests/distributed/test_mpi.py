@@ -31,6 +31,22 @@ def test_every_collective_matches_numpy():
   assert all(v < 1e-5 for v in out.values()), out
 
 
+def test_collective_ops_values_gradients_and_errors():
+  (out,) = mpirun(3, "functional")
+  assert out.pop("world") == 3 and out.pop("case") == "functional"
+  messages = out.pop("messages")
+  assert all(v < 1e-5 for v in out.values()), out
+  assert messages == [
+    "ShapeError: reduce_scatter: dim 0 of the input (7,) must split into 3 equal blocks, one per rank; pad it to a "
+    "multiple of the group size",
+    "TypeError: all_reduce: the avg reduction needs a floating-point tensor, got int64",
+    "ValueError: all_reduce: unknown reduce op 'mean'; expected one of ('sum', 'avg', 'product', 'max', 'min')",
+    "RuntimeError: all_reduce: no process group with id 12345 in this process; make the groups with "
+    "blutrain.distributed (init_process_group, new_group) before running the op, and in the same order on every rank",
+    "RuntimeError: all_reduce: process group 0 has 3 ranks, the op says 4",
+    "RuntimeError: all_reduce with reduce_op 'max' has no derivative (only sum and avg do): reduce a detached tensor"]
+
+
 def test_ddp_gradients_and_parameters_equal_one_process_on_the_whole_batch():
   (out,) = mpirun(2, "ddp")
   assert out["buckets"] > 1  # several buckets, each reduced as its gradients arrive

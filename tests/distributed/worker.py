@@ -185,6 +185,48 @@ def case_collectives(r, n):
   return {k: worst(v) for k, v in err.items()}
 
 
+def case_functional(r, n):
+  """The collective ops of blutrain.ops.collective eagerly: values against numpy, gradients against the math of the
+  ranks' summed losses (inputs are strided views), on the world and on a subgroup; and their errors."""
+  from blutrain.ops import collective
+  g = dist.get_group()
+  rng = [np.random.default_rng(10 + k) for k in range(n)]
+  xs = [k.standard_normal((2 * n, 3)).astype(np.float32) for k in rng]
+  ws = [k.standard_normal((2 * n, 3)).astype(np.float32) for k in rng]
+  big = [k.standard_normal((2 * n * n, 3)).astype(np.float32) for k in rng]
+  err = {}
+
+  def run(name, fn, x, w, want, want_grad):
+    t = bt.from_numpy(np.ascontiguousarray(x.T)).t().requires_grad_(True)  # a strided view of the values
+    y = fn(t)
+    (y * bt.from_numpy(w)).sum().backward()
+    err[name] = float(np.abs(y.detach().numpy() - want).max())
+    err[name + "_grad"] = float(np.abs(t.grad.numpy() - want_grad).max())
+
+  block = lambda a, k: a[k * a.shape[0] // n:(k + 1) * a.shape[0] // n]
+  run("all_reduce_sum", lambda t: collective.all_reduce(t, "sum", g.gid, n), xs[r], ws[r], sum(xs), sum(ws))
+  run("all_reduce_avg", lambda t: collective.all_reduce(t, "avg", g.gid, n), xs[r], ws[r], sum(xs) / n, sum(ws) / n)
+  run("reduce_scatter_avg", lambda t: collective.reduce_scatter(t, "avg", g.gid, n), xs[r], block(ws[r], 0)[:2],
+      block(sum(xs) / n, r), np.concatenate([block(w, 0)[:2] for w in ws]) / n)
+  run("all_gather", lambda t: collective.all_gather(t, g.gid, n), xs[r], big[r], np.concatenate(xs), block(sum(big), r))
+  t = bt.from_numpy(xs[r])
+  err["all_reduce_max"] = float(np.abs(collective.all_reduce(t, "max", g.gid, n).numpy() - np.max(xs, 0)).max())
+  err["input_kept"] = float(np.abs(t.numpy() - xs[r]).max())
+  pair = dist.new_group([0, 1])
+  err["subgroup"] = 0.0 if pair is None else \
+    float(np.abs(collective.all_reduce(t, "sum", pair.gid, 2).numpy() - xs[0] - xs[1]).max())
+  messages = []
+  for call in (lambda: collective.reduce_scatter(bt.ones(2 * n + 1), "sum", g.gid, n),
+               lambda: collective.all_reduce(bt.ones(3, dtype=bt.int64), "avg", g.gid, n),
+               lambda: collective.all_reduce(bt.ones(3), "mean", g.gid, n),
+               lambda: collective.all_reduce(bt.ones(3), "sum", 12345, n),
+               lambda: collective.all_reduce(bt.ones(3), "sum", g.gid, n + 1),
+               lambda: collective.all_reduce(bt.ones(3, requires_grad=True), "max", g.gid, n).sum().backward()):
+    try: call(); messages.append(None)
+    except (RuntimeError, TypeError, ValueError) as e: messages.append(f"{type(e).__name__}: {e}")
+  return {**{k: worst(v) for k, v in err.items()}, "messages": messages}
+
+
 def kernel_calls(compiled):
   """The kernels a compiled step calls, in order, read from its generated source (one call a line)."""
   source = open(compiled.info["source"]).read()
@@ -284,6 +326,6 @@ if __name__ == "__main__":
   name, args = sys.argv[1], sys.argv[2:] if sys.argv[1] != "compile" else []
   out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
          "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile,
-         "zero_compile": case_zero_compile, "timeout": case_timeout}[name](*args, r, n)
+         "functional": case_functional,         "zero_compile": case_zero_compile, "timeout": case_timeout}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()
