@@ -105,12 +105,15 @@ def test_a_collective_whose_peer_never_arrives_raises_within_its_timeout():
     assert "all_reduce" in o["message"] and "did not arrive: 1." in o["message"], o["message"]
 
 
-def test_cli_trains_data_parallel_on_two_cpu_ranks(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cli_trains_data_parallel_on_two_cpu_ranks(tmp_path, compiled):
   env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
-  proc = subprocess.run([sys.executable, "-m", "blutrain.cli", "train", "--preset", "char-tiny", "--steps", "2",
-                         "--batch-size", "2", "--block-size", "16", "--eval-interval", "2", "--eval-batches", "1",
+  steps = 3 if compiled else 2  # compiled: the first step eager, the second captured, the third replayed
+  proc = subprocess.run([sys.executable, "-m", "blutrain.cli", "train", "--preset", "char-tiny", "--steps", str(steps),
+                         "--batch-size", "2", "--block-size", "16", "--eval-interval", str(steps), "--eval-batches", "1",
                          "--sample-tokens", "4", "--device", "cpu", "--out-dir", str(tmp_path / "run"),
-                         "--nproc-per-node", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                         "--nproc-per-node", "2", *(["--compile"] if compiled else [])], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=180)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert proc.stdout.count("done: step 2") == 1  # rank 0 reports; rank 1 trains quietly
+  assert proc.stdout.count(f"done: step {steps}") == 1  # rank 0 reports; rank 1 trains quietly
   assert (tmp_path / "run" / "checkpoints" / "latest").is_file() and (tmp_path / "run" / "sample.txt").is_file()
