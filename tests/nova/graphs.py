@@ -12,20 +12,7 @@ from blutrain.dtypes import DType
 from blutrain.nova.graph import Equation, Graph, Value
 from blutrain.ops import registry
 from blutrain.autograd.tape import Aval
-from blutrain.backend import collective
-
-
-class Loopback:
-  """The communicator of a one-rank group (what a process group of world size 1 computes), so that graphs holding
-  collective ops run in one process; registered under LOOPBACK, an id no real group of a test process reaches."""
-  def size(self) -> int: return 1
-  def all_reduce_array(self, x, op): return np.array(x)
-  def reduce_scatter_array(self, x, op): return np.array(x)
-  def all_gather_array(self, x): return np.array(x)
-
-
-LOOPBACK = 1_000_000
-collective.communicators[LOOPBACK] = Loopback()
+from tests.loopback import LOOPBACK
 
 
 class Builder:
