@@ -167,4 +167,3 @@ def check_vjp(fn: Callable, specs: Sequence, *, low: float = -2.0, high: float =
 
   fd = (shifted(1.0) - shifted(-1.0)) / (2 * eps)
   np.testing.assert_allclose(vjp_dot, fd, atol=atol, rtol=rtol, err_msg="VJP vs central finite differences")
-
