@@ -27,7 +27,8 @@ from blutrain.tensor import Tensor
 __all__ = ["init_process_group", "destroy_process_group", "is_initialized", "is_available", "get_rank",
            "get_world_size", "get_backend", "new_group", "barrier", "all_reduce", "reduce_scatter_tensor",
            "all_gather_into_tensor", "broadcast", "send", "recv", "isend", "irecv", "ReduceOp", "Work",
-           "ProcessGroup", "get_group", "TCPStore", "rank_env", "RankEnv", "new_secret", "SECRET_ENV", "DEFAULT_TIMEOUT"]
+           "ProcessGroup", "get_group", "TCPStore", "rank_env", "RankEnv", "new_secret", "SECRET_ENV",
+           "DEFAULT_TIMEOUT"]
 
 _world: ProcessGroup | None = None
 _store: TCPStore | None = None
@@ -203,7 +204,8 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: ReduceOp = ReduceOp
 def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: ProcessGroup | None = None,
                            async_op: bool = False) -> Work | None:
   """Concatenate every rank's `input_tensor` (in rank order) into `output_tensor` on every rank."""
-  return _collective_group(group, "all_gather_into_tensor").all_gather_into_tensor(output_tensor, input_tensor, async_op)
+  g = _collective_group(group, "all_gather_into_tensor")
+  return g.all_gather_into_tensor(output_tensor, input_tensor, async_op)
 
 
 def broadcast(tensor: Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:

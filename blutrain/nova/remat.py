@@ -32,9 +32,9 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
-from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp, FlashAttentionOp, LayerNormOp,
-                                   LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp, SoftmaxOp,
-                                   aval)
+from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp, FlashAttentionOp,
+                                   LayerNormOp, LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
+                                   SoftmaxOp, aval)
 from blutrain.nova.ir import function
 from blutrain.nova.memory import lifetimes, nbytes, plan
 

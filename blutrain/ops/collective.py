@@ -30,7 +30,8 @@ def _check(name: str, x, reduce_op: str | None, size: int) -> None:
 
 def _linear(name: str, reduce_op: str) -> None:
   if reduce_op not in ("sum", "avg"):
-    raise RuntimeError(f"{name} with reduce_op {reduce_op!r} has no derivative (only sum and avg do): reduce a detached tensor")
+    raise RuntimeError(f"{name} with reduce_op {reduce_op!r} has no derivative (only sum and avg do): reduce a "
+                       "detached tensor")
 
 
 def _all_reduce_rule(x, reduce_op, group, size):
@@ -67,13 +68,16 @@ reduce_scatter_op = op("reduce_scatter", _reduce_scatter_rule, _reduce_scatter_v
 
 def _all_gather_rule(x, group, size):
   _check("all_gather", x, None, size)
-  if x.ndim == 0: raise ShapeError("all_gather: the input must have a dim 0 to join the ranks' blocks along; got a 0-d tensor")
+  if x.ndim == 0:
+    raise ShapeError("all_gather: the input must have a dim 0 to join the ranks' blocks along; got a 0-d tensor")
   return (x.shape[0] * size, *x.shape[1:]), x.dtype
 
 
-all_gather_op = op("all_gather", _all_gather_rule,
-                   lambda g, out, x, group, size: (reduce_scatter_op(g, reduce_op="sum", group=group, size=size),), saves=(),
-                   inputs="x", attrs="group:int size:int")
+def _all_gather_vjp(g, out, x, group, size):
+  return (reduce_scatter_op(g, reduce_op="sum", group=group, size=size),)
+
+
+all_gather_op = op("all_gather", _all_gather_rule, _all_gather_vjp, saves=(), inputs="x", attrs="group:int size:int")
 
 
 def all_reduce(x: Tensor, reduce_op: str, group: int, size: int) -> Tensor:

@@ -154,7 +154,8 @@ def test_compiled_ddp_step_equals_eager_ddp_and_one_process(world):
 def test_compiled_zero2_step_equals_adamw(world):
   r, n = world
   net, ref = _net(0), _net(0)
-  opt = ZeroRedundancyOptimizer(net.parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=0.01, lr=1e-2, weight_decay=0.1)
+  opt = ZeroRedundancyOptimizer(net.parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=0.01, lr=1e-2,
+                                weight_decay=0.1)
   ref_opt = bt.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
   compiled, ref_step = bt.compile(_step(net, opt)), _step(ref, ref_opt)
   for step in range(5):

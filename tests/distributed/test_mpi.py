@@ -110,8 +110,8 @@ def test_cli_trains_data_parallel_on_two_cpu_ranks(tmp_path, compiled):
   env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
   steps = 3 if compiled else 2  # compiled: the first step eager, the second captured, the third replayed
   proc = subprocess.run([sys.executable, "-m", "blutrain.cli", "train", "--preset", "char-tiny", "--steps", str(steps),
-                         "--batch-size", "2", "--block-size", "16", "--eval-interval", str(steps), "--eval-batches", "1",
-                         "--sample-tokens", "4", "--device", "cpu", "--out-dir", str(tmp_path / "run"),
+                         "--batch-size", "2", "--block-size", "16", "--eval-interval", str(steps),
+                         "--eval-batches", "1", "--sample-tokens", "4", "--device", "cpu", "--out-dir", str(tmp_path / "run"),
                          "--nproc-per-node", "2", *(["--compile"] if compiled else [])], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=180)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -324,8 +324,9 @@ if __name__ == "__main__":
   dist.init_process_group("mpi", timeout=1.0 if sys.argv[1] == "timeout" else 60)
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:] if sys.argv[1] != "compile" else []
-  out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
-         "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile,
-         "functional": case_functional,         "zero_compile": case_zero_compile, "timeout": case_timeout}[name](*args, r, n)
+  cases = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
+           "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile,
+           "functional": case_functional, "zero_compile": case_zero_compile, "timeout": case_timeout}
+  out = cases[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()
