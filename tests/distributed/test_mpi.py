@@ -87,6 +87,7 @@ def test_a_compiled_ddp_step_equals_the_eager_one_and_one_process(tmp_path):
   assert out["first_all_reduce"] < out["last_matmul"], out  # the first bucket is reduced while the backward goes on
   assert out["loss"] < 1e-6 and out["eager"] < 1e-6 and out["param"] < 1e-5, out
   assert out["error"].startswith("all_reduce inside a function compiled with bt.compile"), out
+  assert out["no_sync_captures"] == 2 and out["no_sync_grad"] < 1e-6, out  # no_sync() is part of the guard
 
 
 @pytest.mark.parametrize("stage", [1, 2])

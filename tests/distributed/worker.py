@@ -255,6 +255,19 @@ def case_compile(r, n):
     loss_err = max(loss_err, abs(loss.item() - eager_loss.item()))
   calls = kernel_calls(compiled)
 
+  acc = DistributedDataParallel(model(100 + r))  # no_sync accumulation with a compiled micro-step
+  acc_ref = replica(acc)
+
+  def micro(x, y):
+    loss = loss_of(acc, x, y)
+    loss.backward()
+    return loss
+  compiled_micro = bt.compile(micro)
+  with acc.no_sync():
+    for step in range(3): compiled_micro(*batch(step, r, n))  # eager, captured without reduction, replayed
+  compiled_micro(*batch(3, r, n))                               # synchronized: a graph of its own
+  for step in range(4): loss_of(acc_ref, *batch(step)).backward()
+
   def refused():
     t = bt.ones(3)
     dist.all_reduce(t)
@@ -269,7 +282,9 @@ def case_compile(r, n):
   return {"captures": compiled.captures, "buckets": len(m._buckets), "all_reduces": calls.count("all_reduce"),
           "first_all_reduce": calls.index("all_reduce"), "last_matmul": len(calls) - 1 - calls[::-1].index("matmul"),
           "loss": worst(loss_err), "eager": worst(max(diff(p, q) for p, q in zip(m.parameters(), eager.parameters()))),
-          "param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters()))), "error": error}
+          "param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters()))), "error": error,
+          "no_sync_captures": compiled_micro.captures,
+          "no_sync_grad": worst(max(diff(p.grad, q.grad) for p, q in zip(acc.parameters(), acc_ref.parameters())))}
 
 
 def case_zero_compile(stage, r, n):
