@@ -197,14 +197,14 @@ class MpiGroup(ProcessGroup):
 
   # *** the collective ops' kernels (backend/collective.py): new arrays, the collective completed before returning ***
 
-  def all_reduce_array(self, x: np.ndarray, op: str) -> np.ndarray:
+  def all_reduce_array(self, x: np.ndarray, reduce_op: str) -> np.ndarray:
     t = _wrap(np.array(x))
-    self.all_reduce(t, ReduceOp(op), False)
+    self.all_reduce(t, ReduceOp(reduce_op), False)
     return t._array()
 
-  def reduce_scatter_array(self, x: np.ndarray, op: str) -> np.ndarray:
+  def reduce_scatter_array(self, x: np.ndarray, reduce_op: str) -> np.ndarray:
     out = _wrap(np.empty((x.shape[0] // self.size(), *x.shape[1:]), x.dtype))
-    self.reduce_scatter_tensor(out, _wrap(np.ascontiguousarray(x)), ReduceOp(op), False)
+    self.reduce_scatter_tensor(out, _wrap(np.ascontiguousarray(x)), ReduceOp(reduce_op), False)
     return out._array()
 
   def all_gather_array(self, x: np.ndarray) -> np.ndarray:

@@ -173,16 +173,16 @@ class NcclGroup(ProcessGroup):
     memory.copy_into(out, a)
     return out
 
-  def all_reduce_array(self, x, op: str):
+  def all_reduce_array(self, x, reduce_op: str):
     x, out = self._dense(x), memory.empty(x.shape, x.dtype, x.device)
-    self._on_current_stream(lambda s: self.comm.allreduce(self._tensor(x), self._tensor(out), self._op(ReduceOp(op)),
-                                                          stream=s))
+    op = self._op(ReduceOp(reduce_op))
+    self._on_current_stream(lambda s: self.comm.allreduce(self._tensor(x), self._tensor(out), op, stream=s))
     return out
 
-  def reduce_scatter_array(self, x, op: str):
+  def reduce_scatter_array(self, x, reduce_op: str):
     x, out = self._dense(x), memory.empty((x.shape[0] // self.size(), *x.shape[1:]), x.dtype, x.device)
-    self._on_current_stream(lambda s: self.comm.reduce_scatter(self._tensor(x), self._tensor(out),
-                                                               self._op(ReduceOp(op)), stream=s))
+    op = self._op(ReduceOp(reduce_op))
+    self._on_current_stream(lambda s: self.comm.reduce_scatter(self._tensor(x), self._tensor(out), op, stream=s))
     return out
 
   def all_gather_array(self, x):

@@ -14,8 +14,8 @@ communication stream while the backward runs) so each rank receives only its pie
 are freed at once (set to None): the memory ZeRO-2 saves. Several backwards before a step accumulate. Do not wrap the
 model in DDP then, and clip with `clip_grad_norm_` of this optimizer (the full gradients are gone). Under bt.compile
 the reduce-scatters, the all-gathers and the norm's all-reduce are the functional ops of `blutrain.ops.collective`, one
-graph op per bucket. Stage 3 (sharding
-the parameters themselves, gathered per layer before use) is not built: it needs gathering hooks in the forward.
+graph op per bucket. Stage 3 (sharding the parameters themselves, gathered per layer before use) is not built: it needs
+gathering hooks in the forward.
 """
 from __future__ import annotations
 

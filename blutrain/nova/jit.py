@@ -270,8 +270,9 @@ class Compiled:
 
   def _guard(self, leaves: list, tree: Any) -> tuple:
     """The key of a captured graph: everything that changes what the eager step would compute or which tensors it
-    reads (modules' training flags, and DistributedDataParallel's `require_sync`, which `no_sync()` clears). Global state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul engine) is read
-    here because a capture bakes it into the graph's ops and attributes."""
+    reads (modules' training flags, and DistributedDataParallel's `require_sync`, which `no_sync()` clears). Global
+    state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul engine) is read here because a
+    capture bakes it into the graph's ops and attributes."""
     modules, optimizers = self._found
     params = _params(modules, optimizers)
     return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,
@@ -326,8 +327,8 @@ class Compiled:
       raise TypeError("bt.compile: a compiled function may return tensors (in tuples, lists or dicts) only, got "
                       f"{[type(x).__name__ for x in out_leaves if not isinstance(x, Tensor)]}")
     spec = trace.finish(returned)
-    for p, g in saved_grads:  # a gradient replaced by a traced one (DDP's bucket views) is an output: the first run
-      if p.grad is not None and type(p.grad._storage.data) is Traced: p.grad = g  # reads the old one, then sets it
+    for p, g in saved_grads:  # a gradient the capture replaced by a traced one (DDP's bucket views) is an output;
+      if p.grad is not None and type(p.grad._storage.data) is Traced: p.grad = g  # the first run reads the old one
     capture_s = time.perf_counter() - t0
     written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
                for k, (kind, where) in enumerate(spec) if kind == "write"}

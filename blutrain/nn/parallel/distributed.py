@@ -12,8 +12,8 @@ Buckets are first laid out in reverse registration order (a forward's last param
 the first backward they are rebuilt in the order that backward actually produced the gradients, as PyTorch does.
 
 Under bt.compile each bucket's reduction is the functional `all_reduce` op of `blutrain.ops.collective` instead, so the
-compiled step's graph holds one collective per bucket where backward completes it; on the GPU it runs on the compute
-stream, in the CUDA graph.
+compiled step's graph holds one collective per bucket where backward completes it; on the GPU it runs on the step's
+stream, inside the CUDA graph.
 """
 from __future__ import annotations
 
