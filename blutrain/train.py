@@ -106,7 +106,6 @@ class Trainer:
     job = dist.rank_env()
     self.rank, self.world = job.rank, job.world_size
     if self.world > 1:
-      if cfg.compile: raise ValueError("--compile does not combine with several ranks yet: drop one of them")
       if self.device.startswith("cuda"): self.device = f"cuda:{job.local_rank}"
       dist.init_process_group("nccl" if self.device.startswith("cuda") else "mpi")
       self.quiet = quiet or self.rank != 0

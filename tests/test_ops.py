@@ -10,6 +10,7 @@ from hypothesis.extra.numpy import mutually_broadcastable_shapes
 import blutrain as bt
 from blutrain import ops
 from tests.helpers import TORCH_DTYPES, Bool, Int, assert_close, check_vjp, helper_test_op
+from tests.loopback import LOOPBACK
 
 LAYOUTS = ("contiguous", "transposed", "strided")
 SHAPES = [(), (5,), (3, 4), (2, 3, 4), (0, 3), (1, 1, 3)]
@@ -853,6 +854,10 @@ VJP_CASES = {
   "cross_entropy": (lambda x, t: ops.cross_entropy(x, t, reduction="none"), [(4, 5), np.array([0, 4, -100, 2])], {}),
   "flash_attention": (lambda q, k, v: ops.nn.flash_attention_op(q, k, v, causal=True, scale=0.4),
     [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
+  # a group of one rank here; tests/distributed/test_mpi.py checks the gradients of 3 ranks against the math
+  "all_reduce": (lambda x: ops.collective.all_reduce(x * x, "avg", LOOPBACK, 1), [(3, 4)], {}),
+  "reduce_scatter": (lambda x: ops.collective.reduce_scatter(x.exp(), "avg", LOOPBACK, 1), [(3, 4)], {}),
+  "all_gather": (lambda x: ops.collective.all_gather(x.sin(), LOOPBACK, 1), [(3, 4)], {}),
 }
 
 

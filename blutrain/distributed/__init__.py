@@ -18,6 +18,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from blutrain.autograd.tape import hooks
+from blutrain.backend import collective
 from blutrain.distributed.process_group import (DEFAULT_TIMEOUT, ProcessGroup, RankEnv, ReduceOp, Work, rank_env,
                                                 seconds)
 from blutrain.distributed.store import SECRET_ENV, TCPStore, new_secret
@@ -26,10 +27,12 @@ from blutrain.tensor import Tensor
 __all__ = ["init_process_group", "destroy_process_group", "is_initialized", "is_available", "get_rank",
            "get_world_size", "get_backend", "new_group", "barrier", "all_reduce", "reduce_scatter_tensor",
            "all_gather_into_tensor", "broadcast", "send", "recv", "isend", "irecv", "ReduceOp", "Work",
-           "ProcessGroup", "TCPStore", "rank_env", "RankEnv", "new_secret", "SECRET_ENV", "DEFAULT_TIMEOUT"]
+           "ProcessGroup", "get_group", "TCPStore", "rank_env", "RankEnv", "new_secret", "SECRET_ENV",
+           "DEFAULT_TIMEOUT"]
 
 _world: ProcessGroup | None = None
 _store: TCPStore | None = None
+_next_gid = 0  # the id of the next group made (backend.collective.communicators)
 
 
 def is_available() -> bool:
@@ -43,21 +46,42 @@ def is_initialized() -> bool:
 
 
 def refuse_capture(what: str) -> None:
-  """Raise when Nova is capturing: collectives are not Nova ops yet (the wrappers call this before their first
-  in-place write, so the error names the collective rather than a graph break)."""
+  """Raise when Nova is capturing: the in-place collectives of this module run eagerly (they write into tensors that a
+  capture only has symbols for); a compiled step reduces through the functional ops of `blutrain.ops.collective`."""
   if hooks.trace is not None:
-    raise RuntimeError(f"{what} inside a function compiled with bt.compile: collectives are not Nova ops yet, so a "
-                       "step with DistributedDataParallel or ZeroRedundancyOptimizer (or any collective) runs eagerly; "
-                       "drop bt.compile for it")
+    raise RuntimeError(f"{what} inside a function compiled with bt.compile: the in-place collectives of "
+                       "blutrain.distributed run eagerly; use the functional ops (blutrain.ops.collective.all_reduce, "
+                       "reduce_scatter, all_gather with get_group(group).gid), which Nova compiles, as "
+                       "DistributedDataParallel and ZeroRedundancyOptimizer do")
 
 
 def _group(group: ProcessGroup | None, what: str) -> ProcessGroup:
-  refuse_capture(what)
   if group is not None: return group
   if _world is None:
     raise RuntimeError(f"{what}: the default process group is not initialized; call "
                        "blutrain.distributed.init_process_group(backend) first")
   return _world
+
+
+def _collective_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
+  refuse_capture(what)
+  return _group(group, what)
+
+
+def get_group(group: ProcessGroup | None = None) -> ProcessGroup:
+  """`group`, or the default group when None. Its `gid` names it to the collective ops of `blutrain.ops.collective`."""
+  return _group(group, "get_group")
+
+
+def _register(group: ProcessGroup | None) -> ProcessGroup | None:
+  """Give the next group id (every rank makes its groups in one order, so ids agree across ranks, ranks outside a
+  group counting it too) and register the group's communicator for the collective ops' kernels."""
+  global _next_gid
+  gid, _next_gid = _next_gid, _next_gid + 1
+  if group is not None:
+    group.gid = gid
+    collective.communicators[gid] = group
+  return group
 
 
 def _mpi_world():
@@ -95,7 +119,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
       raise RuntimeError(f"init_process_group('mpi'): MPI sees rank {comm.Get_rank()} of {comm.Get_size()}, the "
                          f"environment ({env.launcher}) rank {rank} of {world_size}; the mpi backend's ranks are MPI's: "
                          "start them with mpiexec -n N (or `blutrain launch --backend mpi`)")
-    _world = MpiGroup(comm, limit)
+    _world = _register(MpiGroup(comm, limit))
     return
   if backend != "nccl": raise ValueError(f"init_process_group: unknown backend {backend!r}; expected 'mpi' or 'nccl'")
   from blutrain.distributed.nccl import NcclGroup, new_unique_id
@@ -118,15 +142,16 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        f"(and {SECRET_ENV}), start the job with `blutrain launch`, or launch it with mpiexec")
   _store = store
   device = env.local_rank if device_id is None else device_id
-  _world = NcclGroup.create(uid, list(range(world_size)), rank, device, limit, store)
+  _world = _register(NcclGroup.create(uid, list(range(world_size)), rank, device, limit, store))
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
   """Release a group's communicator; without an argument the default group (and its store), after which
   `init_process_group` may run again."""
   global _world, _store
-  g = _group(group, "destroy_process_group")
+  g = _collective_group(group, "destroy_process_group")
   g.destroy()
+  collective.communicators.pop(g.gid, None)
   if group is None or group is _world:
     if _store is not None: _store.close()
     _world, _store = None, None
@@ -151,56 +176,57 @@ def get_backend(group: ProcessGroup | None = None) -> str:
 def new_group(ranks: list[int] | None = None, timeout: timedelta | float | None = None) -> ProcessGroup | None:
   """A group of `ranks` (global ranks; default all), e.g. the data-parallel and the tensor-parallel groups of a 2-D
   layout. Every rank of the world calls it (NCCL splits the world's communicator); ranks outside get None."""
-  world = _group(None, "new_group")
+  world = _collective_group(None, "new_group")
   ranks = list(range(world.size())) if ranks is None else [int(r) for r in ranks]
   bad = [r for r in ranks if not 0 <= r < world.size()]
   if bad: raise ValueError(f"new_group: ranks {bad} are outside the world of {world.size()} ranks")
   if len(set(ranks)) != len(ranks): raise ValueError(f"new_group: ranks {ranks} name a rank twice")
-  return world.new_group(ranks, world.timeout if timeout is None else seconds(timeout))
+  return _register(world.new_group(ranks, world.timeout if timeout is None else seconds(timeout)))
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
   """Wait until every rank of `group` has reached the barrier."""
-  return _group(group, "barrier").barrier(async_op)
+  return _collective_group(group, "barrier").barrier(async_op)
 
 
 def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
   """Reduce `tensor` over the ranks of `group` with `op`, in place on every rank."""
-  return _group(group, "all_reduce").all_reduce(tensor, op, async_op)
+  return _collective_group(group, "all_reduce").all_reduce(tensor, op, async_op)
 
 
 def reduce_scatter_tensor(output: Tensor, input: Tensor, op: ReduceOp = ReduceOp.SUM,
                           group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
   """Reduce `input` (group size x output's elements) over the ranks; rank i receives the i-th block in `output`."""
-  return _group(group, "reduce_scatter_tensor").reduce_scatter_tensor(output, input, op, async_op)
+  return _collective_group(group, "reduce_scatter_tensor").reduce_scatter_tensor(output, input, op, async_op)
 
 
 def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: ProcessGroup | None = None,
                            async_op: bool = False) -> Work | None:
   """Concatenate every rank's `input_tensor` (in rank order) into `output_tensor` on every rank."""
-  return _group(group, "all_gather_into_tensor").all_gather_into_tensor(output_tensor, input_tensor, async_op)
+  g = _collective_group(group, "all_gather_into_tensor")
+  return g.all_gather_into_tensor(output_tensor, input_tensor, async_op)
 
 
 def broadcast(tensor: Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
   """Copy `tensor` of global rank `src` into `tensor` on every rank of `group`."""
-  return _group(group, "broadcast").broadcast(tensor, src, async_op)
+  return _collective_group(group, "broadcast").broadcast(tensor, src, async_op)
 
 
 def send(tensor: Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
   """Send `tensor` to global rank `dst`, waiting until it has gone."""
-  _group(group, "send").send(tensor, dst, tag, False)
+  _collective_group(group, "send").send(tensor, dst, tag, False)
 
 
 def recv(tensor: Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> int:
   """Receive into `tensor` from global rank `src`; returns src."""
-  _group(group, "recv").recv(tensor, src, tag, False)
+  _collective_group(group, "recv").recv(tensor, src, tag, False)
   return src
 
 
 def isend(tensor: Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
-  return _group(group, "isend").send(tensor, dst, tag, True)
+  return _collective_group(group, "isend").send(tensor, dst, tag, True)
 
 
 def irecv(tensor: Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
-  return _group(group, "irecv").recv(tensor, src, tag, True)
+  return _collective_group(group, "irecv").recv(tensor, src, tag, True)

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from blutrain import dtypes
+from blutrain.device import cpu
 from blutrain.distributed.process_group import ProcessGroup, ReduceOp, Work
 from blutrain.tensor import Tensor
 
@@ -37,6 +38,10 @@ def _staged(t: Tensor) -> tuple[np.ndarray, Callable[[], None] | None]:
   buf = np.ascontiguousarray(a, dtype=a.dtype if a.dtype in _NATIVE else np.float32).reshape(-1)
   def write_back(): a[...] = buf.reshape(a.shape).astype(a.dtype)
   return buf, write_back
+
+
+def _wrap(a: np.ndarray) -> Tensor:
+  return Tensor._wrap(a, cpu, dtypes.to_dtype(a.dtype))
 
 
 class MpiWork(Work):
@@ -189,6 +194,23 @@ class MpiGroup(ProcessGroup):
   def barrier(self, async_op: bool = False, timeout=None) -> Work | None:
     self._next()
     return self._start("barrier", [self.comm.Ibarrier()], None, async_op, timeout)
+
+  # *** the collective ops' kernels (backend/collective.py): new arrays, the collective completed before returning ***
+
+  def all_reduce_array(self, x: np.ndarray, reduce_op: str) -> np.ndarray:
+    t = _wrap(np.array(x))
+    self.all_reduce(t, ReduceOp(reduce_op), False)
+    return t._array()
+
+  def reduce_scatter_array(self, x: np.ndarray, reduce_op: str) -> np.ndarray:
+    out = _wrap(np.empty((x.shape[0] // self.size(), *x.shape[1:]), x.dtype))
+    self.reduce_scatter_tensor(out, _wrap(np.ascontiguousarray(x)), ReduceOp(reduce_op), False)
+    return out._array()
+
+  def all_gather_array(self, x: np.ndarray) -> np.ndarray:
+    out = _wrap(np.empty((x.shape[0] * self.size(), *x.shape[1:]), x.dtype))
+    self.all_gather_into_tensor(out, _wrap(np.ascontiguousarray(x)), False)
+    return out._array()
 
   def new_group(self, ranks: list[int], timeout: float) -> MpiGroup | None:
     """The subgroup of `ranks` (global ranks, in that order); None on ranks outside it. Only its members call MPI."""

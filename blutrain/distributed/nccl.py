@@ -16,7 +16,8 @@ import threading
 import time
 
 from blutrain import ops
-from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda import memory, runtime
+from blutrain.device import Device
 from blutrain.distributed.process_group import ProcessGroup, ReduceOp, Work
 from blutrain.tensor import Tensor
 
@@ -153,6 +154,41 @@ class NcclGroup(ProcessGroup):
       self.raise_if_failed()
       time.sleep(1e-4)
     return None
+
+  # *** the collective ops' kernels (backend/collective.py): new arrays, the NCCL call on the current stream ***
+
+  def _on_current_stream(self, call) -> None:
+    """Enqueue an NCCL call on the current stream, where a CUDA graph being captured records it (no comm stream, no
+    events: the op's consumers follow it on that stream). The watchdog does not see these calls."""
+    self.raise_if_failed()
+    self.seq += 1
+    call(runtime.current_stream(self.device).handle)
+
+  def _tensor(self, a) -> Tensor:
+    return Tensor._wrap(a, Device("cuda", a.device), a.dtype)
+
+  def _dense(self, a):
+    if a.is_contiguous(): return a
+    out = memory.empty_like(a)
+    memory.copy_into(out, a)
+    return out
+
+  def all_reduce_array(self, x, reduce_op: str):
+    x, out = self._dense(x), memory.empty(x.shape, x.dtype, x.device)
+    op = self._op(ReduceOp(reduce_op))
+    self._on_current_stream(lambda s: self.comm.allreduce(self._tensor(x), self._tensor(out), op, stream=s))
+    return out
+
+  def reduce_scatter_array(self, x, reduce_op: str):
+    x, out = self._dense(x), memory.empty((x.shape[0] // self.size(), *x.shape[1:]), x.dtype, x.device)
+    op = self._op(ReduceOp(reduce_op))
+    self._on_current_stream(lambda s: self.comm.reduce_scatter(self._tensor(x), self._tensor(out), op, stream=s))
+    return out
+
+  def all_gather_array(self, x):
+    x, out = self._dense(x), memory.empty((x.shape[0] * self.size(), *x.shape[1:]), x.dtype, x.device)
+    self._on_current_stream(lambda s: self.comm.allgather(self._tensor(x), self._tensor(out), stream=s))
+    return out
 
   def new_group(self, ranks: list[int], timeout: float) -> NcclGroup | None:
     """The subgroup of `ranks` (global ranks), split from this communicator: every rank of this group calls it."""

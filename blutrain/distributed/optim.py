@@ -12,8 +12,10 @@ pieces of them at `step()`. Stage 2 averages them itself, during the backward: e
 hook counts its bucket in, and a complete bucket is reduce-scattered (ReduceOp.AVG, async: on GPUs on the
 communication stream while the backward runs) so each rank receives only its piece, and the parameters' full gradients
 are freed at once (set to None): the memory ZeRO-2 saves. Several backwards before a step accumulate. Do not wrap the
-model in DDP then, and clip with `clip_grad_norm_` of this optimizer (the full gradients are gone). Stage 3 (sharding
-the parameters themselves, gathered per layer before use) is not built: it needs gathering hooks in the forward.
+model in DDP then, and clip with `clip_grad_norm_` of this optimizer (the full gradients are gone). Under bt.compile
+the reduce-scatters, the all-gathers and the norm's all-reduce are the functional ops of `blutrain.ops.collective`, one
+graph op per bucket. Stage 3 (sharding the parameters themselves, gathered per layer before use) is not built: it needs
+gathering hooks in the forward.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from typing import Any, Callable
 
 from blutrain import distributed as dist
 from blutrain import ops
-from blutrain.ops import no_grad
+from blutrain.autograd.tape import hooks
+from blutrain.ops import collective, no_grad
 from blutrain.optim.optimizer import Optimizer, ParamsT
 from blutrain.tensor import Tensor
 
@@ -70,6 +73,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     super().__init__(params, defaults)
     self.process_group, self.stage = process_group, stage
     self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    self._gid = dist.get_group(process_group).gid
     cap = int(bucket_cap_mb * 2**20)
     self.buckets: list[_Bucket] = []
     self.shards: list[Tensor] = []
@@ -108,37 +112,43 @@ class ZeroRedundancyOptimizer(Optimizer):
     if b.arrived == len(b.params): self._reduce(b)
 
   def _reduce(self, b: _Bucket) -> None:
-    """Reduce-scatter bucket b's gradients (async) and free the parameters' full gradients."""
-    dist.refuse_capture("reduce_scatter_tensor")
+    """Reduce-scatter bucket b's gradients (async; under bt.compile the functional op) and free the parameters' full
+    gradients."""
     with no_grad():
       flat = _flatten([p.grad for p in b.params], b.params, b.length)
       for p in b.params: p.grad = None
-      piece = ops.empty(b.piece, dtype=flat.dtype, device=flat.device)
-      work = dist.reduce_scatter_tensor(piece, flat, dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+      if hooks.trace is None:
+        piece = ops.empty(b.piece, dtype=flat.dtype, device=flat.device)
+        work = dist.reduce_scatter_tensor(piece, flat, dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+      else: piece, work = collective.reduce_scatter(flat, "avg", self._gid, self.world), None
     self._pending.append((work, piece, b))
     b.arrived, self._collected = 0, False
 
   def _collect(self) -> None:
     """Put this rank's pieces of the averaged gradients into the shards' .grad: stage 2 finishes its reduce-scatters
-    (and reduces buckets some of whose parameters got no gradient), stage 1 slices the DDP-averaged gradients."""
+    (and reduces buckets some of whose parameters got no gradient), stage 1 slices the DDP-averaged gradients. Each
+    shard's gradient is one cat of its buckets' pieces (no in-place writes into views: Nova captures this too)."""
     if self._collected: return
+    pieces: dict[int, Tensor] = {}
     with no_grad():
       if self.stage == 2:
         for b in self.buckets:
           if b.arrived or any(p.grad is not None for p in b.params): self._reduce(b)
         for work, piece, b in self._pending:
-          work.wait()
-          shard = self.shards[b.group]
-          if shard.grad is None: shard.grad = ops.zeros_like(shard)
-          shard.grad[b.offset:b.offset + b.piece].add_(piece)
+          if work is not None: work.wait()
+          pieces[id(b)] = piece if id(b) not in pieces else pieces[id(b)] + piece
         self._pending.clear()
       else:
         for b in self.buckets:
-          if all(p.grad is None for p in b.params): continue
-          shard = self.shards[b.group]
-          if shard.grad is None: shard.grad = ops.zeros_like(shard)
-          flat = _flatten([p.grad for p in b.params], b.params, b.length)
-          shard.grad[b.offset:b.offset + b.piece].copy_(flat[self.rank * b.piece:(self.rank + 1) * b.piece])
+          if any(p.grad is not None for p in b.params):
+            flat = _flatten([p.grad for p in b.params], b.params, b.length)
+            pieces[id(b)] = flat[self.rank * b.piece:(self.rank + 1) * b.piece]
+      for gi, shard in enumerate(self.shards):
+        mine = [b for b in self.buckets if b.group == gi]
+        if not any(id(b) in pieces for b in mine): continue
+        grad = ops.cat([pieces[id(b)] if id(b) in pieces else ops.zeros(b.piece, dtype=shard.dtype, device=shard.device)
+                        for b in mine])
+        shard.grad = grad if shard.grad is None else shard.grad + grad
     self._collected = True
 
   def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -150,7 +160,8 @@ class ZeroRedundancyOptimizer(Optimizer):
       grads = [s.grad for s in self.shards if s.grad is not None]
       device = self.shards[0].device
       total = sum(((g.float() ** 2).sum() for g in grads), ops.zeros((), device=device)).reshape(1)
-      dist.all_reduce(total, group=self.process_group)
+      if hooks.trace is None: dist.all_reduce(total, group=self.process_group)
+      else: total = collective.all_reduce(total, "sum", self._gid, self.world)
       norm = total.sqrt().reshape(())
       scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
       for g in grads: g.mul_(scale.to(g.dtype))
@@ -160,7 +171,6 @@ class ZeroRedundancyOptimizer(Optimizer):
 
   def step(self, closure: Callable[[], Any] | None = None) -> Any:
     """Step this rank's pieces with the local optimizer, then all-gather every bucket back into the parameters."""
-    dist.refuse_capture("ZeroRedundancyOptimizer.step")
     loss = None
     if closure is not None:
       with ops.enable_grad(): loss = closure()
@@ -172,11 +182,14 @@ class ZeroRedundancyOptimizer(Optimizer):
       self.optim.step()
       gathered = []
       for b in self.buckets:
-        full = ops.empty(b.length, dtype=self.shards[b.group].dtype, device=self.shards[b.group].device)
         piece = self.shards[b.group].detach()[b.offset:b.offset + b.piece]
+        if hooks.trace is not None:
+          gathered.append((None, collective.all_gather(piece, self._gid, self.world), b))
+          continue
+        full = ops.empty(b.length, dtype=self.shards[b.group].dtype, device=self.shards[b.group].device)
         gathered.append((dist.all_gather_into_tensor(full, piece, group=self.process_group, async_op=True), full, b))
       for work, full, b in gathered:
-        work.wait()
+        if work is not None: work.wait()
         off = 0
         for p in b.params:
           p.copy_(full[off:off + p.numel()].view(p.shape))

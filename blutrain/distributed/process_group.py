@@ -72,10 +72,11 @@ class Work:
 class ProcessGroup:
   """A set of ranks that run collectives together. `ranks` are global ranks in group-rank order; `rank()` and
   `size()` are this process's rank in the group and the group's size. Backends implement the collectives on tensors,
-  in place, returning a Work."""
+  in place, returning a Work, and the collective ops' kernels on arrays (`backend.collective`)."""
   backend: str
   ranks: list[int]
   timeout: float
+  gid: int  # the id that names it to the collective ops (blutrain.distributed registers it in backend.collective)
 
   def rank(self) -> int: return self._rank
   def size(self) -> int: return len(self.ranks)

@@ -300,6 +300,16 @@ class NNOp(SingleResultOp):
   """Linear algebra, normalization, gathers and losses."""
 
 
+class CollectiveOp(SingleResultOp):
+  """A collective over the ranks of process group `group` (an id that `blutrain.distributed` gives each group, equal
+  on every rank) of `size` ranks: a new tensor from `x` and the other ranks' `x`. Every rank runs the same program, so
+  passes that treat it as any pure op (cse, dce, the memory plan) do the same on every rank; remat never clones one
+  (a recomputation would cost a round of communication)."""
+  x = operand_def(TENSOR)
+  group = prop_def(INT)
+  size = prop_def(INT)
+
+
 # *** creation and random ***
 
 @irdl_op_definition
@@ -1090,6 +1100,29 @@ class ScaleOp(MultiResultOp):
     return list(range(len(self.outs)))
 
 
+# *** collectives (blutrain.ops.collective) ***
+
+@irdl_op_definition
+class AllReduceOp(CollectiveOp):
+  """x reduced over the ranks with `reduce_op` (sum, avg, product, max, min)."""
+  name = "nova.all_reduce"
+  reduce_op = prop_def(STR)
+
+
+@irdl_op_definition
+class ReduceScatterOp(CollectiveOp):
+  """This rank's block of x reduced over the ranks with `reduce_op`: dim 0 cut into `size` blocks, rank r gets the
+  r-th."""
+  name = "nova.reduce_scatter"
+  reduce_op = prop_def(STR)
+
+
+@irdl_op_definition
+class AllGatherOp(CollectiveOp):
+  """Every rank's x in rank order, joined along dim 0."""
+  name = "nova.all_gather"
+
+
 Nova = Dialect("nova", [
   FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp, NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp,
   TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp, AsinhOp, AcoshOp,
@@ -1100,7 +1133,7 @@ Nova = Dialect("nova", [
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
   IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
   ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
-  FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp,
+  FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations}  # the op library's name -> class

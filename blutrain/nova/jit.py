@@ -20,7 +20,7 @@ from blutrain.device import Device
 from blutrain.backend.cuda.allocator import OutOfMemoryError, format_size
 from blutrain.nova.capture import Arg, StaleGraph, Trace
 from blutrain.autograd.tape import grad_mode, hooks
-from blutrain.tensor import Tensor
+from blutrain.tensor import Tensor, Traced
 
 
 # *** pytrees of call arguments and results ***
@@ -280,14 +280,15 @@ class Compiled:
 
   def _guard(self, leaves: list, tree: Any) -> tuple:
     """The key of a captured graph: everything that changes what the eager step would compute or which tensors it
-    reads. Global state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul engine) is read
-    here because a capture bakes it into the graph's ops and attributes."""
+    reads (modules' training flags, and DistributedDataParallel's `require_sync`, which `no_sync()` clears). Global
+    state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul engine) is read here because a
+    capture bakes it into the graph's ops and attributes."""
     modules, optimizers = self._found
     params = _params(modules, optimizers)
     return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,
             tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
             tuple((id(p), p.grad is None) for p in params),
-            tuple(m.training for top in modules for m in top.modules()),
+            tuple((m.training, getattr(m, "require_sync", None)) for top in modules for m in top.modules()),
             tuple((id(g),) + tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr")))
                   for o in optimizers for g in o.param_groups),
             tuple(id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)))
@@ -336,6 +337,8 @@ class Compiled:
       raise TypeError("bt.compile: a compiled function may return tensors (in tuples, lists or dicts) only, got "
                       f"{[type(x).__name__ for x in out_leaves if not isinstance(x, Tensor)]}")
     spec = trace.finish(returned)
+    for p, g in saved_grads:  # a gradient the capture replaced by a traced one (DDP's bucket views) is an output;
+      if p.grad is not None and type(p.grad._storage.data) is Traced: p.grad = g  # the first run reads the old one
     capture_s = time.perf_counter() - t0
     written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
                for k, (kind, where) in enumerate(spec) if kind == "write"}
@@ -358,8 +361,8 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_bu
 
   The first call runs eagerly; the second captures forward, backward and optimizer update into one graph,
   optimizes it and runs it; later calls replay it while the guard (argument shapes, dtypes, devices,
-  requires_grad, parameters and their gradients, training flags, optimizer hyperparameters except the
-  learning rate, which is read at each call; grad mode, autocast, `bt.set_float32_matmul_precision` and
+  requires_grad, parameters and their gradients, training flags and DDP's no_sync(), optimizer hyperparameters
+  except the learning rate, which is read at each call; grad mode, autocast, `bt.set_float32_matmul_precision` and
   `bt.backends.matmul`) holds, and recapture when it does not. On the GPU the compiled step runs kernel by kernel
   once, then is captured into one CUDA graph whose buffers follow the step's memory plan, and replays with one
   launch (`BLUTRAIN_CUDA_GRAPHS=0`, or a step that draws random numbers, runs kernel by kernel every call).

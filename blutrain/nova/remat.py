@@ -32,9 +32,9 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
-from blutrain.nova.dialect import (CreationOp, ElementwiseOp, FlashAttentionBackwardOp, FlashAttentionOp, LayerNormOp,
-                                   LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp, SoftmaxOp,
-                                   aval)
+from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp, FlashAttentionOp,
+                                   LayerNormOp, LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
+                                   SoftmaxOp, aval)
 from blutrain.nova.ir import function
 from blutrain.nova.memory import lifetimes, nbytes, plan
 
@@ -209,7 +209,8 @@ def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
     if not top and (isinstance(x, BlockArgument) or s.last(x) >= b): return True
     op = x.owner
     if op in seen: return True
-    if not isinstance(op, SingleResultOp) or (cheap and not isinstance(op, CHEAP)) or len(chain) >= MAX_DEPTH:
+    if not isinstance(op, SingleResultOp) or isinstance(op, CollectiveOp) or (cheap and not isinstance(op, CHEAP)) \
+       or len(chain) >= MAX_DEPTH:
       return False
     seen.add(op)
     if not all(need(o, False) for o in op.operands): return False

@@ -1,8 +1,8 @@
 """The op library: every primitive once (signature, shape/dtype rule, VJP, name), composites over them.
 
 Modules build on each other in this order, each importing only those before it: core (Op, apply), creation,
-random, elementwise, reduce, movement, linalg, nn, ordering, optim (multi-tensor ops), inplace; methods gives Tensor its
-methods from all of them.
+random, elementwise, reduce, movement, linalg, nn, ordering, optim (multi-tensor ops), collective (all_reduce,
+reduce_scatter, all_gather over a process group), inplace; methods gives Tensor its methods from all of them.
 A VJP that needs an op of a later module reaches it through a tensor method.
 
 Names: a primitive's `Op` object is `<name>_op` (`add_op`, `layer_norm_backward_op`); the public function of the same
@@ -10,7 +10,7 @@ name (`add`, `layer_norm`) converts and checks its arguments and calls it. The s
 the backends' kernel tables and Nova's dialect (`nova.add`).
 """
 from blutrain.autograd.tape import enable_grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
-from blutrain.ops import methods
+from blutrain.ops import collective, methods
 from blutrain.ops.core import Op, apply, dynamic_scalar, registry
 from blutrain.ops.creation import (arange, as_tensor, as_tensor_like, empty, empty_like, eye, from_dlpack, from_numpy,
                                    full, full_like, linspace, ones, ones_like, tensor, to_device, zeros, zeros_like)

@@ -1,6 +1,6 @@
-"""The NCCL process group on GPUs: every collective against numpy, DDP and ZeRO-2 against one process on the whole
-batch. Written for any world size: `python -m pytest tests/cuda/test_distributed.py` runs it at world size 1, and
-`python -m blutrain.distributed.launch --nproc-per-node N $(which pytest) tests/cuda/test_distributed.py` on N GPUs
+"""The NCCL process group on GPUs: every collective against numpy, DDP and ZeRO-2 (eager and compiled) against one
+process on the whole batch. Written for any world size: `python -m pytest tests/cuda/test_distributed.py` runs it at
+world size 1, and `python -m blutrain.distributed.launch --nproc-per-node N $(which pytest) tests/cuda/test_distributed.py` on N GPUs
 (keep NCCL_NVLS_ENABLE=0 set on the lent machines). Each rank can compute every rank's inputs (seeded by rank), so
 each checks the full result itself."""
 import numpy as np
@@ -119,3 +119,47 @@ def test_zero2_equals_adamw(world):
     opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
   for p, q in zip(net.parameters(), ref.parameters()):
     np.testing.assert_allclose(p.detach().cpu().numpy(), q.detach().cpu().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _step(net, opt):
+  def step(x, y):
+    loss = ((net(x) - y) ** 2).mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+    return loss
+  return step
+
+
+def test_compiled_ddp_step_equals_eager_ddp_and_one_process(world):
+  """The compiled step (one CUDA graph, the bucket all-reduces in it on the step's stream) against the same step
+  eagerly (its all-reduces on the communication stream) and one process on the whole batch."""
+  r, n = world
+  nets = [_net(7 + r), _net(0), _net(0)]
+  ddp = DistributedDataParallel(nets[0], bucket_cap_mb=0.01)  # several buckets
+  for ref in nets[1:]:
+    ref.load_state_dict({k.removeprefix("module."): v.detach().clone() for k, v in ddp.state_dict().items()})
+  eager = DistributedDataParallel(nets[1], bucket_cap_mb=0.01)
+  opts = [bt.optim.AdamW(m.parameters(), lr=1e-2) for m in (ddp, eager, nets[2])]
+  compiled = bt.compile(_step(ddp, opts[0]))
+  eager_step, ref_step = _step(eager, opts[1]), _step(nets[2], opts[2])
+  for step in range(5):
+    loss, eager_loss = compiled(*_batch(step, n, r)), eager_step(*_batch(step, n, r))
+    ref_step(*_batch(step, n))
+    np.testing.assert_allclose(loss.cpu().numpy(), eager_loss.cpu().numpy(), rtol=1e-5, atol=1e-6)
+  assert compiled.captures == 1 and compiled.info["cuda_graph"] == "on", compiled.info
+  for p, q, s in zip(ddp.parameters(), eager.parameters(), nets[2].parameters()):
+    np.testing.assert_allclose(p.detach().cpu().numpy(), q.detach().cpu().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(p.detach().cpu().numpy(), s.detach().cpu().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_zero2_step_equals_adamw(world):
+  r, n = world
+  net, ref = _net(0), _net(0)
+  opt = ZeroRedundancyOptimizer(net.parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=0.01, lr=1e-2,
+                                weight_decay=0.1)
+  ref_opt = bt.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+  compiled, ref_step = bt.compile(_step(net, opt)), _step(ref, ref_opt)
+  for step in range(5):
+    compiled(*_batch(step, n, r)); ref_step(*_batch(step, n))
+  assert compiled.captures == 1 and compiled.info["cuda_graph"] == "on", compiled.info
+  for p, q in zip(net.parameters(), ref.parameters()):
+    np.testing.assert_allclose(p.detach().cpu().numpy(), q.detach().cpu().numpy(), rtol=1e-4, atol=1e-5)

@@ -31,6 +31,22 @@ def test_every_collective_matches_numpy():
   assert all(v < 1e-5 for v in out.values()), out
 
 
+def test_collective_ops_values_gradients_and_errors():
+  (out,) = mpirun(3, "functional")
+  assert out.pop("world") == 3 and out.pop("case") == "functional"
+  messages = out.pop("messages")
+  assert all(v < 1e-5 for v in out.values()), out
+  assert messages == [
+    "ShapeError: reduce_scatter: dim 0 of the input (7,) must split into 3 equal blocks, one per rank; pad it to a "
+    "multiple of the group size",
+    "TypeError: all_reduce: the avg reduction needs a floating-point tensor, got int64",
+    "ValueError: all_reduce: unknown reduce op 'mean'; expected one of ('sum', 'avg', 'product', 'max', 'min')",
+    "RuntimeError: all_reduce: no process group with id 12345 in this process; make the groups with "
+    "blutrain.distributed (init_process_group, new_group) before running the op, and in the same order on every rank",
+    "RuntimeError: all_reduce: process group 0 has 3 ranks, the op says 4",
+    "RuntimeError: all_reduce with reduce_op 'max' has no derivative (only sum and avg do): reduce a detached tensor"]
+
+
 def test_ddp_gradients_and_parameters_equal_one_process_on_the_whole_batch():
   (out,) = mpirun(2, "ddp")
   assert out["buckets"] > 1  # several buckets, each reduced as its gradients arrive
@@ -65,9 +81,21 @@ def test_sharded_checkpoint_reloads_at_another_world_size(tmp_path):
     assert out["param"] < 1e-6, (world, out)
 
 
-def test_ddp_under_bt_compile_says_it_is_not_supported():
-  (out,) = mpirun(1, "compile")
-  assert out["error"] and out["error"].startswith("all_reduce inside a function compiled with bt.compile"), out
+def test_a_compiled_ddp_step_equals_the_eager_one_and_one_process(tmp_path):
+  (out,) = mpirun(2, "compile", str(tmp_path))
+  assert out["captures"] == 1 and out["buckets"] > 1 and out["all_reduces"] == out["buckets"], out
+  assert out["first_all_reduce"] < out["last_matmul"], out  # the first bucket is reduced while the backward goes on
+  assert out["loss"] < 1e-6 and out["eager"] < 1e-6 and out["param"] < 1e-5, out
+  assert out["error"].startswith("all_reduce inside a function compiled with bt.compile"), out
+  assert out["no_sync_captures"] == 2 and out["no_sync_grad"] < 1e-6, out  # no_sync() is part of the guard
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_compiled_zero_steps_equal_the_eager_ones_and_plain_adamw(stage):
+  (out,) = mpirun(2, "zero_compile", str(stage))
+  assert out["captures"] == 1 and out["all_gathers"] == 4 and out["all_reduces"] == 1, out  # stage 1: DDP's one bucket
+  assert out["reduce_scatters"] == (4 if stage == 2 else 0), out                              # stage 2: the norm's
+  assert out["eager"] < 1e-6 and out["param"] < 1e-5, out
 
 
 def test_a_collective_whose_peer_never_arrives_raises_within_its_timeout():
@@ -78,12 +106,15 @@ def test_a_collective_whose_peer_never_arrives_raises_within_its_timeout():
     assert "all_reduce" in o["message"] and "did not arrive: 1." in o["message"], o["message"]
 
 
-def test_cli_trains_data_parallel_on_two_cpu_ranks(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cli_trains_data_parallel_on_two_cpu_ranks(tmp_path, compiled):
   env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
-  proc = subprocess.run([sys.executable, "-m", "blutrain.cli", "train", "--preset", "char-tiny", "--steps", "2",
-                         "--batch-size", "2", "--block-size", "16", "--eval-interval", "2", "--eval-batches", "1",
-                         "--sample-tokens", "4", "--device", "cpu", "--out-dir", str(tmp_path / "run"),
-                         "--nproc-per-node", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  steps = 3 if compiled else 2  # compiled: the first step eager, the second captured, the third replayed
+  proc = subprocess.run([sys.executable, "-m", "blutrain.cli", "train", "--preset", "char-tiny", "--steps", str(steps),
+                         "--batch-size", "2", "--block-size", "16", "--eval-interval", str(steps),
+                         "--eval-batches", "1", "--sample-tokens", "4", "--device", "cpu", "--out-dir", str(tmp_path / "run"),
+                         "--nproc-per-node", "2", *(["--compile"] if compiled else [])], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=180)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert proc.stdout.count("done: step 2") == 1  # rank 0 reports; rank 1 trains quietly
+  assert proc.stdout.count(f"done: step {steps}") == 1  # rank 0 reports; rank 1 trains quietly
   assert (tmp_path / "run" / "checkpoints" / "latest").is_file() and (tmp_path / "run" / "sample.txt").is_file()

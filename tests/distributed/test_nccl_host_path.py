@@ -145,6 +145,36 @@ assert names == ["allgather"] * 3, names
 ''', tmp_path)
 
 
+def test_compiled_ddp_step_puts_its_all_reduces_on_the_step_stream_inside_the_cuda_graph(tmp_path):
+  """Under bt.compile DDP's buckets are collective ops whose NCCL calls go on the stream the step runs on (no comm
+  stream, no events), so the CUDA graph captures them and a replay launches the graph alone."""
+  _run('''
+from blutrain.nn.parallel import DistributedDataParallel
+dist.init_process_group("nccl")
+net = bt.nn.Sequential(*[bt.nn.Linear(64, 64) for _ in range(6)]).to("cuda")
+ddp = DistributedDataParallel(net, bucket_cap_mb=64 * 65 * 4 * 2 / 2**20)  # three buckets
+opt = bt.optim.AdamW(ddp.parameters(), lr=1e-3)
+@bt.compile
+def step(x):
+  loss = ddp(x).square().mean()
+  loss.backward(); opt.step(); opt.zero_grad()
+  return loss
+x = bt.randn(4, 64, device="cuda")
+reduces, launches = [], []
+for i in range(5):  # eager, kernel by kernel on the graph's pool, captured, replayed twice
+  log.clear()
+  before = fake_cuda.launches[0]
+  step(x)
+  launches.append(fake_cuda.launches[0] - before)
+  reduces.append([e[1] for e in log if e[0] == "allreduce"])
+  if i == 0: assert all(e[0] != "allreduce" or e[1] == comm for e in log), log  # eagerly: the comm stream
+assert step.info["cuda_graph"] == "on" and step.captures == 1
+assert [len(r) for r in reduces] == [3, 3, 3, 0, 0], reduces   # replays run the captured calls: no host call
+assert all(s not in (comm, compute) for r in reduces[1:] for s in r), reduces  # the graph pool's stream, the step's
+assert launches[3] == launches[4] == 2, launches              # the graph and the loss's copy
+''', tmp_path)
+
+
 def test_a_stuck_collective_times_out_through_the_watchdog(tmp_path):
   out = _run('''
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, secret="s", timeout=5)

@@ -185,22 +185,136 @@ def case_collectives(r, n):
   return {k: worst(v) for k, v in err.items()}
 
 
-def case_compile(r, n):
-  """A DDP step under bt.compile: the first call runs eagerly, the captured one must refuse the collective."""
-  net = DistributedDataParallel(model(0))
-  opt = bt.optim.SGD(net.parameters(), lr=0.1)
+def case_functional(r, n):
+  """The collective ops of blutrain.ops.collective eagerly: values against numpy, gradients against the math of the
+  ranks' summed losses (inputs are strided views), on the world and on a subgroup; and their errors."""
+  from blutrain.ops import collective
+  g = dist.get_group()
+  rng = [np.random.default_rng(10 + k) for k in range(n)]
+  xs = [k.standard_normal((2 * n, 3)).astype(np.float32) for k in rng]
+  ws = [k.standard_normal((2 * n, 3)).astype(np.float32) for k in rng]
+  big = [k.standard_normal((2 * n * n, 3)).astype(np.float32) for k in rng]
+  err = {}
 
-  def step(x, y):
-    loss = loss_of(net, x, y)
-    loss.backward(); opt.step(); opt.zero_grad()
+  def run(name, fn, x, w, want, want_grad):
+    t = bt.from_numpy(np.ascontiguousarray(x.T)).t().requires_grad_(True)  # a strided view of the values
+    y = fn(t)
+    (y * bt.from_numpy(w)).sum().backward()
+    err[name] = float(np.abs(y.detach().numpy() - want).max())
+    err[name + "_grad"] = float(np.abs(t.grad.numpy() - want_grad).max())
+
+  block = lambda a, k: a[k * a.shape[0] // n:(k + 1) * a.shape[0] // n]
+  run("all_reduce_sum", lambda t: collective.all_reduce(t, "sum", g.gid, n), xs[r], ws[r], sum(xs), sum(ws))
+  run("all_reduce_avg", lambda t: collective.all_reduce(t, "avg", g.gid, n), xs[r], ws[r], sum(xs) / n, sum(ws) / n)
+  run("reduce_scatter_avg", lambda t: collective.reduce_scatter(t, "avg", g.gid, n), xs[r], block(ws[r], 0)[:2],
+      block(sum(xs) / n, r), np.concatenate([block(w, 0)[:2] for w in ws]) / n)
+  run("all_gather", lambda t: collective.all_gather(t, g.gid, n), xs[r], big[r], np.concatenate(xs), block(sum(big), r))
+  t = bt.from_numpy(xs[r])
+  err["all_reduce_max"] = float(np.abs(collective.all_reduce(t, "max", g.gid, n).numpy() - np.max(xs, 0)).max())
+  err["input_kept"] = float(np.abs(t.numpy() - xs[r]).max())
+  pair = dist.new_group([0, 1])
+  err["subgroup"] = 0.0 if pair is None else \
+    float(np.abs(collective.all_reduce(t, "sum", pair.gid, 2).numpy() - xs[0] - xs[1]).max())
+  messages = []
+  for call in (lambda: collective.reduce_scatter(bt.ones(2 * n + 1), "sum", g.gid, n),
+               lambda: collective.all_reduce(bt.ones(3, dtype=bt.int64), "avg", g.gid, n),
+               lambda: collective.all_reduce(bt.ones(3), "mean", g.gid, n),
+               lambda: collective.all_reduce(bt.ones(3), "sum", 12345, n),
+               lambda: collective.all_reduce(bt.ones(3), "sum", g.gid, n + 1),
+               lambda: collective.all_reduce(bt.ones(3, requires_grad=True), "max", g.gid, n).sum().backward()):
+    try: call(); messages.append(None)
+    except (RuntimeError, TypeError, ValueError) as e: messages.append(f"{type(e).__name__}: {e}")
+  return {**{k: worst(v) for k, v in err.items()}, "messages": messages}
+
+
+def kernel_calls(compiled):
+  """The kernels a compiled step calls, in order, read from its generated source (one call a line)."""
+  source = open(compiled.info["source"]).read()
+  return [line.split('kernels["')[1].split('"')[0] for line in source.splitlines() if 'kernels["' in line]
+
+
+def case_compile(r, n):
+  """A DDP step with AdamW under bt.compile (the first call eager, the second captured, the rest replayed) against the
+  same step eagerly and against one process on the whole batch; and the in-place API's refusal under a capture."""
+  def make_step(net, opt):
+    def step(x, y):
+      loss = loss_of(net, x, y)
+      loss.backward(); opt.step(); opt.zero_grad()
+      return loss
+    return step
+
+  m = DistributedDataParallel(model(100 + r), bucket_cap_mb=200 / 2**20)
+  eager, ref = DistributedDataParallel(replica(m), bucket_cap_mb=200 / 2**20), replica(m)
+  adamw = lambda net: bt.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
+  compiled = bt.compile(make_step(m, adamw(m)), dump_ir=sys.argv[2])
+  eager_step, ref_step = make_step(eager, adamw(eager)), make_step(ref, adamw(ref))
+  loss_err = 0.0
+  for step in range(STEPS + 2):
+    loss, eager_loss = compiled(*batch(step, r, n)), eager_step(*batch(step, r, n))
+    ref_step(*batch(step))
+    loss_err = max(loss_err, abs(loss.item() - eager_loss.item()))
+  calls = kernel_calls(compiled)
+
+  acc = DistributedDataParallel(model(100 + r))  # no_sync accumulation with a compiled micro-step
+  acc_ref = replica(acc)
+
+  def micro(x, y):
+    loss = loss_of(acc, x, y)
+    loss.backward()
     return loss
-  compiled = bt.compile(step)
-  compiled(*batch(0, r, n))
+  compiled_micro = bt.compile(micro)
+  with acc.no_sync():
+    for step in range(3): compiled_micro(*batch(step, r, n))  # eager, captured without reduction, replayed
+  compiled_micro(*batch(3, r, n))                               # synchronized: a graph of its own
+  for step in range(4): loss_of(acc_ref, *batch(step)).backward()
+
+  def refused():
+    t = bt.ones(3)
+    dist.all_reduce(t)
+    return t
+  once = bt.compile(refused)
+  once()
   try:
-    compiled(*batch(1, r, n))
-    return {"error": None}
+    once()
+    error = None
   except RuntimeError as e:
-    return {"error": str(e)}
+    error = str(e)
+  return {"captures": compiled.captures, "buckets": len(m._buckets), "all_reduces": calls.count("all_reduce"),
+          "first_all_reduce": calls.index("all_reduce"), "last_matmul": len(calls) - 1 - calls[::-1].index("matmul"),
+          "loss": worst(loss_err), "eager": worst(max(diff(p, q) for p, q in zip(m.parameters(), eager.parameters()))),
+          "param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters()))), "error": error,
+          "no_sync_captures": compiled_micro.captures,
+          "no_sync_grad": worst(max(diff(p.grad, q.grad) for p, q in zip(acc.parameters(), acc_ref.parameters())))}
+
+
+def case_zero_compile(stage, r, n):
+  """ZeRO-1 (under DDP) or ZeRO-2 (with its sharded clipping) under bt.compile against the same step eagerly and
+  plain AdamW with clip_grad_norm_ on the whole batch, over several steps."""
+  stage = int(stage)
+
+  def make_step(m, ref):
+    net = DistributedDataParallel(m) if stage == 1 and not ref else m
+    opt = bt.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) if ref else ZeroRedundancyOptimizer(
+      m.parameters(), bt.optim.AdamW, stage=stage, bucket_cap_mb=100 / 2**20, lr=0.05, weight_decay=0.1)
+
+    def step(x, y):
+      loss = loss_of(net, x, y)
+      loss.backward()
+      if stage == 2: (bt.nn.utils.clip_grad_norm_(m.parameters(), 0.5) if ref else opt.clip_grad_norm_(0.5))
+      opt.step(); opt.zero_grad()
+      return loss
+    return step
+
+  m, eager, ref = model(0), model(0), model(0)
+  compiled = bt.compile(make_step(m, False))
+  eager_step, ref_step = make_step(eager, False), make_step(ref, True)
+  for step in range(STEPS + 2):
+    compiled(*batch(step, r, n)); eager_step(*batch(step, r, n)); ref_step(*batch(step))
+  calls = kernel_calls(compiled)
+  return {"captures": compiled.captures, "reduce_scatters": calls.count("reduce_scatter"),
+          "all_gathers": calls.count("all_gather"), "all_reduces": calls.count("all_reduce"),
+          "eager": worst(max(diff(p, q) for p, q in zip(m.parameters(), eager.parameters()))),
+          "param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters())))}
 
 
 def case_timeout(r, n):
@@ -224,8 +338,10 @@ def case_timeout(r, n):
 if __name__ == "__main__":
   dist.init_process_group("mpi", timeout=1.0 if sys.argv[1] == "timeout" else 60)
   r, n = dist.get_rank(), dist.get_world_size()
-  name, args = sys.argv[1], sys.argv[2:]
-  out = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
-         "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile, "timeout": case_timeout}[name](*args, r, n)
+  name, args = sys.argv[1], sys.argv[2:] if sys.argv[1] != "compile" else []
+  cases = {"ddp": case_ddp, "no_sync": case_no_sync, "zero": case_zero, "save": case_save, "load": case_load,
+           "collectives": case_collectives, "zero_accumulate": case_zero_accumulate_and_clip, "compile": case_compile,
+           "functional": case_functional, "zero_compile": case_zero_compile, "timeout": case_timeout}
+  out = cases[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()

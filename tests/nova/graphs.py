@@ -12,6 +12,7 @@ from blutrain.dtypes import DType
 from blutrain.nova.graph import Equation, Graph, Value
 from blutrain.ops import registry
 from blutrain.autograd.tape import Aval
+from tests.loopback import LOOPBACK
 
 
 class Builder:
@@ -191,6 +192,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   outs += [*b("adamw", x, w, pos, y, pos, bias, pos, sq, step, step, lr, n=2, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.1),
            *b("scale", x, w, b.full((), 0.5))]
+  outs += [b("all_reduce", x, reduce_op="avg", group=LOOPBACK, size=1),
+           b("reduce_scatter", pos, reduce_op="sum", group=LOOPBACK, size=1), b("all_gather", w, group=LOOPBACK, size=1)]
   return b.output(*outs), arrays
 
 

@@ -15,6 +15,7 @@ from blutrain.nova import ir
 from blutrain.nova.memory import plan
 from blutrain.nova.pipeline import compile_graph
 from blutrain.nova.remat import parse_size, rematerialize
+from tests.loopback import LOOPBACK
 from tests.nova.graphs import Builder
 from tests.nova.test_memory import _check
 
@@ -228,3 +229,22 @@ def test_the_clone_goes_right_before_the_first_read_after_the_peak_and_views_fol
   clone, view = ops[5], ops[6]
   assert ops[7].operands[1] is clone.result and view.operands[0] is clone.result and ops[8].operands[1] is view.result
   assert report.peak_after < report.peak_before and _check(plan(module)).lower_bound == report.peak_after
+
+
+def test_a_collective_is_planned_as_any_op_and_never_recomputed():
+  """A bucket reduced early and read after the peak (DDP's gradients, read by the optimizer): its recipe would be the
+  collective alone (its operand is alive anyway), but remat never recomputes one (a round of communication, and every
+  rank must run the same ones); the plan gives its result a buffer of its own."""
+  S = 64
+  b = Builder()
+  x, w = b.input((S, S)), b.input((S, S))
+  grad = b("matmul", x, w, tf32=False)
+  bucket = b("all_reduce", grad, reduce_op="avg", group=LOOPBACK, size=1)
+  peak = b("matmul", b("tanh", b("matmul", x, x, tf32=False)), w, tf32=False)
+  module = ir.to_module(b.output(b("mul", peak, bucket), grad))  # grad alive to the end: bucket's recipe is one op
+  with pytest.warns(UserWarning, match="above its memory budget"): report = rematerialize(module, budget=1)
+  names = [op.name[5:] for op in ir.function(module).body.block.ops][:-1]
+  assert names.count("all_reduce") == 1 and not any("all_reduce" in r.ops for r in report.recomputed), report.report()
+  p = _check(plan(module))
+  ops = {buf.op: buf for buf in p.buffers}
+  assert "all_reduce" in ops and ops["all_reduce"].first == names.index("all_reduce"), sorted(ops)

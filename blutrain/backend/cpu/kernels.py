@@ -11,6 +11,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from blutrain.backend import collective
 from blutrain.shapes import BoundsError
 
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -387,3 +388,4 @@ def _scale(*xs, out=None):
 
 _adamw.writes_out = _scale.writes_out = True
 kernels |= {"adamw": _adamw, "sum_squares": _sum_squares, "scale": _scale}
+kernels |= collective.KERNELS  # the process group's own calls (backend/collective.py)

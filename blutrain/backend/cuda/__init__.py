@@ -13,6 +13,7 @@ import pkgutil
 
 import numpy as np
 
+from blutrain.backend import collective
 from blutrain.backend.cuda import errors, interop, memory, runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.memory import copy_into  # noqa: F401  (a protocol function)
@@ -37,6 +38,7 @@ def _load_kernels() -> dict:
 
 
 kernels = _load_kernels()  # assigned after the imports, which bind the subpackage to this name
+kernels |= collective.KERNELS  # the process group's own calls, on the current stream (backend/collective.py)
 
 
 def to_device(x: CudaArray, target):

@@ -10,6 +10,10 @@ current stream waits on its event: no host sync) and each gradient becomes a vie
 
 Buckets are first laid out in reverse registration order (a forward's last parameters get their gradients first); after
 the first backward they are rebuilt in the order that backward actually produced the gradients, as PyTorch does.
+
+Under bt.compile each bucket's reduction is the functional `all_reduce` op of `blutrain.ops.collective` instead, so the
+compiled step's graph holds one collective per bucket where backward completes it; on the GPU it runs on the step's
+stream, inside the CUDA graph.
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ from typing import Any, Iterator
 
 from blutrain import distributed as dist
 from blutrain import ops
+from blutrain.autograd.tape import hooks
 from blutrain.nn.module import Module
-from blutrain.ops import no_grad
+from blutrain.ops import collective, no_grad
 from blutrain.tensor import Tensor
 
 
@@ -103,16 +108,20 @@ class DistributedDataParallel(Module):
     if b.arrived == len(b.params): self._launch(b)
 
   def _launch(self, b: _Bucket) -> None:
-    dist.refuse_capture("all_reduce")
-    with no_grad(): b.flat = ops.cat([p.grad.reshape(-1) for p in b.params])
-    b.work = dist.all_reduce(b.flat, dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+    with no_grad():
+      b.flat = ops.cat([p.grad.reshape(-1) for p in b.params])
+      if hooks.trace is None:
+        b.work = dist.all_reduce(b.flat, dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+      else:  # under bt.compile: the functional op, one graph op per bucket in the order backward completes them
+        g = dist.get_group(self.process_group)
+        b.flat = collective.all_reduce(b.flat, "avg", g.gid, g.size())
     self._launched += 1
     if self._launched == len(self._buckets): self._finish()
 
   def _finish(self) -> None:
     with no_grad():
       for b in self._buckets:
-        b.work.wait()
+        if b.work is not None: b.work.wait()
         for p, off in zip(b.params, b.offsets): p.grad = b.flat[off:off + p.numel()].view(p.shape)
         b.flat, b.work, b.arrived = None, None, 0
     self._launched = 0
