@@ -34,13 +34,15 @@ class ParallelSelfAttention(Module):
   """Causal self-attention over this rank's heads (tensor parallel) and, with a context-parallel group, over the
   whole sequence by ring attention."""
 
-  def __init__(self, block: Block, tp_group: Group, cp_group: Group, sequence_parallel: bool, tp_size: int) -> None:
+  def __init__(self, block: Block, tp_group: Group, cp_group: Group, sequence_parallel: bool, tp_size: int,
+               overlap_chunks: int) -> None:
     super().__init__()
     a = block.attn
     if a.n_head % tp_size:
       raise ValueError(f"parallelize_gpt: n_head ({a.n_head}) must be divisible by the tensor-parallel size ({tp_size})")
     self.c_attn = ColumnParallelLinear.from_linear(a.c_attn, tp_group, parts=3, sequence_parallel=sequence_parallel)
-    self.c_proj = RowParallelLinear.from_linear(a.c_proj, tp_group, sequence_parallel=sequence_parallel)
+    self.c_proj = RowParallelLinear.from_linear(a.c_proj, tp_group, sequence_parallel=sequence_parallel,
+                                                overlap_chunks=overlap_chunks)
     self.resid_dropout, self.attn_dropout, self.cp_group = a.resid_dropout, a.attn_dropout, cp_group
     self.n_head, self.n_embd = a.n_head // tp_size, a.n_embd // tp_size
 
@@ -58,22 +60,24 @@ class ParallelSelfAttention(Module):
 
 
 class ParallelMLP(Module):
-  def __init__(self, block: Block, tp_group: Group, sequence_parallel: bool) -> None:
+  def __init__(self, block: Block, tp_group: Group, sequence_parallel: bool, overlap_chunks: int) -> None:
     super().__init__()
     m = block.mlp
     self.c_fc = ColumnParallelLinear.from_linear(m.c_fc, tp_group, sequence_parallel=sequence_parallel)
     self.gelu, self.dropout = m.gelu, m.dropout
-    self.c_proj = RowParallelLinear.from_linear(m.c_proj, tp_group, sequence_parallel=sequence_parallel)
+    self.c_proj = RowParallelLinear.from_linear(m.c_proj, tp_group, sequence_parallel=sequence_parallel,
+                                                overlap_chunks=overlap_chunks)
 
   def forward(self, x: Tensor) -> Tensor: return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class ParallelBlock(Module):
-  def __init__(self, block: Block, tp_group: Group, cp_group: Group, sequence_parallel: bool, tp_size: int) -> None:
+  def __init__(self, block: Block, tp_group: Group, cp_group: Group, sequence_parallel: bool, tp_size: int,
+               overlap_chunks: int) -> None:
     super().__init__()
     self.ln_1, self.ln_2 = block.ln_1, block.ln_2
-    self.attn = ParallelSelfAttention(block, tp_group, cp_group, sequence_parallel, tp_size)
-    self.mlp = ParallelMLP(block, tp_group, sequence_parallel)
+    self.attn = ParallelSelfAttention(block, tp_group, cp_group, sequence_parallel, tp_size, overlap_chunks)
+    self.mlp = ParallelMLP(block, tp_group, sequence_parallel, overlap_chunks)
     self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
   def forward(self, x: Tensor) -> Tensor:
@@ -91,14 +95,15 @@ class ParallelGPT(Module):
       tensor-parallel rank; average gradients over the context-parallel group (`all_reduce_gradients`).
   """
 
-  def __init__(self, model: GPT, tp_group: Group = None, cp_group: Group = None, sequence_parallel: bool = False) -> None:
+  def __init__(self, model: GPT, tp_group: Group = None, cp_group: Group = None, sequence_parallel: bool = False,
+               overlap_chunks: int = 1) -> None:
     super().__init__()
     tp_size = dist.get_world_size(tp_group)
     self.config, self.tp_group, self.cp_group, self.sequence_parallel = model.config, tp_group, cp_group, sequence_parallel
     t = model.transformer
     self.wte = VocabParallelEmbedding.from_embedding(t.wte, tp_group, sequence_parallel=sequence_parallel)
     self.wpe, self.drop, self.ln_f = t.wpe, t.drop, t.ln_f
-    self.h = nn.ModuleList([ParallelBlock(b, tp_group, cp_group, sequence_parallel, tp_size) for b in t.h])
+    self.h = nn.ModuleList([ParallelBlock(b, tp_group, cp_group, sequence_parallel, tp_size, overlap_chunks) for b in t.h])
     self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, tp_group, sequence_parallel=sequence_parallel)
     self.lm_head.weight = self.wte.weight  # weight tying: both are this rank's rows of the vocabulary
 
@@ -116,8 +121,8 @@ class ParallelGPT(Module):
     return logits, vocab_parallel_cross_entropy(logits, targets, self.tp_group, ignore_index=-1)
 
 
-def parallelize_gpt(model: GPT, tp_group: Group = None, cp_group: Group = None,
-                    sequence_parallel: bool = False) -> ParallelGPT:
+def parallelize_gpt(model: GPT, tp_group: Group = None, cp_group: Group = None, sequence_parallel: bool = False,
+                    overlap_chunks: int = 1) -> ParallelGPT:
   """This rank's tensor- and context-parallel form of `model` (a blutrain GPT with the same weights on every rank).
 
   Args:
@@ -125,5 +130,7 @@ def parallelize_gpt(model: GPT, tp_group: Group = None, cp_group: Group = None,
     cp_group: the context-parallel group (None: no context parallelism).
     sequence_parallel: split the LayerNorm/dropout regions along the sequence over tp_group (reduce-scatter and
       all-gather instead of all-reduce); the sequence length must be divisible by the tp size.
+    overlap_chunks: the row-parallel layers' all-reduce in this many chunks, each overlapping the next chunk's GEMM
+      (RowParallelLinear's overlap_chunks; not with sequence_parallel).
   """
-  return ParallelGPT(model, tp_group, cp_group, sequence_parallel)
+  return ParallelGPT(model, tp_group, cp_group, sequence_parallel, overlap_chunks)

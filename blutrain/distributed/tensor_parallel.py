@@ -100,6 +100,16 @@ gather_from_sequence_parallel.__doc__ = ("All-gather along `dim` (the sequence) 
 reduce_scatter_to_sequence_parallel = autograd_collective("reduce_scatter_to_sequence_parallel", _reduce_scatter,
                                                           _all_gather)
 reduce_scatter_to_sequence_parallel.__doc__ = "Reduce-scatter along `dim` forward; backward all-gathers the gradient."
+_reduce_node = Op("reduce_from_parallel", None, lambda g, out, x, group, dim: (g,), saves=())
+
+
+def _start_reduce(y: Tensor, group: Group):
+  """reduce_from_parallel of a GEMM's fresh output, started asynchronously: y's memory is all-reduced in place (no node
+  saves a matmul's output) and the Work is returned; the result may be read after its wait()."""
+  out = y.detach()
+  work = dist.all_reduce(out, group=group, async_op=True)
+  if is_grad_enabled() and y.requires_grad: record(_reduce_node, (y,), {"group": group, "dim": 0}, out)
+  return out, work
 
 
 # *** layers ***
@@ -168,11 +178,20 @@ class RowParallelLinear(Module):
       layer takes its slice.
     sequence_parallel: reduce-scatter the output along dim 1 instead of all-reducing it.
     process_group: the tensor-parallel group (default: the world).
+    overlap_chunks: split the rows (the tokens) into this many chunks and start each chunk's all-reduce as soon as
+      its GEMM is done, so it runs while the next chunk's GEMM does (on GPUs the collective is on the communication
+      stream, ordered by events: the two streams overlap; the compute stream waits for the reductions only after the
+      last GEMM). 1: one GEMM, then its all-reduce. Not with sequence_parallel.
   """
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-               sequence_parallel: bool = False, process_group: Group = None, device=None, dtype=None) -> None:
+               sequence_parallel: bool = False, process_group: Group = None, overlap_chunks: int = 1, device=None,
+               dtype=None) -> None:
     super().__init__()
+    if overlap_chunks < 1 or (overlap_chunks > 1 and sequence_parallel):
+      raise ValueError(f"RowParallelLinear: overlap_chunks must be a positive int, and 1 with sequence_parallel; got "
+                       f"{overlap_chunks}")
+    self.overlap_chunks = overlap_chunks
     local = _divide("RowParallelLinear", "in_features", in_features, process_group)
     self.in_features, self.out_features, self.process_group = in_features, out_features, process_group
     self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
@@ -194,6 +213,11 @@ class RowParallelLinear(Module):
   def forward(self, x: Tensor) -> Tensor:
     g = self.process_group
     if not self.input_is_parallel: x = scatter_to_parallel(x, g, -1)
+    if self.overlap_chunks > 1:
+      started = [_start_reduce(F.linear(c, self.weight), g) for c in x.reshape(-1, x.shape[-1]).chunk(self.overlap_chunks)]
+      for _, work in started: work.wait()
+      y = ops.cat([out for out, _ in started]).reshape(*x.shape[:-1], self.out_features)
+      return y if self.bias is None else y + self.bias
     y = F.linear(x, self.weight)
     if self.sequence_parallel:
       y = reduce_scatter_to_sequence_parallel(y, g, 1)

@@ -108,9 +108,10 @@ def case_cross_entropy(r, n):
   return {k: worst(v) for k, v in err.items()}
 
 
-def case_tp_gpt(sp, r, n):
-  """A GPT sharded over all ranks (sequence parallel when sp == "1") against the whole model, same batch."""
-  plan = (None, None, sp == "1")
+def case_tp_gpt(mode, r, n):
+  """A GPT sharded over all ranks against the whole model, same batch; mode "sp": sequence parallel, "overlap": the
+  row-parallel layers' all-reduces in 3 chunks overlapping the GEMMs, "tp": neither."""
+  plan = (None, None, mode == "sp", 3 if mode == "overlap" else 1)
   par = parallelize_gpt(gpt(), *plan)
   out = compare_training(par, gpt(), plan)
   return {**out, "local_params": sum(p.numel() for p in par.parameters()),

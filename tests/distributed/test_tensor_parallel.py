@@ -14,9 +14,9 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_one_with_ignore_index():
   assert all(v < 1e-12 for v in out.values()), out
 
 
-@pytest.mark.parametrize("world,sequence_parallel", [(2, "0"), (2, "1"), (4, "1")])
-def test_tensor_parallel_gpt_trains_as_the_whole_model(world, sequence_parallel):
-  (out,) = mpirun(world, "tp_gpt", sequence_parallel, worker=WORKER)
+@pytest.mark.parametrize("world,mode", [(2, "tp"), (2, "sp"), (4, "sp"), (2, "overlap")])
+def test_tensor_parallel_gpt_trains_as_the_whole_model(world, mode):
+  (out,) = mpirun(world, "tp_gpt", mode, worker=WORKER)
   assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["param"] < 1e-10, out
   # the sharded matrices: local parameters are 1/world of them plus the replicated LayerNorms and position embedding
   assert out["local_params"] < out["params"] / world + 1100, out
@@ -25,3 +25,25 @@ def test_tensor_parallel_gpt_trains_as_the_whole_model(world, sequence_parallel)
 def test_data_parallel_over_tensor_parallel_pairs_trains_as_one_process():
   (out,) = mpirun(4, "dp_tp", worker=WORKER)
   assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["param"] < 1e-10, out
+
+
+def test_overlapped_row_parallel_layer_starts_each_chunks_reduce_before_the_next_gemm(tmp_path):
+  """On the fake GPU at world size 1 (tests/distributed/test_nccl_host_path.py's fake NCCL): each chunk's all-reduce
+  goes on the communication stream right after its GEMM, and the compute stream waits for them only after the last."""
+  pytest.importorskip("cuda.core")
+  from tests.distributed.test_nccl_host_path import _run
+  _run('''
+from blutrain.distributed.tensor_parallel import RowParallelLinear
+fake_cuda.FakeLt.matmul = lambda self, *a: log.append(("matmul",))
+dist.init_process_group("nccl")
+layer = RowParallelLinear(64, 32, overlap_chunks=4).to("cuda")
+x = bt.randn(2, 8, 64, device="cuda", requires_grad=True)
+log.clear()
+y = layer(x)
+seen = [e[0] if e[0] != "wait" else "wait_" + ("compute" if e[1] == compute else "comm") for e in log]
+seen = [k for k in seen if k in ("matmul", "allreduce", "wait_compute")]
+assert seen[:8] == ["matmul", "allreduce"] * 4 and set(seen[8:]) == {"wait_compute"}, seen
+assert all(e[1] == comm for e in log if e[0] == "allreduce") and tuple(y.shape) == (2, 8, 32)
+y.sum().backward()
+assert tuple(x.grad.shape) == (2, 8, 64) and tuple(layer.weight.grad.shape) == (32, 64)
+''', tmp_path)
