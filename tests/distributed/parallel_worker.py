@@ -9,10 +9,10 @@ import numpy as np
 
 import blutrain as bt
 import blutrain.distributed as dist
-from blutrain.distributed.context_parallel import (all_reduce_gradients, load_balance_indices, ring_attention,
+from blutrain.distributed.context_parallel import (all_reduce_gradients, ring_attention, sequence_positions,
                                                    shard_sequence, unshard_sequence)
 from blutrain.distributed.parallelize import parallelize_gpt
-from blutrain.distributed.tensor_parallel import vocab_parallel_cross_entropy
+from blutrain.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
 from blutrain.models.gpt import GPT, GPTConfig
 from blutrain.nn.parallel import DistributedDataParallel
 
@@ -105,7 +105,20 @@ def case_cross_entropy(r, n):
     ref.backward(bt.from_numpy(g.reshape(ref.shape)))
     err[f"grad_{reduction}"] = diff(logits.grad.numpy(), whole.grad.numpy()[..., r * 8:(r + 1) * 8])
     logits.grad = None
+  err["errors"] = float(not raises(ValueError, "divisible by the tensor-parallel group size", lambda: (
+    ColumnParallelLinear(4, 8 * n + 1)), lambda: RowParallelLinear(8 * n + 1, 4), lambda: parallelize_gpt(gpt())))
   return {k: worst(v) for k, v in err.items()}
+
+
+def raises(kind, text, *calls):
+  """Whether every call raises `kind` with `text` in its message."""
+  for call in calls:
+    try: call()
+    except kind as e:
+      if text not in str(e): return False
+      continue
+    return False
+  return True
 
 
 def case_tp_gpt(mode, r, n):
@@ -132,26 +145,28 @@ def case_dp_tp(r, n):
 
 
 def case_ring_attention(r, n):
-  """Ring attention on the load-balanced parts against attention on the whole sequence, forward and gradients."""
+  """Ring attention on the load-balanced parts against attention on the whole sequence, forward and gradients; the
+  inputs are (B, H, T, D) views of (B, T, H, D) tensors (not contiguous)."""
   rng = np.random.default_rng(3)
   Tn = 4 * n
-  qkv = [rng.standard_normal((2, 3, Tn, 5)) for _ in range(3)]
+  qkv = [rng.standard_normal((2, Tn, 3, 5)) for _ in range(3)]
   g = rng.standard_normal((2, 3, Tn, 5))
   err = {}
   for causal in (True, False):
     whole = [bt.from_numpy(a).requires_grad_() for a in qkv]
-    ref = bt.nn.functional.scaled_dot_product_attention(*whole, is_causal=causal)
+    ref = bt.nn.functional.scaled_dot_product_attention(*(w.transpose(1, 2) for w in whole), is_causal=causal)
     ref.backward(bt.from_numpy(g))
-    parts = [shard_sequence(bt.from_numpy(a), None, dim=2).requires_grad_() for a in qkv]
-    out = ring_attention(*parts, None, is_causal=causal)
+    parts = [shard_sequence(bt.from_numpy(a)).requires_grad_() for a in qkv]
+    out = ring_attention(*(p.transpose(1, 2) for p in parts), None, is_causal=causal)
     out.backward(shard_sequence(bt.from_numpy(g), None, dim=2))
     err[f"out_{causal}"] = diff(unshard_sequence(out.detach(), None, dim=2).numpy(), ref.detach().numpy())
     for name, p, w in zip("qkv", parts, whole):
-      err[f"d{name}_{causal}"] = diff(p.grad.numpy(), shard_sequence(w.grad, None, dim=2).numpy())
+      err[f"d{name}_{causal}"] = diff(p.grad.numpy(), shard_sequence(w.grad).numpy())
   x = bt.from_numpy(rng.standard_normal((2, Tn, 3)))
   err["round_trip"] = diff(unshard_sequence(shard_sequence(x)).numpy(), x.numpy())
-  perm = load_balance_indices(Tn, n).numpy()
-  err["permutation"] = float(sorted(perm.tolist()) != list(range(Tn)))
+  c = Tn // (2 * n)  # rank r's positions: chunks r and 2n-1-r
+  want = np.concatenate([np.arange(k * c, (k + 1) * c) for k in (r, 2 * n - 1 - r)])
+  err["positions"] = diff(sequence_positions(Tn).numpy(), want)
   return {k: worst(v) for k, v in err.items()}
 
 

@@ -12,10 +12,22 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 def test_ring_attention_and_its_gradients_equal_attention_on_the_whole_sequence(world):
   (out,) = mpirun(world, "ring_attention", worker=WORKER)
   assert out.pop("world") == world and out.pop("case") == "ring_attention"
-  assert out.pop("round_trip") == 0.0 and out.pop("permutation") == 0.0
+  assert out.pop("round_trip") == 0.0 and out.pop("positions") == 0.0
   assert all(v < 1e-12 for v in out.values()), out
 
 
 def test_context_parallel_gpt_trains_as_the_whole_model():
   (out,) = mpirun(2, "cp_gpt", worker=WORKER)
   assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["param"] < 1e-10, out
+
+
+def test_load_balancing_permutation_and_bad_inputs():
+  import blutrain as bt
+  from blutrain.distributed.context_parallel import load_balance_indices, ring_attention
+  assert load_balance_indices(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]  # rank 0: chunks 0 and 3; rank 1: 1 and 2
+  with pytest.raises(ValueError, match="2 x 3 equal chunks"): load_balance_indices(8, 3)
+  q = bt.randn(1, 2, 6, 4)
+  with pytest.raises(RuntimeError, match=r"ring_attention: expected q .* \(1, 2, 6, 3\)"):
+    ring_attention(q, bt.randn(1, 2, 6, 3), bt.randn(1, 2, 6, 3))
+  with pytest.raises(RuntimeError, match="two equal chunks"):
+    ring_attention(bt.randn(1, 2, 5, 4), bt.randn(1, 2, 5, 4), bt.randn(1, 2, 5, 4))

@@ -47,3 +47,13 @@ assert all(e[1] == comm for e in log if e[0] == "allreduce") and tuple(y.shape) 
 y.sum().backward()
 assert tuple(x.grad.shape) == (2, 8, 64) and tuple(layer.weight.grad.shape) == (32, 64)
 ''', tmp_path)
+
+
+def test_bad_arguments_raise_before_any_collective():
+  import blutrain as bt
+  from blutrain.distributed.tensor_parallel import RowParallelLinear, vocab_parallel_cross_entropy
+  with pytest.raises(ValueError, match=r"target of shape \(3,\) does not match logits of shape \(4, 8\)"):
+    vocab_parallel_cross_entropy(bt.randn(4, 8), bt.zeros(3, dtype=bt.int64))
+  with pytest.raises(ValueError, match="unknown reduction 'avg'"):
+    vocab_parallel_cross_entropy(bt.randn(4, 8), bt.zeros(4, dtype=bt.int64), reduction="avg")
+  with pytest.raises(ValueError, match="overlap_chunks"): RowParallelLinear(8, 4, sequence_parallel=True, overlap_chunks=2)
