@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 
 from blutrain import distributed as dist, dtypes, ops
-from blutrain.distributed.tensor_parallel import Group, autograd_collective, gather_from_parallel
+from blutrain.autograd.tape import is_grad_enabled, no_grad, record
+from blutrain.distributed.tensor_parallel import Group, gather_from_parallel
+from blutrain.ops.core import Op
 from blutrain.tensor import Tensor
 
 
@@ -30,27 +32,35 @@ def _ranks(group: Group) -> list[int]:
   return list(group.ranks) if group is not None else list(range(dist.get_world_size()))
 
 
-def _shift(x: Tensor, group: Group, dim: int, back: bool = False) -> Tensor:
-  """x sent to the next rank of the ring and the previous rank's received (`back`: the other way round). Even ranks
-  send first and odd ranks receive first, so ring orders on one stream (NCCL's) cannot wait on each other."""
+def _start_shift(x: Tensor, group: Group, back: bool = False) -> tuple[Tensor, list]:
+  """Start sending x to the next rank of the ring and receiving the previous rank's (`back`: the other way round);
+  the received tensor and the Works to wait on before reading it (or changing x). Even ranks post the send first and
+  odd ranks the receive, so the ring's transfers, in order on one stream (NCCL's), cannot wait on each other."""
   ranks, r = _ranks(group), dist.get_rank(group)
   step = -1 if back else 1
   dst, src = ranks[(r + step) % len(ranks)], ranks[(r - step) % len(ranks)]
   x, out = x.detach().contiguous(), ops.empty(x.shape, dtype=x.dtype, device=x.device)
-  if r % 2 == 0:
-    sent = dist.isend(x, dst, group=group)
-    dist.recv(out, src, group=group)
-  else:
-    received = dist.irecv(out, src, group=group)
-    dist.send(x, dst, group=group)
-    sent = received
-  sent.wait()
+  send = lambda: dist.isend(x, dst, group=group)
+  recv = lambda: dist.irecv(out, src, group=group)
+  works = [send(), recv()] if r % 2 == 0 else [recv(), send()]
+  return out, works
+
+
+def _shift(x: Tensor, group: Group, back: bool = False) -> Tensor:
+  out, works = _start_shift(x, group, back)
+  for w in works: w.wait()
   return out
 
 
-ring_shift = autograd_collective("ring_shift", _shift, lambda g, group, dim: _shift(g, group, dim, back=True))
-ring_shift.__doc__ = ("The previous rank's `x` (this rank's goes to the next); backward sends the gradient back the "
-                      "other way.")
+_shift_node = Op("ring_shift", None, lambda g, out, x, group: (_shift(g, group, back=True),), saves=())
+
+
+def start_ring_shift(x: Tensor, group: Group = None) -> tuple[Tensor, list]:
+  """The previous rank's `x` (this rank's goes to the next), started asynchronously: returns the tensor and the
+  Works to wait on before reading it. Differentiable: the backward sends the gradient back the other way."""
+  with no_grad(): out, works = _start_shift(x, group)
+  if is_grad_enabled() and x.requires_grad: record(_shift_node, (x,), {"group": group}, out)
+  return out, works
 
 
 def load_balance_indices(seq_len: int, world_size: int) -> Tensor:
@@ -123,8 +133,12 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group: Group = Non
   kv = ops.stack([key, value])  # one tensor around the ring, so keys and values share one shift and one gradient path
   h = L // 2
   first, second = [], []  # partial (output, lse) of the first and second chunk of queries
+  incoming = start_ring_shift(kv, group) if n > 1 else None
   for step in range(n):
-    if step: kv = ring_shift(kv, group)
+    if step:  # the block that arrived; the next one travels while this one is attended
+      kv, works = incoming
+      for w in works: w.wait()
+      if step < n - 1: incoming = start_ring_shift(kv, group)
     k, v, src = kv[0], kv[1], (r - step) % n
     if not is_causal or step == 0: out, lse = _block(query, k, v, scale, is_causal)
     elif src < r:  # an earlier rank: all queries come after its first chunk, and before its second
