@@ -181,11 +181,27 @@ def case_cp_gpt(r, n):
                           reduce_group=plan[1], ignore=False)
 
 
+def case_dp_cp(r, n):
+  """4 ranks: context-parallel pairs {0, 1}, {2, 3} (gradients averaged over the pair), data parallel across them
+  ({0, 2}, {1, 3}) with DDP, whose ranks have the same graphs (the same position in their pairs); each pair trains
+  on half the batch, against one process on the whole batch."""
+  cp = [g for g in (dist.new_group([0, 1]), dist.new_group([2, 3])) if g is not None][0]
+  dp = [g for g in (dist.new_group([0, 2]), dist.new_group([1, 3])) if g is not None][0]
+  own = [dist.new_group([k]) for k in range(n)][r]
+  d, plan = dp.rank(), (own, cp, False)
+  par = parallelize_gpt(gpt(), *plan)
+  half = lambda x, y: (shard_sequence(x[d * B // 2:(d + 1) * B // 2], cp), shard_sequence(y[d * B // 2:(d + 1) * B // 2], cp))
+  whole = lambda loss: mean_over(dp)(bt.tensor([mean_over(cp)(loss)], dtype=bt.float64))
+  return compare_training(par, gpt(), plan, half, whole, DistributedDataParallel(par, process_group=dp),
+                          reduce_group=cp, ignore=False)
+
+
 if __name__ == "__main__":
   dist.init_process_group("mpi", timeout=60)
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:]
   out = {"cross_entropy": case_cross_entropy, "tp_gpt": case_tp_gpt, "dp_tp": case_dp_tp,
-         "ring_attention": case_ring_attention, "cp_gpt": case_cp_gpt}[name](*args, r, n)
+         "ring_attention": case_ring_attention, "cp_gpt": case_cp_gpt,
+         "dp_cp": case_dp_cp}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()

@@ -21,6 +21,11 @@ def test_context_parallel_gpt_trains_as_the_whole_model():
   assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["param"] < 1e-10, out
 
 
+def test_data_parallel_over_context_parallel_pairs_trains_as_one_process():
+  (out,) = mpirun(4, "dp_cp", worker=WORKER)
+  assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["param"] < 1e-10, out
+
+
 def test_load_balancing_permutation_and_bad_inputs():
   import blutrain as bt
   from blutrain.distributed.context_parallel import load_balance_indices, ring_attention
