@@ -99,12 +99,14 @@ def unshard_sequence(x: Tensor, group: Group = None, dim: int = 1) -> Tensor:
 
 
 def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-  """Attention of q to one key/value block, and the log-sum-exp of each query's scores (for the merge)."""
-  scores = ops.matmul(q, k.mT) * scale
+  """Attention of q to one key/value block, and the log-sum-exp of each query's scores (for the merge); scores, their
+  log-sum-exp and the output in float32 at least (16-bit inputs, as under autocast, are multiplied in their dtype)."""
+  scores = ops.matmul(q, k.mT)
+  scores = scores.to(dtypes.float32) * scale if scores.dtype.itemsize < 4 else scores * scale
   if causal:
     scores = scores.masked_fill(~ops.tril(ops.ones(q.shape[-2], k.shape[-2], dtype=dtypes.bool_, device=q.device)), float("-inf"))
   lse = scores.logsumexp(-1)
-  return ops.matmul((scores - lse.unsqueeze(-1)).exp(), v), lse
+  return ops.matmul((scores - lse.unsqueeze(-1)).exp().to(v.dtype), v).to(lse.dtype), lse
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
@@ -149,8 +151,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group: Group = Non
     if not is_causal: first.append((out, lse)); continue
     first.append((out[..., :h, :], lse[..., :h]))
     second.append((out[..., h:, :], lse[..., h:]))
-  if not is_causal: return _merge(first)
-  return ops.cat([_merge(first), _merge(second)], -2)
+  out = _merge(first) if not is_causal else ops.cat([_merge(first), _merge(second)], -2)
+  return out.to(query.dtype)
 
 
 def all_reduce_gradients(parameters, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.AVG) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from blutrain import distributed as dist, nn, ops
+from blutrain import distributed as dist, dtypes, nn, ops
 from blutrain.autograd.tape import is_grad_enabled, no_grad, record
 from blutrain.nn import functional as F
 from blutrain.nn.module import Module, Parameter
@@ -273,6 +273,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, process_group: 
                      f"shape {tuple(logits.shape)}; expected a target of shape {tuple(logits.shape[:-1])}")
   lead, local = tuple(target.shape), logits.shape[-1]
   logits, target = logits.reshape(-1, local), target.reshape(-1)
+  if logits.dtype.itemsize < 4: logits = logits.to(dtypes.float32)  # 16-bit logits (autocast): the sums in float32
   start = dist.get_rank(process_group) * local
   with no_grad():
     top = logits.detach().amax(-1)

@@ -105,6 +105,10 @@ def case_cross_entropy(r, n):
     ref.backward(bt.from_numpy(g.reshape(ref.shape)))
     err[f"grad_{reduction}"] = diff(logits.grad.numpy(), whole.grad.numpy()[..., r * 8:(r + 1) * 8])
     logits.grad = None
+  half = bt.from_numpy(full).to(bt.bfloat16)  # 16-bit logits: float32 sums and losses, as F.cross_entropy's
+  mine = vocab_parallel_cross_entropy(half[..., r * 8:(r + 1) * 8], t)
+  err["bf16"] = diff(mine.numpy(), bt.nn.functional.cross_entropy(half.float().reshape(-1, 8 * n), t.reshape(-1)).numpy())
+  err["bf16_dtype"] = float(mine.dtype is not bt.float32)
   err["errors"] = float(not raises(ValueError, "divisible by the tensor-parallel group size", lambda: (
     ColumnParallelLinear(4, 8 * n + 1)), lambda: RowParallelLinear(8 * n + 1, 4), lambda: parallelize_gpt(gpt())))
   return {k: worst(v) for k, v in err.items()}
@@ -162,6 +166,12 @@ def case_ring_attention(r, n):
     err[f"out_{causal}"] = diff(unshard_sequence(out.detach(), None, dim=2).numpy(), ref.detach().numpy())
     for name, p, w in zip("qkv", parts, whole):
       err[f"d{name}_{causal}"] = diff(p.grad.numpy(), shard_sequence(w.grad).numpy())
+  parts = [shard_sequence(bt.from_numpy(a).to(bt.bfloat16)).transpose(1, 2) for a in qkv]  # float32 scores and merge
+  ref = bt.nn.functional.scaled_dot_product_attention(*(bt.from_numpy(a).to(bt.bfloat16).double().transpose(1, 2)
+                                                        for a in qkv), is_causal=True)
+  out = ring_attention(*parts, None)
+  err["bf16"] = diff(unshard_sequence(out.double(), None, dim=2).numpy(), ref.numpy())
+  err["bf16_dtype"] = float(out.dtype is not bt.bfloat16)
   x = bt.from_numpy(rng.standard_normal((2, Tn, 3)))
   err["round_trip"] = diff(unshard_sequence(shard_sequence(x)).numpy(), x.numpy())
   c = Tn // (2 * n)  # rank r's positions: chunks r and 2n-1-r

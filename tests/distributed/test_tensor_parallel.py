@@ -11,6 +11,7 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 def test_vocab_parallel_cross_entropy_equals_the_whole_one_with_ignore_index():
   (out,) = mpirun(3, "cross_entropy", worker=WORKER)  # three ranks: the vocabulary's thirds
   assert out.pop("world") == 3 and out.pop("case") == "cross_entropy"
+  assert out.pop("bf16") < 1e-5 and out.pop("bf16_dtype") == 0.0  # bfloat16 logits: float32 losses
   assert all(v < 1e-12 for v in out.values()), out
 
 
