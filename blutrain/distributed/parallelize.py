@@ -91,8 +91,9 @@ class ParallelGPT(Module):
   Shape:
     idx, targets: (B, T_local) token indices; with a context-parallel group T_local = T / n_cp, this rank's
       load-balanced part of the sequence (`shard_sequence`), else the whole sequence.
-    logits: (B, T_local, vocab_size / n_tp), this rank's slice of the vocabulary (all of it on a group of one). loss: the mean over this rank's tokens (targets equal to -1 ignored), the same on every
-      tensor-parallel rank; average gradients over the context-parallel group (`all_reduce_gradients`).
+    logits: (B, T_local, vocab_size / n_tp), this rank's slice of the vocabulary (all of it on a group of one).
+    loss: the mean over this rank's tokens (targets equal to -1 ignored), the same on every tensor-parallel rank;
+      average the gradients over the context-parallel group (`all_reduce_gradients`).
   """
 
   def __init__(self, model: GPT, tp_group: Group = None, cp_group: Group = None, sequence_parallel: bool = False,
@@ -110,8 +111,7 @@ class ParallelGPT(Module):
   def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     B, T = idx.shape
     if self.cp_group is None: pos = ops.arange(T, device=idx.device)
-    else:
-      pos = sequence_positions(T * dist.get_world_size(self.cp_group), self.cp_group).to(idx.device)
+    else: pos = sequence_positions(T * dist.get_world_size(self.cp_group), self.cp_group).to(idx.device)
     p = self.wpe(pos)
     if self.sequence_parallel: p = scatter_to_parallel(p, self.tp_group, 0)  # this rank's part of the sequence
     x = self.drop(self.wte(idx) + p)
@@ -124,6 +124,8 @@ class ParallelGPT(Module):
 def parallelize_gpt(model: GPT, tp_group: Group = None, cp_group: Group = None, sequence_parallel: bool = False,
                     overlap_chunks: int = 1) -> ParallelGPT:
   """This rank's tensor- and context-parallel form of `model` (a blutrain GPT with the same weights on every rank).
+  The sharded layers hold copies of this rank's shards; the replicated ones (LayerNorms, position embedding, dropout)
+  are `model`'s own modules, shared: drop `model` afterwards rather than training both.
 
   Args:
     tp_group: the tensor-parallel group (default: the world; for context parallelism alone, a group of this rank).
