@@ -121,6 +121,26 @@ class ParallelGPT(Module):
     return logits, vocab_parallel_cross_entropy(logits, targets, self.tp_group, ignore_index=-1)
 
 
+  def clip_grad_norm_(self, max_norm: float) -> Tensor:
+    """Scale the gradients so that the whole model's gradient 2-norm is at most `max_norm`; returns that norm before
+    clipping, as nn.utils.clip_grad_norm_ on the unsharded model's gradients would. The sharded parameters' squares
+    are summed over the tensor-parallel group (one all-reduce), the replicated ones counted once."""
+    sharded = {id(p) for m in self.modules() if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding))
+               for p in m.parameters()}
+    sharded |= {id(m.weight) for m in self.modules() if isinstance(m, RowParallelLinear)}
+    with ops.no_grad():
+      grads = [(p.grad, id(p) in sharded) for p in self.parameters() if p.grad is not None]
+      wide = lambda g: g.float() if g.dtype.itemsize < 4 else g  # 16-bit gradients' squares summed in float32
+      squares = lambda part: sum(((wide(g) ** 2).sum() for g, s in grads if s == part),
+                                 ops.zeros((), device=grads[0][0].device)).reshape(1)
+      total = squares(True)
+      dist.all_reduce(total, group=self.tp_group)
+      norm = (total + squares(False)).sqrt().reshape(())
+      scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+      for g, _ in grads: g.mul_(scale.to(g.dtype))
+    return norm
+
+
 def parallelize_gpt(model: GPT, tp_group: Group = None, cp_group: Group = None, sequence_parallel: bool = False,
                     overlap_chunks: int = 1) -> ParallelGPT:
   """This rank's tensor- and context-parallel form of `model` (a blutrain GPT with the same weights on every rank).

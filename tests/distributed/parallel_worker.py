@@ -54,13 +54,13 @@ def sharded_grads(ref, plan):
 def compare_training(par, ref, plan, shard=lambda x, y: (x, y), whole_loss=lambda loss: loss.item(), net=None,
                      reduce_group=None, ignore=True):
   """STEPS AdamW steps of the parallel model `par` (called through `net`, default par, on shard(batch)) and of the
-  reference `ref` on the whole batch; the largest loss, first-step gradient and final parameter differences, the
-  reference's laid out by the same `plan` (parallelize_gpt's arguments). `whole_loss`: the whole batch's loss from
+  reference `ref` on the whole batch, the second step's gradients clipped; the largest loss, first-step gradient,
+  gradient norm and final parameter differences, the reference's laid out by the same `plan` (parallelize_gpt's arguments). `whole_loss`: the whole batch's loss from
   this rank's; `reduce_group`: average the gradients over it after backward (context parallel)."""
   net = net or par
   opt = bt.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.1)
   ref_opt = bt.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-  loss_err = grad_err = 0.0
+  loss_err = grad_err = norm_err = 0.0
   for step in range(STEPS):
     x, y = batch(step, ignore)
     loss = net(*shard(x, y))[1]
@@ -68,6 +68,8 @@ def compare_training(par, ref, plan, shard=lambda x, y: (x, y), whole_loss=lambd
     if reduce_group is not None: all_reduce_gradients(list(par.parameters()), reduce_group)
     ref_loss = ref(x, y)[1]
     ref_loss.backward()
+    if step == 1:  # a clipped step: the whole model's norm from the shards
+      norm_err = abs(par.clip_grad_norm_(0.05).item() - bt.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
     loss_err = max(loss_err, abs(whole_loss(loss) - ref_loss.item()))
     if step == 0:
       want = sharded_grads(ref, plan)
@@ -75,7 +77,7 @@ def compare_training(par, ref, plan, shard=lambda x, y: (x, y), whole_loss=lambd
     opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
   want = dict(parallelize_gpt(ref, *plan).named_parameters())
   param_err = max(diff(p.detach().numpy(), want[name].detach().numpy()) for name, p in par.named_parameters())
-  return {"loss": worst(loss_err), "grad": worst(grad_err), "param": worst(param_err)}
+  return {"loss": worst(loss_err), "grad": worst(grad_err), "norm": worst(norm_err), "param": worst(param_err)}
 
 
 def mean_over(group):
