@@ -104,7 +104,8 @@ def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple
   scores = ops.matmul(q, k.mT)
   scores = scores.to(dtypes.float32) * scale if scores.dtype.itemsize < 4 else scores * scale
   if causal:
-    scores = scores.masked_fill(~ops.tril(ops.ones(q.shape[-2], k.shape[-2], dtype=dtypes.bool_, device=q.device)), float("-inf"))
+    keep = ops.tril(ops.ones(q.shape[-2], k.shape[-2], dtype=dtypes.bool_, device=q.device))
+    scores = scores.masked_fill(~keep, float("-inf"))
   lse = scores.logsumexp(-1)
   return ops.matmul((scores - lse.unsqueeze(-1)).exp().to(v.dtype), v).to(lse.dtype), lse
 

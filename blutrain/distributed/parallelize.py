@@ -39,8 +39,10 @@ class ParallelSelfAttention(Module):
     super().__init__()
     a = block.attn
     if a.n_head % tp_size:
-      raise ValueError(f"parallelize_gpt: n_head ({a.n_head}) must be divisible by the tensor-parallel size ({tp_size})")
-    self.c_attn = ColumnParallelLinear.from_linear(a.c_attn, tp_group, parts=3, sequence_parallel=sequence_parallel)
+      raise ValueError(f"parallelize_gpt: n_head ({a.n_head}) must be divisible by the tensor-parallel size "
+                       f"({tp_size})")
+    self.c_attn = ColumnParallelLinear.from_linear(a.c_attn, tp_group, parts=3, sequence_parallel=sequence_parallel,
+                                                   overlap_chunks=overlap_chunks)
     self.c_proj = RowParallelLinear.from_linear(a.c_proj, tp_group, sequence_parallel=sequence_parallel,
                                                 overlap_chunks=overlap_chunks)
     self.resid_dropout, self.attn_dropout, self.cp_group = a.resid_dropout, a.attn_dropout, cp_group
@@ -63,7 +65,8 @@ class ParallelMLP(Module):
   def __init__(self, block: Block, tp_group: Group, sequence_parallel: bool, overlap_chunks: int) -> None:
     super().__init__()
     m = block.mlp
-    self.c_fc = ColumnParallelLinear.from_linear(m.c_fc, tp_group, sequence_parallel=sequence_parallel)
+    self.c_fc = ColumnParallelLinear.from_linear(m.c_fc, tp_group, sequence_parallel=sequence_parallel,
+                                                 overlap_chunks=overlap_chunks)
     self.gelu, self.dropout = m.gelu, m.dropout
     self.c_proj = RowParallelLinear.from_linear(m.c_proj, tp_group, sequence_parallel=sequence_parallel,
                                                 overlap_chunks=overlap_chunks)
@@ -100,12 +103,15 @@ class ParallelGPT(Module):
                overlap_chunks: int = 1) -> None:
     super().__init__()
     tp_size = dist.get_world_size(tp_group)
-    self.config, self.tp_group, self.cp_group, self.sequence_parallel = model.config, tp_group, cp_group, sequence_parallel
+    self.config, self.tp_group, self.cp_group = model.config, tp_group, cp_group
+    self.sequence_parallel = sequence_parallel
     t = model.transformer
     self.wte = VocabParallelEmbedding.from_embedding(t.wte, tp_group, sequence_parallel=sequence_parallel)
     self.wpe, self.drop, self.ln_f = t.wpe, t.drop, t.ln_f
-    self.h = nn.ModuleList([ParallelBlock(b, tp_group, cp_group, sequence_parallel, tp_size, overlap_chunks) for b in t.h])
-    self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, tp_group, sequence_parallel=sequence_parallel)
+    self.h = nn.ModuleList([ParallelBlock(b, tp_group, cp_group, sequence_parallel, tp_size, overlap_chunks)
+                            for b in t.h])
+    self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, tp_group, sequence_parallel=sequence_parallel,
+                                                    overlap_chunks=overlap_chunks)
     self.lm_head.weight = self.wte.weight  # weight tying: both are this rank's rows of the vocabulary
 
   def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -152,7 +158,8 @@ def parallelize_gpt(model: GPT, tp_group: Group = None, cp_group: Group = None, 
     cp_group: the context-parallel group (None: no context parallelism).
     sequence_parallel: split the LayerNorm/dropout regions along the sequence over tp_group (reduce-scatter and
       all-gather instead of all-reduce); the sequence length must be divisible by the tp size.
-    overlap_chunks: the row-parallel layers' all-reduce in this many chunks, each overlapping the next chunk's GEMM
-      (RowParallelLinear's overlap_chunks; not with sequence_parallel).
+    overlap_chunks: the layers' forward collectives in this many chunks, each overlapping another chunk's GEMM
+      (Column/RowParallelLinear's overlap_chunks: with sequence_parallel the all-gathers and reduce-scatters, in
+      chunks of the batch; without it the row-parallel all-reduces, in chunks of the tokens).
   """
   return ParallelGPT(model, tp_group, cp_group, sequence_parallel, overlap_chunks)

@@ -100,16 +100,49 @@ gather_from_sequence_parallel.__doc__ = ("All-gather along `dim` (the sequence) 
 reduce_scatter_to_sequence_parallel = autograd_collective("reduce_scatter_to_sequence_parallel", _reduce_scatter,
                                                           _all_gather)
 reduce_scatter_to_sequence_parallel.__doc__ = "Reduce-scatter along `dim` forward; backward all-gathers the gradient."
-_reduce_node = Op("reduce_from_parallel", None, lambda g, out, x, group, dim: (g,), saves=())
 
 
-def _start_reduce(y: Tensor, group: Group):
-  """reduce_from_parallel of a GEMM's fresh output, started asynchronously: y's memory is all-reduced in place (no node
-  saves a matmul's output) and the Work is returned; the result may be read after its wait()."""
-  out = y.detach()
-  work = dist.all_reduce(out, group=group, async_op=True)
-  if is_grad_enabled() and y.requires_grad: record(_reduce_node, (y,), {"group": group, "dim": 0}, out)
+def _launch_all_reduce(x: Tensor, group: Group):
+  out = x.detach()  # in place: the caller passes a fresh tensor
+  return out, dist.all_reduce(out, group=group, async_op=True)
+
+
+def _launch_all_gather(x: Tensor, group: Group):
+  x = x.detach().contiguous()
+  out = ops.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+  return out, dist.all_gather_into_tensor(out, x, group=group, async_op=True)
+
+
+def _launch_reduce_scatter(x: Tensor, group: Group):
+  n = dist.get_world_size(group)
+  _check_divisible("reduce_scatter_to_sequence_parallel", x, 0, n)
+  x = x.detach().contiguous()
+  out = ops.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+  return out, dist.reduce_scatter_tensor(out, x, group=group, async_op=True)
+
+
+# the forward collective started asynchronously, and its dual (the VJP, run synchronously), as the functions above
+_ASYNC = {"reduce_from_parallel": (_launch_all_reduce, _identity),
+          "gather_from_sequence_parallel": (_launch_all_gather, _reduce_scatter),
+          "reduce_scatter_to_sequence_parallel": (_launch_reduce_scatter, _all_gather)}
+_ASYNC_NODES = {kind: Op(kind, None, lambda g, out, x, group, dim, dual=dual: (dual(g, group, 0),), saves=())
+                for kind, (_, dual) in _ASYNC.items()}
+
+
+def start_collective(kind: str, x: Tensor, group: Group = None) -> tuple[Tensor, dist.Work]:
+  """Start `kind`, one of "reduce_from_parallel", "gather_from_sequence_parallel" and
+  "reduce_scatter_to_sequence_parallel" (those functions along dim 0), with async_op=True: returns the output, to be
+  read only after the Work's wait(), and the Work. Differentiable as those functions are. reduce_from_parallel
+  reduces x's memory in place: pass a fresh tensor (a GEMM's output, which no node saves)."""
+  launch, _ = _ASYNC[kind]
+  with no_grad(): out, work = launch(x, group)
+  if is_grad_enabled() and x.requires_grad: record(_ASYNC_NODES[kind], (x,), {"group": group, "dim": 0}, out)
   return out, work
+
+
+def _check_chunks(name: str, chunks: int) -> None:
+  if not isinstance(chunks, int) or chunks < 1:
+    raise ValueError(f"{name}: overlap_chunks must be a positive int, got {chunks!r}")
 
 
 # *** layers ***
@@ -137,11 +170,16 @@ class ColumnParallelLinear(Module):
     gather_output: all-gather the outputs so every rank gets all of them (default: keep this rank's slice).
     sequence_parallel: the input is split along dim 1 (the sequence): all-gather it first (backward reduce-scatters).
     process_group: the tensor-parallel group (default: the world).
+    overlap_chunks: with sequence_parallel, all-gather the input in this many chunks of the batch (dim 0), each
+      chunk's GEMM running while the next chunk's all-gather is in flight (on GPUs: on the communication stream).
   """
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-               sequence_parallel: bool = False, process_group: Group = None, device=None, dtype=None) -> None:
+               sequence_parallel: bool = False, process_group: Group = None, overlap_chunks: int = 1, device=None,
+               dtype=None) -> None:
     super().__init__()
+    _check_chunks("ColumnParallelLinear", overlap_chunks)
+    self.overlap_chunks = overlap_chunks
     local = _divide("ColumnParallelLinear", "out_features", out_features, process_group)
     self.in_features, self.out_features, self.process_group = in_features, out_features, process_group
     self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -151,7 +189,8 @@ class ColumnParallelLinear(Module):
     else: self.register_parameter("bias", None)
 
   @classmethod
-  def from_linear(cls, linear: nn.Linear, process_group: Group = None, parts: int = 1, **kwargs) -> ColumnParallelLinear:
+  def from_linear(cls, linear: nn.Linear, process_group: Group = None, parts: int = 1,
+                  **kwargs) -> ColumnParallelLinear:
     """This rank's shard of `linear`; `parts` > 1 shards each of that many equal output blocks (fused q, k, v)."""
     m = cls(linear.in_features, linear.out_features, linear.bias is not None, process_group=process_group,
             device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
@@ -162,9 +201,24 @@ class ColumnParallelLinear(Module):
 
   def forward(self, x: Tensor) -> Tensor:
     g = self.process_group
-    x = gather_from_sequence_parallel(x, g, 1) if self.sequence_parallel else copy_to_parallel(x, g)
-    y = F.linear(x, self.weight, self.bias)
+    if self.sequence_parallel and self.overlap_chunks > 1: y = self._overlapped(x)
+    else:
+      x = gather_from_sequence_parallel(x, g, 1) if self.sequence_parallel else copy_to_parallel(x, g)
+      y = F.linear(x, self.weight, self.bias)
     return gather_from_parallel(y, g, -1) if self.gather_output else y
+
+  def _overlapped(self, x: Tensor) -> Tensor:
+    """The sequence-parallel all-gather in chunks of the batch, the next chunk's gather in flight during this GEMM."""
+    # the sequence in front, where all_gather_into_tensor concatenates
+    gather = lambda c: start_collective("gather_from_sequence_parallel", c.transpose(0, 1), self.process_group)
+    chunks, outs = x.chunk(self.overlap_chunks, 0), []
+    pending = gather(chunks[0])
+    for i in range(len(chunks)):
+      full, work = pending
+      if i + 1 < len(chunks): pending = gather(chunks[i + 1])
+      work.wait()
+      outs.append(F.linear(full.transpose(0, 1), self.weight, self.bias))
+    return ops.cat(outs, 0)
 
 
 class RowParallelLinear(Module):
@@ -178,19 +232,17 @@ class RowParallelLinear(Module):
       layer takes its slice.
     sequence_parallel: reduce-scatter the output along dim 1 instead of all-reducing it.
     process_group: the tensor-parallel group (default: the world).
-    overlap_chunks: split the rows (the tokens) into this many chunks and start each chunk's all-reduce as soon as
-      its GEMM is done, so it runs while the next chunk's GEMM does (on GPUs the collective is on the communication
-      stream, ordered by events: the two streams overlap; the compute stream waits for the reductions only after the
-      last GEMM). 1: one GEMM, then its all-reduce. Not with sequence_parallel.
+    overlap_chunks: split the tokens into this many chunks (of the batch, dim 0, with sequence_parallel) and start
+      each chunk's all-reduce (reduce-scatter) as soon as its GEMM is done, so it runs while the next chunk's GEMM
+      does (on GPUs the collective is on the communication stream, ordered by events: the two streams overlap; the
+      compute stream waits for the reductions only after the last GEMM). 1: one GEMM, then its reduction.
   """
 
   def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                sequence_parallel: bool = False, process_group: Group = None, overlap_chunks: int = 1, device=None,
                dtype=None) -> None:
     super().__init__()
-    if overlap_chunks < 1 or (overlap_chunks > 1 and sequence_parallel):
-      raise ValueError(f"RowParallelLinear: overlap_chunks must be a positive int, and 1 with sequence_parallel; got "
-                       f"{overlap_chunks}")
+    _check_chunks("RowParallelLinear", overlap_chunks)
     self.overlap_chunks = overlap_chunks
     local = _divide("RowParallelLinear", "in_features", in_features, process_group)
     self.in_features, self.out_features, self.process_group = in_features, out_features, process_group
@@ -213,8 +265,15 @@ class RowParallelLinear(Module):
   def forward(self, x: Tensor) -> Tensor:
     g = self.process_group
     if not self.input_is_parallel: x = scatter_to_parallel(x, g, -1)
+    if self.overlap_chunks > 1 and self.sequence_parallel:
+      started = [start_collective("reduce_scatter_to_sequence_parallel", F.linear(c, self.weight).transpose(0, 1), g)
+                 for c in x.chunk(self.overlap_chunks, 0)]  # the sequence in front for the reduce-scatter
+      for _, work in started: work.wait()
+      y = ops.cat([out.transpose(0, 1) for out, _ in started], 0)
+      return y if self.bias is None else y + copy_to_parallel(self.bias, g)
     if self.overlap_chunks > 1:
-      started = [_start_reduce(F.linear(c, self.weight), g) for c in x.reshape(-1, x.shape[-1]).chunk(self.overlap_chunks)]
+      started = [start_collective("reduce_from_parallel", F.linear(c, self.weight), g)
+                 for c in x.reshape(-1, x.shape[-1]).chunk(self.overlap_chunks)]
       for _, work in started: work.wait()
       y = ops.cat([out for out, _ in started]).reshape(*x.shape[:-1], self.out_features)
       return y if self.bias is None else y + self.bias

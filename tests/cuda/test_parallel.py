@@ -37,10 +37,10 @@ def host(t): return t.detach().cpu().numpy()
 def plan_for(mode, r, n):
   """parallelize_gpt's arguments for `mode` over the world."""
   if mode == "cp": return ([dist.new_group([k]) for k in range(n)][r], dist.new_group(), False, 1)
-  return (None, None, mode == "sp", 3 if mode == "overlap" else 1)
+  return (None, None, mode.startswith("sp"), 3 if mode.endswith("overlap") else 1)
 
 
-@pytest.mark.parametrize("mode", ["tp", "sp", "overlap", "cp"])
+@pytest.mark.parametrize("mode", ["tp", "sp", "overlap", "sp-overlap", "cp"])
 def test_parallel_gpt_step_equals_the_whole_model(world, mode):
   r, n = world
   plan = plan_for(mode, r, n)

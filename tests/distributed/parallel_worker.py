@@ -55,8 +55,9 @@ def compare_training(par, ref, plan, shard=lambda x, y: (x, y), whole_loss=lambd
                      reduce_group=None, ignore=True):
   """STEPS AdamW steps of the parallel model `par` (called through `net`, default par, on shard(batch)) and of the
   reference `ref` on the whole batch, the second step's gradients clipped; the largest loss, first-step gradient,
-  gradient norm and final parameter differences, the reference's laid out by the same `plan` (parallelize_gpt's arguments). `whole_loss`: the whole batch's loss from
-  this rank's; `reduce_group`: average the gradients over it after backward (context parallel)."""
+  gradient norm and final parameter differences, the reference's laid out by the same `plan` (parallelize_gpt's
+  arguments). `whole_loss`: the whole batch's loss from this rank's; `reduce_group`: average the gradients over it
+  after backward (context parallel)."""
   net = net or par
   opt = bt.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.1)
   ref_opt = bt.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -109,7 +110,8 @@ def case_cross_entropy(r, n):
     logits.grad = None
   half = bt.from_numpy(full).to(bt.bfloat16)  # 16-bit logits: float32 sums and losses, as F.cross_entropy's
   mine = vocab_parallel_cross_entropy(half[..., r * 8:(r + 1) * 8], t)
-  err["bf16"] = diff(mine.numpy(), bt.nn.functional.cross_entropy(half.float().reshape(-1, 8 * n), t.reshape(-1)).numpy())
+  whole = bt.nn.functional.cross_entropy(half.float().reshape(-1, 8 * n), t.reshape(-1))
+  err["bf16"] = diff(mine.numpy(), whole.numpy())
   err["bf16_dtype"] = float(mine.dtype is not bt.float32)
   err["errors"] = float(not raises(ValueError, "divisible by the tensor-parallel group size", lambda: (
     ColumnParallelLinear(4, 8 * n + 1)), lambda: RowParallelLinear(8 * n + 1, 4), lambda: parallelize_gpt(gpt())))
@@ -128,9 +130,9 @@ def raises(kind, text, *calls):
 
 
 def case_tp_gpt(mode, r, n):
-  """A GPT sharded over all ranks against the whole model, same batch; mode "sp": sequence parallel, "overlap": the
-  row-parallel layers' all-reduces in 3 chunks overlapping the GEMMs, "tp": neither."""
-  plan = (None, None, mode == "sp", 3 if mode == "overlap" else 1)
+  """A GPT sharded over all ranks against the whole model, same batch; mode "tp": tensor parallel, "sp": and sequence
+  parallel, "overlap" and "sp-overlap": the forward collectives in 3 chunks overlapping the GEMMs."""
+  plan = (None, None, mode.startswith("sp"), 3 if mode.endswith("overlap") else 1)
   par = parallelize_gpt(gpt(), *plan)
   out = compare_training(par, gpt(), plan)
   return {**out, "local_params": sum(p.numel() for p in par.parameters()),
@@ -202,7 +204,7 @@ def case_dp_cp(r, n):
   own = [dist.new_group([k]) for k in range(n)][r]
   d, plan = dp.rank(), (own, cp, False)
   par = parallelize_gpt(gpt(), *plan)
-  half = lambda x, y: (shard_sequence(x[d * B // 2:(d + 1) * B // 2], cp), shard_sequence(y[d * B // 2:(d + 1) * B // 2], cp))
+  half = lambda x, y: tuple(shard_sequence(t[d * B // 2:(d + 1) * B // 2], cp) for t in (x, y))
   whole = lambda loss: mean_over(dp)(bt.tensor([mean_over(cp)(loss)], dtype=bt.float64))
   return compare_training(par, gpt(), plan, half, whole, DistributedDataParallel(par, process_group=dp),
                           reduce_group=cp, ignore=False)

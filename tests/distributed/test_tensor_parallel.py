@@ -15,7 +15,7 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_one_with_ignore_index():
   assert all(v < 1e-12 for v in out.values()), out
 
 
-@pytest.mark.parametrize("world,mode", [(2, "tp"), (2, "sp"), (4, "sp"), (2, "overlap")])
+@pytest.mark.parametrize("world,mode", [(2, "tp"), (2, "sp"), (4, "sp"), (2, "overlap"), (2, "sp-overlap")])
 def test_tensor_parallel_gpt_trains_as_the_whole_model(world, mode):
   (out,) = mpirun(world, "tp_gpt", mode, worker=WORKER)
   assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10, out
@@ -57,4 +57,5 @@ def test_bad_arguments_raise_before_any_collective():
     vocab_parallel_cross_entropy(bt.randn(4, 8), bt.zeros(3, dtype=bt.int64))
   with pytest.raises(ValueError, match="unknown reduction 'avg'"):
     vocab_parallel_cross_entropy(bt.randn(4, 8), bt.zeros(4, dtype=bt.int64), reduction="avg")
-  with pytest.raises(ValueError, match="overlap_chunks"): RowParallelLinear(8, 4, sequence_parallel=True, overlap_chunks=2)
+  with pytest.raises(ValueError, match="RowParallelLinear: overlap_chunks must be a positive int, got 0"):
+    RowParallelLinear(8, 4, overlap_chunks=0)
