@@ -11,6 +11,7 @@ import blutrain as bt
 import blutrain.distributed as dist
 from blutrain.distributed.context_parallel import (all_reduce_gradients, ring_attention, sequence_positions,
                                                    shard_sequence, unshard_sequence)
+from blutrain.distributed.device_mesh import init_device_mesh
 from blutrain.distributed.parallelize import parallelize_gpt
 from blutrain.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
 from blutrain.models.gpt import GPT, GPTConfig
@@ -143,13 +144,18 @@ def case_dp_tp(r, n):
   """4 ranks: tensor-parallel pairs {0, 1}, {2, 3} (sequence parallel), data parallel across them ({0, 2}, {1, 3})
   with DDP; each pair trains on half the batch, against one process on the whole batch. No ignored targets: DDP
   averages the halves' means, which is the whole batch's mean only when the halves count as many targets."""
-  tp = [g for g in (dist.new_group([0, 1]), dist.new_group([2, 3])) if g is not None][0]
-  dp = [g for g in (dist.new_group([0, 2]), dist.new_group([1, 3])) if g is not None][0]
+  mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+  tp, dp = mesh["tp"].get_group(), mesh.get_group("dp")
+  layout = {"tp": tp.ranks, "dp": dp.ranks, "d": mesh.get_local_rank("dp"), "size": mesh.size()}
+  errors = raises(RuntimeError, "init_device_mesh", lambda: init_device_mesh("cpu", (3,)),
+                  lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "dp")))
   d, plan = dp.rank(), (tp, None, True)
   par = parallelize_gpt(gpt(), *plan)
   half = lambda x, y: (x[d * B // 2:(d + 1) * B // 2], y[d * B // 2:(d + 1) * B // 2])
-  return compare_training(par, gpt(), plan, half, mean_over(dp), DistributedDataParallel(par, process_group=dp),
-                          ignore=False)
+  out = compare_training(par, gpt(), plan, half, mean_over(dp), DistributedDataParallel(par, process_group=dp),
+                         ignore=False)
+  want = {"tp": [r // 2 * 2, r // 2 * 2 + 1], "dp": [r % 2, r % 2 + 2], "d": r // 2, "size": 4}
+  return {**out, "mesh": worst(float(layout != want or not errors))}
 
 
 def case_ring_attention(r, n):
@@ -188,8 +194,8 @@ def case_cp_gpt(r, n):
   """A GPT whose sequence is split over all ranks (ring attention, load-balanced, true positions; a tensor-parallel
   group of one rank each) against the whole model. Each rank's loss is its mean over as many tokens, so the gradients
   are averaged over the ranks; no ignored targets (they would weight the ranks unequally)."""
-  tp = [dist.new_group([k]) for k in range(n)][r]
-  plan = (tp, dist.new_group(), False)
+  mesh = init_device_mesh("cpu", (n, 1), mesh_dim_names=("cp", "tp"))
+  plan = (mesh.get_group("tp"), mesh.get_group("cp"), False)
   par = parallelize_gpt(gpt(), *plan)
   return compare_training(par, gpt(), plan, lambda x, y: (shard_sequence(x), shard_sequence(y)), mean_over(None),
                           reduce_group=plan[1], ignore=False)
@@ -199,10 +205,9 @@ def case_dp_cp(r, n):
   """4 ranks: context-parallel pairs {0, 1}, {2, 3} (gradients averaged over the pair), data parallel across them
   ({0, 2}, {1, 3}) with DDP, whose ranks have the same graphs (the same position in their pairs); each pair trains
   on half the batch, against one process on the whole batch."""
-  cp = [g for g in (dist.new_group([0, 1]), dist.new_group([2, 3])) if g is not None][0]
-  dp = [g for g in (dist.new_group([0, 2]), dist.new_group([1, 3])) if g is not None][0]
-  own = [dist.new_group([k]) for k in range(n)][r]
-  d, plan = dp.rank(), (own, cp, False)
+  mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "cp", "tp"))  # a tensor-parallel group of one
+  cp, dp = mesh.get_group("cp"), mesh.get_group("dp")
+  d, plan = dp.rank(), (mesh.get_group("tp"), cp, False)
   par = parallelize_gpt(gpt(), *plan)
   half = lambda x, y: tuple(shard_sequence(t[d * B // 2:(d + 1) * B // 2], cp) for t in (x, y))
   whole = lambda loss: mean_over(dp)(bt.tensor([mean_over(cp)(loss)], dtype=bt.float64))

@@ -24,7 +24,8 @@ def test_tensor_parallel_gpt_trains_as_the_whole_model(world, mode):
 
 
 def test_data_parallel_over_tensor_parallel_pairs_trains_as_one_process():
-  (out,) = mpirun(4, "dp_tp", worker=WORKER)
+  (out,) = mpirun(4, "dp_tp", worker=WORKER)  # the groups from init_device_mesh("cpu", (2, 2))
+  assert out.pop("mesh") == 0.0
   assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10, out
 
 
