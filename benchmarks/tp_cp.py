@@ -38,6 +38,7 @@ def build(mode: str, cfg, state, device: str, chunks: int):
   import blutrain as bt
   import blutrain.distributed as dist
   from blutrain.distributed.context_parallel import all_reduce_gradients, shard_sequence
+  from blutrain.distributed.device_mesh import init_device_mesh
   from blutrain.distributed.parallelize import parallelize_gpt
   from blutrain.models import GPT
   model = GPT(cfg)
@@ -48,9 +49,9 @@ def build(mode: str, cfg, state, device: str, chunks: int):
   if mode != "cp":
     return parallelize_gpt(model, None, sequence_parallel=mode == "tp-sp",
                            overlap_chunks=chunks if mode == "tp-ovl" else 1), whole, nothing
-  own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-  cp = dist.new_group()
-  par = parallelize_gpt(model, own, cp)
+  mesh = init_device_mesh(device, (dist.get_world_size(), 1), mesh_dim_names=("cp", "tp"))
+  cp = mesh.get_group("cp")
+  par = parallelize_gpt(model, mesh.get_group("tp"), cp)
   return par, (lambda x, y: (shard_sequence(x, cp), shard_sequence(y, cp))), (
     lambda m: all_reduce_gradients(list(m.parameters()), cp))
 

@@ -215,12 +215,22 @@ def case_dp_cp(r, n):
                           reduce_group=cp, ignore=False)
 
 
+def case_tp_cp(r, n):
+  """4 ranks: context-parallel pairs of tensor-parallel pairs (sequence parallel): the ring's transfers and the TP
+  collectives interleave in forward and backward."""
+  mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+  cp, plan = mesh.get_group("cp"), (mesh.get_group("tp"), mesh.get_group("cp"), True)
+  par = parallelize_gpt(gpt(), *plan)
+  return compare_training(par, gpt(), plan, lambda x, y: (shard_sequence(x, cp), shard_sequence(y, cp)),
+                          mean_over(cp), reduce_group=cp, ignore=False)
+
+
 if __name__ == "__main__":
   dist.init_process_group("mpi", timeout=60)
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:]
   out = {"cross_entropy": case_cross_entropy, "tp_gpt": case_tp_gpt, "dp_tp": case_dp_tp,
          "ring_attention": case_ring_attention, "cp_gpt": case_cp_gpt,
-         "dp_cp": case_dp_cp}[name](*args, r, n)
+         "dp_cp": case_dp_cp, "tp_cp": case_tp_cp}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)
   dist.destroy_process_group()

@@ -38,3 +38,8 @@ def test_load_balancing_permutation_and_bad_inputs():
     ring_attention(q, bt.randn(1, 2, 6, 3), bt.randn(1, 2, 6, 3))
   with pytest.raises(RuntimeError, match="two equal chunks"):
     ring_attention(bt.randn(1, 2, 5, 4), bt.randn(1, 2, 5, 4), bt.randn(1, 2, 5, 4))
+
+
+def test_context_parallel_over_tensor_parallel_pairs_trains_as_the_whole_model():
+  (out,) = mpirun(4, "tp_cp", worker=WORKER)
+  assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10, out
