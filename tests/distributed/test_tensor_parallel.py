@@ -29,9 +29,10 @@ def test_data_parallel_over_tensor_parallel_pairs_trains_as_one_process():
   assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10, out
 
 
-def test_overlapped_row_parallel_layer_starts_each_chunks_reduce_before_the_next_gemm(tmp_path):
+def test_overlapped_layers_launch_each_chunks_collective_next_to_another_chunks_gemm(tmp_path):
   """On the fake GPU at world size 1 (tests/distributed/test_nccl_host_path.py's fake NCCL): each chunk's all-reduce
-  goes on the communication stream right after its GEMM, and the compute stream waits for them only after the last."""
+  (reduce-scatter with SP) goes on the communication stream right after its GEMM, the compute stream waiting for them
+  only after the last; with SP the column-parallel layer launches chunk i + 1's all-gather before chunk i's GEMM."""
   pytest.importorskip("cuda.core")
   from tests.distributed.test_nccl_host_path import _run
   _run('''
@@ -48,6 +49,18 @@ assert seen[:8] == ["matmul", "allreduce"] * 4 and set(seen[8:]) == {"wait_compu
 assert all(e[1] == comm for e in log if e[0] == "allreduce") and tuple(y.shape) == (2, 8, 32)
 y.sum().backward()
 assert tuple(x.grad.shape) == (2, 8, 64) and tuple(layer.weight.grad.shape) == (32, 64)
+from blutrain.distributed.tensor_parallel import ColumnParallelLinear
+def order(layer, x):  # the GEMMs and collectives in launch order, and where the compute stream waits for the comm one
+  log.clear()
+  layer(x)
+  seen = [e[0] if e[0] != "wait" else "wait_" + ("compute" if e[1] == compute else "comm") for e in log]
+  return [k for k in seen if k in ("matmul", "allgather", "reduce_scatter", "wait_compute")]
+x = bt.randn(3, 8, 64, device="cuda")  # with sequence parallelism: chunks of the batch
+seen = order(ColumnParallelLinear(64, 32, sequence_parallel=True, overlap_chunks=3).to("cuda"), x)
+assert seen[:2] == ["allgather"] * 2 and seen.index("matmul") < len(seen) - 1 - seen[::-1].index("allgather"), seen
+assert seen.count("matmul") == 3 and seen.count("allgather") == 3, seen  # gather i + 1 is launched before GEMM i
+seen = order(RowParallelLinear(64, 32, sequence_parallel=True, overlap_chunks=3).to("cuda"), x)
+assert seen[:6] == ["matmul", "reduce_scatter"] * 3 and set(seen[6:]) == {"wait_compute"}, seen
 ''', tmp_path)
 
 
