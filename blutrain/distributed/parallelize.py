@@ -14,7 +14,7 @@ from blutrain import distributed as dist, nn, ops
 from blutrain.distributed.context_parallel import ring_attention, sequence_positions
 from blutrain.distributed.tensor_parallel import (ColumnParallelLinear, Group, RowParallelLinear,
                                                   VocabParallelEmbedding, copy_to_parallel, scatter_to_parallel,
-                                                  vocab_parallel_cross_entropy)
+                                                  unshard, vocab_parallel_cross_entropy)
 from blutrain.models.gpt import GPT, Block
 from blutrain.nn import functional as F
 from blutrain.nn.module import Module
@@ -126,6 +126,16 @@ class ParallelGPT(Module):
     if targets is None: return logits, None
     return logits, vocab_parallel_cross_entropy(logits, targets, self.tp_group, ignore_index=-1)
 
+
+  def full_state_dict(self) -> dict[str, Tensor]:
+    """The unsharded GPT's state_dict (its names), gathered over the tensor-parallel group on every rank: for a
+    checkpoint, or a GPT to evaluate or sample with (`GPT(cfg).load_state_dict(model.full_state_dict())`)."""
+    out = {}
+    for prefix, m in self.named_modules():
+      for name, _ in m.named_parameters(recurse=False, remove_duplicate=False):
+        key = f"{prefix}.{name}" if prefix else name
+        out[key if key.startswith("lm_head.") else "transformer." + key] = unshard(m, name, self.tp_group)
+    return out
 
   def clip_grad_norm_(self, max_norm: float) -> Tensor:
     """Scale the gradients so that the whole model's gradient 2-norm is at most `max_norm`; returns that norm before

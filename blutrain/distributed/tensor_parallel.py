@@ -179,7 +179,7 @@ class ColumnParallelLinear(Module):
                dtype=None) -> None:
     super().__init__()
     _check_chunks("ColumnParallelLinear", overlap_chunks)
-    self.overlap_chunks = overlap_chunks
+    self.overlap_chunks, self.parts = overlap_chunks, 1  # parts: equal output blocks sharded each (from_linear)
     local = _divide("ColumnParallelLinear", "out_features", out_features, process_group)
     self.in_features, self.out_features, self.process_group = in_features, out_features, process_group
     self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -194,6 +194,7 @@ class ColumnParallelLinear(Module):
     """This rank's shard of `linear`; `parts` > 1 shards each of that many equal output blocks (fused q, k, v)."""
     m = cls(linear.in_features, linear.out_features, linear.bias is not None, process_group=process_group,
             device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+    m.parts = parts
     with no_grad():
       m.weight.copy_(_shard(linear.weight, 0, process_group, parts))
       if linear.bias is not None: m.bias.copy_(_shard(linear.bias, 0, process_group, parts))
@@ -317,6 +318,19 @@ class VocabParallelEmbedding(Module):
     e = F.embedding((idx - self.start).clamp(0, local - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
     g = self.process_group
     return reduce_scatter_to_sequence_parallel(e, g, 1) if self.sequence_parallel else reduce_from_parallel(e, g)
+
+
+def unshard(module: Module, name: str, group: Group = None) -> Tensor:
+  """The whole tensor of `module`'s parameter `name` gathered from the ranks' shards (the inverse of from_linear and
+  from_embedding); a replicated parameter as it is."""
+  p = getattr(module, name).detach()
+  if isinstance(module, RowParallelLinear): return _all_gather(p, group, 1) if name == "weight" else p
+  if not isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)): return p
+  whole = _all_gather(p, group, 0)
+  parts = getattr(module, "parts", 1)
+  if parts == 1: return whole
+  n = dist.get_world_size(group)  # rank-major [q_0, k_0, v_0, q_1, ...] -> [q_0, q_1, ..., k_0, ...]
+  return whole.reshape(n, parts, -1, *p.shape[1:]).transpose(0, 1).reshape(whole.shape).contiguous()
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, process_group: Group = None,

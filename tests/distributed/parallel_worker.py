@@ -79,7 +79,10 @@ def compare_training(par, ref, plan, shard=lambda x, y: (x, y), whole_loss=lambd
     opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
   want = dict(parallelize_gpt(ref, *plan).named_parameters())
   param_err = max(diff(p.detach().numpy(), want[name].detach().numpy()) for name, p in par.named_parameters())
-  return {"loss": worst(loss_err), "grad": worst(grad_err), "norm": worst(norm_err), "param": worst(param_err)}
+  full, ref_state = par.full_state_dict(), ref.state_dict()  # the shards gathered back: the whole model's weights
+  full_err = max(diff(full[k].numpy(), v.numpy()) for k, v in ref_state.items()) if set(full) == set(ref_state) else 1.0
+  return {"loss": worst(loss_err), "grad": worst(grad_err), "norm": worst(norm_err), "param": worst(param_err),
+          "full": worst(full_err)}
 
 
 def mean_over(group):

@@ -20,12 +20,14 @@ def test_ring_attention_and_its_gradients_equal_attention_on_the_whole_sequence(
 
 def test_context_parallel_gpt_trains_as_the_whole_model():
   (out,) = mpirun(2, "cp_gpt", worker=WORKER)
-  assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10, out
+  assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10
+  assert out["full"] < 1e-10, out
 
 
 def test_data_parallel_over_context_parallel_pairs_trains_as_one_process():
   (out,) = mpirun(4, "dp_cp", worker=WORKER)
-  assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10, out
+  assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10
+  assert out["full"] < 1e-10, out
 
 
 def test_load_balancing_permutation_and_bad_inputs():
@@ -42,4 +44,5 @@ def test_load_balancing_permutation_and_bad_inputs():
 
 def test_context_parallel_over_tensor_parallel_pairs_trains_as_the_whole_model():
   (out,) = mpirun(4, "tp_cp", worker=WORKER)
-  assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10, out
+  assert out["loss"] < 1e-12 and out["grad"] < 1e-12 and out["norm"] < 1e-12 and out["param"] < 1e-10
+  assert out["full"] < 1e-10, out
