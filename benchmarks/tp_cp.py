@@ -5,6 +5,7 @@ launcher): GPT-2 124M AdamW steps, same weights and batches, for each mode:
   tp        parallelize_gpt over all ranks (attention heads, MLP, vocabulary split)
   tp-sp     the same with sequence parallelism
   tp-ovl    tp with the row-parallel all-reduces in --chunks chunks overlapping the GEMMs
+  tp-sp-ovl tp-sp with the all-gathers and reduce-scatters in --chunks chunks of the batch overlapping the GEMMs
   cp        the sequence split over all ranks (ring attention, load-balanced), gradients averaged over them
 
 tokens/s counts the whole batch (B x T) once per step, whatever the split; peak memory is rank 0's. Writes
@@ -30,7 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-MODES = ("plain", "tp", "tp-sp", "tp-ovl", "cp")
+MODES = ("plain", "tp", "tp-sp", "tp-ovl", "tp-sp-ovl", "cp")
 
 
 def build(mode: str, cfg, state, device: str, chunks: int):
@@ -47,8 +48,8 @@ def build(mode: str, cfg, state, device: str, chunks: int):
   whole, nothing = (lambda x, y: (x, y)), (lambda m: None)
   if mode == "plain": return model, whole, nothing
   if mode != "cp":
-    return parallelize_gpt(model, None, sequence_parallel=mode == "tp-sp",
-                           overlap_chunks=chunks if mode == "tp-ovl" else 1), whole, nothing
+    return parallelize_gpt(model, None, sequence_parallel=mode.startswith("tp-sp"),
+                           overlap_chunks=chunks if mode.endswith("ovl") else 1), whole, nothing
   mesh = init_device_mesh(device, (dist.get_world_size(), 1), mesh_dim_names=("cp", "tp"))
   cp = mesh.get_group("cp")
   par = parallelize_gpt(model, mesh.get_group("tp"), cp)
@@ -95,7 +96,7 @@ def main() -> None:
   ap.add_argument("--precision", default="bf16", choices=("fp32", "tf32", "bf16"))
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--block", type=int, default=1024)
-  ap.add_argument("--chunks", type=int, default=4, help="tp-ovl's chunks")
+  ap.add_argument("--chunks", type=int, default=4, help="the overlapped modes' chunks")
   ap.add_argument("--modes", default=",".join(MODES))
   ap.add_argument("--quick", action="store_true", help="a tiny GPT on the CPU over MPI")
   ap.add_argument("--out", help="the JSON file (default: benchmarks/results/tp_cp.json; --quick writes none)")
