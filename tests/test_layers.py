@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
   ("distributed", ("blutrain.distributed",)),  # process groups: tensors, ops, the CUDA backend's streams and events
   ("nova", ("blutrain.nova",)),
   ("library", ("blutrain.nn", "blutrain.optim", "blutrain.models", "blutrain.utils", "blutrain.serialization",
-               "blutrain.distributed.optim")),
+               "blutrain.distributed.optim", "blutrain.distributed.tensor_parallel",
+               "blutrain.distributed.context_parallel", "blutrain.distributed.parallelize")),
   ("face", ("blutrain",)),  # blutrain/__init__.py: the public API, which the app uses as users do
   ("app", ("blutrain.data", "blutrain.checkpoint", "blutrain.train", "blutrain.cli")),
 ]

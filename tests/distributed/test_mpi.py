@@ -12,13 +12,13 @@ WORKER = Path(__file__).with_name("worker.py")
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BLUTRAIN_JOB_SECRET")
 
 
-def mpirun(n: int, *args: str, timeout: float = 60, clean_exit: bool = True) -> list[dict]:
-  """Run worker.py under `mpiexec -n n`; the JSON lines it printed. `clean_exit=False`: the ranks leave without
-  MPI_Finalize, which mpiexec may report as a failure."""
+def mpirun(n: int, *args: str, timeout: float = 60, clean_exit: bool = True, worker: Path = WORKER) -> list[dict]:
+  """Run `worker` (worker.py) under `mpiexec -n n`; the JSON lines it printed. `clean_exit=False`: the ranks leave
+  without MPI_Finalize, which mpiexec may report as a failure."""
   env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   mpiexec = Path(sys.executable).with_name("mpiexec")
-  proc = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n), sys.executable, str(WORKER),
+  proc = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n), sys.executable, str(worker),
                          *args], env=env, capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0 or not clean_exit, f"mpiexec -n {n} worker.py {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
   return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
