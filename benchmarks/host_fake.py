@@ -3,7 +3,8 @@ on the host runs: allocator, launch planning, argument packing, autograd, autoca
 `x + y`, `x.add_(1)` and `x.sum(-1)` (4096 float32 elements) and host milliseconds of a GPT-2 124M-shaped bf16
 autocast training step (forward, backward, clipping, fused AdamW); medians of the trials. With --profile, cProfile of
 the step (and of each small op) by own time. Runs on any machine, so a change to the host path can be measured
-without a GPU; the machine's noise is large, so compare figures of one run.
+without a GPU. Times are this thread's CPU time (`time.thread_time`): nothing waits on a fake device, and CPU time
+is far less disturbed than wall-clock time by other work on a shared machine; still, compare figures of one run.
 
   python benchmarks/host_fake.py [--calls 5000] [--trials 5] [--steps 3] [--layers 12] [--profile] [--rows 30]
 """
@@ -35,19 +36,22 @@ def per_call_us(fn, calls: int, trials: int) -> float:
   for _ in range(200): fn()
   times = []
   for _ in range(trials):
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for _ in range(calls): fn()
-    times.append((time.perf_counter() - t0) / calls * 1e6)
+    times.append((time.thread_time() - t0) / calls * 1e6)
   return statistics.median(times)
 
 
-def profiled(fn, calls: int, rows: int) -> None:
-  """cProfile of `calls` calls of fn (each result dropped at once, as in the timing), by own time."""
+def profiled(fn, calls: int, rows: int = 0) -> float:
+  """Python function calls per call of fn, counted by cProfile over `calls` calls (each result dropped at once, as in
+  the timing): a figure that noise does not move. With `rows`, the profile by own time is printed."""
   prof = cProfile.Profile()
   prof.enable()
   for _ in range(calls): fn()
   prof.disable()
-  pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+  stats = pstats.Stats(prof)
+  if rows: stats.sort_stats("tottime").print_stats(rows)
+  return stats.total_calls / calls
 
 
 def main() -> None:
@@ -64,9 +68,9 @@ def main() -> None:
   args = ap.parse_args()
   x, y = bt.randn(4096, device="cuda"), bt.randn(4096, device="cuda")
   for name, fn in CASES.items():
-    print(f"{name:>10}: {per_call_us(lambda: fn(x, y), args.calls, args.trials):6.2f} us of host time per call",
-          flush=True)
-    if args.profile: profiled(lambda: fn(x, y), args.calls, args.rows // 2)
+    us = per_call_us(lambda: fn(x, y), args.calls, args.trials)
+    n = profiled(lambda: fn(x, y), args.calls, args.rows // 2 if args.profile else 0)
+    print(f"{name:>10}: {us:6.2f} us of host time per call, {n:.0f} Python calls", flush=True)
   if args.skip_step: return
   bt.manual_seed(0)
   model = GPT(GPTConfig(block_size=args.block, n_layer=args.layers)).to("cuda")
@@ -79,14 +83,14 @@ def main() -> None:
   for _ in range(2): one_step()
   times = []
   for _ in range(args.steps):
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     one_step()
-    times.append((time.perf_counter() - t0) * 1e3)
+    times.append((time.thread_time() - t0) * 1e3)
   before = fake_cuda.launches[0]
-  one_step()
+  n = profiled(one_step, 1, args.rows if args.profile else 0)
   print(f"bf16 GPT-2 step ({args.layers} layers, B={args.batch}, T={args.block}): {statistics.median(times):.1f} ms of "
-        f"host time (median of {args.steps}; {fake_cuda.launches[0] - before} launches)", flush=True)
-  if args.profile: profiled(one_step, args.steps, args.rows)
+        f"host time (median of {args.steps}), {n:,.0f} Python calls, {fake_cuda.launches[0] - before} launches",
+        flush=True)
 
 
 if __name__ == "__main__":
