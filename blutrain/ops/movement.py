@@ -110,8 +110,9 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
   """A view with two dims swapped."""
   dims = list(range(x.ndim))
   a, b = normalize_dim(dim0, x.ndim, "transpose"), normalize_dim(dim1, x.ndim, "transpose")
+  if a == b: return x
   dims[a], dims[b] = dims[b], dims[a]
-  return permute(x, dims)
+  return permute_op(x, dims=tuple(dims))  # dims are normalized and not the identity: permute's checks are done
 
 
 def _expand_rule(x, shape):
