@@ -1,16 +1,19 @@
 """The eager host path on the fake GPU (tests/fakegpu/fake_cuda.py: the driver is faked, nothing computes, everything
 on the host runs: allocator, launch planning, argument packing, autograd, autocast). Host microseconds per call of
-`x + y`, `x.add_(1)` and `x.sum(-1)` (4096 float32 elements) and host milliseconds of a GPT-2 124M-shaped bf16
-autocast training step (forward, backward, clipping, fused AdamW); medians of the trials. With --profile, cProfile of
-the step (and of each small op) by own time. Runs on any machine, so a change to the host path can be measured
-without a GPU. Times are this thread's CPU time (`time.thread_time`): nothing waits on a fake device, and CPU time
-is far less disturbed than wall-clock time by other work on a shared machine; still, compare figures of one run.
+`x + y`, `x.add_(1)` and `x.sum(-1)` (4096 float32 elements) and host milliseconds of a GPT-2 124M-shaped training
+step (bf16 autocast or TF32; forward, backward, clipping, fused AdamW); medians of the trials, with the Python
+function calls of each (cProfile's count, which noise does not move). With --profile, the profiles by own time.
+Runs on any machine, so a change to the host path can be measured without a GPU. Times are this thread's CPU time
+(`time.thread_time`): nothing waits on a fake device, and CPU time is far less disturbed than wall-clock time by
+other work on a shared machine; still, compare figures of one run.
 
-  python benchmarks/host_fake.py [--calls 5000] [--trials 5] [--steps 3] [--layers 12] [--profile] [--rows 30]
+  python benchmarks/host_fake.py [--calls 5000] [--trials 5] [--steps 3] [--layers 12] [--precision bf16|tf32]
+                                 [--profile] [--rows 30] [--skip-step]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -64,6 +67,7 @@ def main() -> None:
   ap.add_argument("--block", type=int, default=1024)
   ap.add_argument("--profile", action="store_true", help="cProfile by own time")
   ap.add_argument("--rows", type=int, default=30)
+  ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16", help="bf16 autocast, or float32 with TF32")
   ap.add_argument("--skip-step", action="store_true")
   args = ap.parse_args()
   x, y = bt.randn(4096, device="cuda"), bt.randn(4096, device="cuda")
@@ -73,13 +77,16 @@ def main() -> None:
     print(f"{name:>10}: {us:6.2f} us of host time per call, {n:.0f} Python calls", flush=True)
   if args.skip_step: return
   bt.manual_seed(0)
+  bt.set_float32_matmul_precision("high")
+  bf16 = args.precision == "bf16"
+  autocast = bt.autocast(device_type="cuda", dtype=bt.bfloat16) if bf16 else contextlib.nullcontext()
   model = GPT(GPTConfig(block_size=args.block, n_layer=args.layers)).to("cuda")
   step = training_step(model, model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True))
   rng = np.random.default_rng(0)
   xb, yb = (bt.from_numpy(rng.integers(0, 50257, (args.batch, args.block))).to("cuda") for _ in range(2))
 
   def one_step():
-    with bt.autocast(device_type="cuda", dtype=bt.bfloat16): step(xb, yb)
+    with autocast: step(xb, yb)
   for _ in range(2): one_step()
   times = []
   for _ in range(args.steps):
@@ -88,9 +95,9 @@ def main() -> None:
     times.append((time.thread_time() - t0) * 1e3)
   before = fake_cuda.launches[0]
   n = profiled(one_step, 1, args.rows if args.profile else 0)
-  print(f"bf16 GPT-2 step ({args.layers} layers, B={args.batch}, T={args.block}): {statistics.median(times):.1f} ms of "
-        f"host time (median of {args.steps}), {n:,.0f} Python calls, {fake_cuda.launches[0] - before} launches",
-        flush=True)
+  print(f"{args.precision} GPT-2 step ({args.layers} layers, B={args.batch}, T={args.block}): "
+        f"{statistics.median(times):.1f} ms of host time (median of {args.steps}), {n:,.0f} Python calls, "
+        f"{fake_cuda.launches[0] - before} launches", flush=True)
 
 
 if __name__ == "__main__":
