@@ -37,8 +37,11 @@ def is_contiguous(shape: Shape, strides: Shape) -> bool:
 def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
   """NumPy/PyTorch broadcasting; the error names the op and both shapes."""
   first = shapes[0]
-  if all(s == first or not s for s in shapes[1:]): return tuple(first)  # equal shapes, or scalars after the first
-  if not first and len(shapes) == 2: return tuple(shapes[1])
+  if len(shapes) == 2:  # a binary op, the common case: no generator
+    second = shapes[1]
+    if second == first or not second: return tuple(first)
+    if not first: return tuple(second)
+  elif all(s == first or not s for s in shapes[1:]): return tuple(first)  # equal shapes, or scalars after the first
   out = [1] * max(len(s) for s in shapes)
   for s in shapes:
     for i, n in enumerate(s, len(out) - len(s)):
@@ -77,7 +80,10 @@ def normalize_dim(dim: int, ndim: int, op: str) -> int:
 
 def normalize_dims(dim, ndim: int, op: str) -> Shape:
   """None or () -> all dims (as PyTorch's reductions); an int or a sequence -> sorted, unique, non-negative dims."""
-  dims = (dim,) if isinstance(dim, int) else tuple(dim) if dim is not None else ()
+  if isinstance(dim, int):  # the common `x.sum(-1)`: no set to sort (a 0-d tensor's dim is checked, then dropped)
+    d = normalize_dim(dim, ndim, op)
+    return (d,) if ndim else ()
+  dims = tuple(dim) if dim is not None else ()
   if not dims: return tuple(range(ndim))
   out = tuple(sorted({normalize_dim(d, ndim, op) for d in dims}))
   if len(out) != len(dims): raise ShapeError(f"{op}: dimension repeated in {dims}")

@@ -57,7 +57,10 @@ class Tensor:
   @classmethod
   def _make(cls, storage: Storage, shape, strides, offset: int, dtype: DType) -> Tensor:
     t = object.__new__(cls)
-    t._storage, t.shape, t._strides, t._offset, t.dtype = storage, Size(shape), tuple(strides), offset, dtype
+    # most callers pass another tensor's Size and strides tuple (detach, views, the backends' layouts): no copy then
+    if shape.__class__ is not Size: shape = Size(shape)
+    if strides.__class__ is not tuple: strides = tuple(strides)
+    t._storage, t.shape, t._strides, t._offset, t.dtype = storage, shape, strides, offset, dtype
     t.requires_grad, t.grad, t._node, t._retains_grad, t._hooks, t._view = False, None, None, False, None, None
     t._post_hooks = None
     t._base = t._base_node = None  # a view's root tensor, and the root's node when the view's own node was made

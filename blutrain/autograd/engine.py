@@ -88,8 +88,8 @@ def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, capture
   """Run one node of the reverse walk: its hooks, its VJP, and the accumulation of its inputs' gradients."""
   g = node_grads.pop(id(node), None)
   if g is None: return
-  g = _run_hooks(node.hooks, g)
-  if id(node) in capture: captured[id(node)] = g
+  if node.hooks: g = _run_hooks(node.hooks, g)
+  if capture and id(node) in capture: captured[id(node)] = g
   if node.retained is not None and (t := node.retained()) is not None:
     t.grad = g.detach() if t.grad is None else t.grad + g
   _check_saved(node)
@@ -102,7 +102,7 @@ def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, capture
     raise RuntimeError(f"VJP of {node.op.name} returned {len(in_grads)} gradients for {len(node.parents)} inputs")
   for parent, ig, inp in zip(node.parents, in_grads, node.saved):
     if parent is None or ig is None: continue
-    if ig.shape != tuple(inp.shape):
+    if ig.shape != inp.shape:  # Size and Aval shapes compare as tuples
       raise RuntimeError(f"VJP of {node.op.name}: gradient of shape {ig.shape} for an input of shape {tuple(inp.shape)}")
     if ig.dtype is not inp.dtype: ig = ig.to(inp.dtype)
     if isinstance(parent, Node): _accumulate(node_grads, id(parent), ig, owned, is_slice)

@@ -131,17 +131,16 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
   bumped and `into` is returned. Otherwise new tensors are returned, which the caller writes (`ops.inplace`)."""
   h = hooks
   if h.autocast is not None: inputs = h.autocast(op_.name, inputs)
-  grad = grad_mode.enabled
-  if grad:
+  record = False
+  if grad_mode.enabled:  # one pass: stale views read their root anew, then whether any input needs the tape
+    differentiable = op_.vjp is not None and op_.differentiable
     for t in inputs:
-      if t is not None and t._base is not None and t._base._node is not t._base_node: refresh_view(t)
+      if t is None: continue
+      if t._base is not None and t._base._node is not t._base_node: refresh_view(t)
+      if differentiable and t.requires_grad: record = True
   dev, scalars = _device_of(op_, inputs)
   dev = dev or device
   avals = op_.rule(*inputs, **attrs)
-  record = False
-  if grad and op_.vjp is not None and op_.differentiable:
-    for t in inputs:
-      if t is not None and t.requires_grad: record = True; break
   if scalars and (h.trace is not None or op_.view is not None): _device_error(op_, inputs)
   if h.trace is not None:
     out = h.trace.emit(op_, inputs, attrs, avals, dev, rng)
@@ -202,8 +201,8 @@ def can_write_into(out: Tensor, shape: Shape, dtype: DType, dev, inputs) -> bool
   device = out._storage.device
   if out.shape != shape or not can_cast(dtype, out.dtype) or (device is not dev and device != dev): return False
   if 0 in out._strides and any(n > 1 and st == 0 for n, st in zip(out.shape, out._strides)): return False
-  for t in inputs:
-    if t is not None and t._storage is out._storage and not _aligned(t, out):
+  for t in inputs:  # out itself (`x.add_(1)` when nothing records) reads each element where it is written
+    if t is not None and t is not out and t._storage is out._storage and not _aligned(t, out):
       (lo, hi), (out_lo, out_hi) = _span(t), _span(out)
       if lo < out_hi and out_lo < hi: return False
   return True

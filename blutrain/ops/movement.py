@@ -83,10 +83,21 @@ def reshape(x: Tensor, shape) -> Tensor:
   return view_op(x, shape=shape)
 
 
-def _permute_rule(x, dims):
-  if sorted(dims) != list(range(x.ndim)):
-    raise ShapeError(f"permute: {dims} is not a permutation of the {x.ndim} dimensions of a tensor of shape {x.shape}")
-  return tuple(x.shape[d] for d in dims), x.dtype
+# every transpose of a step (the matmul VJPs' .mT) is one of a few layouts: the permuted shape and strides are cached
+
+@functools.lru_cache(maxsize=4096)
+def _permuted_shape(shape, dims) -> tuple[int, ...]:
+  """The shape permuted by dims; ShapeError when dims is not a permutation of shape's dims."""
+  if sorted(dims) != list(range(len(shape))):
+    raise ShapeError(f"permute: {dims} is not a permutation of the {len(shape)} dimensions of a tensor of shape {shape}")
+  return tuple(shape[d] for d in dims)
+
+
+@functools.lru_cache(maxsize=4096)
+def _permuted_strides(strides, dims) -> tuple[int, ...]: return tuple(strides[d] for d in dims)
+
+
+def _permute_rule(x, dims): return _permuted_shape(x.shape, tuple(dims)), x.dtype
 
 
 def _permute_vjp(g, out, x, dims):
@@ -96,7 +107,8 @@ def _permute_vjp(g, out, x, dims):
 
 
 permute_op = op("permute", _permute_rule, _permute_vjp, saves=(),
-                view=lambda x, dims: (tuple(x.shape[d] for d in dims), tuple(x._strides[d] for d in dims), x._offset),
+                view=lambda x, dims: (_permuted_shape(x.shape, tuple(dims)), _permuted_strides(x._strides, tuple(dims)),
+                                      x._offset),
                   inputs="x", attrs="dims:ints")
 
 
@@ -108,10 +120,17 @@ def permute(x: Tensor, dims) -> Tensor:
 
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
   """A view with two dims swapped."""
-  dims = list(range(x.ndim))
-  a, b = normalize_dim(dim0, x.ndim, "transpose"), normalize_dim(dim1, x.ndim, "transpose")
+  n = x.ndim
+  a, b = normalize_dim(dim0, n, "transpose"), normalize_dim(dim1, n, "transpose")
+  return x if a == b else permute_op(x, dims=_swapped(n, a, b))  # not the identity: permute's checks are done
+
+
+@functools.lru_cache(maxsize=256)
+def _swapped(ndim: int, a: int, b: int) -> tuple[int, ...]:
+  """The dims of ndim in order, with a and b swapped."""
+  dims = list(range(ndim))
   dims[a], dims[b] = dims[b], dims[a]
-  return permute(x, dims)
+  return tuple(dims)
 
 
 def _expand_rule(x, shape):

@@ -1,6 +1,7 @@
 """CudaArray: what CUDA kernels take and return, the counterpart of a numpy strided view on the CPU."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +34,14 @@ class CudaArray:
   @property
   def nbytes(self) -> int: return self.size * self.dtype.itemsize
 
-  def is_contiguous(self) -> bool:
-    expected = 1
-    for n, s in zip(reversed(self.shape), reversed(self.strides)):
-      if n != 1 and s != expected: return False
-      expected *= n
-    return True
+  def is_contiguous(self) -> bool: return _dense_layout(tuple(self.shape), tuple(self.strides))
+
+
+@functools.lru_cache(maxsize=4096)  # asked by kernels of every op, for a few layouts a step: cached per layout
+def _dense_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+  """Whether (shape, strides) is row-major without gaps (size-1 dims may have any stride)."""
+  expected = 1
+  for n, s in zip(reversed(shape), reversed(strides)):
+    if n != 1 and s != expected: return False
+    expected *= n
+  return True

@@ -1,0 +1,107 @@
+"""The eager host path on the fake GPU (tests/fakegpu/fake_cuda.py: the driver is faked, nothing computes, everything
+on the host runs: allocator, launch planning, argument packing, autograd, autocast). Host microseconds per call of
+`x + y`, `x.add_(1)` and `x.sum(-1)` (4096 float32 elements) and host milliseconds of a GPT-2 124M-shaped training
+step (bf16 autocast or TF32; forward, backward, clipping, fused AdamW); medians and bests of the trials, with the Python
+function calls of each (cProfile's count, which noise does not move). With --profile, the profiles by own time.
+Runs on any machine, so a change to the host path can be measured without a GPU. Times are this thread's CPU time
+(`time.thread_time`): nothing waits on a fake device, and CPU time is far less disturbed than wall-clock time by
+other work on a shared machine; still, compare figures of one run.
+
+  python benchmarks/host_fake.py [--calls 5000] [--trials 5] [--steps 3] [--layers 12] [--precision bf16|tf32]
+                                 [--profile] [--rows 30] [--skip-step]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "fakegpu"), str(ROOT)]
+import fake_cuda  # noqa: E402
+
+fake_cuda.install()
+import numpy as np  # noqa: E402
+
+import blutrain as bt  # noqa: E402
+from blutrain.models import GPT, GPTConfig  # noqa: E402
+from blutrain.train import training_step  # noqa: E402
+
+CASES = {"x + y": lambda x, y: x + y, "x.add_(1)": lambda x, y: x.add_(1), "x.sum(-1)": lambda x, y: x.sum(-1)}
+
+
+def per_call_us(fn, calls: int, trials: int) -> tuple[float, float]:
+  """Median and best of the trials' host microseconds per call (other work on the machine only adds time, so the
+  best is the steadier figure on a shared machine)."""
+  for _ in range(200): fn()
+  times = []
+  for _ in range(trials):
+    t0 = time.thread_time()
+    for _ in range(calls): fn()
+    times.append((time.thread_time() - t0) / calls * 1e6)
+  return statistics.median(times), min(times)
+
+
+def profiled(fn, calls: int, rows: int = 0) -> float:
+  """Python function calls per call of fn, counted by cProfile over `calls` calls (each result dropped at once, as in
+  the timing): a figure that noise does not move. With `rows`, the profile by own time is printed."""
+  prof = cProfile.Profile()
+  prof.enable()
+  for _ in range(calls): fn()
+  prof.disable()
+  stats = pstats.Stats(prof)
+  if rows: stats.sort_stats("tottime").print_stats(rows)
+  return stats.total_calls / calls
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--calls", type=int, default=5000)
+  ap.add_argument("--trials", type=int, default=5)
+  ap.add_argument("--steps", type=int, default=3, help="timed training steps (after 2 warm-up steps)")
+  ap.add_argument("--layers", type=int, default=12)
+  ap.add_argument("--batch", type=int, default=16)
+  ap.add_argument("--block", type=int, default=1024)
+  ap.add_argument("--profile", action="store_true", help="cProfile by own time")
+  ap.add_argument("--rows", type=int, default=30)
+  ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16", help="bf16 autocast, or float32 with TF32")
+  ap.add_argument("--skip-step", action="store_true")
+  args = ap.parse_args()
+  x, y = bt.randn(4096, device="cuda"), bt.randn(4096, device="cuda")
+  for name, fn in CASES.items():
+    us, best = per_call_us(lambda: fn(x, y), args.calls, args.trials)
+    n = profiled(lambda: fn(x, y), args.calls, args.rows // 2 if args.profile else 0)
+    print(f"{name:>10}: {us:6.2f} us of host time per call (best {best:.2f}), {n:.0f} Python calls", flush=True)
+  if args.skip_step: return
+  bt.manual_seed(0)
+  bt.set_float32_matmul_precision("high")
+  bf16 = args.precision == "bf16"
+  autocast = bt.autocast(device_type="cuda", dtype=bt.bfloat16) if bf16 else contextlib.nullcontext()
+  model = GPT(GPTConfig(block_size=args.block, n_layer=args.layers)).to("cuda")
+  step = training_step(model, model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True))
+  rng = np.random.default_rng(0)
+  xb, yb = (bt.from_numpy(rng.integers(0, 50257, (args.batch, args.block))).to("cuda") for _ in range(2))
+
+  def one_step():
+    with autocast: step(xb, yb)
+  for _ in range(2): one_step()
+  times = []
+  for _ in range(args.steps):
+    t0 = time.thread_time()
+    one_step()
+    times.append((time.thread_time() - t0) * 1e3)
+  before = fake_cuda.launches[0]
+  n = profiled(one_step, 1, args.rows if args.profile else 0)
+  print(f"{args.precision} GPT-2 step ({args.layers} layers, B={args.batch}, T={args.block}): "
+        f"{statistics.median(times):.1f} ms of host time (median of {args.steps}; best {min(times):.1f}), "
+        f"{n:,.0f} Python calls, "
+        f"{fake_cuda.launches[0] - before} launches", flush=True)
+
+
+if __name__ == "__main__":
+  main()
