@@ -7,7 +7,8 @@ Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD
 the job secret BLUTRAIN_JOB_SECRET, fresh for a one-node job (several nodes must share one: export it on each). SIGINT
 and SIGTERM are forwarded to every rank. When a rank exits with an error, the launcher ends the others, says which
 rank failed and how, and exits nonzero. `--backend mpi` starts the ranks with mpiexec instead (the MPI backend's ranks
-must be MPI's), which ends the others itself when one fails.
+must be MPI's), which ends the others itself when one fails. Several ranks on a node get OMP_NUM_THREADS=1 unless it
+is set, as torchrun does: each rank's BLAS would otherwise start a thread per core and the ranks would fight for them.
 """
 from __future__ import annotations
 
@@ -94,6 +95,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("script_args", nargs=argparse.REMAINDER)
 
 
+def threads_env(nproc_per_node: int) -> dict[str, str]:
+  """OMP_NUM_THREADS=1 for several ranks on a node, unless the environment sets it."""
+  if nproc_per_node == 1 or "OMP_NUM_THREADS" in os.environ: return {}
+  print(f"blutrain launch: OMP_NUM_THREADS=1 for each of the {nproc_per_node} ranks (set it to choose another)",
+        file=sys.stderr)
+  return {"OMP_NUM_THREADS": "1"}
+
+
 def launch(args: argparse.Namespace, cmd: list[str] | None = None) -> int:
   """Run the job that `args` describes; returns the exit code (the failed rank's, or 0)."""
   if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
@@ -105,7 +114,8 @@ def launch(args: argparse.Namespace, cmd: list[str] | None = None) -> int:
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # the mpich wheel's, in this environment
     mpiexec = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
     if mpiexec is None: raise RuntimeError("launch --backend mpi: mpiexec not found; pip install mpi4py mpich")
-    code = subprocess.call([mpiexec, "-n", str(args.nproc_per_node), *cmd])
+    code = subprocess.call([mpiexec, "-n", str(args.nproc_per_node), *cmd],
+                           env={**os.environ, **threads_env(args.nproc_per_node)})
     if code: print(f"blutrain launch: mpiexec {_describe(code)} (its report above names the failed rank)", file=sys.stderr)
     return code
   secret = os.environ.get(SECRET_ENV)
@@ -115,7 +125,9 @@ def launch(args: argparse.Namespace, cmd: list[str] | None = None) -> int:
                          "-c 'import secrets; print(secrets.token_hex(32))') on every node before launching")
     secret = new_secret()
   port = args.master_port or (_free_port(args.master_addr) if args.nnodes == 1 else 29500)
-  envs = rank_envs(args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, port, secret)
+  threads = threads_env(args.nproc_per_node)
+  envs = [{**e, **threads} for e in rank_envs(args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, port,
+                                              secret)]
   return _run_ranks(cmd, envs, args.grace)
 
 

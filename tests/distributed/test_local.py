@@ -86,11 +86,16 @@ def test_launcher_ends_every_rank_when_one_fails_and_reports_it(tmp_path):
 def test_launcher_succeeds_when_every_rank_does(tmp_path):
   script = tmp_path / "ok.py"
   script.write_text("import os, sys\n"  # one write per line: the ranks share the launcher's stdout
-                    "sys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} {os.environ['LOCAL_RANK']}\\n\")\n")
+                    "sys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} {os.environ['LOCAL_RANK']} \"\n"
+                    "                 f\"{os.environ.get('OMP_NUM_THREADS')}\\n\")\n")
+  env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
   proc = subprocess.run([sys.executable, "-m", "blutrain.cli", "launch", "--nproc-per-node", "2", str(script)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=60)
+                        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
   assert proc.returncode == 0, proc.stderr
-  assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0 of 2 0", "rank 1 of 2 1"]
+  assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0 of 2 0 1", "rank 1 of 2 1 1"]  # one BLAS thread a rank
+  proc = subprocess.run([sys.executable, "-m", "blutrain.cli", "launch", "--nproc-per-node", "2", str(script)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=60, env={**env, "OMP_NUM_THREADS": "3"})
+  assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0 of 2 0 3", "rank 1 of 2 1 3"]  # the user's choice stands
 
 
 def test_distributed_sampler_shards_cover_the_dataset_once_per_epoch():
