@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -60,13 +61,16 @@ def seconds(timeout: timedelta | float | None) -> float:
   return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
-class Work:
+class Work(ABC):
   """The handle of a collective started with async_op=True, as torch.distributed.Work: `wait()` makes later work wait
   for it (on the GPU: the current stream waits on the collective's event, no host sync; on the CPU: the MPI requests
   complete) and raises RuntimeError if it timed out."""
 
-  def wait(self, timeout: timedelta | float | None = None) -> bool: raise NotImplementedError
-  def is_completed(self) -> bool: raise NotImplementedError
+  @abstractmethod
+  def wait(self, timeout: timedelta | float | None = None) -> bool: ...
+
+  @abstractmethod
+  def is_completed(self) -> bool: ...
 
 
 class ProcessGroup:
