@@ -144,7 +144,7 @@ def test_compiled_ddp_step_equals_eager_ddp_and_one_process(world):
   for step in range(5):
     loss, eager_loss = compiled(*_batch(step, n, r)), eager_step(*_batch(step, n, r))
     ref_step(*_batch(step, n))
-    np.testing.assert_allclose(loss.cpu().numpy(), eager_loss.cpu().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss.item(), eager_loss.item(), rtol=1e-5, atol=1e-6)
   assert compiled.captures == 1 and compiled.info["cuda_graph"] == "on", compiled.info
   for p, q, s in zip(ddp.parameters(), eager.parameters(), nets[2].parameters()):
     np.testing.assert_allclose(p.detach().cpu().numpy(), q.detach().cpu().numpy(), rtol=1e-5, atol=1e-5)
