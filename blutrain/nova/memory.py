@@ -10,6 +10,9 @@ optimizer's update writes parameters and moments where they live).
 Offsets come from the "greedy by size" rule: the largest buffers are placed first, each at the lowest offset that
 overlaps no placed buffer whose lifetime meets its own, choosing among the gaps the one that fits best. The plan
 reports its arena size beside the lower bound no plan can beat, the most bytes live at one time.
+
+A collective runs on a stream of its own on the GPU, overlapping the ops after it until the first op that reads its
+result (its join, `joins`): its input stays live until then, since the collective may still be reading it.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import SSAValue
 
-from blutrain.nova.dialect import AdamwOp, ElementwiseOp, LayoutOp, NovaOp, ScaleOp, aval
+from blutrain.nova.dialect import AdamwOp, CollectiveOp, ElementwiseOp, LayoutOp, NovaOp, ScaleOp, aval
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
@@ -64,15 +67,30 @@ def nbytes(v: SSAValue) -> int:
   return -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
 
 
+def joins(ops: list) -> dict[int, int]:
+  """The position of every collective among `ops` (a function's ops, its return last) -> the position of the first
+  op that reads its result, a view of it included: where the stream that runs the collective joins the step's."""
+  source: dict[SSAValue, int] = {}  # a collective's result, or a view of one -> the collective's position
+  found: dict[int, int] = {}
+  for i, op in enumerate(ops):
+    for v in op.operands:
+      c = source.get(v)
+      if c is not None and c not in found and not isinstance(op, LayoutOp): found[c] = i
+    if isinstance(op, LayoutOp) and op.x in source: source[op.result] = source[op.x]
+    if isinstance(op, CollectiveOp): source[op.result] = i
+  return {c: found.get(c, len(ops) - 1) for c in sorted(set(source.values()))}
+
+
 def _liveness(ops: list) -> tuple[dict[SSAValue, tuple[int, str]], dict[SSAValue, int]]:
   """Where each op result is made (position, op name), and the last position that reads each value, a view's reads
-  counting as reads of the value whose memory it views."""
+  counting as reads of the value whose memory it views and a collective's read lasting until its join."""
   source: dict[SSAValue, SSAValue] = {}  # a view's value -> the value whose memory it reads
   made: dict[SSAValue, tuple[int, str]] = {}
   last: dict[SSAValue, int] = {}
+  joined = joins(ops)
   for i, op in enumerate(ops):
     for v in op.operands:
-      last[source.get(v, v)] = i
+      last[source.get(v, v)] = max(last.get(source.get(v, v), i), joined.get(i, i))
     if isinstance(op, LayoutOp):
       source[op.result] = source.get(op.x, op.x)
     elif isinstance(op, NovaOp):

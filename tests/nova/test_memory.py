@@ -5,9 +5,9 @@ import pytest
 
 import blutrain as bt
 from blutrain.models import GPT, GPTConfig
-from blutrain.nova import ir
+from blutrain.nova import codegen, ir
 from blutrain.nova.dialect import LayoutOp
-from blutrain.nova.memory import ALIGN, plan
+from blutrain.nova.memory import ALIGN, joins, plan
 from blutrain.nova.pipeline import compile_graph, optimize
 from tests.nova.graphs import Builder, every_op, gpt_like
 
@@ -128,3 +128,39 @@ def test_a_training_step_updates_parameters_and_moments_where_they_live(tmp_path
   compiled, model = _compiled_gpt_step(tmp_path, monkeypatch)
   state = sum(p.numel() * 4 for p in model.parameters()) * 3  # new parameters, exp_avg, exp_avg_sq
   assert compiled.info["arena_bytes"] < state, "the optimizer's results take no arena memory of their own"
+
+
+def _collective_then_compute():
+  """x = exp(a); r = all_reduce(x); independent work on c; then r is read: the all-reduce's join is that read."""
+  b = Builder()
+  a, c = b.input((256, 256)), b.input((256, 256))
+  x = b("exp", a)
+  r = b("all_reduce", x, reduce_op="sum", group=0, size=1)
+  y = c
+  for _ in range(3): y = b("exp", y)
+  return b.output(b("add", b("view", r, shape=(256, 256)), y))
+
+
+def test_a_collective_reads_its_input_until_its_result_is_read():
+  module = ir.to_module(_collective_then_compute())
+  ops = list(ir.function(module).body.block.ops)
+  names = [op.name for op in ops]
+  reduce_at, add_at = names.index("nova.all_reduce"), names.index("nova.add")
+  assert joins(ops) == {reduce_at: add_at}
+  p = _check(plan(module))
+  (x,) = [b for b in p.buffers if b.first == reduce_at - 1]
+  assert x.last == add_at, "the all-reduce may still read x until the add waits for it"
+
+
+def test_cuda_code_runs_a_collective_overlapped_and_joins_before_its_first_reader():
+  module = ir.to_module(_collective_then_compute())
+  lines = codegen.generate(module, target="cuda").splitlines()
+  (start,) = [i for i, s in enumerate(lines) if "with overlapped() as" in s]
+  event = lines[start].split(" as ")[1].rstrip(":")
+  assert 'kernels["all_reduce"]' in lines[start + 1] and lines[start + 1].startswith("    ")
+  (joined,) = [i for i, s in enumerate(lines) if s.strip() == f"join({event})"]
+  assert 'kernels["add"]' in lines[joined + 1], "the join comes right before the first op that reads the result"
+  x = lines[start + 1].split("(")[1].split(",")[0]
+  (deleted,) = [i for i, s in enumerate(lines) if s.strip().startswith("del ") and x in s.strip()[4:].split(", ")]
+  assert deleted > joined, "the collective's input outlives the join"
+  assert "overlapped" not in codegen.generate(module, target="cpu")

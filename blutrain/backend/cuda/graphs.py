@@ -13,6 +13,7 @@ ordered with everything else queued there.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 from blutrain.backend.cuda import errors, memory, runtime
@@ -55,6 +56,34 @@ def expect(*slots: tuple[int, int]) -> None:
   if a.__class__ is PlannedAllocator: a.expect(slots)
 
 
+_sides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a pool's stream -> its side stream
+
+
+class overlapped:
+  """Context manager that runs the work queued in its block on a side stream of the current stream (a pool's own
+  side stream, with the pool's allocator, else the device's communication stream), after the work queued before it,
+  so that it overlaps the work queued after the block; `join(e)` makes the current stream wait for it. A CUDA graph
+  captures both streams, forked and joined by events."""
+  __slots__ = ("event", "_stream")
+
+  def __enter__(self) -> overlapped:
+    origin = runtime.current_stream()
+    side = _sides.get(origin) or runtime.comm_stream(origin.device)
+    side.wait_event(origin.record_event())
+    self._stream = runtime.stream(side)
+    self._stream.__enter__()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.event = runtime.current_stream().record_event()
+    self._stream.__exit__(*exc)
+
+
+def join(work: overlapped) -> None:
+  """Make the current stream wait for the work of an `overlapped` block."""
+  runtime.current_stream().wait_event(work.event)
+
+
 class Pool:
   """A private memory pool and the stream whose allocations it serves: work run through it (`run`, `capture`) takes
   its memory from the pool, on the pool's stream, ordered after the work queued before it on the current stream and
@@ -71,6 +100,9 @@ class Pool:
     # handle, which a new stream must not take over while a graph captured on it may replay
     self.stream = runtime.Stream(origin.device)
     self.stream.allocator, self.stream.is_default = self.allocator, True
+    self.side = runtime.Stream(origin.device)  # for `overlapped` work (a compiled step's collectives)
+    self.side.allocator, self.side.is_default = self.allocator, True
+    _sides[self.stream] = self.side
 
   def nbytes(self) -> int:
     """Device memory the pool's own caching allocator reserved (the arena is the device allocator's, counted in
