@@ -145,9 +145,10 @@ assert names == ["allgather"] * 3, names
 ''', tmp_path)
 
 
-def test_compiled_ddp_step_puts_its_all_reduces_on_the_step_stream_inside_the_cuda_graph(tmp_path):
-  """Under bt.compile DDP's buckets are collective ops whose NCCL calls go on the stream the step runs on (no comm
-  stream, no events), so the CUDA graph captures them and a replay launches the graph alone."""
+def test_compiled_ddp_step_overlaps_its_all_reduces_on_a_side_stream_inside_the_cuda_graph(tmp_path):
+  """Under bt.compile DDP's buckets are collective ops whose NCCL calls go on a side stream of the step's stream,
+  forked after the bucket's gradients and joined before the optimizer reads them, so the CUDA graph captures them
+  beside the backward and a replay launches the graph alone."""
   _run('''
 from blutrain.nn.parallel import DistributedDataParallel
 dist.init_process_group("nccl")
@@ -168,6 +169,18 @@ for i in range(5):  # eager, kernel by kernel on the graph's pool, captured, rep
   launches.append(fake_cuda.launches[0] - before)
   reduces.append([e[1] for e in log if e[0] == "allreduce"])
   if i == 0: assert all(e[0] != "allreduce" or e[1] == comm for e in log), log  # eagerly: the comm stream
+  if i == 2:  # the capture: each all-reduce forked onto the side stream, then joined by the step's stream
+    at = [k for k, e in enumerate(log) if e[0] == "allreduce"]
+    side = log[at[0]][1]
+    for k in at:
+      assert log[k - 1][:2] == ("wait", side) and log[k + 1][:2] == ("record", side), log[k - 1:k + 2]
+      forked_after = [e for e in log[:k - 1] if e[0] == "record" and e[2] == log[k - 1][2]]
+      assert forked_after and forked_after[-1][1] != side
+      joins = [e for e in log[k + 2:] if e[0] == "wait" and e[2] == log[k + 1][2]]
+      assert joins and joins[0][1] == forked_after[-1][1], "the step's stream waits for the all-reduce"
+    first_join = min(j for j, e in enumerate(log) if e[0] == "wait" and e[1] != side and j > at[0]
+                     and any(log[k + 1][2] == e[2] for k in at))
+    assert first_join > at[-1], "every bucket is reduced before the first join: they overlap the backward"
 assert step.info["cuda_graph"] == "on" and step.captures == 1
 assert [len(r) for r in reduces] == [3, 3, 3, 0, 0], reduces   # replays run the captured calls: no host call
 assert all(s not in (comm, compute) for r in reduces[1:] for s in r), reduces  # the graph pool's stream, the step's
