@@ -159,10 +159,20 @@ class NcclGroup(ProcessGroup):
 
   def _on_current_stream(self, call) -> None:
     """Enqueue an NCCL call on the current stream, where a CUDA graph being captured records it (no comm stream, no
-    events: the op's consumers follow it on that stream). The watchdog does not see these calls."""
+    events: the op's consumers follow it on that stream). The watchdog sees these calls through `watch_queued`, which
+    the compiled step calls after queueing its work."""
     self.raise_if_failed()
     self.seq += 1
     call(runtime.current_stream(self.device).handle)
+
+  def watch_queued(self, count: int) -> None:
+    """Watch the work queued so far on the current stream, which holds `count` of this group's collectives (a
+    compiled step's, replayed in a CUDA graph): the watchdog aborts the communicator when it has not completed within
+    the group's timeout, and the next use raises the error naming the ranks that did not arrive."""
+    self.seq += count
+    end, deadline = runtime.current_stream(self.device).record_event(), time.monotonic() + self.timeout
+    with self._lock: self._pending.append(NcclWork(self, f"a compiled step with {count} collective{'s' * (count > 1)}", self.seq,
+                                        end, deadline))
 
   def _tensor(self, a) -> Tensor:
     return Tensor._wrap(a, Device("cuda", a.device), a.dtype)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from blutrain import amp, backend, backends
+from blutrain.backend import collective
 from blutrain.device import Device
 from blutrain.backend.cuda.allocator import OutOfMemoryError, format_size
 from blutrain.nova.capture import Arg, StaleGraph, Trace
@@ -110,13 +112,17 @@ class Executable:
     self.fn, self.sources, self.spec, self.out_tree, self.device, self.info = fn, trace.sources, spec, out_tree, device, info
     self.rng_advance = trace.rng_advance
     self.out_dtypes = [v.dtype for v in trace.graph.outputs]
+    self.collectives = dict(Counter(e.attrs["group"] for e in trace.graph.equations if e.op in collective.KERNELS))
 
   def _input(self, source, leaves) -> np.ndarray:
     return source.array(leaves) if hasattr(source, "array") else source.tensor(leaves)._array()
 
   def run(self, leaves: list) -> Any:
     inputs = [self._input(s, leaves) for s in self.sources]
-    return self._deliver(leaves, inputs, self.fn(*inputs))
+    collective.check(self.collectives)
+    outs = self.fn(*inputs)
+    if self.device.type == "cuda": collective.watch(self.collectives)
+    return self._deliver(leaves, inputs, outs)
 
   def _deliver(self, leaves: list, inputs: list, outs, replayed: bool = False) -> Any:
     """Hand the step's outputs over: returned tensors, gradients, and the write-backs of updated inputs. After a
@@ -194,6 +200,7 @@ class GraphExecutable(Executable):
 
   def run(self, leaves: list) -> Any:
     from blutrain.backend.cuda import graphs, memory
+    collective.check(self.collectives)
     static = self._bind(leaves)
     if self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what the step needs
       try:
@@ -213,6 +220,7 @@ class GraphExecutable(Executable):
                          graph_arena_bytes=self.pool.arena.nbytes if self.pool.arena else 0)
       self.graph.replay()
       outs = self.outs
+    collective.watch(self.collectives)
     for kind, where in self.spec:  # a call's own tensor updated in place gets its buffer's new value
       if kind == "write" and isinstance(where, Arg):
         memory.copy_into(where.tensor(leaves)._array(), static[self.sources.index(where)])

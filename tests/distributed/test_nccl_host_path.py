@@ -206,3 +206,34 @@ except RuntimeError as e:
   assert "ERROR all_reduce (collective #1 of the nccl group of ranks [0])" in out and "timed out after 0.3 s" in out
   assert "did not arrive: none (they arrived; the transfer stalled)" in out  # rank 0's count in the store is 1
 
+
+
+def test_a_compiled_step_that_never_completes_times_out_and_the_next_call_raises(tmp_path):
+  """A replayed graph's NCCL calls run without the host: after queueing the step, the group's watchdog watches it,
+  aborts the communicator when it does not complete in time, and the next call raises the timeout error."""
+  out = _run('''
+from blutrain.nn.parallel import DistributedDataParallel
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, secret="s", timeout=5)
+dist.init_process_group("nccl", timeout=0.3, store=store)
+net = bt.nn.Sequential(bt.nn.Linear(16, 16), bt.nn.Linear(16, 16)).to("cuda")
+ddp = DistributedDataParallel(net)
+opt = bt.optim.AdamW(ddp.parameters(), lr=1e-3)
+@bt.compile
+def step(x):
+  loss = ddp(x).square().mean()
+  loss.backward(); opt.step(); opt.zero_grad()
+  return loss
+x = bt.randn(4, 16, device="cuda")
+for _ in range(3): step(x)  # eager, warm, captured and replayed: every run completes
+assert step.info["cuda_graph"] == "on" and ("abort",) not in log
+fake_cuda.FakeEvent.is_done = False  # the next replay never completes
+step(x)
+start = time.monotonic()
+while dist._world.error is None and time.monotonic() - start < 10: time.sleep(0.05)
+assert ("abort",) in log
+try:
+  step(x)
+except RuntimeError as e:
+  print("ERROR", e)
+''', tmp_path)
+  assert "ERROR a compiled step with 1 collective (collective #" in out and "timed out after 0.3 s" in out
