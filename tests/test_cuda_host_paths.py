@@ -60,10 +60,10 @@ def test_compiled_gpt_step_replays_as_one_cuda_graph_on_the_fake_gpu(tmp_path):
 import os
 import blutrain as bt
 from blutrain.models import GPT, GPTConfig
-def run(graphs):
+def run(graphs, dropout=0.0):
   os.environ["BLUTRAIN_CUDA_GRAPHS"] = graphs
   bt.manual_seed(0)
-  model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32)).to("cuda")
+  model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, dropout=dropout)).to("cuda")
   opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
   @bt.compile
   def step(x, y):
@@ -73,18 +73,23 @@ def run(graphs):
     opt.step(); opt.zero_grad()
     return loss
   x, y = (bt.randint(32, (2, 16)).to("cuda") for _ in range(2))
-  counts = []
+  counts, offsets = [], []
   for i in range(5):
     opt.param_groups[0]["lr"] = 1e-3 * (i + 1)
     before = fake_cuda.launches[0]
     loss = step(x, y)
     counts.append(fake_cuda.launches[0] - before)
+    offsets.append(bt.default_generator.offset)
   assert loss.shape == () and loss.device.type == "cuda" and step.captures == 1
-  return counts, step.info["cuda_graph"]
-graphed, mode = run("1")
+  return counts, step.info["cuda_graph"], offsets
+graphed, mode, _ = run("1")
 assert mode == "on", mode
 assert graphed[3] == graphed[4] == 2, graphed  # the graph and the loss's copy
-plain, mode = run("0")
+dropped, mode, offsets = run("1", dropout=0.1)  # the generator's state is read from device memory: replays too
+assert mode == "on" and dropped[3] == dropped[4] == 2, (mode, dropped)
+steps = [b - a for a, b in zip(offsets, offsets[1:])]
+assert steps[0] > 0 and len(set(steps)) == 1, offsets  # every call, replays included, advances the generator alike
+plain, mode, _ = run("0")
 assert mode.startswith("off"), mode
 assert plain[3] == plain[4] > 50, plain
 print("ok")

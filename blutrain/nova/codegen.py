@@ -76,14 +76,16 @@ def cuda_view(x, opname: str, attrs: dict):
   return type(x)(x.ptr + offset * x.dtype.itemsize, tuple(shape), tuple(strides), x.dtype, x.device, x.owner)
 
 
-def _call(op: NovaOp, args: list[str], out: str | None = None) -> str:
+def _call(op: NovaOp, args: list[str], out: str | None, target: str) -> str:
   """The call of the op's kernel (writing into `out` when given); a random op's seed and absolute offset come from its
-  generator state."""
+  generator state: read on the host on the CPU, by the kernel from device memory on the GPU (so that a CUDA graph
+  replays with the generator's new offset)."""
   a = op.attrs()
   if isinstance(op, RandomOp):
     rng = args[0]
     kw = [f"{k}={literal(v)}" for k, v in a.items() if k != "offset"]
-    kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
+    if target == "cuda": kw += [f"state={rng}", f"offset={a['offset']}"]
+    else: kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
     return f'kernels["{op.opname}"]({", ".join(kw)})'
   kw = [f"{k}={literal(v)}" for k, v in a.items()] + ([f"out={out}"] if out else [])
   return f'kernels["{op.opname}"]({", ".join(args + kw)})'
@@ -107,7 +109,7 @@ def _lines(op: NovaOp, args: list[str], outs: list[str | None], out_dtypes: list
   """The lines computing one op into the names `outs` (None for an absent result), on the CPU each result cast to its
   dtype. A multi-result op's kernel returns a tuple: it is unpacked (`_` for an absent result), then cast."""
   if isinstance(op, LayoutOp): return [f"  {outs[0]} = {_view(op, args[0], target)}"]
-  call = _call(op, args, out)
+  call = _call(op, args, out, target)
   if not isinstance(op, MultiResultOp):
     if target == "cuda": return [f"  {outs[0]} = {call}"]
     return [f"  {outs[0]} = np.asarray({call}, {dtype_name(out_dtypes[0])})"]

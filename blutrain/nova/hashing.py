@@ -6,10 +6,16 @@ the op's results and its own index among them. So renaming values, reordering in
 or binding other tensors to the inputs keeps every hash; swapping the operands of `sub`, changing an attribute or a
 dtype changes it. Hashes are hex digests of BLAKE2b (never Python's `hash`, which differs between processes), and
 `FORMAT_VERSION` enters every graph key so that a change of this scheme invalidates caches on disk.
+
+The disk cache of generated code is also keyed by `source_digest()`, a digest of the package's own source: generated
+code calls kernels by name with the attributes of the day, so another version of blutrain (an upgrade, another
+checkout sharing the cache directory) must not load it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from blutrain.nova.graph import Equation, Graph, Value, literal
@@ -20,6 +26,16 @@ FORMAT_VERSION = 8
 
 
 def _digest(text: str) -> str: return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+  """A short digest of every Python file of the blutrain package (their paths and bytes), computed once."""
+  root = Path(__file__).resolve().parents[1]
+  h = hashlib.blake2b(digest_size=8)
+  for f in sorted(root.rglob("*.py")):
+    h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+  return h.hexdigest()
 
 
 def _type(v: Value) -> str: return f"{v.dtype.name}{list(v.shape)}"

@@ -180,7 +180,7 @@ class GraphExecutable(Executable):
     stream = runtime.current_stream(self.static[0].device if self.static else None)
     for s, buf in zip(self.sources, self.static):
       if hasattr(s, "array"):
-        host = np.ascontiguousarray(s.array(leaves), np.float64)
+        host = np.ascontiguousarray(s.array(leaves), buf.dtype.np)  # a scalar's float64, a generator's int64
         memory.copy_h2d(buf.ptr, host.ctypes.data, host.nbytes, stream)
       elif isinstance(s, Arg): memory.copy_into(buf, s.tensor(leaves)._array())
       else:
@@ -247,7 +247,7 @@ def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, me
   key = hashing.graph_key(graph)
   if os.environ.get("BLUTRAIN_NOVA_REMAT") == "0": key += "-noremat"
   elif memory_budget is not None: key += f"-budget{memory_budget}"
-  path = backend.cache_dir("nova", f"v{hashing.FORMAT_VERSION}", target, f"{key}.py")
+  path = backend.cache_dir("nova", f"v{hashing.FORMAT_VERSION}-{hashing.source_digest()}", target, f"{key}.py")
   info: dict = {"key": key, "hash_s": time.perf_counter() - t0}
   if path.is_file() and not dump_dir:
     try:
@@ -358,9 +358,7 @@ class Compiled:
     self.captures += 1
     self.info = info
     if device.type != "cuda": return Executable(fn, trace, spec, out_tree, device, info)
-    info["cuda_graph"] = ("off: BLUTRAIN_CUDA_GRAPHS=0" if not cuda_graphs_enabled() else
-                          "off: the step draws random numbers, whose seed and offset a graph would freeze" if trace.rng
-                          else "on")
+    info["cuda_graph"] = "on" if cuda_graphs_enabled() else "off: BLUTRAIN_CUDA_GRAPHS=0"
     return (GraphExecutable if info["cuda_graph"] == "on" else Executable)(fn, trace, spec, out_tree, device, info)
 
 
@@ -373,7 +371,8 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_bu
   except the learning rate, which is read at each call; grad mode, autocast, `bt.set_float32_matmul_precision` and
   `bt.backends.matmul`) holds, and recapture when it does not. On the GPU the compiled step runs kernel by kernel
   once, then is captured into one CUDA graph whose buffers follow the step's memory plan, and replays with one
-  launch (`BLUTRAIN_CUDA_GRAPHS=0`, or a step that draws random numbers, runs kernel by kernel every call).
+  launch (`BLUTRAIN_CUDA_GRAPHS=0` runs it kernel by kernel every call). Random ops (dropout) read the generator's
+  seed and offset from device memory, which each call sets, so a replay draws new numbers as eager mode would.
   Gradients the step leaves in `.grad` live in the graph's buffers, which the next call overwrites.
 
   Args:

@@ -1,8 +1,10 @@
 """Structural hashing: invariant under value names, input identity and the order of independent equations;
 sensitive to operand order, attributes and types; stable across processes; equal for identical blocks."""
+import importlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +117,21 @@ def test_subgraph_hash_names_a_missing_input():
   x, params, out = blocks[0]
   with pytest.raises(ValueError, match=r"depends on %\d+:float32\[16\], which is neither among the inputs"):
     subgraph_hash(g, [out], [x, *params[1:]])
+
+
+def test_the_disk_cache_is_keyed_by_the_package_source(tmp_path, monkeypatch):
+  """Generated code from another version of blutrain (here: a file in another version's directory) is never loaded."""
+  jit = importlib.import_module("blutrain.nova.jit")
+  from blutrain.nova.hashing import source_digest
+  from tests.nova.graphs import Builder
+  b = Builder()
+  graph = b.output(b("exp", b.input((3,))))
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path))
+  _, info = jit.build(graph, None)
+  path = info["source"]
+  assert info["cache"] == "miss" and f"v{FORMAT_VERSION}-{source_digest()}" in path
+  other = path.replace(source_digest(), "0" * 16)
+  Path(other).parent.mkdir(parents=True)
+  Path(other).write_text("raise SystemExit('another version')\n")
+  assert jit.build(graph, None)[1]["cache"] == "hit"
+  assert source_digest() == source_digest() and len(source_digest()) == 16

@@ -5,6 +5,10 @@ The same (seed, offset) gives the same numbers on the CUDA backend, run after ru
 but not the numbers of the CPU backend: numpy's Philox is the 4x64 variant with its own counter layout, and matching
 it bit for bit would cost a 64-bit multiply per round on the GPU. Streams are equal in distribution, not in value.
 
+A draw takes its seed and offset as arguments, or with `state` (an int64[2] device array holding the generator's
+seed and base offset) reads them from device memory and adds `offset` to the base: a CUDA graph that draws random
+numbers then replays with new ones once the state's memory is given the generator's new offset.
+
 rand is uniform on [0, 1) in float32 (31 random bits), then converted to the dtype, as the CPU backend converts its
 float32 draw; randn is Box-Muller over two uniforms; randint reduces 64 random bits modulo (high - low); bernoulli is
 rand < p.
@@ -24,8 +28,12 @@ from blutrain.shapes import cdiv
 
 
 @triton.jit
-def _random_kernel(out, n, seed, offset, low, span, p, OP: tl.constexpr, BLOCK: tl.constexpr):
+def _random_kernel(out, n, seed, offset, state, low, span, p, OP: tl.constexpr, STATE: tl.constexpr,
+                   BLOCK: tl.constexpr):
   i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+  if STATE:
+    seed = tl.load(state)
+    offset = tl.load(state + 1) + offset
   counter = offset + i
   if OP == "rand":
     v = tl.rand(seed, counter)
@@ -41,32 +49,40 @@ def _random_kernel(out, n, seed, offset, low, span, p, OP: tl.constexpr, BLOCK: 
 
 
 @functools.lru_cache(maxsize=4096)
-def random_spec(op: str, dtype: DType, n: int):
+def random_spec(op: str, dtype: DType, n: int, state: bool = False):
   block, warps = flat_schedule(n, 4)
-  sig = {"out": ptr(dtype), "n": "i64", "seed": "i64", "offset": "i64", "low": "i64", "span": "i64", "p": "fp32"}
-  return spec(_random_kernel, sig, dict(OP=op, BLOCK=block), num_warps=warps)
+  sig = {"out": ptr(dtype), "n": "i64", "seed": "i64", "offset": "i64", "state": ptr(dtypes.int64), "low": "i64",
+         "span": "i64", "p": "fp32"}
+  return spec(_random_kernel, sig, dict(OP=op, STATE=state, BLOCK=block), num_warps=warps)
 
 
 def _signed64(x: int) -> int: return (int(x) + 2**63) % 2**64 - 2**63
 
 
-def _draw(op: str, shape, dtype: DType, seed: int, offset: int, low: int = 0, high: int = 1, p: float = 0.0) -> CudaArray:
+def _draw(op: str, shape, dtype: DType, seed: int = 0, offset: int = 0, low: int = 0, high: int = 1, p: float = 0.0,
+          state: CudaArray | None = None) -> CudaArray:
+  if state is not None and (state.dtype is not dtypes.int64 or state.shape != (2,)):
+    raise ValueError(f"{op}: the generator state must be an int64 array of (seed, offset), got {state.dtype.name} "
+                     f"of shape {state.shape}")
   out = empty(shape, dtype, None)
   if out.size == 0: return out
-  s = random_spec(op, dtype, out.size)
-  run(s, (cdiv(out.size, s.constexprs["BLOCK"]),), out.ptr, out.size, _signed64(seed), _signed64(offset), low,
-      _signed64(high - low), float(p))
+  s = random_spec(op, dtype, out.size, state is not None)
+  run(s, (cdiv(out.size, s.constexprs["BLOCK"]),), out.ptr, out.size, _signed64(seed), _signed64(offset),
+      0 if state is None else state.ptr, low, _signed64(high - low), float(p))
   return out
 
 
 KERNELS = {
-  "rand": lambda *, shape, dtype, seed, offset: _draw("rand", shape, dtype, seed, offset),
-  "randn": lambda *, shape, dtype, seed, offset: _draw("randn", shape, dtype, seed, offset),
-  "randint": lambda *, shape, dtype, seed, offset, low, high: _draw("randint", shape, dtype, seed, offset, low, high),
-  "bernoulli": lambda *, shape, dtype, seed, offset, p: _draw("bernoulli", shape, dtype, seed, offset, p=p),
+  "rand": lambda *, shape, dtype, seed=0, offset, state=None: _draw("rand", shape, dtype, seed, offset, state=state),
+  "randn": lambda *, shape, dtype, seed=0, offset, state=None: _draw("randn", shape, dtype, seed, offset, state=state),
+  "randint": lambda *, shape, dtype, seed=0, offset, low, high, state=None: _draw("randint", shape, dtype, seed, offset,
+                                                                                 low, high, state=state),
+  "bernoulli": lambda *, shape, dtype, seed=0, offset, p, state=None: _draw("bernoulli", shape, dtype, seed, offset, p=p,
+                                                                            state=state),
 }
 
 SPECS = [random_spec(op, dt, 1 << 20) for op, dt in (("rand", dtypes.float32), ("rand", dtypes.bfloat16),
                                                      ("randn", dtypes.float32), ("randn", dtypes.float64),
                                                      ("randint", dtypes.int64), ("randint", dtypes.int32),
-                                                     ("bernoulli", dtypes.bool_))]
+                                                     ("bernoulli", dtypes.bool_))] + [
+         random_spec("bernoulli", dtypes.bool_, 1 << 20, True), random_spec("rand", dtypes.float32, 1 << 20, True)]
