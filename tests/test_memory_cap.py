@@ -47,3 +47,28 @@ assert s["limited_reserved_bytes.all.current"] == joint, s
 print("ok", step.info["planned_peak_bytes"])
 """, tmp_path)
   assert int(out.split("ok")[-1]) > 0
+
+
+def test_a_compiled_gpt_step_makes_no_copy_outside_its_memory_plan_on_the_fake_gpu(tmp_path):
+  """Capture gives a view the layout its rule gives, so `.contiguous()` after attention's transpose, and the reshapes
+  of the backward, record their copies in the graph, where the plan places them: the generated code's views
+  (`cuda_view`) copy nothing at run time, and the step's copies are copy ops of the graph served from the arena."""
+  out = _run_fake(GPT_STEP + """
+import sys
+from blutrain.backend.cuda import graphs, kernels, runtime
+copy, outside, planned = kernels["copy"], [], []
+def spy(x, *a, **k):
+  r = copy(x, *a, **k)
+  if sys._getframe(1).f_code.co_name == "cuda_view": outside.append(x.shape)
+  else:
+    a = runtime.current_stream().allocator
+    if isinstance(a, graphs.PlannedAllocator): planned.append(a.arena.ptr <= r.ptr < a.arena.ptr + a.arena.nbytes)
+  return r
+kernels["copy"] = spy
+for _ in range(4): step(x, y)
+exe = next(iter(step._entries.values()))
+assert exe.graph is not None and not outside, outside
+assert all(planned), planned
+print("ok", len(planned))
+""", tmp_path)
+  assert int(out.split("ok")[-1]) >= 2 * 4  # the 4 copies per block of the warm run and the capture, 2 blocks
