@@ -55,7 +55,8 @@ def probe_blutrain(a) -> dict:
   bt.manual_seed(0)
   model = GPT(GPTConfig(block_size=a.block, **_shape(a.preset))).to("cuda")
   step = bt.compile(training_step(model, model.configure_optimizers(0.1, 6e-4, fused=True)))
-  ctx = (lambda: bt.autocast(device_type="cuda", dtype=bt.bfloat16)) if a.precision == "bf16" else contextlib.nullcontext
+  bf16 = a.precision == "bf16"
+  ctx = (lambda: bt.autocast(device_type="cuda", dtype=bt.bfloat16)) if bf16 else contextlib.nullcontext
   x, y = (bt.randint(50257, (a.batch, a.block)).to("cuda") for _ in range(2))
   for i in range(4):
     if i == 3: bt.cuda.reset_peak_memory_stats()
@@ -64,7 +65,8 @@ def probe_blutrain(a) -> dict:
   exe = next(iter(step._entries.values()))
   s, pool = bt.cuda.memory_stats(), exe.pool.scratch.memory_stats()
   remat = step.info.get("remat") or {}
-  return {"loss": float(loss.item()), "planned_peak_bytes": exe.planned_peak(), "arena_bytes": getattr(exe.fn, "arena_bytes", 0),
+  return {"loss": float(loss.item()), "planned_peak_bytes": exe.planned_peak(),
+          "arena_bytes": getattr(exe.fn, "arena_bytes", 0),
           "measured_reserved_peak_bytes": s["limited_reserved_bytes.all.peak"],
           "replay_allocated_peak_bytes": s["allocated_bytes.all.peak"] + pool["allocated_bytes.all.peak"],
           "memory_budget": step.info.get("memory_budget"), "cuda_graph": step.info.get("cuda_graph"),

@@ -365,8 +365,8 @@ class Compiled:
     from blutrain.nova.remat import step_budget
     budget = step_budget(self.memory_budget, device)
     fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written, budget, device.type)
-    info.update(memory_budget=budget, capture_s=capture_s, equations=len(trace.graph.equations), inputs=len(trace.graph.inputs),
-                outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
+    info.update(memory_budget=budget, capture_s=capture_s, equations=len(trace.graph.equations),
+                inputs=len(trace.graph.inputs), outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
     self.captures += 1
     self.info = info
     if device.type != "cuda": return Executable(fn, trace, spec, out_tree, device, info)

@@ -431,8 +431,8 @@ class CachingAllocator:
       pooled = sum(a._stats["reserved"].current for a in pools)
       total = root._stats["reserved"].current + pooled
       reserved = (f"{format_size(total)} in all ({format_size(root._stats['reserved'].current)} by the device's "
-                  f"caching allocator, {format_size(pooled)} by the caching allocators of {len(pools)} CUDA graph pool(s), "
-                  f"which hold the temporaries of compiled steps); the request came to {mine}, which has reserved "
+                  f"caching allocator, {format_size(pooled)} by the caching allocators of {len(pools)} CUDA graph "
+                  f"pool(s), which hold the temporaries of compiled steps); the request came to {mine}, which has reserved "
                   f"{reserved}")
     return (f"CUDA out of memory on cuda:{self.device}: tried to allocate {format_size(nbytes)} (a new segment of "
             f"{format_size(seg)}). State: {limit}{device}; blutrain has reserved {reserved},"

@@ -4,8 +4,9 @@ A `Pool` is a stream of its own whose allocator is private (a CachingAllocator o
 the device allocator's limit: `bt.cuda.set_memory_limit` caps both together): work run through the pool (`Pool.run`,
 `Pool.capture`) takes every allocation from it, and memory freed there is reused there only, so nothing outside is
 ever handed memory that a graph captured in the pool reads or writes when it replays; once a capture begins, the pool
-keeps its segments even when an out-of-memory retry empties the caches. A step run once through the pool before its capture leaves the pool holding what the capture needs.
-The pool lives as long as its graphs (and as long as any array cut from it).
+keeps its segments even when an out-of-memory retry empties the caches. A step run once through the pool before its
+capture leaves the pool holding what the capture needs. The pool lives as long as its graphs (and as long as any array
+cut from it).
 
 Capture runs in relaxed mode, so that the pool may ask the driver for a segment while capturing. Work that needs the
 host (a device-to-host copy, a synchronization) cannot be captured: the driver's error ends the capture, and
