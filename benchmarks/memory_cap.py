@@ -7,9 +7,10 @@
 
 Each probe (one implementation, precision, shape and batch) runs in a subprocess of its own under the cap
 (`bt.cuda.set_memory_limit`, which caps the device allocator and the CUDA graph pools together;
-`torch.cuda.set_per_process_memory_fraction`) and trains without an out-of-memory error: 2 steps eagerly, or for
-blutrain compiled its eager first call, the kernel-by-kernel run of the plan and the capture and replay of the graph,
-then one more replay (torch.compile: 3 steps). The batch search doubles from --start, then bisects down to --step.
+`torch.cuda.set_per_process_memory_fraction`) and trains without an out-of-memory error: 2 steps eagerly
+(torch.compile: 3); for blutrain compiled, its eager first call on a batch of 1 (which makes the optimizer's state:
+eagerly the full batch would need what eager mode needs), then at the batch probed the kernel-by-kernel run of the
+plan, the capture and replay of the graph and one more replay. The batch search doubles from --start, then bisects down to --step.
 Each blutrain row reports the plan's peak (the step's inputs plus its arena) beside the measured peaks: what the
 device allocator and the graph pools reserved together (what the cap caps) and what was allocated during the last
 replay (the device allocator's peak plus the graph pool's). JSON to benchmarks/results/memory_cap.json.
@@ -24,8 +25,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,8 +61,9 @@ def probe_blutrain(a) -> dict:
   bf16 = a.precision == "bf16"
   ctx = (lambda: bt.autocast(device_type="cuda", dtype=bt.bfloat16)) if bf16 else contextlib.nullcontext
   x, y = (bt.randint(50257, (a.batch, a.block)).to("cuda") for _ in range(2))
-  for i in range(4):
-    if i == 3: bt.cuda.reset_peak_memory_stats()
+  with ctx(): step(x[:1], y[:1]).item()  # the first call runs eagerly (it makes the optimizer's state): at B=1
+  for i in range(3):
+    if i == 2: bt.cuda.reset_peak_memory_stats()
     with ctx(): loss = step(x, y)
     loss.item()
   exe = next(iter(step._entries.values()))
@@ -113,15 +117,23 @@ def probe(a) -> None:
 # *** the searches, in the parent process ***
 
 class Runner:
+  """Runs probes. They share the Triton cache but not Nova's cache of generated steps, so that each compiles its step
+  and reports the remat and plan it made (a cached step carries no report)."""
   def __init__(self, a):
+    from blutrain import backend
     self.a, self.probes = a, []
+    self.cache = tempfile.TemporaryDirectory(prefix="memory_cap-")
+    triton = backend.cache_dir("triton")
+    triton.mkdir(parents=True, exist_ok=True)
+    os.symlink(triton, Path(self.cache.name) / "triton")
+    self.env = {**os.environ, "BLUTRAIN_CACHE_DIR": self.cache.name}
 
   def __call__(self, impl: str, precision: str, batch: int, preset: str = "12x768") -> bool:
     a = self.a
     cmd = [sys.executable, __file__, "--probe", "--impl", impl, "--precision", precision, "--batch", str(batch),
            "--preset", preset, "--cap-gib", str(a.cap_gib), "--block", str(a.block)]
     try:
-      r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.probe_timeout, cwd=ROOT)
+      r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.probe_timeout, cwd=ROOT, env=self.env)
       lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
       out = json.loads(lines[-1][7:]) if lines else {"ok": False, "error": f"exit {r.returncode}: {r.stderr[-400:]}"}
     except subprocess.TimeoutExpired:
