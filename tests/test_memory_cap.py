@@ -33,6 +33,8 @@ try:
   raise SystemExit("no error")
 except bt.cuda.OutOfMemoryError as e:
   msg = str(e)
+# planned under the limit less what is not the step's: other memory, and the workspace its pool makes (32 MiB)
+assert step.info["memory_budget"] <= base + 20 * MiB - 32 * MiB, step.info["memory_budget"]
 for part in ("plan's peak", "arena", "a limit of", "memory_budget", "in all (", "by the device's caching allocator",
              "CUDA graph pool"):
   assert part in msg, (part, msg)

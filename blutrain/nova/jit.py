@@ -247,6 +247,19 @@ def _copy(a):
   return out
 
 
+def held_outside(trace: Trace, leaves: list) -> int:
+  """Bytes under the device's memory limit that a step captured on the GPU cannot plan into: what the device allocator
+  holds besides the step's inputs that live across calls (parameters, optimizer state: they count as the step's), what
+  graph pools reserve (other compiled steps), and the cuBLASLt workspace the step's own pool makes for its stream."""
+  from blutrain.backend.cuda import runtime
+  from blutrain.backend.cuda.kernels.cublaslt import WORKSPACE
+  stats = runtime.state(trace.graph.device.index).allocator.memory_stats()
+  inputs = {(a.ptr, a.nbytes) for a in (s.tensor(leaves)._array() for s in trace.sources
+                                        if not isinstance(s, Arg) and not hasattr(s, "array"))}
+  own = sum(n for _, n in inputs)
+  return max(stats["allocated_bytes.all.current"] - own, 0) + stats["pools_reserved_bytes.all.current"] + WORKSPACE
+
+
 # *** compile with a disk cache ***
 
 def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, memory_budget: int | None = None,
@@ -363,7 +376,7 @@ class Compiled:
     written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
                for k, (kind, where) in enumerate(spec) if kind == "write"}
     from blutrain.nova.remat import step_budget
-    budget = step_budget(self.memory_budget, device)
+    budget = step_budget(self.memory_budget, device, held_outside(trace, leaves) if device.type == "cuda" else 0)
     fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written, budget, device.type)
     info.update(memory_budget=budget, capture_s=capture_s, equations=len(trace.graph.equations),
                 inputs=len(trace.graph.inputs), outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
@@ -394,7 +407,8 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_bu
     memory_budget: bytes (an int, or a size such as "10GiB") the step may take: its inputs (parameters, optimizer
       state, batch) plus its arena. Activations are then recomputed in the backward until the planned peak fits;
       `info["remat"]` (and a warning) says how far above it the step stays when it cannot. On a CUDA device the
-      limit of `bt.cuda.set_memory_limit` also applies. Without it only cheap ops are recomputed (pointwise ops,
+      limit of `bt.cuda.set_memory_limit`, less the memory under it that is not the step's, also applies (it is the
+      budget when none is given). Without either only cheap ops are recomputed (pointwise ops,
       layer norms, dropout masks, within a few percent of the step's FLOPs); `BLUTRAIN_NOVA_REMAT=0` turns
       rematerialization off.
 
