@@ -250,10 +250,13 @@ def _copy(a):
 def held_outside(trace: Trace, leaves: list) -> int:
   """Bytes under the device's memory limit that a step captured on the GPU cannot plan into: what the device allocator
   holds besides the step's inputs that live across calls (parameters, optimizer state: they count as the step's), what
-  graph pools reserve (other compiled steps), and the cuBLASLt workspace the step's own pool makes for its stream."""
+  graph pools reserve (other compiled steps), and the cuBLASLt workspace the step's own pool makes for its stream.
+  0 when no limit is set (nothing is then read)."""
   from blutrain.backend.cuda import runtime
   from blutrain.backend.cuda.kernels.cublaslt import WORKSPACE
-  stats = runtime.state(trace.graph.device.index).allocator.memory_stats()
+  allocator = runtime.state(trace.graph.device.index).allocator
+  if allocator.limit is None: return 0
+  stats = allocator.memory_stats()
   inputs = {(a.ptr, a.nbytes) for a in (s.tensor(leaves)._array() for s in trace.sources
                                         if not isinstance(s, Arg) and not hasattr(s, "array"))}
   own = sum(n for _, n in inputs)
