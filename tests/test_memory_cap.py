@@ -74,3 +74,37 @@ assert all(planned), planned
 print("ok", len(planned))
 """, tmp_path)
   assert int(out.split("ok")[-1]) >= 2 * 4  # the 4 copies per block of the warm run and the capture, 2 blocks
+
+
+def _captured(fn, *args):
+  """fn compiled on the CPU, called twice (eagerly, then captured): its results and the captured graph's op counts."""
+  import blutrain as bt
+  f = bt.compile(fn)
+  f(*args)
+  return f(*args), f.info["counts_before"]
+
+
+def test_capture_records_the_copies_that_views_of_strided_values_need(tmp_path, monkeypatch):
+  """A view gets the layout its rule gives: `.contiguous()` after a transpose and a reshape that cannot view its input
+  record a copy, as eagerly; views that can view record none, nor does a transpose undone, nor a view of a tensor
+  whose strided view was updated in place (its new value is contiguous)."""
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path))  # a cached step carries no op counts
+  import numpy as np
+  import blutrain as bt
+  x = bt.randn(2, 3, 4)
+  want = (x.transpose(1, 2).contiguous().view(2, 12) * 2).numpy(), x.transpose(1, 2).reshape(2, 12).numpy()
+  (a, b), counts = _captured(lambda x: (x.transpose(1, 2).contiguous().view(2, 12) * 2,
+                                        x.transpose(1, 2).reshape(2, 12)), x)
+  np.testing.assert_array_equal(a.numpy(), want[0])
+  np.testing.assert_array_equal(b.numpy(), want[1])
+  assert counts.get("copy") == 2, counts
+  _, counts = _captured(lambda x: (x.transpose(1, 2).transpose(1, 2).contiguous().reshape(6, 4) + 1,), x)
+  assert "copy" not in counts, counts
+
+  def updated(x):
+    v = (x * 1).transpose(1, 2)
+    v.add_(1)
+    return (v.reshape(-1),)
+  (c,), counts = _captured(updated, x)
+  np.testing.assert_array_equal(c.numpy(), (x.transpose(1, 2) + 1).reshape(-1).numpy())
+  assert "copy" not in counts, counts
