@@ -17,8 +17,8 @@ replay (the device allocator's peak plus the graph pool's). JSON to benchmarks/r
 
   python benchmarks/memory_cap.py [--cap-gib 12] [--precisions tf32,bf16] [--torch-compile] [--quick]
 
-By default the run takes about 5 minutes on an H200 with the Triton cache warm; --quick (TF32 only, no shape search)
-about 2.
+By default a run is about 20 probes of 5-20 s each (planned at about 5 minutes on an H200 with the Triton cache warm,
+not yet measured); --quick (TF32 only, no shape search) about half of that. Each probe prints its time.
 """
 from __future__ import annotations
 
