@@ -252,6 +252,38 @@ def test_memory_limit_oom_message_and_retry_after_releasing_the_cache(alloc, drv
   with pytest.raises(ValueError): alloc.set_memory_limit(-1)
 
 
+def test_one_limit_caps_the_device_allocator_and_the_pools_sharing_it(alloc, drv):
+  """A graph pool's allocator shares the device allocator's limit: what they reserve together is capped, the message
+  gives both reserves, an OOM in one releases the others' free segments, and a frozen pool keeps its own."""
+  pool = CachingAllocator(drv, device=0, sharing=alloc)
+  alloc.set_memory_limit(50 * MiB)
+  assert pool.limit == 50 * MiB
+  a = alloc.malloc(25 * MiB, "s")              # 26 MiB
+  p = pool.malloc(15 * MiB, "p")               # 16 MiB: 42 MiB together, each alone under the limit
+  with pytest.raises(OutOfMemoryError) as e:
+    pool.malloc(8 * MiB, "p")                  # a 20 MiB segment: 62 MiB > 50 MiB
+  msg = str(e.value)
+  for part in ("limit set by set_memory_limit is 50.00 MiB", "reserved 42.00 MiB in all", "26.00 MiB by the device's",
+               "16.00 MiB by the caching allocators of 1 CUDA graph pool",
+               "a CUDA graph pool's caching allocator, which has reserved 16.00 MiB", "16.00 MiB is allocated"):
+    assert part in msg, (part, msg)
+  s = alloc.memory_stats()
+  assert s["pools_reserved_bytes.all.current"] == 16 * MiB and s["limited_reserved_bytes.all.current"] == 42 * MiB
+  a.free()                                     # cached by the device allocator: the pool's retry releases it
+  b = pool.malloc(8 * MiB, "p")
+  assert stat(alloc, "reserved_bytes.all.current") == 0 and sorted(drv.live.values()) == [16 * MiB, 20 * MiB]
+  assert stat(alloc, "limited_reserved_bytes.all.peak") == 42 * MiB
+  pool.frozen = True                           # a graph was captured in the pool: its free segments stay reserved
+  b.free(); p.free()
+  with pytest.raises(OutOfMemoryError):
+    alloc.malloc(20 * MiB, "s")                # 20 MiB + the pool's 36 MiB > 50 MiB
+  assert stat(pool, "reserved_bytes.all.current") == 36 * MiB
+  del pool, b, p, e
+  gc.collect()                                 # a pool that is gone returned its segments
+  assert stat(alloc, "pools_reserved_bytes.all.current") == 0 == stat(alloc, "limited_reserved_bytes.all.current")
+  assert not drv.live
+
+
 def test_driver_out_of_memory_waits_for_pending_frees_then_raises():
   drv = FakeDriver(total=24 * MiB)
   alloc = CachingAllocator(drv, device=3)

@@ -159,8 +159,13 @@ class Trace:
     self.graph.equations.append(Equation(op.name, ins, dict(attrs), outs))
     if op.multi: return tuple(None if v is None else self._traced(v, device) for v in outs)
     t = self._traced(outs[0], device)
-    if op.view is not None and type(inputs[0]._storage.data) is Traced:  # in the graph a view is a new value
-      inputs[0]._storage.data.viewed, t._storage.data.view_of = True, inputs[0]._storage.data
+    if op.view is not None:
+      # a view has the layout its rule gives, as eagerly (and at run time), so that `.contiguous()` and `reshape` record
+      # the copies they make in the graph, where the memory plan places them
+      _, strides, offset = op.view(inputs[0], **attrs)
+      if strides is not None: t._strides, t._offset = tuple(strides), offset
+      if type(inputs[0]._storage.data) is Traced:  # in the graph a view is a new value
+        inputs[0]._storage.data.viewed, t._storage.data.view_of = True, inputs[0]._storage.data
     return t
 
   def write(self, x: Tensor, new: Tensor) -> None:
@@ -175,6 +180,7 @@ class Trace:
         raise RuntimeError(f"bt.compile: in-place update of a tensor of shape {tuple(x.shape)} whose views are still in "
                            "use; update it before taking views, or use an out-of-place op")
       x._storage.data = Traced(v)
+      x._strides, x._offset = new._strides, new._offset  # it now stands for new's value, laid out as new is
       return
     key = _layout(x)
     written = self._written.setdefault(key[0], key)

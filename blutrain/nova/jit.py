@@ -198,24 +198,44 @@ class GraphExecutable(Executable):
       if kind == "write" and id(arr) not in given: memory.copy_into(self.static[self.sources.index(where)], arr)
     return outs
 
+  def planned_peak(self) -> int:
+    """The step's memory by its plan: its bound inputs (parameters, gradients, optimizer state, the batch) and the
+    arena of its intermediates."""
+    inputs = {(a.ptr, a.nbytes) for a in self.static or ()}
+    return sum(n for _, n in inputs) + getattr(self.fn, "arena_bytes", 0)
+
+  def _oom(self, e: OutOfMemoryError, what: str) -> OutOfMemoryError:
+    from blutrain.backend.cuda import runtime
+    arena, peak = getattr(self.fn, "arena_bytes", 0), self.planned_peak()
+    limit = runtime.state(self.static[0].device if self.static else None).allocator.limit
+    budget = self.info.get("memory_budget")
+    return OutOfMemoryError(
+      f"bt.compile: the compiled step does not fit in memory ({what}): its plan's peak is {format_size(peak)} (inputs "
+      f"{format_size(peak - arena)}, intermediates {format_size(arena)} in one arena), under "
+      + ("no memory limit" if limit is None else f"a limit of {format_size(limit)} (bt.cuda.set_memory_limit, over the "
+         "device allocator and the graph pools together)")
+      + ("" if budget is None else f" and a memory budget of {format_size(budget)}")
+      + ". Pass bt.compile(step, memory_budget=...) (blutrain train --memory-budget) to recompute activations until "
+      f"the plan fits, reduce the batch size, or raise the limit. {e}")
+
   def run(self, leaves: list) -> Any:
     from blutrain.backend.cuda import graphs, memory
     collective.check(self.collectives)
     static = self._bind(leaves)
     if self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what the step needs
+      pool = None
       try:
         pool = graphs.Pool(static[0].device if static else None, getattr(self.fn, "arena_bytes", 0))
         outs = pool.run(self._step)
       except OutOfMemoryError as e:
-        raise OutOfMemoryError(f"bt.compile: the compiled step does not fit in memory: its plan places "
-                               f"{format_size(getattr(self.fn, 'arena_bytes', 0))} of intermediates in one arena, "
-                               f"beside its inputs. Pass bt.compile(step, memory_budget=...) (blutrain train "
-                               f"--memory-budget) to recompute activations until the plan fits, or reduce the batch "
-                               f"size. {e}") from e
+        if pool is not None: pool.release()
+        raise self._oom(e, "running it kernel by kernel before its capture") from e
       self.pool = pool
+      self.info["planned_peak_bytes"] = self.planned_peak()
     else:
       if self.graph is None:
-        self.graph, self.outs = self.pool.capture(self._step)
+        try: self.graph, self.outs = self.pool.capture(self._step)
+        except OutOfMemoryError as e: raise self._oom(e, "capturing it into a CUDA graph") from e
         self.info.update(graph_nodes=self.graph.nodes, graph_pool_bytes=self.pool.nbytes(),
                          graph_arena_bytes=self.pool.arena.nbytes if self.pool.arena else 0)
       self.graph.replay()
@@ -233,6 +253,22 @@ def _copy(a):
   out = memory.empty(a.shape, a.dtype, a.device)
   memory.copy_into(out, a)
   return out
+
+
+def held_outside(trace: Trace, leaves: list) -> int:
+  """Bytes under the device's memory limit that a step captured on the GPU cannot plan into: what the device allocator
+  holds besides the step's inputs that live across calls (parameters, optimizer state: they count as the step's), what
+  graph pools reserve (other compiled steps), and the cuBLASLt workspace the step's own pool makes for its stream.
+  0 when no limit is set (nothing is then read)."""
+  from blutrain.backend.cuda import runtime
+  from blutrain.backend.cuda.kernels.cublaslt import WORKSPACE
+  allocator = runtime.state(trace.graph.device.index).allocator
+  if allocator.limit is None: return 0
+  stats = allocator.memory_stats()
+  inputs = {(a.ptr, a.nbytes) for a in (s.tensor(leaves)._array() for s in trace.sources
+                                        if not isinstance(s, Arg) and not hasattr(s, "array"))}
+  own = sum(n for _, n in inputs)
+  return max(stats["allocated_bytes.all.current"] - own, 0) + stats["pools_reserved_bytes.all.current"] + WORKSPACE
 
 
 # *** compile with a disk cache ***
@@ -351,10 +387,10 @@ class Compiled:
     written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
                for k, (kind, where) in enumerate(spec) if kind == "write"}
     from blutrain.nova.remat import step_budget
-    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written,
-                     step_budget(self.memory_budget, device), device.type)
-    info.update(capture_s=capture_s, equations=len(trace.graph.equations), inputs=len(trace.graph.inputs),
-                outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
+    budget = step_budget(self.memory_budget, device, held_outside(trace, leaves) if device.type == "cuda" else 0)
+    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written, budget, device.type)
+    info.update(memory_budget=budget, capture_s=capture_s, equations=len(trace.graph.equations),
+                inputs=len(trace.graph.inputs), outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
     self.captures += 1
     self.info = info
     if device.type != "cuda": return Executable(fn, trace, spec, out_tree, device, info)
@@ -381,7 +417,8 @@ def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_bu
     memory_budget: bytes (an int, or a size such as "10GiB") the step may take: its inputs (parameters, optimizer
       state, batch) plus its arena. Activations are then recomputed in the backward until the planned peak fits;
       `info["remat"]` (and a warning) says how far above it the step stays when it cannot. On a CUDA device the
-      limit of `bt.cuda.set_memory_limit` also applies. Without it only cheap ops are recomputed (pointwise ops,
+      limit of `bt.cuda.set_memory_limit`, less the memory under it that is not the step's, also applies (it is the
+      budget when none is given). Without either only cheap ops are recomputed (pointwise ops,
       layer norms, dropout masks, within a few percent of the step's FLOPs); `BLUTRAIN_NOVA_REMAT=0` turns
       rematerialization off.
 

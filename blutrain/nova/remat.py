@@ -78,14 +78,15 @@ def parse_size(size: int | str) -> int:
   return int(float(m.group(1)) * units[m.group(2).lower()])
 
 
-def step_budget(memory_budget: int | str | None, device) -> int | None:
+def step_budget(memory_budget: int | str | None, device, held: int = 0) -> int | None:
   """The budget a compiled step is planned under: `memory_budget` (bytes or a size string), or on a CUDA device the
-  limit set by `bt.cuda.set_memory_limit` when that is lower (or the only one set)."""
+  limit set by `bt.cuda.set_memory_limit`, less the `held` bytes under it that are not the step's (see
+  `jit.held_outside`), when that is lower (or the only one set)."""
   budget = None if memory_budget is None else parse_size(memory_budget)
   if device is not None and device.type == "cuda":
     from blutrain.backend.cuda import runtime
     limit = runtime.state(device.index).allocator.limit
-    if limit is not None: budget = limit if budget is None else min(budget, limit)
+    if limit is not None: budget = max(limit - held, 0) if budget is None else min(budget, max(limit - held, 0))
   return budget
 
 

@@ -205,6 +205,8 @@ def test_the_allocator_limit_is_a_budget_on_cuda_only(monkeypatch):
   assert step_budget("1GiB", bt.device("cuda", 0)) == 2**30
   assert step_budget("10GiB", bt.device("cuda", 1)) == 10 * 2**30 and step_budget(None, bt.device("cuda", 1)) is None
   assert step_budget(None, bt.device("cpu")) is None and step_budget(512, bt.device("cpu")) == 512
+  assert step_budget(None, bt.device("cuda", 0), held=2**30) == step_budget("3GiB", bt.device("cuda", 0), 2**30) == 2**31
+  assert step_budget(None, bt.device("cuda", 1), held=2**30) is None
 
 
 def test_the_clone_goes_right_before_the_first_read_after_the_peak_and_views_follow_it():

@@ -16,14 +16,19 @@ runs (and is tested) on the CPU with a fake driver:
   streams (`Block.record_stream`), its free records an event on each of them and the block is kept (as above)
   once every event has completed, which is checked by querying at the next allocation, never by waiting;
 - when the driver is out of memory, or the reserve would pass `set_memory_limit`, the allocator waits for the
-  pending events, returns every fully free segment to the driver and tries once more; then it raises
-  `OutOfMemoryError` with the request and the state of the cache.
+  pending events, returns every fully free segment to the driver (its own, then those of the allocators sharing its
+  limit) and tries once more; then it raises `OutOfMemoryError` with the request and the state of the cache.
+
+One limit caps a device: the allocators of CUDA graph pools (`graphs.Pool`) are made `sharing` the device allocator's,
+so the limit applies to what all of them reserve together. A pool whose graph was captured is `frozen`: its free
+segments stay reserved, since the graph replays in them.
 """
 from __future__ import annotations
 
 import bisect
 import sys
 import threading
+import weakref
 from typing import Any, Protocol
 
 MiB = 1 << 20
@@ -128,11 +133,17 @@ class _Stat:
 
 
 class CachingAllocator:
-  """A stream-aware caching allocator for one device over `driver`."""
+  """A stream-aware caching allocator for one device over `driver`; with `sharing`, under that allocator's limit,
+  which then caps what both (and every other allocator sharing it) reserve together."""
 
-  def __init__(self, driver: Driver, device: int = 0):
+  def __init__(self, driver: Driver, device: int = 0, sharing: CachingAllocator | None = None):
     self.driver, self.device = driver, device
-    self.limit: int | None = None
+    self.root = self if sharing is None else sharing.root  # the allocator that holds the limit
+    self._limit: int | None = None
+    self.pools: weakref.WeakSet[CachingAllocator] = weakref.WeakSet()  # on the root: the allocators sharing it
+    self._joint, self._joint_lock = _Stat(), threading.Lock()  # on the root: reserved by it and those sharing it
+    if sharing is not None: self.root.pools.add(self)
+    self.frozen = False  # keep free segments reserved (a CUDA graph replays in them)
     self._pools: dict[bool, list[int]] = {True: [], False: []}  # small? -> sorted keys of its free blocks
     self._free: dict[int, _Block] = {}
     self._kept: dict[int, list[_Block]] = {}   # _key(stream id, size, 0) -> freed blocks of that size, not pooled yet
@@ -184,6 +195,8 @@ class CachingAllocator:
       if b is None:
         self._counts["num_alloc_retries"] += 1
         self._release_cached(wait=True)
+        for other in (self.root, *self.root.pools):
+          if other is not self: other._release_if_idle()
         b = self._new_segment(seg, stream, sid, small)
       if b is None:
         self._counts["num_ooms"] += 1
@@ -211,12 +224,20 @@ class CachingAllocator:
     return b
 
   def _new_segment(self, seg: int, stream: Any, sid: int, small: bool) -> _Block | None:
-    if self.limit is not None and self._stats["reserved"].current + seg > self.limit: return None
+    root = self.root
+    with root._joint_lock:
+      if root._limit is not None and root._joint.current + seg > root._limit: return None
+      root._joint.add(seg)  # claimed before the driver call, so that two allocators cannot both pass the limit
     try: ptr = self.driver.malloc(seg)
-    except MemoryError: return None
+    except MemoryError:
+      self._reserve_jointly(-seg)
+      return None
     self._counts["num_device_alloc"] += 1
     self._stats["reserved"].add(seg); self._stats["segments"].add(1)
     return _Block(ptr, seg, stream, sid, small)
+
+  def _reserve_jointly(self, n: int) -> None:
+    with self.root._joint_lock: self.root._joint.add(n)
 
   # *** free ***
 
@@ -292,13 +313,24 @@ class CachingAllocator:
       try: self._drain()
       finally: self._lock.release()
 
+  def _release_if_idle(self) -> None:
+    """`_release_cached(wait=True)` unless another thread is inside this allocator (an OOM in one allocator frees
+    the others' caches; waiting for their locks could deadlock)."""
+    if self._lock.acquire(blocking=False):
+      try:
+        self._drain()
+        self._release_cached(wait=True)
+      finally: self._lock.release()
+
   def _release_cached(self, wait: bool) -> None:
-    """Return every fully free segment to the driver; with `wait`, first wait for pending cross-stream frees."""
+    """Return every fully free segment to the driver (none when `frozen`); with `wait`, first wait for pending
+    cross-stream frees."""
     if wait:
       for b in self._pending:
         for e in b.events: e.synchronize()
     self._process_events()
     self._pool_kept()
+    if self.frozen: return
     for small in (True, False):
       for b in [self._free[k] for k in self._pools[small]]:
         if b.is_split(): continue
@@ -306,6 +338,15 @@ class CachingAllocator:
         self.driver.free(b.ptr)
         self._counts["num_device_free"] += 1
         self._stats["reserved"].add(-b.size); self._stats["segments"].add(-1)
+        self._reserve_jointly(-b.size)
+
+  def __del__(self):
+    """An allocator sharing another's limit (a graph pool's) returns its segments when it is collected: every block
+    it handed out, and every graph captured in it, is gone by then (they hold it)."""
+    if self.root is not self and not sys.is_finalizing():
+      self.frozen = False
+      self._drain()
+      self._release_cached(wait=True)
 
   # *** pools ***
 
@@ -330,19 +371,28 @@ class CachingAllocator:
       self._drain()
       self._release_cached(wait=False)
 
+  @property
+  def limit(self) -> int | None:
+    """The cap on what this allocator and those sharing its limit reserve together (None: no cap)."""
+    return self.root._limit
+
   def set_memory_limit(self, nbytes: int | None) -> None:
-    """Cap the memory reserved from the driver at `nbytes` (None: no cap); emulates a smaller card."""
+    """Cap the memory reserved from the driver, by this allocator and every allocator sharing its limit together, at
+    `nbytes` (None: no cap); emulates a smaller card."""
     if nbytes is not None and nbytes < 0: raise ValueError(f"set_memory_limit: expected a size >= 0, got {nbytes}")
-    self.limit = None if nbytes is None else int(nbytes)
+    self.root._limit = None if nbytes is None else int(nbytes)
 
   def reset_peak_memory_stats(self) -> None:
     with self._lock:
       self._drain()
       for s in self._stats.values(): s.peak = s.current
+    with self._joint_lock: self._joint.peak = self._joint.current
 
   def memory_stats(self) -> dict[str, int]:
     """PyTorch's flat statistics: '<stat>.all.current' / '.peak' and counters. `inactive_split_bytes` is the
-    free memory inside segments that also hold allocations: what fragmentation costs."""
+    free memory inside segments that also hold allocations: what fragmentation costs. On an allocator others share
+    (the device's), `pools_reserved_bytes` is what they reserve (CUDA graph pools) and `limited_reserved_bytes`
+    (current and peak) what the limit caps: its own reserve and theirs."""
     with self._lock:
       self._drain()
       self._process_events()
@@ -358,7 +408,12 @@ class CachingAllocator:
       out["cached_free_bytes.all.current"] = sum(b.size for b in self._free.values())
       out["pending_free_bytes.all.current"] = sum(b.size for b in self._pending)
       out.update(self._counts)
-      return out
+    if self.root is self:
+      out["pools_reserved_bytes.all.current"] = sum(a._stats["reserved"].current for a in list(self.pools))
+      with self._joint_lock:
+        out["limited_reserved_bytes.all.current"] = self._joint.current
+        out["limited_reserved_bytes.all.peak"] = self._joint.peak
+    return out
 
   def _oom_message(self, nbytes: int, seg: int) -> str:
     st, free_blocks = self._stats, self._free.values()
@@ -369,8 +424,18 @@ class CachingAllocator:
     except Exception as e:  # the message must not fail because the driver could not answer
       device = f"the device's free memory could not be read ({e})"
     limit = "" if self.limit is None else f"the limit set by set_memory_limit is {format_size(self.limit)}; "
+    root, reserved = self.root, format_size(st['reserved'].current)
+    pools = list(root.pools)
+    if pools:  # the limit caps the device allocator and the graph pools together: both figures
+      mine = "the device's caching allocator" if self is root else "a CUDA graph pool's caching allocator"
+      pooled = sum(a._stats["reserved"].current for a in pools)
+      total = root._stats["reserved"].current + pooled
+      reserved = (f"{format_size(total)} in all ({format_size(root._stats['reserved'].current)} by the device's "
+                  f"caching allocator, {format_size(pooled)} by the caching allocators of {len(pools)} CUDA graph "
+                  f"pool(s), which hold the temporaries of compiled steps); the request came to {mine}, which has reserved "
+                  f"{reserved}")
     return (f"CUDA out of memory on cuda:{self.device}: tried to allocate {format_size(nbytes)} (a new segment of "
-            f"{format_size(seg)}). State: {limit}{device}; blutrain has reserved {format_size(st['reserved'].current)},"
+            f"{format_size(seg)}). State: {limit}{device}; blutrain has reserved {reserved},"
             f" of which {format_size(st['allocated'].current)} is allocated to tensors and {format_size(cached)} is "
             f"free in the cache ({format_size(split)} of it in split segments, i.e. fragmentation). Hint: free tensors "
             f"you no longer need (del, evaluate under bt.no_grad()), reduce the batch size or sequence length, or "

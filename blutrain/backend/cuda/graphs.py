@@ -1,10 +1,12 @@
 """CUDA graphs: the work a function queues, captured once and replayed with one launch.
 
-A `Pool` is a stream of its own whose allocator is private (a CachingAllocator of its own over the same device):
-work run through the pool (`Pool.run`, `Pool.capture`) takes every allocation from it, and memory freed there is
-reused there only, so nothing outside is ever handed memory that a graph captured in the pool reads or writes when
-it replays. A step run once through the pool before its capture leaves the pool holding what the capture needs.
-The pool lives as long as its graphs (and as long as any array cut from it).
+A `Pool` is a stream of its own whose allocator is private (a CachingAllocator of its own over the same device, under
+the device allocator's limit: `bt.cuda.set_memory_limit` caps both together): work run through the pool (`Pool.run`,
+`Pool.capture`) takes every allocation from it, and memory freed there is reused there only, so nothing outside is
+ever handed memory that a graph captured in the pool reads or writes when it replays; once a capture begins, the pool
+keeps its segments even when an out-of-memory retry empties the caches. A step run once through the pool before its
+capture leaves the pool holding what the capture needs. The pool lives as long as its graphs (and as long as any array
+cut from it).
 
 Capture runs in relaxed mode, so that the pool may ask the driver for a segment while capturing. Work that needs the
 host (a device-to-host copy, a synchronization) cannot be captured: the driver's error ends the capture, and
@@ -92,8 +94,7 @@ class Pool:
 
   def __init__(self, device: int | None = None, arena: int = 0):
     origin = runtime.current_stream(device)
-    self.scratch = CachingAllocator(runtime._DeviceDriver(origin.device), origin.device)
-    self.scratch.limit = origin.allocator.limit  # NOTE: capped alone, not jointly with the device's allocator
+    self.scratch = CachingAllocator(runtime._DeviceDriver(origin.device), origin.device, sharing=origin.allocator)
     self.arena = origin.allocator.malloc(arena, origin) if arena else None
     self.allocator = PlannedAllocator(self.arena, self.scratch) if arena else self.scratch
     # the stream lives as long as the pool: per-stream resources made on it (cuBLASLt's workspace) are keyed by its
@@ -108,6 +109,15 @@ class Pool:
     """Device memory the pool's own caching allocator reserved (the arena is the device allocator's, counted in
     `bt.cuda.memory_allocated`)."""
     return self.scratch.memory_stats()["reserved_bytes.all.current"]
+
+  def release(self) -> None:
+    """Give the pool's memory back after its step failed (out of memory before a graph was captured): the arena, the
+    cuBLASLt workspace made for its stream and its allocator's free segments. The pool is not used again."""
+    from blutrain.backend.cuda.kernels import cublaslt
+    self.stream.synchronize()  # the step's kernels queued before the failure may still read and write that memory
+    if self.arena is not None: self.arena.free()
+    with cublaslt._lock: cublaslt._workspaces.pop((self.stream.device, self.stream.handle), None)
+    self.scratch.empty_cache()
 
   def _order(self, first: runtime.Stream, then: runtime.Stream) -> None:
     e = runtime.Event()
@@ -128,6 +138,7 @@ class Pool:
     graph writes when it replays: their values exist only after `replay()`)."""
     drv = runtime.driver()
     s = self.stream
+    self.scratch.frozen = True  # the graph replays in the memory the capture is handed, free or not
     self._order(runtime.current_stream(s.device), s)
     mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
     runtime.check(drv.cuStreamBeginCapture(s._s.handle, mode), "cuStreamBeginCapture")
