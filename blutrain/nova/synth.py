@@ -5,8 +5,10 @@ A group is data (`Body`: input dtypes, ops over references, outputs), taken from
 step holds it as a literal and calls `fused(body, shape, *arrays)`. On the first call for a layout of the inputs the
 host collapses dims (`kernels.collapse` over the output's contiguous strides and each input's broadcast strides) and
 sorts each input into a kind: `flat` (the output's own layout, read at the flat index), `scalar` (one element),
-`strided` (read through per-dim strides of the collapsed shape) or `value` (a host scalar passed by value). The
-kernel's `Variant` is (rank, kinds, 64-bit indexing, 16-byte alignment); with the body it is the structural hash
+`strided:<pattern>` (read through the collapsed dims' indices; the pattern has one letter per dim: `0` broadcast,
+`1` unit stride, `s` a stride passed at run time, so a bias over rows is `strided:01` and reads `j1`) or `value` (a
+host scalar passed by value). The kernel's `Variant` is (rank, kinds, 64-bit indexing, 16-byte alignment): the
+broadcast pattern; with the body it is the structural hash
 (`key`), which names the kernel: identical groups (the blocks of a transformer) share one source, one JIT function
 and one compile, which `launch` also caches on disk. With $BLUTRAIN_DUMP_IR each source is written there as
 `fused_<key>.py`.
@@ -40,7 +42,6 @@ HALF = (dtypes.float16, dtypes.bfloat16)
 _TL = {dtypes.bool_: "int1", dtypes.uint8: "uint8", dtypes.int8: "int8", dtypes.int16: "int16",
        dtypes.int32: "int32", dtypes.int64: "int64", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16",
        dtypes.float32: "float32", dtypes.float64: "float64"}
-KINDS = ("flat", "scalar", "strided", "value")
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ def body_of(op: FusedOp) -> Body:
 
 @dataclass(frozen=True)
 class Variant:
-  """What a kernel is specialized to besides its body: the collapsed rank, each input's kind (KINDS), 64-bit
-  indices, and whether the flat operands' addresses are 16-byte aligned."""
+  """What a kernel is specialized to besides its body: the collapsed rank, each input's kind (see the module
+  docstring), 64-bit indices, and whether the flat operands' addresses are 16-byte aligned."""
   rank: int
   kinds: tuple[str, ...]
   i64: bool
@@ -106,10 +107,10 @@ def source(body: Body, variant: Variant) -> str:
   """The Triton source of a body's kernel for a variant (see the module docstring)."""
   name = f"fused_{key(body, variant)}"
   n_in, r = len(body.inputs), variant.rank
-  strided = [k for k, kind in enumerate(variant.kinds) if kind == "strided"]
+  strided = [k for k, kind in enumerate(variant.kinds) if kind.startswith("strided")]
   outs = [f"o{j}" for j in range(len(body.outputs))]
   params = [*outs, *(f"i{k}" for k in range(n_in)), "n", *(f"d{d}" for d in range(1, r) if strided),
-            *(f"s{k}_{d}" for k in strided for d in range(r))]
+            *_stride_params(variant)]
   lines = [f"def {name}_block({', '.join(params)}, offs, mask, BLOCK: tl.constexpr):"]
   if strided:  # the index along each collapsed dim, innermost first
     rest = "offs"
@@ -122,7 +123,9 @@ def source(body: Body, variant: Variant) -> str:
     if kind == "value": load = f"i{k}"
     elif kind == "scalar": load = f"tl.load(i{k})"
     elif kind == "flat": load = f"tl.load(i{k} + offs, mask=mask)"
-    else: load = f"tl.load(i{k} + {' + '.join(f'j{d_} * s{k}_{d_}' for d_ in range(r))}, mask=mask)"
+    else:
+      terms = [f"j{i}" if c == "1" else f"j{i} * s{k}_{i}" for i, c in enumerate(kind[8:]) if c != "0"]
+      load = f"tl.load(i{k} + {' + '.join(terms)}, mask=mask)"
     lines.append(f"  x{k} = {load}.to({_compute(d)})")
     names.append(f"x{k}")
     block.append(kind in ("flat", "strided"))
@@ -192,10 +195,16 @@ def signature(body: Body, variant: Variant) -> dict[str, str]:
   for k, (d, kind) in enumerate(zip(body.inputs, variant.kinds)):
     sig[f"i{k}"] = BY_VALUE[d] if kind == "value" else ptr(d) + (div if kind == "flat" else "")
   sig["n"] = idx
-  strided = [k for k, kind in enumerate(variant.kinds) if kind == "strided"]
-  if strided: sig.update({f"d{d}": idx for d in range(1, variant.rank)})
-  sig.update({f"s{k}_{d}": idx for k in strided for d in range(variant.rank)})
+  if any(kind.startswith("strided") for kind in variant.kinds):
+    sig.update({f"d{d}": idx for d in range(1, variant.rank)})
+  sig.update({p: idx for p in _stride_params(variant)})
   return sig
+
+
+def _stride_params(variant: Variant) -> list[str]:
+  """The stride parameters of a variant: one per dim of a strided input whose stride is neither 0 nor 1."""
+  return [f"s{k}_{i}" for k, kind in enumerate(variant.kinds) if kind.startswith("strided")
+          for i, c in enumerate(kind[8:]) if c == "s"]
 
 
 def spec(body: Body, variant: Variant, n: int):
@@ -220,13 +229,15 @@ def plan(body: Body, shape: tuple[int, ...], layouts: list[tuple | None]) -> tup
   cshape, (ost, *ists) = collapse(shape, out_strides, *[s for s in bstrides if s is not None])
   it = iter(ists)
   ists = [None if s is None else next(it) for s in bstrides]
-  kinds = tuple("value" if s is None else "scalar" if not any(s) else "flat" if s == ost else "strided" for s in ists)
+  kinds = tuple("value" if s is None else "scalar" if not any(s) else "flat" if s == ost else
+                "strided:" + "".join("0" if x == 0 else "1" if x == 1 else "s" for x in s) for s in ists)
   aligned = all(lay[3] == 0 for lay, kind in zip(layouts, kinds) if kind == "flat")  # outputs: the allocator's 512 B
   i64 = needs_i64(cshape, ost, *[s for s in ists if s is not None])
-  variant = Variant(len(cshape) if "strided" in kinds else 1, kinds, i64, aligned)
+  is_strided = any(kind.startswith("strided") for kind in kinds)
+  variant = Variant(len(cshape) if is_strided else 1, kinds, i64, aligned)
   s = spec(body, variant, n)
-  sizes = list(cshape[1:]) if "strided" in kinds else []
-  strides = [x for s_, kind in zip(ists, kinds) if kind == "strided" for x in s_]
+  sizes = list(cshape[1:]) if is_strided else []
+  strides = [x for s_, kind in zip(ists, kinds) if kind.startswith("strided") for x in s_ if x not in (0, 1)]
   return s, (cdiv(n, s.constexprs["BLOCK"]),), (n, *sizes, *strides)
 
 
@@ -254,3 +265,18 @@ def fused(body: Body, shape: tuple[int, ...], *xs) -> tuple:
     args = [x if x.__class__ is CudaArray else np.asarray(x).item() for x in xs]
     s.kernel(grid, *outs, *args, *scalars)
   return outs
+
+
+def specs(module) -> list:
+  """The compiled variants (`kernels.Spec`) the fused ops of an optimized module use when their inputs are
+  contiguous arrays, each distinct one once: what CI compiles without a GPU."""
+  from blutrain.nova.ir import function
+  from blutrain.shapes import contiguous_strides
+  found = {}
+  for op in function(module).body.block.ops:
+    if not isinstance(op, FusedOp): continue
+    shape = aval(op.outs[0].type).shape
+    layouts = [(a.shape, contiguous_strides(a.shape), a.dtype, 0) for a in (aval(v.type) for v in op.xs)]
+    s = plan(body_of(op), shape, layouts)[0]
+    if s is not None: found.setdefault((s[0], tuple(s[1].items()), tuple(s[2].items()), tuple(s[3].items())), s)
+  return list(found.values())
