@@ -132,9 +132,9 @@ def source(body: Body, variant: Variant) -> str:
   for i, (op, refs, attrs, d) in enumerate(body.ops):
     attrs, args = dict(attrs), [names[j] for j in refs]
     if op == "full":
-      value = np.asarray(attrs["value"]).astype(d.np).item()  # the splat's value in its dtype (rounded as eagerly)
+      value = np.asarray(attrs["value"]).astype(d.np).item()  # rounded to its dtype, as eagerly; exact in compute type
       consts.append(f"C{len(consts)} = tl.constexpr({literal(value)})")
-      expr = f"tl.full([], C{len(consts) - 1}, tl.{_TL[d]})"
+      expr = f"tl.full([], C{len(consts) - 1}, {_compute(d)})"
     elif op == "cast": expr = f"{args[0]}.to(tl.{_TL[d]})"
     else: expr = _op_call(op, args, attrs)
     lines.append(f"  v{i} = {expr}.to({_compute(d)})")
