@@ -205,3 +205,38 @@ def test_interpreted_kernels_equal_float64_numpy():
                        text=True, timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "checked" in out.stdout
+
+
+def test_a_compiled_gpt_step_launches_fewer_kernels_on_the_fake_gpu(tmp_path):
+  """The host side of synthesized kernels (plans, argument packing, launches; Triton compiles for real) on the fake
+  GPU: a GPT training step run kernel by kernel launches fewer kernels with fusion than without."""
+  pytest.importorskip("cuda.core")
+  from tests.test_cuda_host_paths import _run_fake
+  code = f"""
+import os
+import blutrain as bt
+from blutrain.models import GPT, GPTConfig
+os.environ["BLUTRAIN_CUDA_GRAPHS"] = "0"
+os.environ["BLUTRAIN_DUMP_IR"] = {str(tmp_path / "dump")!r}
+def launches(fuse):
+  os.environ["BLUTRAIN_NOVA_FUSE"] = fuse
+  bt.manual_seed(0)
+  model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32)).to("cuda")
+  opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
+  @bt.compile
+  def step(x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); opt.zero_grad()
+    return loss
+  x, y = (bt.randint(32, (2, 16)).to("cuda") for _ in range(2))
+  for _ in range(3): step(x, y)
+  before = fake_cuda.launches[0]
+  step(x, y)
+  return fake_cuda.launches[0] - before
+print("launches", launches("1"), launches("0"))
+"""
+  fused, plain = map(int, _run_fake(code, tmp_path).split("launches")[1].split())
+  assert fused < plain, (fused, plain)
+  assert list((tmp_path / "dump").glob("fused_*.py")), "BLUTRAIN_DUMP_IR holds the synthesized sources"
