@@ -115,17 +115,21 @@ def _lines(op: NovaOp, args: list[str], outs: list[str | None], out_dtypes: list
   return [f"  {targets} = {call}", f"  {', '.join(o for o, _ in present)} = {casts}"]
 
 
-def _fused(op: FusedOp, names: dict, target: str, bodies: dict, used: set) -> list[str]:
+def _fused(op: FusedOp, names: dict, target: str, bodies: dict, used: set, in_place: dict) -> list[str]:
   """The lines of a fused group: on the GPU one call of its synthesized kernel (`synth.fused`, the body a
-  module-level literal), on the CPU its body's ops one by one with the numpy kernels, as eager mode runs them."""
+  module-level literal; results the plan puts in an operand's buffer are written there, `out=`), on the CPU its
+  body's ops one by one with the numpy kernels, as eager mode runs them."""
   from blutrain.nova.synth import body_of
+  out = [in_place.get(r) for r in op.results]
   for r in op.results: names[r] = f"v{len(names)}"
   outs = ", ".join(names[r] for r in op.results) + ("," if len(op.results) == 1 else "")
   if target == "cuda":
     body = body_of(op)
     b = bodies.setdefault(body, f"B{len(bodies)}")
     shape = literal(aval(op.results[0].type).shape)
-    return [f"  {outs} = fused({b}, {shape}, {', '.join(names[v] for v in op.operands)})"]
+    targets = ", ".join("None" if u is None else names[u] for u in out) + ("," if len(out) == 1 else "")
+    kw = f", out=({targets})" if any(out) else ""
+    return [f"  {outs} = fused({b}, {shape}, {', '.join(names[v] for v in op.operands)}{kw})"]
   block = op.body.block
   names.update(zip(block.args, (names[v] for v in op.operands)))
   *members, end = block.ops
@@ -174,7 +178,7 @@ def generate(module: ModuleOp, name: str = "step", target: str = "cpu",
   for i, op in enumerate(ops):
     if isinstance(op, FusedOp):
       if slots.get(i): lines.append(f"  expect({', '.join(f'({o}, {n})' for o, n in slots[i])})")
-      lines += _fused(op, names, target, bodies, used)
+      lines += _fused(op, names, target, bodies, used, in_place or {})
       if slots.get(i): lines.append("  expect()")
       dead = dict.fromkeys(names[v] for v in op.operands if last[v] == i and v not in keep)
       dead.update((names[r], None) for r in op.results if r not in last and r not in keep)

@@ -244,9 +244,11 @@ def plan(body: Body, shape: tuple[int, ...], layouts: list[tuple | None]) -> tup
 _plans: dict[tuple, tuple] = {}
 
 
-def fused(body: Body, shape: tuple[int, ...], *xs) -> tuple:
-  """The outputs of a fused group (new contiguous CudaArrays of `shape`) from its inputs (CudaArrays broadcasting to
-  `shape`, or host scalars), on the current stream of the first input's device."""
+def fused(body: Body, shape: tuple[int, ...], *xs, out: tuple | None = None) -> tuple:
+  """The outputs of a fused group (contiguous CudaArrays of `shape`) from its inputs (CudaArrays broadcasting to
+  `shape`, or host scalars), on the current stream of the first input's device. `out` may give, per output, an array
+  to write it into (None: a new one): an input's own buffer, which the kernel reads at the flat index before it
+  writes there (a buffer that is not contiguous of `shape` gets a new array instead, which the caller copies)."""
   from blutrain.backend.cuda.array import CudaArray
   from blutrain.backend.cuda.kernels import empty
   from blutrain.backend.cuda.runtime import current_stream
@@ -260,7 +262,8 @@ def fused(body: Body, shape: tuple[int, ...], *xs) -> tuple:
   device = next(x.device for x in xs if x.__class__ is CudaArray)
   stream = current_stream(device)
   dts = list(body.inputs) + [op[3] for op in body.ops]
-  outs = tuple(empty(shape, dts[ref], device, stream) for ref in body.outputs)
+  outs = tuple(o if o is not None and o.shape == shape and o.dtype is dts[ref] and o.is_contiguous()
+               else empty(shape, dts[ref], device, stream) for ref, o in zip(body.outputs, out or (None,) * len(body.outputs)))
   if scalars[0]:
     args = [x if x.__class__ is CudaArray else np.asarray(x).item() for x in xs]
     s.kernel(grid, *outs, *args, *scalars)

@@ -240,3 +240,20 @@ print("launches", launches("1"), launches("0"))
   fused, plain = map(int, _run_fake(code, tmp_path).split("launches")[1].split())
   assert fused < plain, (fused, plain)
   assert list((tmp_path / "dump").glob("fused_*.py")), "BLUTRAIN_DUMP_IR holds the synthesized sources"
+
+
+def test_fused_results_take_the_buffers_of_inputs_read_for_the_last_time():
+  from blutrain.nova import codegen, memory
+  b = Builder()
+  x, bias, r, w = b.input((8, 32)), b.input((32,)), b.input((8, 32)), b.input((32, 32))
+  h = b("add", b("matmul", x, w), bias)
+  y = b("add", b("gelu", h, approximate="tanh"), r)
+  b.output(b("exp", h), b("mul", y, y))  # output 1 is r's new value
+  module, _ = _fused(b)
+  reused, updated = memory.reused_in_place(module), memory.updated_in_place(module, {1: 2})
+  (f,) = [op for op in ir.function(module).body.block.ops if isinstance(op, FusedOp)]
+  assert updated == {f.results[1]: ir.function(module).body.block.args[2]}  # r's new value, in r's memory
+  assert list(reused) == [f.results[0]], "exp(h) takes the matmul's buffer"
+  source = codegen.generate(module, target="cuda", in_place=reused | updated, plan=memory.plan(module, {1: 2}))
+  assert "out=(v4, a2))" in source
+  assert memory.plan(module, {1: 2}).arena == memory.ALIGN * 2  # the matmul's buffer only
