@@ -3,6 +3,7 @@ fused graphs as eagerly, that generated sources are deterministic and shared by 
 kernel of a GPT training step and of a gated-SiLU/RMSNorm model compiles for sm_90. The generated kernels' values
 are checked against float64 numpy by Triton's interpreter (tests/nova/synth_interpret.py, in a process of its own)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from xdsl.utils.exceptions import VerifyException
 
 import blutrain as bt
 from blutrain import dtypes
@@ -287,3 +289,22 @@ def test_generated_graphs_fused_equal_unfused(steps):
   arrays = [np.random.default_rng(0).standard_normal(v.shape).astype(np.float32) for v in graph.inputs]
   fused, plain = compile_graph(graph, verify=True), compile_graph(graph, fuse=False)
   assert_same(fused.fn(*arrays), plain.fn(*arrays))
+
+
+_T, _V = "tensor<4x8xf32>", "tensor<8xf32>"
+
+
+@pytest.mark.parametrize("body,expected", [
+  (f"^bb0(%a: {_V}):\n  %b = nova.exp %a : ({_V}) -> {_V}\n  nova.yield %b : {_V}",
+   f"nova.fused: the body's arguments ({_V}) do not match the operands ({_T})"),
+  (f"^bb0(%a: {_T}):\n  %b = nova.sum %a {{dims = array<i64: 0>, keepdim = false}} : ({_T}) -> {_V}\n"
+   f"  nova.yield %b : {_V}", "nova.fused: the body may hold only elementwise ops and splats, not ['nova.sum']"),
+  (f"^bb0(%a: {_T}):\n  %b = nova.exp %a : ({_T}) -> {_T}\n  nova.yield %b : {_T}",
+   f"nova.fused: the body yields ({_T}), but the results are ({_V})"),
+])
+def test_invalid_fused_ops_are_reported(body, expected):
+  result = _V if "yields" in expected else _T
+  text = (f"builtin.module {{\n  func.func @step(%0: {_T}) -> {result} {{\n"
+          f"    %1 = nova.fused %0 : ({_T}) -> {result} {{\n{body}\n    }}\n    func.return %1 : {result}\n  }}\n}}")
+  with pytest.raises(VerifyException, match=re.escape(expected)):
+    ir.parse_module(text)
