@@ -35,7 +35,7 @@ import numpy as np
 from blutrain import dtypes
 from blutrain.configurator import fused_schedule
 from blutrain.dtypes import DType
-from blutrain.nova.dialect import DTYPES, FullOp, FusedOp, aval
+from blutrain.nova.dialect import DTYPES, FusedOp, aval
 from blutrain.nova.graph import literal
 
 HALF = (dtypes.float16, dtypes.bfloat16)
@@ -56,6 +56,10 @@ class Body:
   inputs: tuple[DType, ...]
   ops: tuple[tuple[str, tuple[int, ...], tuple[tuple[str, Any], ...], DType], ...]
   outputs: tuple[int, ...]
+
+  def dtype(self, ref: int) -> DType:
+    """The dtype of a reference."""
+    return self.inputs[ref] if ref < len(self.inputs) else self.ops[ref - len(self.inputs)][3]
 
   def literal(self) -> str:
     """Python source that evaluates to this body (with `Body` and `dtypes` in scope)."""
@@ -141,7 +145,7 @@ def source(body: Body, variant: Variant) -> str:
     names.append(f"v{i}")
     block.append(any(block[j] for j in refs))
   for j, ref in enumerate(body.outputs):
-    d = (list(body.inputs) + [op[3] for op in body.ops])[ref]
+    d = body.dtype(ref)
     value = f"{names[ref]}.to(tl.{_TL[d]})"
     if not block[ref]: value = f"tl.broadcast_to({value}, [BLOCK])"
     lines.append(f"  tl.store(o{j} + offs, {value}, mask=mask)")
@@ -190,8 +194,7 @@ def signature(body: Body, variant: Variant) -> dict[str, str]:
   from blutrain.backend.cuda.kernels.elementwise import BY_VALUE
   div = ":16" if variant.aligned else ""
   idx = "i64" if variant.i64 else "i32"
-  out_dtypes = [(list(body.inputs) + [op[3] for op in body.ops])[ref] for ref in body.outputs]
-  sig = {f"o{j}": ptr(d) + div for j, d in enumerate(out_dtypes)}
+  sig = {f"o{j}": ptr(body.dtype(ref)) + div for j, ref in enumerate(body.outputs)}
   for k, (d, kind) in enumerate(zip(body.inputs, variant.kinds)):
     sig[f"i{k}"] = BY_VALUE[d] if kind == "value" else ptr(d) + (div if kind == "flat" else "")
   sig["n"] = idx
@@ -261,9 +264,9 @@ def fused(body: Body, shape: tuple[int, ...], *xs, out: tuple | None = None) -> 
   s, grid, scalars = hit
   device = next(x.device for x in xs if x.__class__ is CudaArray)
   stream = current_stream(device)
-  dts = list(body.inputs) + [op[3] for op in body.ops]
-  outs = tuple(o if o is not None and o.shape == shape and o.dtype is dts[ref] and o.is_contiguous()
-               else empty(shape, dts[ref], device, stream) for ref, o in zip(body.outputs, out or (None,) * len(body.outputs)))
+  outs = tuple(o if o is not None and o.shape == shape and o.dtype is body.dtype(ref) and o.is_contiguous()
+               else empty(shape, body.dtype(ref), device, stream)
+               for ref, o in zip(body.outputs, out or (None,) * len(body.outputs)))
   if scalars[0]:
     args = [x if x.__class__ is CudaArray else np.asarray(x).item() for x in xs]
     s.kernel(grid, *outs, *args, *scalars)

@@ -51,13 +51,13 @@ def run(case, dt, transposed):
   tensors = []
   for i, (v, a) in enumerate(zip(graph.inputs, arrays)):
     t = torch.tensor(a).to(TORCH[v.dtype])
-    if i in transposed and t.ndim >= 2: t = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, strided
+    if i in transposed: t = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, column-major
     tensors.append(t)
   body = synth.body_of(op)
   shape = tuple(op.outs[0].type.get_shape())
   layouts = [(tuple(t.shape), tuple(t.stride()), v.dtype, t.data_ptr() % 16) for t, v in zip(tensors, graph.inputs)]
   s, grid, scalars = synth.plan(body, shape, layouts)
-  results = [torch.empty(shape, dtype=TORCH[(list(body.inputs) + [o[3] for o in body.ops])[r]]) for r in body.outputs]
+  results = [torch.empty(shape, dtype=TORCH[body.dtype(r)]) for r in body.outputs]
   s[0][grid](*results, *tensors, *scalars, BLOCK=s[2]["BLOCK"])
   b64 = Builder()
   want = evaluate(b64.output(*case(b64, dtypes.float64)), arrays)
