@@ -124,7 +124,7 @@ def source(body: Body, variant: Variant) -> str:
     lines.append(f"  j0 = {rest}")
   consts, names, block = [], [], []  # per reference: its name, whether it is a block (else one value)
   for k, (d, kind) in enumerate(zip(body.inputs, variant.kinds)):
-    if kind == "value": load = f"i{k}"
+    if kind == "value": load = f"tl.cast(i{k}, {_compute(d)})"  # a tensor, whatever the caller passed
     elif kind == "scalar": load = f"tl.load(i{k})"
     elif kind == "flat": load = f"tl.load(i{k} + offs, mask=mask)"
     else:

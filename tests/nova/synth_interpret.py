@@ -1,6 +1,6 @@
 """Run by test_fuse_pointwise.py with TRITON_INTERPRET=1 (set before Triton is imported, so every JIT function is
 interpreted): synthesized kernels of fused groups run on torch CPU tensors (flat, broadcast, transposed and 0-d
-inputs; float32, bfloat16 and bool) and their outputs are compared with the group evaluated eagerly in float64.
+inputs, and a host scalar by value; float32, bfloat16 and bool) and their outputs are compared with the group evaluated eagerly in float64.
 The interpreter has no libdevice, so the bodies use ops whose formulas are triton.language's own (add, mul, where,
 gelu, gelu_backward, div, maximum, casts, comparisons)."""
 import numpy as np
@@ -36,10 +36,11 @@ def gelu_grad(b, dt):
   return [b("sub", b("mul", d, b.full((), 0.25, dt)), c)]
 
 
-CASES = [(bias_gelu_residual, ()), (masked_scale, ()), (gelu_grad, (0,))]  # transposed inputs by position
+# (case, inputs passed transposed, inputs passed by value as host scalars), by position
+CASES = [(bias_gelu_residual, (), ()), (masked_scale, (), (2,)), (masked_scale, (0,), ()), (gelu_grad, (0,), ())]
 
 
-def run(case, dt, transposed):
+def run(case, dt, transposed, by_value):
   b = Builder()
   outs = case(b, dt)
   graph = b.output(*outs)
@@ -55,7 +56,9 @@ def run(case, dt, transposed):
     tensors.append(t)
   body = synth.body_of(op)
   shape = tuple(op.outs[0].type.get_shape())
-  layouts = [(tuple(t.shape), tuple(t.stride()), v.dtype, t.data_ptr() % 16) for t, v in zip(tensors, graph.inputs)]
+  layouts = [None if i in by_value else (tuple(t.shape), tuple(t.stride()), v.dtype, t.data_ptr() % 16)
+             for i, (t, v) in enumerate(zip(tensors, graph.inputs))]
+  tensors = [t.float().item() if i in by_value else t for i, t in enumerate(tensors)]
   s, grid, scalars = synth.plan(body, shape, layouts)
   results = [torch.empty(shape, dtype=TORCH[body.dtype(r)]) for r in body.outputs]
   s[0][grid](*results, *tensors, *scalars, BLOCK=s[2]["BLOCK"])
@@ -70,8 +73,8 @@ def run(case, dt, transposed):
 
 if __name__ == "__main__":
   n = 0
-  for case, transposed in CASES:
+  for case, transposed, by_value in CASES:
     for dt in (dtypes.float32, dtypes.bfloat16):
-      run(case, dt, transposed)
+      run(case, dt, transposed, by_value)
       n += 1
   print(f"checked {n} kernels")

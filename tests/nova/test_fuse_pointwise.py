@@ -308,3 +308,31 @@ def test_invalid_fused_ops_are_reported(body, expected):
           f"    %1 = nova.fused %0 : ({_T}) -> {result} {{\n{body}\n    }}\n    func.return %1 : {result}\n  }}\n}}")
   with pytest.raises(VerifyException, match=re.escape(expected)):
     ir.parse_module(text)
+
+
+def test_host_scalar_transposed_and_64_bit_variants_compile_for_sm90():
+  b = Builder()
+  x, s, t = b.input((64, 48), dtypes.bfloat16), b.input((), dtypes.bfloat16), b.input((64, 48), dtypes.bfloat16)
+  b.output(b("gt", b("add", b("mul", x, s), t), b.full((), 0.0, dtypes.bfloat16)))
+  module, ops = _fused(b)
+  body = synth.body_of(ops[0])
+  bf16 = dtypes.bfloat16
+  plans = [synth.plan(body, (64, 48), [((64, 48), (48, 1), bf16, 0), None, ((64, 48), (1, 64), bf16, 0)]),
+           synth.plan(body, (1 << 16, 1 << 15), [((1 << 16, 1 << 15), (1 << 15, 1), bf16, 0)] * 3)]
+  for (fn, sig, consts, opts), grid, args in plans:
+    assert launch.cubin(fn, sig, consts, opts["num_warps"], opts["num_stages"])[:4] == b"\x7fELF"
+  sig = plans[0][0][1]
+  assert sig["i1"] == "fp32" and "s2_1" in sig and "s2_0" not in sig  # by value; t transposed: a unit stride in dim 0
+  assert plans[0][2] == (64 * 48, 48, 64)  # n, the inner size, t's stride along it
+  assert plans[1][0][1]["n"] == "i64" and plans[1][2] == (1 << 31,)
+
+
+@pytest.mark.parametrize("n,itemsize,operands", [(1 << 24, 4, 2), (1 << 24, 4, 4), (1 << 24, 4, 5), (1 << 24, 2, 2),
+                                                 (1 << 24, 2, 3), (1000, 4, 3), (1, 8, 9)])
+def test_fused_schedule_keeps_registers_within_the_budget(n, itemsize, operands):
+  from blutrain.configurator import FUSED_REGS, flat_schedule, fused_schedule
+  block, warps = fused_schedule(n, itemsize, operands)
+  per_thread = block // (32 * warps)
+  assert block & (block - 1) == 0 and warps == flat_schedule(n, itemsize)[1]
+  assert per_thread * operands <= FUSED_REGS or per_thread == 1
+  assert per_thread * 2 * operands > FUSED_REGS or block == flat_schedule(n, itemsize)[0], "halved only as needed"
