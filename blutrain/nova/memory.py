@@ -112,13 +112,13 @@ def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
   reused: dict[SSAValue, SSAValue] = {}
   for i, op in enumerate(ops):
     if not isinstance(op, (ElementwiseOp, FusedOp)): continue
-    taken: set[SSAValue] = set()  # a fused op's results take distinct operands
+    taken: set[SSAValue] = set()  # a fused op's results take distinct buffers
     for r in op.results:
       for u in op.operands:
         root = _root(u, reused)
-        if u not in taken and u in made and last.get(root) == i and nbytes(u) == nbytes(r):
+        if root not in taken and u in made and last.get(root) == i and nbytes(u) == nbytes(r):
           reused[r], last[root] = u, max(last[root], last.get(r, i))
-          taken.add(u)
+          taken.add(root)
           break
   return reused
 
