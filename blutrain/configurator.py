@@ -357,6 +357,21 @@ def flat_schedule(n: int, itemsize: int, hw: Hardware = H200) -> tuple[int, int]
   return (4 * vec * 256, 8) if n >= hw.sms * 4 * vec * 256 else (vec * 128, 4)
 
 
+FUSED_REGS = 64  # registers per thread for the elements a fused kernel holds at once (a quarter of the 255)
+
+
+def fused_schedule(n: int, itemsize: int, operands: int, hw: Hardware = H200) -> tuple[int, int]:
+  """(BLOCK, num_warps) of a synthesized pointwise kernel (`nova/synth.py`) over n elements whose narrowest operand
+  has `itemsize` bytes and that loads and stores `operands` arrays: `flat_schedule`'s tiers, then the elements per
+  thread halved while operands * elements (each held in a 32-bit register at once, halves widened) would pass
+  FUSED_REGS, so a wide group keeps its registers (and occupancy) at the cost of fewer bytes in flight per thread.
+  bfloat16 in and out keeps 32 elements per thread; float32 with three inputs and an output 16, with four 8."""
+  block, warps = flat_schedule(n, itemsize, hw)
+  per_thread = block // (32 * warps)
+  while per_thread > 1 and per_thread * operands > FUSED_REGS: per_thread //= 2
+  return per_thread * 32 * warps, warps
+
+
 def tile_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
   """(BLOCK_R, BLOCK_C, num_warps) of a 2-D elementwise kernel: tiles of 4096 elements at 8 warps (16 per thread and
   operand). BLOCK_C is the largest power of two dividing n_cols, up to 1024, so columns need no mask and rows stay

@@ -42,8 +42,8 @@ from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (AttrSetConstraint, AttrSizedOperandSegments, AttrSizedResultSegments, BaseAttr,
                        EqAttrConstraint, IRDLOperation, OptionalDef, ParsePropInAttrDict, VariadicDef,
                        irdl_op_definition, operand_def, opt_operand_def, opt_prop_def, opt_result_def, prop_def,
-                       result_def, traits_def, var_operand_def, var_result_def)
-from xdsl.traits import Pure
+                       region_def, result_def, traits_def, var_operand_def, var_result_def)
+from xdsl.traits import HasParent, IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
 
 from blutrain import dtypes
@@ -1123,6 +1123,54 @@ class AllGatherOp(CollectiveOp):
   name = "nova.all_gather"
 
 
+# *** fusion: ops the compiler makes, with no primitive of their own ***
+
+@irdl_op_definition
+class FusedOp(NovaOp):
+  """A group of elementwise ops over one output shape, run as one kernel (`passes/fuse_pointwise.py`). The body is
+  one block: its arguments stand for the operands `xs`, its ops are elementwise ops and splats (`nova.full`), and its
+  `nova.yield` gives the results `outs`, the group's values used outside it. Operands broadcast to the shape of the
+  results (all equal):
+
+    %5, %6 = nova.fused %1, %2 : (tensor<8x32xf32>, tensor<32xf32>) -> (tensor<8x32xf32>, tensor<8x32xf32>) {
+    ^bb0(%7: tensor<8x32xf32>, %8: tensor<32xf32>):
+      %9 = nova.add %7, %8 : (tensor<8x32xf32>, tensor<32xf32>) -> tensor<8x32xf32>
+      %10 = nova.gelu %9 {approximate = "tanh"} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+      nova.yield %9, %10 : tensor<8x32xf32>, tensor<8x32xf32>
+    }
+  """
+  name = "nova.fused"
+  xs = var_operand_def(TENSOR)
+  outs = var_result_def(TENSOR)
+  body = region_def("single_block")
+  assembly_format = "$xs attr-dict-with-keyword `:` functional-type($xs, $outs) $body"
+
+  def verify_(self) -> None:
+    block = self.body.block
+    if [a.type for a in block.args] != [v.type for v in self.xs]:
+      raise VerifyException(f"{self.name}: the body's arguments ({', '.join(str(a.type) for a in block.args)}) do not "
+                            f"match the operands ({', '.join(str(v.type) for v in self.xs)})")
+    *ops, end = block.ops
+    bad = [op.name for op in ops if not isinstance(op, (ElementwiseOp, FullOp))]
+    if bad: raise VerifyException(f"{self.name}: the body may hold only elementwise ops and splats, not {bad}")
+    if [v.type for v in end.operands] != [r.type for r in self.outs]:
+      raise VerifyException(f"{self.name}: the body yields ({', '.join(str(v.type) for v in end.operands)}), but the "
+                            f"results are ({', '.join(str(r.type) for r in self.outs)})")
+    shapes = {aval(r.type).shape for r in self.outs}
+    if len(shapes) != 1: raise VerifyException(f"{self.name}: the results differ in shape: {sorted(shapes)}")
+
+
+@irdl_op_definition
+class YieldOp(IRDLOperation):
+  """The end of a fused op's body: the values it gives back, in the order of its results."""
+  name = "nova.yield"
+  values = var_operand_def(TENSOR)
+  traits = traits_def(IsTerminator(), HasParent(FusedOp), Pure())
+  assembly_format = "$values attr-dict `:` type($values)"
+
+
+COMPILER_OPS = (FusedOp, YieldOp)  # not primitives of the op library: the dialect test leaves them out
+
 Nova = Dialect("nova", [
   FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp, NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp,
   TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp, AsinhOp, AcoshOp,
@@ -1133,7 +1181,8 @@ Nova = Dialect("nova", [
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
   IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
   ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
-  FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp,
+  FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
 ])
 
-OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations}  # the op library's name -> class
+OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations
+                                        if op not in COMPILER_OPS}  # the op library's name -> class

@@ -276,13 +276,14 @@ def held_outside(trace: Trace, leaves: list) -> int:
 def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, memory_budget: int | None = None,
           target: str = "cpu") -> tuple[Callable, dict]:
   """Compile a captured graph to a function of the target's arrays, reusing the generated code cached under its
-  structural hash and the target (and the memory budget and remat switch, which change the code). A cache entry that
-  cannot be read or loaded is ignored and rebuilt."""
+  structural hash and the target (and the memory budget and the remat and fusion switches, which change the code). A
+  cache entry that cannot be read or loaded is ignored and rebuilt."""
   from blutrain.nova import codegen, hashing, pipeline
   t0 = time.perf_counter()
   key = hashing.graph_key(graph)
   if os.environ.get("BLUTRAIN_NOVA_REMAT") == "0": key += "-noremat"
   elif memory_budget is not None: key += f"-budget{memory_budget}"
+  if os.environ.get("BLUTRAIN_NOVA_FUSE") == "0": key += "-nofuse"
   path = backend.cache_dir("nova", f"v{hashing.FORMAT_VERSION}-{hashing.source_digest()}", target, f"{key}.py")
   info: dict = {"key": key, "hash_s": time.perf_counter() - t0}
   if path.is_file() and not dump_dir:

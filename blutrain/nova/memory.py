@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import SSAValue
 
-from blutrain.nova.dialect import AdamwOp, CollectiveOp, ElementwiseOp, LayoutOp, NovaOp, ScaleOp, aval
+from blutrain.nova.dialect import AdamwOp, CollectiveOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp, aval
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
@@ -125,16 +125,19 @@ def _root(v: SSAValue, reused: dict[SSAValue, SSAValue]) -> SSAValue:
 
 def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
   """The elementwise results written into the buffer of an operand they read for the last time (see `lifetimes`),
-  each with that operand, in program order; extends the buffer's lifetime (`last` of its root) to theirs."""
+  each with that operand, in program order; extends the buffer's lifetime (`last` of its root) to theirs. A fused
+  op's results each take a different operand (its kernel loads a block of every input before it stores any)."""
   reused: dict[SSAValue, SSAValue] = {}
   for i, op in enumerate(ops):
-    if not isinstance(op, ElementwiseOp): continue
-    r = op.result
-    for u in op.operands:
-      root = _root(u, reused)
-      if u in made and last.get(root) == i and nbytes(u) == nbytes(r):
-        reused[r], last[root] = u, max(last[root], last.get(r, i))
-        break
+    if not isinstance(op, (ElementwiseOp, FusedOp)): continue
+    taken: set[SSAValue] = set()  # a fused op's results take distinct buffers
+    for r in op.results:
+      for u in op.operands:
+        root = _root(u, reused)
+        if root not in taken and u in made and last.get(root) == i and nbytes(u) == nbytes(r):
+          reused[r], last[root] = u, max(last[root], last.get(r, i))
+          taken.add(root)
+          break
   return reused
 
 
@@ -154,7 +157,8 @@ def _written_in_place(args, ops: list, written: dict[int, int], made: dict, last
     r, u = ret.operands[k], args[j]
     if r not in made: continue
     op = ops[made[r][0]]
-    if isinstance(op, (ElementwiseOp, AdamwOp, ScaleOp)) and u in op.operands and last.get(u) == made[r][0]:
+    if isinstance(op, (ElementwiseOp, AdamwOp, ScaleOp, FusedOp)) and u in op.operands and last.get(u) == made[r][0] \
+       and (not isinstance(op, FusedOp) or u.type == r.type):
       found[r] = u
   return found
 

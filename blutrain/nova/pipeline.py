@@ -6,8 +6,10 @@ fuse-casts, cse and dce once (none of them exposes anything new: patterns look a
 cse only swaps for identical ones). With a dump directory every stage is written in MLIR syntax: `00-captured.mlir`,
 `01-canonicalize.mlir`, `02-fold.mlir`, ...
 
-`compile_graph` then rematerializes activations (`remat.rematerialize`, dumped as `NN-remat.mlir` and `remat.txt`)
-and plans the memory of what is left (`memory.plan`, dumped as `memory-plan.txt`).
+`compile_graph` then rematerializes activations (`remat.rematerialize`, dumped as `NN-remat.mlir` and `remat.txt`),
+fuses pointwise groups (`passes.fuse_pointwise`, dumped as `NN-fuse-pointwise.mlir`; after remat, whose cost model
+and clones are per primitive, so that recomputed ops fuse with their readers) and plans the memory of what is left
+(`memory.plan`, dumped as `memory-plan.txt`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.memory import MemoryPlan, plan as plan_memory, reused_in_place, updated_in_place
-from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, NovaPass
+from blutrain.nova.passes import (CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, FusePointwisePass,
+                                  NovaPass)
 from blutrain.nova.remat import RematReport, rematerialize
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
@@ -90,7 +93,7 @@ class CompiledGraph:
     counts_before, counts_after: op counts of the captured and the optimized IR.
     memory: the static memory plan of the optimized module's intermediates (`memory.plan`).
     remat: what rematerialization recomputed and kept (`remat.rematerialize`); None when it was turned off.
-    timings: seconds per phase (build, optimize, remat, plan, codegen, load).
+    timings: seconds per phase (build, optimize, remat, fuse, plan, codegen, load).
   """
   source: str
   fn: Callable
@@ -104,7 +107,7 @@ class CompiledGraph:
 
 def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verify: bool | None = None,
                   written: dict[int, int] | None = None, memory_budget: int | None = None,
-                  remat: bool | None = None, target: str = "cpu") -> CompiledGraph:
+                  remat: bool | None = None, target: str = "cpu", fuse: bool | None = None) -> CompiledGraph:
   """Compile a captured graph to a function of the target's arrays (numpy on the CPU, CudaArrays on the GPU). The
   graph's structural hash (`hashing.graph_key`) is the caller's
   business: the runtime computes it once, as its cache key, before deciding to compile.
@@ -121,10 +124,13 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
       until the plan fits (see `remat`). None: only the cheap recomputation of the default.
     remat: recompute activations in the backward (default: on, unless `BLUTRAIN_NOVA_REMAT=0`).
     target: "cpu" or "cuda" (`codegen.TARGETS`).
+    fuse: fuse pointwise groups into synthesized kernels (default: on, unless `BLUTRAIN_NOVA_FUSE=0`); on the CPU a
+      group runs its ops one by one, as eagerly.
   """
   dump_dir = dump_dir or os.environ.get("BLUTRAIN_DUMP_IR") or None
   verify = os.environ.get("BLUTRAIN_NOVA_VERIFY") == "1" if verify is None else verify
   remat = os.environ.get("BLUTRAIN_NOVA_REMAT") != "0" if remat is None else remat
+  fuse = os.environ.get("BLUTRAIN_NOVA_FUSE") != "0" if fuse is None else fuse
   timings: dict[str, float] = {}
   t = time.perf_counter()
 
@@ -147,6 +153,11 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
     dump("remat", module)
     if dump_dir: (Path(dump_dir) / "remat.txt").write_text(report.report())
   lap("remat")
+  if fuse:
+    FusePointwisePass().run(module)
+    if verify: module.verify()
+    dump(FusePointwisePass.name, module)
+  lap("fuse")
   memory_plan = plan_memory(module, written)
   if dump_dir: (Path(dump_dir) / "memory-plan.txt").write_text(memory_plan.report())
   lap("plan")
