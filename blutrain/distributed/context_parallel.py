@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 
-from blutrain import distributed as dist, dtypes, ops
+from blutrain import distributed as dist, ops
 from blutrain.autograd.tape import is_grad_enabled, no_grad, record
 from blutrain.distributed.tensor_parallel import Group, gather_from_parallel
 from blutrain.ops.core import Op
+from blutrain.ops.nn import flash_attention_lse
 from blutrain.tensor import Tensor
 
 
@@ -99,15 +100,9 @@ def unshard_sequence(x: Tensor, group: Group = None, dim: int = 1) -> Tensor:
 
 
 def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-  """Attention of q to one key/value block, and the log-sum-exp of each query's scores (for the merge); scores, their
-  log-sum-exp and the output in float32 at least (16-bit inputs, as under autocast, are multiplied in their dtype)."""
-  scores = ops.matmul(q, k.mT)
-  scores = scores.to(dtypes.float32) * scale if scores.dtype.itemsize < 4 else scores * scale
-  if causal:
-    keep = ops.tril(ops.ones(q.shape[-2], k.shape[-2], dtype=dtypes.bool_, device=q.device))
-    scores = scores.masked_fill(~keep, float("-inf"))
-  lse = scores.logsumexp(-1)
-  return ops.matmul((scores - lse.unsqueeze(-1)).exp().to(v.dtype), v).to(lse.dtype), lse
+  """Attention of q to one key/value block and each query's logsumexp (for the merge), float32 at least, by the
+  flash-attention op that returns its logsumexp: no (L, S) scores are kept; the backward recomputes them blockwise."""
+  return flash_attention_lse(q, k, v, is_causal=causal, scale=scale)
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
