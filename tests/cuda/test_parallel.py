@@ -8,9 +8,9 @@ import pytest
 
 import blutrain as bt
 import blutrain.distributed as dist
-from blutrain.distributed.context_parallel import (all_reduce_gradients, ring_attention, shard_sequence,
+from blutrain.nn.parallel.context_parallel import (all_reduce_gradients, ring_attention, shard_sequence,
                                                    unshard_sequence)
-from blutrain.distributed.parallelize import parallelize_gpt
+from blutrain.models.parallelize import parallelize_gpt
 from blutrain.ops.nn import flash_attention_lse
 from blutrain.models.gpt import GPT, GPTConfig
 

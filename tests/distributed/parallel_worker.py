@@ -9,11 +9,11 @@ import numpy as np
 
 import blutrain as bt
 import blutrain.distributed as dist
-from blutrain.distributed.context_parallel import (all_reduce_gradients, ring_attention, sequence_positions,
+from blutrain.nn.parallel.context_parallel import (all_reduce_gradients, ring_attention, sequence_positions,
                                                    shard_sequence, unshard_sequence)
 from blutrain.distributed.device_mesh import init_device_mesh
-from blutrain.distributed.parallelize import parallelize_gpt
-from blutrain.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+from blutrain.models.parallelize import parallelize_gpt
+from blutrain.nn.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
 from blutrain.models.gpt import GPT, GPTConfig
 from blutrain.nn.parallel import DistributedDataParallel
 

@@ -23,7 +23,7 @@ import math
 
 from blutrain import distributed as dist, ops
 from blutrain.autograd.tape import is_grad_enabled, no_grad, record
-from blutrain.distributed.tensor_parallel import Group, gather_from_parallel
+from blutrain.nn.parallel.tensor_parallel import Group, gather_from_parallel
 from blutrain.ops.core import Op
 from blutrain.ops.nn import flash_attention_lse
 from blutrain.tensor import Tensor
