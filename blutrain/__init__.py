@@ -35,7 +35,8 @@ __version__ = "0.1.0"
 
 class _Reexports(importlib.abc.MetaPathFinder, importlib.abc.Loader):
   """Modules at PyTorch's import paths for library modules that stand above the process groups, made on first import
-  from the module's public names: `blutrain.distributed.optim` (torch.distributed.optim) re-exports blutrain.optim.zero."""
+  from the module's public names: `blutrain.distributed.optim` (torch.distributed.optim) re-exports
+  blutrain.optim.zero."""
   paths = {"blutrain.distributed.optim": "blutrain.optim.zero"}
 
   def find_spec(self, name, path=None, target=None):

@@ -1165,7 +1165,8 @@ Nova = Dialect("nova", [
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
   IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
   ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
-  FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp,
+  FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp,
+  AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations}  # the op library's name -> class

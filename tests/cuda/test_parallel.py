@@ -103,7 +103,8 @@ def test_flash_attention_lse_kernels_match_float64(shape, causal, dtype, tol):
     qkv = [bt.from_numpy(a).to(dtype) for a in arrays]
     qkv = [(t.to("cuda") if device == "cuda" else t.double()).requires_grad_() for t in qkv]
     out, lse = flash_attention_lse(*qkv, is_causal=causal, scale=0.3)
-    ((out * bt.from_numpy(g).to(device).to(out.dtype)).sum() + (lse * bt.from_numpy(h).to(device).to(lse.dtype)).sum()).backward()
+    g_out, g_lse = (bt.from_numpy(a).to(device).to(out.dtype) for a in (g, h))
+    ((out * g_out).sum() + (lse * g_lse).sum()).backward()
     grads[device] = [out, lse] + [t.grad for t in qkv]
   bt.set_float32_matmul_precision("high")
   assert grads["cuda"][0].dtype is grads["cuda"][1].dtype is bt.float32

@@ -368,8 +368,8 @@ def _forward(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: floa
   out = empty(q.shape[:-1] + (width,), dtypes.float32 if packed else q.dtype, q.device)
   so = (H * L * width, L * width, width)
   lse = empty((Z * H * L,), dtypes.float32, q.device)
-  s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), _aligned((q, k, v, out, lse), sq + sk + sv + so),
-                     packed=packed)
+  aligned = _aligned((q, k, v, out, lse), sq + sk + sv + so)
+  s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), aligned, packed=packed)
   grid = (cdiv(L, s[2]["BLOCK_M"]), H, Z)
   run(s, grid, q, k, v, out, lse, scale * _LOG2E, L, S, D, *sq, *sk, *sv, *so)
   return out, lse
