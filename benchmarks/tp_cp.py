@@ -38,9 +38,9 @@ def build(mode: str, cfg, state, device: str, chunks: int):
   """The model to step for `mode`, how a batch becomes this rank's, and the gradients' reduction after backward."""
   import blutrain as bt
   import blutrain.distributed as dist
-  from blutrain.distributed.context_parallel import all_reduce_gradients, shard_sequence
+  from blutrain.nn.parallel.context_parallel import all_reduce_gradients, shard_sequence
   from blutrain.distributed.device_mesh import init_device_mesh
-  from blutrain.distributed.parallelize import parallelize_gpt
+  from blutrain.models.parallelize import parallelize_gpt
   from blutrain.models import GPT
   model = GPT(cfg)
   model.load_state_dict({k: bt.from_numpy(v) for k, v in state.items()})

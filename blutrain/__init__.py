@@ -1,4 +1,9 @@
 """blutrain: a deep-learning training framework with PyTorch's surface and a whole-graph compiler, Nova."""
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 from blutrain.dtypes import (DType as dtype, bool_ as bool, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64,
                              promote_types, result_type)
 from blutrain.device import Device as device
@@ -28,9 +33,26 @@ half, float, long, int, short, double, bool_ = float16, float32, int64, int32, i
 __version__ = "0.1.0"
 
 
+class _Reexports(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Modules at PyTorch's import paths for library modules that stand above the process groups, made on first import
+  from the module's public names: `blutrain.distributed.optim` (torch.distributed.optim) re-exports
+  blutrain.optim.zero."""
+  paths = {"blutrain.distributed.optim": "blutrain.optim.zero"}
+
+  def find_spec(self, name, path=None, target=None):
+    return importlib.util.spec_from_loader(name, self) if name in self.paths else None
+
+  def exec_module(self, module) -> None:
+    source = importlib.import_module(self.paths[module.__name__])
+    module.__all__ = list(source.__all__)
+    module.__dict__.update({n: getattr(source, n) for n in source.__all__})
+
+
+sys.meta_path.insert(0, _Reexports())
+
+
 def __getattr__(name: str):
   # submodules that pull in more (nn, optim, models, data) load on first use
-  import importlib
   if name == "compile": return importlib.import_module("blutrain.nova.jit").compile
   if name in ("save", "load"): return getattr(importlib.import_module("blutrain.serialization"), name)
   if name in ("nn", "optim", "models", "data", "cuda", "amp", "utils", "nova", "profiler", "backends"):

@@ -25,7 +25,8 @@ __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "POLICY"]
 # *** autocast ***
 
 LOWER, FP32 = "lower", "fp32"
-_MATMULS = dict.fromkeys(("matmul", "linear", "flash_attention", "scaled_dot_product_attention"), LOWER)
+_MATMULS = dict.fromkeys(("matmul", "linear", "flash_attention", "flash_attention_lse", "scaled_dot_product_attention"),
+                         LOWER)
 POLICY: dict[str, dict[str, str]] = {
   "cuda": {**_MATMULS, **dict.fromkeys(("exp", "log", "rsqrt", "pow", "sum", "cumsum", "cumprod", "softmax", "log_softmax",
                                         "tan", "asin", "acos", "sinh", "cosh", "exp2", "expm1", "log2", "log10", "log1p",

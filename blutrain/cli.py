@@ -27,7 +27,7 @@ def _train(args: argparse.Namespace) -> int:
     trainer.fit()
     return 0
   device = trainer.device
-  params = trainer.model.num_params()
+  params = trainer.num_params
   print(f"blutrain train: {cfg.preset} ({params / 1e6:.2f}M parameters), {trainer.tokenizer.name} tokenizer with "
         f"{trainer.tokenizer.vocab_size} tokens, batch {cfg.batch_size} x {trainer.block_size}, device {device}, "
         f"{cfg.amp + ' autocast' if cfg.amp else cfg.dtype}, "
@@ -156,7 +156,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="continue from the newest checkpoint in the output directory, or from the checkpoint at PATH")
   t.add_argument("--overwrite", action="store_true", help="replace the run the output directory holds")
   t.add_argument("--nproc-per-node", type=_count(1), default=1,
-                 help="data-parallel ranks on this machine (one per GPU; MPI ranks on the CPU)")
+                 help="ranks on this machine (one per GPU; MPI ranks on the CPU): data parallel over what --tp and "
+                      "--cp leave")
+  t.add_argument("--tp", type=_count(1), help="tensor-parallel ranks per model replica (of --nproc-per-node)")
+  t.add_argument("--cp", type=_count(1), help="context-parallel ranks: the sequence split over them, ring attention")
   t.add_argument("--skip-nonfinite", action="store_true", default=None,
                  help="skip steps whose loss or gradient norm is not finite (else such a step stops the run)")
   _show_defaults(t)

@@ -17,8 +17,11 @@ import numpy as np
 import blutrain as bt
 from blutrain import checkpoint, data
 from blutrain import distributed as dist
+from blutrain.distributed.device_mesh import init_device_mesh
 from blutrain.nn.parallel import DistributedDataParallel
+from blutrain.nn.parallel.context_parallel import all_reduce_gradients, shard_sequence
 from blutrain.models import GPT, GPTConfig, PRESETS
+from blutrain.models.parallelize import ParallelGPT, parallelize_gpt
 
 
 @dataclass
@@ -51,6 +54,8 @@ class TrainConfig:
   compile: bool = False
   memory_budget: str = ""         # with compile: bytes or a size ("10GiB") the step may take; empty: no budget
   skip_nonfinite: bool = False    # skip steps whose loss or gradients are not finite instead of stopping
+  tp: int = 1                     # tensor-parallel ranks: Megatron layers and the vocabulary-parallel loss
+  cp: int = 1                     # context-parallel ranks: ring attention over the load-balanced sequence
   extra: dict = field(default_factory=dict)
 
   @property
@@ -65,18 +70,29 @@ def default_device() -> str:
     return "cpu"
 
 
-def training_step(model: GPT, optimizer, grad_clip: float = 1.0, skip_nonfinite: bool = False):
+def training_step(model: GPT, optimizer, grad_clip: float = 1.0, skip_nonfinite: bool = False,
+                  parallel: ParallelGPT | None = None):
   """The function of one optimization step on a batch (x, y): forward, backward, gradient clipping, update,
   gradients to None; it returns the loss. Nova compiles it whole (`bt.compile(training_step(...))`).
+
+  With `parallel` (the tensor/context-parallel GPT that `model` is or wraps) each rank takes its part of the batch's
+  sequence (context parallelism), the gradients are averaged over the context-parallel group and clipped by the whole
+  model's norm, and the loss returned is the whole batch's.
 
   With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters and the optimizer as
   they were (as mixed-precision gradient scaling skips such steps); the check reads both on the host, so such a step
   cannot be compiled."""
+  cp = parallel.cp_group if parallel is not None else None
+  clip = parallel.clip_grad_norm_ if parallel is not None else \
+    lambda max_norm: bt.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
   def step(x: bt.Tensor, y: bt.Tensor) -> bt.Tensor:
-    _, loss = model(x, y)
+    loss = parallel_loss(model, x, y, cp)
     loss.backward()
+    if cp is not None: all_reduce_gradients(parallel.parameters(), cp)
+    if cp is not None: loss = whole_loss(loss, cp)
     if grad_clip > 0 or skip_nonfinite:
-      norm = bt.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+      norm = clip(grad_clip if grad_clip > 0 else float("inf"))
       if skip_nonfinite and not bt.isfinite(loss.detach() + norm.to(loss.device)).item():
         optimizer.zero_grad(set_to_none=True)
         return loss
@@ -86,11 +102,25 @@ def training_step(model: GPT, optimizer, grad_clip: float = 1.0, skip_nonfinite:
   return step
 
 
+def parallel_loss(model, x: bt.Tensor, y: bt.Tensor, cp_group=None) -> bt.Tensor:
+  """The model's loss on (x, y): with a context-parallel group, this rank's load-balanced part of the sequence."""
+  if cp_group is not None: x, y = shard_sequence(x, cp_group), shard_sequence(y, cp_group)
+  return model(x, y)[1]
+
+
+def whole_loss(loss: bt.Tensor, cp_group) -> bt.Tensor:
+  """The batch's loss from every context-parallel rank's mean over as many tokens of it (a new tensor)."""
+  loss = loss.detach().clone()
+  dist.all_reduce(loss, dist.ReduceOp.AVG, group=cp_group)
+  return loss
+
+
 def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
   if cfg.preset not in PRESETS: raise ValueError(f"unknown preset {cfg.preset!r}; choose from {', '.join(PRESETS)}")
   shape = dict(PRESETS[cfg.preset], dropout=cfg.dropout)
   if cfg.block_size: shape["block_size"] = cfg.block_size
-  if not cfg.preset.startswith("gpt2"): shape["vocab_size"] = vocab_size
+  # the vocabulary-parallel embedding splits the rows over --tp ranks: a few padded rows, never a target or a sample
+  if not cfg.preset.startswith("gpt2"): shape["vocab_size"] = -(-vocab_size // cfg.tp) * cfg.tp
   elif vocab_size > GPTConfig.vocab_size: shape["vocab_size"] = -(-vocab_size // 64) * 64
   return GPT(GPTConfig(**shape))
 
@@ -109,6 +139,7 @@ class Trainer:
       if self.device.startswith("cuda"): self.device = f"cuda:{job.local_rank}"
       dist.init_process_group("nccl" if self.device.startswith("cuda") else "mpi")
       self.quiet = quiet or self.rank != 0
+    _check_parallel(cfg, self.world, resume)
     if cfg.amp and cfg.dtype != "float32":
       raise ValueError(f"--amp {cfg.amp} keeps float32 parameters and computes in {cfg.amp}; it does not combine "
                        f"with --dtype {cfg.dtype}: drop one of them")
@@ -126,42 +157,65 @@ class Trainer:
     train_path, val_path = data.prepare(text, self.tokenizer, self.out / "data")
     self.train_data, self.val_data = data.load_tokens(train_path), data.load_tokens(val_path)
     _check_context(cfg, self.device, len(self.train_data), len(self.val_data))
-    self.model = build_model(cfg, self.tokenizer.vocab_size).to(self.device, bt.dtypes.to_dtype(cfg.dtype))
+    model = build_model(cfg, self.tokenizer.vocab_size).to(self.device, bt.dtypes.to_dtype(cfg.dtype))
+    self.num_params, self.model_config = model.num_params(), model.config
     bt.set_float32_matmul_precision(cfg.matmul_precision)
-    self.block_size = self.model.config.block_size
-    self.optimizer = self.model.configure_optimizers(cfg.weight_decay, cfg.lr, betas=(0.9, cfg.beta2))
+    self.block_size = model.config.block_size
+    # the world as (dp, cp, tp): TP ranks consecutive; the ranks of a TP x CP group see the same batches
+    self.dp, self.dp_rank, self.cp_group, dp_group = self.world, self.rank, None, None
+    self.parallel = None
+    if cfg.tp * cfg.cp > 1:
+      mesh = init_device_mesh(bt.device(self.device).type, (self.world // (cfg.tp * cfg.cp), cfg.cp, cfg.tp),
+                              mesh_dim_names=("dp", "cp", "tp"))
+      self.dp, self.dp_rank, dp_group = mesh.size("dp"), mesh.get_local_rank("dp"), mesh.get_group("dp")
+      self.cp_group = mesh.get_group("cp") if cfg.cp > 1 else None
+      model = self.parallel = parallelize_gpt(model, mesh.get_group("tp"), self.cp_group)
+    self.model = model
+    # GPT's parameter groups (decay on matrices), also for a ParallelGPT's shards
+    self.optimizer = GPT.configure_optimizers(model, cfg.weight_decay, cfg.lr, betas=(0.9, cfg.beta2))
     self.scheduler = bt.optim.lr_scheduler.warmup_cosine(self.optimizer, warmup_steps(cfg), cfg.steps,
                                                           cfg.min_lr_ratio)
-    self.batch_rng = np.random.default_rng(cfg.seed + self.rank)  # each rank its own batches
-    self.ddp = DistributedDataParallel(self.model) if self.world > 1 else None
+    self.batch_rng = np.random.default_rng(cfg.seed + self.dp_rank)  # each data-parallel rank its own batches
+    self.ddp = DistributedDataParallel(model, process_group=dp_group) if self.dp > 1 else None
     self.step, self.history = 0, []
     if cfg.skip_nonfinite and cfg.compile:
       raise ValueError("--skip-nonfinite reads each step's loss on the host, which a compiled step cannot: drop one")
     if cfg.memory_budget and not cfg.compile:
       raise ValueError("--memory-budget plans the memory of a compiled step: add --compile")
-    update = training_step(self.ddp or self.model, self.optimizer, cfg.grad_clip, cfg.skip_nonfinite)
+    update = training_step(self.ddp or self.model, self.optimizer, cfg.grad_clip, cfg.skip_nonfinite, self.parallel)
     self._update = bt.compile(update, memory_budget=cfg.memory_budget or None) if cfg.compile else update
     if resume: self._restore(self.out if resume is True else resume)
 
   # *** checkpoints ***
 
   def _state(self) -> dict:
-    return {"config": asdict(self.cfg), "model_config": self.model.config.to_dict(),
+    return {"config": asdict(self.cfg), "model_config": self.model_config.to_dict(),
             "tokenizer": self.tokenizer.to_dict(), "scheduler": self.scheduler.state_dict(),
             "batch_rng": self.batch_rng.bit_generator.state,
             "generator": [bt.default_generator.seed, bt.default_generator.offset], "history": self.history}
 
+  def model_state(self) -> dict:
+    """The whole GPT's state_dict; gathered from the shards of a tensor-parallel run (every rank calls it then)."""
+    return self.parallel.full_state_dict() if self.parallel is not None else self.model.state_dict()
+
   def save(self) -> Path | None:
-    """Write a checkpoint (rank 0 alone: data-parallel ranks hold the same weights)."""
+    """Write a checkpoint (rank 0 alone: data-parallel ranks hold the same weights). A tensor/context-parallel run
+    writes the whole model and rank 0's optimizer state (its shards under --tp), which resume refuses."""
+    state = self.model_state()
     if self.rank != 0: return None
-    return checkpoint.save_checkpoint(self.out / "checkpoints", self.step, self.model.state_dict(),
-                                      self.optimizer.state_dict(), self._state())
+    return checkpoint.save_checkpoint(self.out / "checkpoints", self.step, state, self.optimizer.state_dict(),
+                                      self._state())
 
   def _restore(self, path: str | Path) -> None:
     model_state, opt_state, state, step = checkpoint.load_checkpoint(path)
-    if state.get("model_config") != self.model.config.to_dict():
+    if state.get("model_config") != self.model_config.to_dict():
       raise RuntimeError(f"--resume: the checkpoint's model {state.get('model_config')} differs from this run's "
-                         f"{self.model.config.to_dict()}; use the same preset and flags, or another --out-dir")
+                         f"{self.model_config.to_dict()}; use the same preset and flags, or another --out-dir")
+    saved = state.get("config", {})
+    if saved.get("tp", 1) * saved.get("cp", 1) > 1:
+      raise RuntimeError(f"--resume: {path} was written by a run with --tp {saved.get('tp', 1)} --cp "
+                         f"{saved.get('cp', 1)}, whose optimizer state is not gathered; resuming it is not supported "
+                         "(its model can be sampled: blutrain sample --checkpoint ...)")
     self.model.load_state_dict(model_state)
     self.optimizer.load_state_dict(opt_state)
     self.scheduler.step(state["scheduler"]["last_epoch"])  # this run's schedule (--steps may have grown), at the saved step
@@ -181,10 +235,14 @@ class Trainer:
   def evaluate(self) -> float:
     self.model.eval()
     with self._autocast():
-      losses = [self.model(x, y)[1].item() for x, y in data.iterate_eval_batches(
-        self.val_data, self.cfg.batch_size, self.block_size, self.cfg.eval_batches, self.device)]
+      losses = [self._whole(parallel_loss(self.model, x, y, self.cp_group)).item() for x, y in
+                data.iterate_eval_batches(self.val_data, self.cfg.batch_size, self.block_size, self.cfg.eval_batches,
+                                          self.device)]
     self.model.train()
     return float(np.mean(losses))
+
+  def _whole(self, loss: bt.Tensor) -> bt.Tensor:
+    return whole_loss(loss, self.cp_group) if self.cp_group is not None else loss
 
   def _autocast(self):
     return bt.autocast(device_type=bt.device(self.device).type, dtype=bt.dtypes.to_dtype(self.cfg.amp)) \
@@ -208,7 +266,7 @@ class Trainer:
   def fit(self) -> dict:
     """Train to `cfg.steps`; returns the final metrics."""
     from tqdm import tqdm
-    cfg, tokens_per_step = self.cfg, self.cfg.batch_size * self.block_size * self.world
+    cfg, tokens_per_step = self.cfg, self.cfg.batch_size * self.block_size * self.dp
     if self.rank == 0: (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
     # NOTE: a slow smoothing keeps the ETA from swinging after each evaluation's pause
     bar = tqdm(total=cfg.steps, initial=self.step, disable=self.quiet, unit="step", dynamic_ncols=True, smoothing=0.02)
@@ -245,7 +303,11 @@ class Trainer:
     return {"step": self.step, "val_loss": vals[-1] if vals else None, "sample": sample}
 
   def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40) -> str:
-    return generate_text(self.model, self.tokenizer, prompt, max_new_tokens, temperature, top_k, self.device)
+    model = self.model
+    if self.parallel is not None:  # a whole GPT from the gathered shards
+      model = GPT(self.model_config).to(self.device, bt.dtypes.to_dtype(self.cfg.dtype))
+      model.load_state_dict(self.model_state())
+    return generate_text(model, self.tokenizer, prompt, max_new_tokens, temperature, top_k, self.device)
 
   # *** metrics ***
 
@@ -298,6 +360,25 @@ def _check_context(cfg: TrainConfig, device: str, n_train: int, n_val: int) -> N
       raise ValueError(f"{flag} {T}: attention on the CPU would hold about {need / 2**30:.0f} GiB ({cfg.batch_size} x "
                        f"{shape['n_head']} heads x {T}^2 scores), more than half of this machine's "
                        f"{have / 2**30:.0f} GiB; use a shorter context or a smaller --batch-size")
+
+
+def _check_parallel(cfg: TrainConfig, world: int, resume: bool | str) -> None:
+  """Refuse a tensor/context-parallel layout the job cannot hold, before any work."""
+  if cfg.tp * cfg.cp == 1: return
+  flags = f"--tp {cfg.tp} --cp {cfg.cp}"
+  if world % (cfg.tp * cfg.cp):
+    raise ValueError(f"{flags}: {cfg.tp * cfg.cp} ranks a model replica do not divide the {world} ranks of this job; "
+                     f"start a multiple of {cfg.tp * cfg.cp} with --nproc-per-node")
+  if cfg.compile: raise ValueError(f"{flags}: the tensor- and context-parallel layers run eagerly; drop --compile")
+  if resume: raise ValueError(f"{flags}: resuming a tensor/context-parallel run is not supported")
+  shape = {**asdict(GPTConfig()), **PRESETS.get(cfg.preset, {})}
+  T = cfg.block_size or shape["block_size"]
+  if T % (2 * cfg.cp):
+    raise ValueError(f"{flags}: the context of {T} tokens must split into 2 x {cfg.cp} equal chunks (ring "
+                     f"attention's load balancing); make --block-size a multiple of {2 * cfg.cp}")
+  if shape["n_head"] % cfg.tp or shape["n_embd"] % cfg.tp:
+    raise ValueError(f"{flags}: {shape['n_head']} heads and width {shape['n_embd']} must divide by the "
+                     f"tensor-parallel size {cfg.tp}")
 
 
 def _claim(out: Path, resume: bool | str, overwrite: bool) -> None:

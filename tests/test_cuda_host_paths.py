@@ -162,3 +162,19 @@ for _ in range(3): step(x, y)
 print("ok")
 """
   assert "ok" in _run_fake(code, tmp_path)
+
+
+def test_flash_attention_lse_forward_and_backward_launch_on_the_fake_gpu(tmp_path):
+  """The LSE variant's host path: the packed float32 output (unaligned rows of D + 1), dlse handed to the dq kernel."""
+  out = _run_fake("""
+import blutrain as bt
+from blutrain.ops.nn import flash_attention_lse
+q, k, v = (bt.randn(2, 3, 40, 64, device="cuda", dtype=bt.bfloat16).requires_grad_() for _ in range(3))
+o, lse = flash_attention_lse(q, k[..., :24, :], v[..., :24, :], is_causal=False)
+assert o.shape == (2, 3, 40, 64) and lse.shape == (2, 3, 40) and o.dtype is lse.dtype is bt.float32
+before = fake_cuda.launches[0]
+(o.sum() + lse.sum()).backward()
+assert q.grad.dtype is bt.bfloat16 and k.grad.shape == (2, 3, 40, 64)
+print('backward launches', fake_cuda.launches[0] - before)
+""", tmp_path)
+  assert int(out.split()[-1]) >= 2  # the dq and dk/dv kernels (and the slices' and casts' own)

@@ -66,3 +66,51 @@ def test_rule_errors_name_the_op():
     ops.nn.flash_attention_op(q, bt.randn(2, 5, 8), bt.randn(2, 4, 8), causal=False, scale=1.0)
   with pytest.raises(TypeError, match="flash_attention: q, k, v must share one dtype"):
     ops.nn.flash_attention_op(q, q.bfloat16(), q, causal=False, scale=1.0)
+
+
+def _torch_lse_attention(q, k, v, causal, scale):
+  """PyTorch's attention and the logsumexp of its scaled (causally masked) scores: the composite reference."""
+  scores = q @ k.transpose(-1, -2) * scale
+  if causal: scores = scores.masked_fill(~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(), float("-inf"))
+  return TF.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("qshape,kshape", CASES, ids=str)
+def test_lse_op_and_its_gradients_match_torch(qshape, kshape, causal, dtype):
+  """Output, logsumexp and the gradients of a loss of both (the lse's gradient reaches dS as P * dlse) against torch
+  on the same inputs in float32 (float64 for float64); non-contiguous q (a transposed copy)."""
+  (q, k, v), _, g = _inputs(qshape, kshape, dtype, seed=5)
+  q = q.detach().mT.contiguous().mT.requires_grad_()
+  h = np.random.default_rng(6).standard_normal(qshape[:-1])
+  wide = torch.float64 if dtype is bt.float64 else torch.float32
+  tq, tk, tv = (torch.tensor(t.detach().double().numpy(), dtype=wide, requires_grad=True) for t in (q, k, v))
+  out, lse = ops.nn.flash_attention_lse(q, k, v, is_causal=causal, scale=0.4)
+  assert out.dtype is lse.dtype is (bt.float64 if dtype is bt.float64 else bt.float32)
+  tout, tlse = _torch_lse_attention(tq, tk, tv, causal, 0.4)
+  assert_close(out, tout.detach().numpy(), out.dtype, "out")
+  assert_close(lse, tlse.detach().numpy(), out.dtype, "lse")
+  ((out * bt.tensor(g)).sum() + (lse * bt.tensor(h)).sum()).backward()
+  ((tout * torch.tensor(g, dtype=wide)).sum() + (tlse * torch.tensor(h, dtype=wide)).sum()).backward()
+  for name, a, b in (("dq", q, tq), ("dk", k, tk), ("dv", v, tv)):
+    assert a.grad.dtype is dtype
+    assert_close(a.grad, b.grad.numpy(), dtype, name)
+
+
+def test_lse_op_equals_float64_numpy_math():
+  rng = np.random.default_rng(8)
+  q, k, v = (rng.standard_normal(s) for s in ((2, 7, 8), (2, 7, 8), (2, 7, 8)))
+  out, lse = ops.nn.flash_attention_lse(*(bt.from_numpy(a) for a in (q, k, v)), is_causal=True)
+  s = q @ k.swapaxes(-1, -2) / np.sqrt(8) + np.where(np.tri(7, dtype=bool), 0.0, -np.inf)
+  want_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+  np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-13, atol=1e-13)
+  np.testing.assert_allclose(out.numpy(), np.exp(s - want_lse[..., None]) @ v, rtol=1e-12, atol=1e-13)
+
+
+def test_lse_op_bad_inputs():
+  q = bt.randn(2, 4, 8)
+  with pytest.raises(ValueError, match=r"flash_attention_lse: expected q \(\.\.\., L, E\).*\(2, 4, 8\), \(2, 5, 8\)"):
+    ops.nn.flash_attention_lse(q, bt.randn(2, 5, 8), bt.randn(2, 4, 8))
+  with pytest.raises(TypeError, match="flash_attention_lse: expected floating q, k, v, got int64"):
+    ops.nn.flash_attention_lse(*(bt.ones(2, 4, 8, dtype=bt.int64),) * 3)

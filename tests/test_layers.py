@@ -13,8 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "blutrain"
 
-# bottom to top; a module's layer is the one whose prefix matches its dotted name most closely (ZeRO,
-# blutrain.distributed.optim, wraps optimizers: a library module inside the distributed package)
+# bottom to top; a module's layer is the one whose prefix matches its dotted name most closely
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
   ("leaves", ("blutrain.dtypes", "blutrain.device", "blutrain.shapes", "blutrain.backends", "blutrain.configurator")),
   ("backend", ("blutrain.backend",)),
@@ -24,9 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
   ("hooks", ("blutrain.amp", "blutrain.profiler", "blutrain.cuda")),
   ("distributed", ("blutrain.distributed",)),  # process groups: tensors, ops, the CUDA backend's streams and events
   ("nova", ("blutrain.nova",)),
-  ("library", ("blutrain.nn", "blutrain.optim", "blutrain.models", "blutrain.utils", "blutrain.serialization",
-               "blutrain.distributed.optim", "blutrain.distributed.tensor_parallel",
-               "blutrain.distributed.context_parallel", "blutrain.distributed.parallelize")),
+  ("library", ("blutrain.nn", "blutrain.optim", "blutrain.models", "blutrain.utils", "blutrain.serialization")),
   ("face", ("blutrain",)),  # blutrain/__init__.py: the public API, which the app uses as users do
   ("app", ("blutrain.data", "blutrain.checkpoint", "blutrain.train", "blutrain.cli")),
 ]
@@ -143,3 +140,12 @@ def test_op_modules_import_only_earlier_ones():
   assert set(rank) == {n for n in g if n.startswith("blutrain.ops.")}, "a new op module needs its place in OP_CHAIN"
   bad = [f"{a} -> {b}" for a in rank for b in g[a] if b in rank and rank[b] >= rank[a]]
   assert not bad, "op modules importing a later one (ops/__init__.py's order):\n" + "\n".join(bad)
+
+
+def test_pytorch_import_paths_of_library_modules_are_reexports():
+  """torch.distributed.optim's path reaches ZeRO, which lives in the library (blutrain.optim.zero), through the face."""
+  import blutrain.optim.zero as zero
+  from blutrain.distributed.optim import ZeroRedundancyOptimizer
+  import blutrain.distributed as dist
+  assert ZeroRedundancyOptimizer is zero.ZeroRedundancyOptimizer and dist.optim.__all__ == ["ZeroRedundancyOptimizer"]
+  assert not (PACKAGE / "distributed" / "optim.py").exists()

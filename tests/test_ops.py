@@ -854,6 +854,8 @@ VJP_CASES = {
   "cross_entropy": (lambda x, t: ops.cross_entropy(x, t, reduction="none"), [(4, 5), np.array([0, 4, -100, 2])], {}),
   "flash_attention": (lambda q, k, v: ops.nn.flash_attention_op(q, k, v, causal=True, scale=0.4),
     [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
+  "flash_attention_lse": (lambda q, k, v: ops.nn.flash_attention_lse_op(q, k, v, causal=True, scale=0.4),
+    [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
   # a group of one rank here; tests/distributed/test_mpi.py checks the gradients of 3 ranks against the math
   "all_reduce": (lambda x: ops.collective.all_reduce(x * x, "avg", LOOPBACK, 1), [(3, 4)], {}),
   "reduce_scatter": (lambda x: ops.collective.reduce_scatter(x.exp(), "avg", LOOPBACK, 1), [(3, 4)], {}),

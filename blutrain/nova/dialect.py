@@ -1057,6 +1057,38 @@ class FlashAttentionBackwardOp(MultiResultOp):
   dv = result_def(TENSOR)
 
 
+@irdl_op_definition
+class FlashAttentionLseOp(NNOp):
+  """flash_attention with each query's logsumexp packed as one more column: (..., L, E + 1), float32 (float64 for
+  float64 inputs)."""
+  name = "nova.flash_attention_lse"
+  q = operand_def(TENSOR)
+  k = operand_def(TENSOR)
+  v = operand_def(TENSOR)
+  causal = prop_def(BOOL)
+  scale = prop_def(FLOAT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
+class FlashAttentionLseBackwardOp(MultiResultOp):
+  """flash_attention_lse's gradients dq, dk and dv from those of the output (g, of q's type) and of the logsumexp
+  (glse); `out` is the output cast to q's type."""
+  name = "nova.flash_attention_lse_backward"
+  g = operand_def(TENSOR)
+  glse = operand_def(TENSOR)
+  q = operand_def(TENSOR)
+  k = operand_def(TENSOR)
+  v = operand_def(TENSOR)
+  out = operand_def(TENSOR)
+  causal = prop_def(BOOL)
+  scale = prop_def(FLOAT)
+  tf32 = opt_prop_def(BOOL | NONE)
+  dq = result_def(TENSOR)
+  dk = result_def(TENSOR)
+  dv = result_def(TENSOR)
+
+
 # *** multi-tensor ops: one op over a whole list of tensors (the optimizer's update, gradient clipping) ***
 
 @irdl_op_definition
@@ -1181,7 +1213,8 @@ Nova = Dialect("nova", [
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
   IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
   ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
-  FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
+  FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp,
+  AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations

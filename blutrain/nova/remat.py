@@ -32,9 +32,9 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
-from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp, FlashAttentionOp,
-                                   LayerNormOp, LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
-                                   SoftmaxOp, aval)
+from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp,
+                                   FlashAttentionLseBackwardOp, FlashAttentionLseOp, FlashAttentionOp, LayerNormOp,
+                                   LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp, SoftmaxOp, aval)
 from blutrain.nova.ir import function
 from blutrain.nova.memory import lifetimes, nbytes, plan
 
@@ -55,10 +55,10 @@ def op_flops(op: Operation) -> int:
   times that for its backward), `PER_ELEMENT` (default 1) per output element of the others, none for views."""
   if isinstance(op, LayoutOp) or not isinstance(op, NovaOp): return 0
   if isinstance(op, MatmulOp): return 2 * _numel(op.result) * aval(op.operands[0].type).shape[-1]
-  if isinstance(op, (FlashAttentionOp, FlashAttentionBackwardOp)):
+  if isinstance(op, (FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp)):
     q, k = aval(op.q.type).shape, aval(op.k.type).shape
     work = 4 * math.prod(q) * k[-2]
-    return work if isinstance(op, FlashAttentionOp) else 5 * work // 2
+    return work if isinstance(op, (FlashAttentionOp, FlashAttentionLseOp)) else 5 * work // 2
   return PER_ELEMENT.get(op.opname, 1) * sum(_numel(r) for r in op.results if r is not None)
 
 

@@ -245,12 +245,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
   return out + bias if bias is not None else out
 
 
-def _flash_attention_rule(q, k, v, causal, scale, tf32=False):
+def _check_attention(name: str, q, k, v) -> None:
   if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
-    raise ShapeError(f"flash_attention: expected q (..., L, E) and k, v (..., S, E) with the same batch dims, got "
+    raise ShapeError(f"{name}: expected q (..., L, E) and k, v (..., S, E) with the same batch dims, got "
                      f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
   if not q.dtype is k.dtype is v.dtype:
-    raise DTypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype.name}, {k.dtype.name}, {v.dtype.name}")
+    raise DTypeError(f"{name}: q, k, v must share one dtype, got {q.dtype.name}, {k.dtype.name}, {v.dtype.name}")
+
+
+def _flash_attention_rule(q, k, v, causal, scale, tf32=False):
+  _check_attention("flash_attention", q, k, v)
   return q.shape, q.dtype
 
 
@@ -266,6 +270,44 @@ flash_attention_backward_op = op("flash_attention_backward", lambda g, q, k, v, 
 flash_attention_op = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True,
                      inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
 _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
+
+
+def _flash_attention_lse_rule(q, k, v, causal, scale, tf32=False):
+  _check_attention("flash_attention_lse", q, k, v)
+  if not q.dtype.is_floating_point:
+    raise DTypeError(f"flash_attention_lse: expected floating q, k, v, got {q.dtype.name}")
+  return q.shape[:-1] + (q.shape[-1] + 1,), dtypes.float64 if q.dtype is dtypes.float64 else dtypes.float32
+
+
+def _flash_attention_lse_vjp(g, out, q, k, v, causal, scale, tf32=False):
+  e = q.shape[-1]
+  return flash_attention_lse_backward_op(g[..., :e].to(q.dtype), g[..., e].contiguous(), q, k, v,
+                                         out[..., :e].to(q.dtype), causal=causal, scale=scale, tf32=tf32)
+
+
+# flash attention that also returns each query's logsumexp of its scaled scores, packed as one more column of the
+# output (..., L, E + 1) in float32 (float64 for float64 inputs): the attention output in [..., :E], the logsumexp in
+# [..., E] (a primitive has one output and one VJP). Partial attentions over key blocks merge by it (ring attention);
+# the VJP's dlse adds P * dlse to dS, i.e. rowsum(dO * O) - dlse in place of rowsum(dO * O)
+flash_attention_lse_backward_op = op(
+  "flash_attention_lse_backward", lambda g, glse, q, k, v, out, causal, scale, tf32=False: [
+    (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)], multi=True,
+  inputs="g glse q k v out", attrs="causal:bool scale:float tf32:bool?")
+flash_attention_lse_op = op("flash_attention_lse", _flash_attention_lse_rule, _flash_attention_lse_vjp,
+                            saves_output=True, inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
+
+
+def flash_attention_lse(query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False,
+                        scale: float | None = None) -> tuple[Tensor, Tensor]:
+  """Attention of queries (..., L, E) to keys and values (..., S, E) of one batch shape and dtype, and each query's
+  logsumexp of its scaled (and masked) scores: (out (..., L, E), lse (..., L)), both float32 (float64 for float64
+  inputs), without the (L, S) weights in memory. Both are differentiable: attention over the union of key blocks is
+  sum_j exp(lse_j - logsumexp_j lse_j) out_j (as ring attention merges them)."""
+  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+  packed = flash_attention_lse_op(query, key, value, causal=bool(is_causal), scale=float(scale),
+                                  tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
+  e = packed.shape[-1] - 1
+  return packed[..., :e], packed[..., e]
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,

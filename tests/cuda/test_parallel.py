@@ -8,9 +8,10 @@ import pytest
 
 import blutrain as bt
 import blutrain.distributed as dist
-from blutrain.distributed.context_parallel import (all_reduce_gradients, ring_attention, shard_sequence,
+from blutrain.nn.parallel.context_parallel import (all_reduce_gradients, ring_attention, shard_sequence,
                                                    unshard_sequence)
-from blutrain.distributed.parallelize import parallelize_gpt
+from blutrain.models.parallelize import parallelize_gpt
+from blutrain.ops.nn import flash_attention_lse
 from blutrain.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.cuda
@@ -84,3 +85,29 @@ def test_ring_attention_equals_attention_on_the_whole_sequence(world, causal):
   np.testing.assert_allclose(host(unshard_sequence(out.detach(), None, dim=2)), host(ref), rtol=1e-4, atol=1e-5)
   for p, w in zip(parts, whole):
     np.testing.assert_allclose(host(p.grad), host(shard_sequence(w.grad, None, dim=2)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(bt.float32, 2e-4), (bt.bfloat16, 4e-2)], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 3, 40, 72, 64), (1, 2, 65, 65, 80), (3, 1, 17, 129, 32)], ids=str)
+def test_flash_attention_lse_kernels_match_float64(shape, causal, dtype, tol):
+  """The CUDA flash_attention_lse (output and logsumexp written by the forward kernel) and its backward (dlse folded
+  into delta) against the float64 numpy kernel on the same (rounded) inputs, through a loss of both outputs."""
+  B, H, L, S, D = shape
+  rng = np.random.default_rng(4)
+  arrays = [rng.standard_normal(s) for s in ((B, H, L, D), (B, H, S, D), (B, H, S, D))]
+  g, h = rng.standard_normal((B, H, L, D)), rng.standard_normal((B, H, L))
+  bt.set_float32_matmul_precision("highest")
+  grads = {}
+  for device in ("cuda", "cpu"):
+    qkv = [bt.from_numpy(a).to(dtype) for a in arrays]
+    qkv = [(t.to("cuda") if device == "cuda" else t.double()).requires_grad_() for t in qkv]
+    out, lse = flash_attention_lse(*qkv, is_causal=causal, scale=0.3)
+    g_out, g_lse = (bt.from_numpy(a).to(device).to(out.dtype) for a in (g, h))
+    ((out * g_out).sum() + (lse * g_lse).sum()).backward()
+    grads[device] = [out, lse] + [t.grad for t in qkv]
+  bt.set_float32_matmul_precision("high")
+  assert grads["cuda"][0].dtype is grads["cuda"][1].dtype is bt.float32
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), grads["cuda"], grads["cpu"]):
+    a, b = host(a).astype(np.float64), host(b)
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, np.abs(b).max()), err_msg=name)

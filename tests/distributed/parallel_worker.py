@@ -9,11 +9,11 @@ import numpy as np
 
 import blutrain as bt
 import blutrain.distributed as dist
-from blutrain.distributed.context_parallel import (all_reduce_gradients, ring_attention, sequence_positions,
+from blutrain.nn.parallel.context_parallel import (all_reduce_gradients, ring_attention, sequence_positions,
                                                    shard_sequence, unshard_sequence)
 from blutrain.distributed.device_mesh import init_device_mesh
-from blutrain.distributed.parallelize import parallelize_gpt
-from blutrain.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+from blutrain.models.parallelize import parallelize_gpt
+from blutrain.nn.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
 from blutrain.models.gpt import GPT, GPTConfig
 from blutrain.nn.parallel import DistributedDataParallel
 
@@ -161,6 +161,17 @@ def case_dp_tp(r, n):
   return {**out, "mesh": worst(float(layout != want or not errors))}
 
 
+def graph_nodes(t):
+  """The tape nodes that t's backward would visit."""
+  seen, stack = {}, [t._node]
+  while stack:
+    nd = stack.pop()
+    if id(nd) in seen: continue
+    seen[id(nd)] = nd
+    stack += [p for p in nd.parents if p is not None and not isinstance(p, bt.Tensor)]
+  return list(seen.values())
+
+
 def case_ring_attention(r, n):
   """Ring attention on the load-balanced parts against attention on the whole sequence, forward and gradients; the
   inputs are (B, H, T, D) views of (B, T, H, D) tensors (not contiguous)."""
@@ -175,6 +186,11 @@ def case_ring_attention(r, n):
     ref.backward(bt.from_numpy(g))
     parts = [shard_sequence(bt.from_numpy(a)).requires_grad_() for a in qkv]
     out = ring_attention(*(p.transpose(1, 2) for p in parts), None, is_causal=causal)
+    nodes = graph_nodes(out)
+    err[f"lse_path_{causal}"] = float(not any(nd.op.name == "flash_attention_lse" for nd in nodes))
+    local = Tn // n  # no (L, S) scores among what the tape keeps for the backward
+    err[f"scores_kept_{causal}"] = float(sum(t is not None and tuple(t.shape[-2:]) == (local, local)
+                                             for nd in nodes for t in (*nd.saved, nd.out)))
     out.backward(shard_sequence(bt.from_numpy(g), None, dim=2))
     err[f"out_{causal}"] = diff(unshard_sequence(out.detach(), None, dim=2).numpy(), ref.detach().numpy())
     for name, p, w in zip("qkv", parts, whole):

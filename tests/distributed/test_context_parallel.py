@@ -32,7 +32,7 @@ def test_data_parallel_over_context_parallel_pairs_trains_as_one_process():
 
 def test_load_balancing_permutation_and_bad_inputs():
   import blutrain as bt
-  from blutrain.distributed.context_parallel import load_balance_indices, ring_attention
+  from blutrain.nn.parallel.context_parallel import load_balance_indices, ring_attention
   assert load_balance_indices(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]  # rank 0: chunks 0 and 3; rank 1: 1 and 2
   with pytest.raises(ValueError, match="2 x 3 equal chunks"): load_balance_indices(8, 3)
   q = bt.randn(1, 2, 6, 4)

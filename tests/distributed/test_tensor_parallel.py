@@ -38,7 +38,7 @@ def test_overlapped_layers_launch_each_chunks_collective_next_to_another_chunks_
   pytest.importorskip("cuda.core")
   from tests.distributed.test_nccl_host_path import _run
   _run('''
-from blutrain.distributed.tensor_parallel import RowParallelLinear
+from blutrain.nn.parallel.tensor_parallel import RowParallelLinear
 fake_cuda.FakeLt.matmul = lambda self, *a: log.append(("matmul",))
 dist.init_process_group("nccl")
 layer = RowParallelLinear(64, 32, overlap_chunks=4).to("cuda")
@@ -51,7 +51,7 @@ assert seen[:8] == ["matmul", "allreduce"] * 4 and set(seen[8:]) == {"wait_compu
 assert all(e[1] == comm for e in log if e[0] == "allreduce") and tuple(y.shape) == (2, 8, 32)
 y.sum().backward()
 assert tuple(x.grad.shape) == (2, 8, 64) and tuple(layer.weight.grad.shape) == (32, 64)
-from blutrain.distributed.tensor_parallel import ColumnParallelLinear
+from blutrain.nn.parallel.tensor_parallel import ColumnParallelLinear
 def order(layer, x):  # the GEMMs and collectives in launch order, and where the compute stream waits for the comm one
   log.clear()
   layer(x)
@@ -68,7 +68,7 @@ assert seen[:6] == ["matmul", "reduce_scatter"] * 3 and set(seen[6:]) == {"wait_
 
 def test_bad_arguments_raise_before_any_collective():
   import blutrain as bt
-  from blutrain.distributed.tensor_parallel import RowParallelLinear, vocab_parallel_cross_entropy
+  from blutrain.nn.parallel.tensor_parallel import RowParallelLinear, vocab_parallel_cross_entropy
   with pytest.raises(ValueError, match=r"target of shape \(3,\) does not match logits of shape \(4, 8\)"):
     vocab_parallel_cross_entropy(bt.randn(4, 8), bt.zeros(3, dtype=bt.int64))
   with pytest.raises(ValueError, match="unknown reduction 'avg'"):

@@ -187,7 +187,10 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   q, k = b("view", x, shape=(1, 3, 4)), b("view", pos, shape=(1, 3, 4))
   att = b("flash_attention", q, k, k, causal=True, scale=0.5)
   outs += [att, b("flash_attention", q, k, q, causal=False, scale=1.0),
-           *b("flash_attention_backward", q, q, k, k, att, causal=True, scale=0.5), b("sum_squares", x, pos, w)]
+           *b("flash_attention_backward", q, q, k, k, att, causal=True, scale=0.5), b("sum_squares", x, pos, w),
+           b("flash_attention_lse", q, k, k, causal=False, scale=0.5),
+           *b("flash_attention_lse_backward", q, b("sum", q, dims=(2,), keepdim=False, dtype=f32), q, k, k, att,
+              causal=True, scale=0.5)]
   step, lr, sq = arg(np.array(3.0)), arg(np.array(1e-3)), arg(rs.uniform(0.1, 1.0, (4,)).astype(np.float32))
   outs += [*b("adamw", x, w, pos, y, pos, bias, pos, sq, step, step, lr, n=2, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.1),

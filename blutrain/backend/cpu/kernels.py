@@ -250,6 +250,30 @@ def _flash_attention_backward(g, q, k, v, out, causal, scale, tf32=False):
   return dq, dk, dv
 
 
+def _flash_attention_lse(q, k, v, causal, scale, tf32=False):
+  """Attention and the logsumexp of the scaled scores, packed (..., L, E + 1), in float32 (float64 for float64)."""
+  acc = np.float64 if q.dtype == np.float64 else np.float32
+  q, k, v = (a.astype(acc, copy=False) for a in (q, k, v))
+  scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+  if causal: scores = np.where(np.tri(q.shape[-2], k.shape[-2], dtype=bool), scores, -np.inf)
+  top = np.max(scores, axis=-1, keepdims=True)
+  e = np.exp(scores - top)
+  total = np.sum(e, axis=-1, keepdims=True)
+  return np.concatenate([np.matmul(e / total, v), top + np.log(total)], -1)
+
+
+def _flash_attention_lse_backward(g, glse, q, k, v, out, causal, scale, tf32=False):
+  """(dq, dk, dv) of flash_attention_lse: dS = P * (dP - rowsum(g * out) + dlse), in float32 at least."""
+  acc = np.float64 if q.dtype == np.float64 else np.float32
+  dt = q.dtype
+  g, glse, q, k, v, out = (a.astype(acc, copy=False) for a in (g, glse, q, k, v, out))
+  p = _attention_weights(q, k, causal, scale)
+  delta = np.sum(g * out, axis=-1, keepdims=True) - glse[..., None]
+  ds = p * (np.matmul(g, np.swapaxes(v, -1, -2)) - delta) * scale
+  grads = np.matmul(ds, k), np.matmul(np.swapaxes(ds, -1, -2), q), np.matmul(np.swapaxes(p, -1, -2), g)
+  return tuple(a.astype(dt) for a in grads)
+
+
 def _matmul(a, b, tf32=False):
   """a @ b; `tf32` asks for TF32 tensor cores, which the CPU has not: its float32 matmuls stay float32."""
   if a.dtype.kind in "iub": a, b = a.astype(np.int64), b.astype(np.int64)
@@ -303,6 +327,7 @@ kernels = {
   "layer_norm_backward": _layer_norm_backward,
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
+  "flash_attention_lse": _flash_attention_lse, "flash_attention_lse_backward": _flash_attention_lse_backward,
 }
 
 

@@ -34,6 +34,7 @@ from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, next_pow2
 
 _LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 # *** kernels ***
@@ -98,7 +99,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, offs_d, S, D
 def _attn_fwd(Q, K, V, O, LSE, qk_scale, L, S, D,
               sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som,
               CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr):
   start_m = _query_block(CAUSAL)
   h, z = tl.program_id(1), tl.program_id(2)
   H = tl.num_programs(1)
@@ -124,6 +125,8 @@ def _attn_fwd(Q, K, V, O, LSE, qk_scale, L, S, D,
   _store(O + z64 * soz + h64 * soh + offs_m[:, None] * som + offs_d[None, :], out.to(O.dtype.element_ty),
          offs_m, L, offs_d, D, not EVEN_D)
   tl.store(LSE + (z64 * H + h64) * L + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < L)
+  if PACKED:  # flash_attention_lse: the natural logsumexp in the output's column D
+    tl.store(O + z64 * soz + h64 * soh + offs_m * som + D, (m_i + tl.math.log2(l_i)) * _LN2, mask=offs_m < L)
 
 
 @triton.jit
@@ -169,10 +172,10 @@ def _lse_blocks(l_i, m_i, q, k_base, skn, offs_m, offs_d, S, D, qk_scale, lo, hi
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, qk_scale, sm_scale, L, S, D,
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, DLSE, qk_scale, sm_scale, L, S, D,
                  sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som, sgz, sgh, sgm, sdz, sdh, sdm,
                  CAUSAL: tl.constexpr, HAVE_LSE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr):
   start_m = _query_block(CAUSAL)
   h, z = tl.program_id(1), tl.program_id(2)
   H = tl.num_programs(1)
@@ -184,6 +187,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, qk_scale, sm_scale, L, S, D,
   o = _load(O + z64 * soz + h64 * soh + offs_m[:, None] * som + offs_d[None, :], offs_m, L, offs_d, D, True, not EVEN_D)
   delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
   row = (z64 * H + h64) * L + offs_m
+  if PACKED:  # the logsumexp's gradient: dS = P * (dP - delta + dlse), so delta - dlse takes delta's place
+    delta -= tl.load(DLSE + row, mask=offs_m < L, other=0.0)
   tl.store(DELTA + row, delta, mask=offs_m < L)
   k_base, v_base = K + z64 * skz + h64 * skh, V + z64 * svz + h64 * svh
   full = S // BLOCK_N * BLOCK_N
@@ -272,24 +277,27 @@ def _precision(dtype: DType, tf32: bool) -> str:
   return "tf32x3" if dtype is dtypes.float32 and not tf32 else "tf32"
 
 
-_PTRS = {"fwd": "Q K V O LSE", "dq": "Q K V O DO DQ LSE DELTA", "dkdv": "Q K V DO DK DV LSE DELTA"}
+_PTRS = {"fwd": "Q K V O LSE", "dq": "Q K V O DO DQ LSE DELTA DLSE", "dkdv": "Q K V DO DK DV LSE DELTA"}
 _FNS = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv}
 
 
 @functools.lru_cache(maxsize=None)
 def attention_spec(kernel: str, dtype: DType, head_dim: int, causal: bool, precision: str = "tf32",
-                   aligned: bool = True, have_lse: bool = True) -> Spec:
-  """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides."""
+                   aligned: bool = True, have_lse: bool = True, packed: bool = False) -> Spec:
+  """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides; `packed`:
+  flash_attention_lse's (the forward writes a float32 output with the logsumexp in column D, dq takes dlse)."""
   block_d = max(16, next_pow2(head_dim))
   bm, bn, warps, stages = attention_schedule(kernel, dtype.itemsize, block_d)
   div = ":16" if aligned else ""
-  sig = {name: ("*fp32" if name in ("LSE", "DELTA") else "*" + TY[dtype]) + div for name in _PTRS[kernel].split()}
+  fp32 = ("LSE", "DELTA", "DLSE") + (("O",) if packed and kernel == "fwd" else ())
+  sig = {name: ("*fp32" if name in fp32 else "*" + TY[dtype]) + div for name in _PTRS[kernel].split()}
   sig |= {"qk_scale": "fp32", "L": "i32", "S": "i32", "D": "i32"} | ({} if kernel == "fwd" else {"sm_scale": "fp32"})
   for name in _FNS[kernel].arg_names:
     if name[0] == "s" and len(name) == 3: sig[name] = ("i64" if name[2] in "zh" else "i32") + div  # strides
   consts = {"CAUSAL": causal, "EVEN_D": block_d == head_dim, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d,
             "PRECISION": precision}
   if kernel == "dq": consts["HAVE_LSE"] = have_lse
+  if kernel != "dkdv": consts["PACKED"] = packed
   return spec(_FNS[kernel], sig, consts, num_warps=warps, num_stages=stages)
 
 
@@ -349,24 +357,38 @@ def _recall(out: CudaArray, key: tuple) -> CudaArray | None:
   except TypeError: return None
 
 
-def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float, tf32: bool = False) -> CudaArray:
+def _forward(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float, tf32: bool,
+             packed: bool) -> tuple[CudaArray, CudaArray]:
+  """The output (packed: float32 (..., L, D + 1), the natural logsumexp in column D) and the base-2 logsumexp."""
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
   (q, sq), (k, sk), (v, sv) = (_operand(a, nb) for a in (q, k, v))
   (Z, H), _ = _batch(q, nb)
-  out = empty(q.shape, q.dtype, q.device)
-  so = (H * L * D, L * D, D)
+  width = D + 1 if packed else D
+  out = empty(q.shape[:-1] + (width,), dtypes.float32 if packed else q.dtype, q.device)
+  so = (H * L * width, L * width, width)
   lse = empty((Z * H * L,), dtypes.float32, q.device)
-  s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), _aligned((q, k, v, out, lse), sq + sk + sv + so))
+  aligned = _aligned((q, k, v, out, lse), sq + sk + sv + so)
+  s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), aligned, packed=packed)
   grid = (cdiv(L, s[2]["BLOCK_M"]), H, Z)
   run(s, grid, q, k, v, out, lse, scale * _LOG2E, L, S, D, *sq, *sk, *sv, *so)
+  return out, lse
+
+
+def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float, tf32: bool = False) -> CudaArray:
+  out, lse = _forward(q, k, v, causal, scale, tf32, False)
   _remember(out, _lse_key(out, k, causal, scale), lse)
   return out
 
 
-def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool,
-                             scale: float, tf32: bool = False) -> tuple[CudaArray, CudaArray, CudaArray]:
-  """(dq, dk, dv): three new contiguous arrays, which the kernels write (dk and dv share one layout)."""
+def flash_attention_lse(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float,
+                        tf32: bool = False) -> CudaArray:
+  """(..., L, D + 1) float32: the output and, in column D, each query's natural logsumexp."""
+  return _forward(q, k, v, causal, scale, tf32, True)[0]
+
+
+def _backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool, scale: float,
+              tf32: bool, glse: CudaArray | None) -> tuple[CudaArray, CudaArray, CudaArray]:
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
   lse = _recall(out, _lse_key(out, k, causal, scale))
@@ -378,15 +400,34 @@ def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaAr
   have_lse = lse is not None
   if not have_lse: lse = empty((Z * H * L,), dtypes.float32, q.device)
   delta = empty((Z * H * L,), dtypes.float32, q.device)
+  packed = glse is not None
+  if packed and not glse.is_contiguous():
+    from blutrain.backend.cuda.kernels.copy import copy
+    glse = copy(glse)
   prec = _precision(q.dtype, tf32)
-  aligned = _aligned((q, k, v, out, g, dq, dk, dv, lse, delta), sq + sk + sv + so + sg + sdq + sdk)
-  s = attention_spec("dq", q.dtype, D, causal, prec, aligned, have_lse)
-  run(s, (cdiv(L, s[2]["BLOCK_M"]), H, Z), q, k, v, out, g, dq, lse, delta, scale * _LOG2E, scale, L, S, D,
-      *sq, *sk, *sv, *so, *sg, *sdq)
+  aligned = _aligned((q, k, v, out, g, dq, dk, dv, lse, delta, *((glse,) if packed else ())),
+                     sq + sk + sv + so + sg + sdq + sdk)
+  s = attention_spec("dq", q.dtype, D, causal, prec, aligned, have_lse, packed)
+  run(s, (cdiv(L, s[2]["BLOCK_M"]), H, Z), q, k, v, out, g, dq, lse, delta, glse if packed else delta, scale * _LOG2E,
+      scale, L, S, D, *sq, *sk, *sv, *so, *sg, *sdq)
   s = attention_spec("dkdv", q.dtype, D, causal, prec, aligned)
   run(s, (cdiv(S, s[2]["BLOCK_N"]), H, Z), q, k, v, g, dk, dv, lse, delta, scale * _LOG2E, scale, L, S, D,
       *sq, *sk, *sv, *sg, *sdk)
   return dq, dk, dv
+
+
+def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool,
+                             scale: float, tf32: bool = False) -> tuple[CudaArray, CudaArray, CudaArray]:
+  """(dq, dk, dv): three new contiguous arrays, which the kernels write (dk and dv share one layout)."""
+  return _backward(g, q, k, v, out, causal, scale, tf32, None)
+
+
+def flash_attention_lse_backward(g: CudaArray, glse: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray,
+                                 out: CudaArray, causal: bool, scale: float,
+                                 tf32: bool = False) -> tuple[CudaArray, CudaArray, CudaArray]:
+  """flash_attention_lse's (dq, dk, dv) from the output's gradient g, the logsumexp's glse ((..., L) float32) and the
+  output `out` in q's dtype; the logsumexp is recomputed by the dq kernel (a cheap pass: no P V product)."""
+  return _backward(g, q, k, v, out, causal, scale, tf32, glse)
 
 
 def _specs() -> list[Spec]:
@@ -401,8 +442,13 @@ def _specs() -> list[Spec]:
     out += [attention_spec(kernel, dtypes.bfloat16, d, True) for d in (32, 128, 80)]
   out.append(attention_spec("dq", dtypes.bfloat16, 64, True, have_lse=False))
   out.append(attention_spec("dq", dtypes.float32, 64, False, "tf32x3", have_lse=False))
+  out += [attention_spec("fwd", dtypes.bfloat16, 64, True, aligned=False, packed=True),   # flash_attention_lse
+          attention_spec("fwd", dtypes.float32, 64, False, "tf32x3", aligned=False, packed=True),
+          attention_spec("dq", dtypes.bfloat16, 64, True, have_lse=False, packed=True),
+          attention_spec("dq", dtypes.float32, 64, False, "tf32x3", aligned=False, have_lse=False, packed=True)]
   return out
 
 
 SPECS = _specs()
-KERNELS = {"flash_attention": flash_attention, "flash_attention_backward": flash_attention_backward}
+KERNELS = {"flash_attention": flash_attention, "flash_attention_backward": flash_attention_backward,
+           "flash_attention_lse": flash_attention_lse, "flash_attention_lse_backward": flash_attention_lse_backward}

@@ -11,8 +11,8 @@ and attention is ring attention.
 from __future__ import annotations
 
 from blutrain import distributed as dist, nn, ops
-from blutrain.distributed.context_parallel import ring_attention, sequence_positions
-from blutrain.distributed.tensor_parallel import (ColumnParallelLinear, Group, RowParallelLinear,
+from blutrain.nn.parallel.context_parallel import ring_attention, sequence_positions
+from blutrain.nn.parallel.tensor_parallel import (ColumnParallelLinear, Group, RowParallelLinear,
                                                   VocabParallelEmbedding, copy_to_parallel, scatter_to_parallel,
                                                   unshard, vocab_parallel_cross_entropy)
 from blutrain.models.gpt import GPT, Block

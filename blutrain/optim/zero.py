@@ -29,6 +29,8 @@ from blutrain.ops import collective, no_grad
 from blutrain.optim.optimizer import Optimizer, ParamsT
 from blutrain.tensor import Tensor
 
+__all__ = ["ZeroRedundancyOptimizer"]
+
 
 class _Bucket:
   """Whole parameters of one group; `start` is its offset in the group's flattened values, `length` its padded size

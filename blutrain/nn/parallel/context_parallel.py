@@ -3,9 +3,10 @@
 Each rank holds a part of the sequence's queries, keys and values. The key/value blocks travel around the ring (rank r
 sends to r + 1 and receives from r - 1, n - 1 times); each rank attends its queries to each block as it arrives and
 merges the partial results by their log-sum-exp: with partial outputs o_j and log-sum-exps l_j of the same queries,
-l = logsumexp_j l_j and o = sum_j exp(l_j - l) o_j, which is exactly attention over all the keys. The ring shift is one
-tape node whose VJP shifts the gradient the other way, so the backward carries dK/dV back around the ring to the
-rank that owns those keys.
+l = logsumexp_j l_j and o = sum_j exp(l_j - l) o_j, which is exactly attention over all the keys. Each block is one
+`flash_attention_lse` op, which returns o_j and l_j without keeping the scores; the merge's gradient reaches it as
+(dO_j, dl_j) and its backward recomputes the block's weights. The ring shift is one tape node whose VJP shifts the
+gradient the other way, so the backward carries dK/dV back around the ring to the rank that owns those keys.
 
 Causal attention balances the work by the load-balancing permutation: the sequence is cut into 2n chunks and rank i
 holds chunks i and 2n-1-i (`shard_sequence`, applied by the data loader, with `sequence_positions` for the tokens'
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import math
 
-from blutrain import distributed as dist, dtypes, ops
+from blutrain import distributed as dist, ops
 from blutrain.autograd.tape import is_grad_enabled, no_grad, record
-from blutrain.distributed.tensor_parallel import Group, gather_from_parallel
+from blutrain.nn.parallel.tensor_parallel import Group, gather_from_parallel
 from blutrain.ops.core import Op
+from blutrain.ops.nn import flash_attention_lse
 from blutrain.tensor import Tensor
 
 
@@ -98,18 +100,6 @@ def unshard_sequence(x: Tensor, group: Group = None, dim: int = 1) -> Tensor:
   return gathered[(slice(None),) * dim + (inverse,)]
 
 
-def _block(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-  """Attention of q to one key/value block, and the log-sum-exp of each query's scores (for the merge); scores, their
-  log-sum-exp and the output in float32 at least (16-bit inputs, as under autocast, are multiplied in their dtype)."""
-  scores = ops.matmul(q, k.mT)
-  scores = scores.to(dtypes.float32) * scale if scores.dtype.itemsize < 4 else scores * scale
-  if causal:
-    keep = ops.tril(ops.ones(q.shape[-2], k.shape[-2], dtype=dtypes.bool_, device=q.device))
-    scores = scores.masked_fill(~keep, float("-inf"))
-  lse = scores.logsumexp(-1)
-  return ops.matmul((scores - lse.unsqueeze(-1)).exp().to(v.dtype), v).to(lse.dtype), lse
-
-
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
   """The attention output over the union of the blocks, from each block's (output, log-sum-exp) of the same queries."""
   if len(parts) == 1: return parts[0][0]
@@ -135,7 +125,9 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group: Group = Non
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   kv = ops.stack([key, value])  # one tensor around the ring, so keys and values share one shift and one gradient path
   h = L // 2
-  first, second = [], []  # partial (output, lse) of the first and second chunk of queries
+  # partial (output, lse) of the first and second chunk of queries, float32 at least, by flash attention that returns
+  # its logsumexp: no (L, S) scores are kept, the backward recomputes them block by block
+  first, second = [], []
   incoming = start_ring_shift(kv, group) if n > 1 else None
   for step in range(n):
     if step:  # the block that arrived; the next one travels while this one is attended
@@ -143,11 +135,11 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group: Group = Non
       for w in works: w.wait()
       if step < n - 1: incoming = start_ring_shift(kv, group)
     k, v, src = kv[0], kv[1], (r - step) % n
-    if not is_causal or step == 0: out, lse = _block(query, k, v, scale, is_causal)
+    if not is_causal or step == 0: out, lse = flash_attention_lse(query, k, v, is_causal, scale)
     elif src < r:  # an earlier rank: all queries come after its first chunk, and before its second
-      out, lse = _block(query, k[..., :h, :], v[..., :h, :], scale, False)
+      out, lse = flash_attention_lse(query, k[..., :h, :], v[..., :h, :], False, scale)
     else:          # a later rank: only the second chunk of queries comes after (all of) its keys
-      second.append(_block(query[..., h:, :], k, v, scale, False))
+      second.append(flash_attention_lse(query[..., h:, :], k, v, False, scale))
       continue
     if not is_causal: first.append((out, lse)); continue
     first.append((out[..., :h, :], lse[..., :h]))
