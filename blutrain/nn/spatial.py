@@ -77,8 +77,6 @@ def _conv(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tensor | None, 
   if x.shape[1] != in_per_group * groups:
     raise RuntimeError(f"Given groups={groups}, weight of size {list(weight.shape)}, expected input{list(x.shape)} to "
                        f"have {in_per_group * groups} channels, but got {x.shape[1]} channels instead")
-  if x.dtype is not weight.dtype:
-    raise RuntimeError(f"{fn}: input type ({x.dtype.name}) and weight type ({weight.dtype.name}) should be the same")
   if isinstance(padding, str):
     if padding not in ("same", "valid"):
       raise RuntimeError(f"Invalid padding string: {padding!r} (expected 'valid' or 'same')")
@@ -141,8 +139,9 @@ def _conv_transpose(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tenso
     if op_ >= max(s, d):
       raise RuntimeError(f"{fn}: output padding must be smaller than either stride or dilation, but got "
                          f"output_padding={output_padding}, stride={stride}, dilation={dilation}")
-  if x.dtype is not weight.dtype:
-    raise RuntimeError(f"{fn}: input type ({x.dtype.name}) and weight type ({weight.dtype.name}) should be the same")
+  if any(op_ >= s for op_, s in zip(output_padding, stride)):
+    raise RuntimeError(f"{fn}: output_padding {output_padding} at or above stride {stride} (allowed by PyTorch when below "
+                       f"the dilation) is not supported; use output_padding < stride and pad the result")
   kernel, out_c = weight.shape[2:], weight.shape[1] * groups
   shape = [(n - 1) * s - 2 * p + d * (k - 1) + op_ + 1 for n, s, p, d, k, op_ in zip(x.shape[2:], stride, padding,
                                                                                       dilation, kernel, output_padding)]

@@ -198,18 +198,22 @@ def _conv_vjp(g, out, x, weight, stride, padding, dilation, groups, tf32=False):
 
 
 def _conv_grad_input_rule(g, weight, shape, stride, padding, dilation, groups, tf32=False):
-  _conv_check("conv_grad_input", Aval(tuple(shape), g.dtype, None), weight, stride, padding, dilation, groups)
-  if g.ndim != len(shape) or g.shape[:2] != (shape[0], weight.shape[0]):
-    raise ShapeError(f"conv_grad_input: gradient of size {list(g.shape)} does not fit input {list(shape)} and weight "
-                     f"{list(weight.shape)}")
+  x = Aval(tuple(shape), g.dtype, None)
+  _conv_check("conv_grad_input", x, weight, stride, padding, dilation, groups)
+  if tuple(g.shape) != _conv_rule(x, weight, stride, padding, dilation, groups)[0]:
+    raise ShapeError(f"conv_grad_input: gradient of size {list(g.shape)} is not the output of a convolution of input "
+                     f"{list(shape)} with weight {list(weight.shape)} (stride {list(stride)}, padding {list(padding)}, "
+                     f"dilation {list(dilation)})")
   return tuple(shape), g.dtype
 
 
 def _conv_grad_weight_rule(g, x, shape, stride, padding, dilation, groups, tf32=False):
-  _conv_check("conv_grad_weight", x, Aval(tuple(shape), x.dtype, None), stride, padding, dilation, groups)
-  if g.ndim != x.ndim or g.shape[:2] != (x.shape[0], shape[0]):
-    raise ShapeError(f"conv_grad_weight: gradient of size {list(g.shape)} does not fit input {list(x.shape)} and "
-                     f"weight {list(shape)}")
+  w = Aval(tuple(shape), x.dtype, None)
+  _conv_check("conv_grad_weight", x, w, stride, padding, dilation, groups)
+  if tuple(g.shape) != _conv_rule(x, w, stride, padding, dilation, groups)[0]:
+    raise ShapeError(f"conv_grad_weight: gradient of size {list(g.shape)} is not the output of a convolution of input "
+                     f"{list(x.shape)} with weight {list(shape)} (stride {list(stride)}, padding {list(padding)}, "
+                     f"dilation {list(dilation)})")
   return tuple(shape), g.dtype
 
 

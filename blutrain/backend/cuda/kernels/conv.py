@@ -263,3 +263,6 @@ def _specs() -> list:
             conv_spec(kind, f32, M, N, K, True, False), conv_spec(kind, f32, 50, 10, 7, False, True),
             conv_spec(kind, f64, 50, 10, 7, False, False)]
   return out
+
+
+SPECS = _specs()
