@@ -178,23 +178,41 @@ def conv_spec(kind: str, dtype: DType, M: int, N: int, K: int, tf32: bool, i64: 
                                     PRECISION=precision(dtype, tf32), IDX64=i64), num_warps=warps, num_stages=stages)
 
 
-def _as2d(a: CudaArray) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _as2d(shape, strides) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """A 3- or 4-D array's shape and strides as 4-D (a 1-D convolution is a 2-D one of height 1)."""
-  if a.ndim == 4: return a.shape, a.strides
-  if a.ndim != 3: raise NotImplementedError(f"CUDA convolution kernels take 1-D and 2-D convolutions, got {a.ndim - 2}-D")
-  return a.shape[:2] + (1,) + a.shape[2:], a.strides[:2] + (0,) + a.strides[2:]
+  if len(shape) == 4: return tuple(shape), tuple(strides)
+  if len(shape) != 3: raise NotImplementedError(f"CUDA convolution kernels take 1-D and 2-D convolutions, got {len(shape) - 2}-D")
+  return tuple(shape[:2]) + (1,) + tuple(shape[2:]), tuple(strides[:2]) + (0,) + tuple(strides[2:])
 
 
-def _pairs(*attrs) -> list[tuple[int, int]]:
-  return [tuple(a) if len(a) == 2 else (0 if i == 1 else 1, a[0]) for i, a in enumerate(attrs)]
+def plan(kind: str, dtype: DType, x, w, out, stride, padding, dilation, groups: int, tf32: bool,
+         hw: configurator.Hardware = configurator.H200):
+  """(spec, grid, scalar arguments, split) of kernel `kind` for the convolution of x by w into out, each given as
+  (shape, strides) of the op's N-d arrays: for "fwd" x and w are read and out written, for "dgrad" out (g) and w read
+  and x (dx) written, for "wgrad" out (g) and x read into `split` float32 parts of w's shape (w's strides unused).
+  The kernel takes the pointers in _PTRS's order, then these scalars."""
+  (xs, xst), (ws, wst), (os_, ost) = _as2d(*x), _as2d(*w), _as2d(*out)
+  (sh, sw), (ph, pw), (dh, dw) = [tuple(a) if len(a) == 2 else (0 if i == 1 else 1, a[0])
+                                  for i, a in enumerate((stride, padding, dilation))]
+  geometry = [xs[2], xs[3], os_[2], os_[3], ws[2], ws[3], sh, sw, ph, pw, dh, dw]
+  i64 = any(needs_i64(sh_, st) for sh_, st in (x, w, out))
+  og = ws[0] // groups
+  if kind == "fwd": M, N, K, C, strides = xs[0] * os_[2] * os_[3], og, ws[1] * ws[2] * ws[3], ws[1], (*xst, *wst, *ost)
+  elif kind == "dgrad": M, N, K, C, strides = xs[0] * xs[2] * xs[3], ws[1], og * ws[2] * ws[3], og, (*ost, *wst, *xst)
+  else: M, N, K, C, strides = og, ws[1] * ws[2] * ws[3], os_[0] * os_[2] * os_[3], ws[1], (*ost, *xst)
+  s = conv_spec(kind, dtype, M, N, K, tf32, i64, hw)
+  c = s.constexprs
+  grid, args, split = [cdiv(M, c["BLOCK_M"]), cdiv(N, c["BLOCK_N"]), groups], [M, N, K, C, *geometry, *strides], 1
+  if kind == "wgrad":
+    split = configurator.conv_schedule(M, N, K, dtype.itemsize, hw)[5]
+    steps = cdiv(cdiv(K, c["BLOCK_K"]), split)
+    split = cdiv(cdiv(K, c["BLOCK_K"]), steps)  # no empty part
+    grid[2] *= split
+    args += [steps, split]
+  return s, tuple(grid), args, split
 
 
-def _geometry(xshape, wshape, outshape, stride, padding, dilation) -> list[int]:
-  (sh, sw), (ph, pw), (dh, dw) = _pairs(stride, padding, dilation)
-  return [xshape[2], xshape[3], outshape[2], outshape[3], wshape[2], wshape[3], sh, sw, ph, pw, dh, dw]
-
-
-def _i64(*arrays: CudaArray) -> bool: return any(needs_i64(a.shape, a.strides) for a in arrays)
+def _layout(a: CudaArray) -> tuple: return a.shape, a.strides
 
 
 def conv(x: CudaArray, w: CudaArray, stride, padding, dilation, groups: int, tf32: bool = False) -> CudaArray:
@@ -204,12 +222,9 @@ def conv(x: CudaArray, w: CudaArray, stride, padding, dilation, groups: int, tf3
   out = empty((x.shape[0], w.shape[0], *out_sp), x.dtype, x.device)
   if out.size == 0: return out
   if x.size == 0 or w.size == 0: return fill(out, 0)
-  (xs, xst), (ws, wst), (os_, ost) = _as2d(x), _as2d(w), _as2d(out)
-  M, N, K = xs[0] * os_[2] * os_[3], ws[0] // groups, ws[1] * ws[2] * ws[3]
-  s = conv_spec("fwd", x.dtype, M, N, K, tf32, _i64(x, w, out), runtime.hardware(x.device))
-  c = s.constexprs
-  run(s, (cdiv(M, c["BLOCK_M"]), cdiv(N, c["BLOCK_N"]), groups), out.ptr, x.ptr, w.ptr, M, N, K, ws[1],
-      *_geometry(xs, ws, os_, stride, padding, dilation), *xst, *wst, *ost)
+  s, grid, args, _ = plan("fwd", x.dtype, _layout(x), _layout(w), _layout(out), stride, padding, dilation, groups,
+                          tf32, runtime.hardware(x.device))
+  run(s, grid, out.ptr, x.ptr, w.ptr, *args)
   return out
 
 
@@ -219,12 +234,9 @@ def conv_grad_input(g: CudaArray, w: CudaArray, shape, stride, padding, dilation
   dx = empty(tuple(shape), g.dtype, g.device)
   if dx.size == 0: return dx
   if g.size == 0 or w.size == 0: return fill(dx, 0)
-  (gs, gst), (ws, wst), (xs, xst) = _as2d(g), _as2d(w), _as2d(dx)
-  M, N, K = xs[0] * xs[2] * xs[3], ws[1], (ws[0] // groups) * ws[2] * ws[3]
-  s = conv_spec("dgrad", g.dtype, M, N, K, tf32, _i64(g, w, dx), runtime.hardware(g.device))
-  c = s.constexprs
-  run(s, (cdiv(M, c["BLOCK_M"]), cdiv(N, c["BLOCK_N"]), groups), dx.ptr, g.ptr, w.ptr, M, N, K, ws[0] // groups,
-      *_geometry(xs, ws, gs, stride, padding, dilation), *gst, *wst, *xst)
+  s, grid, args, _ = plan("dgrad", g.dtype, _layout(dx), _layout(w), _layout(g), stride, padding, dilation, groups,
+                          tf32, runtime.hardware(g.device))
+  run(s, grid, dx.ptr, g.ptr, w.ptr, *args)
   return dx
 
 
@@ -234,18 +246,10 @@ def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilatio
   dw = empty(tuple(shape), g.dtype, g.device)
   if dw.size == 0: return dw
   if g.size == 0 or x.size == 0: return fill(dw, 0)
-  (gs, gst), (xs, xst) = _as2d(g), _as2d(x)
-  ws = _as2d(dw)[0]
-  M, N, K = ws[0] // groups, ws[1] * ws[2] * ws[3], gs[0] * gs[2] * gs[3]
-  hw = runtime.hardware(g.device)
-  s = conv_spec("wgrad", g.dtype, M, N, K, tf32, _i64(g, x), hw)
-  c = s.constexprs
-  split = configurator.conv_schedule(M, N, K, g.dtype.itemsize, hw)[5]
-  steps = cdiv(cdiv(K, c["BLOCK_K"]), split)
-  split = cdiv(cdiv(K, c["BLOCK_K"]), steps)  # no empty part
-  part = empty((split, ws[0], N), acc_dtype(g.dtype), g.device)
-  run(s, (cdiv(M, c["BLOCK_M"]), cdiv(N, c["BLOCK_N"]), groups * split), part.ptr, g.ptr, x.ptr, M, N, K, ws[1],
-      *_geometry(xs, ws, gs, stride, padding, dilation), *gst, *xst, steps, split)
+  s, grid, args, split = plan("wgrad", g.dtype, _layout(x), _layout(dw), _layout(g), stride, padding, dilation,
+                              groups, tf32, runtime.hardware(g.device))
+  part = empty((split, shape[0], dw.size // shape[0]), acc_dtype(g.dtype), g.device)
+  run(s, grid, part.ptr, g.ptr, x.ptr, *args)
   total = part if split == 1 else reduce(part, (0,), False, "sum", part.dtype)
   copy(view(total, dw.shape, dw.strides), out=dw)
   return dw
