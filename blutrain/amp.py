@@ -2,7 +2,7 @@
 `blutrain.backends`).
 
 Autocast is one table, `POLICY`: per device type, op name -> `LOWER` (float32 inputs are cast to the autocast
-dtype: matmul, linear, attention) or `FP32` (float16/bfloat16 inputs are cast up: softmax, norms, losses, sums,
+dtype: matmul, linear, convolution, attention) or `FP32` (float16/bfloat16 inputs are cast up: softmax, norms, losses, sums,
 exp/log on CUDA). Ops not in the table run in their inputs' dtypes. The table follows PyTorch's lists
 (aten/src/ATen/autocast_mode.cpp), which differ by device: on the CPU only matmuls and attention go down and only
 the losses go up. `ops.apply` consults it (through `hooks.autocast`) for every primitive, and the few composites PyTorch lists (linear,
@@ -25,7 +25,8 @@ __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "POLICY"]
 # *** autocast ***
 
 LOWER, FP32 = "lower", "fp32"
-_MATMULS = dict.fromkeys(("matmul", "linear", "flash_attention", "flash_attention_lse", "scaled_dot_product_attention"),
+_MATMULS = dict.fromkeys(("matmul", "linear", "conv", "conv_grad_input", "flash_attention", "flash_attention_lse",
+                           "scaled_dot_product_attention"),
                          LOWER)
 POLICY: dict[str, dict[str, str]] = {
   "cuda": {**_MATMULS, **dict.fromkeys(("exp", "log", "rsqrt", "pow", "sum", "cumsum", "cumprod", "softmax", "log_softmax",

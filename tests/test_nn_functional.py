@@ -240,11 +240,24 @@ def test_interpolate_matches_torch(shape, kw, mode, align):
                  lambda x: F.interpolate(x, mode=mode, align_corners=align, **kw), layouts=("contiguous", "strided"))
 
 
+@pytest.mark.parametrize("kw", [dict(size=(7, 3)), dict(scale_factor=2), dict(scale_factor=0.5), dict(size=(9, 1)),
+                                dict(scale_factor=(1.7, 0.6), recompute_scale_factor=True)])
+@pytest.mark.parametrize("align", [False, True])
+def test_interpolate_bicubic_matches_torch(kw, align):
+  helper_test_op([(2, 3, 6, 5)], lambda x: TF.interpolate(x, mode="bicubic", align_corners=align, **kw),
+                 lambda x: F.interpolate(x, mode="bicubic", align_corners=align, **kw),
+                 layouts=("contiguous", "strided"), tol_scale=2)
+  helper_test_op([(1, 2, 4, 3)], lambda x: TF.interpolate(x, mode="bicubic", align_corners=align, **kw),
+                 lambda x: F.interpolate(x, mode="bicubic", align_corners=align, **kw), dtype=bt.float64)
+
+
 def test_interpolate_errors():
   x = bt.zeros(1, 2, 4, 4)
   with pytest.raises(ValueError, match="only one of size or scale_factor"): F.interpolate(x, size=2, scale_factor=2)
   with pytest.raises(ValueError, match="either size or scale_factor"): F.interpolate(x)
   with pytest.raises(NotImplementedError, match="bilinear mode needs 4D input"):
     F.interpolate(bt.zeros(1, 2, 4), size=3, mode="bilinear")
+  with pytest.raises(NotImplementedError, match="bicubic mode needs 4D input"):
+    F.interpolate(bt.zeros(1, 2, 4), size=3, mode="bicubic")
   with pytest.raises(NotImplementedError): TF.interpolate(torch.zeros(1, 2, 4), size=3, mode="bilinear")
   with pytest.raises(ValueError, match="align_corners"): F.interpolate(x, size=2, align_corners=True)

@@ -63,6 +63,18 @@ def test_rnn_matches_torch(kind, cfg):
   compare(bm(bv), tm(tv), [bx], [tx], bm, tm)
 
 
+@pytest.mark.parametrize("cfg", [dict(), dict(num_layers=2, bidirectional=True, batch_first=True)])
+def test_lstm_proj_size_matches_torch(cfg):
+  bm, tm = twins(nn.LSTM, torch.nn.LSTM, 5, 6, proj_size=3, **cfg)
+  assert "weight_hr_l0" in bm.state_dict() and "proj_size=3" in repr(bm)
+  bx, tx, _, _ = leaf(4, 2, 5)
+  compare(bm(bx), tm(tx), [bx], [tx], bm, tm)
+  bm.zero_grad(); tm.zero_grad()
+  layers = 2 * cfg.get("num_layers", 1) if cfg.get("bidirectional") else cfg.get("num_layers", 1)
+  (bh, th, _, _), (bc, tc, _, _) = leaf(layers, 4 if cfg else 2, 3), leaf(layers, 4 if cfg else 2, 6)
+  compare(bm(bx, (bh, bc)), tm(tx, (th, tc)), [bx, bh, bc], [tx, th, tc], bm, tm)
+
+
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_rnn_with_initial_states_and_unbatched(kind):
   bm, tm = twins(getattr(nn, kind), getattr(torch.nn, kind), 4, 3, num_layers=2, bidirectional=True)
@@ -89,7 +101,10 @@ def test_rnn_errors_and_training_dropout():
   with pytest.raises(RuntimeError, match="input_size. Expected 4, got 5"): m(bt.randn(2, 3, 5))
   with pytest.raises(ValueError, match="2D or 3D"): m(bt.randn(2, 3, 4, 1))
   with pytest.raises(RuntimeError, match="Expected hidden size"): m(bt.randn(2, 3, 4), (bt.zeros(1, 3, 3), bt.zeros(1, 3, 3)))
-  with pytest.raises(NotImplementedError, match="proj_size"): nn.LSTM(4, 3, proj_size=2)
+  with pytest.raises(ValueError, match="proj_size has to be smaller than hidden_size"): nn.LSTM(4, 3, proj_size=3)
+  with pytest.raises(ValueError, match="only supported for LSTM"): nn.GRU(4, 3, proj_size=2)
+  with pytest.raises(RuntimeError, match=r"Expected hidden size \(1, 3, 2\)"):
+    nn.LSTM(4, 3, proj_size=2)(bt.randn(2, 3, 4), (bt.zeros(1, 3, 3), bt.zeros(1, 3, 3)))
   x = bt.randn(5, 2, 4)
   assert not np.array_equal(m(x)[0].detach().numpy(), m(x)[0].detach().numpy())  # dropout draws anew in training
   m.eval()

@@ -856,6 +856,11 @@ VJP_CASES = {
     [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
   "flash_attention_lse": (lambda q, k, v: ops.nn.flash_attention_lse_op(q, k, v, causal=True, scale=0.4),
     [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
+  "conv": (lambda x, w: ops.conv(x, w, (2, 1), (1, 0), (1, 2), 2), [(2, 4, 5, 6), (4, 2, 3, 2)], {}),
+  "conv_grad_input": (lambda g, w: ops.conv_transpose(g, w, (2, 4, 5, 6), (2, 1), (1, 0), (1, 2), 2),
+    [(2, 4, 3, 4), (4, 2, 3, 2)], {}),
+  "conv_grad_weight": (lambda g, x: ops.nn.conv_grad_weight_op(g, x, shape=(4, 2, 3), stride=(2,), padding=(1,),
+                                                               dilation=(2,), groups=2), [(2, 4, 3), (2, 4, 7)], {}),
   # a group of one rank here; tests/distributed/test_mpi.py checks the gradients of 3 ranks against the math
   "all_reduce": (lambda x: ops.collective.all_reduce(x * x, "avg", LOOPBACK, 1), [(3, 4)], {}),
   "reduce_scatter": (lambda x: ops.collective.reduce_scatter(x.exp(), "avg", LOOPBACK, 1), [(3, 4)], {}),

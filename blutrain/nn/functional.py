@@ -376,23 +376,39 @@ def _linear_weights(n_in: int, n_out: int, scale: float | None, align_corners: b
   return i0, np.minimum(i0 + 1, n_in - 1), src - i0
 
 
+def _cubic_weights(n_in: int, n_out: int, scale: float | None, align_corners: bool):
+  """For each output position: the four source indices floor(src) - 1 .. + 2 (clamped to the input) and their
+  weights, PyTorch's cubic convolution (A = -0.75) at its unclamped source positions."""
+  j = np.arange(n_out, dtype=np.float64)
+  if align_corners: src = j * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
+  else: src = (j + 0.5) * (scale if scale is not None else n_in / n_out) - 0.5
+  i0, A = np.floor(src).astype(np.int64), -0.75
+  t = src - i0
+  near = lambda x: ((A + 2) * x - (A + 3)) * x * x + 1          # |x| <= 1
+  far = lambda x: ((A * x - 5 * A) * x + 8 * A) * x - 4 * A     # 1 < |x| < 2
+  weights = [far(t + 1), near(t), near(1 - t), far(2 - t)]
+  return [(np.clip(i0 + k - 1, 0, n_in - 1), w) for k, w in enumerate(weights)]
+
+
 def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
                 recompute_scale_factor: bool | None = None, antialias: bool = False) -> Tensor:
   """Resample the spatial dims (all after (N, C)) to `size` or by `scale_factor`.
 
-  Modes: "nearest" (source index floor(j * in / out)), "linear" (3-D input), "bilinear" (4-D input), with
-  `align_corners` as PyTorch's. Separable: each spatial dim is resampled in turn by index_select and a lerp.
+  Modes: "nearest" (source index floor(j * in / out)), "linear" (3-D input), "bilinear" and "bicubic" (4-D input),
+  with `align_corners` as PyTorch's. Separable: each spatial dim is resampled in turn by index_select and a lerp (a
+  weighted sum of four neighbours for bicubic, which may overshoot the input's range, as PyTorch's does).
   """
   spatial = input.ndim - 2
   if spatial < 1:
     raise ValueError(f"interpolate: expected an input with at least 3 dims (N, C, ...), got {tuple(input.shape)}")
   if antialias: raise NotImplementedError("interpolate: antialias=True is not supported")
-  if mode not in ("nearest", "linear", "bilinear"):
-    raise NotImplementedError(f"interpolate: mode {mode!r} is not supported; use 'nearest', 'linear' or 'bilinear'")
+  if mode not in ("nearest", "linear", "bilinear", "bicubic"):
+    raise NotImplementedError(f"interpolate: mode {mode!r} is not supported; use 'nearest', 'linear', 'bilinear' or "
+                              f"'bicubic'")
   if mode == "nearest" and align_corners is not None:
     raise ValueError("align_corners option can only be set with the interpolating modes: "
                      "linear | bilinear | bicubic | trilinear")
-  need = {"linear": 1, "bilinear": 2}.get(mode)
+  need = {"linear": 1, "bilinear": 2, "bicubic": 2}.get(mode)
   if need is not None and spatial != need:
     raise NotImplementedError(f"Got {input.ndim}D input, but {mode} mode needs {need + 2}D input")
   if (size is None) == (scale_factor is None):
@@ -416,8 +432,15 @@ def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "neares
       src = np.minimum(np.floor(np.arange(n_out, dtype=np.float32) * s).astype(np.int64), n_in - 1)
       out = ops.index_select(out, dim, constant(src, device=input.device))
       continue
+    shape = (-1,) + (1,) * (input.ndim - dim - 1)
+    if mode == "bicubic":
+      terms = [ops.index_select(out, dim, constant(i, device=input.device)) *
+               constant(w.reshape(shape), dtype=input.dtype, device=input.device)
+               for i, w in _cubic_weights(n_in, n_out, scale, bool(align_corners))]
+      out = terms[0] + terms[1] + terms[2] + terms[3]
+      continue
     i0, i1, lam = _linear_weights(n_in, n_out, scale, bool(align_corners))
-    w = constant(lam.reshape((-1,) + (1,) * (input.ndim - dim - 1)), dtype=input.dtype, device=input.device)
+    w = constant(lam.reshape(shape), dtype=input.dtype, device=input.device)
     a = ops.index_select(out, dim, constant(i0, device=input.device))
     b = ops.index_select(out, dim, constant(i1, device=input.device))
     out = a + (b - a) * w

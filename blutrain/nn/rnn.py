@@ -17,29 +17,36 @@ class _RNNBase(Module):
 
   Parameter names and shapes are PyTorch's: weight_ih_l{k}{suffix} (gates * hidden_size, input size of layer k),
   weight_hh_l{k}{suffix} (gates * hidden_size, hidden_size), bias_ih_l{k}{suffix} and bias_hh_l{k}{suffix}, suffix
-  "_reverse" for the backward direction; all from U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)).
+  "_reverse" for the backward direction; with proj_size (LSTM), weight_hr_l{k}{suffix} (proj_size, hidden_size)
+  projects each step's h, which then has proj_size entries; all from U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)).
   """
   gates: int    # gate blocks in each weight (LSTM 4, GRU 3)
   _states: int  # state tensors carried (LSTM h and c, GRU h)
 
   def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
-               batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, device=None,
-               dtype=None) -> None:
+               batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
+               device=None, dtype=None) -> None:
     super().__init__()
     if not isinstance(hidden_size, int) or hidden_size <= 0: raise ValueError("hidden_size must be greater than zero")
     if not isinstance(num_layers, int) or num_layers <= 0: raise ValueError("num_layers must be greater than zero")
     if not 0 <= dropout <= 1:
       raise ValueError("dropout should be a number in range [0, 1] representing the probability of an element being zeroed")
     self.input_size, self.hidden_size, self.num_layers, self.bias = input_size, hidden_size, num_layers, bias
+    if not isinstance(proj_size, int) or proj_size < 0:
+      raise ValueError("proj_size should be a positive integer or zero to disable projections")
+    if proj_size >= hidden_size: raise ValueError("proj_size has to be smaller than hidden_size")
+    if proj_size and self.gates != 4: raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")
     self.batch_first, self.dropout, self.bidirectional = batch_first, float(dropout), bidirectional
+    self.proj_size, out_size = proj_size, proj_size or hidden_size
     dirs = 2 if bidirectional else 1
     self._flat_weights_names = []
     for layer in range(num_layers):
       for d in range(dirs):
         sfx = f"_l{layer}" + ("_reverse" if d else "")
-        size_in = input_size if layer == 0 else hidden_size * dirs
-        shapes = [("weight_ih", (self.gates * hidden_size, size_in)), ("weight_hh", (self.gates * hidden_size, hidden_size))]
+        size_in = input_size if layer == 0 else out_size * dirs
+        shapes = [("weight_ih", (self.gates * hidden_size, size_in)), ("weight_hh", (self.gates * hidden_size, out_size))]
         if bias: shapes += [("bias_ih", (self.gates * hidden_size,)), ("bias_hh", (self.gates * hidden_size,))]
+        if proj_size: shapes.append(("weight_hr", (proj_size, hidden_size)))
         for name, shape in shapes:
           setattr(self, name + sfx, Parameter(ops.empty(*shape, device=device, dtype=dtype)))
           self._flat_weights_names.append(name + sfx)
@@ -52,16 +59,18 @@ class _RNNBase(Module):
   def _weights(self, layer: int, d: int) -> tuple:
     sfx = f"_l{layer}" + ("_reverse" if d else "")
     get = lambda n: getattr(self, n + sfx) if self.bias or n.startswith("weight") else None
-    return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh")
+    return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh"), get("weight_hr") if self.proj_size else None
 
   def _initial(self, input: Tensor, hx, batch: int, unbatched: bool):
-    """The initial states, each (layers * directions, N, hidden): zeros, or the given ones checked."""
-    shape = (self.num_layers * (2 if self.bidirectional else 1), batch, self.hidden_size)
+    """The initial states, each (layers * directions, N, hidden) (h: proj_size with projections): zeros, or the given
+    ones checked."""
+    lead = (self.num_layers * (2 if self.bidirectional else 1), batch)
     states = [hx] if isinstance(hx, Tensor) else list(hx) if hx is not None else [None] * self._states
     if len(states) != self._states:
       raise RuntimeError(f"{type(self).__name__}: expected {self._states} initial state tensors, got {len(states)}")
     out = []
-    for s in states:
+    for i, s in enumerate(states):
+      shape = lead + ((self.proj_size or self.hidden_size) if i == 0 else self.hidden_size,)
       if s is None: out.append(ops.zeros(shape, dtype=input.dtype, device=input.device)); continue
       if unbatched: s = s.unsqueeze(1)
       if tuple(s.shape) != shape:
@@ -95,11 +104,12 @@ class _RNNBase(Module):
 
   def _run(self, x: Tensor, state: list, weights: tuple, reverse: bool) -> tuple[Tensor, list]:
     """One direction of one layer over (L, N, H_in): the outputs (L, N, hidden) and the final states."""
-    w_ih, w_hh, b_ih, b_hh = weights
+    w_ih, w_hh, b_ih, b_hh, w_hr = weights
     gi = F.linear(x, w_ih, b_ih)  # every step's input projection in one matmul
     outs = []
     for t in (range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])):
       state = self._cell(gi[t], state, w_hh, b_hh)
+      if w_hr is not None: state = [F.linear(state[0], w_hr)] + state[1:]
       outs.append(state[0])
     if reverse: outs.reverse()
     return ops.stack(outs, 0), state
@@ -111,6 +121,7 @@ class _RNNBase(Module):
     if self.batch_first: s += ", batch_first=True"
     if self.dropout: s += f", dropout={self.dropout}"
     if self.bidirectional: s += ", bidirectional=True"
+    if self.proj_size: s += f", proj_size={self.proj_size}"
     return s
 
 
@@ -120,18 +131,18 @@ class LSTM(_RNNBase):
     i, f, o = sigmoid(...), g = tanh(...);  c' = f * c + i * g;  h' = o * tanh(c')
 
   Args: input_size, hidden_size, num_layers (1), bias (True), batch_first (False), dropout (0, between layers),
-  bidirectional (False).
-  Shape: input (L, N, input_size) ((N, L, input_size) with batch_first, or (L, input_size)); (h_0, c_0) each
-  (layers * directions, N, hidden_size), zeros by default. Returns output (L, N, directions * hidden_size) and
-  (h_n, c_n).
+  bidirectional (False), proj_size (0: none; else h' = (o * tanh(c')) W_hr^T, of proj_size entries).
+  Shape: input (L, N, input_size) ((N, L, input_size) with batch_first, or (L, input_size)); h_0 (layers *
+  directions, N, proj_size or hidden_size) and c_0 (layers * directions, N, hidden_size), zeros by default. Returns
+  output (L, N, directions * (proj_size or hidden_size)) and (h_n, c_n).
   """
   gates, _states = 4, 2
 
   def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
                device=None, dtype=None) -> None:
-    if proj_size: raise NotImplementedError("LSTM: proj_size > 0 (projected hidden states) is not supported")
-    super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device, dtype)
+    super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, proj_size, device,
+                     dtype)
 
   @staticmethod
   def _cell(gi: Tensor, state: list, w_hh: Tensor, b_hh: Tensor | None) -> list:

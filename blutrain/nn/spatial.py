@@ -1,10 +1,10 @@
 """Convolution, pooling and batch/group normalization over the spatial dims of (N, C, *spatial) inputs, as composites
 of the op library (`nn.functional` re-exports them under PyTorch's names).
 
-Convolution is im2col: one strided slice of the padded input per kernel offset, stacked into (N, C, K, *out) columns
-and contracted with the weight by one batched matmul per group; its gradient is the ops' own (slice, stack, matmul).
-Pooling takes the same slices and reduces them. NOTE: no cuDNN or implicit-GEMM convolution exists; a `conv` primitive
-with a backend kernel would avoid the K-fold column buffer (TODO: when the op library grows one, call it here).
+Convolution is the op library's `conv` primitive (its gradients `conv_grad_input` and `conv_grad_weight`, and
+conv_transpose is `conv_grad_input`): the backends' kernels are implicit GEMMs, so no (N, C, K, *out) column buffer
+is built. Here are PyTorch's argument forms and messages ('same' padding, unbatched inputs, bias). Pooling takes one
+strided slice of the padded input per kernel offset, stacked into (N, C, K, *out), and reduces them.
 """
 from __future__ import annotations
 
@@ -77,8 +77,6 @@ def _conv(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tensor | None, 
   if x.shape[1] != in_per_group * groups:
     raise RuntimeError(f"Given groups={groups}, weight of size {list(weight.shape)}, expected input{list(x.shape)} to "
                        f"have {in_per_group * groups} channels, but got {x.shape[1]} channels instead")
-  if x.dtype is not weight.dtype:
-    raise RuntimeError(f"{fn}: input type ({x.dtype.name}) and weight type ({weight.dtype.name}) should be the same")
   if isinstance(padding, str):
     if padding not in ("same", "valid"):
       raise RuntimeError(f"Invalid padding string: {padding!r} (expected 'valid' or 'same')")
@@ -88,13 +86,10 @@ def _conv(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tensor | None, 
     pads = [(t // 2, t - t // 2) for t in total]  # PyTorch puts the odd one on the right
   else:
     pads = [(p, p) for p in _tuple(padding, nd, "padding")]
-  if any(p for pair in pads for p in pair): x = _pad(x, pads)
-  out = [_out_size(n, k, s, d, fn, x.shape[2:], kernel) for n, k, s, d in zip(x.shape[2:], kernel, stride, dilation)]
-  n, kk = x.shape[0], math.prod(kernel)
-  cols = _windows(x, kernel, stride, dilation, out)  # (N, C, K, *out)
-  cols = cols.reshape(n, groups, in_per_group * kk, math.prod(out))
-  w = weight.reshape(groups, out_c // groups, in_per_group * kk)
-  y = ops.matmul(w, cols).reshape(n, out_c, *out)
+  if any(hi != lo for lo, hi in pads): x = _pad(x, [(0, hi - lo) for lo, hi in pads])  # 'same', an odd total
+  padded = [n + 2 * lo for n, (lo, _) in zip(x.shape[2:], pads)]
+  for n, k, d in zip(padded, kernel, dilation): _out_size(n, k, 1, d, fn, padded, kernel)
+  y = ops.conv(x, weight, stride, [lo for lo, _ in pads], dilation, groups)
   if bias is not None: y = y + bias.reshape((out_c,) + (1,) * nd)
   return y.squeeze(0) if unbatched else y
 
@@ -131,17 +126,6 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
   return _conv("conv2d", 2, input, weight, bias, stride, padding, dilation, groups)
 
 
-def _dilate(x: Tensor, stride) -> Tensor:
-  """Insert stride - 1 zeros between neighbouring elements of each spatial dim."""
-  for i, s in enumerate(stride):
-    if s == 1: continue
-    dim, n = 2 + i, x.shape[2 + i]
-    z = ops.zeros_like(x)
-    x = ops.stack([x] + [z] * (s - 1), dim + 1).reshape(*x.shape[:dim], n * s, *x.shape[dim + 1:])
-    x = x.narrow(dim, 0, (n - 1) * s + 1)
-  return x
-
-
 def _conv_transpose(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tensor | None, stride, padding,
                     output_padding, groups: int, dilation) -> Tensor:
   x, unbatched = _batched(fn, input, nd)
@@ -155,14 +139,17 @@ def _conv_transpose(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tenso
     if op_ >= max(s, d):
       raise RuntimeError(f"{fn}: output padding must be smaller than either stride or dilation, but got "
                          f"output_padding={output_padding}, stride={stride}, dilation={dilation}")
-  in_c, out_per_group, kernel = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
-  # the transposed convolution is the convolution of the stride-dilated input with the flipped, transposed weight
-  w = weight.reshape(groups, in_c // groups, out_per_group, *kernel).transpose(1, 2)
-  w = w.reshape(groups * out_per_group, in_c // groups, *kernel)
-  for i, k in enumerate(kernel):
-    w = ops.index_select(w, 2 + i, ops.arange(k - 1, -1, -1, device=w.device))
-  pads = [(d * (k - 1) - p, d * (k - 1) - p + op_) for d, k, p, op_ in zip(dilation, kernel, padding, output_padding)]
-  y = _conv(fn, nd, _pad(_dilate(x, stride), pads), w, bias, 1, 0, dilation, groups)
+  if any(op_ >= s for op_, s in zip(output_padding, stride)):
+    raise RuntimeError(f"{fn}: output_padding {output_padding} at or above stride {stride} (allowed by PyTorch when below "
+                       f"the dilation) is not supported; use output_padding < stride and pad the result")
+  kernel, out_c = weight.shape[2:], weight.shape[1] * groups
+  shape = [(n - 1) * s - 2 * p + d * (k - 1) + op_ + 1 for n, s, p, d, k, op_ in zip(x.shape[2:], stride, padding,
+                                                                                      dilation, kernel, output_padding)]
+  if any(o < 1 for o in shape):
+    raise RuntimeError(f"{fn}: given input size {list(x.shape)}, weight {list(weight.shape)}, stride {stride}, padding "
+                       f"{padding} and dilation {dilation}, the calculated output size {shape} is too small")
+  y = ops.conv_transpose(x, weight, (x.shape[0], out_c, *shape), stride, padding, dilation, groups)
+  if bias is not None: y = y + bias.reshape((out_c,) + (1,) * nd)
   return y.squeeze(0) if unbatched else y
 
 

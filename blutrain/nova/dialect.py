@@ -920,6 +920,48 @@ class MatmulOp(NNOp):
 
 
 @irdl_op_definition
+class ConvOp(NNOp):
+  """Cross-correlation of x (N, C, *spatial) with weight (C_out, C / groups, *kernel), zero-padded by `padding` on
+  both sides; float32 multiplies in TF32 when `tf32`."""
+  name = "nova.conv"
+  x = operand_def(TENSOR)
+  weight = operand_def(TENSOR)
+  stride = prop_def(INTS)
+  padding = prop_def(INTS)
+  dilation = prop_def(INTS)
+  groups = prop_def(INT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
+class ConvGradInputOp(NNOp):
+  """conv's gradient with respect to an input of size `shape` (the transposed convolution of g)."""
+  name = "nova.conv_grad_input"
+  g = operand_def(TENSOR)
+  weight = operand_def(TENSOR)
+  shape = prop_def(INTS)
+  stride = prop_def(INTS)
+  padding = prop_def(INTS)
+  dilation = prop_def(INTS)
+  groups = prop_def(INT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
+class ConvGradWeightOp(NNOp):
+  """conv's gradient with respect to a weight of size `shape`: g correlated with x."""
+  name = "nova.conv_grad_weight"
+  g = operand_def(TENSOR)
+  x = operand_def(TENSOR)
+  shape = prop_def(INTS)
+  stride = prop_def(INTS)
+  padding = prop_def(INTS)
+  dilation = prop_def(INTS)
+  groups = prop_def(INT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
 class SoftmaxOp(NNOp):
   """exp(x) / sum(exp(x)) along `dim`."""
   name = "nova.softmax"
@@ -1211,9 +1253,9 @@ Nova = Dialect("nova", [
   BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp, EqOp, NeOp,
   LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
-  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
-  ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
-  FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp,
+  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp, LogSoftmaxOp,
+  LayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp,
+  CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp,
   AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
 ])
 

@@ -5,7 +5,7 @@ import math
 
 from blutrain import backends, dtypes
 from blutrain.ops import creation
-from blutrain.ops.core import op
+from blutrain.ops.core import autocast_inputs, op
 from blutrain.ops.reduce import sum_to
 from blutrain.dtypes import DTypeError
 from blutrain.shapes import ShapeError, broadcast_shapes
@@ -41,6 +41,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
   if not isinstance(a, Tensor) or not isinstance(b, Tensor):
     raise TypeError(f"matmul: expected two tensors, got {type(a).__name__} and {type(b).__name__}")
   if a.ndim == 0 or b.ndim == 0: raise ShapeError(f"matmul: both arguments need at least 1 dimension, got {a.shape} and {b.shape}")
+  a, b = autocast_inputs("matmul", a, b)  # before the dtype check: autocast casts mixed operands to one dtype
   if a.dtype is not b.dtype:
     raise DTypeError(f"matmul: expected both operands of one dtype, got {a.dtype.name} and {b.dtype.name} "
                     f"(shapes {tuple(a.shape)}, {tuple(b.shape)}); convert one with .to(dtype)")

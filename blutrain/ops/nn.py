@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from blutrain import backends, dtypes
+from blutrain.autograd.tape import Aval
 from blutrain.ops.core import autocast_inputs, op
 from blutrain.ops.creation import arange, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
@@ -157,6 +158,103 @@ def one_hot(x: Tensor, num_classes: int = -1) -> Tensor:
   _check_index("one_hot", x)
   if num_classes < 0: num_classes = int(x.max().item()) + 1
   return (x.unsqueeze(-1) == arange(num_classes, device=x.device)).to(dtypes.int64)
+
+
+# *** convolution ***
+
+def conv_out_size(n: int, k: int, stride: int, padding: int, dilation: int) -> int:
+  """Output length of a convolution along one dim: floor((n + 2 padding - dilation (k - 1) - 1) / stride) + 1."""
+  return (n + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+
+
+def _conv_check(name, x, w, stride, padding, dilation, groups):
+  nd = x.ndim - 2
+  if nd < 1 or w.ndim != x.ndim or not len(stride) == len(padding) == len(dilation) == nd:
+    raise ShapeError(f"{name}: expected input (N, C, *spatial) and weight (C_out, C_in / groups, *kernel) of the same "
+                     f"rank with {x.ndim - 2} strides, paddings and dilations, got input {x.shape}, weight {w.shape}, "
+                     f"stride {stride}, padding {padding}, dilation {dilation}")
+  if groups < 1 or w.shape[0] % groups or x.shape[1] != w.shape[1] * groups:
+    raise ShapeError(f"{name}: given groups={groups}, weight of size {list(w.shape)} needs out channels divisible by "
+                     f"groups and an input of {w.shape[1] * groups} channels, got input of size {list(x.shape)}")
+  if any(s < 1 for s in stride) or any(d < 1 for d in dilation) or any(p < 0 for p in padding):
+    raise ShapeError(f"{name}: strides and dilations must be positive and paddings non-negative, got stride {stride}, "
+                     f"padding {padding}, dilation {dilation}")
+  if x.dtype is not w.dtype:
+    raise DTypeError(f"{name}: input type ({x.dtype.name}) and weight type ({w.dtype.name}) should be the same")
+
+
+def _conv_rule(x, weight, stride, padding, dilation, groups, tf32=False):
+  _conv_check("conv", x, weight, stride, padding, dilation, groups)
+  out = tuple(conv_out_size(*a) for a in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation))
+  if any(o < 1 for o in out):
+    raise ShapeError(f"conv: input of size {list(x.shape)} padded by {list(padding)} is smaller than the dilated kernel "
+                     f"of weight {list(weight.shape)} (dilation {list(dilation)}): calculated output size {list(out)}")
+  return (x.shape[0], weight.shape[0]) + out, x.dtype
+
+
+def _conv_vjp(g, out, x, weight, stride, padding, dilation, groups, tf32=False):
+  kw = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, tf32=tf32)
+  return conv_grad_input_op(g, weight, shape=x.shape, **kw), conv_grad_weight_op(g, x, shape=weight.shape, **kw)
+
+
+def _conv_grad_input_rule(g, weight, shape, stride, padding, dilation, groups, tf32=False):
+  x = Aval(tuple(shape), g.dtype, None)
+  _conv_check("conv_grad_input", x, weight, stride, padding, dilation, groups)
+  if tuple(g.shape) != _conv_rule(x, weight, stride, padding, dilation, groups)[0]:
+    raise ShapeError(f"conv_grad_input: gradient of size {list(g.shape)} is not the output of a convolution of input "
+                     f"{list(shape)} with weight {list(weight.shape)} (stride {list(stride)}, padding {list(padding)}, "
+                     f"dilation {list(dilation)})")
+  return tuple(shape), g.dtype
+
+
+def _conv_grad_weight_rule(g, x, shape, stride, padding, dilation, groups, tf32=False):
+  w = Aval(tuple(shape), x.dtype, None)
+  _conv_check("conv_grad_weight", x, w, stride, padding, dilation, groups)
+  if tuple(g.shape) != _conv_rule(x, w, stride, padding, dilation, groups)[0]:
+    raise ShapeError(f"conv_grad_weight: gradient of size {list(g.shape)} is not the output of a convolution of input "
+                     f"{list(x.shape)} with weight {list(shape)} (stride {list(stride)}, padding {list(padding)}, "
+                     f"dilation {list(dilation)})")
+  return tuple(shape), g.dtype
+
+
+# Both gradients are linear in each operand, so their VJPs are the three ops again (double backward):
+# dx = conv_grad_input(g, w) gives d/dg = conv(gg, w), d/dw = conv_grad_weight(g, gg); dw = conv_grad_weight(g, x)
+# gives d/dg = conv(x, gw), d/dx = conv_grad_input(g, gw).
+def _conv_grad_input_vjp(gg, out, g, weight, shape, **kw):
+  return conv_op(gg, weight, **kw), conv_grad_weight_op(g, gg, shape=weight.shape, **kw)
+
+
+def _conv_grad_weight_vjp(gw, out, g, x, shape, **kw):
+  return conv_op(x, gw, **kw), conv_grad_input_op(g, gw, shape=x.shape, **kw)
+
+
+_CONV_ATTRS = "stride:ints padding:ints dilation:ints groups:int tf32:bool?"
+# Cross-correlation of x (N, C, *spatial) with weight (C_out, C / groups, *kernel), zero padding `padding` on both
+# sides of each spatial dim; the bias is an add outside the op. The gradients are primitives of their own:
+# conv_grad_input is the transposed convolution (what conv_transpose runs) of g, for an input of size `shape`, and
+# conv_grad_weight correlates g with x for a weight of size `shape`.
+conv_op = op("conv", _conv_rule, _conv_vjp, inputs="x weight", attrs=_CONV_ATTRS)
+conv_grad_input_op = op("conv_grad_input", _conv_grad_input_rule, _conv_grad_input_vjp, saves=(0, 1),
+                        inputs="g weight", attrs="shape:ints " + _CONV_ATTRS)
+conv_grad_weight_op = op("conv_grad_weight", _conv_grad_weight_rule, _conv_grad_weight_vjp, saves=(0, 1),
+                         inputs="g x", attrs="shape:ints " + _CONV_ATTRS)
+
+
+def conv(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int = 1) -> Tensor:
+  """The convolution primitive over (N, C, *spatial) with per-dim stride, symmetric padding and dilation tuples;
+  float32 multiplies in TF32 when `bt.backends` allows it, as matmul."""
+  x, weight = autocast_inputs("conv", x, weight)
+  return conv_op(x, weight, stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation), groups=int(groups),
+                 tf32=x.dtype is dtypes.float32 and backends.allow_tf32())
+
+
+def conv_transpose(x: Tensor, weight: Tensor, shape, stride, padding, dilation, groups: int = 1) -> Tensor:
+  """The transposed convolution of x (N, C_in, *spatial) with weight (C_in, C_out / groups, *kernel) to an output
+  of size `shape`: conv's gradient with respect to its input."""
+  x, weight = autocast_inputs("conv_grad_input", x, weight)
+  return conv_grad_input_op(x, weight, shape=tuple(shape), stride=tuple(stride), padding=tuple(padding),
+                            dilation=tuple(dilation), groups=int(groups),
+                            tf32=x.dtype is dtypes.float32 and backends.allow_tf32())
 
 
 # *** losses ***

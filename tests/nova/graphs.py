@@ -195,6 +195,12 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   outs += [*b("adamw", x, w, pos, y, pos, bias, pos, sq, step, step, lr, n=2, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.1),
            *b("scale", x, w, b.full((), 0.5))]
+  img, ker = b("view", x, shape=(1, 2, 6)), b("view", pos, shape=(2, 2, 3))
+  conv = dict(stride=(2,), padding=(1,), dilation=(1,), groups=1)
+  outs += [b("conv", img, ker, **conv), b("conv", img, b("view", y, shape=(2, 1, 2)), stride=(1,), padding=(0,),
+                                              dilation=(2,), groups=2, tf32=True),
+           b("conv_grad_input", b("conv", img, ker, **conv), ker, shape=(1, 2, 6), **conv),
+           b("conv_grad_weight", b("conv", img, ker, **conv), img, shape=(2, 2, 3), **conv)]
   outs += [b("all_reduce", x, reduce_op="avg", group=LOOPBACK, size=1),
            b("reduce_scatter", pos, reduce_op="sum", group=LOOPBACK, size=1), b("all_gather", w, group=LOOPBACK, size=1)]
   return b.output(*outs), arrays

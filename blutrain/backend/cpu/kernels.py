@@ -274,6 +274,51 @@ def _flash_attention_lse_backward(g, glse, q, k, v, out, causal, scale, tf32=Fal
   return tuple(a.astype(dt) for a in grads)
 
 
+# *** convolution: im2col as one strided view of the padded input, contracted by tensordot per group ***
+
+def _conv_windows(x, kernel, stride, padding, dilation, out):
+  """(N, C, *spatial) -> a (N, C, *out, *kernel) view of x zero-padded by `padding` before each spatial dim (and
+  after, as far as the windows reach): the input under every kernel offset of every output position."""
+  reach = [(o - 1) * s + d * (k - 1) + 1 for o, s, d, k in zip(out, stride, dilation, kernel)]
+  xp = np.pad(x, [(0, 0), (0, 0)] + [(p, max(r - n - p, 0)) for p, r, n in zip(padding, reach, x.shape[2:])])
+  st = xp.strides[2:]
+  return np.lib.stride_tricks.as_strided(xp, xp.shape[:2] + tuple(out) + tuple(kernel), xp.strides[:2] + tuple(
+    a * s for a, s in zip(st, stride)) + tuple(a * d for a, d in zip(st, dilation)), writeable=False)
+
+
+def _conv(x, w, stride, padding, dilation, groups, tf32=False):
+  nd, (og, cg) = x.ndim - 2, (w.shape[0] // groups, w.shape[1])
+  out = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding,
+                                                                            dilation)]
+  cols = _conv_windows(x, w.shape[2:], stride, padding, dilation, out)
+  axes = ([1] + list(range(2 + nd, 2 + 2 * nd)), list(range(1, 2 + nd)))
+  y = np.concatenate([np.tensordot(cols[:, i * cg:(i + 1) * cg], w[i * og:(i + 1) * og], axes)
+                      for i in range(groups)], axis=-1)  # (N, *out, C_out)
+  return np.moveaxis(y, -1, 1)
+
+
+def _conv_grad_input(g, w, shape, stride, padding, dilation, groups, tf32=False):
+  nd, (og, cg), kernel, out = g.ndim - 2, (w.shape[0] // groups, w.shape[1]), w.shape[2:], g.shape[2:]
+  reach = [(o - 1) * s + d * (k - 1) + 1 for o, s, d, k in zip(out, stride, dilation, kernel)]
+  dx = np.zeros(tuple(shape[:2]) + tuple(max(n + 2 * p, r) for n, p, r in zip(shape[2:], padding, reach)),
+                np.result_type(g, w))
+  for i in range(groups):
+    cols = np.tensordot(g[:, i * og:(i + 1) * og], w[i * og:(i + 1) * og], ([1], [0]))  # (N, *out, C/g, *kernel)
+    cols = np.moveaxis(cols, 1 + nd, 1)
+    for offs in np.ndindex(*kernel):
+      key = tuple(slice(o * d, o * d + s * (m - 1) + 1, s) for o, d, s, m in zip(offs, dilation, stride, out))
+      dx[(slice(None), slice(i * cg, (i + 1) * cg)) + key] += cols[(Ellipsis,) + offs]
+  return dx[(slice(None), slice(None)) + tuple(slice(p, p + n) for p, n in zip(padding, shape[2:]))]
+
+
+def _conv_grad_weight(g, x, shape, stride, padding, dilation, groups, tf32=False):
+  nd, og, cg = g.ndim - 2, shape[0] // groups, shape[1]
+  cols = _conv_windows(x, shape[2:], stride, padding, dilation, g.shape[2:])
+  axes = [0] + list(range(2, 2 + nd))
+  return np.concatenate([np.tensordot(g[:, i * og:(i + 1) * og], cols[:, i * cg:(i + 1) * cg], (axes, axes))
+                         for i in range(groups)], axis=0)
+
+
 def _matmul(a, b, tf32=False):
   """a @ b; `tf32` asks for TF32 tensor cores, which the CPU has not: its float32 matmuls stay float32."""
   if a.dtype.kind in "iub": a, b = a.astype(np.int64), b.astype(np.int64)
@@ -323,7 +368,8 @@ kernels = {
   "index_put": _index_put, "gather": _gather, "scatter_add": _scatter_add, "embedding": _embedding,
   "embedding_backward": _embedding_backward,
   # linear algebra, normalization, losses
-  "matmul": _matmul, "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm,
+  "matmul": _matmul, "conv": _conv, "conv_grad_input": _conv_grad_input, "conv_grad_weight": _conv_grad_weight,
+  "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm,
   "layer_norm_backward": _layer_norm_backward,
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,

@@ -1,0 +1,198 @@
+"""Issue #17's benchmark: a ResNet-18 training step (batch 128, 224x224, 1000 classes, SGD with momentum) and a 2-layer
+LSTM language model (hidden 1024, T = 256, AdamW), each as blutrain eager and compiled (Nova) vs PyTorch eager and
+torch.compile in this process, same weights and batches, under bf16 autocast and in TF32. Targets: eager >= 0.9x
+PyTorch eager, compiled >= 1.0x torch.compile. Writes benchmarks/results/resnet_lstm.json.
+
+  python benchmarks/resnet_lstm.py [--quick] [--models resnet18,lstm] [--precisions bf16,tf32]
+                                   [--order torch_eager,blutrain_eager,blutrain_compile,torch_compile]
+  python benchmarks/resnet_lstm.py --device cpu --quick   # a small dry run of the script itself (tiny shapes)
+
+The models are written once against PyTorch's nn API (`resnet18(nn)`, `LSTMLM(nn)`) and built from `blutrain.nn` and
+`torch.nn`; the torch copy loads blutrain's initial state dict, so both start from the same weights.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import metadata, require_gpu  # noqa: E402
+
+
+# *** the models, written against PyTorch's nn API ***
+
+def resnet18(nn, num_classes: int = 1000):
+  """torchvision's ResNet-18 (BasicBlock, [2, 2, 2, 2]) from the module namespace `nn`."""
+
+  class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+      super().__init__()
+      self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+      self.bn1 = nn.BatchNorm2d(cout)
+      self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+      self.bn2 = nn.BatchNorm2d(cout)
+      self.relu = nn.ReLU()
+      self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else None)
+
+    def forward(self, x):
+      out = self.relu(self.bn1(self.conv1(x)))
+      out = self.bn2(self.conv2(out))
+      return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+  layers, cin = [], 64
+  for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+    layers.append(nn.Sequential(BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)))
+    cin = cout
+  return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                       *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes))
+
+
+def lstm_lm(nn, vocab: int, hidden: int, layers: int = 2):
+  """Embedding, a batch-first LSTM, and a projection to the vocabulary."""
+
+  class LSTMLM(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.embed = nn.Embedding(vocab, hidden)
+      self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True)
+      self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+      return self.head(self.lstm(self.embed(x))[0])
+
+  return LSTMLM()
+
+
+SHAPES = {  # model -> (full, --quick on the CPU) keyword arguments
+  "resnet18": (dict(batch=128, size=224, classes=1000), dict(batch=2, size=32, classes=10)),
+  "lstm": (dict(batch=32, seq=256, hidden=1024, vocab=10000), dict(batch=2, seq=16, hidden=64, vocab=100)),
+}
+
+
+def build(nn, model: str, s: dict):
+  return resnet18(nn, s["classes"]) if model == "resnet18" else lstm_lm(nn, s["vocab"], s["hidden"])
+
+
+def batches(model: str, s: dict, n: int) -> list:
+  rng = np.random.default_rng(0)
+  if model == "resnet18":
+    return [(rng.standard_normal((s["batch"], 3, s["size"], s["size"]), np.float32),
+             rng.integers(0, s["classes"], (s["batch"],))) for _ in range(n)]
+  return [(rng.integers(0, s["vocab"], (s["batch"], s["seq"])), rng.integers(0, s["vocab"], (s["batch"], s["seq"])))
+          for _ in range(n)]
+
+
+# *** timing ***
+
+def timed(step, data, warmup: int, sync) -> dict:
+  """Per step, the wall time until the loss is on the host; the first call (compilation) apart."""
+  gc.collect()
+  t0 = time.perf_counter()
+  losses = [float(step(*data[0]).item())]
+  sync()
+  first = time.perf_counter() - t0
+  for b in data[1:warmup]: losses.append(float(step(*b).item()))
+  sync()
+  times = []
+  for b in data[warmup:]:
+    t0 = time.perf_counter()
+    losses.append(float(step(*b).item()))
+    sync()
+    times.append(time.perf_counter() - t0)
+  return {"first_step_s": first, "step_s": statistics.median(times), "step_times_s": times, "losses": losses}
+
+
+def run(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str, warmup: int,
+        compiled: bool) -> dict:
+  """One (framework, compiled) run of `model`'s training step."""
+  if framework == "blutrain":
+    import blutrain as bt
+    lib, nn, F, tensor = bt, bt.nn, bt.nn.functional, lambda a: bt.from_numpy(a).to(device)
+    bt.set_float32_matmul_precision("high")
+    autocast = lambda: bt.autocast(device_type=device, dtype=bt.bfloat16)
+    sync, compile_ = (bt.cuda.synchronize if device == "cuda" else lambda: None), bt.compile
+  else:
+    import torch
+    lib, nn, F, tensor = torch, torch.nn, torch.nn.functional, lambda a: torch.from_numpy(a).to(device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    autocast = lambda: torch.autocast(device, dtype=torch.bfloat16)
+    sync, compile_ = (torch.cuda.synchronize if device == "cuda" else lambda: None), torch.compile
+  net = build(nn, model, s)
+  net.load_state_dict({k: lib.from_numpy(v.copy()) for k, v in state.items()})
+  net.to(device).train()
+  opt = (lib.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4) if model == "resnet18"
+         else lib.optim.AdamW(net.parameters(), lr=1e-3))
+
+  def step(x, y):
+    with autocast() if precision == "bf16" else contextlib.nullcontext():
+      logits = net(x)
+      loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+  dev = [(tensor(x), tensor(y)) for x, y in data]
+  out = timed(compile_(step) if compiled else step, dev, warmup, sync)
+  del net, opt, dev
+  gc.collect()
+  return out
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="2 timed steps after 1 warm-up (and tiny shapes with --device cpu)")
+  ap.add_argument("--device", default="cuda")
+  ap.add_argument("--models", default="resnet18,lstm")
+  ap.add_argument("--precisions", default="bf16,tf32")
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--order", default="torch_eager,blutrain_eager,blutrain_compile,torch_compile")
+  ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "resnet_lstm.json"))
+  args = ap.parse_args()
+  require_gpu(args.device)
+  steps = 2 if args.quick else args.steps
+  warmup = 1 if args.quick else args.warmup
+  result = {**metadata("resnet_lstm", args.device), "steps": steps, "runs": {}, "ratios": {}}
+  for model in args.models.split(","):
+    import blutrain as bt
+    s = SHAPES[model][args.device == "cpu" and args.quick]
+    bt.manual_seed(0)
+    state = {k: v.detach().numpy().copy() for k, v in build(bt.nn, model, s).state_dict().items()}
+    data = batches(model, s, warmup + steps)
+    result[model] = s
+    for precision in args.precisions.split(","):
+      for name in args.order.split(","):
+        framework, mode = name.split("_")
+        try:
+          r = run(framework, model, s, state, data, precision, args.device, warmup, mode == "compile")
+          r["items_per_s"] = s["batch"] / r["step_s"]
+        except Exception as e:  # a failed run is reported, not hidden
+          r = {"error": f"{type(e).__name__}: {e}"}
+        result["runs"][f"{model}/{precision}/{name}"] = r
+        print(model, precision, name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()
+                                       if k not in ("losses", "step_times_s")}, flush=True)
+      for ours, ref in (("blutrain_eager", "torch_eager"), ("blutrain_compile", "torch_compile")):
+        a, b = (result["runs"].get(f"{model}/{precision}/{n}", {}) for n in (ours, ref))
+        if "step_s" in a and "step_s" in b:
+          result["ratios"][f"{model}/{precision}/{ours}"] = b["step_s"] / a["step_s"]
+  Path(args.out).parent.mkdir(exist_ok=True)
+  Path(args.out).write_text(json.dumps(result, indent=1))
+  print("| run | speed vs PyTorch (target: eager >= 0.9, compiled >= 1.0) |")
+  for k, v in result["ratios"].items(): print(f"| {k} | {v:.2f} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,272 @@
+"""Convolution as implicit GEMM: `conv`, `conv_grad_input` (dgrad, also conv_transpose) and `conv_grad_weight`
+(wgrad), Triton kernels that gather each GEMM tile straight from the strided NCHW (or any-strided, NHWC included)
+tensors, so no im2col buffer is ever written.
+
+Per group (grid axis 2), with the 2-D problem (1-D convolutions run as H = 1):
+  forward  out[n*OH*OW, o]  = sum over (c, kh, kw) of x[n, c, oh*s - p + kh*d, ...] w[o, c, kh, kw]
+  dgrad    dx[n*H*W, c]     = sum over (o, kh, kw) of g[n, o, (ih + p - kh*d) / s, ...] w[o, c, kh, kw], where the
+                              division is exact and lands inside g (masked otherwise)
+  wgrad    dw[o, c*KH*KW]   = sum over (n, oh, ow) of g[n, o, oh, ow] x[n, c, oh*s - p + kh*d, ...], K split over
+                              `split` programs into float32 partial sums, then summed by `reduce`
+The tile sizes, stages and split come from `configurator.conv_schedule`. Half inputs accumulate in float32; float32
+multiplies in TF32 when the op's `tf32` attribute is set, else in 3xTF32 (float32-accurate, as attention does);
+float64 in float64 FMAs (a broadcast product; tl.dot takes no float64). Offsets are int64 only where the tensors need them (`IDX64`).
+"""
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from blutrain import configurator, dtypes
+from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import TL, empty, needs_i64, ptr, run, spec, view
+from blutrain.backend.cuda.kernels.copy import copy
+from blutrain.backend.cuda.kernels.creation import fill
+from blutrain.backend.cuda.kernels.reduce import reduce
+from blutrain.dtypes import DType
+from blutrain.shapes import cdiv
+
+_GEOMETRY = ["C", "H", "W", "OH", "OW", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw"]
+
+
+def _strides(*names: str) -> list[str]: return [f"{n}_s{i}" for n in names for i in range(4)]
+
+
+@triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr):
+  """acc + a @ b: tensor cores, or (float64, which tl.dot does not take) a broadcast product summed over K."""
+  if PRECISION == "ieee":
+    acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+  else:
+    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+  return acc
+
+
+@triton.jit
+def _conv_fwd_kernel(out, x, w, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw,
+                     x_s0, x_s1, x_s2, x_s3, w_s0, w_s1, w_s2, w_s3, out_s0, out_s1, out_s2, out_s3,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+                     PRECISION: tl.constexpr, IDX64: tl.constexpr):
+  grp = tl.program_id(2)
+  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output positions (n, oh, ow)
+  rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of the group
+  ow, t = rm % OW, rm // OW
+  oh, n = t % OH, t // OH
+  if IDX64: n = n.to(tl.int64)
+  ih0, iw0 = oh * sh - ph, ow * sw - pw
+  x_row = x + n * x_s0 + grp * C * x_s1
+  o = grp * N + rn
+  if IDX64: o = o.to(tl.int64)
+  w_col = w + o * w_s0
+  m_ok, n_ok = rm < M, rn < N
+  acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+  for k0 in range(0, K, BLOCK_K):
+    rk = k0 + tl.arange(0, BLOCK_K)  # (c, kh, kw), the weight's order
+    kw, r = rk % KW, rk // KW
+    kh, c = r % KH, r // KH
+    ih, iw = ih0[:, None] + kh[None, :] * dh, iw0[:, None] + kw[None, :] * dw
+    k_ok = rk < K
+    a = tl.load(x_row[:, None] + c[None, :] * x_s1 + ih * x_s2 + iw * x_s3,
+                mask=m_ok[:, None] & k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W), other=0.0)
+    b = tl.load(w_col[None, :] + (c * w_s1 + kh * w_s2 + kw * w_s3)[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0)
+    acc = _mma(a, b, acc, PRECISION)
+  dst = out + (n * out_s0 + oh * out_s2 + ow * out_s3)[:, None] + (o * out_s1)[None, :]
+  tl.store(dst, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _conv_dgrad_kernel(dx, g, w, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw,
+                       g_s0, g_s1, g_s2, g_s3, w_s0, w_s1, w_s2, w_s3, dx_s0, dx_s1, dx_s2, dx_s3,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+                       PRECISION: tl.constexpr, IDX64: tl.constexpr):
+  # N: input channels of a group; C: output channels of a group (K = C * KH * KW)
+  grp = tl.program_id(2)
+  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # input positions (n, ih, iw)
+  rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # input channels of the group
+  iw, t = rm % W, rm // W
+  ih, n = t % H, t // H
+  if IDX64: n = n.to(tl.int64)
+  g_row = g + n * g_s0 + grp * C * g_s1
+  c = grp * N + rn
+  if IDX64: c = c.to(tl.int64)
+  w_col = w + grp * C * w_s0 + rn * w_s1
+  m_ok, n_ok = rm < M, rn < N
+  acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+  for k0 in range(0, K, BLOCK_K):
+    rk = k0 + tl.arange(0, BLOCK_K)  # (o, kh, kw)
+    kw, r = rk % KW, rk // KW
+    kh, o = r % KH, r // KH
+    th, tw = ih[:, None] + ph - kh[None, :] * dh, iw[:, None] + pw - kw[None, :] * dw
+    th_ok, tw_ok = th >= 0, tw >= 0
+    th, tw = tl.where(th_ok, th, 0), tl.where(tw_ok, tw, 0)
+    oh, ow = th // sh, tw // sw
+    k_ok = rk < K
+    ok = th_ok & tw_ok & (oh * sh == th) & (ow * sw == tw) & (oh < OH) & (ow < OW)
+    a = tl.load(g_row[:, None] + o[None, :] * g_s1 + oh * g_s2 + ow * g_s3,
+                mask=m_ok[:, None] & k_ok[None, :] & ok, other=0.0)
+    b = tl.load(w_col[None, :] + (o * w_s0 + kh * w_s2 + kw * w_s3)[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0)
+    acc = _mma(a, b, acc, PRECISION)
+  dst = dx + (n * dx_s0 + ih * dx_s2 + iw * dx_s3)[:, None] + (c * dx_s1)[None, :]
+  tl.store(dst, acc.to(dx.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _conv_wgrad_kernel(part, g, x, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw,
+                       g_s0, g_s1, g_s2, g_s3, x_s0, x_s1, x_s2, x_s3, STEPS, SPLIT,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+                       PRECISION: tl.constexpr, IDX64: tl.constexpr):
+  # M: output channels of a group, N: C * KH * KW, K: batch * OH * OW, in SPLIT runs of STEPS * BLOCK_K;
+  # part is (SPLIT, groups * M, N) partial sums
+  grp, split = tl.program_id(2) // SPLIT, tl.program_id(2) % SPLIT
+  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output channels of the group
+  rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (c, kh, kw)
+  kw, t = rn % KW, rn // KW
+  kh, c = t % KH, t // KH
+  o = grp * M + rm
+  if IDX64: o = o.to(tl.int64)
+  g_row = g + o * g_s1
+  x_col = x + (grp * C + c) * x_s1
+  m_ok, n_ok = rm < M, rn < N
+  acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+  start = split * STEPS * BLOCK_K
+  for step in range(0, STEPS):
+    rk = start + step * BLOCK_K + tl.arange(0, BLOCK_K)  # (n, oh, ow)
+    ow, r = rk % OW, rk // OW
+    oh, n = r % OH, r // OH
+    if IDX64: n = n.to(tl.int64)
+    k_ok = rk < K
+    a = tl.load(g_row[:, None] + (n * g_s0 + oh * g_s2 + ow * g_s3)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0)
+    ih, iw = (oh * sh - ph)[:, None] + kh[None, :] * dh, (ow * sw - pw)[:, None] + kw[None, :] * dw
+    b = tl.load(x_col[None, :] + (n * x_s0)[:, None] + ih * x_s2 + iw * x_s3,
+                mask=k_ok[:, None] & n_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W), other=0.0)
+    acc = _mma(a, b, acc, PRECISION)
+  dst = part + split * (tl.num_programs(2) // SPLIT) * M * N + o[:, None] * N + rn[None, :]
+  tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+_FNS = {"fwd": _conv_fwd_kernel, "dgrad": _conv_dgrad_kernel, "wgrad": _conv_wgrad_kernel}
+_PTRS = {"fwd": ("out", "x", "w"), "dgrad": ("dx", "g", "w"), "wgrad": ("part", "g", "x")}
+
+
+def precision(dtype: DType, tf32: bool) -> str:
+  """tl.dot's input precision: "ieee" (no tl.dot, see `_mma`) for float64, TF32 for float32 when allowed (else 3xTF32), ignored for halves."""
+  if dtype is dtypes.float64: return "ieee"
+  return "tf32x3" if dtype is dtypes.float32 and not tf32 else "tf32"
+
+
+def acc_dtype(dtype: DType) -> DType: return dtypes.float64 if dtype is dtypes.float64 else dtypes.float32
+
+
+@functools.lru_cache(maxsize=1024)
+def conv_spec(kind: str, dtype: DType, M: int, N: int, K: int, tf32: bool, i64: bool,
+              hw: configurator.Hardware = configurator.H200):
+  """The variant of kernel `kind` ("fwd", "dgrad", "wgrad") for an (M, N, K) problem of `dtype`."""
+  bm, bn, bk, warps, stages, _ = configurator.conv_schedule(M, N, K, dtype.itemsize, hw)
+  it = "i64" if i64 else "i32"
+  first, second, third = _PTRS[kind]
+  sig = {first: ptr(acc_dtype(dtype) if kind == "wgrad" else dtype), second: ptr(dtype), third: ptr(dtype),
+         **dict.fromkeys(["M", "N", "K"] + _GEOMETRY, "i32"), **dict.fromkeys(_strides(second, third), it)}
+  if kind == "wgrad": sig |= {"STEPS": "i32", "SPLIT": "i32"}
+  else: sig |= dict.fromkeys(_strides(first), it)
+  return spec(_FNS[kind], sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACC=TL[acc_dtype(dtype)],
+                                    PRECISION=precision(dtype, tf32), IDX64=i64), num_warps=warps, num_stages=stages)
+
+
+def _as2d(shape, strides) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """A 3- or 4-D array's shape and strides as 4-D (a 1-D convolution is a 2-D one of height 1)."""
+  if len(shape) == 4: return tuple(shape), tuple(strides)
+  if len(shape) != 3: raise NotImplementedError(f"CUDA convolution kernels take 1-D and 2-D convolutions, got {len(shape) - 2}-D")
+  return tuple(shape[:2]) + (1,) + tuple(shape[2:]), tuple(strides[:2]) + (0,) + tuple(strides[2:])
+
+
+def plan(kind: str, dtype: DType, x, w, out, stride, padding, dilation, groups: int, tf32: bool,
+         hw: configurator.Hardware = configurator.H200):
+  """(spec, grid, scalar arguments, split) of kernel `kind` for the convolution of x by w into out, each given as
+  (shape, strides) of the op's N-d arrays: for "fwd" x and w are read and out written, for "dgrad" out (g) and w read
+  and x (dx) written, for "wgrad" out (g) and x read into `split` float32 parts of w's shape (w's strides unused).
+  The kernel takes the pointers in _PTRS's order, then these scalars."""
+  (xs, xst), (ws, wst), (os_, ost) = _as2d(*x), _as2d(*w), _as2d(*out)
+  (sh, sw), (ph, pw), (dh, dw) = [tuple(a) if len(a) == 2 else (0 if i == 1 else 1, a[0])
+                                  for i, a in enumerate((stride, padding, dilation))]
+  geometry = [xs[2], xs[3], os_[2], os_[3], ws[2], ws[3], sh, sw, ph, pw, dh, dw]
+  i64 = any(needs_i64(sh_, st) for sh_, st in (x, w, out))
+  og = ws[0] // groups
+  if kind == "fwd": M, N, K, C, strides = xs[0] * os_[2] * os_[3], og, ws[1] * ws[2] * ws[3], ws[1], (*xst, *wst, *ost)
+  elif kind == "dgrad": M, N, K, C, strides = xs[0] * xs[2] * xs[3], ws[1], og * ws[2] * ws[3], og, (*ost, *wst, *xst)
+  else: M, N, K, C, strides = og, ws[1] * ws[2] * ws[3], os_[0] * os_[2] * os_[3], ws[1], (*ost, *xst)
+  s = conv_spec(kind, dtype, M, N, K, tf32, i64, hw)
+  c = s.constexprs
+  grid, args, split = [cdiv(M, c["BLOCK_M"]), cdiv(N, c["BLOCK_N"]), groups], [M, N, K, C, *geometry, *strides], 1
+  if kind == "wgrad":
+    split = configurator.conv_schedule(M, N, K, dtype.itemsize, hw)[5]
+    steps = cdiv(cdiv(K, c["BLOCK_K"]), split)
+    split = cdiv(cdiv(K, c["BLOCK_K"]), steps)  # no empty part
+    grid[2] *= split
+    args += [steps, split]
+  return s, tuple(grid), args, split
+
+
+def _layout(a: CudaArray) -> tuple: return a.shape, a.strides
+
+
+def conv(x: CudaArray, w: CudaArray, stride, padding, dilation, groups: int, tf32: bool = False) -> CudaArray:
+  """The convolution of x (N, C, *spatial) with w (C_out, C / groups, *kernel), a new contiguous array."""
+  out_sp = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding,
+                                                                               dilation)]
+  out = empty((x.shape[0], w.shape[0], *out_sp), x.dtype, x.device)
+  if out.size == 0: return out
+  if x.size == 0 or w.size == 0: return fill(out, 0)
+  s, grid, args, _ = plan("fwd", x.dtype, _layout(x), _layout(w), _layout(out), stride, padding, dilation, groups,
+                          tf32, runtime.hardware(x.device))
+  run(s, grid, out.ptr, x.ptr, w.ptr, *args)
+  return out
+
+
+def conv_grad_input(g: CudaArray, w: CudaArray, shape, stride, padding, dilation, groups: int,
+                    tf32: bool = False) -> CudaArray:
+  """conv's gradient for an input of `shape`: the transposed convolution of g (N, C_out, *out) with w."""
+  dx = empty(tuple(shape), g.dtype, g.device)
+  if dx.size == 0: return dx
+  if g.size == 0 or w.size == 0: return fill(dx, 0)
+  s, grid, args, _ = plan("dgrad", g.dtype, _layout(dx), _layout(w), _layout(g), stride, padding, dilation, groups,
+                          tf32, runtime.hardware(g.device))
+  run(s, grid, dx.ptr, g.ptr, w.ptr, *args)
+  return dx
+
+
+def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilation, groups: int,
+                     tf32: bool = False) -> CudaArray:
+  """conv's gradient for a weight of `shape`: g (N, C_out, *out) correlated with x, summed over split parts."""
+  dw = empty(tuple(shape), g.dtype, g.device)
+  if dw.size == 0: return dw
+  if g.size == 0 or x.size == 0: return fill(dw, 0)
+  s, grid, args, split = plan("wgrad", g.dtype, _layout(x), _layout(dw), _layout(g), stride, padding, dilation,
+                              groups, tf32, runtime.hardware(g.device))
+  part = empty((split, shape[0], dw.size // shape[0]), acc_dtype(g.dtype), g.device)
+  run(s, grid, part.ptr, g.ptr, x.ptr, *args)
+  total = part if split == 1 else reduce(part, (0,), False, "sum", part.dtype)
+  copy(view(total, dw.shape, dw.strides), out=dw)
+  return dw
+
+
+KERNELS = {"conv": conv, "conv_grad_input": conv_grad_input, "conv_grad_weight": conv_grad_weight}
+
+
+def _specs() -> list:
+  f32, bf16, f16, f64 = dtypes.float32, dtypes.bfloat16, dtypes.float16, dtypes.float64
+  out = []
+  for kind, (M, N, K) in (("fwd", (128 * 56 * 56, 64, 576)), ("dgrad", (128 * 56 * 56, 64, 576)),
+                          ("wgrad", (64, 576, 128 * 56 * 56))):
+    out += [conv_spec(kind, bf16, M, N, K, True, False), conv_spec(kind, f16, 1000, 3, 27, True, False),
+            conv_spec(kind, f32, M, N, K, True, False), conv_spec(kind, f32, 50, 10, 7, False, True),
+            conv_spec(kind, f64, 50, 10, 7, False, False)]
+  return out
+
+
+SPECS = _specs()

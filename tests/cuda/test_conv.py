@@ -1,0 +1,109 @@
+"""The CUDA convolution kernels (implicit GEMM, backend/cuda/kernels/conv.py) against PyTorch CUDA in float64 as the
+reference: forward, input and weight gradients through bt for 1-D and 2-D geometry (stride, padding, dilation,
+groups, 'same'), channels-last views, every dtype and float32 precision, the split-K weight gradient of a ResNet
+layer, conv_transpose, and a small CNN's training step under bf16 autocast."""
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import nn
+from blutrain.nn import functional as F
+
+pytestmark = pytest.mark.cuda
+
+# name -> (dtype, float32 matmul precision, bound on relative errors)
+PRECISIONS = {"fp32": (bt.float32, "highest", 1e-5), "tf32": (bt.float32, "high", 5e-3),
+              "fp16": (bt.float16, "highest", 5e-3), "bf16": (bt.bfloat16, "highest", 3e-2),
+              "fp64": (bt.float64, "highest", 1e-12)}
+GEOMETRY = [  # (x shape, w shape, kwargs)
+  ((2, 4, 9, 10), (6, 2, 3, 2), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)),
+  ((3, 16, 14, 14), (32, 16, 3, 3), dict(padding=1)),
+  ((2, 8, 15, 15), (8, 1, 3, 3), dict(stride=2, padding=1, groups=8)),
+  ((2, 3, 17, 17), (16, 3, 7, 7), dict(stride=2, padding=3)),
+  ((4, 5, 8, 8), (7, 5, 4, 3), dict(padding="same", dilation=(1, 2))),
+  ((2, 6, 33), (4, 3, 5), dict(stride=3, padding=2, dilation=2, groups=2)),
+]
+
+
+@pytest.fixture(autouse=True)
+def _highest():
+  yield
+  bt.set_float32_matmul_precision("highest")
+
+
+def rel_err(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape and np.isfinite(got).all()
+  return float(np.abs(got - want).max() / (np.abs(want).max() or 1.0))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("prec", list(PRECISIONS))
+@pytest.mark.parametrize("geometry", GEOMETRY)
+def test_conv_and_gradients_match_torch_cuda(geometry, prec, layout, torch_cuda):
+  torch, (xs, ws, kw) = torch_cuda, geometry
+  dtype, precision, tol = PRECISIONS[prec]
+  bt.set_float32_matmul_precision(precision)
+  rng = np.random.default_rng(0)
+  x, w, b = (rng.standard_normal(s).astype(dtype.np) for s in (xs, ws, ws[:1]))
+  fn = F.conv2d if len(xs) == 4 else F.conv1d
+  bx = bt.tensor(x, device="cuda")
+  if layout == "channels_last":
+    perm = (0, *range(2, len(xs)), 1)
+    bx = bt.tensor(np.ascontiguousarray(x.transpose(perm)), device="cuda").permute(0, len(xs) - 1, *range(1, len(xs) - 1))
+  bx.requires_grad_()
+  bw, bb = (bt.tensor(a, device="cuda", requires_grad=True) for a in (w, b))
+  y = fn(bx, bw, bb, **kw)
+  tx, tw, tb = (torch.tensor(a.astype(np.float64), device="cuda", requires_grad=True) for a in (x, w, b))
+  ty = (torch.nn.functional.conv2d if len(xs) == 4 else torch.nn.functional.conv1d)(tx, tw, tb, **kw)
+  g = rng.standard_normal(tuple(ty.shape)).astype(dtype.np)
+  y.backward(bt.tensor(g, device="cuda"))
+  ty.backward(torch.tensor(g.astype(np.float64), device="cuda"))
+  assert y.dtype is dtype
+  for name, got, want in (("out", y, ty), ("dx", bx.grad, tx.grad), ("dw", bw.grad, tw.grad), ("db", bb.grad, tb.grad)):
+    err = rel_err(got.detach().float().cpu().numpy() if dtype is not bt.float64 else got.detach().cpu().numpy(),
+                  want.detach().cpu().numpy())
+    assert err < tol, f"{name}: relative error {err:.2e} over {tol:.0e} ({prec}, {layout}, {xs}, {ws}, {kw})"
+
+
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float32])
+def test_resnet_layer_weight_gradient_splits_k(dtype, torch_cuda):
+  """56x56x64 at batch 32: the weight gradient's K (N*OH*OW = 100352) is split over programs and summed."""
+  torch = torch_cuda
+  rng = np.random.default_rng(1)
+  x, w = rng.standard_normal((32, 64, 56, 56)).astype(dtype.np), (rng.standard_normal((64, 64, 3, 3)) * 0.05).astype(dtype.np)
+  bx, bw = bt.tensor(x, device="cuda", requires_grad=True), bt.tensor(w, device="cuda", requires_grad=True)
+  y = F.conv2d(bx, bw, padding=1)
+  y.float().square().sum().backward()
+  tx, tw = (torch.tensor(a.astype(np.float32), device="cuda", requires_grad=True) for a in (x, w))
+  torch.backends.cudnn.allow_tf32 = False
+  ty = torch.nn.functional.conv2d(tx, tw, padding=1)
+  ty.square().sum().backward()
+  tol = 3e-2 if dtype is bt.bfloat16 else 1e-4
+  assert rel_err(bw.grad.float().cpu().numpy(), tw.grad.cpu().numpy()) < tol
+  assert rel_err(bx.grad.float().cpu().numpy(), tx.grad.cpu().numpy()) < tol
+
+
+def test_conv_transpose_matches_torch_cuda(torch_cuda):
+  torch = torch_cuda
+  rng = np.random.default_rng(2)
+  x, w = rng.standard_normal((2, 4, 5, 6)), rng.standard_normal((4, 3, 3, 2))
+  kw = dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2, dilation=(1, 2))
+  y = F.conv_transpose2d(bt.tensor(x, device="cuda"), bt.tensor(w, device="cuda"), **kw)
+  ty = torch.nn.functional.conv_transpose2d(torch.tensor(x, device="cuda"), torch.tensor(w, device="cuda"), **kw)
+  assert rel_err(y.cpu().numpy(), ty.cpu().numpy()) < 1e-12
+
+
+def test_small_cnn_step_under_autocast_matches_cpu(torch_cuda):
+  bt.manual_seed(0)
+  model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=4),
+                        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+  x, y = bt.randn(8, 3, 16, 16), bt.randint(0, 10, (8,))
+  grads = []
+  for device in ("cpu", "cuda"):
+    model.to(device).zero_grad()
+    with bt.autocast(device, dtype=bt.bfloat16):
+      loss = F.cross_entropy(model(x.to(device)), y.to(device))
+    loss.backward()
+    grads.append([p.grad.float().cpu().numpy() for p in model.parameters()])
+  for cpu, cuda in zip(*grads): assert rel_err(cuda, cpu) < 5e-2
