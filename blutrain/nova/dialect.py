@@ -952,13 +952,33 @@ class LayerNormOp(NNOp):
 
 
 @irdl_op_definition
+class AddLayerNormOp(MultiResultOp):
+  """h = x + y (float32; y may be a half, read as float32) and layer_norm(h, weight, bias) in `dtype` (absent:
+  float32), both results (made by passes/fuse_norms.py)."""
+  name = "nova.add_layer_norm"
+  x = operand_def(TENSOR)
+  y = operand_def(TENSOR)
+  weight = opt_operand_def(TENSOR)
+  bias = opt_operand_def(TENSOR)
+  n = prop_def(INT)
+  eps = prop_def(FLOAT)
+  dtype = opt_prop_def(ELEMENT | NONE)
+  h = result_def(TENSOR)
+  out = result_def(TENSOR)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$x `,` $y (`weight` $weight^ `:` type($weight))? (`bias` $bias^ `:` type($bias))? attr-dict "
+                     "`:` type($x) `,` type($y) `->` type($h) `,` type($out)")
+
+
+@irdl_op_definition
 class LayerNormBackwardOp(MultiResultOp):
   """layer_norm's gradients: dx, then dweight when weight is given and dbias when `has_bias` (each absent otherwise),
-  all of x's type."""
+  all of x's type; with a `residual` gradient dx is residual + dx (passes/fuse_norms.py)."""
   name = "nova.layer_norm_backward"
   g = operand_def(TENSOR)
   x = operand_def(TENSOR)
   weight = opt_operand_def(TENSOR)
+  residual = opt_operand_def(TENSOR)
   n = prop_def(INT)
   eps = prop_def(FLOAT)
   has_bias = prop_def(BOOL)
@@ -967,8 +987,9 @@ class LayerNormBackwardOp(MultiResultOp):
   dbias = opt_result_def(TENSOR)
   irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
                   ParsePropInAttrDict())
-  assembly_format = ("$g `,` $x (`weight` $weight^ `:` type($weight))? attr-dict `:` type($g) `,` type($x) "
-                     "`->` type($dx) (`dweight` type($dweight)^)? (`dbias` type($dbias)^)?")
+  assembly_format = ("$g `,` $x (`weight` $weight^ `:` type($weight))? (`residual` $residual^ `:` type($residual))? "
+                     "attr-dict `:` type($g) `,` type($x) `->` type($dx) (`dweight` type($dweight)^)? "
+                     "(`dbias` type($dbias)^)?")
 
 
 @irdl_op_definition
@@ -1131,8 +1152,8 @@ Nova = Dialect("nova", [
   BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp, EqOp, NeOp,
   LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
-  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
-  ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
+  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, AddLayerNormOp,
+  LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
   FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp,
 ])
 

@@ -6,8 +6,9 @@ fuse-casts, cse and dce once (none of them exposes anything new: patterns look a
 cse only swaps for identical ones). With a dump directory every stage is written in MLIR syntax: `00-captured.mlir`,
 `01-canonicalize.mlir`, `02-fold.mlir`, ...
 
-`compile_graph` then rematerializes activations (`remat.rematerialize`, dumped as `NN-remat.mlir` and `remat.txt`)
-and plans the memory of what is left (`memory.plan`, dumped as `memory-plan.txt`).
+`compile_graph` then rematerializes activations (`remat.rematerialize`, dumped as `NN-remat.mlir` and `remat.txt`),
+fuses residual adds into the layer norms (fuse-norms, `NN-fuse-norms.mlir`; after remat, which recomputes the norms'
+single results) and plans the memory of what is left (`memory.plan`, dumped as `memory-plan.txt`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.memory import MemoryPlan, plan as plan_memory, reused_in_place, updated_in_place
-from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, NovaPass
+from blutrain.nova.passes import CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, FuseNormsPass, NovaPass
 from blutrain.nova.remat import RematReport, rematerialize
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
@@ -79,6 +80,16 @@ def _optimize(module: ModuleOp, dump: _Dumper, verify: bool) -> ModuleOp:
   return module
 
 
+def _fuse_norms(module: ModuleOp, report: RematReport | None, written: dict[int, int] | None) -> ModuleOp:
+  """The module with fuse-norms applied. A fused norm makes its sum and its output at once, which can hold one more
+  activation at the peak: under a memory budget the fusion is kept only when the arena remat planned does not grow."""
+  if report is None or report.budget is None:
+    FuseNormsPass().run(module)
+    return module
+  fused = module.clone()
+  return fused if FuseNormsPass().run(fused) and plan_memory(fused, written).arena <= report.arena_after else module
+
+
 @dataclass(eq=False)
 class CompiledGraph:
   """A graph compiled for a target (`codegen.TARGETS`): `fn(*arrays) -> tuple of arrays`, with what it took.
@@ -87,10 +98,11 @@ class CompiledGraph:
     source: the generated Python source of `fn`.
     fn: the compiled step.
     module: the optimized nova module `source` was generated from.
-    counts_before, counts_after: op counts of the captured and the optimized IR.
+    counts_before, counts_after: op counts of the captured and the optimized IR (before remat and fuse-norms;
+      `op_counts(module)` counts the final one).
     memory: the static memory plan of the optimized module's intermediates (`memory.plan`).
     remat: what rematerialization recomputed and kept (`remat.rematerialize`); None when it was turned off.
-    timings: seconds per phase (build, optimize, remat, plan, codegen, load).
+    timings: seconds per phase (build, optimize, remat, fuse, plan, codegen, load).
   """
   source: str
   fn: Callable
@@ -147,6 +159,10 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
     dump("remat", module)
     if dump_dir: (Path(dump_dir) / "remat.txt").write_text(report.report())
   lap("remat")
+  module = _fuse_norms(module, report, written)
+  if verify: module.verify()
+  dump("fuse-norms", module)
+  lap("fuse")
   memory_plan = plan_memory(module, written)
   if dump_dir: (Path(dump_dir) / "memory-plan.txt").write_text(memory_plan.report())
   lap("plan")

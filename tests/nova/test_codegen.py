@@ -34,7 +34,7 @@ def test_every_op_compiled_equals_eager():
   compiled = compile_graph(graph, verify=True)
   assert_same(compiled.fn(*arrays), evaluate(graph, arrays))
   assert sum(compiled.counts_after.values()) < sum(compiled.counts_before.values())
-  assert set(compiled.timings) == {"build", "optimize", "remat", "plan", "codegen", "load"}
+  assert set(compiled.timings) == {"build", "optimize", "remat", "fuse", "plan", "codegen", "load"}
 
 
 def test_gpt_compiled_equals_eager(tmp_path, monkeypatch):
@@ -47,7 +47,7 @@ def test_gpt_compiled_equals_eager(tmp_path, monkeypatch):
   assert_same(compiled.fn(*arrays), evaluate(graph, arrays), exact=False)
   files = sorted(p.name for p in tmp_path.iterdir())
   assert files == ["00-captured.mlir", "01-canonicalize.mlir", "02-fold.mlir", "03-fuse-casts.mlir", "04-cse.mlir",
-                   "05-dce.mlir", "06-remat.mlir", "memory-plan.txt", "remat.txt", "step.py"]
+                   "05-dce.mlir", "06-remat.mlir", "07-fuse-norms.mlir", "memory-plan.txt", "remat.txt", "step.py"]
   assert (tmp_path / "step.py").read_text() == compiled.source
   assert compiled.counts_after["arange"] == 1, "cse keeps one arange of each kind"
 

@@ -157,13 +157,19 @@ def _layer_norm(x, w, b, n, eps, dtype=None):
   return out
 
 
-def _layer_norm_backward(g, x, w, n, eps, has_bias):
+def _add_layer_norm(x, y, w, b, n, eps, dtype=None):
+  h = (x + y).astype(x.dtype, copy=False)
+  return h, _layer_norm(h, w, b, n, eps)
+
+
+def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias):
   axes, batch = tuple(range(x.ndim - n, x.ndim)), tuple(range(x.ndim - n))
   xc = x - x.mean(axis=axes, keepdims=True)
   rstd = 1 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + eps)
   xhat = xc * rstd
   gw = g if w is None else g * w
   dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
+  if residual is not None: dx = residual + dx.astype(x.dtype, copy=False)
   dw = None if w is None else (g * xhat).sum(axis=batch).astype(x.dtype, copy=False)
   return dx.astype(x.dtype, copy=False), dw, g.sum(axis=batch).astype(x.dtype, copy=False) if has_bias else None
 
@@ -300,7 +306,7 @@ kernels = {
   "embedding_backward": _embedding_backward,
   # linear algebra, normalization, losses
   "matmul": _matmul, "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm,
-  "layer_norm_backward": _layer_norm_backward,
+  "add_layer_norm": _add_layer_norm, "layer_norm_backward": _layer_norm_backward,
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
 }
