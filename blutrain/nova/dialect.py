@@ -1084,7 +1084,8 @@ class FlashAttentionBackwardOp(MultiResultOp):
 class AdamwOp(MultiResultOp):
   """AdamW's step on n parameters at once (PyTorch's update, decoupled weight decay), as `ops.adamw_` documents it.
 
-  Operands `xs`: n params, n grads, n exp_avgs, n exp_avg_sqs, n steps (0-d float64), then lr (0-d float64).
+  Operands `xs`: n params, n grads, n exp_avgs, n exp_avg_sqs, n steps (0-d float64), then lr (0-d float64), and
+  with `clip` a 0-d float32 factor each gradient is multiplied by as it is read (passes/fuse_norms.py).
   Results `outs`: n new params, n new exp_avgs, n new exp_avg_sqs, n new steps, in the operands' types."""
   name = "nova.adamw"
   xs = var_operand_def(TENSOR)
@@ -1094,9 +1095,10 @@ class AdamwOp(MultiResultOp):
   beta2 = prop_def(FLOAT)
   eps = prop_def(FLOAT)
   weight_decay = prop_def(FLOAT)
+  clip = opt_prop_def(BOOL | NONE)
 
   def updated_operands(self) -> list[int]:
-    """The operand each result is the new value of: params, exp_avgs, exp_avg_sqs and steps (not grads, not lr)."""
+    """The operand each result is the new value of: params, exp_avgs, exp_avg_sqs and steps (not grads, lr, clip)."""
     n = len(self.outs) // 4
     return [*range(n), *range(2 * n, 5 * n)]
 

@@ -132,6 +132,44 @@ def test_eager_ops_equal_the_unfused_ones():
   for a, c in zip(fused[1:], plain[1:]): np.testing.assert_array_equal(a.numpy(), c.numpy())
 
 
+def _clip_then_adamw(grad_dtype=dtypes.float32, return_grads=False, unscaled_grad=False):
+  """clip_grad_norm_'s scale of two gradients, then one AdamW update of their parameters (a third, unscaled gradient
+  and parameter in the same update when unscaled_grad)."""
+  b = Builder()
+  k = 3 if unscaled_grad else 2
+  shapes = [(4, 8), (8,), (3,)][:k]
+  params, grads = [b.input(s) for s in shapes], [b.input(s, grad_dtype) for s in shapes]
+  moments = [b.input(s) for s in shapes for _ in range(2)]
+  steps, lr, c = [b.input((), dtypes.float64) for _ in shapes], b.input((), dtypes.float64), b.input(())
+  scaled = list(b("scale", *grads[:2], c))
+  outs = b("adamw", *params, *scaled, *grads[2:], *moments[0::2], *moments[1::2], *steps, lr, n=k, beta1=0.9,
+           beta2=0.95, eps=1e-8, weight_decay=0.1)
+  return b.output(*outs, *(scaled if return_grads else []))
+
+
+def _clip_args(grad_dtype=dtypes.float32, k=2):
+  rng = np.random.default_rng(5)
+  shapes = [(4, 8), (8,), (3,)][:k]
+  return [*(rng.standard_normal(s).astype(np.float32) for s in shapes),
+          *(rng.standard_normal(s).astype(grad_dtype.np) for s in shapes),
+          *(a for s in shapes for a in (rng.standard_normal(s).astype(np.float32),
+                                        np.abs(rng.standard_normal(s)).astype(np.float32))),
+          *(np.array(3.0) for _ in shapes), np.array(1e-2), np.array(0.37, np.float32)]
+
+
+@pytest.mark.parametrize("grad_dtype", [dtypes.float32, dtypes.bfloat16])
+def test_clip_folds_into_adamw_and_computes_the_same_bits(grad_dtype):
+  counts = _same_bits(_clip_then_adamw(grad_dtype), _clip_args(grad_dtype))
+  assert counts == {"adamw": 1}
+
+
+@pytest.mark.parametrize("case", ["grads_read_after_the_step", "an_unscaled_gradient_in_the_update"])
+def test_clip_stays_where_the_scaled_gradients_are_read_or_not_all_are_scaled(case):
+  graph = _clip_then_adamw(return_grads=case == "grads_read_after_the_step", unscaled_grad=case != "grads_read_after_the_step")
+  module = ir.to_module(graph)
+  assert not FuseNormsPass().run(module)
+
+
 def _train(compiled: bool, amp: bool, clip: bool, steps: int = 3):
   from blutrain.models import GPT, GPTConfig
   bt.manual_seed(0)
@@ -163,3 +201,5 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, mo
   # their add; the 4 that feed a residual stream's gradient take it into their backward
   assert source.count('kernels["add_layer_norm"]') == 4
   assert sum(1 for line in source.splitlines() if 'kernels["layer_norm_backward"]' in line and ", None, n=" not in line) == 4
+  # the step ends with zero_grad, so the clipped gradients are read by AdamW alone and it scales them as it reads them
+  assert 'kernels["scale"]' not in source and ("clip=True" in source) == clip

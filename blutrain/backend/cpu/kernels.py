@@ -362,15 +362,17 @@ def _store(out, i: int, value: np.ndarray, like: np.ndarray) -> np.ndarray:
   return out[i]
 
 
-def _adamw(*xs, n, beta1, beta2, eps, weight_decay, out=None):
-  """AdamW over n tensors: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr. The float32 operations and
-  their order are the CUDA kernel's (blutrain/backend/cuda/kernels/optim.py) and PyTorch's; steps are float64."""
+def _adamw(*xs, n, beta1, beta2, eps, weight_decay, clip=None, out=None):
+  """AdamW over n tensors: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr (and with `clip` a factor each
+  gradient is scaled by as `_scale` scales it). The float32 operations and their order are the CUDA kernel's
+  (blutrain/backend/cuda/kernels/optim.py) and PyTorch's; steps are float64."""
   f32, lr = np.float32, float(xs[5 * n])
   params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
   results: list[list] = [[], [], [], []]
   for i, (p0, g0, m0, v0, s0) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
     step = s0 + 1.0
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    if clip: g0 = (g0.astype(f32) * xs[-1].astype(f32)).astype(g0.dtype)  # as _scale stores it
     p, g, m, v = (a.astype(f32) for a in (p0, g0, m0, v0))
     if weight_decay != 0: p = p * f32(1 - lr * weight_decay)
     m = m + f32(1 - beta1) * (g - m)
