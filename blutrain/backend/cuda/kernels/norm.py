@@ -16,7 +16,6 @@ import math
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
 from blutrain import dtypes
 from blutrain.backend.cuda import runtime
@@ -208,11 +207,16 @@ def _add_partial(ptr, value, mask, first):
 
 
 @triton.jit
-def _dx(dx, r, off, mask, v, HAS_R: tl.constexpr):
-  """Store dx = v, or r + v (r read as v's dtype) with an explicitly rounded add: the compiler cannot contract it
-  with the multiply that made v, so the sum is the one the separate add computes."""
+def _dx(dx, r, off, mask, v, ACC: tl.constexpr, HAS_R: tl.constexpr):
+  """Store dx = v, or r + v (r read as ACC) by PTX's add.rn: an add with its rounding mode given is never contracted
+  with the multiply that made v into an FMA (libdevice's add_rn would flush subnormals), so the sum is the one the
+  separate add kernel computes."""
   if HAS_R:
-    v = libdevice.add_rn(tl.load(r + off, mask=mask, other=0).to(v.dtype), v)
+    rv = tl.load(r + off, mask=mask, other=0).to(ACC)
+    if ACC == tl.float64:
+      v = tl.inline_asm_elementwise("add.rn.f64 $0, $1, $2;", "=d,d,d", [rv, v], dtype=tl.float64, is_pure=True, pack=1)
+    else:
+      v = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [rv, v], dtype=tl.float32, is_pure=True, pack=1)
   tl.store(dx + off, v.to(dx.dtype.element_ty), mask=mask)
 
 
@@ -247,7 +251,7 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, r, M, N, eps, ROW
       gw = gv * wv[None, :] if HAS_W else gv
       c1 = tl.sum(gw, axis=1) / N
       c2 = tl.sum(gw * xhat, axis=1) / N
-      _dx(dx, r, off, mask, (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None], HAS_R)
+      _dx(dx, r, off, mask, (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None], ACC, HAS_R)
       dw_acc += tl.sum(gv * xhat, axis=0)
       db_acc += tl.sum(gv, axis=0)
     if HAS_W:
@@ -269,7 +273,7 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, r, M, N, eps, ROW
       c2s = tl.sum(c2, axis=1) / N
       for n0 in range(0, N, BLOCK_N):
         ns, mask, off, xhat, gv, gw = _backward_tile(g, x, w, ms, m_mask, n0, N, mean, rstd, ACC, HAS_W, BLOCK_N)
-        _dx(dx, r, off, mask, (gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None], HAS_R)
+        _dx(dx, r, off, mask, (gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None], ACC, HAS_R)
         first = m0 == pid * ROWS  # the partial rows start at this program's first row, so nothing is read back
         tl.debug_barrier()  # the threads that read a partial sum back need not be the ones that stored it
         if HAS_W:

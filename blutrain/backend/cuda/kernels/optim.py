@@ -47,8 +47,8 @@ def _adamw_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, beta1_bits, beta2_bi
                   CLIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
   """AdamW over one chunk; the learning rate is lr_bits (a float64's bits) or, with LR_PTR, read from lr_ptr, so that
   a replayed CUDA graph reads the learning rate of each step. With CLIP each gradient is multiplied by the float32 at
-  clip_ptr as it is read and rounded to G, as the scale kernel stores it (an explicitly rounded multiply, which the
-  compiler cannot contract with the subtraction after it)."""
+  clip_ptr as it is read and rounded to G, as the scale kernel stores it: by PTX's mul.rn, which is never contracted
+  with the subtraction after it into an FMA (libdevice's mul_rn would flush subnormals)."""
   pid = tl.program_id(0)
   t = tl.load(chunks + 2 * pid)
   start = tl.load(chunks + 2 * pid + 1)
@@ -76,7 +76,8 @@ def _adamw_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, beta1_bits, beta2_bi
     p = tl.load(p_ptr + i, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + i, mask=mask).to(tl.float32)
     if CLIP:
-      g = libdevice.mul_rn(g, clip).to(G).to(tl.float32)
+      g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, tl.broadcast_to(clip, g.shape)],
+                                    dtype=tl.float32, is_pure=True, pack=1).to(G).to(tl.float32)
     m = tl.load(m_ptr + i, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + i, mask=mask).to(tl.float32)
     if DECAY:
