@@ -40,7 +40,8 @@ EPS = 1e-5
 
 def _bits_equal(a, b) -> bool:
   a, b = ([*x] if isinstance(x, (list, tuple)) else [x] for x in (a, b))
-  return all((x is None and y is None) or bool((x.float() == y.float()).all().item()) for x, y in zip(a, b, strict=True))
+  return all((x is None and y is None) or bool((x.float() == y.float()).all().item())
+             for x, y in zip(a, b, strict=True))
 
 
 class ClipAdamw:

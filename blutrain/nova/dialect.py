@@ -1155,8 +1155,8 @@ Nova = Dialect("nova", [
   LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
   IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, AddLayerNormOp,
-  LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
-  FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp,
+  LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp,
+  FlashAttentionOp, FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations}  # the op library's name -> class

@@ -80,8 +80,9 @@ def _add_layer_norm_rule(x, y, w, b, n, eps, dtype=None):
   return [(x.shape, x.dtype), _layer_norm_rule(x, w, b, n, eps, dtype)]
 
 
-# (h, layer_norm(h)) with h = x + y in float32 (y may be a half, read as float32), in one kernel: Nova fuses a residual add with the
-# norm that reads it when both are used later (passes/fuse_norms.py). The backward never sees it (it is made after).
+# (h, layer_norm(h)) with h = x + y in float32 (y may be a half, read as float32), in one kernel: Nova fuses a
+# residual add with the norm that reads it when both are used later (passes/fuse_norms.py). It has no VJP: the pass
+# makes it after autodiff.
 add_layer_norm_op = op("add_layer_norm", _add_layer_norm_rule, multi=True, inputs="x y ?weight ?bias",
                        attrs="n:int eps:float dtype:dtype?")
 

@@ -165,7 +165,8 @@ def test_clip_folds_into_adamw_and_computes_the_same_bits(grad_dtype):
 
 @pytest.mark.parametrize("case", ["grads_read_after_the_step", "an_unscaled_gradient_in_the_update"])
 def test_clip_stays_where_the_scaled_gradients_are_read_or_not_all_are_scaled(case):
-  graph = _clip_then_adamw(return_grads=case == "grads_read_after_the_step", unscaled_grad=case != "grads_read_after_the_step")
+  read = case == "grads_read_after_the_step"
+  graph = _clip_then_adamw(return_grads=read, unscaled_grad=not read)
   module = ir.to_module(graph)
   assert not FuseNormsPass().run(module)
 
@@ -200,6 +201,7 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, mo
   # 5 norms (2 per block and the final one): all but the first, whose sum adds a broadcast position embedding, fold
   # their add; the 4 that feed a residual stream's gradient take it into their backward
   assert source.count('kernels["add_layer_norm"]') == 4
-  assert sum(1 for line in source.splitlines() if 'kernels["layer_norm_backward"]' in line and ", None, n=" not in line) == 4
+  backward = [line for line in source.splitlines() if 'kernels["layer_norm_backward"]' in line]
+  assert sum(", None, n=" not in line for line in backward) == 4
   # the step ends with zero_grad, so the clipped gradients are read by AdamW alone and it scales them as it reads them
   assert 'kernels["scale"]' not in source and source.count("clip=True") == (2 if clip else 0)

@@ -258,5 +258,5 @@ KERNELS = {"adamw": adamw, "sum_squares": sum_squares_op, "scale": scale}
 SPECS = [_STEPS] + [adamw_spec(p, g, d, on) for p, g, d in ((dtypes.float32, dtypes.float32, True),
                                                             (dtypes.float32, dtypes.bfloat16, False),
                                                             (dtypes.bfloat16, dtypes.bfloat16, True)) for on in (False, True)] + \
-        [adamw_spec(dtypes.float32, dtypes.float32, True, True, True), adamw_spec(dtypes.float32, dtypes.bfloat16, True, False, True)] + \
+        [adamw_spec(dtypes.float32, g, True, on, True) for g, on in ((dtypes.float32, True), (dtypes.bfloat16, False))] + \
         [multi_tensor_spec(k, d) for k in ("sum_squares", "scale") for d in (dtypes.float32, dtypes.bfloat16)]
