@@ -419,6 +419,17 @@ def row_schedule(M: int, N: int) -> tuple[int, int, int, bool]:
   return 1, 4096, 8, False
 
 
+NORM_BACKWARD_PROGRAMS_PER_SM = 4  # layer norm backward programs per SM; NOTE: not yet measured against others
+
+
+def norm_backward_rows(M: int, block_m: int, sms: int) -> int:
+  """Rows per program of layer_norm's backward: the M rows split evenly, in whole tiles of block_m rows, over
+  NORM_BACKWARD_PROGRAMS_PER_SM programs per SM, so every SM keeps several in flight to hide the loads' latency while
+  the per-program partial sums of dw and db (programs x N floats, summed by a second kernel) stay a few percent of
+  the traffic. GPT-2's 16384 x 768 rows on 132 SMs: 32 rows (8 tiles of 4) in each of 512 programs."""
+  return cdiv(cdiv(M, block_m), NORM_BACKWARD_PROGRAMS_PER_SM * sms) * block_m
+
+
 def index_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
   """(BLOCK_R, BLOCK_C, num_warps) of gather/scatter kernels: tiles of up to 2048 elements at 4 warps (16 per
   thread), BLOCK_C covering the innermost dim up to 512 (a 768-wide embedding row takes two column blocks of 512,

@@ -994,13 +994,33 @@ class LayerNormOp(NNOp):
 
 
 @irdl_op_definition
+class AddLayerNormOp(MultiResultOp):
+  """h = x + y (float32; y may be a half, read as float32) and layer_norm(h, weight, bias) in `dtype` (absent:
+  float32), both results (made by passes/fuse_norms.py)."""
+  name = "nova.add_layer_norm"
+  x = operand_def(TENSOR)
+  y = operand_def(TENSOR)
+  weight = opt_operand_def(TENSOR)
+  bias = opt_operand_def(TENSOR)
+  n = prop_def(INT)
+  eps = prop_def(FLOAT)
+  dtype = opt_prop_def(ELEMENT | NONE)
+  h = result_def(TENSOR)
+  out = result_def(TENSOR)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$x `,` $y (`weight` $weight^ `:` type($weight))? (`bias` $bias^ `:` type($bias))? attr-dict "
+                     "`:` type($x) `,` type($y) `->` type($h) `,` type($out)")
+
+
+@irdl_op_definition
 class LayerNormBackwardOp(MultiResultOp):
   """layer_norm's gradients: dx, then dweight when weight is given and dbias when `has_bias` (each absent otherwise),
-  all of x's type."""
+  all of x's type; with a `residual` gradient dx is residual + dx (passes/fuse_norms.py)."""
   name = "nova.layer_norm_backward"
   g = operand_def(TENSOR)
   x = operand_def(TENSOR)
   weight = opt_operand_def(TENSOR)
+  residual = opt_operand_def(TENSOR)
   n = prop_def(INT)
   eps = prop_def(FLOAT)
   has_bias = prop_def(BOOL)
@@ -1009,8 +1029,9 @@ class LayerNormBackwardOp(MultiResultOp):
   dbias = opt_result_def(TENSOR)
   irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
                   ParsePropInAttrDict())
-  assembly_format = ("$g `,` $x (`weight` $weight^ `:` type($weight))? attr-dict `:` type($g) `,` type($x) "
-                     "`->` type($dx) (`dweight` type($dweight)^)? (`dbias` type($dbias)^)?")
+  assembly_format = ("$g `,` $x (`weight` $weight^ `:` type($weight))? (`residual` $residual^ `:` type($residual))? "
+                     "attr-dict `:` type($g) `,` type($x) `->` type($dx) (`dweight` type($dweight)^)? "
+                     "(`dbias` type($dbias)^)?")
 
 
 @irdl_op_definition
@@ -1137,7 +1158,8 @@ class FlashAttentionLseBackwardOp(MultiResultOp):
 class AdamwOp(MultiResultOp):
   """AdamW's step on n parameters at once (PyTorch's update, decoupled weight decay), as `ops.adamw_` documents it.
 
-  Operands `xs`: n params, n grads, n exp_avgs, n exp_avg_sqs, n steps (0-d float64), then lr (0-d float64).
+  Operands `xs`: n params, n grads, n exp_avgs, n exp_avg_sqs, n steps (0-d float64), then lr (0-d float64), and
+  with `clip` a 0-d float32 factor each gradient is multiplied by as it is read (passes/fuse_norms.py).
   Results `outs`: n new params, n new exp_avgs, n new exp_avg_sqs, n new steps, in the operands' types."""
   name = "nova.adamw"
   xs = var_operand_def(TENSOR)
@@ -1147,9 +1169,10 @@ class AdamwOp(MultiResultOp):
   beta2 = prop_def(FLOAT)
   eps = prop_def(FLOAT)
   weight_decay = prop_def(FLOAT)
+  clip = opt_prop_def(BOOL | NONE)
 
   def updated_operands(self) -> list[int]:
-    """The operand each result is the new value of: params, exp_avgs, exp_avg_sqs and steps (not grads, not lr)."""
+    """The operand each result is the new value of: params, exp_avgs, exp_avg_sqs and steps (not grads, lr, clip)."""
     n = len(self.outs) // 4
     return [*range(n), *range(2 * n, 5 * n)]
 
@@ -1254,9 +1277,9 @@ Nova = Dialect("nova", [
   LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
   IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp, LogSoftmaxOp,
-  LayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp,
-  CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp,
-  AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
+  LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp,
+  CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp,
+  FlashAttentionLseBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations

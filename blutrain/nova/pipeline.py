@@ -7,9 +7,10 @@ cse only swaps for identical ones). With a dump directory every stage is written
 `01-canonicalize.mlir`, `02-fold.mlir`, ...
 
 `compile_graph` then rematerializes activations (`remat.rematerialize`, dumped as `NN-remat.mlir` and `remat.txt`),
-fuses pointwise groups (`passes.fuse_pointwise`, dumped as `NN-fuse-pointwise.mlir`; after remat, whose cost model
-and clones are per primitive, so that recomputed ops fuse with their readers) and plans the memory of what is left
-(`memory.plan`, dumped as `memory-plan.txt`).
+fuses residual adds into the layer norms (fuse-norms, `NN-fuse-norms.mlir`; after remat, which recomputes the norms'
+single results), then pointwise groups (`passes.fuse_pointwise`, dumped as `NN-fuse-pointwise.mlir`; after remat,
+whose cost model and clones are per primitive, so that recomputed ops fuse with their readers) and plans the memory of
+what is left (`memory.plan`, dumped as `memory-plan.txt`).
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.memory import MemoryPlan, plan as plan_memory, reused_in_place, updated_in_place
-from blutrain.nova.passes import (CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, FusePointwisePass,
-                                  NovaPass)
+from blutrain.nova.passes import (CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, FuseNormsPass,
+                                  FusePointwisePass, NovaPass)
 from blutrain.nova.remat import RematReport, rematerialize
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
@@ -82,6 +83,16 @@ def _optimize(module: ModuleOp, dump: _Dumper, verify: bool) -> ModuleOp:
   return module
 
 
+def _fuse_norms(module: ModuleOp, report: RematReport | None, written: dict[int, int] | None) -> ModuleOp:
+  """The module with fuse-norms applied. A fused norm makes its sum and its output at once, which can hold one more
+  activation at the peak: under a memory budget the fusion is kept only when the arena remat planned does not grow."""
+  if report is None or report.budget is None:
+    FuseNormsPass().run(module)
+    return module
+  fused = module.clone()
+  return fused if FuseNormsPass().run(fused) and plan_memory(fused, written).arena <= report.arena_after else module
+
+
 @dataclass(eq=False)
 class CompiledGraph:
   """A graph compiled for a target (`codegen.TARGETS`): `fn(*arrays) -> tuple of arrays`, with what it took.
@@ -90,7 +101,8 @@ class CompiledGraph:
     source: the generated Python source of `fn`.
     fn: the compiled step.
     module: the optimized nova module `source` was generated from.
-    counts_before, counts_after: op counts of the captured and the optimized IR.
+    counts_before, counts_after: op counts of the captured and the optimized IR (before remat and fuse-norms;
+      `op_counts(module)` counts the final one).
     memory: the static memory plan of the optimized module's intermediates (`memory.plan`).
     remat: what rematerialization recomputed and kept (`remat.rematerialize`); None when it was turned off.
     timings: seconds per phase (build, optimize, remat, fuse, plan, codegen, load).
@@ -124,8 +136,8 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
       until the plan fits (see `remat`). None: only the cheap recomputation of the default.
     remat: recompute activations in the backward (default: on, unless `BLUTRAIN_NOVA_REMAT=0`).
     target: "cpu" or "cuda" (`codegen.TARGETS`).
-    fuse: fuse pointwise groups into synthesized kernels (default: on, unless `BLUTRAIN_NOVA_FUSE=0`); on the CPU a
-      group runs its ops one by one, as eagerly.
+    fuse: run the fusion passes after remat, fuse-norms and fuse-pointwise (default: on, unless
+      `BLUTRAIN_NOVA_FUSE=0`); on the CPU a pointwise group runs its ops one by one, as eagerly.
   """
   dump_dir = dump_dir or os.environ.get("BLUTRAIN_DUMP_IR") or None
   verify = os.environ.get("BLUTRAIN_NOVA_VERIFY") == "1" if verify is None else verify
@@ -154,6 +166,9 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
     if dump_dir: (Path(dump_dir) / "remat.txt").write_text(report.report())
   lap("remat")
   if fuse:
+    module = _fuse_norms(module, report, written)
+    if verify: module.verify()
+    dump("fuse-norms", module)
     FusePointwisePass().run(module)
     if verify: module.verify()
     dump(FusePointwisePass.name, module)

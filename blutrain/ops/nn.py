@@ -50,24 +50,42 @@ def _layer_norm_rule(x, w, b, n, eps, dtype=None):
 
 
 def _layer_norm_vjp(g, out, x, w, b, n, eps, dtype=None):
-  dx, dw, db = layer_norm_backward_op(g, x, w, n=n, eps=eps, has_bias=b is not None)
+  dx, dw, db = layer_norm_backward_op(g, x, w, None, n=n, eps=eps, has_bias=b is not None)
   return dx, dw if w is None else dw.to(w.dtype), db if b is None else db.to(b.dtype)
 
 
-def _layer_norm_backward_rule(g, x, w, n, eps, has_bias):
+def _layer_norm_backward_rule(g, x, w, residual=None, *, n, eps, has_bias):
+  if residual is not None and residual.shape != x.shape:
+    raise ShapeError(f"layer_norm_backward: residual gradient of shape {residual.shape} does not match input {x.shape}")
   params = x.shape[x.ndim - n:], x.dtype
   return [(x.shape, x.dtype), params if w is not None else None, params if has_bias else None]
 
 
 # dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) with gw = g w, dw = sum(g xhat), db = sum(g) over the leading dims,
 # xhat = (x - mean) rstd. One kernel computes all three: the outputs are dx, dw (None without a weight) and db (None
-# unless has_bias), all in x's dtype.
+# unless has_bias), all in x's dtype. With a `residual` gradient (x's shape, read as float32) dx is residual + dx:
+# Nova folds the residual stream's gradient accumulation into the kernel (passes/fuse_norms.py).
 layer_norm_backward_op = op("layer_norm_backward", _layer_norm_backward_rule, multi=True,
-                            inputs="g x ?weight", attrs="n:int eps:float has_bias:bool")
+                            inputs="g x ?weight ?residual", attrs="n:int eps:float has_bias:bool")
 # The output comes in `dtype` (absent: x's); the kernels compute in float32, so Nova folds autocast's cast of the
 # output down for the next matmul into the op (passes/fuse_casts.py).
 layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1),
                    inputs="x ?weight ?bias", attrs="n:int eps:float dtype:dtype?")
+
+
+def _add_layer_norm_rule(x, y, w, b, n, eps, dtype=None):
+  if x.shape != y.shape: raise ShapeError(f"add_layer_norm: y of shape {y.shape} does not match x of shape {x.shape}")
+  if x.dtype is not dtypes.float32 or y.dtype not in (dtypes.float32, dtypes.bfloat16, dtypes.float16):
+    raise DTypeError(f"add_layer_norm: expected a float32 x and a float32, bfloat16 or float16 y, got {x.dtype.name} "
+                     f"and {y.dtype.name}")
+  return [(x.shape, x.dtype), _layer_norm_rule(x, w, b, n, eps, dtype)]
+
+
+# (h, layer_norm(h)) with h = x + y in float32 (y may be a half, read as float32), in one kernel: Nova fuses a
+# residual add with the norm that reads it when both are used later (passes/fuse_norms.py). It has no VJP: the pass
+# makes it after autodiff.
+add_layer_norm_op = op("add_layer_norm", _add_layer_norm_rule, multi=True, inputs="x y ?weight ?bias",
+                       attrs="n:int eps:float dtype:dtype?")
 
 
 def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,

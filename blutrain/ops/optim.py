@@ -23,9 +23,12 @@ def _dense_floats(name: str, xs: Sequence) -> None:
                       f"{x.device} (first: {xs[0].dtype.name} on {xs[0].device})")
 
 
-def _adamw_rule(*xs, n, beta1, beta2, eps, weight_decay):
+def _adamw_rule(*xs, n, beta1, beta2, eps, weight_decay, clip=None):
   params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
-  if len(xs) != 5 * n + 1: raise ValueError(f"adamw: expected 5 * {n} tensors and the learning rate, got {len(xs)}")
+  if len(xs) != 5 * n + 1 + bool(clip):
+    raise ValueError(f"adamw: expected 5 * {n} tensors, the learning rate{' and the clip factor' if clip else ''}, "
+                     f"got {len(xs)}")
+  if clip: _scale_rule(*grads, xs[-1])
   _dense_floats("adamw", [*params, *grads])
   for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
     if not (p.shape == g.shape == m.shape == v.shape) or not (p.dtype is m.dtype is v.dtype) or \
@@ -36,8 +39,11 @@ def _adamw_rule(*xs, n, beta1, beta2, eps, weight_decay):
   return [(t.shape, t.dtype) for t in (*params, *exp_avgs, *exp_avg_sqs, *steps)]
 
 
+# With `clip` a last operand, a 0-d float32 factor, scales each gradient as it is read (rounded to the gradient's dtype,
+# as `scale` stores it): Nova folds clip_grad_norm_'s scale into the update when the scaled gradients are read by
+# nothing else (passes/fuse_norms.py).
 adamw_op = op("adamw", _adamw_rule, multi=True, inputs="*xs",
-              attrs="n:int beta1:float beta2:float eps:float weight_decay:float")
+              attrs="n:int beta1:float beta2:float eps:float weight_decay:float clip:bool?")
 
 
 def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

@@ -138,7 +138,7 @@ def test_layer_norm_casts_fold_and_compute_the_same_bits(affine):
   w, bias = (b.input((32,)), b.input((32,))) if affine else (None, None)
   y = b("layer_norm", x, w, bias, n=1, eps=1e-5)
   h = b("cast", y, dtype=dtypes.bfloat16)
-  grads = b("layer_norm_backward", b("cast", g, dtype=dtypes.float32), x, w, n=1, eps=1e-5, has_bias=affine)
+  grads = b("layer_norm_backward", b("cast", g, dtype=dtypes.float32), x, w, None, n=1, eps=1e-5, has_bias=affine)
   graph = b.output(h, *(v for v in grads if v is not None))
   plain, fused = ir.to_module(graph), ir.to_module(graph)
   for p in (FuseCastsPass(), DCEPass()): p.run(fused)

@@ -20,7 +20,7 @@ def _kernel(g, x, w, n, eps, has_bias):
 def _graph(weight: bool, has_bias: bool, keep=(0, 1, 2)):
   b = Builder()
   g, x, w = b.input((3, 4)), b.input((3, 4)), b.input((4,))
-  results = b("layer_norm_backward", g, x, w if weight else None, n=1, eps=1e-5, has_bias=has_bias)
+  results = b("layer_norm_backward", g, x, w if weight else None, None, n=1, eps=1e-5, has_bias=has_bias)
   return b.output(*(v for i, v in enumerate(results) if v is not None and i in keep))
 
 
@@ -62,6 +62,6 @@ def test_compiled_equals_the_kernel(weight, has_bias):
 def test_an_unused_result_keeps_the_op_and_is_freed():
   compiled = compile_graph(_graph(True, True, keep=(1,)), verify=True)
   assert compiled.counts_after == {"layer_norm_backward": 1}
-  assert "  v3, v4, v5 = kernels[\"layer_norm_backward\"](a0, a1, a2, n=1, eps=1e-05, has_bias=True)\n" \
+  assert "  v3, v4, v5 = kernels[\"layer_norm_backward\"](a0, a1, a2, None, n=1, eps=1e-05, has_bias=True)\n" \
          "  v3, v4, v5 = np.asarray(v3, float32), np.asarray(v4, float32), np.asarray(v5, float32)\n" \
          "  del a0, a1, a2, v3, v5\n" in compiled.source

@@ -115,7 +115,7 @@ def test_the_dump_holds_the_remat_report_and_ir(tmp_path):
   for name in info["remat"]["recomputed"] + info["remat"]["saved"]: assert f"  {name} " in text
   assert " = gelu  frees " in text, "the default recomputes GELU outputs"
   dumped = sorted(p.name for p in next((tmp_path / "ir").iterdir()).glob("*.mlir"))
-  assert dumped[-1].endswith("-remat.mlir") and len(dumped) >= 3
+  assert dumped[-1].endswith("-remat.mlir") and len(dumped) >= 3  # the fusion passes after it are off here
 
 
 def _forward_backward(b: Builder, x, weight, rng, acts_kinds, reads):

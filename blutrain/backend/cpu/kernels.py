@@ -157,13 +157,19 @@ def _layer_norm(x, w, b, n, eps, dtype=None):
   return out
 
 
-def _layer_norm_backward(g, x, w, n, eps, has_bias):
+def _add_layer_norm(x, y, w, b, n, eps, dtype=None):
+  h = (x + y).astype(x.dtype, copy=False)
+  return h, _layer_norm(h, w, b, n, eps)
+
+
+def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias):
   axes, batch = tuple(range(x.ndim - n, x.ndim)), tuple(range(x.ndim - n))
   xc = x - x.mean(axis=axes, keepdims=True)
   rstd = 1 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + eps)
   xhat = xc * rstd
   gw = g if w is None else g * w
   dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
+  if residual is not None: dx = residual + dx.astype(x.dtype, copy=False)
   dw = None if w is None else (g * xhat).sum(axis=batch).astype(x.dtype, copy=False)
   return dx.astype(x.dtype, copy=False), dw, g.sum(axis=batch).astype(x.dtype, copy=False) if has_bias else None
 
@@ -369,7 +375,7 @@ kernels = {
   "embedding_backward": _embedding_backward,
   # linear algebra, normalization, losses
   "matmul": _matmul, "conv": _conv, "conv_grad_input": _conv_grad_input, "conv_grad_weight": _conv_grad_weight,
-  "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm,
+  "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm, "add_layer_norm": _add_layer_norm,
   "layer_norm_backward": _layer_norm_backward,
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
@@ -427,15 +433,17 @@ def _store(out, i: int, value: np.ndarray, like: np.ndarray) -> np.ndarray:
   return out[i]
 
 
-def _adamw(*xs, n, beta1, beta2, eps, weight_decay, out=None):
-  """AdamW over n tensors: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr. The float32 operations and
-  their order are the CUDA kernel's (blutrain/backend/cuda/kernels/optim.py) and PyTorch's; steps are float64."""
+def _adamw(*xs, n, beta1, beta2, eps, weight_decay, clip=None, out=None):
+  """AdamW over n tensors: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr (and with `clip` a factor each
+  gradient is scaled by as `_scale` scales it). The float32 operations and their order are the CUDA kernel's
+  (blutrain/backend/cuda/kernels/optim.py) and PyTorch's; steps are float64."""
   f32, lr = np.float32, float(xs[5 * n])
   params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
   results: list[list] = [[], [], [], []]
   for i, (p0, g0, m0, v0, s0) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
     step = s0 + 1.0
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    if clip: g0 = (g0.astype(f32) * xs[-1].astype(f32)).astype(g0.dtype)  # as _scale stores it
     p, g, m, v = (a.astype(f32) for a in (p0, g0, m0, v0))
     if weight_decay != 0: p = p * f32(1 - lr * weight_decay)
     m = m + f32(1 - beta1) * (g - m)

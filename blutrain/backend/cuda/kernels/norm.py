@@ -1,9 +1,13 @@
-"""Row kernels: softmax and log_softmax along any dim, layer_norm over the trailing dims.
+"""Row kernels: softmax and log_softmax along any dim, layer_norm over the trailing dims (also fused with the residual
+add before it, and its backward with the residual gradient's add after it: Nova's fuse-norms pass).
 
 A row that fits a tile (up to 8192 elements) is loaded once and normalized in registers. A longer row takes two
 passes: the first keeps per-lane running statistics (online max and rescaled sum of exponentials for softmax; Welford
 mean and M2 for layer_norm) that are combined across lanes once at the end, the second writes the output. Statistics
 are float32 (float64 for float64 inputs).
+
+layer_norm's backward leaves per-program column sums of dw and db (float32) that one small kernel sums into dw and db;
+how many rows a program takes is `configurator.norm_backward_rows`.
 """
 from __future__ import annotations
 
@@ -17,12 +21,10 @@ from blutrain import dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, collapse, empty, max_nan, needs_i64,
-                                           ptr, run, spec, sqrt_rn, strided, view)
+                                           ptr, run, spec, sqrt_rn, strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
-from blutrain.backend.cuda.kernels.elementwise import launch
-from blutrain.backend.cuda.kernels.reduce import reduce
-from blutrain.configurator import row_schedule
+from blutrain.configurator import norm_backward_rows, row_schedule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
 
@@ -127,12 +129,14 @@ def _row_moments(x, m_off, m_mask, N, eps, ACC: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _layer_norm_kernel(out, x, w, b, M, N, eps,
+def _layer_norm_kernel(out, h, x, addend, w, b, M, N, eps,
                        m_size1, m_size2, m_size3, m_size4,
                        x_m_stride0, x_m_stride1, x_m_stride2, x_m_stride3, x_m_stride4,
                        ACC: tl.constexpr, M_DIMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
-  """(x - mean) / sqrt(var + eps) * w + b over rows of N contiguous elements (x at m_off + n, out at m * N + n)."""
+                       ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                       IDX64: tl.constexpr):
+  """(x - mean) / sqrt(var + eps) * w + b over rows of N contiguous elements (x at m_off + n, out at m * N + n). With
+  ADD the rows are h = x + addend (at x's offsets, both read as ACC), stored at m * N + n and normalized as stored."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
@@ -144,6 +148,10 @@ def _layer_norm_kernel(out, x, w, b, M, N, eps,
     ns = tl.arange(0, BLOCK_N)
     mask = m_mask[:, None] & (ns < N)[None, :]
     v = tl.load(x + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)
+    if ADD:
+      v = (v + tl.load(addend + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)).to(h.dtype.element_ty)
+      tl.store(h + ms[:, None] * N + ns[None, :], v, mask=mask)
+      v = v.to(ACC)
     mean = tl.sum(v, axis=1) / N
     xc = tl.where(mask, v - mean[:, None], 0.0)
     rstd = 1.0 / sqrt_rn(tl.sum(xc * xc, axis=1) / N + eps)
@@ -154,6 +162,16 @@ def _layer_norm_kernel(out, x, w, b, M, N, eps,
       y = y + tl.load(b + ns, mask=ns < N).to(ACC)[None, :]
     tl.store(out + ms[:, None] * N + ns[None, :], y.to(out.dtype.element_ty), mask=mask)
   else:
+    if ADD:  # the sum first, then the two passes over it as stored (the program's threads see their own stores)
+      for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        mask = m_mask[:, None] & (ns < N)[None, :]
+        v = tl.load(x + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)
+        v += tl.load(addend + m_off[:, None] + ns[None, :], mask=mask, other=0).to(ACC)
+        tl.store(h + ms[:, None] * N + ns[None, :], v.to(h.dtype.element_ty), mask=mask)
+      tl.debug_barrier()
+      x = h
+      m_off = ms * N
     mean, rstd = _row_moments(x, m_off, m_mask, N, eps, ACC, BLOCK_M, BLOCK_N)
     for n0 in range(0, N, BLOCK_N):
       ns = n0 + tl.arange(0, BLOCK_N)
@@ -189,12 +207,27 @@ def _add_partial(ptr, value, mask, first):
 
 
 @triton.jit
-def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, M, N, eps, ROWS, ACC: tl.constexpr, HAS_W: tl.constexpr,
-                                HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
-  """dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), gw = g w, over rows of N contiguous elements (g, x, dx), and this
-  program's column sums of g xhat and g (dw's and db's partial sums) into row pid of dw_part and db_part. Program pid
-  takes rows [pid ROWS, (pid + 1) ROWS) in tiles of BLOCK_M rows; the stats are recomputed from x."""
+def _dx(dx, r, off, mask, v, ACC: tl.constexpr, HAS_R: tl.constexpr):
+  """Store dx = v, or r + v (r read as ACC) by PTX's add.rn: an add with its rounding mode given is never contracted
+  with the multiply that made v into an FMA (libdevice's add_rn would flush subnormals), so the sum is the one the
+  separate add kernel computes."""
+  if HAS_R:
+    rv = tl.load(r + off, mask=mask, other=0).to(ACC)
+    if ACC == tl.float64:
+      v = tl.inline_asm_elementwise("add.rn.f64 $0, $1, $2;", "=d,d,d", [rv, v], dtype=tl.float64, is_pure=True, pack=1)
+    else:
+      v = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [rv, v], dtype=tl.float32, is_pure=True, pack=1)
+  tl.store(dx + off, v.to(dx.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, r, M, N, eps, ROWS, ACC: tl.constexpr,
+                                HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
+  """dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), gw = g w (plus the residual gradient r when HAS_R), over rows of
+  N contiguous elements (g, x, r, dx), and this program's column sums of g xhat and g (dw's and db's partial sums)
+  into row pid of dw_part and db_part. Program pid takes rows [pid ROWS, (pid + 1) ROWS) in tiles of BLOCK_M rows;
+  the stats are recomputed from x."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
@@ -218,7 +251,7 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, M, N, eps, ROWS, 
       gw = gv * wv[None, :] if HAS_W else gv
       c1 = tl.sum(gw, axis=1) / N
       c2 = tl.sum(gw * xhat, axis=1) / N
-      tl.store(dx + off, ((gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]).to(dx.dtype.element_ty), mask=mask)
+      _dx(dx, r, off, mask, (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None], ACC, HAS_R)
       dw_acc += tl.sum(gv * xhat, axis=0)
       db_acc += tl.sum(gv, axis=0)
     if HAS_W:
@@ -240,14 +273,39 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, M, N, eps, ROWS, 
       c2s = tl.sum(c2, axis=1) / N
       for n0 in range(0, N, BLOCK_N):
         ns, mask, off, xhat, gv, gw = _backward_tile(g, x, w, ms, m_mask, n0, N, mean, rstd, ACC, HAS_W, BLOCK_N)
-        tl.store(dx + off, ((gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None]).to(dx.dtype.element_ty),
-                 mask=mask)
+        _dx(dx, r, off, mask, (gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None], ACC, HAS_R)
         first = m0 == pid * ROWS  # the partial rows start at this program's first row, so nothing is read back
         tl.debug_barrier()  # the threads that read a partial sum back need not be the ones that stored it
         if HAS_W:
           _add_partial(dw_part + pid * N + ns, tl.sum(gv * xhat, axis=0), ns < N, first)
         if HAS_B:
           _add_partial(db_part + pid * N + ns, tl.sum(gv, axis=0), ns < N, first)
+
+
+@triton.jit
+def _column_sums(out, part, P, N, ns, n_mask, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+  """out[ns] = the sum of the P rows of N at part, columns ns, in out's dtype."""
+  acc = tl.zeros([BLOCK_P, BLOCK_N], part.dtype.element_ty)
+  for p0 in range(0, P, BLOCK_P):
+    ps = p0 + tl.arange(0, BLOCK_P)
+    acc += tl.load(part + ps[:, None] * N + ns[None, :], mask=(ps < P)[:, None] & n_mask[None, :], other=0)
+  tl.store(out + ns, tl.sum(acc, axis=0).to(out.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _param_grads_kernel(dw, db, parts, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+  """dw and db (in their dtypes) as the column sums of their P partial rows of N, dw's at parts and db's after them;
+  program pid takes columns [pid BLOCK_N, (pid + 1) BLOCK_N)."""
+  ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+  n_mask = ns < N
+  if HAS_W:
+    _column_sums(dw, parts, P, N, ns, n_mask, BLOCK_P, BLOCK_N)
+  if HAS_B:
+    _column_sums(db, parts + P * N, P, N, ns, n_mask, BLOCK_P, BLOCK_N)
+
+
+PARAM_BLOCK_P, PARAM_BLOCK_N = 32, 64  # the partial sums' reduction: 2048-element tiles, 4 warps, N / 64 programs
 
 
 def stats_dtype(dtype: DType) -> DType:
@@ -284,16 +342,16 @@ def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
 
 @functools.lru_cache(maxsize=4096)
 def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: int, N: int, i64: bool,
-                    out: DType | None = None):
+                    out: DType | None = None, y: DType | None = None):
   """The layer-norm kernel's variant for M rows of N (w, b: the dtypes of the weight and bias, None when absent; out:
-  the output's, default x's)."""
+  the output's, default x's; y: the added operand's of add_layer_norm, None for a plain layer norm)."""
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
-  sig = {"out": ptr(out or x), "x": ptr(x), "w": ptr(w or x), "b": ptr(b or x), "M": it, "N": it,
-         "eps": "fp64" if x is dtypes.float64 else "fp32", **{k: it for k in axis_params("m", "x")}}
+  sig = {"out": ptr(out or x), "h": ptr(x), "x": ptr(x), "addend": ptr(y or x), "w": ptr(w or x), "b": ptr(b or x),
+         "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", **{k: it for k in axis_params("m", "x")}}
   return spec(_layer_norm_kernel, sig, dict(ACC=TL[stats_dtype(x)], M_DIMS=m_dims, HAS_W=w is not None,
-                                            HAS_B=b is not None, BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64),
-              num_warps=warps)
+                                            HAS_B=b is not None, ADD=y is not None, BLOCK_M=bm, BLOCK_N=bn,
+                                            ONE_PASS=one, IDX64=i64), num_warps=warps)
 
 
 def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float, dtype=None) -> CudaArray:
@@ -309,26 +367,49 @@ def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, e
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   i64 = needs_i64(x.shape, x.strides)
   s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64, out.dtype)
-  run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N, float(eps),
-      *axis_args(kshape, kst))
+  run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, x.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N,
+      float(eps), *axis_args(kshape, kst))
   return out
 
 
+def add_layer_norm(x: CudaArray, y: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float,
+                   dtype=None) -> tuple[CudaArray, CudaArray]:
+  """(h, layer_norm(h)) with h = x + y (float32, y read as float32), new arrays, in one kernel."""
+  h, out = empty(x.shape, x.dtype, x.device), empty(x.shape, dtype or x.dtype, x.device)
+  if out.size == 0: return h, out
+  x, y, w, b = (p if p is None or p.is_contiguous() else copy(p) for p in (x, y, w, b))
+  M, N = math.prod(x.shape[:x.ndim - n]), math.prod(x.shape[x.ndim - n:])
+  i64 = needs_i64(x.shape, x.strides)
+  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, 1, M, N, i64, out.dtype, y.dtype)
+  run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, h.ptr, x.ptr, y.ptr, (w or x).ptr, (b or x).ptr, M, N,
+      float(eps), *axis_args((M,), (N,)))
+  return h, out
+
+
 @functools.lru_cache(maxsize=4096)
-def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool):
+def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r: DType | None = None):
+  """The layer-norm backward kernel's variant for M rows of N (r: the residual gradient's dtype, None without)."""
   bm, bn, warps, one = row_schedule(M, N)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
-  sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x), "M": it,
-         "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
-  return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[stats_dtype(x)], HAS_W=w is not None, HAS_B=has_b, BLOCK_M=bm,
-                                                     BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
+  sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x),
+         "r": ptr(r or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
+  return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[acc], HAS_W=w is not None, HAS_B=has_b, HAS_R=r is not None,
+                                                     BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
 
 
-def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int, eps: float,
-                        has_bias: bool) -> tuple[CudaArray, ...]:
-  """(dx, dw, db) of layer_norm over x's last n dims (dw None without w, db None unless has_bias), new arrays.
-  Programs take equal runs of rows (about 4 per SM) and leave per-program column sums of dw and db, summed by a
-  second kernel."""
+@functools.lru_cache(maxsize=256)
+def param_grads_spec(acc: DType, dw: DType | None, db: DType | None):
+  """The kernel summing the backward's partial rows into dw and db (their dtypes, None when absent)."""
+  sig = {"dw": ptr(dw or acc), "db": ptr(db or acc), "parts": ptr(acc), "P": "i32", "N": "i32"}
+  return spec(_param_grads_kernel, sig, dict(HAS_W=dw is not None, HAS_B=db is not None, BLOCK_P=PARAM_BLOCK_P,
+                                             BLOCK_N=PARAM_BLOCK_N), num_warps=4)
+
+
+def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residual: CudaArray | None = None, *, n: int,
+                        eps: float, has_bias: bool) -> tuple[CudaArray, ...]:
+  """(dx, dw, db) of layer_norm over x's last n dims (dw None without w, db None unless has_bias), new arrays; with
+  a residual gradient dx is residual + dx. Programs take equal runs of rows (`configurator.norm_backward_rows`) and
+  leave per-program column sums of dw and db, which a second kernel sums into dw and db."""
   lead = x.ndim - n
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   dx = empty(x.shape, x.dtype, x.device)
@@ -337,18 +418,18 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, n: int,
   if M * N == 0:
     for p in params: fill(p, 0)
     return grads
-  g, x, w = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w))
-  s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides))
-  bm = s[2]["BLOCK_M"]
-  rows = cdiv(cdiv(M, bm), 4 * runtime.hardware(x.device).sms) * bm
+  g, x, w, r = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w, residual))
+  s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides),
+                               r and r.dtype)
+  rows = norm_backward_rows(M, s[2]["BLOCK_M"], runtime.hardware(x.device).sms)
   programs = cdiv(M, rows)
   parts = empty((2, programs, N), stats_dtype(x.dtype), x.device)
   run(s, (programs,), dx.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
-      (w or x).ptr, M, N, float(eps), rows)
-  for i, p in enumerate(params):  # dw then db
-    total = reduce(view(parts, (programs, N), (N, 1), (i + (w is None)) * programs * N), (0,), False, "sum",
-                    parts.dtype)
-    launch("copy", view(p, (N,), (1,)), total)
+      (w or x).ptr, (r or x).ptr, M, N, float(eps), rows)
+  if params:
+    dw, db = grads[1], grads[2]
+    run(param_grads_spec(parts.dtype, dw and dw.dtype, db and db.dtype), (cdiv(N, PARAM_BLOCK_N),),
+        (dw or parts).ptr, (db or parts).ptr, parts.ptr, programs, N)
   return grads
 
 
@@ -356,6 +437,7 @@ KERNELS = {
   "softmax": lambda x, dim: _softmax(x, dim, False),
   "log_softmax": lambda x, dim: _softmax(x, dim, True),
   "layer_norm": layer_norm,
+  "add_layer_norm": add_layer_norm,
   "layer_norm_backward": layer_norm_backward,
 }
 
@@ -374,7 +456,15 @@ def _specs() -> list:
           layer_norm_backward_spec(f32, f32, f32, True, 1 << 14, 768, False),
           layer_norm_backward_spec(bf16, bf16, bf16, False, 1000, 20000, False),
           layer_norm_backward_spec(f64, f64, None, True, 10, 64, True),
-          layer_norm_backward_spec(f32, f32, None, False, 10, 100000, False)]
+          layer_norm_backward_spec(f32, f32, None, False, 10, 100000, False),
+          # fuse-norms: the residual add + norm (one-pass and two-pass rows), the backward adding a residual gradient
+          layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False, f32, f32),
+          layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False, bf16, bf16),
+          layer_norm_spec(f32, None, f32, 1, 10, 100000, False, f32, dtypes.float16),
+          layer_norm_backward_spec(f32, f32, f32, True, 1 << 14, 768, False, f32),
+          layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, bf16),
+          layer_norm_backward_spec(f32, f32, f32, False, 10, 100000, False, f32),
+          param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64)]
   return out
 
 

@@ -42,11 +42,13 @@ def _steps_kernel(table, T, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(table, chunks, lr_bits, lr_ptr, beta1_bits, beta2_bits, wd_bits, one_minus_beta1, beta2,
+def _adamw_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, beta1_bits, beta2_bits, wd_bits, one_minus_beta1, beta2,
                   one_minus_beta2, eps, P: tl.constexpr, G: tl.constexpr, DECAY: tl.constexpr, LR_PTR: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  CLIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
   """AdamW over one chunk; the learning rate is lr_bits (a float64's bits) or, with LR_PTR, read from lr_ptr, so that
-  a replayed CUDA graph reads the learning rate of each step."""
+  a replayed CUDA graph reads the learning rate of each step. With CLIP each gradient is multiplied by the float32 at
+  clip_ptr as it is read and rounded to G, as the scale kernel stores it: by PTX's mul.rn, which is never contracted
+  with the subtraction after it into an FMA (libdevice's mul_rn would flush subnormals)."""
   pid = tl.program_id(0)
   t = tl.load(chunks + 2 * pid)
   start = tl.load(chunks + 2 * pid + 1)
@@ -65,12 +67,17 @@ def _adamw_kernel(table, chunks, lr_bits, lr_ptr, beta1_bits, beta2_bits, wd_bit
   bc1 = 1.0 - libdevice.pow(beta1_bits.to(tl.float64, bitcast=True), step)
   bc2 = 1.0 - libdevice.pow(beta2_bits.to(tl.float64, bitcast=True), step)
   step_size = (-lr / bc1).to(tl.float32)
+  if CLIP:
+    clip = tl.load(clip_ptr)
   bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
     mask = i < end
     p = tl.load(p_ptr + i, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + i, mask=mask).to(tl.float32)
+    if CLIP:
+      g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, tl.broadcast_to(clip, g.shape)],
+                                    dtype=tl.float32, is_pure=True, pack=1).to(G).to(tl.float32)
     m = tl.load(m_ptr + i, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + i, mask=mask).to(tl.float32)
     if DECAY:
@@ -85,11 +92,12 @@ def _adamw_kernel(table, chunks, lr_bits, lr_ptr, beta1_bits, beta2_bits, wd_bit
 
 
 @functools.lru_cache(maxsize=4096)
-def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False):
-  sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "beta1_bits": "i64", "beta2_bits": "i64",
-         "wd_bits": "i64", "one_minus_beta1": "fp32", "beta2": "fp32", "one_minus_beta2": "fp32", "eps": "fp32"}
-  return spec(_adamw_kernel, sig, dict(P=TL[param], G=TL[grad], DECAY=decay, LR_PTR=lr_on_device, CHUNK=CHUNK,
-                                       BLOCK=4096), num_warps=8)
+def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False, clip: bool = False):
+  sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "clip_ptr": "*fp32",
+         "beta1_bits": "i64", "beta2_bits": "i64", "wd_bits": "i64", "one_minus_beta1": "fp32", "beta2": "fp32",
+         "one_minus_beta2": "fp32", "eps": "fp32"}
+  return spec(_adamw_kernel, sig, dict(P=TL[param], G=TL[grad], DECAY=decay, LR_PTR=lr_on_device, CLIP=clip,
+                                       CHUNK=CHUNK, BLOCK=4096), num_warps=8)
 
 
 _STEPS = spec(_steps_kernel, {"table": "*i64", "T": "i32"}, dict(BLOCK=256))
@@ -113,12 +121,13 @@ def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, Cu
 
 def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[CudaArray], exp_avg_sqs: list[CudaArray],
                 steps: list[CudaArray], lr: float | CudaArray, beta1: float, beta2: float, eps: float,
-                weight_decay: float) -> None:
+                weight_decay: float, clip: CudaArray | None = None) -> None:
   """AdamW on every (param, grad, exp_avg, exp_avg_sq, step) in place: steps (0-d float64) are incremented first.
   Params and moments share a floating dtype and are contiguous; grads may have another floating dtype and any layout
   (a strided one is read through a contiguous copy). One launch per (param dtype, grad dtype) group, plus one that
   increments the steps. `lr` is a number, or a 0-d float64 device array read by the kernel (no host sync: a CUDA graph
-  captures the read, not the value)."""
+  captures the read, not the value). `clip`, a float32 device array of one element, scales every gradient as it is
+  read (clip_grad_norm_'s factor, folded by Nova)."""
   groups: dict[tuple, list[tuple[int, ...]]] = {}
   grads = [g if g.is_contiguous() else copy(g) for g in grads]
   for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
@@ -132,8 +141,9 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
   for (pd, gd, device), rows in groups.items():
     table, chunks = _tables_for(rows, device)
     run(_STEPS, (1,), table, len(rows))
-    run(adamw_spec(pd, gd, weight_decay != 0, on_device), (chunks.shape[0],), table, chunks,
-        0 if on_device else f64_bits(lr), lr.ptr if on_device else 0, f64_bits(beta1), f64_bits(beta2),
+    run(adamw_spec(pd, gd, weight_decay != 0, on_device, clip is not None), (chunks.shape[0],), table, chunks,
+        0 if on_device else f64_bits(lr), lr.ptr if on_device else 0, 0 if clip is None else clip.ptr,
+        f64_bits(beta1), f64_bits(beta2),
         f64_bits(weight_decay), float(np.float32(1 - beta1)), float(np.float32(beta2)), float(np.float32(1 - beta2)),
         float(np.float32(eps)))
 
@@ -217,14 +227,16 @@ def _into(xs, out) -> list[CudaArray]:
   return list(out)
 
 
-def adamw(*xs, n: int, beta1: float, beta2: float, eps: float, weight_decay: float, out=None) -> tuple:
-  """The `adamw` op: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr; returns (or updates in `out`)
-  params, exp_avgs, exp_avg_sqs and steps, by `fused_adamw`."""
+def adamw(*xs, n: int, beta1: float, beta2: float, eps: float, weight_decay: float, clip: bool | None = None,
+          out=None) -> tuple:
+  """The `adamw` op: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr (and with `clip` the gradients'
+  factor); returns (or updates in `out`) params, exp_avgs, exp_avg_sqs and steps, by `fused_adamw`."""
   params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
   updated = _into([*params, *exp_avgs, *exp_avg_sqs, *steps], out)
   p, m, v, s = (updated[k * n:(k + 1) * n] for k in range(4))
   lr = xs[5 * n]  # a CPU scalar by value, a device scalar (a learning-rate tensor) read by the kernel
-  fused_adamw(p, list(grads), m, v, s, float(lr) if isinstance(lr, np.ndarray) else lr, beta1, beta2, eps, weight_decay)
+  fused_adamw(p, list(grads), m, v, s, float(lr) if isinstance(lr, np.ndarray) else lr, beta1, beta2, eps, weight_decay,
+              xs[-1] if clip else None)
   return tuple(updated)
 
 
@@ -246,4 +258,5 @@ KERNELS = {"adamw": adamw, "sum_squares": sum_squares_op, "scale": scale}
 SPECS = [_STEPS] + [adamw_spec(p, g, d, on) for p, g, d in ((dtypes.float32, dtypes.float32, True),
                                                             (dtypes.float32, dtypes.bfloat16, False),
                                                             (dtypes.bfloat16, dtypes.bfloat16, True)) for on in (False, True)] + \
+        [adamw_spec(dtypes.float32, g, True, on, True) for g, on in ((dtypes.float32, True), (dtypes.bfloat16, False))] + \
         [multi_tensor_spec(k, d) for k in ("sum_squares", "scale") for d in (dtypes.float32, dtypes.bfloat16)]

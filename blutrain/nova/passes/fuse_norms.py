@@ -1,0 +1,148 @@
+"""Norm fusion: a transformer's residual adds folded into the layer norms next to them, and gradient-norm clipping's
+scale folded into the AdamW update after it.
+
+Each block of a pre-norm transformer adds a branch into the residual stream and normalizes the sum for the next
+branch; the sum is used again later (the next residual add, the norm's backward), so it is written either way. One
+kernel computes the sum and normalizes it from registers instead of reading it back:
+
+  h = add(x: f32, y);  n = layer_norm(h, w, b)   ->  h, n = add_layer_norm(x, y, w, b)    (h used besides the norm)
+
+In the backward the residual stream's gradient meets the norm's input gradient in an add; the norm's backward kernel
+reads the residual gradient and adds it before its one store:
+
+  d = layer_norm_backward(g, x, w)[0];  s = add(r, d)   ->  s = layer_norm_backward(g, x, w, residual=r)[0]
+                                                             (d used by the add alone; either operand order)
+
+clip_grad_norm_ scales every gradient by min(1, max_norm / (total + 1e-6)), a pass over all of them, and AdamW reads
+them right after; when nothing else reads the scaled gradients (the step ends with zero_grad, so they are not written
+back to `.grad`), the update reads the factor from device memory and scales each gradient as it reads it:
+
+  gs = scale(g1, ..., gn, c);  adamw(p, gs, m, v, s, lr)  ->  adamw(p, g, m, v, s, lr, c, clip=true)
+                                                             (every gs read by adamw ops alone, as gradients)
+
+Where the gradients are read after the step they stay scaled in memory, as PyTorch's in-place clip leaves them.
+
+All are exact: the same float32 arithmetic on the same values (y and r may be halves, read as float32 as the add
+reads them; float32 addition is commutative), one rounding where there was one (the fused backward adds with an
+explicitly rounded add and AdamW scales with an explicitly rounded multiply, rounded to the gradient's dtype as the
+scale stored it, so the compiler cannot contract either with the arithmetic next to it). Nothing changes where the
+pattern does not hold: a sum used by the norm alone, broadcast operands (shapes differ or an `expand` makes one),
+float64 or half residual streams.
+
+The pass runs after rematerialization (pipeline.py): remat recomputes a norm's output in the backward instead of
+keeping it, and clones single-result ops only, so fusing first would keep every norm's output alive across the peak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.ir import BlockArgument, Operation, SSAValue
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.rewriter import InsertPoint
+
+from blutrain import dtypes
+from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, ExpandOp, LayerNormBackwardOp, LayerNormOp, ScaleOp,
+                                   aval)
+from blutrain.nova.passes.base import PatternPass
+
+_OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
+
+
+def _before(v: SSAValue | None, op: Operation) -> bool:
+  """Whether v (None: absent) is available at op: a block argument or made by an op before it."""
+  return v is None or isinstance(v, BlockArgument) or v.owner.is_before_in_block(op)
+
+
+def _plain(v: SSAValue, shape: tuple[int, ...]) -> bool:
+  """v has `shape` and one of the fused kernels' operand dtypes, and is not a broadcast (`expand`) of a smaller one."""
+  a = aval(v.type)
+  return a.shape == shape and a.dtype in _OPERANDS and not isinstance(v.owner, ExpandOp)
+
+
+class AddLayerNormPattern(RewritePattern):
+  """layer_norm(add(x, y)) -> add_layer_norm(x, y), when the float32 sum has uses besides the norm.
+
+    %h = nova.add %x, %y : (tensor<4x32xf32>, tensor<4x32xbf16>) -> tensor<4x32xf32>
+    %n = nova.layer_norm %h weight %w : tensor<32xf32> bias %b : tensor<32xf32> {n = 1 : i64, eps = 1.0e-05 : f64}
+         : tensor<4x32xf32> -> tensor<4x32xf32>
+      =>   %h, %n = nova.add_layer_norm %x, %y weight %w : tensor<32xf32> bias %b : tensor<32xf32> {...}
+                    : tensor<4x32xf32>, tensor<4x32xbf16> -> tensor<4x32xf32>, tensor<4x32xf32>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: LayerNormOp, rewriter: PatternRewriter):
+    add = op.x.owner
+    if not isinstance(add, AddOp) or add.result.has_one_use(): return  # the norm is one use
+    shape = aval(add.result.type).shape
+    if aval(add.x.type).dtype is not dtypes.float32 or not (_plain(add.x, shape) and _plain(add.y, shape)): return
+    if not (_before(op.weight, add) and _before(op.bias, add)): return
+    fused = AddLayerNormOp.make([add.x, add.y, op.weight, op.bias], op.attrs(), [add.result.type, op.result.type])
+    rewriter.insert(fused, InsertPoint.before(add))
+    rewriter.replace(add, [], [fused.h])
+    rewriter.replace(op, [], [fused.out])
+
+
+class LayerNormBackwardResidualPattern(RewritePattern):
+  """add(r, layer_norm_backward(g, x, w)[0]) -> layer_norm_backward(g, x, w, residual=r)[0], when the norm's float32
+  input gradient is used by the add alone (add(d, r) too).
+
+    %d, %dw, %db = nova.layer_norm_backward %g, %x weight %w : tensor<32xf32> {...} : (...) -> tensor<4x32xf32> ...
+    %s = nova.add %r, %d : (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<4x32xf32>
+      =>   %s, %dw, %db = nova.layer_norm_backward %g, %x weight %w : tensor<32xf32> residual %r : tensor<4x32xf32>
+                          {...} : (...) -> tensor<4x32xf32> ...
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
+    for d, r in ((op.y, op.x), (op.x, op.y)):
+      back = d.owner
+      if isinstance(back, LayerNormBackwardOp) and d is back.dx and back.residual is None and d.has_one_use(): break
+    else: return
+    shape = aval(op.result.type).shape
+    if aval(op.result.type).dtype is not dtypes.float32 or aval(d.type) != aval(op.result.type): return
+    if not _plain(r, shape): return
+    if _before(r, back): at = back
+    elif all(v is None or all(not u.operation.is_before_in_block(op) for u in v.uses)
+             for v in back.graph_outputs()[1:]):
+      at = op  # r is made after the backward, whose other results are first read after the add: compute it there
+    else: return
+    g, x, w, _ = back.graph_inputs()
+    outs = back.graph_outputs()
+    fused = LayerNormBackwardOp.make([g, x, w, r], back.attrs(), [None if v is None else v.type for v in outs])
+    rewriter.insert(fused, InsertPoint.before(at))
+    rewriter.replace(op, [], [fused.dx])
+    rewriter.replace(back, [], list(fused.results))
+
+
+class ClipIntoAdamwPattern(RewritePattern):
+  """adamw(p, scale(g, c), m, v, s, lr) -> adamw(p, g, m, v, s, lr, c, clip=true), when every scaled gradient is
+  read by adamw ops alone, as a gradient, and those read no other gradients.
+
+    %gs = nova.scale %g, %c : (tensor<4xf32>, tensor<f32>) -> tensor<4xf32>
+    %p2, %m2, %v2, %s2 = nova.adamw %p, %gs, %m, %v, %s, %lr {n = 1 : i64, ...} : (...) -> (...)
+      =>   %p2, %m2, %v2, %s2 = nova.adamw %p, %g, %m, %v, %s, %lr, %c {n = 1 : i64, ..., clip = true} : (...) -> (...)
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: ScaleOp, rewriter: PatternRewriter):
+    raw, factor = list(op.operands[:-1]), op.operands[-1]
+    users: list[AdamwOp] = []
+    for scaled in op.results:
+      for use in scaled.uses:
+        a = use.operation
+        n = a.attrs()["n"] if isinstance(a, AdamwOp) else 0
+        if not isinstance(a, AdamwOp) or a.attrs().get("clip") or not n <= use.index < 2 * n: return
+        if a not in users: users.append(a)
+    unscaled = dict(zip(op.results, raw))
+    if not users or any(v not in unscaled for a in users for v in a.operands[a.attrs()["n"]:2 * a.attrs()["n"]]):
+      return  # the clip factor would scale every gradient of the update, so all of them must come from this scale
+    for a in users:
+      xs = [unscaled.get(v, v) for v in a.operands]
+      fused = AdamwOp.make([*xs, factor], {**a.attrs(), "clip": True}, [r.type for r in a.results])
+      rewriter.replace(a, fused)
+    rewriter.erase(op)
+
+
+@dataclass(frozen=True)
+class FuseNormsPass(PatternPass):
+  """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation);
+  clip_grad_norm_'s scale folded into AdamW."""
+  name = "fuse-norms"
+  PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), ClipIntoAdamwPattern())

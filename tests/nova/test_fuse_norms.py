@@ -1,0 +1,207 @@
+"""Norm fusion (passes/fuse_norms.py): residual adds fold into the layer norms and their backward, IR in and IR out;
+the fused graph computes the same bits as the unfused one; what must not fold does not; a compiled GPT step with the
+fusions computes what eager mode does."""
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import dtypes
+from blutrain.nova import codegen, ir
+from blutrain.nova.passes import DCEPass, FuseNormsPass
+from blutrain.nova.pipeline import op_counts
+from blutrain.ops import registry
+from blutrain.shapes import ShapeError
+from tests.nova.graphs import Builder
+from tests.nova.test_passes import check, func
+
+X, W = "tensor<4x32xf32>", "tensor<32xf32>"
+LN = "{n = 1 : i64, eps = 1.000000e-05 : f64}"
+
+
+def test_residual_add_and_norm_fold_ir():
+  before = func(f"%x: {X}, %y: tensor<4x32xbf16>, %w: {W}, %b: {W}", f"{X}, {X}", f"""
+    %h = nova.add %x, %y : ({X}, tensor<4x32xbf16>) -> {X}
+    %n = nova.layer_norm %h weight %w : {W} bias %b : {W} {LN} : {X} -> {X}
+    %e = nova.exp %h : ({X}) -> {X}
+    func.return %n, %e : {X}, {X}""")
+  after = func(f"%x: {X}, %y: tensor<4x32xbf16>, %w: {W}, %b: {W}", f"{X}, {X}", f"""
+    %h, %n = nova.add_layer_norm %x, %y weight %w : {W} bias %b : {W} {LN} : {X}, tensor<4x32xbf16> -> {X}, {X}
+    %e = nova.exp %h : ({X}) -> {X}
+    func.return %n, %e : {X}, {X}""")
+  check((FuseNormsPass(),), before, after)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_residual_gradient_folds_into_the_norm_backward_ir(first):
+  add = "%r, %d" if first else "%d, %r"
+  before = func(f"%g: {X}, %x: {X}, %w: {W}, %r: {X}", f"{X}, {W}", f"""
+    %d, %dw = nova.layer_norm_backward %g, %x weight %w : {W} {{n = 1 : i64, eps = 1.000000e-05 : f64, has_bias = false}} : {X}, {X} -> {X} dweight {W}
+    %s = nova.add {add} : ({X}, {X}) -> {X}
+    func.return %s, %dw : {X}, {W}""")
+  after = func(f"%g: {X}, %x: {X}, %w: {W}, %r: {X}", f"{X}, {W}", f"""
+    %s, %dw = nova.layer_norm_backward %g, %x weight %w : {W} residual %r : {X} {{n = 1 : i64, eps = 1.000000e-05 : f64, has_bias = false}} : {X}, {X} -> {X} dweight {W}
+    func.return %s, %dw : {X}, {W}""")
+  check((FuseNormsPass(),), before, after)
+
+
+def _residual_block(half=None, affine=True, reuse_h=True, later_residual=False):
+  """A pre-norm block's pattern: h = x + y, n = layer_norm(h) (h read again, by the norm's backward, when reuse_h), and
+  in the backward the residual gradient r plus the norm's input gradient (r made after the norm's backward when
+  later_residual)."""
+  b = Builder()
+  x, y, g, r = b.input((6, 32)), b.input((6, 32), half or dtypes.float32), b.input((6, 32)), b.input((6, 32))
+  w, bias = (b.input((32,)), b.input((32,))) if affine else (None, None)
+  h = b("add", x, y)
+  n = b("layer_norm", h, w, bias, n=1, eps=1e-5)
+  dx, dw, db = b("layer_norm_backward", g, h if reuse_h else x, w, None, n=1, eps=1e-5, has_bias=affine)
+  if later_residual: r = b("exp", r)
+  s = b("add", r, dx)
+  return b.output(n, s, *(v for v in (dw, db) if v is not None))
+
+
+def _same_bits(graph, args):
+  plain, fused = ir.to_module(graph), ir.to_module(graph)
+  FuseNormsPass().run(fused)
+  fused.verify()
+  for got, want in zip(codegen.load(codegen.generate(fused))(*args), codegen.load(codegen.generate(plain))(*args)):
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+  return op_counts(fused)
+
+
+def _args(half=None, affine=True):
+  rng = np.random.default_rng(4)
+  a = [(rng.standard_normal((6, 32)) * 3 + 1).astype(np.float32),
+       rng.standard_normal((6, 32)).astype((half or dtypes.float32).np),
+       *(rng.standard_normal((6, 32)).astype(np.float32) for _ in range(2))]
+  return a + ([rng.standard_normal(32).astype(np.float32) for _ in range(2)] if affine else [])
+
+
+@pytest.mark.parametrize("half, affine, later_residual", [(None, True, False), (dtypes.bfloat16, True, True),
+                                                          (dtypes.float16, False, False)])
+def test_fused_graph_computes_the_same_bits(half, affine, later_residual):
+  counts = _same_bits(_residual_block(half, affine, later_residual=later_residual), _args(half, affine))
+  assert counts == {"add_layer_norm": 1, "layer_norm_backward": 1, **({"exp": 1} if later_residual else {})}
+
+
+def test_a_sum_used_by_the_norm_alone_keeps_its_add():
+  counts = _same_bits(_residual_block(reuse_h=False), _args())
+  assert counts["add"] == 1 and counts["layer_norm"] == 1 and "add_layer_norm" not in counts
+
+
+@pytest.mark.parametrize("case", ["broadcast", "expand", "float64", "half_stream", "grad_used_twice", "double_grad"])
+def test_what_must_not_fold(case):
+  b = Builder()
+  if case in ("broadcast", "expand", "float64", "half_stream"):
+    dt = {"float64": dtypes.float64, "half_stream": dtypes.bfloat16}.get(case, dtypes.float32)
+    x = b.input((6, 32), dt)
+    y = b.input((32,)) if case == "broadcast" else \
+        b("expand", b.input((1, 32)), shape=(6, 32)) if case == "expand" else b.input((6, 32), dt)
+    h = b("add", x, y)
+    graph = b.output(b("layer_norm", h, None, None, n=1, eps=1e-5), b("neg", h))
+  else:
+    dt = dtypes.float64 if case == "double_grad" else dtypes.float32
+    g, x, r = b.input((6, 32), dt), b.input((6, 32), dt), b.input((6, 32), dt)
+    dx = b("layer_norm_backward", g, x, None, None, n=1, eps=1e-5, has_bias=False)[0]
+    graph = b.output(b("add", r, dx), *([b("neg", dx)] if case == "grad_used_twice" else []))
+  module = ir.to_module(graph)
+  assert not FuseNormsPass().run(module)
+
+
+def test_the_op_checks_its_operands():
+  P = registry["add_layer_norm"]
+  with pytest.raises(ShapeError, match="does not match x"):
+    bt.ops.core.apply(P, bt.randn(4, 8), bt.randn(8), None, None, n=1, eps=1e-5)
+  with pytest.raises(TypeError, match="float32 x"):
+    bt.ops.core.apply(P, bt.randn(4, 8).double(), bt.randn(4, 8).double(), None, None, n=1, eps=1e-5)
+  with pytest.raises(ShapeError, match="residual gradient"):
+    bt.ops.core.apply(registry["layer_norm_backward"], bt.randn(4, 8), bt.randn(4, 8), None, bt.randn(8), n=1,
+                      eps=1e-5, has_bias=False)
+
+
+def test_eager_ops_equal_the_unfused_ones():
+  x, y, w, b = bt.randn(5, 16), bt.randn(5, 16).to(bt.bfloat16), bt.randn(16), bt.randn(16)
+  h, n = bt.ops.core.apply(registry["add_layer_norm"], x, y, w, b, n=1, eps=1e-5)
+  want = x + y.float()
+  np.testing.assert_array_equal(h.numpy(), want.numpy())
+  np.testing.assert_array_equal(n.numpy(), bt.nn.functional.layer_norm(want, (16,), w, b).numpy())
+  g, r = bt.randn(5, 16), bt.randn(5, 16)
+  plain = bt.ops.core.apply(registry["layer_norm_backward"], g, x, w, None, n=1, eps=1e-5, has_bias=True)
+  fused = bt.ops.core.apply(registry["layer_norm_backward"], g, x, w, r, n=1, eps=1e-5, has_bias=True)
+  np.testing.assert_array_equal(fused[0].numpy(), (r + plain[0]).numpy())
+  for a, c in zip(fused[1:], plain[1:]): np.testing.assert_array_equal(a.numpy(), c.numpy())
+
+
+def _clip_then_adamw(grad_dtype=dtypes.float32, return_grads=False, unscaled_grad=False):
+  """clip_grad_norm_'s scale of two gradients, then one AdamW update of their parameters (a third, unscaled gradient
+  and parameter in the same update when unscaled_grad)."""
+  b = Builder()
+  k = 3 if unscaled_grad else 2
+  shapes = [(4, 8), (8,), (3,)][:k]
+  params, grads = [b.input(s) for s in shapes], [b.input(s, grad_dtype) for s in shapes]
+  moments = [b.input(s) for s in shapes for _ in range(2)]
+  steps, lr, c = [b.input((), dtypes.float64) for _ in shapes], b.input((), dtypes.float64), b.input(())
+  scaled = list(b("scale", *grads[:2], c))
+  outs = b("adamw", *params, *scaled, *grads[2:], *moments[0::2], *moments[1::2], *steps, lr, n=k, beta1=0.9,
+           beta2=0.95, eps=1e-8, weight_decay=0.1)
+  return b.output(*outs, *(scaled if return_grads else []))
+
+
+def _clip_args(grad_dtype=dtypes.float32, k=2):
+  rng = np.random.default_rng(5)
+  shapes = [(4, 8), (8,), (3,)][:k]
+  return [*(rng.standard_normal(s).astype(np.float32) for s in shapes),
+          *(rng.standard_normal(s).astype(grad_dtype.np) for s in shapes),
+          *(a for s in shapes for a in (rng.standard_normal(s).astype(np.float32),
+                                        np.abs(rng.standard_normal(s)).astype(np.float32))),
+          *(np.array(3.0) for _ in shapes), np.array(1e-2), np.array(0.37, np.float32)]
+
+
+@pytest.mark.parametrize("grad_dtype", [dtypes.float32, dtypes.bfloat16])
+def test_clip_folds_into_adamw_and_computes_the_same_bits(grad_dtype):
+  counts = _same_bits(_clip_then_adamw(grad_dtype), _clip_args(grad_dtype))
+  assert counts == {"adamw": 1}
+
+
+@pytest.mark.parametrize("case", ["grads_read_after_the_step", "an_unscaled_gradient_in_the_update"])
+def test_clip_stays_where_the_scaled_gradients_are_read_or_not_all_are_scaled(case):
+  read = case == "grads_read_after_the_step"
+  graph = _clip_then_adamw(return_grads=read, unscaled_grad=not read)
+  module = ir.to_module(graph)
+  assert not FuseNormsPass().run(module)
+
+
+def _train(compiled: bool, amp: bool, clip: bool, steps: int = 3):
+  from blutrain.models import GPT, GPTConfig
+  bt.manual_seed(0)
+  model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+  opt = model.configure_optimizers(0.1, 1e-2, betas=(0.9, 0.95))  # two groups: two adamw ops read the clipped grads
+
+  def step(x, y):
+    with bt.autocast(device_type="cpu", dtype=bt.bfloat16, enabled=amp):
+      _, loss = model(x, y)
+    loss.backward()
+    if clip: bt.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step(); opt.zero_grad()
+    return loss
+  fn = bt.compile(step) if compiled else step
+  rng = np.random.default_rng(1)
+  losses = [fn(*(bt.from_numpy(rng.integers(0, 64, (2, 16))) for _ in range(2))).item() for _ in range(steps)]
+  return losses, [p.detach().numpy() for p in model.parameters()], fn
+
+
+@pytest.mark.parametrize("amp, clip", [(False, False), (False, True), (True, False), (True, True)])
+def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path))
+  eager_losses, eager_params, _ = _train(False, amp, clip)
+  losses, params, fn = _train(True, amp, clip)
+  np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
+  for a, b in zip(params, eager_params): np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  source = open(fn.info["source"]).read()
+  # 5 norms (2 per block and the final one): all but the first, whose sum adds a broadcast position embedding, fold
+  # their add; the 4 that feed a residual stream's gradient take it into their backward
+  assert source.count('kernels["add_layer_norm"]') == 4
+  backward = [line for line in source.splitlines() if 'kernels["layer_norm_backward"]' in line]
+  assert sum(", None, n=" not in line for line in backward) == 4
+  # the step ends with zero_grad, so the clipped gradients are read by AdamW alone and it scales them as it reads them
+  assert 'kernels["scale"]' not in source and source.count("clip=True") == (2 if clip else 0)
