@@ -167,3 +167,14 @@ def check_vjp(fn: Callable, specs: Sequence, *, low: float = -2.0, high: float =
 
   fd = (shifted(1.0) - shifted(-1.0)) / (2 * eps)
   np.testing.assert_allclose(vjp_dot, fd, atol=atol, rtol=rtol, err_msg="VJP vs central finite differences")
+
+
+def assert_adam_close(got: np.ndarray, want: np.ndarray, lr: float, rtol: float, atol: float, what: str = "",
+                      outliers: float = 0.05) -> None:
+  """Parameters after a few Adam steps from runs that round differently (bf16, fused kernels): Adam normalizes each
+  update, so an element whose gradient is near rounding noise may move by up to lr per step either way. Most elements
+  must agree within (rtol, atol); at most `outliers` of them may differ, and by no more than lr per element."""
+  bad = ~np.isclose(got, want, rtol=rtol, atol=atol)
+  diff = np.abs(np.asarray(got, np.float64) - want)
+  assert bad.mean() <= outliers and diff.max(initial=0.0) <= lr, \
+    f"{what}: {bad.sum()} of {bad.size} elements beyond rtol={rtol}, atol={atol}; largest difference {diff.max():.3g}"

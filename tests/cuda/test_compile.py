@@ -10,6 +10,7 @@ import blutrain as bt
 from blutrain import nn
 from blutrain.nn import functional as F
 from blutrain.models import GPT, GPTConfig
+from tests.helpers import assert_adam_close
 
 pytestmark = pytest.mark.cuda
 
@@ -89,8 +90,9 @@ def test_compiled_step_equals_eager(kind, amp, monkeypatch):
   tol = 2e-2 if amp else 2e-5
   np.testing.assert_allclose(l2, l1, rtol=tol)
   for name in p1:  # noise-sized differences (the key slice of c_attn.bias has a zero true gradient) stay within lr
-    np.testing.assert_allclose(p2[name], p1[name], atol=(2e-2 if amp else 1e-4) * 5e-3 + 5 * 1e-3 * (name.endswith("c_attn.bias")),
-                               rtol=tol, err_msg=name)
+    if amp: assert_adam_close(p2[name], p1[name], lr=1e-3, rtol=tol, atol=1e-4, what=name, outliers=1e-3)
+    else: np.testing.assert_allclose(p2[name], p1[name], atol=5e-7 + 5e-3 * name.endswith("c_attn.bias"), rtol=tol,
+                                     err_msg=name)
 
 
 def test_graph_replay_equals_kernel_by_kernel(monkeypatch):
@@ -110,7 +112,9 @@ def test_dropout_step_replays_as_a_graph_and_equals_eager(monkeypatch):
   l2, p2, step = _train("gpt", True, dropout=0.1, steps=6, monkeypatch=monkeypatch)
   assert step.info["cuda_graph"] == "on" and step.captures == 1
   np.testing.assert_allclose(l2, l1, rtol=2e-5)
-  for name in p1: np.testing.assert_allclose(p2[name], p1[name], rtol=2e-5, atol=1e-6, err_msg=name)
+  for name in p1:  # the key slice of c_attn.bias has a zero true gradient: Adam moves it by noise, within lr
+    np.testing.assert_allclose(p2[name], p1[name], rtol=2e-5, atol=1e-6 + 5e-3 * name.endswith("c_attn.bias"),
+                               err_msg=name)
 
 
 def test_compiled_inference_equals_eager():

@@ -7,6 +7,7 @@ import pytest
 import blutrain as bt
 from blutrain.ops import registry
 from blutrain.ops.core import apply
+from tests.helpers import assert_adam_close
 
 pytestmark = pytest.mark.cuda
 
@@ -89,5 +90,7 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp):
     results.append((losses, [p.detach().cpu().numpy() for p in model.parameters()]))
   (eager_losses, eager_params), (losses, params) = results
   np.testing.assert_allclose(losses, eager_losses, rtol=1e-4)
-  for a, b in zip(params, eager_params): np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+  for a, b in zip(params, eager_params):  # under bf16 the compiled step's fused pointwise groups round once
+    if amp: assert_adam_close(a, b, lr=1e-2, rtol=1e-3, atol=1e-4)
+    else: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
   assert open(fn.info["source"]).read().count('kernels["add_layer_norm"]') == 4
