@@ -30,11 +30,12 @@ from xdsl.ir import SSAValue
 
 from blutrain import dtypes
 from blutrain.dtypes import DType
-from blutrain.nova.dialect import (DTYPES, ElementwiseOp, ExpandOp, LayoutOp, MultiResultOp, NovaOp, PermuteOp, RandomOp,
-                                   ViewOp)
+from blutrain.nova.dialect import (DTYPES, ElementwiseOp, ExpandOp, GemmOp, LayoutOp, MultiResultOp, NovaOp, PermuteOp,
+                                   RandomOp, ViewOp)
 from blutrain.nova.graph import dtype_name, literal
 from blutrain.nova.ir import function
 from blutrain.nova.memory import MemoryPlan
+from blutrain.nova.passes.fuse_gemm import gemm_choice
 
 
 def _slice(index) -> str:
@@ -73,9 +74,9 @@ def cuda_view(x, opname: str, attrs: dict):
   return type(x)(x.ptr + offset * x.dtype.itemsize, tuple(shape), tuple(strides), x.dtype, x.device, x.owner)
 
 
-def _call(op: NovaOp, args: list[str], out: str | None = None) -> str:
+def _call(op: NovaOp, args: list[str], out: str | None = None, target: str = "cpu") -> str:
   """The call of the op's kernel (writing into `out` when given); a random op's seed and absolute offset come from its
-  generator state."""
+  generator state; on the GPU a gemm is told the path the configurator chose for it (`fuse_gemm.gemm_choice`)."""
   a = op.attrs()
   if isinstance(op, RandomOp):
     rng = args[0]
@@ -83,6 +84,7 @@ def _call(op: NovaOp, args: list[str], out: str | None = None) -> str:
     kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
     return f'kernels["{op.opname}"]({", ".join(kw)})'
   kw = [f"{k}={literal(v)}" for k, v in a.items()] + ([f"out={out}"] if out else [])
+  if target == "cuda" and isinstance(op, GemmOp): kw.append(f"path={gemm_choice(op).path!r}")
   return f'kernels["{op.opname}"]({", ".join(args + kw)})'
 
 
@@ -104,7 +106,7 @@ def _lines(op: NovaOp, args: list[str], outs: list[str | None], out_dtypes: list
   """The lines computing one op into the names `outs` (None for an absent result), on the CPU each result cast to its
   dtype. A multi-result op's kernel returns a tuple: it is unpacked (`_` for an absent result), then cast."""
   if isinstance(op, LayoutOp): return [f"  {outs[0]} = {_view(op, args[0], target)}"]
-  call = _call(op, args, out)
+  call = _call(op, args, out, target)
   if not isinstance(op, MultiResultOp):
     if target == "cuda": return [f"  {outs[0]} = {call}"]
     return [f"  {outs[0]} = np.asarray({call}, {dtype_name(out_dtypes[0])})"]

@@ -920,6 +920,20 @@ class MatmulOp(NNOp):
 
 
 @irdl_op_definition
+class GemmOp(MultiResultOp):
+  """a @ b and its epilogue (`ops.linalg.gemm_op`), which only the fuse-gemm pass makes: results `outs` are the
+  output, then the values the epilogue's "save" steps keep."""
+  name = "nova.gemm"
+  a = operand_def(TENSOR)
+  b = operand_def(TENSOR)
+  xs = var_operand_def(TENSOR)
+  outs = var_result_def(TENSOR)
+  epilogue = prop_def(STR)
+  dtype = prop_def(ELEMENT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
 class SoftmaxOp(NNOp):
   """exp(x) / sum(exp(x)) along `dim`."""
   name = "nova.softmax"
@@ -1131,7 +1145,7 @@ Nova = Dialect("nova", [
   BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp, EqOp, NeOp,
   LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
-  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
+  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, SoftmaxOp, LogSoftmaxOp, LayerNormOp, LayerNormBackwardOp,
   ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp,
   FlashAttentionBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp,
 ])

@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 
 from blutrain.nova.graph import Equation, Graph, Value, literal
 
-FORMAT_VERSION = 7  # 3: updates in place, a cuda target; 4: remat; 5: planned offsets; 6: gelu out=; 7: slots withdrawn
+FORMAT_VERSION = 8  # 3: updates in place, a cuda target; 4: remat; 5: planned offsets; 6: gelu out=; 7: slots withdrawn;
+# 8: fused gemms
 
 
 def _digest(text: str) -> str: return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -5,6 +5,7 @@
   cse            one op per distinct computation                                    (cse.py)
   dce            drop unused ops                                                    (dce.py)
   fuse-casts     autocast's casts folded into the kernels around them               (fuse_casts.py)
+  fuse-gemm      biases, GELUs, residuals and GELU backwards folded into GEMMs      (fuse_gemm.py)
 """
 from blutrain.nova.passes.base import NovaPass, PatternPass
 from blutrain.nova.passes.canonicalize import CanonicalizePass
@@ -12,5 +13,7 @@ from blutrain.nova.passes.cse import CSEPass
 from blutrain.nova.passes.dce import DCEPass
 from blutrain.nova.passes.fold import FoldPass
 from blutrain.nova.passes.fuse_casts import FuseCastsPass
+from blutrain.nova.passes.fuse_gemm import FuseGemmPass
 
-PASSES: dict[str, type[NovaPass]] = {p.name: p for p in (CanonicalizePass, FoldPass, FuseCastsPass, CSEPass, DCEPass)}
+PASSES: dict[str, type[NovaPass]] = {p.name: p for p in (CanonicalizePass, FoldPass, FuseCastsPass, FuseGemmPass,
+                                                                      CSEPass, DCEPass)}

@@ -287,4 +287,59 @@ def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False)
   return _matmul(a, b, bias, tf32)
 
 
-KERNELS = {"matmul": matmul}
+_HALVES = (dtypes.bfloat16, dtypes.float16)
+_FINAL = ("residual", "gelu_backward", "gelu_backward_tanh")
+
+
+def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool) -> tuple:
+  """The gemm op through cuBLASLt (with its bias epilogue where nothing rounds before it: float32 operands) and then
+  the elementwise kernels of the ops it replaced, as eager mode runs them."""
+  from blutrain.backend.cuda.kernels.elementwise import KERNELS as EW
+  xs, saved = iter(xs), []
+  bias = steps[:1] == ("bias",) and a.dtype is dtypes.float32
+  if bias: y = matmul_bias(a, b, next(xs), tf32)
+  else: y = _matmul(a, b, None, tf32)
+  for step in steps[bias:]:
+    approximate = "tanh" if step.endswith("tanh") else "none"
+    if step == "save": saved.append(y)
+    elif step == "bias": y = EW["add"](y, next(xs))
+    elif step.startswith("gelu_backward"): y = EW["gelu_backward"](y, next(xs), approximate=approximate)
+    elif step.startswith("gelu"): y = EW["gelu"](y, approximate=approximate)
+    else:  # residual: add's result takes its first operand's dtype, and IEEE addition commutes
+      r = next(xs)
+      y = EW["add"](y, r) if dtype is y.dtype else EW["add"](r, y)
+  return (y, *saved)
+
+
+def _synthesized(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool) -> tuple:
+  """The gemm op as one synthesized GEMM whose epilogue does every step, rounding the float32 accumulator to the
+  operands' half type wherever the unfused ops rounded (after the product, the bias and the GELU)."""
+  epilogue, tensors, half = [], {}, a.dtype in _HALVES
+  xs = iter(xs)
+  shape = broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+  if half and steps: epilogue.append("round")
+  for i, step in enumerate(steps):
+    epilogue.append(step)
+    if step == "save": tensors["saved"] = empty(shape, a.dtype, a.device)
+    elif step == "bias": tensors["bias"] = next(xs)
+    elif step == "residual": tensors["residual"] = next(xs)
+    elif step.startswith("gelu_backward"): tensors["gelu_input"] = next(xs)
+    if half and step in ("bias", "gelu", "gelu_tanh") and i + 1 < len(steps):
+      epilogue.append("round")
+  y = gemm(a, b, epilogue=tuple(epilogue), precision="tf32" if tf32 else None, out_dtype=dtype, **tensors)
+  return (y,) + (() if "saved" not in tensors else (tensors["saved"],))
+
+
+def fused_gemm(a: CudaArray, b: CudaArray, *xs: CudaArray, epilogue: str, dtype: DType, tf32: bool = False,
+               path: str = "cublas") -> tuple:
+  """Nova's gemm op (`ops.linalg.gemm_op`): a @ b and the epilogue steps, by `path`: "cublas" (cuBLASLt, then a
+  kernel per step its epilogue cannot do) or "nova" (one synthesized GEMM); Nova's codegen passes the configurator's
+  choice (`configurator.gemm_choice`). Returns the output, then the saved values."""
+  _check("gemm", a, b)
+  steps = tuple(epilogue.split(",")) if epilogue else ()
+  if path == "nova" and a.dtype in _TRITON_DTYPES: return _synthesized(a, b, xs, steps, dtype, tf32)
+  if path not in ("nova", "cublas"): raise ValueError(f"gemm: path must be 'cublas' or 'nova', got {path!r}")
+  return _separately(a, b, xs, steps, dtype, tf32)
+
+
+KERNELS = {"matmul": matmul, "gemm": fused_gemm}
