@@ -13,6 +13,7 @@ from blutrain.nova.dialect import GemmOp
 from blutrain.nova.passes import DCEPass, FuseGemmPass
 from blutrain.nova.passes.fuse_gemm import gemm_choice, gemm_report
 from blutrain.nova.pipeline import compile_graph, op_counts
+from blutrain.nova.remat import rematerialize
 from tests.nova.graphs import Builder, evaluate, linear
 
 F32, BF16 = dtypes.float32, dtypes.bfloat16
@@ -246,3 +247,31 @@ def test_codegen_for_the_gpu_passes_the_choice_and_the_report_names_it():
     c = gemm_choice(op)
     assert line.endswith(str(c)) and f"[{op.attrs()['epilogue']}]" in line
     assert f"epilogue={op.attrs()['epilogue']!r}, dtype=dtypes.{op.attrs()['dtype'].name}, path={c.path!r})" in source
+
+
+def test_remat_remakes_a_fused_gelu_output_from_the_saved_pre_activation():
+  """The forward's gemm {bias,save,gelu} keeps the pre-activation for the backward; its GELU output, read again after
+  the peak, is recomputed there as gelu(pre-activation) (a gemm is never cloned), with the same values."""
+  S = 64  # the matmuls make the GELU's recomputation a small share of the FLOPs, within the default's
+  b = Builder()
+  x, w, bias = b.input((S, S)), b.input((S, S)), b.input((S,))
+  pre = linear(b, x, w, bias)
+  act = b("gelu", pre, approximate="none")
+  y = b("matmul", act, w)                                              # the forward's last read of act
+  peak = b("matmul", b("tanh", y), w)                                  # act alive across here, unread
+  graph = b.output(b("add", b("mul", peak, act), pre))                 # the backward reads act and pre
+  module = ir.to_module(graph)
+  FuseGemmPass().run(module)
+  DCEPass().run(module)
+  assert [op.attrs()["epilogue"] for op in ir.function(module).body.block.ops if isinstance(op, GemmOp)] == \
+    ["bias,save,gelu"]
+  report = rematerialize(module)
+  assert [r.ops for r in report.recomputed] == [["gelu"]], report.report()
+  assert report.peak_after < report.peak_before
+  gemm = next(op for op in ir.function(module).body.block.ops if isinstance(op, GemmOp))
+  users = [u.operation for u in gemm.results[1].uses]
+  assert len(users) == 2 and all(op.parent_block() is not None for op in users), "no template stays a user"
+  module.verify()
+  arrays = _arrays(graph)
+  got = codegen.load(codegen.generate(module))(*arrays)
+  np.testing.assert_array_equal(got[0], evaluate(graph, arrays)[0])
