@@ -162,8 +162,9 @@ print("ok")
 def test_gemm_op_host_paths_on_the_fake_gpu(tmp_path):
   """Nova's gemm op through both paths of its CUDA kernel (cuBLASLt and separate kernels, one synthesized GEMM with
   round and save epilogue steps): shapes, dtypes and results; and a compiled MLP step reports each gemm's choice."""
-  _run_fake("""
-import numpy as np
+  _run_fake(f"""
+import os
+os.environ["BLUTRAIN_CACHE_DIR"] = {str(tmp_path / "cache")!r}  # a miss, so that info lists the gemms
 import blutrain as bt
 from blutrain import dtypes
 from blutrain.backend.cuda import kernels, memory
@@ -184,5 +185,6 @@ def step(x):
 fn = bt.compile(step)
 for _ in range(3): fn(bt.randn(64, 48, device="cuda"))
 assert len(fn.info["gemms"]) == fn.info["counts_after"]["gemm"] >= 3, fn.info
-print(fn.info["gemms"])
+source = open(fn.info["source"]).read()
+assert source.count("path=") == source.count(" us, nova ") == len(fn.info["gemms"]), source
 """, tmp_path)

@@ -74,9 +74,9 @@ def cuda_view(x, opname: str, attrs: dict):
   return type(x)(x.ptr + offset * x.dtype.itemsize, tuple(shape), tuple(strides), x.dtype, x.device, x.owner)
 
 
-def _call(op: NovaOp, args: list[str], out: str | None = None, target: str = "cpu") -> str:
+def _call(op: NovaOp, args: list[str], out: str | None = None, path: str | None = None) -> str:
   """The call of the op's kernel (writing into `out` when given); a random op's seed and absolute offset come from its
-  generator state; on the GPU a gemm is told the path the configurator chose for it (`fuse_gemm.gemm_choice`)."""
+  generator state; a gemm on the GPU is given its `path`."""
   a = op.attrs()
   if isinstance(op, RandomOp):
     rng = args[0]
@@ -84,7 +84,7 @@ def _call(op: NovaOp, args: list[str], out: str | None = None, target: str = "cp
     kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
     return f'kernels["{op.opname}"]({", ".join(kw)})'
   kw = [f"{k}={literal(v)}" for k, v in a.items()] + ([f"out={out}"] if out else [])
-  if target == "cuda" and isinstance(op, GemmOp): kw.append(f"path={gemm_choice(op).path!r}")
+  if path: kw.append(f"path={path!r}")
   return f'kernels["{op.opname}"]({", ".join(args + kw)})'
 
 
@@ -106,7 +106,9 @@ def _lines(op: NovaOp, args: list[str], outs: list[str | None], out_dtypes: list
   """The lines computing one op into the names `outs` (None for an absent result), on the CPU each result cast to its
   dtype. A multi-result op's kernel returns a tuple: it is unpacked (`_` for an absent result), then cast."""
   if isinstance(op, LayoutOp): return [f"  {outs[0]} = {_view(op, args[0], target)}"]
-  call = _call(op, args, out, target)
+  choice = gemm_choice(op) if target == "cuda" and isinstance(op, GemmOp) else None
+  call = _call(op, args, out, choice and choice.path)
+  if choice: call += f"  # {choice}"  # the configurator's prediction (`fuse_gemm.gemm_choice`)
   if not isinstance(op, MultiResultOp):
     if target == "cuda": return [f"  {outs[0]} = {call}"]
     return [f"  {outs[0]} = np.asarray({call}, {dtype_name(out_dtypes[0])})"]

@@ -16,6 +16,8 @@ any outer ones loop on the host. A weight shared by the batch (b 2-D or broadcas
 batch into the rows: one large GEMM instead of many small ones.
 
 With `bt.backends.matmul = "triton"`, float32 and 16-bit matmuls run as synthesized Triton GEMMs instead (gemm/).
+Nova's `gemm` op (a matmul with the ops after it, fuse-gemm) runs here too, by the path its codegen chose: cuBLASLt
+and a kernel per step its epilogue cannot do, or one synthesized GEMM with the whole epilogue (`fused_gemm`).
 """
 from __future__ import annotations
 
@@ -288,7 +290,6 @@ def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False)
 
 
 _HALVES = (dtypes.bfloat16, dtypes.float16)
-_FINAL = ("residual", "gelu_backward", "gelu_backward_tanh")
 
 
 def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool) -> tuple:
@@ -296,10 +297,10 @@ def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], d
   the elementwise kernels of the ops it replaced, as eager mode runs them."""
   from blutrain.backend.cuda.kernels.elementwise import KERNELS as EW
   xs, saved = iter(xs), []
-  bias = steps[:1] == ("bias",) and a.dtype is dtypes.float32
-  if bias: y = matmul_bias(a, b, next(xs), tf32)
+  if steps[:1] == ("bias",) and a.dtype is dtypes.float32:
+    y, steps = matmul_bias(a, b, next(xs), tf32), steps[1:]
   else: y = _matmul(a, b, None, tf32)
-  for step in steps[bias:]:
+  for step in steps:
     approximate = "tanh" if step.endswith("tanh") else "none"
     if step == "save": saved.append(y)
     elif step == "bias": y = EW["add"](y, next(xs))
