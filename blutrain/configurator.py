@@ -395,7 +395,9 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
                   + the epilogue's extra traffic (tensors read, values saved) / (bandwidth * STREAM_SHARE)
   cuBLASLt's epilogue does the bias when nothing rounds before it (float32 operands); its GELU epilogues are the tanh
   form and its bias gradients are not wired, so every other step is a kernel of its own. A saved pre-activation
-  costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads.
+  costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads. Float32 products
+  without TF32 stay on cuBLASLt whatever the times say: its SGEMM is eager mode's float32 arithmetic, which the
+  synthesized 3xTF32 GEMM only approximates (to float32's error).
   """
   E = p.batch * p.M * p.N
   out, item = p.out_itemsize, p.itemsize
@@ -418,7 +420,8 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
   epilogue = sum(E * sizes[s] for s in sizes if s != "bias") + E * item * steps.count("save")
   cublas = max(flops / cublas_rate, compulsory) + LAUNCH_S + kernels
   nova = max(flops / nova_rate, compulsory) + LAUNCH_S + epilogue / bw
-  return GemmChoice("nova" if nova < cublas else "cublas", cublas, nova, cublas_epi, separate)
+  faster = "nova" if nova < cublas and kind != "fp32" else "cublas"  # float32 without TF32: eager's SGEMM arithmetic
+  return GemmChoice(faster, cublas, nova, cublas_epi, separate)
 
 
 # *** reductions, row kernels, elementwise, indexing ***

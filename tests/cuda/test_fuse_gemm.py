@@ -25,7 +25,7 @@ def _cache(tmp_path, monkeypatch):
   monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
 
 
-CASES = [("bias", [(96,)], F32), ("bias,gelu", [(96,)], None), ("bias,save,gelu_tanh", [(96,)], None),
+CASES = [("bias", [(96,)], None), ("bias,gelu", [(96,)], None), ("bias,save,gelu_tanh", [(96,)], None),
          ("bias,residual", [(96,), (3, 40, 96)], F32), ("gelu", [], None), ("residual", [(3, 40, 96)], None),
          ("gelu_backward", [(3, 40, 96)], None), ("gelu_backward_tanh", [(3, 40, 96)], None)]
 
@@ -71,7 +71,7 @@ def _train(make, compiled, autocast, steps=3):
       x = bt.from_numpy(rng.standard_normal((64, 48)).astype(np.float32)).to("cuda")
       y = bt.from_numpy(rng.integers(0, 10, 64)).to("cuda")
     losses.append(fn(x, y).item())
-  return losses, [p.detach().cpu().numpy() for p in model.parameters()], getattr(fn, "info", None)
+  return losses, {n: p.detach().float().cpu().numpy() for n, p in model.named_parameters()}, getattr(fn, "info", None)
 
 
 def _gpt(bias):
@@ -88,7 +88,11 @@ def _mlp(bias, approximate):
 def test_models_compiled_equal_eager(make, autocast):
   eager_losses, eager_params, _ = _train(make, False, autocast)
   losses, params, info = _train(make, True, autocast)
-  np.testing.assert_allclose(losses, eager_losses, rtol=2e-2 if autocast else 2e-3)
-  for a, b in zip(eager_params, params):
-    np.testing.assert_allclose(b, a, rtol=0, atol=5e-3 if autocast else 1e-3)
+  np.testing.assert_allclose(losses, eager_losses, rtol=2e-2 if autocast else 2e-5)
+  for name, a in eager_params.items():
+    # the GEMMs' rounding differs (synthesized against cuBLASLt); Adam turns the noise of a zero true gradient (the key
+    # slice of c_attn.bias: softmax ignores a bias added to every key alike) into steps of up to lr each
+    noise = 2 * 3 * 1e-3 if name.endswith("c_attn.bias") else 0.0
+    np.testing.assert_allclose(params[name], a, rtol=2e-2 if autocast else 2e-5,
+                               atol=(1e-4 if autocast else 1e-6) + noise, err_msg=name)
   assert info["counts_after"].get("gemm", 0) >= 2 and len(info["gemms"]) == info["counts_after"]["gemm"]
