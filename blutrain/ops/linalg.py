@@ -47,9 +47,10 @@ def gemm_steps(epilogue: str) -> tuple[str, ...]:
 
 def _gemm_rule(a, b, *xs, epilogue, dtype, tf32=False):
   """gemm(a, b, *xs): y = a @ b in a's dtype, then the steps in order, each rounding to a's dtype as the op it
-  replaces did: "bias" (+ xs[i] of shape (N,)), "gelu"/"gelu_tanh", "save" (y becomes an extra output, in a's dtype),
+  replaces did: "bias" (+ xs[i] of shape (N,)), "gelu"/"gelu_tanh", "save" (y becomes the second output, in a's
+  dtype; once, not last),
   and last "residual" (+ xs[i] of y's shape) or "gelu_backward"/"_tanh" (y * gelu'(xs[i]), xs[i] of y's shape), which
-  round to `dtype`, the output's. Outputs: the result, then the saved values in order."""
+  round to `dtype`, the output's. Outputs: the result, then the saved value if any."""
   shape, t = _matmul_rule(a, b)
   steps = gemm_steps(epilogue)
   if bad := [s for s in steps if s not in GEMM_STEPS]:
@@ -61,6 +62,8 @@ def _gemm_rule(a, b, *xs, epilogue, dtype, tf32=False):
     want = (shape[-1],) if s == "bias" else shape
     if tuple(x.shape) != want or not x.dtype.is_floating_point:
       raise ShapeError(f"gemm: the {s} step reads a floating tensor of shape {want}, got {x.dtype.name}{list(x.shape)}")
+  if steps.count("save") > 1 or steps[-1:] == ("save",):
+    raise ShapeError(f"gemm: an epilogue saves at most one value, before a step that follows it; got {epilogue!r}")
   if any(s in ("residual", "gelu_backward", "gelu_backward_tanh") for s in steps[:-1]):
     raise ShapeError(f"gemm: residual and gelu_backward may only end an epilogue, got {epilogue!r}")
   if dtype is not t and (not steps or steps[-1] not in ("residual", "gelu_backward", "gelu_backward_tanh")):

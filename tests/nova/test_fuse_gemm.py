@@ -276,3 +276,10 @@ def test_remat_remakes_a_fused_gelu_output_from_the_saved_pre_activation():
   arrays = _arrays(graph)
   got = codegen.load(codegen.generate(module))(*arrays)
   np.testing.assert_array_equal(got[0], evaluate(graph, arrays)[0])
+
+
+def test_the_rule_saves_once_and_never_last():
+  b = Builder()
+  x, w = b.input((4, 8)), b.input((8, 16))
+  for epilogue in ("save,gelu,save", "save,save,gelu", "gelu,save"):
+    with pytest.raises(ValueError, match="saves at most one value"): b("gemm", x, w, epilogue=epilogue, dtype=F32)
