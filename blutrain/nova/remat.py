@@ -219,6 +219,7 @@ def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
     t = GeluOp.make([op.results[-1]], {"approximate": "tanh" if steps[-1] == "gelu_tanh" else "none"}, [x.type])
     s.templates.append(t)
     stands_for[t] = x
+    seen.add(op)
     chain.append(t)
     return True
 

@@ -283,3 +283,36 @@ def test_the_rule_saves_once_and_never_last():
   x, w = b.input((4, 8)), b.input((8, 16))
   for epilogue in ("save,gelu,save", "save,save,gelu", "gelu,save"):
     with pytest.raises(ValueError, match="saves at most one value"): b("gemm", x, w, epilogue=epilogue, dtype=F32)
+
+
+def test_dead_readers_left_by_earlier_passes_do_not_block_a_fold():
+  """fuse-casts leaves its replaced casts to dce: a dead cast of the product is no reader."""
+  b = Builder()
+  x, w, bias = b.input((4, 8), BF16), b.input((16, 8), BF16), b.input((16,), BF16)
+  p = b("matmul", x, b("permute", w, dims=(1, 0)))
+  b("exp", b("cast", p, dtype=F32))  # a dead chain
+  graph = b.output(b("add", p, bias))
+  assert _fused(graph)[1] == ["bias"]
+
+
+def test_a_gpt_step_under_autocast_has_its_five_gemms_per_block(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+  bt.manual_seed(0)
+  model = GPT(GPTConfig(vocab_size=48, block_size=16, n_layer=2, n_head=2, n_embd=32))
+  opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
+
+  def step(x, y):
+    with bt.autocast("cpu", dtype=bt.bfloat16):
+      loss = model(x, y)[1]
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+  fn = bt.compile(step, dump_ir=str(tmp_path / "ir"))
+  rng = np.random.default_rng(0)
+  for _ in range(2): fn(*(bt.from_numpy(rng.integers(0, 48, (2, 16))) for _ in range(2)))
+  module = ir.parse_module(next((tmp_path / "ir").rglob("*-dce.mlir")).read_text())
+  gemms = [(op.attrs()["epilogue"], op.attrs()["dtype"]) for op in ir.function(module).body.block.ops
+           if isinstance(op, GemmOp)]
+  block = [("bias", BF16), ("bias,residual", F32), ("bias,save,gelu", BF16), ("bias,residual", F32)]
+  assert sorted(gemms, key=str) == sorted(block * 2 + [("gelu_backward", BF16)] * 2, key=str)

@@ -13,8 +13,8 @@ matmul's dtype after the product, the bias and the GELU; to the last op's dtype 
 equals eager mode on the CPU, and the GPU's fused epilogue rounds the float32 accumulator at the same places. What
 does not fuse, and why:
 - a matmul or gemm whose output is read elsewhere too (except a GELU's input: "save" keeps it), since its value
-  before the epilogue is needed; also when a saved value is read before the op being folded in, whose place the
-  gemm takes;
+  before the epilogue is needed (dead readers do not count: fuse-casts leaves the casts it replaced to dce); also
+  when a saved value is read before the op being folded in, whose place the gemm takes;
 - an add whose other operand is neither a bias (shape (N,)) nor of the output's shape (a column (M, 1), a broadcast
   batch): that is neither epilogue;
 - a bias or GELU that would change the dtype, or anything after a residual or GELU backward (they end an epilogue);
@@ -33,7 +33,7 @@ from xdsl.rewriter import InsertPoint
 
 from blutrain import configurator as cfg
 from blutrain import dtypes
-from blutrain.nova.dialect import AddOp, GeluBackwardOp, GeluOp, GemmOp, MatmulOp, PermuteOp, aval
+from blutrain.nova.dialect import AddOp, GeluBackwardOp, GeluOp, GemmOp, MatmulOp, NovaOp, PermuteOp, aval
 from blutrain.nova.ir import function
 from blutrain.nova.passes.base import PatternPass
 from blutrain.ops.linalg import gemm_steps
@@ -67,14 +67,23 @@ def _gemm(v: SSAValue) -> _Gemm | None:
   return _Gemm(op, [op.a, op.b, *(op.xs if isinstance(op, GemmOp) else ())], steps, attrs.get("tf32"))
 
 
+def _dead(op) -> bool:
+  """Whether nothing reads op's results but ops as dead (earlier passes leave dead ops to dce: fuse-casts' casts)."""
+  return isinstance(op, NovaOp) and all(_dead(u.operation) for r in op.results for u in r.uses)
+
+
+def _reads(v: SSAValue) -> list:
+  """The live ops reading v."""
+  return [u.operation for u in v.uses if not _dead(u.operation)]
+
+
 def _read_after(g: _Gemm, consumer, values: list[SSAValue]) -> bool:
-  """Whether every read of `values` other than the consumer's comes after the consumer (whose place the new gemm
+  """Whether every live read of `values` other than the consumer's comes after the consumer (whose place the new gemm
   takes), in its block."""
   block = consumer.parent_block()
   at = block.get_operation_index(consumer)
-  return all(u.operation is consumer or (u.operation.parent_block() is block and
-                                         block.get_operation_index(u.operation) > at)
-             for v in values for u in v.uses)
+  return all(op is consumer or (op.parent_block() is block and block.get_operation_index(op) > at)
+             for v in values for op in _reads(v))
 
 
 def _fold(rewriter: PatternRewriter, consumer, g: _Gemm, steps: tuple[str, ...], x: SSAValue | None,
@@ -93,7 +102,7 @@ def _fold(rewriter: PatternRewriter, consumer, g: _Gemm, steps: tuple[str, ...],
 
 def _single(g: _Gemm, consumer) -> bool:
   """g's output is read by the consumer alone, and its saved values only after the consumer."""
-  return g.out.has_one_use() and _read_after(g, consumer, g.saved)
+  return _reads(g.out) == [consumer] and _read_after(g, consumer, g.saved)
 
 
 class BiasPattern(RewritePattern):
