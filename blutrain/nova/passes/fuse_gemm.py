@@ -67,9 +67,10 @@ def _gemm(v: SSAValue) -> _Gemm | None:
   return _Gemm(op, [op.a, op.b, *(op.xs if isinstance(op, GemmOp) else ())], steps, attrs.get("tf32"))
 
 
-def _dead(op) -> bool:
-  """Whether nothing reads op's results but ops as dead (earlier passes leave dead ops to dce: fuse-casts' casts)."""
-  return isinstance(op, NovaOp) and all(_dead(u.operation) for r in op.results for u in r.uses)
+def _dead(op, depth: int = 4) -> bool:
+  """Whether nothing reads op's results but ops as dead (earlier passes leave dead ops to dce: fuse-casts' casts),
+  looking `depth` readers deep (a longer dead chain counts as live: no fold, never a wrong one)."""
+  return depth > 0 and isinstance(op, NovaOp) and all(_dead(u.operation, depth - 1) for r in op.results for u in r.uses)
 
 
 def _reads(v: SSAValue) -> list:
