@@ -10,7 +10,11 @@ columns of C); inputs are random normal (weights scaled by 0.05). The configurat
 are reported per kernel. Writes benchmarks/results/matmul.json and matmul.png and prints a markdown table.
 
   python benchmarks/matmul.py [--precisions tf32,bf16] [--shapes gpt2,squares] [--peers cublas,torch,xla,triton]
-                              [--explore]
+                              [--explore] [--fused]
+
+--fused (the GEMM choice's hit rate) times instead both paths of Nova's gemm op (cuBLASLt and the separate kernels,
+one synthesized GEMM with the whole epilogue) on the fused GEMMs of GPT-2's training step, against the configurator's
+predicted times (`configurator.gemm_choice`), and writes benchmarks/results/gemm_choice.json.
 
 --explore (calibration, off by default) times a few alternative schedules of three problems beside the
 configurator's choice: TF32 operand rounding off, one stage less or more, the other epilogue split, 128x128 tiles.
@@ -349,13 +353,67 @@ def explore(prec_name: str) -> list[dict]:
   return rows
 
 
+# *** the GEMM choice: predicted against measured, on the GEMMs Nova's fuse-gemm pass makes of GPT-2's step ***
+
+FUSED = (("qkv fwd", "bias"), ("proj fwd", "bias,residual"), ("fc fwd", "bias,save,gelu"),
+         ("fc2 fwd", "bias,residual"), ("fc2 dX", "gelu_backward"))  # (problem, epilogue); residuals in float32
+
+
+def fused_choice(precisions: list[str]) -> None:
+  by_name = {p.name: p for p in problems(["gpt2"])}
+  rows = []
+  for prec_name in precisions:
+    tf32 = prec_name == "tf32"
+    tdt, dt = (torch.float32, dtypes.float32) if tf32 else (torch.bfloat16, dtypes.bfloat16)
+    for i, (name, epilogue) in enumerate(FUSED):
+      p, steps = by_name[name], tuple(epilogue.split(","))
+      a, b = operands(p, tdt, i)
+      g = torch.Generator(device="cuda").manual_seed(100 + i)
+      xs, out = [], dt
+      for step in steps:
+        if step == "bias": xs.append(torch.randn(p.N, device="cuda", generator=g).to(tdt))
+        elif step == "residual":
+          xs.append(torch.randn(p.M, p.N, device="cuda", generator=g))
+          out = dtypes.float32
+        elif step.startswith("gelu_backward"): xs.append(torch.randn(p.M, p.N, device="cuda", generator=g).to(tdt))
+      A, B, X = array(a), array(b), [array(x) for x in xs]
+      n = repeats_for(p, tf32)
+      measured = {path: device_ms(lambda path=path: MM.fused_gemm(A, B, *X, epilogue=epilogue, dtype=out, tf32=tf32,
+                                                                  path=path), n, "bt") for path in ("cublas", "nova")}
+      problem = cfg.GemmProblem(p.M, p.N, p.K, 1, dt.itemsize, out.itemsize, "tf32" if tf32 else "", not p.a_t, p.b_t)
+      c = cfg.gemm_choice(problem, steps, [X[j].dtype.itemsize for j in range(len(X))], runtime.hardware())
+      faster = min(measured, key=measured.get)
+      rows.append({"precision": prec_name, "problem": name, "epilogue": epilogue, "M": p.M, "N": p.N, "K": p.K,
+                   "predicted_us": {"cublas": c.cublas_s * 1e6, "nova": c.nova_s * 1e6},
+                   "measured_us": {k: v * 1e3 for k, v in measured.items()}, "chosen": c.path, "faster": faster,
+                   "hit": c.path == faster, "separate": list(c.separate)})
+      print(json.dumps(rows[-1]), flush=True)
+      del a, b, xs, A, B, X
+      torch.cuda.empty_cache()
+  out_dir = ROOT / "benchmarks" / "results"
+  out_dir.mkdir(parents=True, exist_ok=True)
+  hits = sum(r["hit"] for r in rows)
+  (out_dir / "gemm_choice.json").write_text(json.dumps({"device": runtime.hardware().name, "date": str(date.today()),
+                                                        "hit_rate": hits / len(rows), "rows": rows}, indent=1))
+  print("\n| precision | problem | epilogue | cuBLASLt + kernels (us) predicted / measured | synthesized (us) "
+        "predicted / measured | chosen | faster |")
+  print("| --- | --- | --- | --- | --- | --- | --- |")
+  for r in rows:
+    pr, me = r["predicted_us"], r["measured_us"]
+    print(f"| {r['precision']} | {r['problem']} | {r['epilogue']} | {pr['cublas']:.0f} / {me['cublas']:.0f} | "
+          f"{pr['nova']:.0f} / {me['nova']:.0f} | {r['chosen']} | {r['faster']} |")
+  print(f"\nhit rate: {hits}/{len(rows)}")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--precisions", default="tf32,bf16")
   ap.add_argument("--shapes", default="gpt2,squares")
   ap.add_argument("--peers", default="cublas,torch,xla,triton")
   ap.add_argument("--explore", action="store_true")
+  ap.add_argument("--fused", action="store_true", help="the GEMM choice's hit rate on GPT-2's fused GEMMs")
   args = ap.parse_args()
+  if args.fused: return fused_choice(args.precisions.split(","))
   peers = [x for x in args.peers.split(",") if x]
   if "xla" in peers:
     try: import jax  # noqa: F401

@@ -346,6 +346,84 @@ def copy_schedule(rows: int, cols: int) -> tuple[int, int, int]:
   return min(64, max(16, next_pow2(rows))), min(64, max(16, next_pow2(cols))), 4
 
 
+# *** the GEMM choice: cuBLASLt and separate kernels, or one synthesized GEMM with the whole epilogue ***
+
+CUBLAS_EFFICIENCY = {"": 0.71, "tf32": 0.65, "fp32": 0.80}  # cuBLASLt's share of the tensor-core peak (fp32: of
+# FP32_FLOPS, its float32 GEMMs without TF32), the medians of BENCHMARKS.md "Nova's synthesized GEMMs against cuBLAS"
+# over GPT-2's GEMMs (fp32: not measured, the usual share of a CUDA-core SGEMM)
+NOVA_VS_CUBLAS = {("", "fwd"): 0.96, ("", "dx"): 0.95, ("", "dw"): 0.84,        # the synthesized GEMM's rate over
+                  ("tf32", "fwd"): 0.78, ("tf32", "dx"): 0.92, ("tf32", "dw"): 1.19}  # cuBLAS's, same table, medians
+# per layout class: "fwd" (A and B K-major: X W^T), "dx" (B N-major: dY W), "dw" (A M-major: dY^T X)
+FP32_FLOPS = 67e12      # FLOP/s of the H200's CUDA cores in float32 (cuBLASLt's float32 GEMMs without TF32)
+LAUNCH_S = 2e-6         # seconds a kernel adds in a CUDA graph beyond its work (launch, fill and drain)
+STREAM_SHARE = 0.85     # share of the HBM bandwidth an elementwise kernel or an epilogue's extra traffic reaches
+GEMM_TENSOR_STEPS = ("bias", "residual", "gelu_backward", "gelu_backward_tanh")  # epilogue steps that read a tensor
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+  """How a fused GEMM runs on the GPU (`path`: "cublas" or "nova") and why: the predicted seconds of cuBLASLt with
+  the epilogue steps it does (`cublas_epilogue`) plus a kernel per other step (`separate`), and of the synthesized
+  GEMM doing every step."""
+  path: str
+  cublas_s: float
+  nova_s: float
+  cublas_epilogue: tuple[str, ...]
+  separate: tuple[str, ...]
+
+  def __str__(self) -> str:
+    sep = f" + {' '.join(self.separate)}" if self.separate else ""
+    epi = f" [{' '.join(self.cublas_epilogue)}]" if self.cublas_epilogue else ""
+    return f"{self.path}: cublas{epi}{sep} {self.cublas_s * 1e6:.1f} us, nova {self.nova_s * 1e6:.1f} us"
+
+
+def layout_class(a_kmajor: bool, b_kmajor: bool) -> str:
+  """GPT's three GEMMs by operand layout: "fwd" (X W^T), "dx" (dY W, B N-major), "dw" (dY^T X, A M-major)."""
+  return "dw" if not a_kmajor else "fwd" if b_kmajor else "dx"
+
+
+def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[int] = (),
+                hw: Hardware = H200) -> GemmChoice:
+  """cuBLASLt or the synthesized GEMM for C = epilogue(A @ B), by predicted time, with no search.
+
+  The epilogue steps are those of `ops.linalg.gemm_op` ("bias", "gelu", "save", "residual", ...); `extra_itemsizes`
+  are the item sizes of the tensors the steps read, in order. With E = batch*M*N output elements:
+    GEMM(rate)  = max(2*batch*M*N*K / rate, compulsory bytes / bandwidth)
+    cuBLASLt    = GEMM(peak * CUBLAS_EFFICIENCY[precision]) + LAUNCH_S
+                  + per step it cannot do: its kernel's E*(reads + write) bytes / (bandwidth * STREAM_SHARE) + LAUNCH_S
+    synthesized = GEMM(that rate * NOVA_VS_CUBLAS[precision, layout class]; a third of it for 3xTF32) + LAUNCH_S
+                  + the epilogue's extra traffic (tensors read, values saved) / (bandwidth * STREAM_SHARE)
+  cuBLASLt's epilogue does the bias when nothing rounds before it (float32 operands); its GELU epilogues are the tanh
+  form and its bias gradients are not wired, so every other step is a kernel of its own. A saved pre-activation
+  costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads. Float32 products
+  without TF32 stay on cuBLASLt whatever the times say: its SGEMM is eager mode's float32 arithmetic, which the
+  synthesized 3xTF32 GEMM only approximates (to float32's error).
+  """
+  E = p.batch * p.M * p.N
+  out, item = p.out_itemsize, p.itemsize
+  bw = hw.hbm_bandwidth * STREAM_SHARE
+  flops = 2 * E * p.K
+  compulsory = (p.batch * (p.M + p.N) * p.K * item + E * out) / hw.hbm_bandwidth
+  kind = "fp32" if p.precision == "tf32x3" else p.precision
+  peak = FP32_FLOPS if kind == "fp32" else hw.tf32_flops if item == 4 else hw.half_flops
+  cublas_rate = peak * CUBLAS_EFFICIENCY[kind]
+  lay = layout_class(p.a_kmajor, p.b_kmajor)
+  nova_rate = (hw.tf32_flops * CUBLAS_EFFICIENCY["tf32"] * NOVA_VS_CUBLAS["tf32", lay] / 3 if kind == "fp32" else
+               cublas_rate * NOVA_VS_CUBLAS[kind, lay])
+  cublas_epi = ("bias",) if steps[:1] == ("bias",) and item == 4 else ()
+  separate = tuple(s for s in steps[len(cublas_epi):] if s != "save")
+  sizes = dict(zip([s for s in steps if s in GEMM_TENSOR_STEPS], extra_itemsizes))
+  kernels = 0.0
+  for s in separate:
+    reads = item + (sizes.get(s, item) if s in ("residual", "gelu_backward", "gelu_backward_tanh") else 0)
+    kernels += E * (reads + (out if s == separate[-1] else item)) / bw + LAUNCH_S
+  epilogue = sum(E * sizes[s] for s in sizes if s != "bias") + E * item * steps.count("save")
+  cublas = max(flops / cublas_rate, compulsory) + LAUNCH_S + kernels
+  nova = max(flops / nova_rate, compulsory) + LAUNCH_S + epilogue / bw
+  faster = "nova" if nova < cublas and kind != "fp32" else "cublas"  # float32 without TF32: eager's SGEMM arithmetic
+  return GemmChoice(faster, cublas, nova, cublas_epi, separate)
+
+
 # *** reductions, row kernels, elementwise, indexing ***
 
 def flat_schedule(n: int, itemsize: int, hw: Hardware = H200) -> tuple[int, int]:

@@ -178,3 +178,34 @@ assert q.grad.dtype is bt.bfloat16 and k.grad.shape == (2, 3, 40, 64)
 print('backward launches', fake_cuda.launches[0] - before)
 """, tmp_path)
   assert int(out.split()[-1]) >= 2  # the dq and dk/dv kernels (and the slices' and casts' own)
+
+
+def test_gemm_op_host_paths_on_the_fake_gpu(tmp_path):
+  """Nova's gemm op through both paths of its CUDA kernel (cuBLASLt and separate kernels, one synthesized GEMM with
+  round and save epilogue steps): shapes, dtypes and results; and a compiled MLP step reports each gemm's choice."""
+  _run_fake(f"""
+import os
+os.environ["BLUTRAIN_CACHE_DIR"] = {str(tmp_path / "cache")!r}  # a miss, so that info lists the gemms
+import blutrain as bt
+from blutrain import dtypes
+from blutrain.backend.cuda import kernels, memory
+f32, bf16 = dtypes.float32, dtypes.bfloat16
+for dtype in (f32, bf16):
+  a, w = memory.empty((3, 40, 64), dtype, 0), memory.empty((64, 96), dtype, 0)
+  bias, res = memory.empty((96,), dtype, 0), memory.empty((3, 40, 96), f32, 0)
+  for path in ("cublas", "nova"):
+    for epilogue, xs, out in (("bias,save,gelu", [bias], dtype), ("bias,residual", [bias, res], f32),
+                              ("gelu_backward_tanh", [res], f32)):
+      got = kernels["gemm"](a, w, *xs, epilogue=epilogue, dtype=out, path=path)
+      assert [(g.shape, g.dtype) for g in got] == [((3, 40, 96), out)] + [((3, 40, 96), dtype)] * ("save" in epilogue)
+model = bt.nn.Sequential(bt.nn.Linear(48, 128), bt.nn.GELU(), bt.nn.Linear(128, 10)).to("cuda")
+def step(x):
+  loss = model(x).square().mean()
+  loss.backward()
+  return loss
+fn = bt.compile(step)
+for _ in range(3): fn(bt.randn(64, 48, device="cuda"))
+assert len(fn.info["gemms"]) == fn.info["counts_after"]["gemm"] >= 3, fn.info
+source = open(fn.info["source"]).read()
+assert source.count("path=") == source.count(" us, nova ") == len(fn.info["gemms"]), source
+""", tmp_path)

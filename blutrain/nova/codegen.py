@@ -33,11 +33,12 @@ from xdsl.ir import SSAValue
 
 from blutrain import dtypes
 from blutrain.dtypes import DType
-from blutrain.nova.dialect import (DTYPES, ElementwiseOp, ExpandOp, FusedOp, LayoutOp, MultiResultOp, NovaOp, PermuteOp,
-                                   RandomOp, ViewOp, aval)
+from blutrain.nova.dialect import (DTYPES, ElementwiseOp, ExpandOp, FusedOp, GemmOp, LayoutOp, MultiResultOp, NovaOp,
+                                   PermuteOp, RandomOp, ViewOp, aval)
 from blutrain.nova.graph import dtype_name, literal
 from blutrain.nova.ir import function
 from blutrain.nova.memory import MemoryPlan, joins
+from blutrain.nova.passes.fuse_gemm import gemm_choice
 
 
 def _slice(index) -> str:
@@ -76,10 +77,10 @@ def cuda_view(x, opname: str, attrs: dict):
   return type(x)(x.ptr + offset * x.dtype.itemsize, tuple(shape), tuple(strides), x.dtype, x.device, x.owner)
 
 
-def _call(op: NovaOp, args: list[str], out: str | None, target: str) -> str:
+def _call(op: NovaOp, args: list[str], out: str | None, target: str, path: str | None = None) -> str:
   """The call of the op's kernel (writing into `out` when given); a random op's seed and absolute offset come from its
   generator state: read on the host on the CPU, by the kernel from device memory on the GPU (so that a CUDA graph
-  replays with the generator's new offset)."""
+  replays with the generator's new offset); a gemm on the GPU is given its `path`."""
   a = op.attrs()
   if isinstance(op, RandomOp):
     rng = args[0]
@@ -88,6 +89,7 @@ def _call(op: NovaOp, args: list[str], out: str | None, target: str) -> str:
     else: kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
     return f'kernels["{op.opname}"]({", ".join(kw)})'
   kw = [f"{k}={literal(v)}" for k, v in a.items()] + ([f"out={out}"] if out else [])
+  if path: kw.append(f"path={path!r}")
   return f'kernels["{op.opname}"]({", ".join(args + kw)})'
 
 
@@ -109,7 +111,9 @@ def _lines(op: NovaOp, args: list[str], outs: list[str | None], out_dtypes: list
   """The lines computing one op into the names `outs` (None for an absent result), on the CPU each result cast to its
   dtype. A multi-result op's kernel returns a tuple: it is unpacked (`_` for an absent result), then cast."""
   if isinstance(op, LayoutOp): return [f"  {outs[0]} = {_view(op, args[0], target)}"]
-  call = _call(op, args, out, target)
+  choice = gemm_choice(op) if target == "cuda" and isinstance(op, GemmOp) else None
+  call = _call(op, args, out, target, choice and choice.path)
+  if choice: call += f"  # {choice}"  # the configurator's prediction (`fuse_gemm.gemm_choice`)
   if not isinstance(op, MultiResultOp):
     if target == "cuda": return [f"  {outs[0]} = {call}"]
     return [f"  {outs[0]} = np.asarray({call}, {dtype_name(out_dtypes[0])})"]

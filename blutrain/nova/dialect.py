@@ -962,6 +962,20 @@ class ConvGradWeightOp(NNOp):
 
 
 @irdl_op_definition
+class GemmOp(MultiResultOp):
+  """a @ b and its epilogue (`ops.linalg.gemm_op`), which only the fuse-gemm pass makes: results `outs` are the
+  output, then the values the epilogue's "save" steps keep."""
+  name = "nova.gemm"
+  a = operand_def(TENSOR)
+  b = operand_def(TENSOR)
+  xs = var_operand_def(TENSOR)
+  outs = var_result_def(TENSOR)
+  epilogue = prop_def(STR)
+  dtype = prop_def(ELEMENT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
 class SoftmaxOp(NNOp):
   """exp(x) / sum(exp(x)) along `dim`."""
   name = "nova.softmax"
@@ -1276,10 +1290,11 @@ Nova = Dialect("nova", [
   BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp, EqOp, NeOp,
   LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
-  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp, LogSoftmaxOp,
-  LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp, EmbeddingBackwardOp,
-  CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp,
-  FlashAttentionLseBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
+  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
+  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp,
+  EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp,
+  FlashAttentionLseOp, FlashAttentionLseBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
+  AllGatherOp, *COMPILER_OPS,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations

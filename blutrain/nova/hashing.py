@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 from blutrain.nova.graph import Equation, Graph, Value, literal
 
 # 3: updates in place, a cuda target; 4: remat; 5: planned offsets; 6: gelu out=; 7: slots withdrawn;
-# 8: overlapped collectives, pointwise fusion
+# 8: overlapped collectives, fused gemms, norms and pointwise groups
 FORMAT_VERSION = 8
 
 

@@ -297,7 +297,7 @@ def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, me
                                     memory_budget=memory_budget, target=target)
   info.update(cache="miss", source=str(path), counts_before=compiled.counts_before, counts_after=compiled.counts_after,
               timings=compiled.timings, arena_bytes=compiled.memory.arena, live_peak_bytes=compiled.memory.lower_bound,
-              remat=compiled.remat and compiled.remat.info())
+              remat=compiled.remat and compiled.remat.info(), gemms=compiled.gemms)
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -2,7 +2,8 @@
 
 `optimize` runs the passes: canonicalize and fold alternate until fold finds nothing to fold (each reaches its own
 fixed point with one worklist walk, and only fold's new splats can expose new identities such as x * 1), then
-fuse-casts, cse and dce once (none of them exposes anything new: patterns look at the producers of operands, which
+fuse-casts, fuse-gemm (which folds what follows a matmul, after fuse-casts has moved autocast's casts out of the way),
+cse and dce once (none of them exposes anything new: patterns look at the producers of operands, which
 cse only swaps for identical ones). With a dump directory every stage is written in MLIR syntax: `00-captured.mlir`,
 `01-canonicalize.mlir`, `02-fold.mlir`, ...
 
@@ -28,8 +29,9 @@ from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.memory import MemoryPlan, plan as plan_memory, reused_in_place, updated_in_place
-from blutrain.nova.passes import (CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, FuseNormsPass,
-                                  FusePointwisePass, NovaPass)
+from blutrain.nova.passes import (CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, FuseGemmPass,
+                                  FuseNormsPass, FusePointwisePass, NovaPass)
+from blutrain.nova.passes.fuse_gemm import gemm_report
 from blutrain.nova.remat import RematReport, rematerialize
 
 MAX_ROUNDS = 8  # canonicalize/fold rounds; real graphs settle in two
@@ -78,6 +80,7 @@ def _optimize(module: ModuleOp, dump: _Dumper, verify: bool) -> ModuleOp:
     run(CanonicalizePass())
     if not run(FoldPass()): break
   run(FuseCastsPass())
+  run(FuseGemmPass())
   run(CSEPass())
   run(DCEPass())
   return module
@@ -106,6 +109,8 @@ class CompiledGraph:
     memory: the static memory plan of the optimized module's intermediates (`memory.plan`).
     remat: what rematerialization recomputed and kept (`remat.rematerialize`); None when it was turned off.
     timings: seconds per phase (build, optimize, remat, fuse, plan, codegen, load).
+    gemms: for the GPU, one line per fused GEMM: its problem and epilogue, the path chosen (cuBLASLt and separate
+      kernels, or the synthesized GEMM) and both predicted times (`fuse_gemm.gemm_report`; dumped as gemms.txt).
   """
   source: str
   fn: Callable
@@ -115,6 +120,7 @@ class CompiledGraph:
   memory: MemoryPlan
   remat: RematReport | None
   timings: dict[str, float] = field(default_factory=dict)
+  gemms: list[str] = field(default_factory=list)
 
 
 def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verify: bool | None = None,
@@ -179,8 +185,10 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
   in_place = updated_in_place(module, written)
   if target == "cuda": in_place |= reused_in_place(module)  # CUDA kernels return fresh arrays, never an input's memory
   source = codegen.generate(module, target=target, in_place=in_place, plan=memory_plan)
+  gemms = gemm_report(module) if target == "cuda" else []
+  if dump_dir and gemms: (Path(dump_dir) / "gemms.txt").write_text("\n".join(gemms) + "\n")
   if dump_dir: (Path(dump_dir) / "step.py").write_text(source)
   lap("codegen")
   fn = codegen.load(source)
   lap("load")
-  return CompiledGraph(source, fn, module, counts_before, counts_after, memory_plan, report, timings)
+  return CompiledGraph(source, fn, module, counts_before, counts_after, memory_plan, report, timings, gemms)

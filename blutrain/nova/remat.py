@@ -18,7 +18,9 @@ the planned live peak (or, at a tie, the number of positions at the peak) goes d
                    the budget, or no candidate is left (the report then says by how much the step stays above it).
 
 Random ops are recomputable because a draw is a function of (generator state, offset, shape, dtype): the clone reads
-the same `rng` input and draws the same numbers (see the dialect's note on random ops).
+the same `rng` input and draws the same numbers (see the dialect's note on random ops). A gemm whose epilogue ends in a
+GELU of a saved pre-activation (fuse-gemm's "save,gelu") is not cloned but its output recomputed as the GELU of the
+saved value, which the backward keeps anyway: the same value, as the gemm rounded its pre-activation before the GELU.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp,
-                                   FlashAttentionLseBackwardOp, FlashAttentionLseOp, FlashAttentionOp, LayerNormOp,
-                                   LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp, SoftmaxOp, aval)
+                                   FlashAttentionLseBackwardOp, FlashAttentionLseOp, FlashAttentionOp, GeluOp, GemmOp,
+                                   LayerNormOp, LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
+                                   SoftmaxOp, aval)
 from blutrain.nova.ir import function
 from blutrain.nova.memory import lifetimes, nbytes, plan
 
@@ -54,7 +57,7 @@ def op_flops(op: Operation) -> int:
   """An estimate of the FLOPs of one nova op: 2 per multiply-add of a matmul, 4 per q-k-v triple of attention (2.5
   times that for its backward), `PER_ELEMENT` (default 1) per output element of the others, none for views."""
   if isinstance(op, LayoutOp) or not isinstance(op, NovaOp): return 0
-  if isinstance(op, MatmulOp): return 2 * _numel(op.result) * aval(op.operands[0].type).shape[-1]
+  if isinstance(op, (MatmulOp, GemmOp)): return 2 * _numel(op.results[0]) * aval(op.operands[0].type).shape[-1]
   if isinstance(op, (FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp)):
     q, k = aval(op.q.type).shape, aval(op.k.type).shape
     work = 4 * math.prod(q) * k[-2]
@@ -172,6 +175,7 @@ class _Schedule:
       self.live.append(run)
     self.peak = max(self.live, default=0)
     self.at_peak = sum(1 for x in self.live if x == self.peak)
+    self.templates: list[Operation] = []  # GELUs standing for gemm outputs in recipes, outside the block
 
   def key(self) -> tuple[int, int]: return self.peak, self.at_peak
 
@@ -194,6 +198,7 @@ class _Plan:
   moved: int
   a: int = -1  # the position of its last read before the peak (where it now dies)
   clone: SSAValue | None = None
+  stands_for: dict[Operation, SSAValue] = field(default_factory=dict)  # a template op -> the gemm output it remakes
 
   def transient(self) -> int:
     """Bytes of the clones other than v's own, alive around b only."""
@@ -205,11 +210,26 @@ def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
   with O(elements) ops alone, or not within MAX_DEPTH ops)."""
   chain: list[Operation] = []
   seen: set[Operation] = set()
+  stands_for: dict[Operation, SSAValue] = {}
+
+  def gelu_of_saved(x: SSAValue, op: GemmOp) -> bool:
+    """x, a gemm's output GELU(saved pre-activation), remade by a GELU of the saved value when that is alive at b."""
+    steps = op.attrs()["epilogue"].split(",")
+    if x is not op.results[0] or steps[-2:] not in (["save", "gelu"], ["save", "gelu_tanh"]) or \
+       len(chain) >= MAX_DEPTH or not need(op.results[-1], False):
+      return False
+    t = GeluOp.make([op.results[-1]], {"approximate": "tanh" if steps[-1] == "gelu_tanh" else "none"}, [x.type])
+    s.templates.append(t)
+    stands_for[t] = x
+    seen.add(op)
+    chain.append(t)
+    return True
 
   def need(x: SSAValue, top: bool) -> bool:
     if not top and (isinstance(x, BlockArgument) or s.last(x) >= b): return True
     op = x.owner
     if op in seen: return True
+    if isinstance(op, GemmOp): return gelu_of_saved(x, op)
     if not isinstance(op, SingleResultOp) or isinstance(op, CollectiveOp) or (cheap and not isinstance(op, CHEAP)) \
        or len(chain) >= MAX_DEPTH:
       return False
@@ -222,7 +242,7 @@ def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
   heavy = [op for op in chain if not isinstance(op, LayoutOp)]
   flops = sum(op_flops(op) for op in heavy)
   moved = sum(nbytes(x) for op in heavy for x in (*op.operands, op.result))
-  return _Plan(v, b, chain, flops, moved)
+  return _Plan(v, b, chain, flops, moved, stands_for=stands_for)
 
 
 def _across(s: _Schedule, t: int):
@@ -254,7 +274,7 @@ def _apply(s: _Schedule, p: _Plan) -> tuple[list, list]:
   for op in p.chain:
     c = op.clone(value_mapper=mapping)
     s.block.insert_op_before(c, at)
-    mapping[op.result] = c.result
+    mapping[p.stands_for.get(op, op.result)] = c.result
     clones.append(c)
   changed = []
 
@@ -343,6 +363,8 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
           added += p.flops
           touched |= reads | {p.value}
           live = new
+      for t in s.templates: t.erase(safe_erase=False)  # cloned where kept; they must not stay users of their operands
+      s.templates.clear()
       if not kept: return s
       after = _Schedule(module, written)
       if after.key() >= s.key():

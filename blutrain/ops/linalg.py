@@ -34,6 +34,46 @@ def _matmul_vjp(g, out, a, b, tf32=False):
 matmul_op = op("matmul", _matmul_rule, _matmul_vjp, inputs="a b", attrs="tf32:bool?")
 
 
+# A GEMM with its epilogue, made only by Nova's fuse-gemm pass (nova/passes/fuse_gemm.py) out of a matmul and the ops
+# that follow it, never by user code: it computes exactly what those ops computed, rounding where they rounded.
+GEMM_STEPS = ("bias", "gelu", "gelu_tanh", "save", "residual", "gelu_backward", "gelu_backward_tanh")
+GEMM_TENSORS = ("bias", "residual", "gelu_backward", "gelu_backward_tanh")  # steps reading a tensor, one each
+
+
+def gemm_steps(epilogue: str) -> tuple[str, ...]:
+  """The steps of a gemm's `epilogue` attribute ("bias,save,gelu" -> ("bias", "save", "gelu"))."""
+  return tuple(epilogue.split(",")) if epilogue else ()
+
+
+def _gemm_rule(a, b, *xs, epilogue, dtype, tf32=False):
+  """gemm(a, b, *xs): y = a @ b in a's dtype, then the steps in order, each rounding to a's dtype as the op it
+  replaces did: "bias" (+ xs[i] of shape (N,)), "gelu"/"gelu_tanh", "save" (y becomes the second output, in a's
+  dtype; once, not last),
+  and last "residual" (+ xs[i] of y's shape) or "gelu_backward"/"_tanh" (y * gelu'(xs[i]), xs[i] of y's shape), which
+  round to `dtype`, the output's. Outputs: the result, then the saved value if any."""
+  shape, t = _matmul_rule(a, b)
+  steps = gemm_steps(epilogue)
+  if bad := [s for s in steps if s not in GEMM_STEPS]:
+    raise ShapeError(f"gemm: unknown epilogue steps {bad}; expected some of {GEMM_STEPS}")
+  readers = [s for s in steps if s in GEMM_TENSORS]
+  if len(readers) != len(xs):
+    raise ShapeError(f"gemm: epilogue {epilogue!r} reads {len(readers)} tensors, got {len(xs)}")
+  for s, x in zip(readers, xs):
+    want = (shape[-1],) if s == "bias" else shape
+    if tuple(x.shape) != want or not x.dtype.is_floating_point:
+      raise ShapeError(f"gemm: the {s} step reads a floating tensor of shape {want}, got {x.dtype.name}{list(x.shape)}")
+  if steps.count("save") > 1 or steps[-1:] == ("save",):
+    raise ShapeError(f"gemm: an epilogue saves at most one value, before a step that follows it; got {epilogue!r}")
+  if any(s in ("residual", "gelu_backward", "gelu_backward_tanh") for s in steps[:-1]):
+    raise ShapeError(f"gemm: residual and gelu_backward may only end an epilogue, got {epilogue!r}")
+  if dtype is not t and (not steps or steps[-1] not in ("residual", "gelu_backward", "gelu_backward_tanh")):
+    raise ShapeError(f"gemm: only a final residual or gelu_backward step may change the dtype ({t.name} -> {dtype.name})")
+  return [(shape, dtype)] + [(shape, t)] * steps.count("save")
+
+
+gemm_op = op("gemm", _gemm_rule, multi=True, inputs="a b *xs", attrs="epilogue:str dtype:dtype tf32:bool?")
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
   """a @ b. 1-D operands are promoted to a row (left) or a column (right) and that dim removed after;
   leading dims broadcast as batch dims. float32 operands may use TF32 on CUDA, as `bt.set_float32_matmul_precision`

@@ -46,9 +46,9 @@ def test_gpt_compiled_equals_eager(tmp_path, monkeypatch):
   compiled = compile_graph(graph)
   assert_same(compiled.fn(*arrays), evaluate(graph, arrays), exact=False)
   files = sorted(p.name for p in tmp_path.iterdir())
-  assert files == ["00-captured.mlir", "01-canonicalize.mlir", "02-fold.mlir", "03-fuse-casts.mlir", "04-cse.mlir",
-                   "05-dce.mlir", "06-remat.mlir", "07-fuse-norms.mlir", "08-fuse-pointwise.mlir", "memory-plan.txt",
-                   "remat.txt", "step.py"]
+  assert files == ["00-captured.mlir", "01-canonicalize.mlir", "02-fold.mlir", "03-fuse-casts.mlir", "04-fuse-gemm.mlir",
+                   "05-cse.mlir", "06-dce.mlir", "07-remat.mlir", "08-fuse-norms.mlir", "09-fuse-pointwise.mlir",
+                   "memory-plan.txt", "remat.txt", "step.py"]
   assert (tmp_path / "step.py").read_text() == compiled.source
   assert compiled.counts_after["arange"] == 1, "cse keeps one arange of each kind"
 

@@ -198,9 +198,10 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, mo
   np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
   for a, b in zip(params, eager_params): np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   source = open(fn.info["source"]).read()
-  # 5 norms (2 per block and the final one): all but the first, whose sum adds a broadcast position embedding, fold
-  # their add; the 4 that feed a residual stream's gradient take it into their backward
-  assert source.count('kernels["add_layer_norm"]') == 4
+  # 5 norms (2 per block and the final one): all but the first, whose sum adds a broadcast position embedding, have
+  # their add folded, here into the GEMM before it (fuse-gemm runs first: a residual epilogue writes the sum as it
+  # writes the product), else into the norm; the 4 that feed a residual stream's gradient take it into their backward
+  assert source.count('kernels["add_layer_norm"]') + source.count("epilogue='bias,residual'") == 4
   backward = [line for line in source.splitlines() if 'kernels["layer_norm_backward"]' in line]
   assert sum(", None, n=" not in line for line in backward) == 4
   # the step ends with zero_grad, so the clipped gradients are read by AdamW alone and it scales them as it reads them

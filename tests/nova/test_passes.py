@@ -343,15 +343,15 @@ def test_optimize_folds_into_identities_and_dumps(tmp_path):
   assert op_counts(module) == {"add": 1, "exp": 1}
   names = sorted(p.name for p in tmp_path.iterdir())
   assert names == ["00-captured.mlir", "01-canonicalize.mlir", "02-fold.mlir", "03-canonicalize.mlir", "04-fold.mlir",
-                   "05-fuse-casts.mlir", "06-cse.mlir", "07-dce.mlir"]
-  assert printed(ir.parse_module((tmp_path / "07-dce.mlir").read_text())) == printed(module)
+                   "05-fuse-casts.mlir", "06-fuse-gemm.mlir", "07-cse.mlir", "08-dce.mlir"]
+  assert printed(ir.parse_module((tmp_path / "08-dce.mlir").read_text())) == printed(module)
   text = ir.print_module(module)
   optimize(module)
   assert ir.print_module(module) == text, "a second run finds nothing left to do"
 
 
 def test_passes_are_named_module_passes():
-  assert set(PASSES) == {"canonicalize", "fold", "fuse-casts", "cse", "dce", "fuse-norms", "fuse-pointwise"}
+  assert set(PASSES) == {"canonicalize", "fold", "fuse-casts", "fuse-gemm", "cse", "dce", "fuse-norms", "fuse-pointwise"}
   module = ir.parse_module(func(X4, "tensor<4xf32>", """
     %a = nova.neg %x : (tensor<4xf32>) -> tensor<4xf32>
     %b = nova.neg %a : (tensor<4xf32>) -> tensor<4xf32>

@@ -466,5 +466,23 @@ def _scale(*xs, out=None):
 
 
 _adamw.writes_out = _scale.writes_out = True
-kernels |= {"adamw": _adamw, "sum_squares": _sum_squares, "scale": _scale}
+
+
+def _gemm(a, b, *xs, epilogue, dtype, tf32=False):
+  """Nova's fused GEMM (`ops.linalg.gemm_op`): the kernels of the ops it replaces, one after another, each result
+  rounded to that op's dtype, so a compiled step equals eager mode exactly."""
+  t, xs = a.dtype, iter(xs)
+  y = kernels["matmul"](a, b, tf32=tf32).astype(t)
+  saved = []
+  for step in epilogue.split(",") if epilogue else ():
+    if step == "save": saved.append(y)
+    elif step == "bias": y = kernels["add"](y, next(xs)).astype(t)
+    elif step.startswith("gelu_backward"):
+      y = kernels["gelu_backward"](y, next(xs), approximate="tanh" if step.endswith("tanh") else "none")
+    elif step.startswith("gelu"): y = kernels["gelu"](y, approximate="tanh" if step.endswith("tanh") else "none").astype(t)
+    else: y = kernels["add"](y, next(xs))
+  return (y.astype(dtype.np), *saved)
+
+
+kernels |= {"adamw": _adamw, "sum_squares": _sum_squares, "scale": _scale, "gemm": _gemm}
 kernels |= collective.KERNELS  # the process group's own calls (backend/collective.py)

@@ -16,6 +16,8 @@ any outer ones loop on the host. A weight shared by the batch (b 2-D or broadcas
 batch into the rows: one large GEMM instead of many small ones.
 
 With `bt.backends.matmul = "triton"`, float32 and 16-bit matmuls run as synthesized Triton GEMMs instead (gemm/).
+Nova's `gemm` op (a matmul with the ops after it, fuse-gemm) runs here too, by the path its codegen chose: cuBLASLt
+and a kernel per step its epilogue cannot do, or one synthesized GEMM with the whole epilogue (`fused_gemm`).
 """
 from __future__ import annotations
 
@@ -246,8 +248,9 @@ def _check(op: str, a: CudaArray, b: CudaArray) -> None:
 _calls: dict[tuple, tuple[Plan, list[tuple[int, int, int]]]] = {}  # layouts -> plan and offsets
 
 
-def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool) -> CudaArray:
-  out = empty(broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), a.dtype, a.device)
+def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool, out: CudaArray | None = None) -> CudaArray:
+  """a @ b (+ bias) into a new array, or into `out` (contiguous, of the result's shape and a's dtype)."""
+  if out is None: out = empty(broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), a.dtype, a.device)
   if out.size == 0: return out
   if a.shape[-1] == 0:  # an empty sum: zeros, or the bias
     if bias is None: memory.zero(out)
@@ -278,13 +281,81 @@ def matmul(a: CudaArray, b: CudaArray, tf32: bool = False) -> CudaArray:
   return _matmul(a, b, None, tf32)
 
 
-def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False) -> CudaArray:
-  """a @ b + bias (bias of shape (n,)) with the bias added in cuBLASLt's epilogue, not by another kernel."""
+def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False, out: CudaArray | None = None) -> CudaArray:
+  """a @ b + bias (bias of shape (n,)) with the bias added in cuBLASLt's epilogue, not by another kernel (into `out`
+  when given, contiguous)."""
   _check("matmul_bias", a, b)
   if bias.shape != (b.shape[-1],):
     raise ValueError(f"matmul_bias: bias of shape {bias.shape} for an output with {b.shape[-1]} columns")
   if bias.dtype is not a.dtype or bias.strides != (1,): bias = cast(bias, a.dtype)
-  return _matmul(a, b, bias, tf32)
+  return _matmul(a, b, bias, tf32, out)
 
 
-KERNELS = {"matmul": matmul}
+_HALVES = (dtypes.bfloat16, dtypes.float16)
+
+
+def _results(a: CudaArray, b: CudaArray, steps: tuple[str, ...], dtype: DType) -> tuple[CudaArray, ...]:
+  """The gemm op's results, allocated first and in order (the output, then the saved values), so that a step replayed
+  on a static memory plan gets each at its planned offset (the plan's slots go by size, in allocation order) and
+  the temporaries after them take none."""
+  shape = broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+  return (empty(shape, dtype, a.device),) + tuple(empty(shape, a.dtype, a.device) for s in steps if s == "save")
+
+
+def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool) -> tuple:
+  """The gemm op through cuBLASLt (with its bias epilogue where nothing rounds before it: float32 operands) and then
+  the elementwise kernels of the ops it replaced, as eager mode runs them; each stage writes the saved value or the
+  output into its result array."""
+  from blutrain.backend.cuda.kernels.elementwise import KERNELS as EW
+  out, *saved = _results(a, b, steps, dtype)
+  xs = iter(xs)
+  bias = next(xs) if steps[:1] == ("bias",) and a.dtype is dtypes.float32 else None
+  rest = steps[1:] if bias is not None else steps
+  stages = [s for s in rest if s != "save"]
+  saved_stage = rest.index("save") if "save" in rest else -1  # the steps before it, one stage each
+  # where each stage (0 the product, then each step) writes: the saved value, the output, or a temporary
+  dests = [saved[0] if i == saved_stage else out if i == len(stages) else None for i in range(len(stages) + 1)]
+  y = _matmul(a, b, None, tf32, dests[0]) if bias is None else matmul_bias(a, b, bias, tf32, dests[0])
+  for step, dest in zip(stages, dests[1:]):
+    approximate = "tanh" if step.endswith("tanh") else "none"
+    if step == "bias": y = EW["add"](y, next(xs), out=dest)
+    elif step.startswith("gelu_backward"): y = EW["gelu_backward"](y, next(xs), approximate=approximate, out=dest)
+    elif step.startswith("gelu"): y = EW["gelu"](y, approximate=approximate, out=dest)
+    else:  # residual: add's result takes its first operand's dtype, and IEEE addition commutes
+      r = next(xs)
+      y = EW["add"](y, r, out=dest) if dtype is y.dtype else EW["add"](r, y, out=dest)
+  return (out, *saved)
+
+
+def _synthesized(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool) -> tuple:
+  """The gemm op as one synthesized GEMM whose epilogue does every step, rounding the float32 accumulator to the
+  operands' half type wherever the unfused ops rounded (after the product, the bias and the GELU)."""
+  out, *saved = _results(a, b, steps, dtype)
+  epilogue, tensors, half = [], {}, a.dtype in _HALVES
+  xs = iter(xs)
+  if half and steps: epilogue.append("round")
+  for i, step in enumerate(steps):
+    epilogue.append(step)
+    if step == "save": tensors["saved"] = saved[0]
+    elif step == "bias": tensors["bias"] = next(xs)
+    elif step == "residual": tensors["residual"] = next(xs)
+    elif step.startswith("gelu_backward"): tensors["gelu_input"] = next(xs)
+    if half and step in ("bias", "gelu", "gelu_tanh") and i + 1 < len(steps):
+      epilogue.append("round")
+  gemm(a, b, out=out, epilogue=tuple(epilogue), precision="tf32" if tf32 else None, out_dtype=dtype, **tensors)
+  return (out, *saved)
+
+
+def fused_gemm(a: CudaArray, b: CudaArray, *xs: CudaArray, epilogue: str, dtype: DType, tf32: bool = False,
+               path: str = "cublas") -> tuple:
+  """Nova's gemm op (`ops.linalg.gemm_op`): a @ b and the epilogue steps, by `path`: "cublas" (cuBLASLt, then a
+  kernel per step its epilogue cannot do) or "nova" (one synthesized GEMM); Nova's codegen passes the configurator's
+  choice (`configurator.gemm_choice`). Returns the output, then the saved values."""
+  _check("gemm", a, b)
+  steps = tuple(epilogue.split(",")) if epilogue else ()
+  if path == "nova" and a.dtype in _TRITON_DTYPES: return _synthesized(a, b, xs, steps, dtype, tf32)
+  if path not in ("nova", "cublas"): raise ValueError(f"gemm: path must be 'cublas' or 'nova', got {path!r}")
+  return _separately(a, b, xs, steps, dtype, tf32)
+
+
+KERNELS = {"matmul": matmul, "gemm": fused_gemm}

@@ -22,7 +22,8 @@ from blutrain.dtypes import DType, bfloat16, float16, float32
 DTYPES = (float32, bfloat16, float16)
 
 
-def _check(a: CudaArray, b: CudaArray, epilogue: tuple[str, ...], bias, residual, gelu_input, out, out_dtype) -> None:
+def _check(a: CudaArray, b: CudaArray, epilogue: tuple[str, ...], bias, residual, gelu_input, saved, out,
+           out_dtype) -> None:
   if a.dtype not in DTYPES or b.dtype is not a.dtype or a.device != b.device:
     raise TypeError(f"gemm: operands must share a dtype among {[d.name for d in DTYPES]} and a device, got "
                     f"{a.dtype.name} on cuda:{a.device} and {b.dtype.name} on cuda:{b.device}")
@@ -31,7 +32,7 @@ def _check(a: CudaArray, b: CudaArray, epilogue: tuple[str, ...], bias, residual
   bad = [op for op in epilogue if op not in EPILOGUE]
   if bad: raise ValueError(f"gemm: unknown epilogue ops {bad}; expected some of {EPILOGUE}")
   for what, x, ops in (("bias", bias, ("bias",)), ("residual", residual, ("residual",)),
-                       ("gelu_input", gelu_input, ("gelu_backward", "gelu_backward_tanh"))):
+                       ("gelu_input", gelu_input, ("gelu_backward", "gelu_backward_tanh")), ("saved", saved, ("save",))):
     listed = sum(op in ops for op in epilogue)
     if listed > 1 or (x is None) != (listed == 0):
       raise ValueError(f"gemm: {what} must be given exactly when the epilogue lists one of {ops} once; epilogue "
@@ -44,6 +45,8 @@ def _check(a: CudaArray, b: CudaArray, epilogue: tuple[str, ...], bias, residual
   for what, x in (("residual", residual), ("gelu_input", gelu_input)):
     if x is not None and broadcast_shape(x.shape, shape) != shape:
       raise ValueError(f"gemm: {what} of shape {x.shape} does not broadcast to the output's {shape}")
+  if saved is not None and saved.shape != shape:
+    raise ValueError(f"gemm: saved of shape {saved.shape}; expected the output's {shape}")
   if out is not None and (out.shape != shape or out.dtype is not (out_dtype or a.dtype) or out.device != a.device):
     raise ValueError(f"gemm: out is {out.shape} {out.dtype.name} on cuda:{out.device}; expected {shape} "
                      f"{(out_dtype or a.dtype).name} on cuda:{a.device}")
@@ -54,7 +57,8 @@ _calls: dict[tuple, tuple[Plan, tuple[int, ...], DType]] = {}  # a call's layout
 
 def gemm(a: CudaArray, b: CudaArray, *, out: CudaArray | None = None, epilogue: tuple[str, ...] = (),
          bias: CudaArray | None = None, residual: CudaArray | None = None, gelu_input: CudaArray | None = None,
-         alpha: float = 1.0, precision: str | None = None, out_dtype: DType | None = None) -> CudaArray:
+         saved: CudaArray | None = None, alpha: float = 1.0, precision: str | None = None,
+         out_dtype: DType | None = None) -> CudaArray:
   """C = epilogue(a @ b) over broadcast batch dims, by a synthesized Triton kernel scheduled by the configurator.
 
   Args:
@@ -63,29 +67,30 @@ def gemm(a: CudaArray, b: CudaArray, *, out: CudaArray | None = None, epilogue: 
     out: where to write C (any strides; one with no unit stride in its last two dims gets a copy).
     epilogue: ops applied in order to the float32 accumulator, from EPILOGUE: "scale" (times alpha), "bias" (+ a
       vector of N), "gelu"/"gelu_tanh", "residual" (+ a tensor broadcasting to C), "gelu_backward"/"_tanh" (times
-      gelu'(gelu_input)); then the cast to the output dtype.
+      gelu'(gelu_input)), "round" (to a's dtype and back), "save" (the value so far written into `saved`, an array
+      of C's shape, in its dtype); then the cast to the output dtype.
     precision: float32 operands only: "tf32" or "tf32x3" (default "tf32x3", float32-level error).
     out_dtype: the output dtype (default a's).
   """
   epilogue = tuple(epilogue)
   prec = precision_of(a.dtype, precision)
   key = (layout_key(a), layout_key(b), layout_key(out), layout_key(bias), layout_key(residual), layout_key(gelu_input),
-         epilogue, prec, out_dtype, a.device)
+         layout_key(saved), epilogue, prec, out_dtype, a.device)
+  tensors = {"residual": residual, "gelu_backward": gelu_input, "gelu_backward_tanh": gelu_input, "save": saved}
   hit = _calls.get(key)
   if hit is not None:  # a layout seen before, with nothing to copy: straight to the launches
     p, shape, dtype = hit
     if out is None: out = empty(shape, dtype, a.device)
-    p.launch(a, b, out, bias, [(residual if op == "residual" else gelu_input).ptr for op in epilogue
-                               if op in TENSOR_OPERANDS], alpha)
+    p.launch(a, b, out, bias, [tensors[op].ptr for op in epilogue if op in TENSOR_OPERANDS], alpha)
     return out
-  _check(a, b, epilogue, bias, residual, gelu_input, out, out_dtype)
+  _check(a, b, epilogue, bias, residual, gelu_input, saved, out, out_dtype)
   shape = broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
   target = out
   if out is None or not unit_axis(out)[0]: out = empty(shape, out_dtype or a.dtype, a.device)
   if out.size:
     a2, b2 = blas_operand(a), blas_operand(b)
     bias2 = copy(bias) if bias is not None and bias.strides != (1,) else bias
-    aux = tuple(residual if op == "residual" else gelu_input for op in epilogue if op in TENSOR_OPERANDS)
+    aux = tuple(tensors[op] for op in epilogue if op in TENSOR_OPERANDS)
     aux = tuple(CudaArray(x.ptr, shape, broadcast_strides(x, shape), x.dtype, x.device, x.owner) for x in aux)
     p = plan(a2, b2, out, bias2, aux, epilogue, prec)
     if a2 is a and b2 is b and bias2 is bias and target in (None, out): _calls[key] = (p, shape, out.dtype)

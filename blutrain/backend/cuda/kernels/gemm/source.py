@@ -16,8 +16,10 @@ strides is the unit one, the epilogue ops in order, and the kernel kind:
 With `split`, programs cover K in SPLIT_K slices and store float32 partial sums; a second generated kernel adds them
 and runs the epilogue (also the K = 0 case, with no slices). The epilogue works on the float32 accumulator: `scale`
 (times alpha), `bias` (a vector along N, or along M when the problem was transposed), `gelu`/`gelu_tanh`,
-`residual` (+ a tensor of C's shape), `gelu_backward`/`gelu_backward_tanh` (times gelu'(x) of a saved tensor), then
-the cast to the output type. GELU's math is the elementwise kernels' (`elementwise.gelu`, `elementwise.gelu_backward`).
+`residual` (+ a tensor of C's shape), `gelu_backward`/`gelu_backward_tanh` (times gelu'(x) of a saved tensor),
+`round` (to the operands' type and back: where the unfused ops rounded, so a fused epilogue rounds as they did),
+`save` (the accumulator so far stored, in its tensor's type, into a second output of C's shape), then the cast to the
+output type. GELU's math is the elementwise kernels' (`elementwise.gelu`, `elementwise.gelu_backward`).
 
 TF32: tensor cores truncate float32 operands; the kernels round the register operand A to nearest (`round_tf32`),
 and B is rounded by the K-major copy the configurator asks for when it is cheap (operand_copy.py). With
@@ -39,9 +41,9 @@ from blutrain import configurator as cfg
 from blutrain.backend.cuda.kernels import Spec, spec
 from blutrain.backend.cuda.kernels.elementwise import gelu, gelu_backward
 
-EPILOGUE = ("scale", "bias", "gelu", "gelu_tanh", "residual", "gelu_backward", "gelu_backward_tanh")
-TENSOR_OPERANDS = {"residual": "R", "gelu_backward": "X", "gelu_backward_tanh": "X"}  # epilogue ops reading a tensor
-# of C's shape -> the name of its pointer parameter
+EPILOGUE = ("scale", "bias", "gelu", "gelu_tanh", "residual", "gelu_backward", "gelu_backward_tanh", "round", "save")
+TENSOR_OPERANDS = {"residual": "R", "gelu_backward": "X", "gelu_backward_tanh": "X", "save": "S"}  # epilogue ops
+# reading (or, "save", writing) a tensor of C's shape -> the name of its pointer parameter
 CONSTEXPRS = ("BM", "BN", "BK", "EVEN_K", "EPI_SUBTILE", "WARP_SPEC", "BLOCK_R", "BLOCK_C")
 UNALIGNED_INTS = ("K_TILES", "SPLITS", "WM", "GROUP_M", "SPLIT_K")  # integer parameters with no divisibility promise
 _TL_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the output's type in triton.language
@@ -158,6 +160,11 @@ def _epilogue_source(st: Structure) -> list[str]:
       r, ax, bound = ("rm", "[:, None]", "M") if st.bias_along_m else ("rn", "[None, :]", "N")
       lines.append(f"  acc += tl.load(BIAS + {r}, mask={r} < {bound}, other=0.0).to(tl.float32){ax}")
     elif op in ("gelu", "gelu_tanh"): lines.append(f"  acc = gelu(acc, {op == 'gelu_tanh'})")
+    elif op == "round": lines.append(f"  acc = acc.to(tl.{_TL_NAMES[st.dtype]}).to(tl.float32)")
+    elif op == "save":
+      name = next(aux)
+      lines.append(f"  tl.store({name} + {_offsets(next(units), 'LD' + name)}, acc.to({name}.dtype.element_ty), "
+                   "mask=mask)")
     else:
       name = next(aux)
       x = f"tl.load({name} + {_offsets(next(units), 'LD' + name)}, mask=mask, other=0.0).to(tl.float32)"

@@ -52,6 +52,12 @@ def specs() -> list[Spec]:
   out += launches(arr((2048, 2048), f32), arr((2048, 2048), f32), "tf32", ("bias", "gelu"), arr((2048,), f32))
   out += launches(arr((3, 100, 96), f16, "odd"), arr((96, 80), f16), "", ("residual", "gelu_backward"), None,
                   [arr((3, 100, 80), f16, "t"), arr((3, 100, 80), f32)])
+  out += launches(arr((T, M), bf16), arr((M, 3072), bf16, "t"), "", ("round", "bias", "round", "save", "gelu"),  # Nova's
+                  arr((3072,), bf16), [arr((T, 3072), bf16)])                                        # fused MLP
+  out += launches(arr((T, 3072), bf16), arr((3072, M), bf16, "t"), "", ("round", "bias", "round", "residual"),
+                  arr((M,), bf16), [arr((T, M), f32)], f32)
+  out += launches(arr((3, 100, 96), f16, "odd"), arr((96, 80), f16), "", ("round", "save", "gelu_tanh"), None,
+                  [arr((3, 100, 80), f16, "t")])                                                     # saved, by pointers
   out += launches(arr((65536, M), bf16), arr((M, 50304), bf16, "t"))                 # int64 offsets
   out += launches(arr((64, 0), f32), arr((0, 64), f32), "tf32", ("bias",), arr((64,), f32))  # K = 0
   return out

@@ -1,0 +1,220 @@
+"""GEMM epilogue fusion: the ops that follow a matmul folded into one `nova.gemm` (ops.linalg.gemm_op), which a GPU
+step runs as one GEMM with the ops in its epilogue (or as cuBLASLt and the kernels its epilogue cannot do, whichever
+the configurator predicts faster: `configurator.gemm_choice`, `gemm_choice` below).
+
+  add(matmul(a, b), bias)             ->  gemm(a, b, bias) {epilogue = "bias"}       bias of shape (N,), over rows
+  gelu(gemm(...))                     ->  gemm(...) {epilogue = "...,gelu"}          (or gelu_tanh)
+  gelu(h = gemm(...)), h read later   ->  gemm(...) {epilogue = "...,save,gelu"}     h becomes a second result
+  add(gemm(...), r), add(r, gemm(...)) ->  gemm(..., r) {epilogue = "...,residual"}  r of the output's shape
+  gelu_backward(matmul(a, b), x)      ->  gemm(a, b, x) {epilogue = "gelu_backward"} (the incoming gradient's GEMM)
+
+Every rewrite is exact: the gemm computes what the ops computed, rounding where each of them rounded (to the
+matmul's dtype after the product, the bias and the GELU; to the last op's dtype at the end), so a compiled step
+equals eager mode on the CPU, and the GPU's fused epilogue rounds the float32 accumulator at the same places. What
+does not fuse, and why:
+- a matmul or gemm whose output is read elsewhere too (except a GELU's input: "save" keeps it), since its value
+  before the epilogue is needed (dead readers do not count: fuse-casts leaves the casts it replaced to dce); also
+  when a saved value is read before the op being folded in, whose place the gemm takes;
+- an add whose other operand is neither a bias (shape (N,)) nor of the output's shape (a column (M, 1), a broadcast
+  batch): that is neither epilogue;
+- a bias or GELU that would change the dtype, or anything after a residual or GELU backward (they end an epilogue);
+- integer and float64 products (the GPU's synthesized GEMMs multiply float32, bfloat16 and float16).
+The bias gradient (cuBLASLt's BGRADA/BGRADB epilogues) is not folded yet: its sum reads the output gradient that the
+weight-gradient GEMM reads too, and neither gemm's result is the other's operand.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from xdsl.ir import SSAValue
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.rewriter import InsertPoint
+
+from blutrain import configurator as cfg
+from blutrain import dtypes
+from blutrain.nova.dialect import AddOp, GeluBackwardOp, GeluOp, GemmOp, MatmulOp, NovaOp, PermuteOp, aval
+from blutrain.nova.ir import function
+from blutrain.nova.passes.base import PatternPass
+from blutrain.ops.linalg import gemm_steps
+
+_FLOATS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
+_FINAL = ("residual", "gelu_backward", "gelu_backward_tanh")  # steps that end an epilogue (they may change the dtype)
+
+
+@dataclass
+class _Gemm:
+  """A matmul or gemm as the start of a longer gemm: its operands, steps, attributes and results."""
+  op: MatmulOp | GemmOp
+  inputs: list[SSAValue]
+  steps: tuple[str, ...]
+  tf32: bool | None
+
+  @property
+  def out(self) -> SSAValue: return self.op.results[0]
+
+  @property
+  def saved(self) -> list[SSAValue]: return list(self.op.results[1:])
+
+
+def _gemm(v: SSAValue) -> _Gemm | None:
+  """The matmul or gemm whose output v is, when its operands are float32, bfloat16 or float16."""
+  op = v.owner
+  if not isinstance(op, (MatmulOp, GemmOp)) or v is not op.results[0]: return None
+  if aval(op.a.type).dtype not in _FLOATS: return None
+  attrs = op.attrs()
+  steps = gemm_steps(attrs["epilogue"]) if isinstance(op, GemmOp) else ()
+  return _Gemm(op, [op.a, op.b, *(op.xs if isinstance(op, GemmOp) else ())], steps, attrs.get("tf32"))
+
+
+def _dead(op, depth: int = 4) -> bool:
+  """Whether nothing reads op's results but ops as dead (earlier passes leave dead ops to dce: fuse-casts' casts),
+  looking `depth` readers deep (a longer dead chain counts as live: no fold, never a wrong one)."""
+  return depth > 0 and isinstance(op, NovaOp) and all(_dead(u.operation, depth - 1) for r in op.results for u in r.uses)
+
+
+def _reads(v: SSAValue) -> list:
+  """The live ops reading v."""
+  return [u.operation for u in v.uses if not _dead(u.operation)]
+
+
+def _read_after(g: _Gemm, consumer, values: list[SSAValue]) -> bool:
+  """Whether every live read of `values` other than the consumer's comes after the consumer (whose place the new gemm
+  takes), in its block."""
+  block = consumer.parent_block()
+  at = block.get_operation_index(consumer)
+  return all(op is consumer or (op.parent_block() is block and block.get_operation_index(op) > at)
+             for v in values for op in _reads(v))
+
+
+def _fold(rewriter: PatternRewriter, consumer, g: _Gemm, steps: tuple[str, ...], x: SSAValue | None,
+          keep_out: bool = False) -> None:
+  """Replace `consumer` by g's gemm extended with `steps` (reading x, when given); g's saved values, and with
+  `keep_out` its output (saved by the new "save" step), are read from the new gemm's extra results."""
+  attrs = {"epilogue": ",".join(g.steps + steps), "dtype": aval(consumer.results[0].type).dtype}
+  if g.tf32 is not None: attrs["tf32"] = g.tf32
+  old = g.saved + ([g.out] if keep_out else [])
+  new = GemmOp.make(g.inputs + ([x] if x is not None else []), attrs,
+                    [consumer.results[0].type] + [v.type for v in old])
+  rewriter.insert(new, InsertPoint.before(consumer))
+  for v, r in zip(old, new.results[1:]): rewriter.replace_all_uses_with(v, r)
+  rewriter.replace(consumer, [], [new.results[0]])
+
+
+def _single(g: _Gemm, consumer) -> bool:
+  """g's output is read by the consumer alone, and its saved values only after the consumer."""
+  return _reads(g.out) == [consumer] and _read_after(g, consumer, g.saved)
+
+
+class BiasPattern(RewritePattern):
+  """add(matmul(a, b), bias) -> gemm(a, b, bias) {epilogue = "bias"}, bias of shape (N,) (either operand order),
+  when the sum keeps the product's dtype.
+
+    %p = nova.matmul %x, %wt : (tensor<8x16xf32>, tensor<16x4xf32>) -> tensor<8x4xf32>
+    %y = nova.add %p, %bias : (tensor<8x4xf32>, tensor<4xf32>) -> tensor<8x4xf32>
+      =>   %y = nova.gemm %x, %wt, %bias {epilogue = "bias", dtype = f32} : (...) -> tensor<8x4xf32>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
+    for y, bias in ((op.x, op.y), (op.y, op.x)):
+      g = _gemm(y)
+      if g is None or g.steps or not _single(g, op): continue
+      p, bv, r = aval(y.type), aval(bias.type), aval(op.result.type)
+      if bv.shape == (p.shape[-1],) and bv.dtype.is_floating_point and r.dtype is p.dtype:
+        return _fold(rewriter, op, g, ("bias",), bias)
+
+
+class GeluPattern(RewritePattern):
+  """gelu(gemm(...)) -> gemm(...) with the GELU in its epilogue; when the pre-activation is read later (by the
+  backward's gelu_backward), a "save" step keeps it as an extra result.
+
+    %h = nova.gemm %x, %wt, %b {epilogue = "bias", dtype = bf16} : (...) -> tensor<8x64xbf16>
+    %y = nova.gelu %h {approximate = "none"} : (tensor<8x64xbf16>) -> tensor<8x64xbf16>
+    ... nova.gelu_backward %g, %h ...
+      =>   %y, %h2 = nova.gemm %x, %wt, %b {epilogue = "bias,save,gelu", dtype = bf16} : (...) -> (..., ...)
+           ... nova.gelu_backward %g, %h2 ...
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: GeluOp, rewriter: PatternRewriter):
+    g = _gemm(op.x)
+    if g is None or g.steps not in ((), ("bias",)): return
+    step = "gelu_tanh" if op.attrs()["approximate"] == "tanh" else "gelu"
+    if _single(g, op): return _fold(rewriter, op, g, (step,), None)
+    if _read_after(g, op, [g.out, *g.saved]): _fold(rewriter, op, g, ("save", step), None, keep_out=True)
+
+
+class ResidualPattern(RewritePattern):
+  """add(gemm(...), r) or add(r, gemm(...)) -> gemm(..., r) with "residual" last, r of the output's shape; the sum's
+  dtype (the first operand's, as add's rule says) becomes the gemm's.
+
+    %p = nova.gemm %h, %wt, %b {epilogue = "bias", dtype = bf16} : (...) -> tensor<8x16xbf16>
+    %y = nova.add %x, %p : (tensor<8x16xf32>, tensor<8x16xbf16>) -> tensor<8x16xf32>
+      =>   %y = nova.gemm %h, %wt, %b, %x {epilogue = "bias,residual", dtype = f32} : (...) -> tensor<8x16xf32>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
+    for y, r in ((op.x, op.y), (op.y, op.x)):
+      g = _gemm(y)
+      if g is None or (g.steps and g.steps[-1] in _FINAL) or not _single(g, op): continue
+      rv = aval(r.type)
+      if rv.shape == aval(y.type).shape and rv.dtype.is_floating_point:
+        return _fold(rewriter, op, g, ("residual",), r)
+
+
+class GeluBackwardPattern(RewritePattern):
+  """gelu_backward(matmul(a, b), x) -> gemm(a, b, x) {epilogue = "gelu_backward"}: GELU's backward in the epilogue of
+  the GEMM that makes its incoming gradient (cuBLASLt's DGELU, which is the tanh form only).
+
+    %g = nova.matmul %d, %w : (tensor<8x16xf32>, tensor<16x64xf32>) -> tensor<8x64xf32>
+    %dx = nova.gelu_backward %g, %h {approximate = "none"} : (...) -> tensor<8x64xf32>
+      =>   %dx = nova.gemm %d, %w, %h {epilogue = "gelu_backward", dtype = f32} : (...) -> tensor<8x64xf32>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: GeluBackwardOp, rewriter: PatternRewriter):
+    g = _gemm(op.g)
+    if g is None or g.steps or not _single(g, op) or aval(op.x.type).shape != aval(op.g.type).shape: return
+    _fold(rewriter, op, g, ("gelu_backward_tanh" if op.attrs()["approximate"] == "tanh" else "gelu_backward",), op.x)
+
+
+@dataclass(frozen=True)
+class FuseGemmPass(PatternPass):
+  """Biases, GELUs, residual adds and GELU backwards folded into the GEMMs before them."""
+  name = "fuse-gemm"
+  PATTERNS = (BiasPattern(), GeluPattern(), ResidualPattern(), GeluBackwardPattern())
+
+
+# *** the GPU's choice per gemm ***
+
+def _kmajor(v: SSAValue, a: bool) -> bool:
+  """Whether an operand's unit stride runs along K, as far as the IR says: a transposed view (nn.Linear's weight.mT)
+  flips the row-major default."""
+  flipped = isinstance(v.owner, PermuteOp) and tuple(v.owner.attrs()["dims"][-2:]) == (len(aval(v.type).shape) - 1,
+                                                                                     len(aval(v.type).shape) - 2)
+  return a != flipped
+
+
+def gemm_choice(op: GemmOp, hw: cfg.Hardware = cfg.H200) -> cfg.GemmChoice:
+  """The configurator's choice for a gemm on the GPU: cuBLASLt and separate kernels, or one synthesized GEMM."""
+  a, b = aval(op.a.type), aval(op.b.type)
+  out = aval(op.results[0].type)
+  M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+  rows = M * (math.prod(a.shape[:-2]) if len(b.shape) == 2 else 1)  # a shared weight folds the batch into rows
+  batch = 1 if len(b.shape) == 2 else math.prod(out.shape[:-2])
+  attrs = op.attrs()
+  prec = ("tf32" if attrs.get("tf32") else "tf32x3") if a.dtype is dtypes.float32 else ""
+  extra = [aval(x.type).dtype.itemsize for x in op.xs]
+  p = cfg.GemmProblem(rows, N, K, batch, a.dtype.itemsize, out.dtype.itemsize, prec, _kmajor(op.a, True),
+                      _kmajor(op.b, False))
+  return cfg.gemm_choice(p, gemm_steps(attrs["epilogue"]), extra, hw)
+
+
+def gemm_report(module) -> list[str]:
+  """One line per gemm of the module's function: its problem, epilogue and the GPU's choice with predicted times."""
+  lines = []
+  for op in function(module).body.block.ops:
+    if not isinstance(op, GemmOp): continue
+    a, b = aval(op.a.type), aval(op.b.type)
+    attrs = op.attrs()
+    lines.append(f"gemm {a.dtype.name}{list(a.shape)} @ {list(b.shape)} [{attrs['epilogue']}] -> "
+                 f"{attrs['dtype'].name}: {gemm_choice(op)}")
+  return lines

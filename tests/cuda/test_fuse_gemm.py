@@ -1,0 +1,98 @@
+"""Nova's gemm op on the GPU: both paths of its kernel (cuBLASLt and separate kernels, one synthesized GEMM) against
+the CPU kernel (the composition of the ops it replaces), and compiled == eager for GPT and MLPs with and without
+biases, exact and tanh GELU, in float32 and under bf16 autocast."""
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import dtypes, nn
+from blutrain.backend.cpu.kernels import kernels as cpu
+from blutrain.backend.cuda import kernels as cuda, memory
+from blutrain.models import GPT, GPTConfig
+from blutrain.nn import functional as F
+from tests.cuda.operands import host, place
+
+pytestmark = pytest.mark.cuda
+
+F32, BF16 = dtypes.float32, dtypes.bfloat16
+# bound on the error relative to the output's largest magnitude: TF32 products against the CPU's float32 ones; bf16
+# outputs may differ by one rounding where the accumulation orders differ
+BOUNDS = {F32: 2e-3, BF16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+CASES = [("bias", [(96,)], None), ("bias,gelu", [(96,)], None), ("bias,save,gelu_tanh", [(96,)], None),
+         ("bias,residual", [(96,), (3, 40, 96)], F32), ("gelu", [], None), ("residual", [(3, 40, 96)], None),
+         ("gelu_backward", [(3, 40, 96)], None), ("gelu_backward_tanh", [(3, 40, 96)], None)]
+
+
+@pytest.mark.parametrize("path", ["cublas", "nova"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("epilogue,shapes,out", CASES, ids=[c[0] for c in CASES])
+def test_both_paths_compute_the_cpu_kernel(epilogue, shapes, out, dtype, path):
+  rs = np.random.default_rng(3)
+  a, w = rs.standard_normal((3, 40, 64)), rs.standard_normal((96, 64)) / 8
+  out = out or dtype
+  # a bias in the operands' dtype; a residual or GELU input in the output's (as the pass makes them)
+  xs = [rs.standard_normal(s).astype((dtype if len(s) == 1 else out).np) for s in shapes]
+  want = cpu["gemm"](a.astype(dtype.np), np.swapaxes(w.astype(dtype.np), 0, 1), *xs, epilogue=epilogue, dtype=out,
+                     tf32=True)
+  got = cuda["gemm"](place(a, dtype, "n"), place(np.swapaxes(w, 0, 1), dtype, "t"),
+                     *(memory.from_numpy(x) for x in xs), epilogue=epilogue, dtype=out, tf32=True, path=path)
+  assert len(got) == len(want) == 1 + epilogue.split(",").count("save")
+  for g, e in zip(got, want):
+    assert g.dtype is (out if g is got[0] else dtype) and g.shape == e.shape
+    e = e.astype(np.float64)
+    assert np.abs(host(g) - e).max() <= BOUNDS[dtype] * np.abs(e).max(), (epilogue, path)
+
+
+def _train(make, compiled, autocast, steps=3):
+  bt.manual_seed(0)
+  model = make().to("cuda")
+  opt = bt.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+  def step(x, y):
+    with bt.autocast(device_type="cuda", dtype=bt.bfloat16, enabled=autocast):
+      loss = model(x, y)[1] if isinstance(model, GPT) else F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+  fn = bt.compile(step) if compiled else step
+  rng = np.random.default_rng(1)
+  losses = []
+  for _ in range(steps):
+    if isinstance(model, GPT): x, y = (bt.from_numpy(rng.integers(0, 96, (4, 32))).to("cuda") for _ in range(2))
+    else:
+      x = bt.from_numpy(rng.standard_normal((64, 48)).astype(np.float32)).to("cuda")
+      y = bt.from_numpy(rng.integers(0, 10, 64)).to("cuda")
+    losses.append(fn(x, y).item())
+  return losses, {n: p.detach().float().cpu().numpy() for n, p in model.named_parameters()}, getattr(fn, "info", None)
+
+
+def _gpt(bias):
+  return lambda: GPT(GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=64, bias=bias))
+
+
+def _mlp(bias, approximate):
+  return lambda: nn.Sequential(nn.Linear(48, 128, bias=bias), nn.GELU(approximate), nn.Linear(128, 10, bias=bias))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["f32", "bf16-autocast"])
+@pytest.mark.parametrize("make", [_gpt(True), _gpt(False), _mlp(True, "none"), _mlp(True, "tanh"), _mlp(False, "none")],
+                         ids=["gpt", "gpt-nobias", "mlp", "mlp-tanh", "mlp-nobias"])
+def test_models_compiled_equal_eager(make, autocast):
+  eager_losses, eager_params, _ = _train(make, False, autocast)
+  losses, params, info = _train(make, True, autocast)
+  np.testing.assert_allclose(losses, eager_losses, rtol=2e-2 if autocast else 2e-5)
+  for name, a in eager_params.items():
+    # the GEMMs' rounding differs (synthesized against cuBLASLt); Adam turns the noise of a zero true gradient (the key
+    # slice of c_attn.bias: softmax ignores a bias added to every key alike) into steps of up to lr each
+    noise = 2 * 3 * 1e-3 if name.endswith("c_attn.bias") else 0.0
+    np.testing.assert_allclose(params[name], a, rtol=2e-2 if autocast else 2e-5,
+                               atol=(1e-4 if autocast else 1e-6) + noise, err_msg=name)
+  assert info["counts_after"].get("gemm", 0) >= 2 and len(info["gemms"]) == info["counts_after"]["gemm"]

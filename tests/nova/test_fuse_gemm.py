@@ -1,0 +1,321 @@
+"""The fuse-gemm pass: which ops fold into a GEMM and which do not (and why), compiled == eager for models with and
+without biases, exact and tanh GELU, float32 and bfloat16 autocast, and the configurator's choice per gemm."""
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain import configurator as cfg
+from blutrain import dtypes, nn
+from blutrain.models import GPT, GPTConfig
+from blutrain.nn import functional as F
+from blutrain.nova import codegen, ir
+from blutrain.nova.dialect import GemmOp
+from blutrain.nova.passes import DCEPass, FuseGemmPass
+from blutrain.nova.passes.fuse_gemm import gemm_choice, gemm_report
+from blutrain.nova.pipeline import compile_graph, op_counts
+from blutrain.nova.remat import rematerialize
+from tests.nova.graphs import Builder, evaluate, linear
+
+F32, BF16 = dtypes.float32, dtypes.bfloat16
+
+
+def _fused(graph):
+  """The module after fuse-gemm and dce, and its gemms' epilogues in order."""
+  module = ir.to_module(graph)
+  FuseGemmPass().run(module)
+  DCEPass().run(module)
+  module.verify()
+  ops = [op for op in ir.function(module).body.block.ops if isinstance(op, GemmOp)]
+  return module, [op.attrs()["epilogue"] for op in ops]
+
+
+def _arrays(graph, seed=0):
+  rs = np.random.default_rng(seed)
+  return [rs.standard_normal(v.shape).astype(v.dtype.np) if v.dtype.is_floating_point else
+          rs.integers(-3, 4, v.shape).astype(v.dtype.np) for v in graph.inputs]
+
+
+def _same_as_eager(graph, exact=True):
+  arrays = _arrays(graph)
+  got = compile_graph(graph, verify=True).fn(*arrays)
+  for g, e in zip(got, evaluate(graph, arrays)):
+    assert g.dtype == e.dtype and g.shape == e.shape
+    if exact: np.testing.assert_array_equal(g.astype(np.float64), e.astype(np.float64))
+    else: np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=1e-5, atol=1e-6)
+
+
+def _mlp(dtype=F32, bias=True, approximate="none", read_pre=False, residual=False):
+  """x -> linear -> gelu -> linear (-> + x); with `read_pre` the pre-activation is also an output (as the backward
+  reads it)."""
+  b = Builder()
+  x, w1, w2 = b.input((2, 5, 8), dtype), b.input((16, 8), dtype), b.input((8, 16), dtype)
+  b1, b2 = (b.input((16,), dtype), b.input((8,), dtype)) if bias else (None, None)
+  h = linear(b, x, w1, b1)
+  y = linear(b, b("gelu", h, approximate=approximate), w2, b2)
+  if residual: y = b("add", x, y)
+  return b.output(y, *([h] if read_pre else []))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_mlp_folds_bias_gelu_and_residual(dtype, approximate):
+  graph = _mlp(dtype, approximate=approximate, residual=True)
+  gelu = "gelu_tanh" if approximate == "tanh" else "gelu"
+  module, epilogues = _fused(graph)
+  assert epilogues == [f"bias,{gelu}", "bias,residual"]
+  assert set(op_counts(module)) == {"gemm", "permute"}
+  _same_as_eager(graph)
+
+
+def test_without_bias_the_gelu_folds_into_the_bare_matmul():
+  graph = _mlp(bias=False)
+  assert _fused(graph)[1] == ["gelu"]
+  _same_as_eager(graph)
+
+
+def test_a_pre_activation_read_later_is_saved():
+  graph = _mlp(read_pre=True)
+  module, epilogues = _fused(graph)
+  assert epilogues == ["bias,save,gelu", "bias"]
+  ret = list(ir.function(module).body.block.ops)[-1]
+  first = next(op for op in ir.function(module).body.block.ops if isinstance(op, GemmOp))
+  assert ret.operands[1] is first.results[1], "the pre-activation output is the gemm's saved result"
+  _same_as_eager(graph)
+
+
+def test_a_pre_activation_read_before_the_gelu_is_not_folded():
+  b = Builder()
+  x, w = b.input((4, 8)), b.input((16, 8))
+  h = b("matmul", x, b("permute", w, dims=(1, 0)))
+  e = b("exp", h)  # read between the product and the GELU: a gemm in the GELU's place would come too late
+  graph = b.output(b("gelu", h, approximate="none"), e)
+  module, epilogues = _fused(graph)
+  assert epilogues == [] and op_counts(module)["matmul"] == 1
+  _same_as_eager(graph)
+
+
+def test_a_product_read_elsewhere_keeps_its_bias_add():
+  b = Builder()
+  x, w, bias = b.input((4, 8)), b.input((16, 8)), b.input((16,))
+  p = b("matmul", x, b("permute", w, dims=(1, 0)))
+  graph = b.output(b("add", p, bias), b("exp", p))
+  assert _fused(graph)[1] == []
+  _same_as_eager(graph)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 1), (1, 16), (2, 4, 16)], ids=["column", "one", "row-2d", "batch"])
+def test_an_add_that_is_neither_bias_nor_residual_is_not_folded(shape):
+  """Only a bias of shape (N,) or a residual of the output's shape fold: a column, a 1 x 1, a (1, N) row and an add
+  that broadcasts the output up do not."""
+  b = Builder()
+  x, w, v = b.input((4, 8)), b.input((16, 8)), b.input(shape)
+  graph = b.output(b("add", b("matmul", x, b("permute", w, dims=(1, 0))), v))
+  assert _fused(graph)[1] == []
+  _same_as_eager(graph)
+
+
+def test_a_bias_add_that_changes_the_dtype_is_not_folded():
+  b = Builder()
+  x, w, bias = b.input((4, 8), BF16), b.input((16, 8), BF16), b.input((16,))
+  p = b("matmul", x, b("permute", w, dims=(1, 0)))
+  widened = b.output(b("add", bias, p))  # float32 first: a float32 sum of a bfloat16 product
+  assert _fused(widened)[1] == []
+  b = Builder()
+  x, w, bias = b.input((4, 8), BF16), b.input((16, 8), BF16), b.input((16,))
+  kept = b.output(b("add", b("matmul", x, b("permute", w, dims=(1, 0))), bias))  # bfloat16 sum of a float32 bias
+  assert _fused(kept)[1] == ["bias"]
+  _same_as_eager(kept)
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float64, dtypes.int32], ids=["f64", "i32"])
+def test_products_the_gpu_gemm_does_not_multiply_stay_matmuls(dtype):
+  b = Builder()
+  x, w, bias = b.input((4, 8), dtype), b.input((8, 16), dtype), b.input((16,), dtype)
+  assert _fused(b.output(b("add", b("matmul", x, w), bias)))[1] == []
+
+
+def test_residual_takes_the_first_operands_dtype_and_ends_the_epilogue():
+  b = Builder()
+  x, w, r = b.input((4, 8), BF16), b.input((8, 16), BF16), b.input((4, 16))
+  y = b("add", r, b("matmul", x, w))  # float32 + bfloat16 -> float32
+  graph = b.output(b("gelu", y, approximate="none"))
+  module, epilogues = _fused(graph)
+  assert epilogues == ["residual"] and op_counts(module)["gelu"] == 1, "nothing folds after a residual"
+  gemm = next(op for op in ir.function(module).body.block.ops if isinstance(op, GemmOp))
+  assert gemm.attrs()["dtype"] is F32
+  _same_as_eager(graph)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_gelu_backward_folds_into_the_gemm_of_its_incoming_gradient(approximate, dtype):
+  b = Builder()
+  d, w, h = b.input((6, 8), dtype), b.input((8, 16), dtype), b.input((6, 16), dtype)
+  graph = b.output(b("gelu_backward", b("matmul", d, w), h, approximate=approximate))
+  suffix = "_tanh" if approximate == "tanh" else ""
+  assert _fused(graph)[1] == [f"gelu_backward{suffix}"]
+  _same_as_eager(graph)
+
+
+def test_the_gemm_rule_checks_its_operands():
+  b = Builder()
+  x, w, v = b.input((4, 8)), b.input((8, 16)), b.input((4,))
+  with pytest.raises(ValueError, match="bias step reads a floating tensor of shape \\(16,\\)"):
+    b("gemm", x, w, v, epilogue="bias", dtype=F32)
+  with pytest.raises(ValueError, match="reads 1 tensors, got 0"):
+    b("gemm", x, w, epilogue="residual", dtype=F32)
+  with pytest.raises(ValueError, match="unknown epilogue steps \\['relu'\\]"):
+    b("gemm", x, w, epilogue="relu", dtype=F32)
+  with pytest.raises(ValueError, match="only a final residual or gelu_backward step may change the dtype"):
+    b("gemm", x, w, epilogue="gelu", dtype=BF16)
+
+
+# *** whole models: compiled == eager on the CPU ***
+
+def _train(make, compiled: bool, autocast: bool, steps=3):
+  bt.manual_seed(0)
+  model = make()
+  opt = bt.optim.AdamW(model.parameters(), lr=1e-2)
+
+  def step(x, y):
+    with bt.autocast("cpu", dtype=bt.bfloat16, enabled=autocast):
+      out = model(x, y)[1] if isinstance(model, GPT) else F.cross_entropy(model(x), y)
+    out.backward()
+    opt.step()
+    opt.zero_grad()
+    return out
+  fn = bt.compile(step) if compiled else step
+  rng = np.random.default_rng(1)
+  losses = []
+  for _ in range(steps):
+    if isinstance(model, GPT): x, y = (bt.from_numpy(rng.integers(0, 48, (2, 16))) for _ in range(2))
+    else: x, y = bt.from_numpy(rng.standard_normal((6, 12)).astype(np.float32)), bt.from_numpy(rng.integers(0, 5, 6))
+    losses.append(fn(x, y).item())
+  return losses, [p.detach().numpy().copy() for p in model.parameters()], getattr(fn, "info", None)
+
+
+def _gpt(bias):
+  return lambda: GPT(GPTConfig(vocab_size=48, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=bias))
+
+
+def _mlp_model(bias, approximate):
+  return lambda: nn.Sequential(nn.Linear(12, 32, bias=bias), nn.GELU(approximate), nn.Linear(32, 5, bias=bias))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["f32", "bf16-autocast"])
+@pytest.mark.parametrize("make", [_gpt(True), _gpt(False), _mlp_model(True, "none"), _mlp_model(False, "tanh")],
+                         ids=["gpt", "gpt-nobias", "mlp", "mlp-nobias-tanh"])
+def test_models_compiled_equal_eager(make, autocast, tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path))
+  eager_losses, eager_params, _ = _train(make, False, autocast)
+  losses, params, info = _train(make, True, autocast)
+  np.testing.assert_allclose(losses, eager_losses, rtol=1e-6)
+  for a, b in zip(eager_params, params): np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+  assert info["counts_after"].get("gemm", 0) >= 2, info["counts_after"]
+
+
+# *** the choice ***
+
+def test_the_choice_is_the_faster_prediction_and_cublas_keeps_what_its_epilogue_does():
+  gpt2 = [(16384, 3072, 768, "fwd"), (16384, 768, 3072, "fwd"), (16384, 3072, 768, "dx"), (768, 768, 16384, "dw")]
+  for M, N, K, lay in gpt2:
+    for item, prec in ((2, ""), (4, "tf32"), (4, "tf32x3")):
+      a_k, b_k = lay != "dw", lay == "fwd"
+      p = cfg.GemmProblem(M, N, K, 1, item, item, prec, a_k, b_k)
+      for steps, sizes in (((), []), (("bias",), [item]), (("bias", "save", "gelu"), [item]),
+                           (("bias", "residual"), [item, 4]), (("gelu_backward",), [item])):
+        c = cfg.gemm_choice(p, steps, sizes)
+        faster = "nova" if c.nova_s < c.cublas_s and prec != "tf32x3" else "cublas"  # float32: eager's SGEMM
+        assert c.path == faster and c.cublas_s > 0 and c.nova_s > 0
+        assert c.cublas_epilogue == (("bias",) if steps[:1] == ("bias",) and item == 4 else ())
+        assert "save" not in c.separate and len(c.separate) == len(steps) - len(c.cublas_epilogue) - steps.count("save")
+      bare = cfg.gemm_choice(p, (), [])
+      fused = cfg.gemm_choice(p, ("bias", "save", "gelu"), [item])
+      assert fused.cublas_s - bare.cublas_s > fused.nova_s - bare.nova_s, "separate kernels cost more than epilogues"
+
+
+def test_codegen_for_the_gpu_passes_the_choice_and_the_report_names_it():
+  pytest.importorskip("blutrain.backend.cuda", reason="the CUDA backend's packages are not installed")
+  module = ir.to_module(_mlp(BF16, read_pre=True, residual=True))
+  FuseGemmPass().run(module)
+  DCEPass().run(module)
+  gemms = [op for op in ir.function(module).body.block.ops if isinstance(op, GemmOp)]
+  assert "path=" not in codegen.generate(module, target="cpu")
+  source = codegen.generate(module, target="cuda")
+  lines = gemm_report(module)
+  assert len(lines) == len(gemms) == 2
+  for op, line in zip(gemms, lines):
+    c = gemm_choice(op)
+    assert line.endswith(str(c)) and f"[{op.attrs()['epilogue']}]" in line
+    assert f"epilogue={op.attrs()['epilogue']!r}, dtype=dtypes.{op.attrs()['dtype'].name}, path={c.path!r})" in source
+
+
+def test_remat_remakes_a_fused_gelu_output_from_the_saved_pre_activation():
+  """The forward's gemm {bias,save,gelu} keeps the pre-activation for the backward; its GELU output, read again after
+  the peak, is recomputed there as gelu(pre-activation) (a gemm is never cloned), with the same values."""
+  S = 64  # the matmuls make the GELU's recomputation a small share of the FLOPs, within the default's
+  b = Builder()
+  x, w, bias = b.input((S, S)), b.input((S, S)), b.input((S,))
+  pre = linear(b, x, w, bias)
+  act = b("gelu", pre, approximate="none")
+  y = b("matmul", act, w)                                              # the forward's last read of act
+  peak = b("matmul", b("tanh", y), w)                                  # act alive across here, unread
+  graph = b.output(b("add", b("mul", peak, act), pre))                 # the backward reads act and pre
+  module = ir.to_module(graph)
+  FuseGemmPass().run(module)
+  DCEPass().run(module)
+  assert [op.attrs()["epilogue"] for op in ir.function(module).body.block.ops if isinstance(op, GemmOp)] == \
+    ["bias,save,gelu"]
+  report = rematerialize(module)
+  assert [r.ops for r in report.recomputed] == [["gelu"]], report.report()
+  assert report.peak_after < report.peak_before
+  gemm = next(op for op in ir.function(module).body.block.ops if isinstance(op, GemmOp))
+  users = [u.operation for u in gemm.results[1].uses]
+  assert len(users) == 2 and all(op.parent_block() is not None for op in users), "no template stays a user"
+  module.verify()
+  arrays = _arrays(graph)
+  got = codegen.load(codegen.generate(module))(*arrays)
+  np.testing.assert_array_equal(got[0], evaluate(graph, arrays)[0])
+
+
+def test_the_rule_saves_once_and_never_last():
+  b = Builder()
+  x, w = b.input((4, 8)), b.input((8, 16))
+  for epilogue in ("save,gelu,save", "save,save,gelu", "gelu,save"):
+    with pytest.raises(ValueError, match="saves at most one value"): b("gemm", x, w, epilogue=epilogue, dtype=F32)
+
+
+def test_dead_readers_left_by_earlier_passes_do_not_block_a_fold():
+  """fuse-casts leaves its replaced casts to dce: a dead cast of the product is no reader."""
+  b = Builder()
+  x, w, bias = b.input((4, 8), BF16), b.input((16, 8), BF16), b.input((16,), BF16)
+  p = b("matmul", x, b("permute", w, dims=(1, 0)))
+  b("exp", b("cast", p, dtype=F32))  # a dead chain
+  graph = b.output(b("add", p, bias))
+  assert _fused(graph)[1] == ["bias"]
+
+
+def test_a_gpt_step_under_autocast_has_its_five_gemms_per_block(tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+  bt.manual_seed(0)
+  model = GPT(GPTConfig(vocab_size=48, block_size=16, n_layer=2, n_head=2, n_embd=32))
+  opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
+
+  def step(x, y):
+    with bt.autocast("cpu", dtype=bt.bfloat16):
+      loss = model(x, y)[1]
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+  fn = bt.compile(step, dump_ir=str(tmp_path / "ir"))
+  rng = np.random.default_rng(0)
+  for _ in range(2): fn(*(bt.from_numpy(rng.integers(0, 48, (2, 16))) for _ in range(2)))
+  module = ir.parse_module(next((tmp_path / "ir").rglob("*-dce.mlir")).read_text())
+  gemms = [(op.attrs()["epilogue"], op.attrs()["dtype"]) for op in ir.function(module).body.block.ops
+           if isinstance(op, GemmOp)]
+  block = [("bias", BF16), ("bias,residual", F32), ("bias,save,gelu", BF16), ("bias,residual", F32)]
+  # and in the backward: GELU's backward twice, and the tied embedding's gradient: the output head's weight gradient
+  # (a bias-free matmul) plus the embedding's backward
+  want = block * 2 + [("gelu_backward", BF16)] * 2 + [("residual", F32)]
+  assert sorted(gemms, key=str) == sorted(want, key=str)
