@@ -53,7 +53,8 @@ class GemmProblem:
   `copied`: None lets the schedule decide the TF32 operand copy; "a", "b" or "" is a caller's decision already
   applied (the layouts are then the copy's), so the schedule knows which operand arrives rounded. `c_layout`: "n"
   when C is row-major with a 16-byte aligned base and row stride (a TMA store can write it), "m" the same
-  column-major, "" otherwise."""
+  column-major, "" otherwise. `aux_itemsize`: bytes per element of the tensors the epilogue reads or writes by
+  pointer besides C (a residual, a saved pre-activation), each of which changes layout through shared memory."""
   M: int
   N: int
   K: int
@@ -66,6 +67,7 @@ class GemmProblem:
   tma: bool = True
   copied: str | None = None
   c_layout: str = "n"
+  aux_itemsize: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,28 +164,32 @@ def gemm_warps(BM: int, BN: int, precision: str = "") -> int:
 
 
 def gemm_smem(BM: int, BN: int, BK: int, stages: int, itemsize: int, out_itemsize: int, persistent: bool,
-              subtile: bool, precision: str = "") -> int:
+              subtile: bool, precision: str = "", aux_itemsize: int = 0) -> int:
   """Shared memory of a block: `stages` buffers of an A and a B tile, (BM + BN)*BK*itemsize each, and the
   epilogue's layout change of the output tile, BM*BN*out_itemsize (half with `subtile`: two halves of BN/2 columns).
   A persistent loop keeps the pipeline's buffers while a tile's epilogue runs, so the two add up; a kernel of one
   tile reuses the buffers (max). 3xTF32 adds one unpipelined A tile and two B tiles, (BM + 2*BN)*BK*itemsize: Triton
   stages the operands' high and low TF32 parts there (128x256x32: 80 KiB). Plus SMEM_BARRIERS. An upper bound of
-  what Triton 3.6 allocates (checked against compiled kernels)."""
+  what Triton 3.6 allocates (checked against compiled kernels). The epilogue's other tensors by pointer add their
+  own BM*BN*aux_itemsize (a bf16 128x256 GEMM saving its pre-activation asked for 256 KiB at 3 stages, on the H200
+  2026-12-01)."""
   pipeline = stages * (BM + BN) * BK * itemsize
-  epilogue = BM * BN * out_itemsize // (2 if subtile else 1)
+  epilogue = BM * BN * out_itemsize // (2 if subtile else 1) + BM * BN * aux_itemsize
   parts = (BM + 2 * BN) * BK * itemsize if precision == "tf32x3" else 0
   return (pipeline + epilogue if persistent else max(pipeline, epilogue)) + parts + SMEM_BARRIERS
 
 
 def gemm_stages(BM: int, BN: int, BK: int, itemsize: int, out_itemsize: int, persistent: bool,
-                hw: Hardware, precision: str = "", warp_specialize: bool = False) -> tuple[int, bool]:
+                hw: Hardware, precision: str = "", warp_specialize: bool = False,
+                aux_itemsize: int = 0) -> tuple[int, bool]:
   """(stages, subtile): as many pipeline stages as fit the block's shared memory, at most MAX_STAGES, 0 when not
   even 2 fit; the epilogue is subtiled only when that buys a stage, and never in a warp-specialized kernel (Triton
   3.6's partitioner rejects the split). Persistent, bf16 128x256x64 with a bf16 output: (227 KiB - 64 KiB) / 48 KiB
   -> 3 stages whole, (227 - 32) / 48 -> 4 subtiled; TF32 128x256x32 with a float32 output: 2 whole, 3 subtiled."""
   def fit(subtile: bool) -> int:
     return max((s for s in range(2, MAX_STAGES + 1) if gemm_smem(BM, BN, BK, s, itemsize, out_itemsize, persistent,
-                                                               subtile, precision) <= hw.smem_per_block - SMEM_RESERVE),
+                                                               subtile, precision, aux_itemsize)
+                <= hw.smem_per_block - SMEM_RESERVE),
                default=0)
   whole, halves = fit(False), (fit(True) if persistent and not warp_specialize else 0)
   return (halves, True) if halves > whole else (whole, False)
@@ -312,7 +318,8 @@ def gemm_schedule(p: GemmProblem, hw: Hardware = H200) -> GemmSchedule:
       warps = gemm_warps(BM, BN, p.precision) // (2 if ws else 1)
       out_itemsize = 4 if s > 1 else p.out_itemsize  # split-K stores float32 partial sums
       bk = pipeline_bk(BK, ws)
-      stages, subtile = gemm_stages(BM, BN, bk, p.itemsize, out_itemsize, persistent, hw, p.precision, ws)
+      stages, subtile = gemm_stages(BM, BN, bk, p.itemsize, out_itemsize, persistent, hw, p.precision, ws,
+                                    p.aux_itemsize)
       if not stages: continue
       if s > 1 and persistent and p.itemsize == 4 and not ws:
         # NOTE: TF32 split-K through TMA at 3 stages gave wrong sums on the H200 (relative error 0.07-0.09 at

@@ -203,8 +203,9 @@ def gemm_choice(op: GemmOp, hw: cfg.Hardware = cfg.H200) -> cfg.GemmChoice:
   attrs = op.attrs()
   prec = ("tf32" if attrs.get("tf32") else "tf32x3") if a.dtype is dtypes.float32 else ""
   extra = [aval(x.type).dtype.itemsize for x in op.xs]
+  aux = sum(aval(x.type).dtype.itemsize for x in (*op.xs, *op.results[1:]) if aval(x.type).shape == out.shape)
   p = cfg.GemmProblem(rows, N, K, batch, a.dtype.itemsize, out.dtype.itemsize, prec, _kmajor(op.a, True),
-                      _kmajor(op.b, False))
+                      _kmajor(op.b, False), aux_itemsize=aux)
   return cfg.gemm_choice(p, gemm_steps(attrs["epilogue"]), extra, hw)
 
 

@@ -130,7 +130,8 @@ def _build(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None, a
   c_aligned = mats["out"].ptr % 16 == 0 and c_ld[0] * out.dtype.itemsize % 16 == 0 and \
     all(o % 16 == 0 for o in offsets["out"])
   s = cfg.gemm_schedule(cfg.GemmProblem(rows, N, K, Z, item, out.dtype.itemsize, prec, a_k, b_k, tma, copied,
-                                        c_unit if c_aligned else ""), runtime.hardware(out.device))
+                                        c_unit if c_aligned else "", sum(x.dtype.itemsize for x in aux)),
+                        runtime.hardware(out.device))
   src = {"A": "a", "B": "b"}
   if s.swap:  # C^T = B^T A^T: every matrix transposed, the bias now runs along M
     mats = {k: transposed(x) for k, x in mats.items()}
