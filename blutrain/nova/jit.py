@@ -284,6 +284,7 @@ def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, me
   if os.environ.get("BLUTRAIN_NOVA_REMAT") == "0": key += "-noremat"
   elif memory_budget is not None: key += f"-budget{memory_budget}"
   if os.environ.get("BLUTRAIN_NOVA_FUSE") == "0": key += "-nofuse"
+  if os.environ.get("BLUTRAIN_GEMM_PATH"): key += f"-gemm{os.environ['BLUTRAIN_GEMM_PATH']}"
   path = backend.cache_dir("nova", f"v{hashing.FORMAT_VERSION}-{hashing.source_digest()}", target, f"{key}.py")
   info: dict = {"key": key, "hash_s": time.perf_counter() - t0}
   if path.is_file() and not dump_dir:

@@ -1,5 +1,7 @@
 """The fuse-gemm pass: which ops fold into a GEMM and which do not (and why), compiled == eager for models with and
 without biases, exact and tanh GELU, float32 and bfloat16 autocast, and the configurator's choice per gemm."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from blutrain.nova import codegen, ir
 from blutrain.nova.dialect import GemmOp
 from blutrain.nova.passes import DCEPass, FuseGemmPass
 from blutrain.nova.passes.fuse_gemm import gemm_choice, gemm_report
-from blutrain.nova.pipeline import compile_graph, op_counts
+from blutrain.nova.pipeline import compile_graph, op_counts, optimize
 from blutrain.nova.remat import rematerialize
 from tests.nova.graphs import Builder, evaluate, linear
 
@@ -319,3 +321,19 @@ def test_a_gpt_step_under_autocast_has_its_five_gemms_per_block(tmp_path, monkey
   # (a bias-free matmul) plus the embedding's backward
   want = block * 2 + [("gelu_backward", BF16)] * 2 + [("residual", F32)]
   assert sorted(gemms, key=str) == sorted(want, key=str)
+
+
+def test_the_gemm_path_can_be_imposed(monkeypatch):
+  b = Builder()
+  x, w, bias = b.input((64, 32)), b.input((48, 32)), b.input((48,))
+  module = optimize(ir.to_module(b.output(linear(b, x, w, bias))))
+  (op,) = [o for o in ir.function(module).body.block.ops if isinstance(o, GemmOp)]
+  monkeypatch.setenv("BLUTRAIN_GEMM_PATH", "auto")
+  auto = gemm_choice(op)
+  monkeypatch.delenv("BLUTRAIN_GEMM_PATH")
+  assert gemm_choice(op) == dataclasses.replace(auto, path="cublas"), "cuBLASLt is the default"
+  for path in ("cublas", "nova"):
+    monkeypatch.setenv("BLUTRAIN_GEMM_PATH", path)
+    assert gemm_choice(op) == dataclasses.replace(auto, path=path)
+  monkeypatch.setenv("BLUTRAIN_GEMM_PATH", "fastest")
+  with pytest.raises(ValueError, match="BLUTRAIN_GEMM_PATH"): gemm_choice(op)
