@@ -119,7 +119,7 @@ def cases(S: Inputs) -> dict:
     return h, apply(ln, h, w, b, n=1, eps=EPS, dtype=bt.bfloat16)
   out["add_layer_norm"] = (f"({M}, {N}) f32 + bf16 -> f32, bf16", M * N * (4 + 2 + 4 + 2),
                            lambda: apply(registry["add_layer_norm"], x, y, w, b, n=1, eps=EPS, dtype=bt.bfloat16),
-                           unfused_add_ln, torch_add_ln, (1e-5, 2e-2))
+                           unfused_add_ln, torch_add_ln, (1e-2, 2e-2))  # a bf16 output: 1 ulp is 2^-8 relative
 
   def torch_backward(gg, residual):
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(gg.float(), tx, [N], mean, rstd, tw, tb, [True, True, True])
