@@ -12,6 +12,23 @@ pytest.importorskip("cuda.core")
 HERE = Path(__file__).parent
 
 
+
+# a compiled GPT-2-shaped step on the GPU (the fake one here), `step(x, y)` ready to call
+GPT_STEP = """
+import blutrain as bt
+from blutrain.models import GPT, GPTConfig
+bt.manual_seed(0)
+model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64)).to("cuda")
+opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
+@bt.compile
+def step(x, y):
+  _, loss = model(x, y)
+  loss.backward()
+  opt.step(); opt.zero_grad()
+  return loss
+x, y = (bt.randint(256, (4, 64)).to("cuda") for _ in range(2))
+"""
+
 def _run_fake(code: str, tmp_path: Path) -> str:
   """Run code in a fresh process on the fake GPU, importing blutrain from this checkout."""
   paths = [str(HERE / "fakegpu"), str(HERE.parent)]
@@ -136,19 +153,7 @@ print("ok")
 
 
 def test_compiled_step_that_does_not_fit_says_so_and_training_goes_on_on_the_fake_gpu(tmp_path):
-  code = """
-import blutrain as bt
-from blutrain.models import GPT, GPTConfig
-bt.manual_seed(0)
-model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64)).to("cuda")
-opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
-@bt.compile
-def step(x, y):
-  _, loss = model(x, y)
-  loss.backward()
-  opt.step(); opt.zero_grad()
-  return loss
-x, y = (bt.randint(256, (4, 64)).to("cuda") for _ in range(2))
+  code = GPT_STEP + """
 step(x, y)
 bt.cuda.set_memory_limit(bt.cuda.memory_reserved() + (1 << 20))
 try:

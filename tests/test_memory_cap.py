@@ -1,21 +1,7 @@
 """Nova's memory under a cap, on the fake GPU: one limit over the device allocator and every CUDA graph pool, and
 a compiled step whose copies are all in its memory plan."""
-from tests.test_cuda_host_paths import _run_fake
+from tests.test_cuda_host_paths import GPT_STEP, _run_fake
 
-GPT_STEP = """
-import blutrain as bt
-from blutrain.models import GPT, GPTConfig
-bt.manual_seed(0)
-model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64)).to("cuda")
-opt = bt.optim.AdamW(model.parameters(), lr=1e-3)
-@bt.compile
-def step(x, y):
-  _, loss = model(x, y)
-  loss.backward()
-  opt.step(); opt.zero_grad()
-  return loss
-x, y = (bt.randint(256, (4, 64)).to("cuda") for _ in range(2))
-"""
 
 
 def test_the_limit_caps_the_device_allocator_and_the_graph_pools_together_on_the_fake_gpu(tmp_path):
