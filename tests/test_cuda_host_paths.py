@@ -11,8 +11,6 @@ import pytest
 pytest.importorskip("cuda.core")
 HERE = Path(__file__).parent
 
-
-
 # a compiled GPT-2-shaped step on the GPU (the fake one here), `step(x, y)` ready to call
 GPT_STEP = """
 import blutrain as bt
@@ -28,6 +26,7 @@ def step(x, y):
   return loss
 x, y = (bt.randint(256, (4, 64)).to("cuda") for _ in range(2))
 """
+
 
 def _run_fake(code: str, tmp_path: Path) -> str:
   """Run code in a fresh process on the fake GPU, importing blutrain from this checkout."""
