@@ -21,6 +21,12 @@ from tests.nova.graphs import Builder, evaluate, linear
 F32, BF16 = dtypes.float32, dtypes.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def _every_fold(monkeypatch):
+  """The pass as it folds for the synthesized GEMM (`auto`): under the default `cublas` path residual adds stay."""
+  monkeypatch.setenv("BLUTRAIN_GEMM_PATH", "auto")
+
+
 def _fused(graph):
   """The module after fuse-gemm and dce, and its gemms' epilogues in order."""
   module = ir.to_module(graph)
@@ -337,3 +343,17 @@ def test_the_gemm_path_can_be_imposed(monkeypatch):
     assert gemm_choice(op) == dataclasses.replace(auto, path=path)
   monkeypatch.setenv("BLUTRAIN_GEMM_PATH", "fastest")
   with pytest.raises(ValueError, match="BLUTRAIN_GEMM_PATH"): gemm_choice(op)
+
+
+def test_under_the_cublas_path_a_residual_add_is_left_to_the_layer_norm(monkeypatch):
+  """cuBLASLt adds no residual, so folding the add would only move it into a kernel of its own: it stays an add,
+  which fuse-norms folds into the layer norm that reads the sum."""
+  b = Builder()
+  x, w, bias = b.input((64, 32)), b.input((32, 32)), b.input((32,))
+  h = b("add", x, linear(b, x, w, bias))
+  graph = b.output(h, b("layer_norm", h, None, None, n=1, eps=1e-5))
+  monkeypatch.setenv("BLUTRAIN_GEMM_PATH", "cublas")
+  module, epilogues = _fused(graph)
+  assert epilogues == ["bias"] and op_counts(module)["add"] == 1
+  monkeypatch.setenv("BLUTRAIN_GEMM_PATH", "auto")
+  assert _fused(graph)[1] == ["bias,residual"]

@@ -155,6 +155,7 @@ class ResidualPattern(RewritePattern):
   """
   @op_type_rewrite_pattern
   def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
+    if gemm_path() == "cublas": return  # cuBLASLt adds no residual: the add is left to fuse-norms' add_layer_norm
     for y, r in ((op.x, op.y), (op.y, op.x)):
       g = _gemm(y)
       if g is None or (g.steps and g.steps[-1] in _FINAL) or not _single(g, op): continue
@@ -202,6 +203,14 @@ GEMM_PATHS = ("auto", "cublas", "nova")
 DEFAULT_GEMM_PATH = "cublas"
 
 
+def gemm_path() -> str:
+  """`BLUTRAIN_GEMM_PATH`: "auto" (the predicted faster path per gemm), "cublas" (the default) or "nova"."""
+  path = os.environ.get("BLUTRAIN_GEMM_PATH", DEFAULT_GEMM_PATH)
+  if path not in GEMM_PATHS:
+    raise ValueError(f"BLUTRAIN_GEMM_PATH: expected one of {', '.join(GEMM_PATHS)}, got {path!r}")
+  return path
+
+
 def gemm_choice(op: GemmOp, hw: cfg.Hardware = cfg.H200) -> cfg.GemmChoice:
   """The configurator's choice for a gemm on the GPU: cuBLASLt and separate kernels, or one synthesized GEMM
   (`BLUTRAIN_GEMM_PATH`: "auto" takes the predicted faster path, "cublas" (the default) or "nova" imposes one path
@@ -218,9 +227,7 @@ def gemm_choice(op: GemmOp, hw: cfg.Hardware = cfg.H200) -> cfg.GemmChoice:
   p = cfg.GemmProblem(rows, N, K, batch, a.dtype.itemsize, out.dtype.itemsize, prec, _kmajor(op.a, True),
                       _kmajor(op.b, False), aux_itemsize=aux)
   choice = cfg.gemm_choice(p, gemm_steps(attrs["epilogue"]), extra, hw)
-  forced = os.environ.get("BLUTRAIN_GEMM_PATH", DEFAULT_GEMM_PATH)
-  if forced not in GEMM_PATHS:
-    raise ValueError(f"BLUTRAIN_GEMM_PATH: expected one of {', '.join(GEMM_PATHS)}, got {forced!r}")
+  forced = gemm_path()
   return choice if forced == "auto" else dataclasses.replace(choice, path=forced)
 
 
