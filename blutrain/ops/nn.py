@@ -215,23 +215,22 @@ def _conv_vjp(g, out, x, weight, stride, padding, dilation, groups, tf32=False):
   return conv_grad_input_op(g, weight, shape=x.shape, **kw), conv_grad_weight_op(g, x, shape=weight.shape, **kw)
 
 
-def _conv_grad_input_rule(g, weight, shape, stride, padding, dilation, groups, tf32=False):
-  x = Aval(tuple(shape), g.dtype, None)
-  _conv_check("conv_grad_input", x, weight, stride, padding, dilation, groups)
+def _conv_grad_check(name: str, g, x, weight, stride, padding, dilation, groups) -> None:
+  """That g is the output gradient of the convolution of x with weight (x or weight the one the op's `shape` gives)."""
+  _conv_check(name, x, weight, stride, padding, dilation, groups)
   if tuple(g.shape) != _conv_rule(x, weight, stride, padding, dilation, groups)[0]:
-    raise ShapeError(f"conv_grad_input: gradient of size {list(g.shape)} is not the output of a convolution of input "
-                     f"{list(shape)} with weight {list(weight.shape)} (stride {list(stride)}, padding {list(padding)}, "
-                     f"dilation {list(dilation)})")
+    raise ShapeError(f"{name}: gradient of size {list(g.shape)} is not the output of a convolution of input "
+                     f"{list(x.shape)} with weight {list(weight.shape)} (stride {list(stride)}, padding "
+                     f"{list(padding)}, dilation {list(dilation)})")
+
+
+def _conv_grad_input_rule(g, weight, shape, stride, padding, dilation, groups, tf32=False):
+  _conv_grad_check("conv_grad_input", g, Aval(tuple(shape), g.dtype, None), weight, stride, padding, dilation, groups)
   return tuple(shape), g.dtype
 
 
 def _conv_grad_weight_rule(g, x, shape, stride, padding, dilation, groups, tf32=False):
-  w = Aval(tuple(shape), x.dtype, None)
-  _conv_check("conv_grad_weight", x, w, stride, padding, dilation, groups)
-  if tuple(g.shape) != _conv_rule(x, w, stride, padding, dilation, groups)[0]:
-    raise ShapeError(f"conv_grad_weight: gradient of size {list(g.shape)} is not the output of a convolution of input "
-                     f"{list(x.shape)} with weight {list(shape)} (stride {list(stride)}, padding {list(padding)}, "
-                     f"dilation {list(dilation)})")
+  _conv_grad_check("conv_grad_weight", g, x, Aval(tuple(shape), x.dtype, None), stride, padding, dilation, groups)
   return tuple(shape), g.dtype
 
 
