@@ -71,13 +71,20 @@ def run_blutrain(cfg, state, batches, precision: str, warmup: int, compiled: boo
   dev = [(bt.from_numpy(x).to("cuda"), bt.from_numpy(y).to("cuda")) for x, y in batches]
   bt.cuda.synchronize()
   bt.cuda.reset_peak_memory_stats()
-  out = _timed(one, dev, warmup, bt.cuda.synchronize, bt.cuda.reset_peak_memory_stats if compiled else lambda: None)
+  held = {}
+
+  def after_warmup():  # what the timed steps start from: parameters, gradients, optimizer state, batches
+    bt.cuda.reset_peak_memory_stats()
+    held["bytes"] = bt.cuda.memory_allocated()
+  out = _timed(one, dev, warmup, bt.cuda.synchronize, after_warmup if compiled else lambda: None)
   out["peak_bytes"] = bt.cuda.max_memory_allocated()
   if compiled:
+    out["held_at_start_bytes"] = held["bytes"]
     out["graph_pool_bytes"] = step.info.get("graph_pool_bytes", 0)
     out["peak_bytes"] += out["graph_pool_bytes"]
     out["nova"] = {k: v for k, v in step.info.items()
-                   if k in ("cuda_graph", "graph_nodes", "graph_arena_bytes", "total_s", "equations")}
+                   if k in ("cuda_graph", "graph_nodes", "graph_arena_bytes", "total_s", "equations", "memory_budget",
+                            "planned_peak", "gemms_path")}
   del model, step, dev
   gc.collect()
   bt.cuda.empty_cache()

@@ -151,6 +151,25 @@ print("ok")
   assert "ok" in _run_fake(code, tmp_path)
 
 
+def test_a_deleted_compiled_step_gives_its_arena_and_pool_back_on_the_fake_gpu(tmp_path):
+  """Caches that outlive a compiled step (cuBLASLt's workspace, kernels' device tables) keep blocks allocated on its
+  pool's stream; deleting the step must still free the plan's arena, the pool's workspace and its scratch segments."""
+  code = GPT_STEP + """
+import gc
+for _ in range(3): step(x, y)
+exe = next(iter(step._entries.values()))
+arena, pool_bytes = exe.pool.arena.nbytes, exe.pool.nbytes()
+assert arena > 0
+held = bt.cuda.memory_allocated()
+del step, exe
+gc.collect()
+freed = held - bt.cuda.memory_allocated()
+assert freed >= arena, (freed, arena, pool_bytes)
+print("ok")
+"""
+  assert "ok" in _run_fake(code, tmp_path)
+
+
 def test_compiled_step_that_does_not_fit_says_so_and_training_goes_on_on_the_fake_gpu(tmp_path):
   code = GPT_STEP + """
 step(x, y)

@@ -58,9 +58,6 @@ def expect(*slots: tuple[int, int]) -> None:
   if a.__class__ is PlannedAllocator: a.expect(slots)
 
 
-_sides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a pool's stream -> its side stream
-
-
 class overlapped:
   """Context manager that runs the work queued in its block on a side stream of the current stream (a pool's own
   side stream, with the pool's allocator, else the device's communication stream), after the work queued before it,
@@ -70,7 +67,7 @@ class overlapped:
 
   def __enter__(self) -> overlapped:
     origin = runtime.current_stream()
-    side = _sides.get(origin) or runtime.comm_stream(origin.device)
+    side = origin.side or runtime.comm_stream(origin.device)
     side.wait_event(origin.record_event())
     self._stream = runtime.stream(side)
     self._stream.__enter__()
@@ -84,6 +81,17 @@ class overlapped:
 def join(work: overlapped) -> None:
   """Make the current stream wait for the work of an `overlapped` block."""
   runtime.current_stream().wait_event(work.event)
+
+
+def _retire(streams: tuple[runtime.Stream, ...], scratch: CachingAllocator, device_allocator: CachingAllocator) -> None:
+  """When a pool is collected: its streams outlive it (blocks that caches keep, such as cuBLASLt's workspace or a
+  kernel's device tables, were allocated on them), so they must stop pointing at the pool's allocator and through it
+  at the arena, which would otherwise never be freed; the workspaces made for them and the free scratch segments go."""
+  from blutrain.backend.cuda.kernels import cublaslt
+  for s in streams:
+    s.allocator, s.side = device_allocator, None
+    with cublaslt._lock: cublaslt._workspaces.pop((s.device, s.handle), None)
+  scratch.empty_cache()
 
 
 class Pool:
@@ -103,7 +111,8 @@ class Pool:
     self.stream.allocator, self.stream.is_default = self.allocator, True
     self.side = runtime.Stream(origin.device)  # for `overlapped` work (a compiled step's collectives)
     self.side.allocator, self.side.is_default = self.allocator, True
-    _sides[self.stream] = self.side
+    self.stream.side = self.side
+    weakref.finalize(self, _retire, (self.stream, self.side), self.scratch, origin.allocator)
 
   def nbytes(self) -> int:
     """Device memory the pool's own caching allocator reserved (the arena is the device allocator's, counted in

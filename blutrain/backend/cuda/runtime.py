@@ -228,8 +228,9 @@ class Stream:
   stream, so streams compare (and hash) by identity.
 
   What launches need is kept on it: the device's `allocator`, the handle as a ctypes argument (`c_handle`) and
-  whether it is the device's default (compute) stream, on which a launch records no cross-stream uses."""
-  __slots__ = ("_s", "device", "handle", "c_handle", "allocator", "is_default", "__weakref__")
+  whether it is the device's default (compute) stream, on which a launch records no cross-stream uses; and the `side`
+  stream that `graphs.overlapped` work queued from this one runs on (a graph pool's own), else None."""
+  __slots__ = ("_s", "device", "handle", "c_handle", "allocator", "is_default", "side", "__weakref__")
 
   def __init__(self, device: int | None = None, priority: int | None = None):
     self._create(state(device), priority, False)
@@ -238,6 +239,7 @@ class Stream:
     from cuda.core import StreamOptions
     self._s = st.device.create_stream(options=StreamOptions(nonblocking=True, priority=priority))
     self.device, self.handle, self.allocator, self.is_default = st.index, int(self._s.handle), st.allocator, default
+    self.side = None
     self.c_handle = ctypes.c_void_p(self.handle)
 
   @property
