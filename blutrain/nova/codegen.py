@@ -185,7 +185,7 @@ def generate(module: ModuleOp, name: str = "step", target: str = "cpu",
   used: set[DType] = set()
   slots: dict[int, list[tuple[int, int]]] = {}
   for b in plan.buffers if plan is not None and target == "cuda" else ():
-    slots.setdefault(b.first, []).append((b.offset, b.nbytes))
+    slots.setdefault(b.allocated_at, []).append((b.offset, b.nbytes))
   lines = [f"def {name}({', '.join(names.values())}):"]
   bodies: dict = {}  # a fused op's body (synth.Body) -> its name in the generated module, shared by identical groups
   for i, op in enumerate(ops):

@@ -11,6 +11,11 @@ Offsets come from the "greedy by size" rule: the largest buffers are placed firs
 overlaps no placed buffer whose lifetime meets its own, choosing among the gaps the one that fits best. The plan
 reports its arena size beside the lower bound no plan can beat, the most bytes live at one time.
 
+A `cat` along its leading dim whose every operand (or the value a `view` of it reshapes) is made by a single-result op
+and read for the last time by the cat computes its operands where its result will hold them: their buffers become
+parts of the cat's, whose lifetime starts with the first of them, and the cat's kernel copies nothing (it skips an
+input already in place). This is how the gradients of a data-parallel bucket are written straight into the bucket.
+
 A collective runs on a stream of its own on the GPU, overlapping the ops after it until the first op that reads its
 result (its join, `joins`): its input stays live until then, since the collective may still be reading it.
 """
@@ -22,7 +27,8 @@ from dataclasses import dataclass, field
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import SSAValue
 
-from blutrain.nova.dialect import AdamwOp, CollectiveOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp, aval
+from blutrain.nova.dialect import (AdamwOp, CatOp, CollectiveOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp,
+                                   ViewOp, aval)
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
@@ -31,13 +37,21 @@ ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized
 @dataclass(frozen=True)
 class Buffer:
   """One planned allocation: the op that makes it, its bytes (aligned), its lifetime [first, last] in op positions
-  and its offset in the arena."""
+  and its offset in the arena. `made` is the position of the op that allocates it when that is not `first` (a cat's
+  buffer lives from its first part on); a part of a cat's buffer names it and its byte offset there in `inside`."""
   name: str
   op: str
   nbytes: int
   first: int
   last: int
   offset: int = -1
+  made: int = -1
+  inside: tuple[str, int] | None = None
+
+  @property
+  def allocated_at(self) -> int:
+    """The position of the op whose result takes this memory."""
+    return self.first if self.made < 0 else self.made
 
   def meets(self, other: Buffer) -> bool:
     """Whether the two lifetimes share an op position (then they may not share memory)."""
@@ -57,7 +71,8 @@ class MemoryPlan:
     lines = [f"arena {self.arena} bytes for {len(self.buffers)} buffers; live peak {self.lower_bound} bytes "
              f"({self.arena / max(self.lower_bound, 1):.3f}x)"]
     lines += [f"{b.offset:>12} {b.nbytes:>12} [{b.first}, {b.last}] {b.name} = {b.op}"
-              for b in sorted(self.buffers, key=lambda b: (b.offset, b.first))]
+              + (f" (part of {b.inside[0]})" if b.inside else "")
+              for b in sorted(self.buffers, key=lambda b: (b.offset, b.inside is not None, b.first))]
     return "\n".join(lines) + "\n"
 
 
@@ -114,7 +129,13 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
     root = _root(u, reused)
     ops_of[root].append(ops_of.pop(r)[0])
   in_place_inputs = _written_in_place(block.args, ops, written or {}, made, last)
-  return [Buffer(f"op {first} result {v.index}", " > ".join(ops_of[v]), nbytes(v), first, last.get(v, first))
+  parts = _concatenated(ops, made, last, reused, in_place_inputs)
+  name = {v: f"op {first} result {v.index}" for v, (first, _) in made.items()}
+  starts: dict[SSAValue, int] = {}
+  for v, (cat, _) in parts.items(): starts[cat] = min(starts.get(cat, made[cat][0]), made[v][0])
+  return [Buffer(name[v], " > ".join(ops_of[v]), nbytes(v), starts.get(v, first), last.get(v, first),
+                 made=first if v in starts else -1,
+                 inside=(name[parts[v][0]], parts[v][1]) if v in parts else None)
           for v, (first, _) in made.items() if v not in reused and v not in in_place_inputs]
 
 
@@ -139,6 +160,27 @@ def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
           taken.add(root)
           break
   return reused
+
+
+def _concatenated(ops: list, made: dict, last: dict, reused: dict, skip: dict) -> dict[SSAValue, tuple[SSAValue, int]]:
+  """The buffers that become parts of a cat's (see the module docstring): operand -> (the cat's result, its byte
+  offset there). An operand qualifies when it, or the value a `view` of it reshapes, is made by an op with one result
+  (whose one planned slot cannot be taken by another result), is of the cat's dtype, starts and ends on ALIGN bytes,
+  is read for the last time by the cat, and is neither written into another value's buffer nor an update of a graph
+  input; the cat copies the operands that do not qualify."""
+  parts: dict[SSAValue, tuple[SSAValue, int]] = {}
+  for i, op in enumerate(ops):
+    if not isinstance(op, CatOp) or any(d != 1 for d in aval(op.result.type).shape[:op.attrs()["dim"]]): continue
+    offset, dtype = 0, aval(op.result.type).dtype
+    for x in op.operands:
+      v = x.owner.x if isinstance(x.owner, ViewOp) else x
+      a = aval(v.type)
+      exact = math.prod(a.shape) * a.dtype.itemsize
+      if v in made and v not in reused and v not in skip and v not in parts and len(v.owner.results) == 1 \
+         and a.dtype == dtype and offset % ALIGN == exact % ALIGN == 0 and last.get(v) == i:
+        parts[v] = (op.result, offset)
+      offset += exact
+  return parts
 
 
 def reused_in_place(module: ModuleOp) -> dict[SSAValue, SSAValue]:
@@ -175,14 +217,17 @@ def plan(module: ModuleOp, written: dict[int, int] | None = None) -> MemoryPlan:
   """Place every buffer of the module's function in one arena (see the module docstring and `lifetimes`)."""
   buffers = lifetimes(module, written)
   placed: list[Buffer] = []
-  for b in sorted(buffers, key=lambda b: (-b.nbytes, b.first)):
+  for b in sorted((b for b in buffers if b.inside is None), key=lambda b: (-b.nbytes, b.first)):
     taken = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.meets(b))
     best, best_gap, cursor = None, None, 0
     for lo, hi in taken:
       gap = lo - cursor
       if gap >= b.nbytes and (best_gap is None or gap < best_gap): best, best_gap = cursor, gap
       cursor = max(cursor, hi)
-    placed.append(Buffer(b.name, b.op, b.nbytes, b.first, b.last, cursor if best is None else best))
+    placed.append(Buffer(b.name, b.op, b.nbytes, b.first, b.last, cursor if best is None else best, b.made))
+  hosts = {p.name: p.offset for p in placed}
+  parts = [Buffer(b.name, b.op, b.nbytes, b.first, b.last, hosts[b.inside[0]] + b.inside[1], b.made, b.inside)
+           for b in buffers if b.inside is not None]
   arena = max((p.offset + p.nbytes for p in placed), default=0)
   events: dict[int, int] = {}
   for p in placed:
@@ -192,4 +237,4 @@ def plan(module: ModuleOp, written: dict[int, int] | None = None) -> MemoryPlan:
   for t in sorted(events):
     live += events[t]
     peak = max(peak, live)
-  return MemoryPlan(placed, arena, peak)
+  return MemoryPlan(placed + parts, arena, peak)

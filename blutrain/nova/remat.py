@@ -167,6 +167,7 @@ class _Schedule:
       if isinstance(op, LayoutOp): self.root[op.result] = self.root.get(op.x, op.x)
     events = [0] * (len(self.ops) + 1)
     for b in lifetimes(module, written):
+      if b.inside is not None: continue  # a part of a cat's buffer, which counts its bytes
       events[b.first] += b.nbytes
       events[b.last + 1] -= b.nbytes
     self.live, run = [], 0

@@ -13,11 +13,19 @@ from tests.nova.graphs import Builder, every_op, gpt_like
 
 
 def _check(p):
-  """The plan's invariants; returns it."""
+  """The plan's invariants; returns it. A part of a cat's buffer lies inside it, within its lifetime; the buffers
+  that are not parts never overlap in memory and in time."""
+  hosts = {b.name: b for b in p.buffers if b.inside is None}
   for b in p.buffers:
     assert b.offset >= 0 and b.offset % ALIGN == 0 and b.nbytes % ALIGN == 0 and b.first <= b.last
     assert b.offset + b.nbytes <= p.arena
-  by_offset = sorted(p.buffers, key=lambda b: b.offset)
+    if b.inside is not None:
+      host = hosts[b.inside[0]]
+      assert b.offset == host.offset + b.inside[1] and b.offset + b.nbytes <= host.offset + host.nbytes
+      assert host.first <= b.first and b.last == host.allocated_at <= host.last
+  parts = sorted((b for b in p.buffers if b.inside is not None), key=lambda b: b.offset)
+  assert all(a.offset + a.nbytes <= c.offset for a, c in zip(parts, parts[1:]))
+  by_offset = sorted(hosts.values(), key=lambda b: b.offset)
   for i, a in enumerate(by_offset):
     for c in by_offset[i + 1:]:
       if c.offset >= a.offset + a.nbytes: break
@@ -58,6 +66,39 @@ def test_in_place_needs_a_last_read_of_an_unviewed_buffer_of_equal_size():
   m = b("sum", w, dims=(0,), keepdim=False, dtype=None)  # not elementwise
   p = _check(plan(ir.to_module(b.output(s, m))))
   assert sorted(buf.op for buf in p.buffers) == ["cos > add", "exp", "sin", "sum"]
+
+
+def test_a_cat_computes_its_qualifying_operands_in_its_own_buffer():
+  """As a data-parallel bucket of gradients: single-result ops whose results are only read by the cat (through a
+  flattening view or not) are planned inside the cat's buffer, from the first of them on; an operand read again
+  later, one of a multi-result op and one that does not end on ALIGN bytes are copied by the cat."""
+  b = Builder()
+  x = b.input((4, 32))
+  e = b("exp", x)                                   # 512 bytes: a part, through a view
+  s = b("sin", x)                                   # read again after the cat: copied
+  c = b("cos", b.input((128,)))                      # a part
+  odd = b("exp", b.input((3,)))                     # 12 bytes: copied
+  cat = b("cat", b("view", e, shape=(128,)), b("view", s, shape=(128,)), c, odd, dim=0)
+  out = b("add", b("sum", cat, dims=(0,), keepdim=False, dtype=None), b("sum", s, dims=(0, 1), keepdim=False, dtype=None))
+  p = _check(plan(ir.to_module(b.output(out))))
+  host = next(buf for buf in p.buffers if buf.op == "cat")
+  inside = sorted((buf.inside[1], buf.op) for buf in p.buffers if buf.inside is not None)
+  assert inside == [(0, "exp"), (1024, "cos")], inside
+  assert host.first == min(buf.first for buf in p.buffers if buf.inside is not None) < host.allocated_at
+
+
+def test_compiled_cat_of_parts_equals_eager():
+  """The plan's parts change where results live, never what the cat returns (CPU here; the GPU's kernel skips the
+  copies of the inputs already in place: tests/cuda/test_compile.py)."""
+  xs = [bt.randn(4, 32), bt.randn(128), bt.randn(3)]
+
+  def f(a, c, d):
+    e, s = a.exp(), a.sin()
+    cat = bt.cat([e.reshape(-1), s.reshape(-1), c.cos(), d.exp()])
+    return cat * 2, s.sum()
+  got, want = bt.compile(f), f
+  for _ in range(3): out = got(*xs)
+  for g, w in zip(out, want(*xs)): np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
 
 
 def test_views_stretch_their_source_and_returns_live_to_the_end():
