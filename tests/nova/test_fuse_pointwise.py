@@ -190,12 +190,14 @@ def _gpt_step_modules(tmp_path, monkeypatch):
 def test_every_kernel_of_a_gpt_and_a_gated_mlp_step_compiles_for_sm90(tmp_path, monkeypatch):
   modules = _gpt_step_modules(tmp_path, monkeypatch)
   assert len(modules) == 2
-  specs = {}
+  specs, shared = {}, False
   for m in modules:
     n_fused = sum(isinstance(op, FusedOp) for op in ir.function(m).body.block.ops)
     found = synth.specs(m)
-    assert 0 < len(found) < n_fused or n_fused == len(found) == 1
+    assert 0 < len(found) <= n_fused
+    shared |= len(found) < n_fused  # identical groups (one per block) share one kernel
     specs.update(((s[0], tuple(s[1].items()), tuple(s[2].items())), s) for s in found)
+  assert shared
   for s in specs.values():
     fn, sig, consts, opts = s
     assert launch.cubin(fn, sig, consts, opts["num_warps"], opts["num_stages"])[:4] == b"\x7fELF"

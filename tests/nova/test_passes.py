@@ -130,6 +130,81 @@ def test_view_of_view():
     func.return %b, %x : tensor<6x4xf32>, tensor<2x3x4xf32>"""))
 
 
+def _sb(name: str, g: str, lo: int, hi: int) -> str:
+  return (f"{name} = nova.slice_backward {g} {{shape = array<i64: 4, 6>, index = [array<i64: 0, 4, 1>, "
+          f"array<i64: {lo}, {hi}, 1>]}} : (tensor<4x{hi - lo}xf32>) -> tensor<4x6xf32>")
+
+
+G3 = "%a: tensor<4x2xf32>, %b: tensor<4x2xf32>, %c: tensor<4x2xf32>"
+
+
+def test_split_gradient_becomes_one_cat():
+  """The bands of the slice_backwards tile dim 1 (in any order of the adds): one cat of the gradients by band."""
+  check(CANON, func(G3, "tensor<4x6xf32>", f"""
+    {_sb("%sa", "%a", 2, 4)}
+    {_sb("%sb", "%b", 0, 2)}
+    {_sb("%sc", "%c", 4, 6)}
+    %t = nova.add %sa, %sb : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
+    %u = nova.add %sc, %t : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
+    func.return %u : tensor<4x6xf32>"""), func(G3, "tensor<4x6xf32>", """
+    %u = nova.cat %b, %a, %c {dim = 1 : i64} : (tensor<4x2xf32>, tensor<4x2xf32>, tensor<4x2xf32>) -> tensor<4x6xf32>
+    func.return %u : tensor<4x6xf32>"""))
+
+
+@pytest.mark.parametrize("bands,reuse", [([(0, 2), (2, 4), (2, 4)], False), ([(0, 2), (2, 4), (4, 6)], True)],
+                         ids=["overlap-and-gap", "a-part-read-elsewhere"])
+def test_split_gradient_needs_a_tiling_read_only_by_the_sum(bands, reuse):
+  text = func(G3, "tensor<4x6xf32>, tensor<4x6xf32>", f"""
+    {_sb("%sa", "%a", *bands[0])}
+    {_sb("%sb", "%b", *bands[1])}
+    {_sb("%sc", "%c", *bands[2])}
+    %t = nova.add %sa, %sb : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
+    %u = nova.add %t, %sc : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
+    func.return %u, {"%sa" if reuse else "%u"} : tensor<4x6xf32>, tensor<4x6xf32>""")
+  assert run(CANON, text) == printed(ir.parse_module(text))
+
+
+def test_cat_of_copies_reads_the_copies_sources():
+  """cat(view(copy(p)), view(copy(q))) merging the dims from the cat's on: a view of the sources' cat along a new
+  dim, the copies gone (the gradients of q, k and v permuted back from attention's layout)."""
+  args = "%p: tensor<2x4x3x5xf32>, %q: tensor<2x4x3x5xf32>"
+  check(CANON, func(args, "tensor<2x3x40xf32>", """
+    %a = nova.permute %p {dims = array<i64: 0, 2, 1, 3>} : (tensor<2x4x3x5xf32>) -> tensor<2x3x4x5xf32>
+    %b = nova.permute %q {dims = array<i64: 0, 2, 1, 3>} : (tensor<2x4x3x5xf32>) -> tensor<2x3x4x5xf32>
+    %ca = nova.copy %a : (tensor<2x3x4x5xf32>) -> tensor<2x3x4x5xf32>
+    %cb = nova.copy %b : (tensor<2x3x4x5xf32>) -> tensor<2x3x4x5xf32>
+    %va = nova.view %ca {shape = array<i64: 2, 3, 20>} : (tensor<2x3x4x5xf32>) -> tensor<2x3x20xf32>
+    %vb = nova.view %cb {shape = array<i64: 2, 3, 20>} : (tensor<2x3x4x5xf32>) -> tensor<2x3x20xf32>
+    %o = nova.cat %va, %vb {dim = 2 : i64} : (tensor<2x3x20xf32>, tensor<2x3x20xf32>) -> tensor<2x3x40xf32>
+    func.return %o : tensor<2x3x40xf32>"""), func(args, "tensor<2x3x40xf32>", """
+    %a = nova.permute %p {dims = array<i64: 0, 2, 1, 3>} : (tensor<2x4x3x5xf32>) -> tensor<2x3x4x5xf32>
+    %b = nova.permute %q {dims = array<i64: 0, 2, 1, 3>} : (tensor<2x4x3x5xf32>) -> tensor<2x3x4x5xf32>
+    %ua = nova.view %a {shape = array<i64: 2, 3, 1, 4, 5>} : (tensor<2x3x4x5xf32>) -> tensor<2x3x1x4x5xf32>
+    %ub = nova.view %b {shape = array<i64: 2, 3, 1, 4, 5>} : (tensor<2x3x4x5xf32>) -> tensor<2x3x1x4x5xf32>
+    %s = nova.cat %ua, %ub {dim = 2 : i64} : (tensor<2x3x1x4x5xf32>, tensor<2x3x1x4x5xf32>) -> tensor<2x3x2x4x5xf32>
+    %o = nova.view %s {shape = array<i64: 2, 3, 40>} : (tensor<2x3x2x4x5xf32>) -> tensor<2x3x40xf32>
+    func.return %o : tensor<2x3x40xf32>"""))
+
+
+def test_split_gradient_compiles_to_eager_values():
+  """A function of q, k, v split from one projection and permuted as attention's heads: compiled gradients equal
+  eager ones exactly (the cat moves values, it computes none)."""
+  import blutrain as bt
+  x, w = bt.randn(2, 6, 8), bt.randn(8, 24, requires_grad=True)
+
+  def f(x):
+    q, k, v = (t.view(2, 6, 2, 4).transpose(1, 2) for t in (x @ w).split(8, dim=2))
+    loss = ((q * k).exp() * v).sum()
+    loss.backward()
+    g = w.grad
+    w.grad = None
+    return loss.detach(), g
+  want = f(x)
+  step = bt.compile(f)
+  for _ in range(3): got = step(x)
+  for a, b in zip(got, want): np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 def test_expand_of_expand():
   x = "%x: tensor<1x4xf32>"
   check(CANON, func(x, "tensor<2x3x4xf32>, tensor<1x4xf32>", """

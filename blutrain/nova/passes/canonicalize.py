@@ -1,4 +1,5 @@
-"""Canonicalization: algebraic identities and the folding of view, permute, expand and cast chains.
+"""Canonicalization: algebraic identities, the folding of view, permute, expand and cast chains, and the gradient
+of a split as one cat.
 
 Every pattern is exact: the rewritten IR computes the same values bit for bit, with one exception stated where it
 applies (x + 0 turns -0.0 into +0.0, as XLA's simplifier also accepts). An identity fires only when the result type
@@ -6,13 +7,14 @@ equals the kept operand's type, so no rewrite changes a shape by dropping a broa
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddOp, CastOp, DivOp, ExpandOp, MulOp, NegOp, PermuteOp, SubOp, ViewOp, aval,
-                                   decode)
+from blutrain.nova.dialect import (AddOp, CastOp, CatOp, CopyOp, DivOp, ExpandOp, MulOp, NegOp, PermuteOp,
+                                   SliceBackwardOp, SubOp, ViewOp, aval, decode, tensor_type)
 from blutrain.nova.passes.base import PatternPass, splat
 
 
@@ -155,9 +157,85 @@ class CastPattern(RewritePattern):
       rewriter.replace(op, CastOp.make([x], {"dtype": decode(op.dtype)}, [op.result.type]))
 
 
+# *** the gradient of a split ***
+
+def _summands(op: AddOp) -> list | None:
+  """The leaves of the tree of adds rooted at op, all of its type, whose inner adds nothing else reads."""
+  leaves, todo = [], [op.x, op.y]
+  while todo:
+    v = todo.pop()
+    if v.type != op.result.type: return None
+    inner = v.owner
+    if isinstance(inner, AddOp) and v.has_one_use(): todo += [inner.x, inner.y]
+    else: leaves.append(v)
+  return leaves
+
+
+def _band(sb: SliceBackwardOp) -> tuple[int, int, int] | None:
+  """(dim, start, stop) when the slice a slice_backward undoes takes a step-1 band of one dim and all of the others."""
+  shape, index = decode(sb.shape), decode(sb.index)
+  partial = [(d, lo, hi) for d, ((lo, hi, step), n) in enumerate(zip(index, shape)) if (lo, hi, step) != (0, n, 1)]
+  if len(partial) != 1 or index[partial[0][0]][2] != 1: return None
+  return partial[0]
+
+
+class SplitGradientPattern(RewritePattern):
+  """A sum of slice_backwards whose bands tile one dim -> cat of their gradients along it, as the gradient of
+  `x.split(...)` or of q, k, v sliced from one projection (each slice_backward writes a whole zero tensor, and the
+  adds read them all). NOTE: inexact only where a gradient is -0.0, which the sum with zeros made +0.0.
+
+    %a = nova.slice_backward %ga {shape = array<i64: 4, 6>, index = [array<i64: 0, 4, 1>, array<i64: 0, 3, 1>]}
+    %b = nova.slice_backward %gb {shape = array<i64: 4, 6>, index = [array<i64: 0, 4, 1>, array<i64: 3, 6, 1>]}
+    %s = nova.add %a, %b : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
+      =>   %s = nova.cat %ga, %gb {dim = 1 : i64} : (tensor<4x3xf32>, tensor<4x3xf32>) -> tensor<4x6xf32>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
+    leaves = _summands(op)
+    if not leaves or not all(isinstance(v.owner, SliceBackwardOp) and v.has_one_use() for v in leaves): return
+    bands = [_band(v.owner) for v in leaves]
+    if None in bands or len({d for d, _, _ in bands}) != 1: return
+    order = sorted(range(len(leaves)), key=lambda i: bands[i][1])
+    dim, stops = bands[0][0], [0] + [bands[i][2] for i in order]
+    if [bands[i][1] for i in order] != stops[:-1] or stops[-1] != aval(op.result.type).shape[dim]: return
+    rewriter.replace(op, CatOp.make([leaves[i].owner.g for i in order], {"dim": dim}, [op.result.type]))
+
+
+class CatOfCopiesPattern(RewritePattern):
+  """cat along d of views that merge the dims from d on of contiguous copies of equal shape -> a view of the cat of
+  the copies' sources along a new dim d: the cat's kernel reads any layout, so the copies go (the gradients of
+  attention's q, k, v, each permuted back from (B, H, T, D) and copied, into one (B, T, 3C) tensor).
+
+    %c = nova.copy %p : (tensor<2x3x4x5xf32>) -> tensor<2x3x4x5xf32>
+    %v = nova.view %c {shape = array<i64: 2, 3, 20>} : (tensor<2x3x4x5xf32>) -> tensor<2x3x20xf32>
+    %o = nova.cat %v, %w {dim = 2 : i64} : (tensor<2x3x20xf32>, tensor<2x3x20xf32>) -> tensor<2x3x40xf32>
+      =>   %u = nova.view %p {shape = array<i64: 2, 3, 1, 4, 5>}  (and likewise for %w's source)
+           %s = nova.cat %u, %u' {dim = 2 : i64} : (...) -> tensor<2x3x2x4x5xf32>
+           %o = nova.view %s {shape = array<i64: 2, 3, 40>}
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CatOp, rewriter: PatternRewriter):
+    dim, copies = decode(op.dim), []
+    for y in op.operands:
+      if not isinstance(y.owner, ViewOp) or not isinstance(c := y.owner.x.owner, CopyOp): return
+      copies.append(c)
+    inner = aval(copies[0].result.type)
+    shape = aval(op.operands[0].type).shape
+    if any(c.result.type != copies[0].result.type for c in copies) or len(shape) != dim + 1 \
+       or inner.shape[:dim] != shape[:dim] or math.prod(inner.shape[dim:]) != shape[dim]:
+      return
+    unit = inner.shape[:dim] + (1,) + inner.shape[dim:]
+    views = [ViewOp.make([c.x], {"shape": unit}, [tensor_type(unit, inner.dtype)]) for c in copies]
+    stacked = inner.shape[:dim] + (len(copies),) + inner.shape[dim:]
+    cat = CatOp.make([v.result for v in views], {"dim": dim}, [tensor_type(stacked, inner.dtype)])
+    out = ViewOp.make([cat.result], {"shape": aval(op.result.type).shape}, [op.result.type])
+    rewriter.replace(op, [*views, cat, out], [out.result])
+
+
 @dataclass(frozen=True)
 class CanonicalizePass(PatternPass):
-  """Algebraic identities (x*1, x+0, x-0, x/1, neg(neg(x))) and layout/cast chain folding."""
+  """Algebraic identities (x*1, x+0, x-0, x/1, neg(neg(x))), layout/cast chain folding, and a split's gradient as a
+  cat that reads its parts in any layout."""
   name = "canonicalize"
   PATTERNS = (MulOnePattern(), AddZeroPattern(), SubZeroPattern(), DivOnePattern(), NegNegPattern(), PermutePattern(),
-              ViewPattern(), ExpandPattern(), CastPattern())
+              ViewPattern(), ExpandPattern(), CastPattern(), SplitGradientPattern(), CatOfCopiesPattern())
