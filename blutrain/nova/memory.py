@@ -3,7 +3,8 @@
 Every value an op makes gets a lifetime, from the op that makes it to the last op that reads it (a value the step
 returns lives to the end). Layout ops (view, permute, expand, slice) make views: they take no memory and stretch
 their source's lifetime to their own last use. An elementwise op that reads an input for the last time writes into
-its buffer, in place. Graph inputs (parameters, gradients, optimizer state, the batch) live where they already are
+its buffer, in place, and so does the cross-entropy backward into its logits (it reads a row whole before writing
+it): a language model's largest tensor and its gradient share one buffer. Graph inputs (parameters, gradients, optimizer state, the batch) live where they already are
 and take no arena memory either, nor do their new values where the step updates them element by element (the
 optimizer's update writes parameters and moments where they live).
 
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import SSAValue
 
-from blutrain.nova.dialect import (AdamwOp, CatOp, CollectiveOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp,
-                                   ViewOp, aval)
+from blutrain.nova.dialect import (AdamwOp, CatOp, CollectiveOp, CrossEntropyBackwardOp, ElementwiseOp, FusedOp,
+                                   LayoutOp, NovaOp, ScaleOp, ViewOp, aval)
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
@@ -145,15 +146,20 @@ def _root(v: SSAValue, reused: dict[SSAValue, SSAValue]) -> SSAValue:
 
 
 def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
-  """The elementwise results written into the buffer of an operand they read for the last time (see `lifetimes`),
-  each with that operand, in program order; extends the buffer's lifetime (`last` of its root) to theirs. A fused
-  op's results each take a different operand (its kernel loads a block of every input before it stores any)."""
+  """The results written into the buffer of an operand they read for the last time (see `lifetimes`), each with that
+  operand (for the cross-entropy backward, the value its logits view whole), in program order; extends the buffer's
+  lifetime (`last` of its root) to theirs. A fused op's results each take a different operand (its kernel loads a
+  block of every input before it stores any)."""
   reused: dict[SSAValue, SSAValue] = {}
   for i, op in enumerate(ops):
-    if not isinstance(op, (ElementwiseOp, FusedOp)): continue
+    if isinstance(op, CrossEntropyBackwardOp):
+      x = op.operands[1]
+      candidates = [x.owner.x if isinstance(x.owner, ViewOp) else x]
+    elif isinstance(op, (ElementwiseOp, FusedOp)): candidates = list(op.operands)
+    else: continue
     taken: set[SSAValue] = set()  # a fused op's results take distinct buffers
     for r in op.results:
-      for u in op.operands:
+      for u in candidates:
         root = _root(u, reused)
         if root not in taken and u in made and last.get(root) == i and nbytes(u) == nbytes(r):
           reused[r], last[root] = u, max(last[root], last.get(r, i))
@@ -184,12 +190,17 @@ def _concatenated(ops: list, made: dict, last: dict, reused: dict, skip: dict) -
 
 
 def reused_in_place(module: ModuleOp) -> dict[SSAValue, SSAValue]:
-  """The elementwise results the plan puts in the buffer of an operand of the same type they read for the last time:
-  code generation writes them there (`out=`), so the plan's reuse happens. Results whose operand differs in dtype or
-  shape (the same bytes) keep a buffer of their own at run time."""
+  """The results the plan puts in the buffer of an operand they read for the last time, each with the operand of
+  their own type that holds it (the value, or the cross-entropy backward's view of its logits): code generation
+  writes them there (`out=`), so the plan's reuse happens. Results whose operand differs in dtype or shape (the same
+  bytes) keep a buffer of their own at run time."""
   ops = list(function(module).body.block.ops)
   made, last = _liveness(ops)
-  return {r: u for r, u in _reused(ops, made, last).items() if u.type == r.type}
+  found = {}
+  for r, u in _reused(ops, made, last).items():
+    operand = u if u in r.owner.operands else r.owner.operands[1]  # the cross-entropy backward's view of u
+    if operand.type == r.type: found[r] = operand
+  return found
 
 
 def _written_in_place(args, ops: list, written: dict[int, int], made: dict, last: dict) -> dict[SSAValue, SSAValue]:

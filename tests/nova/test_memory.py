@@ -7,7 +7,8 @@ import blutrain as bt
 from blutrain.models import GPT, GPTConfig
 from blutrain.nova import codegen, ir
 from blutrain.nova.dialect import LayoutOp
-from blutrain.nova.memory import ALIGN, joins, plan
+from blutrain import dtypes
+from blutrain.nova.memory import ALIGN, joins, plan, reused_in_place
 from blutrain.nova.pipeline import compile_graph, optimize
 from tests.nova.graphs import Builder, every_op, gpt_like
 
@@ -99,6 +100,24 @@ def test_compiled_cat_of_parts_equals_eager():
   got, want = bt.compile(f), f
   for _ in range(3): out = got(*xs)
   for g, w in zip(out, want(*xs)): np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
+
+
+def test_cross_entropy_backward_writes_the_gradient_over_its_logits():
+  """The logits (viewed as (N, C)) are read for the last time by the backward, which reads each row whole before
+  writing it: the gradient takes their buffer, and the CUDA code writes it there (`out=` the view)."""
+  b = Builder()
+  h, w = b.input((2, 8, 16)), b.input((16, 64))
+  logits = b("matmul", h, w)
+  flat = b("view", logits, shape=(16, 64))
+  t = b.input((16,), dtypes.int64)
+  loss = b("cross_entropy", flat, t, ignore_index=-1)
+  g = b("cross_entropy_backward", b("exp", loss), flat, t, ignore_index=-1)
+  module = ir.to_module(b.output(b("sum", g, dims=(0,), keepdim=False, dtype=None)))
+  p = _check(plan(module))
+  assert any(buf.op == "matmul > cross_entropy_backward" for buf in p.buffers), p.report()
+  source = codegen.generate(module, target="cuda", in_place=reused_in_place(module), plan=p)
+  line = next(ln for ln in source.splitlines() if "cross_entropy_backward" in ln)
+  assert line.split("out=")[1].rstrip(")") == line.split("(")[1].split(", ")[1], line
 
 
 def test_views_stretch_their_source_and_returns_live_to_the_end():

@@ -104,9 +104,12 @@ def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int, dtype
   return out
 
 
-def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, ignore_index: int) -> CudaArray:
+def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, ignore_index: int,
+                           out: CudaArray | None = None) -> CudaArray:
+  """The gradient of the logits, into `out` when given (contiguous (N, C) of the logits' dtype, which may be the
+  logits themselves: each row is read whole before it is written)."""
   N, C = logits.shape
-  out = empty((N, C), logits.dtype, logits.device)
+  if out is None: out = empty((N, C), logits.dtype, logits.device)
   if out.size == 0: return out
   i64 = needs_i64(logits.shape, logits.strides, (C, 1))
   s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype)
@@ -115,6 +118,7 @@ def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, i
   return out
 
 
+cross_entropy_backward.writes_out = True
 KERNELS = {"cross_entropy": cross_entropy, "cross_entropy_backward": cross_entropy_backward}
 
 SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False, o) for b in (False, True)
