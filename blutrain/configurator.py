@@ -400,8 +400,8 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
                   + per step it cannot do: its kernel's E*(reads + write) bytes / (bandwidth * STREAM_SHARE) + LAUNCH_S
     synthesized = GEMM(that rate * NOVA_VS_CUBLAS[precision, layout class]; a third of it for 3xTF32) + LAUNCH_S
                   + the epilogue's extra traffic (tensors read, values saved) / (bandwidth * STREAM_SHARE)
-  cuBLASLt's epilogue does the bias when nothing rounds before it (float32 operands); its GELU epilogues are the tanh
-  form and its bias gradients are not wired, so every other step is a kernel of its own. A saved pre-activation
+  cuBLASLt's epilogue does the bias (rounding once, with half operands, where eager mode rounds twice); its GELU
+  epilogues are the tanh form and its bias gradients are not wired, so every other step is a kernel of its own. A saved pre-activation
   costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads. Float32 products
   without TF32 stay on cuBLASLt whatever the times say: its SGEMM is eager mode's float32 arithmetic, which the
   synthesized 3xTF32 GEMM only approximates (to float32's error).
@@ -417,7 +417,7 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
   lay = layout_class(p.a_kmajor, p.b_kmajor)
   nova_rate = (hw.tf32_flops * CUBLAS_EFFICIENCY["tf32"] * NOVA_VS_CUBLAS["tf32", lay] / 3 if kind == "fp32" else
                cublas_rate * NOVA_VS_CUBLAS[kind, lay])
-  cublas_epi = ("bias",) if steps[:1] == ("bias",) and item == 4 else ()
+  cublas_epi = ("bias",) if steps[:1] == ("bias",) else ()
   separate = tuple(s for s in steps[len(cublas_epi):] if s != "save")
   sizes = dict(zip([s for s in steps if s in GEMM_TENSOR_STEPS], extra_itemsizes))
   kernels = 0.0
