@@ -487,13 +487,17 @@ class Compiled:
 def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_budget: int | str | None = None):
   """Compile a function (a whole training step, an inference function) or a module's forward with Nova.
 
-  The first call runs eagerly; the second captures forward, backward and optimizer update into one graph,
-  optimizes it and runs it; later calls replay it while the guard (argument shapes, dtypes, devices,
+  No call runs eagerly. A call with no graph for its guard captures forward, backward and optimizer update into one
+  graph, optimizes it and runs it; later calls replay it while the guard (argument shapes, dtypes, devices,
   requires_grad, parameters and their gradients, training flags and DDP's no_sync(), optimizer hyperparameters
-  except the learning rate, which is read at each call; grad mode, autocast, `bt.set_float32_matmul_precision` and
-  `bt.backends.matmul`) holds, and recapture when it does not. On the GPU the compiled step runs kernel by kernel
-  once, then is captured into one CUDA graph whose buffers follow the step's memory plan, and replays with one
-  launch (`BLUTRAIN_CUDA_GRAPHS=0` runs it kernel by kernel every call). Random ops (dropout) read the generator's
+  except the learning rate, which is read at each call, and the optimizer's state; grad mode, autocast,
+  `bt.set_float32_matmul_precision` and `bt.backends.matmul`) holds, and recapture when it does not. The first
+  call's graph creates the persistent tensors a step makes lazily (the optimizer's state, buffers a module makes on
+  its first forward) as outputs, runs once (under its own memory plan on the GPU, with no eager step), and leaves
+  them as ordinary tensors; the second call captures the steady step (`info["capture"]` says which one a graph is).
+  On the GPU the steady step runs kernel by kernel once, then is captured into one CUDA graph whose buffers follow
+  the step's memory plan, and replays with one launch (`BLUTRAIN_CUDA_GRAPHS=0` runs it kernel by kernel every
+  call). Random ops (dropout) read the generator's
   seed and offset from device memory, which each call sets, so a replay draws new numbers as eager mode would.
   Gradients the step leaves in `.grad` live in the graph's buffers, which the next call overwrites.
 
