@@ -86,6 +86,26 @@ print("ok", info["planned_peak_bytes"])
   assert int(out.split("ok")[-1]) > 0
 
 
+def test_a_first_call_that_does_not_fit_leaves_no_state_behind_on_the_fake_gpu(tmp_path):
+  """An out-of-memory error in the first call's graph says so with the plan's figures, and puts the optimizer's state
+  and the gradients back as they were (no traced tensor stays in them): with the limit lifted, training goes on."""
+  _run_fake(GPT_STEP + """
+from blutrain.tensor import Traced
+bt.cuda.set_memory_limit(bt.cuda.memory_reserved() + (1 << 20))
+try:
+  step(x, y)
+  raise SystemExit("no error")
+except bt.cuda.OutOfMemoryError as e:
+  msg = str(e)
+assert "running it once" in msg and "plan's peak" in msg, msg
+assert not any(opt.state.values()) and all(p.grad is None for p in model.parameters())
+bt.cuda.set_memory_limit(None)
+for _ in range(3): step(x, y)
+assert all(type(v._storage.data) is not Traced for s in opt.state.values() for v in s.values())
+assert step.info["capture"] == "steady" and step.captures == 3
+""", tmp_path)
+
+
 def _captured(fn, *args):
   """fn compiled on the CPU and called twice (captured, then replayed): its results and the graph's op counts."""
   import blutrain as bt

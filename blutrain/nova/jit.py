@@ -414,11 +414,10 @@ class Compiled:
     key = self._guard(leaves, tree)
     exe = self._entries.get(key) or self._capture(args, kwargs, leaves, key)
     try:
-      return exe.run(leaves)
+      return _run(exe, leaves)
     except StaleGraph:
       self._entries.pop(key, None)
-      if exe.once: exe.persistent.restore()
-      return self._capture(args, kwargs, leaves, key).run(leaves)
+      return _run(self._capture(args, kwargs, leaves, key), leaves)
 
   def _capture(self, args, kwargs, leaves, key: tuple) -> Executable:
     """Capture and compile the call; its executable is kept under the guard's `key` unless it runs once (it creates
@@ -474,14 +473,24 @@ class Compiled:
                 outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
     self.captures += 1
     self.info = info
-    kind = GraphExecutable if device.type == "cuda" and cuda_graphs_enabled() else Executable
+    graphed = device.type == "cuda" and cuda_graphs_enabled()
     if device.type == "cuda":
-      info["cuda_graph"] = ("off: runs once, in a pool of its own" if created else "on") if kind is GraphExecutable \
-        else "off: BLUTRAIN_CUDA_GRAPHS=0"
-    exe = kind(fn, trace, spec, out_tree, device, info)
+      info["cuda_graph"] = ("off: runs once, in a pool of its own" if created else "on") if graphed else \
+        "off: BLUTRAIN_CUDA_GRAPHS=0"
+    exe = (GraphExecutable if graphed else Executable)(fn, trace, spec, out_tree, device, info)
     if exe.once: exe.persistent = persistent
     else: self._entries[key] = exe
     return exe
+
+
+def _run(exe: Executable, leaves: list) -> Any:
+  """Run an executable; one that runs once puts the state it was to create back as it was when its run fails (an
+  out-of-memory error), so that the next call captures the first call again."""
+  try:
+    return exe.run(leaves)
+  except BaseException:
+    if exe.once: exe.persistent.restore()
+    raise
 
 
 def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_budget: int | str | None = None):
