@@ -152,6 +152,20 @@ print("ok")
   assert "ok" in _run_fake(code, tmp_path)
 
 
+def test_a_compiled_first_call_makes_host_constants_for_real_on_the_fake_gpu(tmp_path):
+  """Pooling's host-computed constants (averaging divisors, gather indices), first needed by a captured call, are
+  made and copied to the GPU for real (a copy to the device cannot be captured) and cached; the graph reads them."""
+  _run_fake("""
+import blutrain as bt
+from blutrain.nn import functional as F
+f = bt.compile(lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False).sum())
+x = bt.randn(1, 2, 7, 7).to("cuda")
+for _ in range(3): f(x)
+from blutrain.nn.spatial import _cached_constant
+assert _cached_constant.cache_info().currsize >= 1
+""", tmp_path)
+
+
 def test_compiled_step_that_does_not_fit_says_so_and_training_goes_on_on_the_fake_gpu(tmp_path):
   code = GPT_STEP + """
 step(x, y)
