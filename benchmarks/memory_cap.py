@@ -65,7 +65,7 @@ def probe_blutrain(a) -> dict:
     if i == 3: bt.cuda.reset_peak_memory_stats()
     with ctx(): loss = step(x, y)
     loss.item()
-    if i == 0: first = step.info["planned_peak_bytes"]  # the plan of the first call's graph, run once
+    if i == 0: first = step.info.get("planned_peak_bytes")  # the plan of the first call's graph, run once
   exe = next(iter(step._entries.values()))
   s, pool = bt.cuda.memory_stats(), exe.pool.scratch.memory_stats()
   remat = step.info.get("remat") or {}
