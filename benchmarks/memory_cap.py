@@ -202,7 +202,8 @@ def main() -> None:
   for (impl, precision), b in batches.items():
     r = run.result(impl, precision, b) or {}
     rows.append({"impl": impl, "precision": precision, "largest_batch": b, **{k: r.get(k) for k in (
-      "planned_peak_bytes", "first_call_planned_peak_bytes", "measured_reserved_peak_bytes", "replay_allocated_peak_bytes", "allocated_peak_bytes",
+      "planned_peak_bytes", "first_call_planned_peak_bytes",
+      "measured_reserved_peak_bytes", "replay_allocated_peak_bytes", "allocated_peak_bytes",
       "arena_bytes", "remat", "memory_budget")}})
   shapes = None
   if not a.quick:  # PyTorch eager up its list until it runs out; blutrain compiled from there on until it does
@@ -225,7 +226,8 @@ def main() -> None:
   gib = lambda n: None if n is None else n / GiB
   table(["impl", "precision", f"largest batch under {a.cap_gib:g} GiB", "planned peak GiB",
          "first call's planned peak GiB", "measured reserved GiB", "allocated GiB (blutrain: last replay)"],
-        [[r["impl"], r["precision"], r["largest_batch"], gib(r["planned_peak_bytes"]), gib(r["first_call_planned_peak_bytes"]),
+        [[r["impl"], r["precision"], r["largest_batch"], gib(r["planned_peak_bytes"]),
+          gib(r["first_call_planned_peak_bytes"]),
           gib(r["measured_reserved_peak_bytes"]), gib(r["replay_allocated_peak_bytes"] or r["allocated_peak_bytes"])]
          for r in rows])
   if shapes: print(f"at B={a.shape_batch} TF32: PyTorch eager runs out at {shapes['torch_eager_first_oom']}; "

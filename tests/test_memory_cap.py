@@ -78,7 +78,8 @@ batch = 2 * x.numel() * x.dtype.itemsize
 assert 0 < s["allocated_bytes.all.peak"] <= info["planned_peak_bytes"] + batch + 64 * 1024, (s, info)
 assert s["pools_reserved_bytes.all.current"] <= 2 * MiB, s  # what kernels keep (the error flag, adamw's tables)
 from blutrain.tensor import Traced
-assert all(type(v._storage.data) is not Traced and v.device.type == "cuda" for st in opt.state.values() for v in st.values())
+assert all(type(v._storage.data) is not Traced and v.device.type == "cuda"
+           for st in opt.state.values() for v in st.values())
 step(x, y)
 assert step.info["capture"] == "steady" and len(step._entries) == 1
 print("ok", info["planned_peak_bytes"])

@@ -177,7 +177,8 @@ class Executable:
         if _memory(arr) in owned: arr = be.kernels["copy"](arr)
         owned.add(_memory(arr))
         t = Tensor._wrap(arr, self.device, dtype)
-        where._storage.data, where._strides, where._offset, where._view = t._storage.data, t._strides, t._offset, t._view
+        where._storage.data, where._view = t._storage.data, t._view
+        where._strides, where._offset = t._strides, t._offset
         continue
       if kind == "write":  # an update the step made in the input's own memory needs no copy
         t = where.tensor(leaves)
@@ -287,7 +288,7 @@ class GraphExecutable(Executable):
     collective.check(self.collectives)
     static = self._bind(leaves)
     if self.once: outs = self._run_once()
-    elif self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what the step needs
+    elif self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what it needs
       pool = None
       try:
         pool = graphs.Pool(static[0].device if static else None, getattr(self.fn, "arena_bytes", 0))

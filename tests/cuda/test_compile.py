@@ -86,7 +86,7 @@ def _train(kind, compiled, amp=False, steps=5, dropout=0.0, graphs="1", monkeypa
 def test_compiled_step_equals_eager(kind, amp, monkeypatch):
   l1, p1, _ = _train(kind, False, amp)
   l2, p2, step = _train(kind, True, amp, monkeypatch=monkeypatch)
-  assert step.captures == 2 and step.info["cuda_graph"] == "on"  # the first call's graph (AdamW's state), the steady one
+  assert step.captures == 2 and step.info["cuda_graph"] == "on"  # the first call's graph (AdamW's state), the steady
   tol = 2e-2 if amp else 2e-5
   np.testing.assert_allclose(l2, l1, rtol=tol)
   for name in p1:  # noise-sized differences (the key slice of c_attn.bias has a zero true gradient) stay within lr

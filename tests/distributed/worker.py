@@ -234,8 +234,9 @@ def kernel_calls(compiled):
 
 
 def case_compile(r, n):
-  """A DDP step with AdamW under bt.compile (the first call's graph creates AdamW's state, the second's is replayed) against the
-  same step eagerly and against one process on the whole batch; and the in-place API's refusal under a capture."""
+  """A DDP step with AdamW under bt.compile (the first call's graph creates AdamW's state, the second's is replayed)
+  against the same step eagerly and against one process on the whole batch; and the in-place API's refusal under a
+  capture."""
   def make_step(net, opt):
     def step(x, y):
       loss = loss_of(net, x, y)

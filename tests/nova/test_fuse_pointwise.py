@@ -186,7 +186,8 @@ def _gpt_step_modules(tmp_path, monkeypatch):
     step(x, x)
     step(x, x)
     keys.append(step.info["key"])
-  return [ir.parse_module(p.read_text()) for k in keys for p in sorted((tmp_path / "dump" / k).rglob("*fuse-pointwise.mlir"))]
+  return [ir.parse_module(p.read_text())
+          for k in keys for p in sorted((tmp_path / "dump" / k).rglob("*fuse-pointwise.mlir"))]
 
 
 def test_every_kernel_of_a_gpt_and_a_gated_mlp_step_compiles_for_sm90(tmp_path, monkeypatch):
