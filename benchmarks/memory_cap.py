@@ -8,9 +8,9 @@
 Each probe (one implementation, precision, shape and batch) runs in a subprocess of its own under the cap
 (`bt.cuda.set_memory_limit`, which caps the device allocator and the CUDA graph pools together;
 `torch.cuda.set_per_process_memory_fraction`) and trains without an out-of-memory error: 2 steps eagerly
-(torch.compile: 3); for blutrain compiled, its eager first call on a batch of 1 (which makes the optimizer's state:
-eagerly the full batch would need what eager mode needs), then at the batch probed the kernel-by-kernel run of the
-plan, the capture and replay of the graph and one more replay. The batch search doubles from --start, then bisects down to --step.
+(torch.compile: 3); for blutrain compiled, 4 calls at the batch probed: the first call's graph (it creates the
+optimizer's state, run once under its own plan: no eager step), the kernel-by-kernel run of the steady plan, the
+capture and replay of its graph and one more replay. The batch search doubles from --start, then bisects down to --step.
 Each blutrain row reports the plan's peak (the step's inputs plus its arena) beside the measured peaks: what the
 device allocator and the graph pools reserved together (what the cap caps) and what was allocated during the last
 replay (the device allocator's peak plus the graph pool's). JSON to benchmarks/results/memory_cap.json.
@@ -61,15 +61,15 @@ def probe_blutrain(a) -> dict:
   bf16 = a.precision == "bf16"
   ctx = (lambda: bt.autocast(device_type="cuda", dtype=bt.bfloat16)) if bf16 else contextlib.nullcontext
   x, y = (bt.randint(50257, (a.batch, a.block)).to("cuda") for _ in range(2))
-  with ctx(): step(x[:1], y[:1]).item()  # the first call runs eagerly (it makes the optimizer's state): at B=1
-  for i in range(3):
-    if i == 2: bt.cuda.reset_peak_memory_stats()
+  for i in range(4):
+    if i == 3: bt.cuda.reset_peak_memory_stats()
     with ctx(): loss = step(x, y)
     loss.item()
+    if i == 0: first = step.info.get("planned_peak_bytes")  # the plan of the first call's graph, run once
   exe = next(iter(step._entries.values()))
   s, pool = bt.cuda.memory_stats(), exe.pool.scratch.memory_stats()
   remat = step.info.get("remat") or {}
-  return {"loss": float(loss.item()), "planned_peak_bytes": exe.planned_peak(),
+  return {"loss": float(loss.item()), "planned_peak_bytes": exe.planned_peak(), "first_call_planned_peak_bytes": first,
           "arena_bytes": getattr(exe.fn, "arena_bytes", 0),
           "measured_reserved_peak_bytes": s["limited_reserved_bytes.all.peak"],
           "replay_allocated_peak_bytes": s["allocated_bytes.all.peak"] + pool["allocated_bytes.all.peak"],
@@ -202,7 +202,8 @@ def main() -> None:
   for (impl, precision), b in batches.items():
     r = run.result(impl, precision, b) or {}
     rows.append({"impl": impl, "precision": precision, "largest_batch": b, **{k: r.get(k) for k in (
-      "planned_peak_bytes", "measured_reserved_peak_bytes", "replay_allocated_peak_bytes", "allocated_peak_bytes",
+      "planned_peak_bytes", "first_call_planned_peak_bytes",
+      "measured_reserved_peak_bytes", "replay_allocated_peak_bytes", "allocated_peak_bytes",
       "arena_bytes", "remat", "memory_budget")}})
   shapes = None
   if not a.quick:  # PyTorch eager up its list until it runs out; blutrain compiled from there on until it does
@@ -223,9 +224,10 @@ def main() -> None:
             "total_s": time.perf_counter() - t0}
   write(result, a.out)
   gib = lambda n: None if n is None else n / GiB
-  table(["impl", "precision", f"largest batch under {a.cap_gib:g} GiB", "planned peak GiB", "measured reserved GiB",
-         "allocated GiB (blutrain: last replay)"],
+  table(["impl", "precision", f"largest batch under {a.cap_gib:g} GiB", "planned peak GiB",
+         "first call's planned peak GiB", "measured reserved GiB", "allocated GiB (blutrain: last replay)"],
         [[r["impl"], r["precision"], r["largest_batch"], gib(r["planned_peak_bytes"]),
+          gib(r["first_call_planned_peak_bytes"]),
           gib(r["measured_reserved_peak_bytes"]), gib(r["replay_allocated_peak_bytes"] or r["allocated_peak_bytes"])]
          for r in rows])
   if shapes: print(f"at B={a.shape_batch} TF32: PyTorch eager runs out at {shapes['torch_eager_first_oom']}; "

@@ -5,8 +5,8 @@ peak memory, first-step time and ratios; writes benchmarks/results/train_gpt2.js
   python benchmarks/train_gpt2.py [--batch 16] [--block 1024] [--steps 10] [--precisions fp32,tf32,bf16]
                                   [--order torch_eager,blutrain_eager,blutrain_compile,torch_compile]
 
-A compiled run's peak is measured over its timed steps (after the warm-up, which for blutrain holds the eager first
-call and the capture): the caching allocator's peak (which holds the CUDA graph's arena) plus the memory of the
+A compiled run's peak is measured over its timed steps (after the warm-up, which for blutrain holds the first call's
+graph, which creates the optimizer's state, and the capture of the steady one): the caching allocator's peak (which holds the CUDA graph's arena) plus the memory of the
 graph's private caching allocator.
 """
 from __future__ import annotations

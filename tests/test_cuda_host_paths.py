@@ -69,9 +69,10 @@ assert bt.cuda.memory_allocated() > 0
 
 
 def test_compiled_gpt_step_replays_as_one_cuda_graph_on_the_fake_gpu(tmp_path):
-  """Nova's GPU target on the fake device: the first compiled call runs kernel by kernel on bound buffers, the next
-  captures a CUDA graph, and a replay is one graph launch plus the copy of the returned loss; with a scheduled
-  learning rate the graph is reused, and BLUTRAIN_CUDA_GRAPHS=0 runs every kernel at every call."""
+  """Nova's GPU target on the fake device: the first call runs the graph that creates AdamW's state once, the second
+  runs the steady graph kernel by kernel on bound buffers, the next captures it into a CUDA graph, and a replay is one
+  graph launch plus the copy of the returned loss; with a scheduled learning rate the graph is reused, and
+  BLUTRAIN_CUDA_GRAPHS=0 runs every kernel at every call."""
   code = """
 import os
 import blutrain as bt
@@ -96,7 +97,7 @@ def run(graphs, dropout=0.0):
     loss = step(x, y)
     counts.append(fake_cuda.launches[0] - before)
     offsets.append(bt.default_generator.offset)
-  assert loss.shape == () and loss.device.type == "cuda" and step.captures == 1
+  assert loss.shape == () and loss.device.type == "cuda" and step.captures == 2
   return counts, step.info["cuda_graph"], offsets
 graphed, mode, _ = run("1")
 assert mode == "on", mode
@@ -168,6 +169,20 @@ assert freed >= arena, (freed, arena, pool_bytes)
 print("ok")
 """
   assert "ok" in _run_fake(code, tmp_path)
+
+
+def test_a_compiled_first_call_makes_host_constants_for_real_on_the_fake_gpu(tmp_path):
+  """Pooling's host-computed constants (averaging divisors, gather indices), first needed by a captured call, are
+  made and copied to the GPU for real (a copy to the device cannot be captured) and cached; the graph reads them."""
+  _run_fake("""
+import blutrain as bt
+from blutrain.nn import functional as F
+f = bt.compile(lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False).sum())
+x = bt.randn(1, 2, 7, 7).to("cuda")
+for _ in range(3): f(x)
+from blutrain.nn.spatial import _cached_constant
+assert _cached_constant.cache_info().currsize >= 1
+""", tmp_path)
 
 
 def test_compiled_step_that_does_not_fit_says_so_and_training_goes_on_on_the_fake_gpu(tmp_path):

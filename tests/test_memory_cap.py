@@ -62,8 +62,53 @@ print("ok", len(planned))
   assert int(out.split("ok")[-1]) >= 2 * 4  # the 4 copies per block of the warm run and the capture, 2 blocks
 
 
+def test_a_compiled_steps_first_call_allocates_what_its_plan_says_on_the_fake_gpu(tmp_path):
+  """The first call is captured, not run eagerly: its graph (which creates AdamW's state) runs once in a pool holding
+  its plan's arena, so the device allocator's peak during the call is the plan's peak (the step's inputs, the arena,
+  and the copies of the state it creates) besides the call's own batch, and the pool is given back afterwards; the
+  graph is not kept, and the next call captures the steady graph."""
+  out = _run_fake(GPT_STEP + """
+MiB = 1 << 20
+bt.cuda.reset_peak_memory_stats()
+step(x, y)
+s, info = bt.cuda.memory_stats(), step.info
+assert info["capture"].startswith("initial") and info["created"] == 3 * len(list(model.parameters())), info
+assert not step._entries and info["cuda_graph"].startswith("off: runs once"), (step._entries, info)
+batch = 2 * x.numel() * x.dtype.itemsize
+assert 0 < s["allocated_bytes.all.peak"] <= info["planned_peak_bytes"] + batch + 64 * 1024, (s, info)
+assert s["pools_reserved_bytes.all.current"] <= 2 * MiB, s  # what kernels keep (the error flag, adamw's tables)
+from blutrain.tensor import Traced
+assert all(type(v._storage.data) is not Traced and v.device.type == "cuda"
+           for st in opt.state.values() for v in st.values())
+step(x, y)
+assert step.info["capture"] == "steady" and len(step._entries) == 1
+print("ok", info["planned_peak_bytes"])
+""", tmp_path)
+  assert int(out.split("ok")[-1]) > 0
+
+
+def test_a_first_call_that_does_not_fit_leaves_no_state_behind_on_the_fake_gpu(tmp_path):
+  """An out-of-memory error in the first call's graph says so with the plan's figures, and puts the optimizer's state
+  and the gradients back as they were (no traced tensor stays in them): with the limit lifted, training goes on."""
+  _run_fake(GPT_STEP + """
+from blutrain.tensor import Traced
+bt.cuda.set_memory_limit(bt.cuda.memory_reserved() + (1 << 20))
+try:
+  step(x, y)
+  raise SystemExit("no error")
+except bt.cuda.OutOfMemoryError as e:
+  msg = str(e)
+assert "running it once" in msg and "plan's peak" in msg, msg
+assert not any(opt.state.values()) and all(p.grad is None for p in model.parameters())
+bt.cuda.set_memory_limit(None)
+for _ in range(3): step(x, y)
+assert all(type(v._storage.data) is not Traced for s in opt.state.values() for v in s.values())
+assert step.info["capture"] == "steady" and step.captures == 3
+""", tmp_path)
+
+
 def _captured(fn, *args):
-  """fn compiled on the CPU, called twice (eagerly, then captured): its results and the captured graph's op counts."""
+  """fn compiled on the CPU and called twice (captured, then replayed): its results and the graph's op counts."""
   import blutrain as bt
   f = bt.compile(fn)
   f(*args)

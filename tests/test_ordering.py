@@ -153,7 +153,7 @@ def test_sampling_compiled_equals_eager():
     return bt.multinomial(probs, 2, generator=g), logits.sort(-1, descending=True).values, logits.cumprod(-1)
   logits = bt.randn(4, 10)
   compiled, g_eager, g_compiled = bt.compile(step), bt.Generator().manual_seed(5), bt.Generator().manual_seed(5)
-  for _ in range(3):  # the first call runs eagerly, the second captures, the third replays
+  for _ in range(3):  # the first call captures, the next ones replay
     eager, got = step(logits, g_eager), compiled(logits, g_compiled)
     assert eager[0].tolist() == got[0].tolist()
     for e, c in zip(eager[1:], got[1:]): np.testing.assert_allclose(c.numpy(), e.numpy(), rtol=1e-6)

@@ -79,6 +79,13 @@ class autocast_suspended:
   def __exit__(self, *exc): hooks.autocast = self.prev
 
 
+class capture_suspended:
+  """Run ops for real during a Nova capture: a constant made from host data and kept across calls (`nn.spatial.
+  constant`) must be a concrete tensor, which the graph then reads by reference."""
+  def __enter__(self): self.prev, hooks.trace = hooks.trace, None
+  def __exit__(self, *exc): hooks.trace = self.prev
+
+
 # *** the tape ***
 
 class Aval:

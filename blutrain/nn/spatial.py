@@ -15,12 +15,14 @@ import math
 import numpy as np
 
 from blutrain import ops
+from blutrain.autograd.tape import capture_suspended
 from blutrain.tensor import Tensor
 
 
 @functools.lru_cache(maxsize=256)
 def _cached_constant(data: bytes, np_dtype: str, shape: tuple, dtype, device) -> Tensor:
-  return ops.tensor(np.frombuffer(data, np_dtype).reshape(shape), dtype=dtype, device=device)
+  with capture_suspended():  # made for real even when a compiled call first needs it (its copy to the GPU included)
+    return ops.tensor(np.frombuffer(data, np_dtype).reshape(shape), dtype=dtype, device=device)
 
 
 def constant(array: np.ndarray, dtype=None, device=None) -> Tensor:

@@ -4,7 +4,9 @@ While a Trace is active, `ops.apply` hands every primitive to `Trace.emit`, whic
 returns a tensor whose storage is `Traced` (no values). Forward ops, the VJPs that `backward()` runs and the
 optimizer's update all arrive this way, so the graph holds the whole step. Concrete tensors that the function
 reads (parameters, gradients, optimizer state) become graph inputs; in-place writes into them (`ops.write`)
-become outputs that the runtime copies back; gradients assigned to `.grad` become outputs too.
+become outputs that the runtime copies back; gradients assigned to `.grad` become outputs too, and so do tensors the
+function creates and keeps (an optimizer's first state, a lazily made buffer: `Trace.finish`'s `created`), which the
+runtime then gives the values computed.
 """
 from __future__ import annotations
 
@@ -193,13 +195,17 @@ class Trace:
 
   # *** the end of a capture ***
 
-  def finish(self, returned: list[Tensor]) -> list[tuple]:
-    """Set the graph's outputs and say what the runtime does with each: ("return", i), ("write", source),
-    ("grad", param ref). Also rewinds each generator to where the call started, as the replay draws again."""
+  def finish(self, returned: list[Tensor], created: list[Tensor] = ()) -> list[tuple]:
+    """Set the graph's outputs and say what the runtime does with each: ("return", i), ("new", tensor): a traced
+    tensor in `created` to be given real storage holding its value, ("write", source), ("grad", param ref). Also
+    rewinds each generator to where the call started, as the replay draws again."""
     spec = []
     for i, t in enumerate(returned):
       self.graph.outputs.append(self.value(t))
       spec.append(("return", i))
+    for t in created:
+      self.graph.outputs.append(self.value(t))
+      spec.append(("new", t))
     for source, v in self.writes.values():
       self.graph.outputs.append(v)
       spec.append(("write", source))

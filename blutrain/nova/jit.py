@@ -1,9 +1,10 @@
 """`bt.compile`: guard, capture, compile (with a disk cache keyed by structural hash) and replay.
 
-A compiled function's first call runs eagerly: it creates optimizer state and settles which gradients
-exist. The next call captures the whole step into a Graph, compiles it and runs it; later calls with the same
-guard replay it. Returned tensors are plain values detached from autograd: Nova compiles whole steps, so
-backward runs inside the compiled function.
+Every call is captured or replayed; none runs eagerly. A capture that creates persistent tensors (the optimizer's
+state on the first step, lazily made buffers) makes them graph outputs: its graph runs once, and the runtime gives
+those tensor objects real storage holding the values computed, so that the next call's guard (the state now exists)
+captures the steady-state graph, which later calls replay. Returned tensors are plain values detached from autograd:
+Nova compiles whole steps, so backward runs inside the compiled function.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def _is_optimizer(x) -> bool: return hasattr(x, "param_groups") and hasattr(x, "
 
 def discover(fn: Callable, leaves: list) -> tuple[list, list]:
   """Modules and optimizers `fn` reaches: itself, its bound object (and that object's attributes), its
-  closure cells, the globals its code names, and the call's arguments."""
+  closure cells, the globals its code names, and the call's arguments; and the optimizers an optimizer wraps
+  (ZeroRedundancyOptimizer's local one, whose state is the real one)."""
   roots = list(leaves) + [fn]
   func = fn
   if hasattr(fn, "__self__"):
@@ -74,8 +76,44 @@ def discover(fn: Callable, leaves: list) -> tuple[list, list]:
     if id(obj) in seen: continue
     seen.add(id(obj))
     if _is_module(obj): modules.append(obj)
-    elif _is_optimizer(obj): optimizers.append(obj)
+    elif _is_optimizer(obj):
+      optimizers.append(obj)
+      roots.extend(v for v in vars(obj).values() if _is_optimizer(v))
   return modules, optimizers
+
+
+class Persistent:
+  """Where a step keeps tensors across calls that it may create lazily: its optimizers' per-parameter state, its
+  modules' buffers and tensor attributes. Made before a capture, it remembers what they held: the traced tensors found
+  there afterwards are the ones the capture created (`created`), and `restore` takes them out again when the capture
+  fails, so that the state is as it was before the call."""
+
+  def __init__(self, modules: list, optimizers: list):
+    self.modules, self.optimizers = modules, optimizers
+    self.before = {id(d): dict(d) for d in self._dicts()}
+
+  def _dicts(self):
+    for o in self.optimizers: yield from o.state.values()
+    for top in self.modules:
+      for m in top.modules(): yield from (m._buffers, vars(m))
+
+  def _traced(self):
+    for d in self._dicts():
+      for k, v in d.items():
+        if isinstance(v, Tensor) and type(v._storage.data) is Traced: yield d, k, v
+
+  def created(self) -> list[Tensor]:
+    """The traced tensors the containers hold now, one per storage."""
+    seen: dict[int, Tensor] = {}
+    for _, _, t in self._traced(): seen.setdefault(id(t._storage), t)
+    return list(seen.values())
+
+  def restore(self) -> None:
+    """Put back what each container held before the capture in place of the traced tensors it holds now."""
+    for d, k, _ in list(self._traced()):
+      before = self.before.get(id(d), {})
+      if k in before: d[k] = before[k]
+      else: del d[k]
 
 
 def _params(modules, optimizers) -> list[Tensor]:
@@ -106,10 +144,13 @@ def _memory(a) -> int:
 
 
 class Executable:
-  """A compiled graph bound to where its inputs come from and where its outputs go, run kernel by kernel."""
+  """A compiled graph bound to where its inputs come from and where its outputs go, run kernel by kernel. A graph
+  that creates persistent tensors (`once`) is run once, by the call that captured it."""
 
   def __init__(self, fn: Callable, trace: Trace, spec: list, out_tree: Any, device: Device, info: dict):
     self.fn, self.sources, self.spec, self.out_tree, self.device, self.info = fn, trace.sources, spec, out_tree, device, info
+    self.once = any(kind == "new" for kind, _ in spec)
+    self.persistent: Persistent | None = None  # of a graph run once: what to restore when its run fails
     self.rng_advance = trace.rng_advance
     self.out_dtypes = [v.dtype for v in trace.graph.outputs]
     self.collectives = dict(Counter(e.attrs["group"] for e in trace.graph.equations if e.op in collective.KERNELS))
@@ -132,13 +173,22 @@ class Executable:
     owned, given = {_memory(a) for a in inputs}, {id(a) for a in inputs}
     returned = []
     for (kind, where), arr, dtype in zip(self.spec, outs, self.out_dtypes):
+      if kind == "new":  # a created tensor gets memory of its own: never an input's, nor another output's
+        if _memory(arr) in owned: arr = be.kernels["copy"](arr)
+        owned.add(_memory(arr))
+        t = Tensor._wrap(arr, self.device, dtype)
+        where._storage.data, where._view = t._storage.data, t._view
+        where._strides, where._offset = t._strides, t._offset
+        continue
       if kind == "write":  # an update the step made in the input's own memory needs no copy
         t = where.tensor(leaves)
         if not replayed and id(arr) not in given: be.copy_into(t._array(), arr)
         t._storage.version += 1
         continue
       if _memory(arr) in owned or replayed and kind == "return": arr = be.kernels["copy"](arr)  # never hand out views of inputs
-      if kind == "return": returned.append(Tensor._wrap(arr, self.device, dtype))
+      if kind == "return":
+        owned.add(_memory(arr))
+        returned.append(Tensor._wrap(arr, self.device, dtype))
       else:
         p = where()
         if p is None: raise StaleGraph("a parameter the compiled graph updates was freed")
@@ -200,9 +250,10 @@ class GraphExecutable(Executable):
 
   def planned_peak(self) -> int:
     """The step's memory by its plan: its bound inputs (parameters, gradients, optimizer state, the batch) and the
-    arena of its intermediates."""
+    arena of its intermediates, and for a graph run once the copies of the tensors it creates, made out of the arena
+    before the arena is given back."""
     inputs = {(a.ptr, a.nbytes) for a in self.static or ()}
-    return sum(n for _, n in inputs) + getattr(self.fn, "arena_bytes", 0)
+    return sum(n for _, n in inputs) + getattr(self.fn, "arena_bytes", 0) + self.info.get("created_bytes", 0)
 
   def _oom(self, e: OutOfMemoryError, what: str) -> OutOfMemoryError:
     from blutrain.backend.cuda import runtime
@@ -218,11 +269,26 @@ class GraphExecutable(Executable):
       + ". Pass bt.compile(step, memory_budget=...) (blutrain train --memory-budget) to recompute activations until "
       f"the plan fits, reduce the batch size, or raise the limit. {e}")
 
+  def _run_once(self) -> tuple:
+    """Run a graph that creates persistent tensors, the one time it runs: kernel by kernel in a pool holding its
+    plan's arena (`self.pool`, given back after the call), the tensors it creates and the gradients it leaves copied
+    out of the pool into memory of their own, so that nothing of the call stays beside the next graph's arena."""
+    from blutrain.backend.cuda import graphs
+    try:
+      self.pool = graphs.Pool(self.static[0].device if self.static else None, getattr(self.fn, "arena_bytes", 0))
+      self.info["planned_peak_bytes"] = self.planned_peak()
+      outs = self.pool.run(self._step)
+      return tuple(_copy(a) if kind in ("new", "grad") else a for (kind, _), a in zip(self.spec, outs))
+    except OutOfMemoryError as e:
+      if self.pool is not None: self.pool.release()
+      raise self._oom(e, "running it once, kernel by kernel, to create its persistent state") from e
+
   def run(self, leaves: list) -> Any:
-    from blutrain.backend.cuda import graphs, memory
+    from blutrain.backend.cuda import graphs, memory, runtime
     collective.check(self.collectives)
     static = self._bind(leaves)
-    if self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what the step needs
+    if self.once: outs = self._run_once()
+    elif self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what it needs
       pool = None
       try:
         pool = graphs.Pool(static[0].device if static else None, getattr(self.fn, "arena_bytes", 0))
@@ -244,7 +310,12 @@ class GraphExecutable(Executable):
     for kind, where in self.spec:  # a call's own tensor updated in place gets its buffer's new value
       if kind == "write" and isinstance(where, Arg):
         memory.copy_into(where.tensor(leaves)._array(), static[self.sources.index(where)])
-    return self._deliver(leaves, static, outs, replayed=True)
+    try:
+      return self._deliver(leaves, static, outs, replayed=True)
+    finally:
+      if self.once:  # the copies out of the pool are queued: let them finish before its memory is given back
+        runtime.current_stream(static[0].device if static else None).synchronize()
+        self.pool.release()
 
 
 def _copy(a):
@@ -318,7 +389,6 @@ class Compiled:
       from blutrain.nova.remat import parse_size
       parse_size(memory_budget)
     self._entries: dict = {}
-    self._warm = False
     self._found: tuple[list, list] | None = None
     self.captures = 0
     self.info: dict = {}
@@ -342,74 +412,102 @@ class Compiled:
   def __call__(self, *args, **kwargs):
     leaves, tree = flatten((args, kwargs))
     if self._found is None: self._found = discover(self.fn, leaves)
-    if not self._warm:
-      self._warm = True
-      return self.fn(*args, **kwargs)
     key = self._guard(leaves, tree)
-    exe = self._entries.get(key)
-    if exe is None: exe = self._entries[key] = self._capture(args, kwargs, leaves)
+    exe = self._entries.get(key) or self._capture(args, kwargs, leaves, key)
     try:
-      return exe.run(leaves)
+      return _run(exe, leaves)
     except StaleGraph:
       self._entries.pop(key, None)
-      exe = self._entries[key] = self._capture(args, kwargs, leaves)
-      return exe.run(leaves)
+      return _run(self._capture(args, kwargs, leaves, key), leaves)
 
-  def _capture(self, args, kwargs, leaves) -> Executable:
+  def _capture(self, args, kwargs, leaves, key: tuple) -> Executable:
+    """Capture and compile the call; its executable is kept under the guard's `key` unless it runs once (it creates
+    persistent tensors, which exist by the next call)."""
     modules, optimizers = self._found
     params = _params(modules, optimizers)
     device = next((x.device for x in leaves if isinstance(x, Tensor)), None) or (params[0].device if params else Device("cpu"))
     saved_grads = [(p, p.grad) for p in params]
+    persistent = Persistent(modules, optimizers)
     trace = Trace(device, {id(p.grad): p for p in params if p.grad is not None})
     for i, x in enumerate(leaves):
       if isinstance(x, Tensor): trace.bind_arg(i, x)
     t0 = time.perf_counter()
     hooks.trace = trace
     try:
-      out = self.fn(*args, **kwargs)
-    except BaseException:
+      try:
+        out = self.fn(*args, **kwargs)
+      finally:
+        hooks.trace = None
+      out_leaves, out_tree = flatten(out)
+      returned = [x for x in out_leaves if isinstance(x, Tensor)]
+      if any(x.requires_grad and x._node is not None for x in returned) and not trace.ran_backward:
+        raise RuntimeError("bt.compile: the compiled function returns tensors that require grad but runs no backward. "
+                           "Nova compiles whole steps: put loss.backward() and the optimizer step inside the compiled "
+                           "function, or call it under bt.no_grad() for inference.")
+      if len(returned) != len(out_leaves):
+        raise TypeError("bt.compile: a compiled function may return tensors (in tuples, lists or dicts) only, got "
+                        f"{[type(x).__name__ for x in out_leaves if not isinstance(x, Tensor)]}")
+      created = persistent.created()
+      spec = trace.finish(returned, created)
+    except BaseException:  # the call leaves gradients and state as it found them
       for p, g in saved_grads: p.grad = g
+      persistent.restore()
       raise
-    finally:
-      hooks.trace = None
-    out_leaves, out_tree = flatten(out)
-    returned = [x for x in out_leaves if isinstance(x, Tensor)]
-    if any(x.requires_grad and x._node is not None for x in returned) and not trace.ran_backward:
-      for p, g in saved_grads: p.grad = g
-      raise RuntimeError("bt.compile: the compiled function returns tensors that require grad but runs no backward. "
-                         "Nova compiles whole steps: put loss.backward() and the optimizer step inside the compiled "
-                         "function, or call it under bt.no_grad() for inference.")
-    if len(returned) != len(out_leaves):
-      raise TypeError("bt.compile: a compiled function may return tensors (in tuples, lists or dicts) only, got "
-                      f"{[type(x).__name__ for x in out_leaves if not isinstance(x, Tensor)]}")
-    spec = trace.finish(returned)
     for p, g in saved_grads:  # a gradient the capture replaced by a traced one (DDP's bucket views) is an output;
       if p.grad is not None and type(p.grad._storage.data) is Traced: p.grad = g  # the first run reads the old one
     capture_s = time.perf_counter() - t0
     written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
                for k, (kind, where) in enumerate(spec) if kind == "write"}
     from blutrain.nova.remat import step_budget
+    # the tensors a graph creates are copied out of its arena at its end (on the GPU): the plan leaves room for them
+    created_bytes = sum(t.numel() * t.dtype.itemsize for t in created)
     budget = step_budget(self.memory_budget, device, held_outside(trace, leaves) if device.type == "cuda" else 0)
-    fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written, budget, device.type)
-    info.update(memory_budget=budget, capture_s=capture_s, equations=len(trace.graph.equations),
-                inputs=len(trace.graph.inputs), outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
+    if budget is not None: budget = max(budget - created_bytes, 0)
+    try:
+      fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written, budget, device.type)
+    except BaseException:
+      persistent.restore()
+      raise
+    info.update(capture="initial: runs once, creating persistent state" if created else "steady",
+                created=len(created), created_bytes=created_bytes, memory_budget=budget, capture_s=capture_s,
+                equations=len(trace.graph.equations), inputs=len(trace.graph.inputs),
+                outputs=len(trace.graph.outputs), total_s=time.perf_counter() - t0)
     self.captures += 1
     self.info = info
-    if device.type != "cuda": return Executable(fn, trace, spec, out_tree, device, info)
-    info["cuda_graph"] = "on" if cuda_graphs_enabled() else "off: BLUTRAIN_CUDA_GRAPHS=0"
-    return (GraphExecutable if info["cuda_graph"] == "on" else Executable)(fn, trace, spec, out_tree, device, info)
+    graphed = device.type == "cuda" and cuda_graphs_enabled()
+    if device.type == "cuda":
+      info["cuda_graph"] = ("off: runs once, in a pool of its own" if created else "on") if graphed else \
+        "off: BLUTRAIN_CUDA_GRAPHS=0"
+    exe = (GraphExecutable if graphed else Executable)(fn, trace, spec, out_tree, device, info)
+    if exe.once: exe.persistent = persistent
+    else: self._entries[key] = exe
+    return exe
+
+
+def _run(exe: Executable, leaves: list) -> Any:
+  """Run an executable; one that runs once puts the state it was to create back as it was when its run fails (an
+  out-of-memory error), so that the next call captures the first call again."""
+  try:
+    return exe.run(leaves)
+  except BaseException:
+    if exe.once: exe.persistent.restore()
+    raise
 
 
 def compile(fn: Callable | None = None, *, dump_ir: str | None = None, memory_budget: int | str | None = None):
   """Compile a function (a whole training step, an inference function) or a module's forward with Nova.
 
-  The first call runs eagerly; the second captures forward, backward and optimizer update into one graph,
-  optimizes it and runs it; later calls replay it while the guard (argument shapes, dtypes, devices,
+  No call runs eagerly. A call with no graph for its guard captures forward, backward and optimizer update into one
+  graph, optimizes it and runs it; later calls replay it while the guard (argument shapes, dtypes, devices,
   requires_grad, parameters and their gradients, training flags and DDP's no_sync(), optimizer hyperparameters
-  except the learning rate, which is read at each call; grad mode, autocast, `bt.set_float32_matmul_precision` and
-  `bt.backends.matmul`) holds, and recapture when it does not. On the GPU the compiled step runs kernel by kernel
-  once, then is captured into one CUDA graph whose buffers follow the step's memory plan, and replays with one
-  launch (`BLUTRAIN_CUDA_GRAPHS=0` runs it kernel by kernel every call). Random ops (dropout) read the generator's
+  except the learning rate, which is read at each call, and the optimizer's state; grad mode, autocast,
+  `bt.set_float32_matmul_precision` and `bt.backends.matmul`) holds, and recapture when it does not. The first
+  call's graph creates the persistent tensors a step makes lazily (the optimizer's state, buffers a module makes on
+  its first forward) as outputs, runs once (under its own memory plan on the GPU, with no eager step), and leaves
+  them as ordinary tensors; the second call captures the steady step (`info["capture"]` says which one a graph is).
+  On the GPU the steady step runs kernel by kernel once, then is captured into one CUDA graph whose buffers follow
+  the step's memory plan, and replays with one launch (`BLUTRAIN_CUDA_GRAPHS=0` runs it kernel by kernel every
+  call). Random ops (dropout) read the generator's
   seed and offset from device memory, which each call sets, so a replay draws new numbers as eager mode would.
   Gradients the step leaves in `.grad` live in the graph's buffers, which the next call overwrites.
 

@@ -234,8 +234,9 @@ def kernel_calls(compiled):
 
 
 def case_compile(r, n):
-  """A DDP step with AdamW under bt.compile (the first call eager, the second captured, the rest replayed) against the
-  same step eagerly and against one process on the whole batch; and the in-place API's refusal under a capture."""
+  """A DDP step with AdamW under bt.compile (the first call's graph creates AdamW's state, the second's is replayed)
+  against the same step eagerly and against one process on the whole batch; and the in-place API's refusal under a
+  capture."""
   def make_step(net, opt):
     def step(x, y):
       loss = loss_of(net, x, y)
@@ -264,7 +265,7 @@ def case_compile(r, n):
     return loss
   compiled_micro = bt.compile(micro)
   with acc.no_sync():
-    for step in range(3): compiled_micro(*batch(step, r, n))  # eager, captured without reduction, replayed
+    for step in range(3): compiled_micro(*batch(step, r, n))  # captured with no .grad, with .grads, replayed
   compiled_micro(*batch(3, r, n))                               # synchronized: a graph of its own
   for step in range(4): loss_of(acc_ref, *batch(step)).backward()
 
@@ -273,7 +274,6 @@ def case_compile(r, n):
     dist.all_reduce(t)
     return t
   once = bt.compile(refused)
-  once()
   try:
     once()
     error = None

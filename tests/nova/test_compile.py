@@ -65,7 +65,7 @@ def test_gpt_training_steps_equal_eager():
     gen_state = bt.default_generator.offset
     assert abs(a - b) <= 1e-6 * abs(a), (a, b)
     sched1.step(); sched2.step()
-  assert compiled.captures == 1
+  assert compiled.captures == 2, "the first call's graph (it creates AdamW's state), then the steady one"
   # softmax ignores a bias added to every key alike: the key slice of c_attn.bias has a zero true gradient
   keys = slice(cfg.n_embd, 2 * cfg.n_embd)
   _assert_same_params(m1, m2, noise={f"transformer.h.{i}.attn.c_attn.bias": (keys, 2 * 5 * 1e-2)
@@ -134,15 +134,15 @@ def test_guard_recaptures_on_new_shape_and_hyperparameter():
   step = bt.compile(_train_step(model, opt, clip=False))
   y = bt.tensor([0, 1, 1])
   for _ in range(3): step(bt.randn(3, 4), y)
-  assert step.captures == 1
+  assert step.captures == 2  # the first call's graph creates the optimizer's state; the second is replayed
   step(bt.randn(5, 4), bt.tensor([0, 1, 1, 0, 1]))
-  assert step.captures == 2
+  assert step.captures == 3
   opt.param_groups[0]["weight_decay"] = 0.5
   step(bt.randn(3, 4), y)
-  assert step.captures == 3
+  assert step.captures == 4
   opt.param_groups[0]["lr"] = 1e-3  # the learning rate is read at each call: no recapture
   step(bt.randn(3, 4), y)
-  assert step.captures == 3
+  assert step.captures == 4
 
 
 def test_guard_holds_autocast_and_matmul_precision():
@@ -268,7 +268,6 @@ def test_graph_break_is_an_error():
     if loss.item() > 0:  # data-dependent Python control flow
       loss = loss * 2
     return loss
-  step(bt.randn(2, 3))
   with pytest.raises(bt.nova.GraphBreakError, match="graph break"):
     step(bt.randn(2, 3))
 
@@ -279,7 +278,6 @@ def test_in_place_update_of_a_view_of_an_intermediate_is_refused():
     h[1:3].add_(x[1:3])  # eagerly this changes h; in the graph the view is a value of its own
     return (h * h).sum()
   c, x = bt.compile(f), bt.randn(5)
-  assert c(x).item() == pytest.approx(f(x).item())  # the first call runs eagerly
   with pytest.raises(RuntimeError, match="read after one of its views was updated in place"):
     c(x)
 
@@ -287,7 +285,6 @@ def test_in_place_update_of_a_view_of_an_intermediate_is_refused():
 def test_forward_only_training_call_is_refused():
   model = nn.Linear(3, 1)
   f = bt.compile(model)
-  f(bt.randn(2, 3))
   with pytest.raises(RuntimeError, match="runs no backward"):
     f(bt.randn(2, 3))
 

@@ -171,7 +171,7 @@ def test_sources_are_deterministic_and_identical_groups_share_a_kernel():
 
 def _gpt_step_modules(tmp_path, monkeypatch):
   """The fused modules of a GPT-2-shaped training step (2 of its 12 identical blocks, d=768, T=64) and of a
-  gated-SiLU/RMSNorm model, as bt.compile dumps them on the CPU."""
+  gated-SiLU/RMSNorm model, as bt.compile dumps them on the CPU (the steady graphs, not the first calls')."""
   from blutrain.models import GPT, GPTConfig
   from blutrain.train import training_step
   from tests.nova.test_remat import _Llama
@@ -179,12 +179,15 @@ def _gpt_step_modules(tmp_path, monkeypatch):
   bt.manual_seed(0)
   gpt = GPT(GPTConfig(block_size=64, vocab_size=512, n_layer=2, n_head=12, n_embd=768))
   llama = _Llama()
+  keys = []
   for model, vocab in ((gpt, 512), (llama, 48)):
     step = bt.compile(training_step(model, bt.optim.AdamW(model.parameters(), lr=1e-3)))
     x = bt.randint(vocab, (1, 64 if model is gpt else 16))
     step(x, x)
     step(x, x)
-  return [ir.parse_module(p.read_text()) for p in sorted((tmp_path / "dump").rglob("*fuse-pointwise.mlir"))]
+    keys.append(step.info["key"])
+  return [ir.parse_module(p.read_text())
+          for k in keys for p in sorted((tmp_path / "dump" / k).rglob("*fuse-pointwise.mlir"))]
 
 
 def test_every_kernel_of_a_gpt_and_a_gated_mlp_step_compiles_for_sm90(tmp_path, monkeypatch):
