@@ -1,0 +1,124 @@
+"""Where a compiled GPT-2 124M step (B=16, T=1024) spends its GPU time, kernel by kernel, from the CUDA profiler
+(CUPTI through torch.profiler, which records every kernel of the process, blutrain's CUDA-graph nodes included):
+device milliseconds and launches per step, averaged over 3 steps after 4 warm-up steps.
+
+  python benchmarks/kernel_profile.py --against torch_compile [--precision bf16|tf32]
+      blutrain compiled against torch.compile, same model, batch and optimizer
+  NCCL_NVLS_ENABLE=0 python benchmarks/kernel_profile.py --against ddp [--precision tf32]
+      the plain compiled step against the same step under DistributedDataParallel at world size 1 (NCCL), sorted by
+      the difference: what the wrapper costs, kernel by kernel
+
+Prints the table; with --out, writes it as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import blutrain as bt  # noqa: E402
+from blutrain.models import GPT, GPTConfig, PRESETS  # noqa: E402
+
+CFG = GPTConfig(**PRESETS["gpt2"], vocab_size=50304, block_size=1024)
+STEPS = 3
+
+
+def kernels(fn, sync) -> dict[str, tuple[float, float]]:
+  """Kernel name -> (device ms per step, launches per step) over STEPS calls of fn after 4 warm-up calls."""
+  for _ in range(4): fn()
+  sync()
+  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for _ in range(STEPS): fn()
+    sync()
+  ms, n = collections.Counter(), collections.Counter()
+  for e in prof.events():
+    if e.device_type == torch.autograd.DeviceType.CUDA:
+      ms[e.name[:70]] += e.device_time_total / 1e3 / STEPS
+      n[e.name[:70]] += 1 / STEPS
+  return {k: (ms[k], n[k]) for k in ms}
+
+
+def blutrain_step(precision: str, ddp: bool):
+  from blutrain.nn.parallel import DistributedDataParallel
+  bt.manual_seed(0)
+  model = GPT(CFG).to("cuda")
+  opt = model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True)
+  net = DistributedDataParallel(model) if ddp else model
+  ctx = (lambda: bt.autocast(device_type="cuda", dtype=bt.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+
+  @bt.compile
+  def step(x, y):
+    with ctx(): loss = net(x, y)[1]
+    loss.backward()
+    bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+  x = bt.from_numpy(np.random.default_rng(0).integers(0, CFG.vocab_size, (16, 1024))).to("cuda")
+  return lambda: step(x, x)
+
+
+def torch_compile_step(precision: str):
+  from benchmarks.torch_gpt import GPT as TorchGPT
+  torch.backends.cuda.matmul.allow_tf32 = True
+  model = TorchGPT(CFG).cuda()
+  opt = model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True)
+
+  @torch.compile
+  def step(x, y):
+    with torch.autocast("cuda", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+      _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+  x = torch.from_numpy(np.random.default_rng(0).integers(0, CFG.vocab_size, (16, 1024))).cuda()
+  return lambda: step(x, x)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--against", choices=("torch_compile", "ddp"), default="torch_compile")
+  ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16")
+  ap.add_argument("--rows", type=int, default=25)
+  ap.add_argument("--out")
+  args = ap.parse_args()
+  bt.set_float32_matmul_precision("high")
+  if args.against == "ddp":
+    import blutrain.distributed as dist
+    dist.init_process_group("nccl")
+  runs = {}
+  for name in ("blutrain", args.against):
+    fn = torch_compile_step(args.precision) if name == "torch_compile" else \
+      blutrain_step(args.precision, ddp=name == "ddp")
+    runs[name] = kernels(fn, torch.cuda.synchronize if name == "torch_compile" else bt.cuda.synchronize)
+    del fn
+    gc.collect()
+  a, b = runs["blutrain"], runs[args.against]
+  for name, r in runs.items():
+    print(f"{name}: {sum(t for t, _ in r.values()):.2f} ms of kernels in {sum(n for _, n in r.values()):.0f} launches")
+  if args.against == "ddp":
+    keys = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0]))[:args.rows]
+    print(f"| kernel | plain ms | DDP ms | difference | launches plain | launches DDP |\n|{' --- |' * 6}")
+    for k in keys:
+      (ta, na), (tb, nb) = a.get(k, (0, 0)), b.get(k, (0, 0))
+      print(f"| {k} | {ta:.3f} | {tb:.3f} | {tb - ta:+.3f} | {na:.0f} | {nb:.0f} |")
+  else:
+    for name, r in runs.items():
+      print(f"| {name} kernel | ms | launches |\n| --- | --- | --- |")
+      for k, (t, n) in sorted(r.items(), key=lambda kv: -kv[1][0])[:args.rows]: print(f"| {k} | {t:.3f} | {n:.0f} |")
+  if args.out: Path(args.out).write_text(json.dumps({"precision": args.precision, "runs": runs}, indent=1))
+  if args.against == "ddp": dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+  main()
