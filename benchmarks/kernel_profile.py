@@ -67,20 +67,11 @@ def blutrain_step(precision: str, ddp: bool):
 
 
 def torch_compile_step(precision: str):
-  from benchmarks.torch_gpt import GPT as TorchGPT
+  from benchmarks.torch_gpt import GPT as TorchGPT, training_step
   torch.backends.cuda.matmul.allow_tf32 = True
   model = TorchGPT(CFG).cuda()
-  opt = model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True)
-
-  @torch.compile
-  def step(x, y):
-    with torch.autocast("cuda", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
-      _, loss = model(x, y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+  step = torch.compile(training_step(model, model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True),
+                                     precision))
   x = torch.from_numpy(np.random.default_rng(0).integers(0, CFG.vocab_size, (16, 1024))).cuda()
   return lambda: step(x, x)
 

@@ -79,22 +79,13 @@ def probe_blutrain(a) -> dict:
 
 def probe_torch(a, compiled: bool) -> dict:
   import torch
-  from benchmarks.torch_gpt import GPT as TorchGPT
+  from benchmarks.torch_gpt import GPT as TorchGPT, training_step
   from blutrain.models import GPTConfig
   torch.cuda.set_per_process_memory_fraction(a.cap_gib * GiB / torch.cuda.get_device_properties(0).total_memory)
   torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
   torch.manual_seed(0)
   model = TorchGPT(GPTConfig(block_size=a.block, **_shape(a.preset))).cuda()
-  opt = model.configure_optimizers(0.1, 6e-4, fused=True)
-
-  def step(x, y):
-    with torch.autocast("cuda", torch.bfloat16) if a.precision == "bf16" else contextlib.nullcontext():
-      _, loss = model(x, y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+  step = training_step(model, model.configure_optimizers(0.1, 6e-4, fused=True), a.precision)
   fn = torch.compile(step) if compiled else step
   x, y = (torch.randint(50257, (a.batch, a.block), device="cuda") for _ in range(2))
   for _ in range(3 if compiled else 2): loss = fn(x, y).item()

@@ -2,6 +2,7 @@
 benchmarks and the oracle in tests. Test and benchmark code only; the package never imports torch."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -84,3 +85,17 @@ def load_from_blutrain(torch_model: GPT, state: dict) -> None:
   with torch.no_grad():
     for name, p in torch_model.state_dict().items():
       p.copy_(torch.from_numpy(state[name].detach().numpy().copy()))
+
+
+def training_step(model: GPT, opt: torch.optim.Optimizer, precision: str):
+  """The benchmarks' PyTorch step: forward (under bf16 autocast when precision is "bf16"), backward, clipping to 1.0,
+  the optimizer's step, gradients set to None; returns the loss."""
+  def step(x, y):
+    with torch.autocast("cuda", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+      _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+  return step

@@ -93,30 +93,20 @@ def run_blutrain(cfg, state, batches, precision: str, warmup: int, compiled: boo
 
 def run_torch(cfg, state, batches, precision: str, warmup: int, compiled: bool) -> dict:
   import torch
-  from benchmarks.torch_gpt import GPT as TorchGPT
+  from benchmarks.torch_gpt import GPT as TorchGPT, training_step
   torch.backends.cuda.matmul.allow_tf32 = precision != "fp32"
   torch.backends.cudnn.allow_tf32 = precision != "fp32"
   model = TorchGPT(cfg).cuda()
   with torch.no_grad():
     for name, p in model.state_dict().items(): p.copy_(torch.from_numpy(state[name]))
-  opt = model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True)
-
-  def step(x, y):
-    with torch.autocast("cuda", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
-      _, loss = model(x, y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
+  step = training_step(model, model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True), precision)
   fn = torch.compile(step) if compiled else step
   dev = [(torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()) for x, y in batches]
   torch.cuda.synchronize()
   torch.cuda.reset_peak_memory_stats()
   out = _timed(fn, dev, warmup, torch.cuda.synchronize, torch.cuda.reset_peak_memory_stats if compiled else lambda: None)
   out["peak_bytes"] = torch.cuda.max_memory_allocated()
-  del model, opt, dev
+  del model, step, fn, dev
   gc.collect()
   torch.cuda.empty_cache()
   return out
