@@ -28,7 +28,8 @@ from blutrain.ops.movement import (cat, chunk, diag, diagonal, expand, flatten, 
                                    nonzero, permute, repeat, repeat_interleave, reshape, roll, split, squeeze, stack,
                                    transpose, unbind, unflatten, unsqueeze, view)
 from blutrain.ops.nn import (conv, conv_transpose, cross_entropy, dropout, embedding, gather, index_select, layer_norm, linear, log_softmax,
-                             mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter_add, softmax,
+                             mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter_add, scatter_reduce,
+                             softmax,
                              tril, triu)
 from blutrain.ops.optim import adamw_, scale_, sum_squares
 from blutrain.ops.ordering import argsort, cummax, cummin, kthvalue, msort, multinomial, randperm, sort, topk

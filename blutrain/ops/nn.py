@@ -147,6 +147,73 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
   return scatter_add_op(x, index, src.to(x.dtype), dim=normalize_dim(dim, x.ndim, "scatter_add"))
 
 
+SCATTER_REDUCTIONS = ("sum", "prod", "mean", "amax", "amin")
+
+
+def _scatter_reduce_rule(x, index, src, dim, reduce, include_self):
+  if not index.ndim == src.ndim == x.ndim:
+    raise ShapeError(f"scatter_reduce: input, index and src need the same number of dims, got {x.shape}, {index.shape}, "
+                     f"{src.shape}")
+  if any(i > s or (d != dim and i > n) for d, (i, s, n) in enumerate(zip(index.shape, src.shape, x.shape))):
+    raise ShapeError(f"scatter_reduce: index {index.shape} must be no larger than src {src.shape}, and no larger than "
+                     f"input {x.shape} apart from dimension {dim}")
+  return x.shape, x.dtype
+
+
+def _scatter_reduce_vjp(g, out, x, index, src, dim, reduce, include_self):
+  """PyTorch's gradients (scatter_reduce_backward): amax and amin split g evenly among the values equal to the result
+  (self counted whenever it equals the result, as PyTorch counts it); prod divides the result by the factor, except
+  where a factor is src's only zero at its position; without include_self, self gets no gradient where src lands."""
+  scatter = lambda t, s: scatter_add_op(t, index, s, dim=dim)
+  at_index = lambda t: gather_op(t, index, dim=dim)
+  hits = None if reduce != "mean" and include_self else \
+    scatter(zeros(x.shape, dtype=x.dtype, device=x.device), ones(src.shape, dtype=x.dtype, device=x.device))
+  if reduce == "sum": gx, gs = g, at_index(g)
+  elif reduce == "mean":
+    n = hits + float(include_self)
+    gx = g / where(n == 0, 1.0, n)
+    gs = at_index(gx)
+  elif reduce == "prod":
+    nonzero_x = where(x == 0, 1.0, x)
+    gx = g * scatter_reduce_op(nonzero_x, index, src, dim=dim, reduce=reduce, include_self=include_self) / nonzero_x
+    src_zero = src == 0
+    only_zero = src_zero & (at_index(scatter(zeros(x.shape, dtype=x.dtype, device=x.device), src_zero.to(x.dtype))) == 1)
+    others = scatter_reduce_op(x, index, where(only_zero, 1.0, src), dim=dim, reduce=reduce, include_self=include_self)
+    gs = where(only_zero, at_index(g * others), at_index(g * out) / where(src_zero, 1.0, src))
+  else:
+    x_is, src_is = (x == out).to(x.dtype), (src == at_index(out)).to(x.dtype)
+    share = g / scatter(x_is, src_is)
+    gx, gs = x_is * share, src_is * at_index(share)
+  return (gx if include_self else where(hits > 0, 0.0, gx)), None, gs
+
+
+# x with src reduced into it at the positions index names along dim; src has index's shape (the public function cuts
+# a larger src down to it, so the gradients need no padding)
+scatter_reduce_op = op("scatter_reduce", _scatter_reduce_rule, _scatter_reduce_vjp, saves=(0, 1, 2), saves_output=True,
+                       inputs="x index src", attrs="dim:int reduce:str include_self:bool")
+
+
+def scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str, *, include_self: bool = True) -> Tensor:
+  """x with src reduced at the positions index names along dim: `reduce` is sum, prod, mean, amax or amin, over the
+  values scattered to a position and x's own value there unless include_self is False (positions nothing is
+  scattered to keep x's value). mean divides by the count of those values (floor division for integers).
+
+  >>> bt.tensor([1., 2., 3.]).scatter_reduce(0, bt.tensor([0, 0, 2]), bt.tensor([5., 6., 7.]), "amax")
+  tensor([6., 2., 7.])"""
+  _check_index("scatter_reduce", index)
+  if reduce not in SCATTER_REDUCTIONS:
+    raise ShapeError(f"scatter_reduce: reduce must be one of {', '.join(SCATTER_REDUCTIONS)}, got {reduce!r}")
+  if not isinstance(src, Tensor) or src.dtype is not x.dtype:
+    got = src.dtype.name if isinstance(src, Tensor) else type(src).__name__
+    raise DTypeError(f"scatter_reduce: src must be a tensor of the input's dtype {x.dtype.name}, got {got}")
+  d = normalize_dim(dim, x.ndim, "scatter_reduce")
+  _scatter_reduce_rule(x, index, src, d, reduce, include_self)
+  if not x.ndim:
+    return scatter_reduce(x.reshape(1), 0, index.reshape(1), src.reshape(1), reduce, include_self=include_self).reshape(())
+  if src.shape != index.shape: src = src[tuple(slice(0, n) for n in index.shape)]
+  return scatter_reduce_op(x, index, src, dim=d, reduce=reduce, include_self=bool(include_self))
+
+
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
   """The entries of dim listed in the 1-D `index`."""
   _check_index("index_select", index)
