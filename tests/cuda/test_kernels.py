@@ -455,6 +455,42 @@ def test_gather_and_scatter_add(dtype):
     run("scatter_add", x, index, src, dim=dim, tol=tuple(4 * t for t in TOL[dtype]) if dtype.is_floating_point else None)
 
 
+@pytest.mark.parametrize("reduce", ("sum", "prod", "mean", "amax", "amin"))
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64, bt.int64, bt.int8), ids=NAME)
+def test_scatter_reduce(reduce, dtype):
+  """Repeated positions, with and without self; float inputs hold NaNs (which PyTorch's reductions keep) and, for
+  amax and amin, ties."""
+  nan = lambda v: np.where(np.random.default_rng(5).random(v.shape) < 0.02, np.nan, v)
+  for shape, ishape, dim, layout in (((10, 20), (10, 30), 1, "contiguous"), ((30, 4, 5), (70, 4, 5), 0, "transposed"),
+                                     ((6, 7, 8), (6, 9, 8), 1, "strided"), ((50,), (400,), 0, "contiguous")):
+    low, high = (0.7, 1.4) if reduce == "prod" and dtype.is_floating_point else (-3, 4)
+    prep = (lambda v: nan(np.round(v))) if dtype.is_floating_point else None  # whole numbers tie
+    x = pair(shape, dtype, layout, low, high, prep=None if reduce == "prod" else prep)
+    src = pair(ishape, dtype, "contiguous", low, high, seed=8, prep=None if reduce == "prod" else prep)
+    i = rand(ishape, bt.int64, 0, shape[dim], seed=7)
+    index = (bt.from_numpy(i), bt.from_numpy(i).to("cuda"))
+    for include_self in (True, False):
+      run("scatter_reduce", x, index, src, dim=dim, reduce=reduce, include_self=include_self,
+          tol=tuple(8 * t for t in TOL[dtype]) if dtype.is_floating_point else None)
+
+
+def test_scatter_reduce_gradients():
+  """The VJP (gathers, scatter_adds and scatter_reduce itself) on the GPU against the CPU's, ties included."""
+  rng = np.random.default_rng(0)
+  x, src = (np.round(rng.uniform(-2, 2, shape)).astype(np.float32) for shape in ((5, 6), (9, 6)))
+  i = rng.integers(0, 5, (9, 6))
+  for reduce in ("sum", "prod", "mean", "amax", "amin"):
+    for include_self in (True, False):
+      grads = []
+      for device in ("cpu", "cuda"):
+        a, b = (bt.from_numpy(v).to(device).requires_grad_() for v in (x, src))
+        out = a.scatter_reduce(0, bt.from_numpy(i).to(device), b, reduce, include_self=include_self)
+        (out * bt.arange(30, dtype=bt.float32, device=device).reshape(5, 6)).sum().backward()
+        grads.append((out.detach(), a.grad, b.grad))
+      for what, got, want in zip(("out", "x.grad", "src.grad"), grads[1], grads[0]):
+        check(f"scatter_reduce {reduce} include_self={include_self} {what}", got, want)
+
+
 def ix(n: int, shape, seed=9):
   """Distinct positions of a dim of size n (so index_put has one value per position), some written negative."""
   rng = np.random.default_rng(seed)
