@@ -32,7 +32,10 @@ def test_conv1d_matches_torch_with_and_without_batch(kw):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(stride=2), dict(stride=2, padding=1, output_padding=1),
-                                dict(stride=(2, 3), padding=(2, 0), dilation=2, output_padding=(1, 0), groups=2)])
+                                dict(stride=(2, 3), padding=(2, 0), dilation=2, output_padding=(1, 0), groups=2),
+                                # output_padding at or above the stride, below the dilation
+                                dict(stride=(1, 2), padding=(1, 0), dilation=3, output_padding=(2, 1)),
+                                dict(dilation=(2, 3), output_padding=(1, 2), groups=2)])
 def test_conv_transpose2d_matches_torch(kw):
   helper_test_op([(2, 4, 5, 4), (4, 3, 3, 2), (3 * kw.get("groups", 1),)], lambda x, w, b: TF.conv_transpose2d(x, w, b, **kw),
                  lambda x, w, b: F.conv_transpose2d(x, w, b, **kw), layouts=("contiguous", "strided"), tol_scale=3)
@@ -40,9 +43,19 @@ def test_conv_transpose2d_matches_torch(kw):
                  lambda x, w: F.conv_transpose1d(x, w, stride=2, padding=1))
 
 
+def test_conv_transpose_output_padding_limit():
+  """PyTorch's bound: output_padding below the stride or the dilation; output_padding >= stride pads with zeros."""
+  helper_test_op([(2, 4, 6), (4, 2, 3)], lambda x, w: TF.conv_transpose1d(x, w, stride=2, dilation=4, output_padding=3),
+                 lambda x, w: F.conv_transpose1d(x, w, stride=2, dilation=4, output_padding=3))
+  for lib, fn in ((torch, TF.conv_transpose1d), (bt, F.conv_transpose1d)):
+    with pytest.raises(RuntimeError, match="output padding must be smaller than either stride or dilation"):
+      fn(lib.ones(1, 2, 4), lib.ones(2, 2, 3), stride=2, dilation=3, output_padding=3)
+
+
 def test_conv_vjps_against_finite_differences():
   check_vjp(lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1, groups=2), [(1, 4, 5, 5), (2, 2, 3, 3), (2,)])
   check_vjp(lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1), [(1, 2, 3, 3), (2, 3, 3, 3)])
+  check_vjp(lambda x, w: F.conv_transpose2d(x, w, dilation=2, output_padding=(1, 0)), [(1, 2, 3, 3), (2, 3, 3, 3)])
 
 
 def test_conv_errors_name_the_shapes():

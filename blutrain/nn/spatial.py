@@ -139,15 +139,17 @@ def _conv_transpose(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tenso
     if op_ >= max(s, d):
       raise RuntimeError(f"{fn}: output padding must be smaller than either stride or dilation, but got "
                          f"output_padding={output_padding}, stride={stride}, dilation={dilation}")
-  if any(op_ >= s for op_, s in zip(output_padding, stride)):
-    raise RuntimeError(f"{fn}: output_padding {output_padding} at or above stride {stride} (allowed by PyTorch when below "
-                       f"the dilation) is not supported; use output_padding < stride and pad the result")
   kernel, out_c = weight.shape[2:], weight.shape[1] * groups
   shape = [(n - 1) * s - 2 * p + d * (k - 1) + op_ + 1 for n, s, p, d, k, op_ in zip(x.shape[2:], stride, padding,
                                                                                       dilation, kernel, output_padding)]
   if any(o < 1 for o in shape):
     raise RuntimeError(f"{fn}: given input size {list(x.shape)}, weight {list(weight.shape)}, stride {stride}, padding "
                        f"{padding} and dilation {dilation}, the calculated output size {shape} is too small")
+  # output_padding >= stride (PyTorch allows it below the dilation): a convolution of the output would give
+  # output_padding // stride positions more than x has; the transposed convolution reads them as zeros
+  extra = [ops.nn.conv_out_size(o, k, s, p, d) - n for o, k, s, p, d, n in zip(shape, kernel, stride, padding, dilation,
+                                                                                x.shape[2:])]
+  if any(extra): x = _pad(x, [(0, e) for e in extra])
   y = ops.conv_transpose(x, weight, (x.shape[0], out_c, *shape), stride, padding, dilation, groups)
   if bias is not None: y = y + bias.reshape((out_c,) + (1,) * nd)
   return y.squeeze(0) if unbatched else y
