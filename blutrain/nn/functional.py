@@ -13,7 +13,8 @@ import numpy as np
 
 from blutrain import dtypes, ops
 from blutrain.nn.spatial import (adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool1d, avg_pool2d, batch_norm, constant,
-                                 conv1d, conv2d, conv_transpose1d, conv_transpose2d, group_norm, max_pool1d, max_pool2d)
+                                 conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d, group_norm,
+                                 max_pool1d, max_pool2d)
 from blutrain.ops import (dropout, gelu, layer_norm, linear, log_softmax, one_hot, relu, rms_norm,
                           scaled_dot_product_attention, sigmoid, silu, softmax, tanh)
 from blutrain.tensor import Tensor
@@ -23,7 +24,7 @@ __all__ = ["linear", "gelu", "silu", "relu", "tanh", "sigmoid", "softmax", "log_
            "normalize", "cosine_similarity", "elu", "selu", "celu", "relu6", "hardsigmoid", "hardtanh", "hardswish",
            "mish", "softplus", "softsign", "logsigmoid", "leaky_relu", "cross_entropy", "nll_loss", "mse_loss",
            "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-           "kl_div", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "max_pool1d", "max_pool2d", "avg_pool1d",
+           "kl_div", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "max_pool1d", "max_pool2d", "avg_pool1d",
            "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "batch_norm", "group_norm"]
 
 

@@ -533,6 +533,27 @@ def test_getitem_through_autograd():
   check("getitem backward", results["cuda"][1], results["cpu"][1])
 
 
+# *** convolution (tests/cuda/test_conv.py compares the layers with PyTorch CUDA) ***
+
+@pytest.mark.parametrize("dtype", (bt.float64, bt.float32, bt.bfloat16), ids=NAME)
+def test_conv_kernels_in_3d_2d_and_1d(dtype):
+  """conv, conv_grad_input and conv_grad_weight: 3-D geometry (the kernels' DEPTH variant), and 2-D and 1-D, which
+  skip the depth dim."""
+  tol = tuple(10 * t for t in TOL[dtype]) if dtype is bt.float32 else tuple(2 * t for t in TOL[dtype])
+  for xs, ws, stride, padding, dilation, groups, layout in (
+      ((2, 4, 6, 7, 5), (6, 2, 3, 2, 3), (2, 1, 1), (1, 0, 2), (1, 2, 1), 2, "contiguous"),
+      ((1, 3, 5, 6, 7), (4, 3, 1, 3, 3), (1, 2, 1), (0, 1, 1), (1, 1, 1), 1, "transposed"),
+      ((2, 2, 6, 5, 4), (2, 1, 3, 3, 2), (3, 2, 1), (2, 1, 0), (2, 1, 2), 2, "offset"),
+      ((2, 4, 9, 10), (6, 2, 3, 2), (2, 1), (1, 2), (1, 2), 2, "strided"),
+      ((2, 6, 33), (4, 3, 5), (3,), (2,), (2,), 2, "contiguous")):
+    x, w = pair(xs, dtype, layout), pair(ws, dtype, seed=1)
+    attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    out, _ = run("conv", x, w, tol=tol, **attrs)
+    g = pair(out.shape, dtype, "strided", seed=2)
+    run("conv_grad_input", g, w, shape=xs, tol=tol, **attrs)
+    run("conv_grad_weight", g, x, shape=ws, tol=tol, **attrs)
+
+
 # *** random ***
 
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.bfloat16])
