@@ -297,24 +297,18 @@ def kl_div(input: Tensor, target: Tensor, size_average: bool | None = None, redu
 
 # *** distances and normalization ***
 
-def _norm(x: Tensor, p: float, dim: int) -> Tensor:
-  if p == 2: return ops.sqrt((x * x).sum(dim, keepdim=True))
-  if p == 1: return ops.abs(x).sum(dim, keepdim=True)
-  if p == math.inf: return ops.abs(x).amax(dim, keepdim=True)
-  return (ops.abs(x) ** p).sum(dim, keepdim=True) ** (1.0 / p)
-
-
 def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out: Tensor | None = None) -> Tensor:
   """input / max(||input||_p, eps) along dim."""
   if out is not None: raise TypeError("normalize: out= is not supported; use the returned tensor")
-  return input / ops.clamp(_norm(input, p, dim), min=eps)
+  return input / ops.clamp(ops.norm(input, p, dim, keepdim=True), min=eps)
 
 
 def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
   """sum(x1 / max(||x1||, eps) * x2 / max(||x2||, eps)) along dim, after broadcasting x1 and x2."""
   shape = ops.broadcast_shapes(x1.shape, x2.shape)
   x1, x2 = x1.expand(shape), x2.expand(shape)
-  return ((x1 / ops.clamp(_norm(x1, 2, dim), min=eps)) * (x2 / ops.clamp(_norm(x2, 2, dim), min=eps))).sum(dim)
+  return ((x1 / ops.clamp(ops.norm(x1, 2, dim, keepdim=True), min=eps)) *
+          (x2 / ops.clamp(ops.norm(x2, 2, dim, keepdim=True), min=eps))).sum(dim)
 
 
 # *** padding and resampling ***

@@ -6,9 +6,10 @@ import math
 from blutrain import backends, dtypes
 from blutrain.autograd.tape import Aval
 from blutrain.ops.core import autocast_inputs, op
-from blutrain.ops.creation import arange, ones, zeros
+from blutrain.ops.creation import arange, full, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
 from blutrain.ops.linalg import matmul
+from blutrain.ops.movement import put
 from blutrain.ops.random import bernoulli_mask
 from blutrain.dtypes import DTypeError
 from blutrain.shapes import ShapeError, normalize_dim
@@ -150,13 +151,18 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
 SCATTER_REDUCTIONS = ("sum", "prod", "mean", "amax", "amin")
 
 
-def _scatter_reduce_rule(x, index, src, dim, reduce, include_self):
+def _scatter_check(name: str, x, index, src, dim: int) -> None:
+  """PyTorch's shape rule of the scatters: one rank; index no larger than src, nor than x off dim."""
   if not index.ndim == src.ndim == x.ndim:
-    raise ShapeError(f"scatter_reduce: input, index and src need the same number of dims, got {x.shape}, {index.shape}, "
+    raise ShapeError(f"{name}: input, index and src need the same number of dims, got {x.shape}, {index.shape}, "
                      f"{src.shape}")
   if any(i > s or (d != dim and i > n) for d, (i, s, n) in enumerate(zip(index.shape, src.shape, x.shape))):
-    raise ShapeError(f"scatter_reduce: index {index.shape} must be no larger than src {src.shape}, and no larger than "
+    raise ShapeError(f"{name}: index {index.shape} must be no larger than src {src.shape}, and no larger than "
                      f"input {x.shape} apart from dimension {dim}")
+
+
+def _scatter_reduce_rule(x, index, src, dim, reduce, include_self):
+  _scatter_check("scatter_reduce", x, index, src, dim)
   return x.shape, x.dtype
 
 
@@ -193,6 +199,36 @@ scatter_reduce_op = op("scatter_reduce", _scatter_reduce_rule, _scatter_reduce_v
                        inputs="x index src", attrs="dim:int reduce:str include_self:bool")
 
 
+def _scatter_source(name: str, x: Tensor, index: Tensor, src) -> Tensor:
+  """src checked against x's dtype (a number becomes a tensor of index's shape)."""
+  _check_index(name, index)
+  if not isinstance(src, Tensor): return full(index.shape, src, dtype=x.dtype, device=x.device)
+  if src.dtype is not x.dtype:
+    raise DTypeError(f"{name}: src must be a tensor of the input's dtype {x.dtype.name}, got {src.dtype.name}")
+  return src
+
+
+def scatter(x: Tensor, dim: int, index: Tensor, src=None, *, value=None, reduce: str | None = None) -> Tensor:
+  """x with src (a tensor, or the number `value`) written at the positions index names along dim:
+  out[index[i][j]][j] = src[i][j] for dim=0. Where index repeats a position one of the values lands (which one
+  PyTorch leaves undefined); reduce "add" or "multiply" combines them instead (scatter_add, scatter_reduce's prod).
+
+  >>> bt.zeros(2, 3).scatter(0, bt.tensor([[1, 0, 1]]), 5.0)
+  tensor([[0., 5., 0.],
+          [5., 0., 5.]])"""
+  if (src is None) == (value is None): raise TypeError("scatter: expected one of src (a tensor or number) and value")
+  src = _scatter_source("scatter", x, index, value if src is None else src)
+  if reduce is not None:
+    if reduce not in ("add", "multiply"):
+      raise ShapeError(f"scatter: reduce must be 'add' or 'multiply', got {reduce!r} (scatter_reduce has the others)")
+    return scatter_reduce(x, dim, index, src, "sum" if reduce == "add" else "prod")
+  d = normalize_dim(dim, x.ndim, "scatter")
+  _scatter_check("scatter", x, index, src, d)
+  if not x.ndim: return scatter(x.reshape(1), 0, index.reshape(1), src.reshape(1)).reshape(())
+  positions = gather_op(arange(x.numel(), device=x.device).reshape(x.shape), index, dim=d)
+  return put(x, positions, src[tuple(slice(0, n) for n in index.shape)])
+
+
 def scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str, *, include_self: bool = True) -> Tensor:
   """x with src reduced at the positions index names along dim: `reduce` is sum, prod, mean, amax or amin, over the
   values scattered to a position and x's own value there unless include_self is False (positions nothing is
@@ -200,14 +236,12 @@ def scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str,
 
   >>> bt.tensor([1., 2., 3.]).scatter_reduce(0, bt.tensor([0, 0, 2]), bt.tensor([5., 6., 7.]), "amax")
   tensor([6., 2., 7.])"""
-  _check_index("scatter_reduce", index)
   if reduce not in SCATTER_REDUCTIONS:
     raise ShapeError(f"scatter_reduce: reduce must be one of {', '.join(SCATTER_REDUCTIONS)}, got {reduce!r}")
-  if not isinstance(src, Tensor) or src.dtype is not x.dtype:
-    got = src.dtype.name if isinstance(src, Tensor) else type(src).__name__
-    raise DTypeError(f"scatter_reduce: src must be a tensor of the input's dtype {x.dtype.name}, got {got}")
+  if not isinstance(src, Tensor): raise TypeError(f"scatter_reduce: src must be a tensor, got {type(src).__name__}")
+  src = _scatter_source("scatter_reduce", x, index, src)
   d = normalize_dim(dim, x.ndim, "scatter_reduce")
-  _scatter_reduce_rule(x, index, src, d, reduce, include_self)
+  _scatter_check("scatter_reduce", x, index, src, d)
   if not x.ndim:
     return scatter_reduce(x.reshape(1), 0, index.reshape(1), src.reshape(1), reduce, include_self=include_self).reshape(())
   if src.shape != index.shape: src = src[tuple(slice(0, n) for n in index.shape)]
