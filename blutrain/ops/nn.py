@@ -183,7 +183,8 @@ def _scatter_reduce_vjp(g, out, x, index, src, dim, reduce, include_self):
     nonzero_x = where(x == 0, 1.0, x)
     gx = g * scatter_reduce_op(nonzero_x, index, src, dim=dim, reduce=reduce, include_self=include_self) / nonzero_x
     src_zero = src == 0
-    only_zero = src_zero & (at_index(scatter(zeros(x.shape, dtype=x.dtype, device=x.device), src_zero.to(x.dtype))) == 1)
+    zeros_at = at_index(scatter(zeros(x.shape, dtype=x.dtype, device=x.device), src_zero.to(x.dtype)))
+    only_zero = src_zero & (zeros_at == 1)
     others = scatter_reduce_op(x, index, where(only_zero, 1.0, src), dim=dim, reduce=reduce, include_self=include_self)
     gs = where(only_zero, at_index(g * others), at_index(g * out) / where(src_zero, 1.0, src))
   else:

@@ -31,7 +31,8 @@ from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
 
-_GEOMETRY = ["C", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw", "dd", "dh", "dw"]
+_GEOMETRY = ["C", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw", "dd", "dh",
+             "dw"]
 
 
 def _strides(*names: str) -> list[str]: return [f"{n}_s{i}" for n in names for i in range(5)]
@@ -67,10 +68,8 @@ def _conv_fwd_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd,
   if IDX64: o = o.to(tl.int64)
   w_col = w + o * w_s0
   m_ok, n_ok = rm < M, rn < N
-  dst = out + (n * out_s0 + oh * out_s3 + ow * out_s4)[:, None] + (o * out_s1)[None, :]
   if DEPTH:
     id0 = od * sd - pd
-    dst += (od * out_s2)[:, None]
   acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
   for k0 in range(0, K, BLOCK_K):
     rk = k0 + tl.arange(0, BLOCK_K)  # (c, kd, kh, kw), the weight's order
@@ -90,7 +89,11 @@ def _conv_fwd_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd,
     a = tl.load(a_off + (c * x_s1)[None, :], mask=a_ok, other=0.0)
     b = tl.load(w_col[None, :] + (c * w_s1 + b_off)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     acc = _mma(a, b, acc, PRECISION)
-  tl.store(dst, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+  row = n * out_s0 + oh * out_s3 + ow * out_s4
+  if DEPTH:
+    row += od * out_s2
+  tl.store(out + row[:, None] + (o * out_s1)[None, :], acc.to(out.dtype.element_ty),
+           mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -112,9 +115,6 @@ def _conv_dgrad_kernel(dx, g, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd
   if IDX64: c = c.to(tl.int64)
   w_col = w + grp * C * w_s0 + rn * w_s1
   m_ok, n_ok = rm < M, rn < N
-  dst = dx + (n * dx_s0 + ih * dx_s3 + iw * dx_s4)[:, None] + (c * dx_s1)[None, :]
-  if DEPTH:
-    dst += (i_d * dx_s2)[:, None]
   acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
   for k0 in range(0, K, BLOCK_K):
     rk = k0 + tl.arange(0, BLOCK_K)  # (o, kd, kh, kw)
@@ -140,7 +140,11 @@ def _conv_dgrad_kernel(dx, g, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd
     a = tl.load(a_off + (o * g_s1)[None, :], mask=ok, other=0.0)
     b = tl.load(w_col[None, :] + (o * w_s0 + b_off)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     acc = _mma(a, b, acc, PRECISION)
-  tl.store(dst, acc.to(dx.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+  row = n * dx_s0 + ih * dx_s3 + iw * dx_s4
+  if DEPTH:
+    row += i_d * dx_s2
+  tl.store(dx + row[:, None] + (c * dx_s1)[None, :], acc.to(dx.dtype.element_ty),
+           mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -307,8 +311,9 @@ def _specs() -> list:
     out += [conv_spec(kind, bf16, M, N, K, True, False), conv_spec(kind, f16, 1000, 3, 27, True, False),
             conv_spec(kind, f32, M, N, K, True, False), conv_spec(kind, f32, 50, 10, 7, False, True),
             conv_spec(kind, f64, 50, 10, 7, False, False)]
-    out += [conv_spec(kind, bf16, M, N, K, True, False, depth=True), conv_spec(kind, f32, 50, 10, 7, False, True, depth=True),
-            conv_spec(kind, f64, 50, 10, 7, False, False, depth=True)]  # 3-D
+    out += [conv_spec(kind, bf16, M, N, K, True, False, depth=True),  # 3-D
+            conv_spec(kind, f32, 50, 10, 7, False, True, depth=True),
+            conv_spec(kind, f64, 50, 10, 7, False, False, depth=True)]
   return out
 
 

@@ -1,5 +1,5 @@
-"""Indexing: embedding and its backward, gather, scatter_add, scatter_reduce, index (numpy advanced indexing), index_backward,
-index_put and slice_backward.
+"""Indexing: embedding and its backward, gather, scatter_add, scatter_reduce, index (numpy advanced indexing),
+index_backward, index_put and slice_backward.
 
 One Triton kernel serves them all. Each walks the positions of an index space O (tiled as rows of outer dims by
 columns of the innermost dim, as elementwise's `_tiled`) and addresses a `target` at
@@ -235,7 +235,8 @@ def _launch_index(op: str, mode: str, target: CudaArray, values: CudaArray, shap
   ptrs = [a.ptr for a, _ in idx] + [idx[-1][0].ptr] * (4 - len(idx))
   strides = [pad(st, 6, 0) for st in [cv, ct] + ci + [ci[-1]] * (4 - len(idx))]
   run(s, (cdiv(n_rows, s.constexprs["BLOCK_R"]) * col_blocks,), target.ptr, values.ptr, *ptrs,
-      errors.flag(target.device).ptr, (target if scratch is None else scratch).ptr, errors.OPS.index(op) + 1, n_rows, n_cols, col_blocks,
+      errors.flag(target.device).ptr, (target if scratch is None else scratch).ptr, errors.OPS.index(op) + 1, n_rows,
+      n_cols, col_blocks,
       *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st), *xs, *[0] * (4 - len(xs)), *xn,
       *[1] * (4 - len(xn)))
 
