@@ -23,7 +23,7 @@ from blutrain.ops import (allclose, argsort, bernoulli, bmm, cumprod, diag, diag
                           acos, acosh, asin, asinh, atan, atan2, atanh, ceil, copysign, cosh, exp2, expm1, floor_divide,
                           fmod, isinf, log1p, log2, log10, logaddexp, remainder, round, sinh, tan, trunc, bitwise_and,
                           bitwise_or, bitwise_xor, bitwise_not, bitwise_left_shift, bitwise_right_shift, logcumsumexp,
-                          masked_select, repeat_interleave, cummax, cummin)
+                          masked_select, repeat_interleave, cummax, cummin, scatter_reduce, scatter, norm)
 from blutrain import autograd
 from blutrain.amp import autocast
 from blutrain.backends import set_float32_matmul_precision, get_float32_matmul_precision

@@ -11,7 +11,10 @@ CASES = [  # (x shape, w shape, stride, padding, dilation, groups, SMs of the de
   ((2, 4, 9, 10), (6, 2, 3, 2), (2, 1), (1, 2), (1, 2), 2, 132),
   ((2, 6, 13), (4, 3, 4), (3,), (2,), (2,), 2, 132),
   ((2, 3, 20, 20), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1, 1),  # one SM: the wgrad's K (800) splits in two
+  ((2, 4, 5, 6, 7), (6, 2, 3, 2, 3), (2, 1, 2), (1, 0, 2), (1, 2, 1), 2, 132),  # 3-D: the kernels' DEPTH variant
+  ((2, 2, 6, 8, 14), (2, 1, 3, 3, 2), (1, 2, 1), (2, 1, 0), (2, 1, 2), 2, 1),  # and a split wgrad
 ]
+CONV = {3: "conv1d", 4: "conv2d", 5: "conv3d"}  # by the input's rank
 
 
 def _patch_interpreter():
@@ -35,11 +38,11 @@ def _run_case(xs, ws, stride, padding, dilation, groups, split_hw) -> None:
   torch.manual_seed(0)
   x, w = torch.randn(xs, dtype=torch.float64), torch.randn(ws, dtype=torch.float64)
   x_nhwc = x.movedim(1, -1).contiguous().movedim(-1, 1)  # channels-last strides
-  y = (TF.conv2d if len(xs) == 4 else TF.conv1d)(x, w, None, stride, padding, dilation, groups)
+  conv = getattr(TF, CONV[len(xs)])
+  y = conv(x, w, None, stride, padding, dilation, groups)
   g = torch.randn(y.shape, dtype=torch.float64)
-  dx, dw = torch.autograd.grad(
-    (TF.conv2d if len(xs) == 4 else TF.conv1d)(x.requires_grad_(), w.requires_grad_(), None, stride, padding,
-                                                dilation, groups), [x, w], g)
+  dx, dw = torch.autograd.grad(conv(x.requires_grad_(), w.requires_grad_(), None, stride, padding, dilation, groups),
+                               [x, w], g)
   hw = dataclasses.replace(configurator.H200, sms=split_hw)
   lay = lambda t: (tuple(t.shape), tuple(t.stride()))
   geo = (stride, padding, dilation, groups)

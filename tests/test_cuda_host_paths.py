@@ -247,3 +247,39 @@ assert len(fn.info["gemms"]) == fn.info["counts_after"]["gemm"] >= 3, fn.info
 source = open(fn.info["source"]).read()
 assert source.count("path=") == source.count(" us, nova ") == len(fn.info["gemms"]), source
 """, tmp_path)
+
+
+def test_scatter_reduce_launches_on_the_fake_gpu(tmp_path):
+  """scatter_reduce's host path for every reduction, with and without self, in float32 (with its gradients), bfloat16
+  (float32 atomics) and int8 and int64 (integer atomics, floor-divided mean): shapes and dtypes."""
+  _run_fake("""
+import blutrain as bt
+index = bt.randint(4, (6, 3)).to("cuda")
+for dtype in (bt.float32, bt.bfloat16, bt.int8, bt.int64):
+  x, src = (bt.randint(-3, 4, shape).to(dtype).to("cuda") for shape in ((4, 5), (6, 4)))
+  grad = dtype is bt.float32
+  if grad: x.requires_grad_(); src.requires_grad_()
+  for reduce in ("sum", "prod", "mean", "amax", "amin"):
+    for include_self in (True, False):
+      out = x.scatter_reduce(0, index, src, reduce, include_self=include_self)
+      assert out.shape == (4, 5) and out.dtype is dtype and out.device.type == "cuda"
+      if grad: out.sum().backward()
+  if grad: assert x.grad.shape == (4, 5) and src.grad.shape == (6, 4)
+""", tmp_path)
+
+
+def test_3d_convolutions_launch_on_the_fake_gpu(tmp_path):
+  """The implicit-GEMM kernels' host path (plan, argument packing) for a 3-D convolution, forward and both gradients,
+  and a transposed one: shapes and dtypes."""
+  _run_fake("""
+import blutrain as bt
+from blutrain import nn
+for layer, shape in ((nn.Conv3d(4, 6, (3, 2, 3), stride=(2, 1, 1), padding=1, groups=2), (2, 4, 5, 6, 7)),
+                     (nn.ConvTranspose3d(6, 4, 3, stride=2, output_padding=1, groups=2), (2, 6, 3, 4, 5))):
+  layer.to("cuda")
+  x = bt.randn(*shape, device="cuda", requires_grad=True)
+  with bt.autocast("cuda", dtype=bt.bfloat16):
+    y = layer(x)
+  y.float().sum().backward()
+  assert y.dtype is bt.bfloat16 and x.grad.shape == shape and layer.weight.grad.shape == layer.weight.shape
+""", tmp_path)

@@ -32,7 +32,10 @@ def test_conv1d_matches_torch_with_and_without_batch(kw):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(stride=2), dict(stride=2, padding=1, output_padding=1),
-                                dict(stride=(2, 3), padding=(2, 0), dilation=2, output_padding=(1, 0), groups=2)])
+                                dict(stride=(2, 3), padding=(2, 0), dilation=2, output_padding=(1, 0), groups=2),
+                                # output_padding at or above the stride, below the dilation
+                                dict(stride=(1, 2), padding=(1, 0), dilation=3, output_padding=(2, 1)),
+                                dict(dilation=(2, 3), output_padding=(1, 2), groups=2)])
 def test_conv_transpose2d_matches_torch(kw):
   helper_test_op([(2, 4, 5, 4), (4, 3, 3, 2), (3 * kw.get("groups", 1),)], lambda x, w, b: TF.conv_transpose2d(x, w, b, **kw),
                  lambda x, w, b: F.conv_transpose2d(x, w, b, **kw), layouts=("contiguous", "strided"), tol_scale=3)
@@ -40,9 +43,38 @@ def test_conv_transpose2d_matches_torch(kw):
                  lambda x, w: F.conv_transpose1d(x, w, stride=2, padding=1))
 
 
+def test_conv_transpose_output_padding_limit():
+  """PyTorch's bound: output_padding below the stride or the dilation; output_padding >= stride pads with zeros."""
+  helper_test_op([(2, 4, 6), (4, 2, 3)], lambda x, w: TF.conv_transpose1d(x, w, stride=2, dilation=4, output_padding=3),
+                 lambda x, w: F.conv_transpose1d(x, w, stride=2, dilation=4, output_padding=3))
+  for lib, fn in ((torch, TF.conv_transpose1d), (bt, F.conv_transpose1d)):
+    with pytest.raises(RuntimeError, match="output padding must be smaller than either stride or dilation"):
+      fn(lib.ones(1, 2, 4), lib.ones(2, 2, 3), stride=2, dilation=3, output_padding=3)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(stride=(2, 1, 2), padding=(1, 0, 1), dilation=(1, 2, 1), groups=2),
+                                dict(padding="same", dilation=(2, 1, 1))])
+def test_conv3d_matches_torch(kw):
+  helper_test_op([(2, 4, 5, 4, 6), (6, 4 // kw.get("groups", 1), 3, 2, 3), (6,)],
+                 lambda x, w, b: TF.conv3d(x, w, b, **kw), lambda x, w, b: F.conv3d(x, w, b, **kw),
+                 layouts=("contiguous", "strided"), tol_scale=3)
+  tkw = dict(stride=(2, 1, 2), padding=(1, 0, 1), output_padding=(1, 0, 0), groups=2)
+  helper_test_op([(2, 4, 3, 2, 3), (4, 3, 2, 3, 2)], lambda x, w: TF.conv_transpose3d(x, w, **tkw),
+                 lambda x, w: F.conv_transpose3d(x, w, **tkw), tol_scale=3)
+
+
+def test_conv_layers_under_autocast_give_torch_dtype():
+  """The bias joins the convolution in the autocast dtype, as PyTorch passes it into the op."""
+  for name, shape in (("Conv2d", (2, 4, 6, 6)), ("ConvTranspose1d", (2, 4, 6)), ("Conv3d", (1, 4, 3, 3, 3))):
+    with bt.autocast("cpu", dtype=bt.bfloat16): got = getattr(nn, name)(4, 2, 2)(bt.randn(*shape))
+    with torch.autocast("cpu", dtype=torch.bfloat16): want = getattr(torch.nn, name)(4, 2, 2)(torch.randn(*shape))
+    assert got.dtype.name == str(want.dtype).split(".")[-1] == "bfloat16", name
+
+
 def test_conv_vjps_against_finite_differences():
   check_vjp(lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1, groups=2), [(1, 4, 5, 5), (2, 2, 3, 3), (2,)])
   check_vjp(lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1), [(1, 2, 3, 3), (2, 3, 3, 3)])
+  check_vjp(lambda x, w: F.conv_transpose2d(x, w, dilation=2, output_padding=(1, 0)), [(1, 2, 3, 3), (2, 3, 3, 3)])
 
 
 def test_conv_errors_name_the_shapes():
@@ -158,6 +190,9 @@ LAYERS = [
   (lambda m: m.Conv1d(4, 2, 3, padding=2, padding_mode="replicate"), (2, 4, 9)),
   (lambda m: m.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1), (2, 4, 3, 3)),
   (lambda m: m.ConvTranspose1d(4, 2, 3, stride=3), (2, 4, 5)),
+  (lambda m: m.Conv3d(4, 6, (3, 2, 3), stride=(2, 1, 1), padding=1, groups=2), (2, 4, 5, 4, 5)),
+  (lambda m: m.Conv3d(2, 3, 2, padding="same", padding_mode="replicate"), (2, 2, 3, 4, 3)),
+  (lambda m: m.ConvTranspose3d(4, 2, (2, 3, 2), stride=(2, 1, 2), output_padding=(1, 0, 1)), (2, 4, 3, 2, 3)),
   (lambda m: m.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 3, 7, 6)), (lambda m: m.AvgPool2d(2, count_include_pad=False, padding=1), (2, 3, 5, 5)),
   (lambda m: m.AvgPool1d(3), (2, 3, 7)), (lambda m: m.MaxPool1d(2, 1), (2, 3, 7)),
   (lambda m: m.AdaptiveAvgPool2d((2, 3)), (2, 3, 7, 6)), (lambda m: m.AdaptiveAvgPool1d(2), (2, 3, 7)),

@@ -464,6 +464,54 @@ def test_scatter_add_src_larger_than_index():
   helper_test_op([(4, 5), Int((2, 3), 0, 4), (3, 5)], lambda x, i, s: x.scatter_add(0, i, s), grad=False)
 
 
+REDUCTIONS = ["sum", "prod", "mean", "amax", "amin"]
+
+
+def _ties(shape, seed: int) -> np.ndarray:
+  """Small whole numbers as floats: repeated values (ties for amax/amin) and zeros (prod's special cases)."""
+  return np.random.default_rng(seed).integers(-2, 3, shape).astype(np.float64)
+
+
+@pytest.mark.parametrize("reduce", REDUCTIONS)
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_scatter_reduce(reduce, include_self, dim):
+  fn = lambda x, i, s: x.scatter_reduce(dim, i, s, reduce, include_self=include_self)
+  ishape = (6, 3) if dim == 0 else (3, 7)  # repeated positions; index smaller than x off dim, as PyTorch allows
+  helper_test_op([(4, 5), Int(ishape, 0, 4 if dim == 0 else 5), ishape], fn, layouts=("contiguous", "transposed"))
+  helper_test_op([_ties((4, 5), 1), Int(ishape, 0, 4 if dim == 0 else 5), _ties(ishape, 2)], fn)
+
+
+@pytest.mark.parametrize("reduce", REDUCTIONS)
+def test_scatter_reduce_integers_and_edges(reduce):
+  rng = np.random.default_rng(3)
+  for dtype in (torch.int64, torch.int32, torch.float64):
+    x, s = (torch.tensor(rng.integers(-9, 10, shape), dtype=dtype) for shape in ((4, 3), (5, 3)))
+    i = torch.tensor(rng.integers(0, 4, (5, 3)))
+    for include_self in (True, False):  # integer mean rounds down, as PyTorch's
+      want = x.scatter_reduce(0, i, s, reduce, include_self=include_self)
+      assert_close(bt.tensor(x.numpy()).scatter_reduce(0, bt.tensor(i.numpy()), bt.tensor(s.numpy()), reduce,
+                                                       include_self=include_self), want, what=str(dtype))
+  nan = torch.tensor([1.0, float("nan"), 3.0, 4.0])
+  cases = [(nan, torch.tensor([0, 0, 1]), torch.tensor([float("nan"), 2.0, 5.0])),  # nan in src and in self
+           (torch.tensor([1.0, 2.0]), torch.zeros(0, dtype=torch.int64), torch.zeros(0)),  # nothing scattered
+           (torch.tensor(1.5), torch.tensor(0), torch.tensor(-2.0)),  # 0-d
+           (torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2, 0]), torch.tensor([4.0, 5.0, 6.0, 7.0]))]  # src larger
+  for x, i, s in cases:
+    for include_self in (True, False):
+      want = x.scatter_reduce(0, i, s, reduce, include_self=include_self)
+      got = bt.scatter_reduce(bt.tensor(x.numpy()), 0, bt.tensor(i.numpy()), bt.tensor(s.numpy()), reduce,
+                              include_self=include_self)
+      assert_close(got, want, what=f"{x.tolist()} {i.tolist()} {s.tolist()}")
+
+
+def test_scatter_reduce_in_place():
+  x, i, s = bt.randn(3, 4), bt.tensor([[2, 0, 0, 1]]), bt.randn(1, 4)
+  want = x.scatter_reduce(0, i, s, "amin", include_self=False)
+  assert x.scatter_reduce_(0, i, s, "amin", include_self=False) is x
+  assert_close(x, want.numpy())
+
+
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_index_select(dim):
   helper_test_op([(4, 5, 3), Int((6,), 0, 3)], lambda x, i: x.index_select(dim, i), layouts=LAYOUTS)
@@ -782,6 +830,7 @@ def test_setitem_grad_through_nonleaf():
 # *** VJPs against float64 finite differences ***
 
 _mv = ops.movement
+SCATTER_AT = bt.tensor([[0, 3], [1, 1], [2, 0]])  # src's last column is left out (src larger than index)
 VJP_CASES = {
   "neg": (lambda x: -x, [(3, 4)], {}),
   "exp": (lambda x: x.exp(), [(3, 4)], {}),
@@ -849,6 +898,8 @@ VJP_CASES = {
   "log_softmax": (lambda x: x.log_softmax(0), [(3, 4)], {}),
   "layer_norm": (lambda x, w, b: ops.layer_norm(x, (4,), w, b), [(3, 4), (4,), (4,)], {}),
   "scatter_add": (lambda x, i, s: x.scatter_add(1, i, s), [(3, 4), np.array([[0, 3], [1, 1], [2, 0]]), (3, 2)], {}),
+  "scatter_reduce": (lambda x, s: bt.cat([x.scatter_reduce(1, SCATTER_AT, s, r, include_self=r != "mean") for r in
+                                           REDUCTIONS]), [(3, 4), (3, 3)], {}),
   "gather": (lambda x, i: x.gather(0, i), [(3, 4), np.array([[0, 2, 2, 1], [1, 1, 0, 2]])], {}),
   "embedding": (lambda i, w: ops.embedding(i, w), [np.array([[1, 0], [3, 3]]), (4, 5)], {}),
   "cross_entropy": (lambda x, t: ops.cross_entropy(x, t, reduction="none"), [(4, 5), np.array([0, 4, -100, 2])], {}),
@@ -931,6 +982,14 @@ BAD_INPUTS = {
   "gather_float": (lambda: _x().gather(1, bt.tensor([[0.0]])), TypeError, "gather: index must be an integer tensor"),
   "scatter_range": (lambda: _x().scatter_add(0, bt.tensor([[0, 7, 1]]), bt.ones(1, 3)),
     IndexError, "scatter_add: index 7.*dimension 0 with size 2"),
+  "scatter_reduce_range": (lambda: _x().scatter_reduce(1, bt.tensor([[0, 3]]), bt.ones(1, 2), "amax"),
+    IndexError, "scatter_reduce: index 3.*dimension 1 with size 3"),
+  "scatter_reduce_mode": (lambda: _x().scatter_reduce(1, bt.tensor([[0]]), bt.ones(1, 2), "max"),
+    RuntimeError, "scatter_reduce: reduce must be one of sum, prod, mean, amax, amin, got 'max'"),
+  "scatter_reduce_dtype": (lambda: _x().scatter_reduce(1, bt.tensor([[0]]), bt.ones(1, 2, dtype=bt.float64), "sum"),
+    RuntimeError, "scatter_reduce: src must be a tensor of the input's dtype float32, got float64"),
+  "scatter_reduce_shape": (lambda: _x().scatter_reduce(0, bt.tensor([[0, 1, 1, 0]]), bt.ones(2, 4), "sum"),
+    RuntimeError, r"scatter_reduce: index \(1, 4\) must be no larger than src \(2, 4\), and no larger than input \(2, 3\)"),
   "embedding_range": (lambda: ops.embedding(bt.tensor([0, 9]), bt.randn(4, 3)),
     IndexError, "embedding: index 9 is out of bounds for dimension 0 with size 4"),
   "index_select_range": (lambda: _x().index_select(1, bt.tensor([3])),

@@ -1,4 +1,4 @@
-"""Convolution and pooling layers: Conv1d/2d, ConvTranspose1d/2d, MaxPool1d/2d, AvgPool1d/2d, AdaptiveAvgPool1d/2d.
+"""Convolution and pooling layers: Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool1d/2d, AvgPool1d/2d, AdaptiveAvgPool1d/2d.
 
 Each owns its weights (PyTorch's initialization) and options; the math is `nn.functional`'s (composites in
 `nn/spatial.py`)."""
@@ -113,6 +113,25 @@ class Conv2d(_ConvNd):
     return F.conv2d(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
 
 
+class Conv3d(_ConvNd):
+  """3-D convolution over (N, C_in, D, H, W) -> (N, C_out, D_out, H_out, W_out), as `torch.nn.Conv3d`.
+
+  Args: in_channels, out_channels, kernel_size; stride (1), padding (0, or "valid"/"same"), dilation (1),
+  groups (1), bias (True), padding_mode ("zeros", "reflect", "replicate", "circular").
+  Attributes: weight (out_channels, in_channels / groups, kd, kh, kw), bias (out_channels,), both from
+  U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+  """
+
+  def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+               groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None) -> None:
+    super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation, False, 0, groups, bias,
+                     padding_mode, device, dtype)
+
+  def forward(self, input: Tensor) -> Tensor:
+    x, padding = self._padded(input)
+    return F.conv3d(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
+
+
 class ConvTranspose1d(_ConvNd):
   """1-D transposed convolution (the gradient of Conv1d): weight (in_channels, out_channels / groups, k)."""
 
@@ -139,6 +158,20 @@ class ConvTranspose2d(_ConvNd):
 
   def forward(self, input: Tensor) -> Tensor:
     return F.conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, self.output_padding,
+                              self.groups, self.dilation)
+
+
+class ConvTranspose3d(_ConvNd):
+  """3-D transposed convolution (the gradient of Conv3d): weight (in_channels, out_channels / groups, kd, kh, kw)."""
+
+  def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, output_padding=0,
+               groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros", device=None,
+               dtype=None) -> None:
+    super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation, True, output_padding,
+                     groups, bias, padding_mode, device, dtype)
+
+  def forward(self, input: Tensor) -> Tensor:
+    return F.conv_transpose3d(input, self.weight, self.bias, self.stride, self.padding, self.output_padding,
                               self.groups, self.dilation)
 
 

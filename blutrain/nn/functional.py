@@ -13,7 +13,8 @@ import numpy as np
 
 from blutrain import dtypes, ops
 from blutrain.nn.spatial import (adaptive_avg_pool1d, adaptive_avg_pool2d, avg_pool1d, avg_pool2d, batch_norm, constant,
-                                 conv1d, conv2d, conv_transpose1d, conv_transpose2d, group_norm, max_pool1d, max_pool2d)
+                                 conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d, group_norm,
+                                 max_pool1d, max_pool2d)
 from blutrain.ops import (dropout, gelu, layer_norm, linear, log_softmax, one_hot, relu, rms_norm,
                           scaled_dot_product_attention, sigmoid, silu, softmax, tanh)
 from blutrain.tensor import Tensor
@@ -23,7 +24,7 @@ __all__ = ["linear", "gelu", "silu", "relu", "tanh", "sigmoid", "softmax", "log_
            "normalize", "cosine_similarity", "elu", "selu", "celu", "relu6", "hardsigmoid", "hardtanh", "hardswish",
            "mish", "softplus", "softsign", "logsigmoid", "leaky_relu", "cross_entropy", "nll_loss", "mse_loss",
            "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-           "kl_div", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "max_pool1d", "max_pool2d", "avg_pool1d",
+           "kl_div", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "max_pool1d", "max_pool2d", "avg_pool1d",
            "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "batch_norm", "group_norm"]
 
 
@@ -296,24 +297,18 @@ def kl_div(input: Tensor, target: Tensor, size_average: bool | None = None, redu
 
 # *** distances and normalization ***
 
-def _norm(x: Tensor, p: float, dim: int) -> Tensor:
-  if p == 2: return ops.sqrt((x * x).sum(dim, keepdim=True))
-  if p == 1: return ops.abs(x).sum(dim, keepdim=True)
-  if p == math.inf: return ops.abs(x).amax(dim, keepdim=True)
-  return (ops.abs(x) ** p).sum(dim, keepdim=True) ** (1.0 / p)
-
-
 def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out: Tensor | None = None) -> Tensor:
   """input / max(||input||_p, eps) along dim."""
   if out is not None: raise TypeError("normalize: out= is not supported; use the returned tensor")
-  return input / ops.clamp(_norm(input, p, dim), min=eps)
+  return input / ops.clamp(ops.norm(input, p, dim, keepdim=True), min=eps)
 
 
 def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
   """sum(x1 / max(||x1||, eps) * x2 / max(||x2||, eps)) along dim, after broadcasting x1 and x2."""
   shape = ops.broadcast_shapes(x1.shape, x2.shape)
   x1, x2 = x1.expand(shape), x2.expand(shape)
-  return ((x1 / ops.clamp(_norm(x1, 2, dim), min=eps)) * (x2 / ops.clamp(_norm(x2, 2, dim), min=eps))).sum(dim)
+  return ((x1 / ops.clamp(ops.norm(x1, 2, dim, keepdim=True), min=eps)) *
+          (x2 / ops.clamp(ops.norm(x2, 2, dim, keepdim=True), min=eps))).sum(dim)
 
 
 # *** padding and resampling ***

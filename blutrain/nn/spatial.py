@@ -92,7 +92,7 @@ def _conv(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tensor | None, 
   padded = [n + 2 * lo for n, (lo, _) in zip(x.shape[2:], pads)]
   for n, k, d in zip(padded, kernel, dilation): _out_size(n, k, 1, d, fn, padded, kernel)
   y = ops.conv(x, weight, stride, [lo for lo, _ in pads], dilation, groups)
-  if bias is not None: y = y + bias.reshape((out_c,) + (1,) * nd)
+  if bias is not None: y = y + bias.reshape((out_c,) + (1,) * nd).to(y.dtype)  # autocast lowers the bias with the op
   return y.squeeze(0) if unbatched else y
 
 
@@ -128,6 +128,13 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
   return _conv("conv2d", 2, input, weight, bias, stride, padding, dilation, groups)
 
 
+def conv3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+  """3-D convolution (cross-correlation) of (N, C_in, D, H, W) with weight (C_out, C_in / groups, kd, kh, kw);
+  padding an int, a triple, "valid" or "same"."""
+  return _conv("conv3d", 3, input, weight, bias, stride, padding, dilation, groups)
+
+
 def _conv_transpose(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tensor | None, stride, padding,
                     output_padding, groups: int, dilation) -> Tensor:
   x, unbatched = _batched(fn, input, nd)
@@ -141,17 +148,19 @@ def _conv_transpose(fn: str, nd: int, input: Tensor, weight: Tensor, bias: Tenso
     if op_ >= max(s, d):
       raise RuntimeError(f"{fn}: output padding must be smaller than either stride or dilation, but got "
                          f"output_padding={output_padding}, stride={stride}, dilation={dilation}")
-  if any(op_ >= s for op_, s in zip(output_padding, stride)):
-    raise RuntimeError(f"{fn}: output_padding {output_padding} at or above stride {stride} (allowed by PyTorch when below "
-                       f"the dilation) is not supported; use output_padding < stride and pad the result")
   kernel, out_c = weight.shape[2:], weight.shape[1] * groups
   shape = [(n - 1) * s - 2 * p + d * (k - 1) + op_ + 1 for n, s, p, d, k, op_ in zip(x.shape[2:], stride, padding,
                                                                                       dilation, kernel, output_padding)]
   if any(o < 1 for o in shape):
     raise RuntimeError(f"{fn}: given input size {list(x.shape)}, weight {list(weight.shape)}, stride {stride}, padding "
                        f"{padding} and dilation {dilation}, the calculated output size {shape} is too small")
+  # output_padding >= stride (PyTorch allows it below the dilation): a convolution of the output would give
+  # output_padding // stride positions more than x has; the transposed convolution reads them as zeros
+  extra = [ops.nn.conv_out_size(o, k, s, p, d) - n for o, k, s, p, d, n in zip(shape, kernel, stride, padding, dilation,
+                                                                                x.shape[2:])]
+  if any(extra): x = _pad(x, [(0, e) for e in extra])
   y = ops.conv_transpose(x, weight, (x.shape[0], out_c, *shape), stride, padding, dilation, groups)
-  if bias is not None: y = y + bias.reshape((out_c,) + (1,) * nd)
+  if bias is not None: y = y + bias.reshape((out_c,) + (1,) * nd).to(y.dtype)  # autocast lowers the bias with the op
   return y.squeeze(0) if unbatched else y
 
 
@@ -166,6 +175,13 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, 
   """2-D transposed convolution of (N, C_in, H, W) with weight (C_in, C_out / groups, kh, kw): the gradient of
   conv2d with respect to its input, so an upsampling layer."""
   return _conv_transpose("conv_transpose2d", 2, input, weight, bias, stride, padding, output_padding, groups, dilation)
+
+
+def conv_transpose3d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, output_padding=0,
+                     groups: int = 1, dilation=1) -> Tensor:
+  """3-D transposed convolution of (N, C_in, D, H, W) with weight (C_in, C_out / groups, kd, kh, kw): the gradient
+  of conv3d with respect to its input."""
+  return _conv_transpose("conv_transpose3d", 3, input, weight, bias, stride, padding, output_padding, groups, dilation)
 
 
 # *** pooling ***

@@ -1,7 +1,6 @@
 """`nn.utils`: gradient clipping."""
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 from blutrain import dtypes, ops
@@ -11,11 +10,7 @@ from blutrain.tensor import Tensor
 
 def _vector_norm(x: Tensor, norm_type: float) -> Tensor:
   """The p-norm of all of x's entries, accumulated in float32 at least (a bfloat16 sum of squares loses the total)."""
-  if x.dtype is not dtypes.float64: x = x.float()
-  if norm_type == math.inf: return x.abs().amax()
-  if norm_type == 2: return (x * x).sum().sqrt()
-  if norm_type == 1: return x.abs().sum()
-  return (x.abs() ** norm_type).sum() ** (1.0 / norm_type)
+  return ops.norm(x if x.dtype is dtypes.float64 else x.float(), norm_type)
 
 
 def _grads(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:

@@ -1059,6 +1059,19 @@ class ScatterAddOp(NNOp):
 
 
 @irdl_op_definition
+class ScatterReduceOp(NNOp):
+  """x with src reduced (sum, prod, mean, amax, amin) at `index` along `dim`, x's values included unless not
+  `include_self`."""
+  name = "nova.scatter_reduce"
+  x = operand_def(TENSOR)
+  index = operand_def(TENSOR)
+  src = operand_def(TENSOR)
+  dim = prop_def(INT)
+  reduce = prop_def(STR)
+  include_self = prop_def(BOOL)
+
+
+@irdl_op_definition
 class GatherOp(NNOp):
   """x read at `index` along `dim`."""
   name = "nova.gather"
@@ -1291,7 +1304,7 @@ Nova = Dialect("nova", [
   LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
   IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
-  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, GatherOp, EmbeddingOp,
+  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp,
   FlashAttentionLseOp, FlashAttentionLseBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
   AllGatherOp, *COMPILER_OPS,

@@ -132,6 +132,12 @@ class TensorMethods:
   def clamp_(self, min=None, max=None) -> Tensor: return inplace(self, elementwise.clamp, min, max)
   def masked_fill_(self, mask, value) -> Tensor: return inplace(self, elementwise.masked_fill, mask, value)
   def lerp_(self, end, weight) -> Tensor: return inplace(self, elementwise.lerp, end, weight)
+  def scatter_(self, dim, index, src=None, *, value=None, reduce=None) -> Tensor:
+    return inplace(self, lambda old, into: nn.scatter(old, dim, index, src, value=value, reduce=reduce))
+  def scatter_add_(self, dim, index, src) -> Tensor:
+    return inplace(self, lambda old, into: nn.scatter_add(old, dim, index, src))
+  def scatter_reduce_(self, dim, index, src, reduce, *, include_self=True) -> Tensor:
+    return inplace(self, lambda old, into: nn.scatter_reduce(old, dim, index, src, reduce, include_self=include_self))
   def addcmul_(self, t1, t2, value=1) -> Tensor:
     return inplace(self, lambda old, into: elementwise.add(old, value * t1 * t2, into=into))
   def addcdiv_(self, t1, t2, value=1) -> Tensor:
@@ -219,11 +225,11 @@ def _shape_args(shape: tuple) -> tuple[int, ...]:
 FORWARDED = """exp log sqrt rsqrt abs sin cos tanh sigmoid relu erf neg sign square reciprocal floor
   add sub mul div pow maximum minimum eq ne lt le gt ge logical_not logical_and logical_or logical_xor clamp clip
   masked_fill lerp sum mean max min amax amin argmax argmin var std logsumexp cumsum all any matmul
-  softmax log_softmax tril triu gather scatter_add index_select repeat isnan isfinite
+  softmax log_softmax tril triu gather scatter scatter_add scatter_reduce index_select repeat isnan isfinite
   bernoulli sort argsort msort topk kthvalue multinomial cumprod prod flip roll diag diagonal outer mm bmm isclose allclose
   equal tan asin acos atan atan2 sinh cosh asinh acosh atanh exp2 log2 log10 log1p expm1 ceil trunc round copysign fmod
   remainder floor_divide logaddexp isinf bitwise_and bitwise_or bitwise_xor bitwise_not bitwise_left_shift
-  bitwise_right_shift logcumsumexp masked_select repeat_interleave cummax cummin""".split()
+  bitwise_right_shift logcumsumexp masked_select repeat_interleave cummax cummin norm unfold nonzero""".split()
 
 
 def _op_named(name: str):

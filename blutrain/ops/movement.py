@@ -378,6 +378,20 @@ def put(x: Tensor, pos: Tensor, value: Tensor) -> Tensor:
   return where((src >= 0).reshape(x.shape), picked.reshape(x.shape), x)
 
 
+def unfold(x: Tensor, dimension: int, size: int, step: int) -> Tensor:
+  """The slices of length `size` along `dimension`, `step` apart, in a new last dim: dimension's n becomes
+  (n - size) // step + 1. One gather, so a copy where PyTorch's is a view (writes to it do not reach x)."""
+  d = normalize_dim(dimension, x.ndim, "unfold")
+  n = x.shape[d] if x.ndim else 1
+  if not 0 <= size <= n or step < 1:
+    raise ShapeError(f"unfold: size {size} must be in [0, {n}] (dimension {dimension} of input {tuple(x.shape)}) and "
+                     f"step {step} positive")
+  windows = (arange((n - size) // step + 1, device=x.device) * step).unsqueeze(1) + arange(size, device=x.device)
+  if not x.ndim: return x.reshape(1)[windows.reshape(-1)]
+  out = getitem(x, (slice(None),) * d + (windows,))
+  return permute(out, tuple(i for i in range(out.ndim) if i != d + 1) + (d + 1,))
+
+
 def nonzero(x: Tensor, *, as_tuple: bool = False):
   """Indices of the nonzero entries: (count, ndim), or a tuple of ndim index vectors. The count depends on the
   data, so this reads the values back to the host and cannot be compiled."""

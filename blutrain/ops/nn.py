@@ -6,9 +6,10 @@ import math
 from blutrain import backends, dtypes
 from blutrain.autograd.tape import Aval
 from blutrain.ops.core import autocast_inputs, op
-from blutrain.ops.creation import arange, ones, zeros
+from blutrain.ops.creation import arange, full, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
 from blutrain.ops.linalg import matmul
+from blutrain.ops.movement import put
 from blutrain.ops.random import bernoulli_mask
 from blutrain.dtypes import DTypeError
 from blutrain.shapes import ShapeError, normalize_dim
@@ -145,6 +146,107 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
   """x with src added at the positions index names along dim."""
   _check_index("scatter_add", index)
   return scatter_add_op(x, index, src.to(x.dtype), dim=normalize_dim(dim, x.ndim, "scatter_add"))
+
+
+SCATTER_REDUCTIONS = ("sum", "prod", "mean", "amax", "amin")
+
+
+def _scatter_check(name: str, x, index, src, dim: int) -> None:
+  """PyTorch's shape rule of the scatters: one rank; index no larger than src, nor than x off dim."""
+  if not index.ndim == src.ndim == x.ndim:
+    raise ShapeError(f"{name}: input, index and src need the same number of dims, got {x.shape}, {index.shape}, "
+                     f"{src.shape}")
+  if any(i > s or (d != dim and i > n) for d, (i, s, n) in enumerate(zip(index.shape, src.shape, x.shape))):
+    raise ShapeError(f"{name}: index {index.shape} must be no larger than src {src.shape}, and no larger than "
+                     f"input {x.shape} apart from dimension {dim}")
+
+
+def _scatter_reduce_rule(x, index, src, dim, reduce, include_self):
+  _scatter_check("scatter_reduce", x, index, src, dim)
+  return x.shape, x.dtype
+
+
+def _scatter_reduce_vjp(g, out, x, index, src, dim, reduce, include_self):
+  """PyTorch's gradients (scatter_reduce_backward): amax and amin split g evenly among the values equal to the result
+  (self counted whenever it equals the result, as PyTorch counts it); prod divides the result by the factor, except
+  where a factor is src's only zero at its position; without include_self, self gets no gradient where src lands."""
+  scatter = lambda t, s: scatter_add_op(t, index, s, dim=dim)
+  at_index = lambda t: gather_op(t, index, dim=dim)
+  hits = None if reduce != "mean" and include_self else \
+    scatter(zeros(x.shape, dtype=x.dtype, device=x.device), ones(src.shape, dtype=x.dtype, device=x.device))
+  if reduce == "sum": gx, gs = g, at_index(g)
+  elif reduce == "mean":
+    n = hits + float(include_self)
+    gx = g / where(n == 0, 1.0, n)
+    gs = at_index(gx)
+  elif reduce == "prod":
+    nonzero_x = where(x == 0, 1.0, x)
+    gx = g * scatter_reduce_op(nonzero_x, index, src, dim=dim, reduce=reduce, include_self=include_self) / nonzero_x
+    src_zero = src == 0
+    zeros_at = at_index(scatter(zeros(x.shape, dtype=x.dtype, device=x.device), src_zero.to(x.dtype)))
+    only_zero = src_zero & (zeros_at == 1)
+    others = scatter_reduce_op(x, index, where(only_zero, 1.0, src), dim=dim, reduce=reduce, include_self=include_self)
+    gs = where(only_zero, at_index(g * others), at_index(g * out) / where(src_zero, 1.0, src))
+  else:
+    x_is, src_is = (x == out).to(x.dtype), (src == at_index(out)).to(x.dtype)
+    share = g / scatter(x_is, src_is)
+    gx, gs = x_is * share, src_is * at_index(share)
+  return (gx if include_self else where(hits > 0, 0.0, gx)), None, gs
+
+
+# x with src reduced into it at the positions index names along dim; src has index's shape (the public function cuts
+# a larger src down to it, so the gradients need no padding)
+scatter_reduce_op = op("scatter_reduce", _scatter_reduce_rule, _scatter_reduce_vjp, saves=(0, 1, 2), saves_output=True,
+                       inputs="x index src", attrs="dim:int reduce:str include_self:bool")
+
+
+def _scatter_source(name: str, x: Tensor, index: Tensor, src) -> Tensor:
+  """src checked against x's dtype (a number becomes a tensor of index's shape)."""
+  _check_index(name, index)
+  if not isinstance(src, Tensor): return full(index.shape, src, dtype=x.dtype, device=x.device)
+  if src.dtype is not x.dtype:
+    raise DTypeError(f"{name}: src must be a tensor of the input's dtype {x.dtype.name}, got {src.dtype.name}")
+  return src
+
+
+def scatter(x: Tensor, dim: int, index: Tensor, src=None, *, value=None, reduce: str | None = None) -> Tensor:
+  """x with src (a tensor, or the number `value`) written at the positions index names along dim:
+  out[index[i][j]][j] = src[i][j] for dim=0. Where index repeats a position one of the values lands (which one
+  PyTorch leaves undefined); reduce "add" or "multiply" combines them instead (scatter_add, scatter_reduce's prod).
+
+  >>> bt.zeros(2, 3).scatter(0, bt.tensor([[1, 0, 1]]), 5.0)
+  tensor([[0., 5., 0.],
+          [5., 0., 5.]])"""
+  if (src is None) == (value is None): raise TypeError("scatter: expected one of src (a tensor or number) and value")
+  src = _scatter_source("scatter", x, index, value if src is None else src)
+  if reduce is not None:
+    if reduce not in ("add", "multiply"):
+      raise ShapeError(f"scatter: reduce must be 'add' or 'multiply', got {reduce!r} (scatter_reduce has the others)")
+    return scatter_reduce(x, dim, index, src, "sum" if reduce == "add" else "prod")
+  d = normalize_dim(dim, x.ndim, "scatter")
+  _scatter_check("scatter", x, index, src, d)
+  if not x.ndim: return scatter(x.reshape(1), 0, index.reshape(1), src.reshape(1)).reshape(())
+  positions = gather_op(arange(x.numel(), device=x.device).reshape(x.shape), index, dim=d)
+  return put(x, positions, src[tuple(slice(0, n) for n in index.shape)])
+
+
+def scatter_reduce(x: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str, *, include_self: bool = True) -> Tensor:
+  """x with src reduced at the positions index names along dim: `reduce` is sum, prod, mean, amax or amin, over the
+  values scattered to a position and x's own value there unless include_self is False (positions nothing is
+  scattered to keep x's value). mean divides by the count of those values (floor division for integers).
+
+  >>> bt.tensor([1., 2., 3.]).scatter_reduce(0, bt.tensor([0, 0, 2]), bt.tensor([5., 6., 7.]), "amax")
+  tensor([6., 2., 7.])"""
+  if reduce not in SCATTER_REDUCTIONS:
+    raise ShapeError(f"scatter_reduce: reduce must be one of {', '.join(SCATTER_REDUCTIONS)}, got {reduce!r}")
+  if not isinstance(src, Tensor): raise TypeError(f"scatter_reduce: src must be a tensor, got {type(src).__name__}")
+  src = _scatter_source("scatter_reduce", x, index, src)
+  d = normalize_dim(dim, x.ndim, "scatter_reduce")
+  _scatter_check("scatter_reduce", x, index, src, d)
+  if not x.ndim:
+    return scatter_reduce(x.reshape(1), 0, index.reshape(1), src.reshape(1), reduce, include_self=include_self).reshape(())
+  if src.shape != index.shape: src = src[tuple(slice(0, n) for n in index.shape)]
+  return scatter_reduce_op(x, index, src, dim=d, reduce=reduce, include_self=bool(include_self))
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:

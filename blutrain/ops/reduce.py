@@ -10,7 +10,8 @@ from blutrain.autograd.tape import grad_mode
 from blutrain.ops.core import autocast_inputs, op
 from blutrain.ops.creation import ones_like, zeros
 from blutrain.ops.elementwise import exp, isfinite, isnan, log, maximum, minimum, sqrt, where
-from blutrain.shapes import BoundsError, dim_alias, normalize_dim, normalize_dims
+from blutrain.dtypes import DTypeError
+from blutrain.shapes import BoundsError, ShapeError, dim_alias, normalize_dim, normalize_dims
 from blutrain.tensor import Tensor
 
 values_indices = namedtuple("values_indices", ["values", "indices"])
@@ -240,6 +241,26 @@ def logcumsumexp(x: Tensor, dim: int) -> Tensor:
   m = amax(x.detach(), d, keepdim=True)
   m = where(isfinite(m), m, 0.0)
   return log(cumsum(exp(x - m), d)) + m
+
+
+@dim_alias
+def norm(x: Tensor, p="fro", dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+  """The vector p-norm over dim (all entries by default): (sum |x|^p)^(1/p); p "fro" is 2, inf the largest |x|,
+  -inf the smallest, 0 the count of nonzeros. As PyTorch's, the gradient where the norm is zero is 0."""
+  if dtype is not None: x = x.to(dtype)
+  if not x.dtype.is_floating_point:
+    raise DTypeError(f"norm: expected a floating point tensor, got {x.dtype.name}; cast it, or pass dtype=")
+  if p == "fro": p = 2
+  if isinstance(p, str): raise ShapeError(f"norm: p={p!r} is not a vector norm; use 'fro' or a number")
+  a = x.abs()
+  if p == math.inf: return amax(a, dim, keepdim)
+  if p == -math.inf: return amin(a, dim, keepdim)
+  if p == 0: return sum((x != 0).to(x.dtype), dim, keepdim)
+  if p == 1: return sum(a, dim, keepdim)
+  total = sum(a * a if p == 2 else a ** p, dim, keepdim)
+  zero = total == 0
+  safe = where(zero, 1.0, total)  # no 0 ** -0.5 in the gradient
+  return where(zero, 0.0, sqrt(safe) if p == 2 else safe ** (1.0 / p))
 
 
 @dim_alias

@@ -1,5 +1,5 @@
 """The CUDA convolution kernels (implicit GEMM, backend/cuda/kernels/conv.py) against PyTorch CUDA in float64 as the
-reference: forward, input and weight gradients through bt for 1-D and 2-D geometry (stride, padding, dilation,
+reference: forward, input and weight gradients through bt for 1-D, 2-D and 3-D geometry (stride, padding, dilation,
 groups, 'same'), channels-last views, every dtype and float32 precision, the split-K weight gradient of a ResNet
 layer, conv_transpose, and a small CNN's training step under bf16 autocast."""
 import numpy as np
@@ -22,7 +22,11 @@ GEOMETRY = [  # (x shape, w shape, kwargs)
   ((2, 3, 17, 17), (16, 3, 7, 7), dict(stride=2, padding=3)),
   ((4, 5, 8, 8), (7, 5, 4, 3), dict(padding="same", dilation=(1, 2))),
   ((2, 6, 33), (4, 3, 5), dict(stride=3, padding=2, dilation=2, groups=2)),
+  ((2, 4, 6, 9, 10), (6, 2, 3, 3, 2), dict(stride=(1, 2, 1), padding=(1, 1, 2), dilation=(2, 1, 2), groups=2)),
+  ((2, 8, 5, 12, 12), (16, 8, 3, 3, 3), dict(padding=1)),
+  ((1, 3, 7, 8, 9), (4, 3, 2, 3, 2), dict(stride=2, padding="valid")),
 ]
+FUNCTIONS = {3: "conv1d", 4: "conv2d", 5: "conv3d"}  # by the input's rank
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +50,7 @@ def test_conv_and_gradients_match_torch_cuda(geometry, prec, layout, torch_cuda)
   bt.set_float32_matmul_precision(precision)
   rng = np.random.default_rng(0)
   x, w, b = (rng.standard_normal(s).astype(dtype.np) for s in (xs, ws, ws[:1]))
-  fn = F.conv2d if len(xs) == 4 else F.conv1d
+  fn = getattr(F, FUNCTIONS[len(xs)])
   bx = bt.tensor(x, device="cuda")
   if layout == "channels_last":
     perm = (0, *range(2, len(xs)), 1)
@@ -55,7 +59,7 @@ def test_conv_and_gradients_match_torch_cuda(geometry, prec, layout, torch_cuda)
   bw, bb = (bt.tensor(a, device="cuda", requires_grad=True) for a in (w, b))
   y = fn(bx, bw, bb, **kw)
   tx, tw, tb = (torch.tensor(a.astype(np.float64), device="cuda", requires_grad=True) for a in (x, w, b))
-  ty = (torch.nn.functional.conv2d if len(xs) == 4 else torch.nn.functional.conv1d)(tx, tw, tb, **kw)
+  ty = getattr(torch.nn.functional, FUNCTIONS[len(xs)])(tx, tw, tb, **kw)
   g = rng.standard_normal(tuple(ty.shape)).astype(dtype.np)
   y.backward(bt.tensor(g, device="cuda"))
   ty.backward(torch.tensor(g.astype(np.float64), device="cuda"))
@@ -91,6 +95,11 @@ def test_conv_transpose_matches_torch_cuda(torch_cuda):
   kw = dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2, dilation=(1, 2))
   y = F.conv_transpose2d(bt.tensor(x, device="cuda"), bt.tensor(w, device="cuda"), **kw)
   ty = torch.nn.functional.conv_transpose2d(torch.tensor(x, device="cuda"), torch.tensor(w, device="cuda"), **kw)
+  assert rel_err(y.cpu().numpy(), ty.cpu().numpy()) < 1e-12
+  x, w = rng.standard_normal((2, 4, 3, 4, 5)), rng.standard_normal((4, 3, 2, 3, 2))
+  kw = dict(stride=(2, 1, 3), padding=(0, 1, 1), output_padding=(1, 0, 2), groups=2, dilation=(1, 2, 1))
+  y = F.conv_transpose3d(bt.tensor(x, device="cuda"), bt.tensor(w, device="cuda"), **kw)
+  ty = torch.nn.functional.conv_transpose3d(torch.tensor(x, device="cuda"), torch.tensor(w, device="cuda"), **kw)
   assert rel_err(y.cpu().numpy(), ty.cpu().numpy()) < 1e-12
 
 

@@ -455,6 +455,42 @@ def test_gather_and_scatter_add(dtype):
     run("scatter_add", x, index, src, dim=dim, tol=tuple(4 * t for t in TOL[dtype]) if dtype.is_floating_point else None)
 
 
+@pytest.mark.parametrize("reduce", ("sum", "prod", "mean", "amax", "amin"))
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64, bt.int64, bt.int8), ids=NAME)
+def test_scatter_reduce(reduce, dtype):
+  """Repeated positions, with and without self; float inputs hold NaNs (which PyTorch's reductions keep) and, for
+  amax and amin, ties."""
+  nan = lambda v: np.where(np.random.default_rng(5).random(v.shape) < 0.02, np.nan, v)
+  for shape, ishape, dim, layout in (((10, 20), (10, 30), 1, "contiguous"), ((30, 4, 5), (70, 4, 5), 0, "transposed"),
+                                     ((6, 7, 8), (6, 9, 8), 1, "strided"), ((50,), (400,), 0, "contiguous")):
+    low, high = (0.7, 1.4) if reduce == "prod" and dtype.is_floating_point else (-3, 4)
+    prep = (lambda v: nan(np.round(v))) if dtype.is_floating_point else None  # whole numbers tie
+    x = pair(shape, dtype, layout, low, high, prep=None if reduce == "prod" else prep)
+    src = pair(ishape, dtype, "contiguous", low, high, seed=8, prep=None if reduce == "prod" else prep)
+    i = rand(ishape, bt.int64, 0, shape[dim], seed=7)
+    index = (bt.from_numpy(i), bt.from_numpy(i).to("cuda"))
+    for include_self in (True, False):
+      run("scatter_reduce", x, index, src, dim=dim, reduce=reduce, include_self=include_self,
+          tol=tuple(8 * t for t in TOL[dtype]) if dtype.is_floating_point else None)
+
+
+def test_scatter_reduce_gradients():
+  """The VJP (gathers, scatter_adds and scatter_reduce itself) on the GPU against the CPU's, ties included."""
+  rng = np.random.default_rng(0)
+  x, src = (np.round(rng.uniform(-2, 2, shape)).astype(np.float32) for shape in ((5, 6), (9, 6)))
+  i = rng.integers(0, 5, (9, 6))
+  for reduce in ("sum", "prod", "mean", "amax", "amin"):
+    for include_self in (True, False):
+      grads = []
+      for device in ("cpu", "cuda"):
+        a, b = (bt.from_numpy(v).to(device).requires_grad_() for v in (x, src))
+        out = a.scatter_reduce(0, bt.from_numpy(i).to(device), b, reduce, include_self=include_self)
+        (out * bt.arange(30, dtype=bt.float32, device=device).reshape(5, 6)).sum().backward()
+        grads.append((out.detach(), a.grad, b.grad))
+      for what, got, want in zip(("out", "x.grad", "src.grad"), grads[1], grads[0]):
+        check(f"scatter_reduce {reduce} include_self={include_self} {what}", got, want)
+
+
 def ix(n: int, shape, seed=9):
   """Distinct positions of a dim of size n (so index_put has one value per position), some written negative."""
   rng = np.random.default_rng(seed)
@@ -495,6 +531,27 @@ def test_getitem_through_autograd():
     results[dev] = (y.detach(), t.grad)
   check("getitem", results["cuda"][0], results["cpu"][0])
   check("getitem backward", results["cuda"][1], results["cpu"][1])
+
+
+# *** convolution (tests/cuda/test_conv.py compares the layers with PyTorch CUDA) ***
+
+@pytest.mark.parametrize("dtype", (bt.float64, bt.float32, bt.bfloat16), ids=NAME)
+def test_conv_kernels_in_3d_2d_and_1d(dtype):
+  """conv, conv_grad_input and conv_grad_weight: 3-D geometry (the kernels' DEPTH variant), and 2-D and 1-D, which
+  skip the depth dim."""
+  tol = tuple(10 * t for t in TOL[dtype]) if dtype is bt.float32 else tuple(2 * t for t in TOL[dtype])
+  for xs, ws, stride, padding, dilation, groups, layout in (
+      ((2, 4, 6, 7, 5), (6, 2, 3, 2, 3), (2, 1, 1), (1, 0, 2), (1, 2, 1), 2, "contiguous"),
+      ((1, 3, 5, 6, 7), (4, 3, 1, 3, 3), (1, 2, 1), (0, 1, 1), (1, 1, 1), 1, "transposed"),
+      ((2, 2, 6, 5, 4), (2, 1, 3, 3, 2), (3, 2, 1), (2, 1, 0), (2, 1, 2), 2, "offset"),
+      ((2, 4, 9, 10), (6, 2, 3, 2), (2, 1), (1, 2), (1, 2), 2, "strided"),
+      ((2, 6, 33), (4, 3, 5), (3,), (2,), (2,), 2, "contiguous")):
+    x, w = pair(xs, dtype, layout), pair(ws, dtype, seed=1)
+    attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    out, _ = run("conv", x, w, tol=tol, **attrs)
+    g = pair(out.shape, dtype, "strided", seed=2)
+    run("conv_grad_input", g, w, shape=xs, tol=tol, **attrs)
+    run("conv_grad_weight", g, x, shape=ws, tol=tol, **attrs)
 
 
 # *** random ***

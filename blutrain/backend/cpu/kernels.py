@@ -76,7 +76,7 @@ def _check_bounds(op: str, idx: np.ndarray, size: int, dim: int) -> None:
   """IndexError (BoundsError, a RuntimeError too, for gather and scatter_add, as PyTorch) naming the first bad index."""
   if idx.size and (idx.min() < -size or idx.max() >= size):
     bad = idx[(idx < -size) | (idx >= size)].flat[0]
-    raise (BoundsError if op in ("gather", "scatter_add") else IndexError)(f"{op}: index {bad} is out of bounds for dimension {dim} with size {size}")
+    raise (BoundsError if op in ("gather", "scatter_add", "scatter_reduce") else IndexError)(f"{op}: index {bad} is out of bounds for dimension {dim} with size {size}")
 
 
 def _key(x, idx, positions):
@@ -122,6 +122,24 @@ def _scatter_add(x, index, src, dim):
   out = np.array(x, copy=True)
   np.add.at(out, _along(index, dim), src[tuple(slice(0, n) for n in index.shape)])
   return out
+
+
+_SCATTER_UFUNCS = {"sum": np.add, "mean": np.add, "prod": np.multiply, "amax": np.maximum, "amin": np.minimum}
+
+
+def _scatter_reduce(x, index, src, dim, reduce, include_self):
+  _check_bounds("scatter_reduce", index, x.shape[dim], dim)
+  key, out = _along(index, dim), np.array(x, copy=True)
+  if not include_self:  # the reduction's identity where src lands
+    lo, hi = (-np.inf, np.inf) if x.dtype.kind == "f" else (False, True) if x.dtype.kind == "b" else \
+      (np.iinfo(x.dtype).min, np.iinfo(x.dtype).max)
+    out[key] = {"sum": 0, "mean": 0, "prod": 1, "amax": lo, "amin": hi}[reduce]
+  _SCATTER_UFUNCS[reduce].at(out, key, src[tuple(slice(0, n) for n in index.shape)])
+  if reduce != "mean": return out
+  count = np.full(x.shape, int(include_self), np.int64)
+  np.add.at(count, key, 1)
+  count = np.maximum(count, 1)
+  return (out / count).astype(x.dtype) if x.dtype.kind == "f" else out // count.astype(out.dtype)
 
 
 def _embedding(weight, idx):
@@ -371,7 +389,7 @@ kernels = {
   # movement and indexing
   "slice_backward": _slice_backward, "cat": lambda *xs, dim: np.concatenate(xs, axis=dim),
   "index": lambda x, *idx, positions: x[_key(x, idx, positions)], "index_backward": _index_backward,
-  "index_put": _index_put, "gather": _gather, "scatter_add": _scatter_add, "embedding": _embedding,
+  "index_put": _index_put, "gather": _gather, "scatter_add": _scatter_add, "scatter_reduce": _scatter_reduce, "embedding": _embedding,
   "embedding_backward": _embedding_backward,
   # linear algebra, normalization, losses
   "matmul": _matmul, "conv": _conv, "conv_grad_input": _conv_grad_input, "conv_grad_weight": _conv_grad_weight,

@@ -13,7 +13,8 @@ import numpy as np
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
 
-OPS = ("embedding", "embedding_backward", "gather", "scatter_add", "index", "index_backward", "index_put")
+OPS = ("embedding", "embedding_backward", "gather", "scatter_add", "index", "index_backward", "index_put",
+       "scatter_reduce")
 _CLEAR = np.array([0, np.iinfo(np.int64).min, np.iinfo(np.int64).max, 0], np.int64)
 _flags: dict[int, CudaArray] = {}
 _pending: set[int] = set()  # devices with work queued since their flag was last read

@@ -2,7 +2,8 @@
 (wgrad), Triton kernels that gather each GEMM tile straight from the strided NCHW (or any-strided, NHWC included)
 tensors, so no im2col buffer is ever written.
 
-Per group (grid axis 2), with the 2-D problem (1-D convolutions run as H = 1):
+Per group (grid axis 2), with the 2-D problem (1-D convolutions run as H = 1; 3-D ones add a depth dim D that the
+kernels' DEPTH variant walks as they walk H, which 1-D and 2-D convolutions skip):
   forward  out[n*OH*OW, o]  = sum over (c, kh, kw) of x[n, c, oh*s - p + kh*d, ...] w[o, c, kh, kw]
   dgrad    dx[n*H*W, c]     = sum over (o, kh, kw) of g[n, o, (ih + p - kh*d) / s, ...] w[o, c, kh, kw], where the
                               division is exact and lands inside g (masked otherwise)
@@ -15,6 +16,7 @@ float64 in float64 FMAs (a broadcast product; tl.dot takes no float64). Offsets 
 from __future__ import annotations
 
 import functools
+import math
 
 import triton
 import triton.language as tl
@@ -29,10 +31,11 @@ from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
 
-_GEOMETRY = ["C", "H", "W", "OH", "OW", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw"]
+_GEOMETRY = ["C", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw", "dd", "dh",
+             "dw"]
 
 
-def _strides(*names: str) -> list[str]: return [f"{n}_s{i}" for n in names for i in range(4)]
+def _strides(*names: str) -> list[str]: return [f"{n}_s{i}" for n in names for i in range(5)]
 
 
 @triton.jit
@@ -46,15 +49,18 @@ def _mma(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _conv_fwd_kernel(out, x, w, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw,
-                     x_s0, x_s1, x_s2, x_s3, w_s0, w_s1, w_s2, w_s3, out_s0, out_s1, out_s2, out_s3,
+def _conv_fwd_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                     x_s0, x_s1, x_s2, x_s3, x_s4, w_s0, w_s1, w_s2, w_s3, w_s4,
+                     out_s0, out_s1, out_s2, out_s3, out_s4,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
-                     PRECISION: tl.constexpr, IDX64: tl.constexpr):
+                     PRECISION: tl.constexpr, IDX64: tl.constexpr, DEPTH: tl.constexpr):
   grp = tl.program_id(2)
-  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output positions (n, oh, ow)
+  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output positions (n, od, oh, ow)
   rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of the group
   ow, t = rm % OW, rm // OW
   oh, n = t % OH, t // OH
+  if DEPTH:
+    od, n = n % OD, n // OD
   if IDX64: n = n.to(tl.int64)
   ih0, iw0 = oh * sh - ph, ow * sw - pw
   x_row = x + n * x_s0 + grp * C * x_s1
@@ -62,33 +68,47 @@ def _conv_fwd_kernel(out, x, w, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw
   if IDX64: o = o.to(tl.int64)
   w_col = w + o * w_s0
   m_ok, n_ok = rm < M, rn < N
+  if DEPTH:
+    id0 = od * sd - pd
   acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
   for k0 in range(0, K, BLOCK_K):
-    rk = k0 + tl.arange(0, BLOCK_K)  # (c, kh, kw), the weight's order
+    rk = k0 + tl.arange(0, BLOCK_K)  # (c, kd, kh, kw), the weight's order
     kw, r = rk % KW, rk // KW
     kh, c = r % KH, r // KH
     ih, iw = ih0[:, None] + kh[None, :] * dh, iw0[:, None] + kw[None, :] * dw
     k_ok = rk < K
-    a = tl.load(x_row[:, None] + c[None, :] * x_s1 + ih * x_s2 + iw * x_s3,
-                mask=m_ok[:, None] & k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W), other=0.0)
-    b = tl.load(w_col[None, :] + (c * w_s1 + kh * w_s2 + kw * w_s3)[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                other=0.0)
+    a_off = x_row[:, None] + ih * x_s3 + iw * x_s4
+    a_ok = m_ok[:, None] & k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    b_off = kh * w_s3 + kw * w_s4
+    if DEPTH:
+      kd, c = c % KD, c // KD
+      i_d = id0[:, None] + kd[None, :] * dd
+      a_off += i_d * x_s2
+      a_ok = a_ok & (i_d >= 0) & (i_d < D)
+      b_off += kd * w_s2
+    a = tl.load(a_off + (c * x_s1)[None, :], mask=a_ok, other=0.0)
+    b = tl.load(w_col[None, :] + (c * w_s1 + b_off)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     acc = _mma(a, b, acc, PRECISION)
-  dst = out + (n * out_s0 + oh * out_s2 + ow * out_s3)[:, None] + (o * out_s1)[None, :]
-  tl.store(dst, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+  row = n * out_s0 + oh * out_s3 + ow * out_s4
+  if DEPTH:
+    row += od * out_s2
+  tl.store(out + row[:, None] + (o * out_s1)[None, :], acc.to(out.dtype.element_ty),
+           mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _conv_dgrad_kernel(dx, g, w, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw,
-                       g_s0, g_s1, g_s2, g_s3, w_s0, w_s1, w_s2, w_s3, dx_s0, dx_s1, dx_s2, dx_s3,
+def _conv_dgrad_kernel(dx, g, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                       g_s0, g_s1, g_s2, g_s3, g_s4, w_s0, w_s1, w_s2, w_s3, w_s4, dx_s0, dx_s1, dx_s2, dx_s3, dx_s4,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
-                       PRECISION: tl.constexpr, IDX64: tl.constexpr):
-  # N: input channels of a group; C: output channels of a group (K = C * KH * KW)
+                       PRECISION: tl.constexpr, IDX64: tl.constexpr, DEPTH: tl.constexpr):
+  # N: input channels of a group; C: output channels of a group (K = C * KD * KH * KW)
   grp = tl.program_id(2)
-  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # input positions (n, ih, iw)
+  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # input positions (n, id, ih, iw)
   rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # input channels of the group
   iw, t = rm % W, rm // W
   ih, n = t % H, t // H
+  if DEPTH:
+    i_d, n = n % D, n // D
   if IDX64: n = n.to(tl.int64)
   g_row = g + n * g_s0 + grp * C * g_s1
   c = grp * N + rn
@@ -97,7 +117,7 @@ def _conv_dgrad_kernel(dx, g, w, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, p
   m_ok, n_ok = rm < M, rn < N
   acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
   for k0 in range(0, K, BLOCK_K):
-    rk = k0 + tl.arange(0, BLOCK_K)  # (o, kh, kw)
+    rk = k0 + tl.arange(0, BLOCK_K)  # (o, kd, kh, kw)
     kw, r = rk % KW, rk // KW
     kh, o = r % KH, r // KH
     th, tw = ih[:, None] + ph - kh[None, :] * dh, iw[:, None] + pw - kw[None, :] * dw
@@ -105,28 +125,42 @@ def _conv_dgrad_kernel(dx, g, w, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, p
     th, tw = tl.where(th_ok, th, 0), tl.where(tw_ok, tw, 0)
     oh, ow = th // sh, tw // sw
     k_ok = rk < K
-    ok = th_ok & tw_ok & (oh * sh == th) & (ow * sw == tw) & (oh < OH) & (ow < OW)
-    a = tl.load(g_row[:, None] + o[None, :] * g_s1 + oh * g_s2 + ow * g_s3,
-                mask=m_ok[:, None] & k_ok[None, :] & ok, other=0.0)
-    b = tl.load(w_col[None, :] + (o * w_s0 + kh * w_s2 + kw * w_s3)[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                other=0.0)
+    ok = m_ok[:, None] & k_ok[None, :] & th_ok & tw_ok & (oh * sh == th) & (ow * sw == tw) & (oh < OH) & (ow < OW)
+    a_off = g_row[:, None] + oh * g_s3 + ow * g_s4
+    b_off = kh * w_s3 + kw * w_s4
+    if DEPTH:
+      kd, o = o % KD, o // KD
+      td = i_d[:, None] + pd - kd[None, :] * dd
+      td_ok = td >= 0
+      td = tl.where(td_ok, td, 0)
+      od = td // sd
+      ok = ok & td_ok & (od * sd == td) & (od < OD)
+      a_off += od * g_s2
+      b_off += kd * w_s2
+    a = tl.load(a_off + (o * g_s1)[None, :], mask=ok, other=0.0)
+    b = tl.load(w_col[None, :] + (o * w_s0 + b_off)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     acc = _mma(a, b, acc, PRECISION)
-  dst = dx + (n * dx_s0 + ih * dx_s2 + iw * dx_s3)[:, None] + (c * dx_s1)[None, :]
-  tl.store(dst, acc.to(dx.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+  row = n * dx_s0 + ih * dx_s3 + iw * dx_s4
+  if DEPTH:
+    row += i_d * dx_s2
+  tl.store(dx + row[:, None] + (c * dx_s1)[None, :], acc.to(dx.dtype.element_ty),
+           mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _conv_wgrad_kernel(part, g, x, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw,
-                       g_s0, g_s1, g_s2, g_s3, x_s0, x_s1, x_s2, x_s3, STEPS, SPLIT,
+def _conv_wgrad_kernel(part, g, x, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                       g_s0, g_s1, g_s2, g_s3, g_s4, x_s0, x_s1, x_s2, x_s3, x_s4, STEPS, SPLIT,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
-                       PRECISION: tl.constexpr, IDX64: tl.constexpr):
-  # M: output channels of a group, N: C * KH * KW, K: batch * OH * OW, in SPLIT runs of STEPS * BLOCK_K;
+                       PRECISION: tl.constexpr, IDX64: tl.constexpr, DEPTH: tl.constexpr):
+  # M: output channels of a group, N: C * KD * KH * KW, K: batch * OD * OH * OW, in SPLIT runs of STEPS * BLOCK_K;
   # part is (SPLIT, groups * M, N) partial sums
   grp, split = tl.program_id(2) // SPLIT, tl.program_id(2) % SPLIT
   rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output channels of the group
-  rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (c, kh, kw)
+  rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (c, kd, kh, kw)
   kw, t = rn % KW, rn // KW
   kh, c = t % KH, t // KH
+  if DEPTH:
+    kd, c = c % KD, c // KD
   o = grp * M + rm
   if IDX64: o = o.to(tl.int64)
   g_row = g + o * g_s1
@@ -135,16 +169,24 @@ def _conv_wgrad_kernel(part, g, x, M, N, K, C, H, W, OH, OW, KH, KW, sh, sw, ph,
   acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
   start = split * STEPS * BLOCK_K
   for step in range(0, STEPS):
-    rk = start + step * BLOCK_K + tl.arange(0, BLOCK_K)  # (n, oh, ow)
+    rk = start + step * BLOCK_K + tl.arange(0, BLOCK_K)  # (n, od, oh, ow)
     ow, r = rk % OW, rk // OW
     oh, n = r % OH, r // OH
+    if DEPTH:
+      od, n = n % OD, n // OD
     if IDX64: n = n.to(tl.int64)
     k_ok = rk < K
-    a = tl.load(g_row[:, None] + (n * g_s0 + oh * g_s2 + ow * g_s3)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                other=0.0)
     ih, iw = (oh * sh - ph)[:, None] + kh[None, :] * dh, (ow * sw - pw)[:, None] + kw[None, :] * dw
-    b = tl.load(x_col[None, :] + (n * x_s0)[:, None] + ih * x_s2 + iw * x_s3,
-                mask=k_ok[:, None] & n_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W), other=0.0)
+    a_off = n * g_s0 + oh * g_s3 + ow * g_s4
+    b_off = (n * x_s0)[:, None] + ih * x_s3 + iw * x_s4
+    b_ok = k_ok[:, None] & n_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    if DEPTH:
+      i_d = (od * sd - pd)[:, None] + kd[None, :] * dd
+      a_off += od * g_s2
+      b_off += i_d * x_s2
+      b_ok = b_ok & (i_d >= 0) & (i_d < D)
+    a = tl.load(g_row[:, None] + a_off[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    b = tl.load(x_col[None, :] + b_off, mask=b_ok, other=0.0)
     acc = _mma(a, b, acc, PRECISION)
   dst = part + split * (tl.num_programs(2) // SPLIT) * M * N + o[:, None] * N + rn[None, :]
   tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -165,8 +207,9 @@ def acc_dtype(dtype: DType) -> DType: return dtypes.float64 if dtype is dtypes.f
 
 @functools.lru_cache(maxsize=1024)
 def conv_spec(kind: str, dtype: DType, M: int, N: int, K: int, tf32: bool, i64: bool,
-              hw: configurator.Hardware = configurator.H200):
-  """The variant of kernel `kind` ("fwd", "dgrad", "wgrad") for an (M, N, K) problem of `dtype`."""
+              hw: configurator.Hardware = configurator.H200, depth: bool = False):
+  """The variant of kernel `kind` ("fwd", "dgrad", "wgrad") for an (M, N, K) problem of `dtype`; `depth` for 3-D
+  convolutions (1-D and 2-D ones skip the depth dim's index arithmetic)."""
   bm, bn, bk, warps, stages, _ = configurator.conv_schedule(M, N, K, dtype.itemsize, hw)
   it = "i64" if i64 else "i32"
   first, second, third = _PTRS[kind]
@@ -175,14 +218,17 @@ def conv_spec(kind: str, dtype: DType, M: int, N: int, K: int, tf32: bool, i64: 
   if kind == "wgrad": sig |= {"STEPS": "i32", "SPLIT": "i32"}
   else: sig |= dict.fromkeys(_strides(first), it)
   return spec(_FNS[kind], sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACC=TL[acc_dtype(dtype)],
-                                    PRECISION=precision(dtype, tf32), IDX64=i64), num_warps=warps, num_stages=stages)
+                                    PRECISION=precision(dtype, tf32), IDX64=i64, DEPTH=depth),
+              num_warps=warps, num_stages=stages)
 
 
-def _as2d(shape, strides) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """A 3- or 4-D array's shape and strides as 4-D (a 1-D convolution is a 2-D one of height 1)."""
-  if len(shape) == 4: return tuple(shape), tuple(strides)
-  if len(shape) != 3: raise NotImplementedError(f"CUDA convolution kernels take 1-D and 2-D convolutions, got {len(shape) - 2}-D")
-  return tuple(shape[:2]) + (1,) + tuple(shape[2:]), tuple(strides[:2]) + (0,) + tuple(strides[2:])
+def _as3d(shape, strides) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """An array of 1 to 3 spatial dims as one of 3 (a 2-D convolution is a 3-D one of depth 1, a 1-D one also of
+  height 1)."""
+  pad = 5 - len(shape)
+  if not 0 <= pad <= 2:
+    raise NotImplementedError(f"CUDA convolution kernels take 1-D, 2-D and 3-D convolutions, got {len(shape) - 2}-D")
+  return tuple(shape[:2]) + (1,) * pad + tuple(shape[2:]), tuple(strides[:2]) + (0,) * pad + tuple(strides[2:])
 
 
 def plan(kind: str, dtype: DType, x, w, out, stride, padding, dilation, groups: int, tf32: bool,
@@ -191,16 +237,15 @@ def plan(kind: str, dtype: DType, x, w, out, stride, padding, dilation, groups: 
   (shape, strides) of the op's N-d arrays: for "fwd" x and w are read and out written, for "dgrad" out (g) and w read
   and x (dx) written, for "wgrad" out (g) and x read into `split` float32 parts of w's shape (w's strides unused).
   The kernel takes the pointers in _PTRS's order, then these scalars."""
-  (xs, xst), (ws, wst), (os_, ost) = _as2d(*x), _as2d(*w), _as2d(*out)
-  (sh, sw), (ph, pw), (dh, dw) = [tuple(a) if len(a) == 2 else (0 if i == 1 else 1, a[0])
-                                  for i, a in enumerate((stride, padding, dilation))]
-  geometry = [xs[2], xs[3], os_[2], os_[3], ws[2], ws[3], sh, sw, ph, pw, dh, dw]
+  (xs, xst), (ws, wst), (os_, ost) = _as3d(*x), _as3d(*w), _as3d(*out)
+  pad = 3 - len(stride)
+  geometry = [*xs[2:], *os_[2:], *ws[2:], *(1,) * pad, *stride, *(0,) * pad, *padding, *(1,) * pad, *dilation]
   i64 = any(needs_i64(sh_, st) for sh_, st in (x, w, out))
-  og = ws[0] // groups
-  if kind == "fwd": M, N, K, C, strides = xs[0] * os_[2] * os_[3], og, ws[1] * ws[2] * ws[3], ws[1], (*xst, *wst, *ost)
-  elif kind == "dgrad": M, N, K, C, strides = xs[0] * xs[2] * xs[3], ws[1], og * ws[2] * ws[3], og, (*ost, *wst, *xst)
-  else: M, N, K, C, strides = og, ws[1] * ws[2] * ws[3], os_[0] * os_[2] * os_[3], ws[1], (*ost, *xst)
-  s = conv_spec(kind, dtype, M, N, K, tf32, i64, hw)
+  og, kernel = ws[0] // groups, ws[2] * ws[3] * ws[4]
+  if kind == "fwd": M, N, K, C, strides = xs[0] * math.prod(os_[2:]), og, ws[1] * kernel, ws[1], (*xst, *wst, *ost)
+  elif kind == "dgrad": M, N, K, C, strides = xs[0] * math.prod(xs[2:]), ws[1], og * kernel, og, (*ost, *wst, *xst)
+  else: M, N, K, C, strides = og, ws[1] * kernel, os_[0] * math.prod(os_[2:]), ws[1], (*ost, *xst)
+  s = conv_spec(kind, dtype, M, N, K, tf32, i64, hw, pad == 0)
   c = s.constexprs
   grid, args, split = [cdiv(M, c["BLOCK_M"]), cdiv(N, c["BLOCK_N"]), groups], [M, N, K, C, *geometry, *strides], 1
   if kind == "wgrad":
@@ -266,6 +311,9 @@ def _specs() -> list:
     out += [conv_spec(kind, bf16, M, N, K, True, False), conv_spec(kind, f16, 1000, 3, 27, True, False),
             conv_spec(kind, f32, M, N, K, True, False), conv_spec(kind, f32, 50, 10, 7, False, True),
             conv_spec(kind, f64, 50, 10, 7, False, False)]
+    out += [conv_spec(kind, bf16, M, N, K, True, False, depth=True),  # 3-D
+            conv_spec(kind, f32, 50, 10, 7, False, True, depth=True),
+            conv_spec(kind, f64, 50, 10, 7, False, False, depth=True)]
   return out
 
 
