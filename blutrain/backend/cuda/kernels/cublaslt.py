@@ -315,8 +315,10 @@ def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], d
   rest = steps[1:] if bias is not None else steps
   stages = [s for s in rest if s != "save"]
   saved_stage = rest.index("save") if "save" in rest else -1  # the steps before it, one stage each
-  # where each stage (0 the product, then each step) writes: the saved value, the output, or a temporary
-  dests = [saved[0] if i == saved_stage else out if i == len(stages) else None for i in range(len(stages) + 1)]
+  # where each stage (0 the product, then each step) writes: the saved value, else the output (the steps after it
+  # then run in place there), or a temporary when the output's dtype is not the stage's (a float32 residual sum)
+  inner = out if out.dtype is a.dtype else None
+  dests = [saved[0] if i == saved_stage else out if i == len(stages) else inner for i in range(len(stages) + 1)]
   y = _matmul(a, b, None, tf32, dests[0]) if bias is None else matmul_bias(a, b, bias, tf32, dests[0])
   for step, dest in zip(stages, dests[1:]):
     approximate = "tanh" if step.endswith("tanh") else "none"
