@@ -306,8 +306,7 @@ def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], d
   """The gemm op through cuBLASLt, with its bias epilogue, and then the elementwise kernels of the other steps, as
   eager mode runs them; each stage writes the saved value or the output into its result array. With half operands
   the epilogue adds the bias to the float32 accumulator and rounds once, where eager mode rounds the product and then
-  the sum (within one half ulp of eager's; PyTorch's addmm rounds once too): one pass over the output fewer, 1.7 ms
-  of the bf16 GPT-2 124M step on the H200."""
+  the sum (within one half ulp of eager's; PyTorch's addmm rounds once too): one pass over the output fewer."""
   from blutrain.backend.cuda.kernels.elementwise import KERNELS as EW
   out, *saved = _results(a, b, steps, dtype)
   xs = iter(xs)
