@@ -1,5 +1,5 @@
-"""The NCCL backend's host code on the fake GPU (tests/fakegpu/fake_cuda.py) with a fake nccl.core that logs each call:
-the order of events and streams around every collective, DDP's buckets reduced during backward, ZeRO-2's
+"""The NCCL backend's host code on the fake GPU (tests/fakegpu/fake_cuda.py) with a fake nccl.core
+(tests/fakegpu/fake_nccl.py) that logs each call: the order of events and streams around every collective, DDP's buckets reduced during backward, ZeRO-2's
 reduce-scatter and all-gather, and the watchdog's timeout. Values are not checked here (nothing is computed on the
 fake device): tests/cuda/test_distributed.py does that on a GPU."""
 import subprocess
@@ -13,50 +13,13 @@ HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 
 PRELUDE = '''
-import enum, sys, types, time
-import fake_cuda
+import sys, time
+import fake_cuda, fake_nccl
 fake_cuda.install()
-log = []
+fake_nccl.install()
+log = fake_nccl.log
 fake_cuda.FakeStream.record = lambda self, e: log.append(("record", self.handle, id(e)))
 fake_cuda.FakeStream.wait = lambda self, e: log.append(("wait", self.handle, id(e)))
-
-
-class UniqueId:
-  def __init__(self, b=bytes(128)): self.b = b
-  def __bytes__(self): return self.b
-  @staticmethod
-  def from_bytes(b): return UniqueId(bytes(b))
-
-
-class NcclRedOp(enum.IntEnum):
-  SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
-
-
-class Communicator:
-  def __init__(self, n=1): self.n = n
-  @classmethod
-  def init(cls, nranks, rank, unique_id):
-    assert isinstance(unique_id, UniqueId) and 0 <= rank < nranks
-    return cls(nranks)
-  def _call(self, name, bufs, stream, *extra):
-    for b in bufs: b.__dlpack__(stream=-1)  # nccl4py reads tensors by DLPack; -1: we order the streams
-    log.append((name, stream, *extra, fake_cuda.launches[0]))
-  def allreduce(self, s, r, op, *, stream): self._call("allreduce", [s, r], stream, op.name)
-  def reduce_scatter(self, s, r, op, *, stream): self._call("reduce_scatter", [s, r], stream, op.name)
-  def allgather(self, s, r, *, stream): self._call("allgather", [s, r], stream)
-  def broadcast(self, s, r, root, *, stream): self._call("broadcast", [s, r], stream, root)
-  def send(self, s, peer, *, stream): self._call("send", [s], stream, peer)
-  def recv(self, r, peer, *, stream): self._call("recv", [r], stream, peer)
-  def split(self, color, key=0): return Communicator(1)
-  def abort(self): log.append(("abort",))
-  def destroy(self): log.append(("destroy",))
-
-
-core = types.ModuleType("nccl.core")
-core.UniqueId, core.NcclRedOp, core.Communicator = UniqueId, NcclRedOp, Communicator
-core.get_unique_id = lambda: UniqueId(b"x" * 128)
-sys.modules["nccl"] = types.ModuleType("nccl")
-sys.modules["nccl.core"] = core
 import blutrain as bt
 import blutrain.distributed as dist
 from blutrain.backend.cuda import runtime
