@@ -21,8 +21,8 @@ import contextlib
 from typing import Any, Iterator
 
 from blutrain import distributed as dist
-from blutrain import ops
 from blutrain.autograd.tape import hooks
+from blutrain.distributed import buckets
 from blutrain.nn.module import Module
 from blutrain.ops import collective, no_grad
 from blutrain.tensor import Tensor
@@ -109,7 +109,7 @@ class DistributedDataParallel(Module):
 
   def _launch(self, b: _Bucket) -> None:
     with no_grad():
-      b.flat = ops.cat([p.grad.reshape(-1) for p in b.params])
+      b.flat = buckets.flatten([p.grad for p in b.params], b.params, b.numel)
       if hooks.trace is None:
         b.work = dist.all_reduce(b.flat, dist.ReduceOp.AVG, group=self.process_group, async_op=True)
       else:  # under bt.compile: the functional op, one graph op per bucket in the order backward completes them
@@ -122,7 +122,7 @@ class DistributedDataParallel(Module):
     with no_grad():
       for b in self._buckets:
         if b.work is not None: b.work.wait()
-        for p, off in zip(b.params, b.offsets): p.grad = b.flat[off:off + p.numel()].view(p.shape)
+        for p, g in zip(b.params, buckets.unflatten(b.flat, b.params, b.offsets)): p.grad = g
         b.flat, b.work, b.arrived = None, None, 0
     self._launched = 0
     if not self._rebuilt and len(self._order) == len(self._params):
