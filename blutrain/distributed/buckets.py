@@ -44,5 +44,5 @@ def unflatten(vector: Tensor, like: list[Tensor], offsets: list[int]) -> list[Te
   them (clipping's scale_) has no aliasing among them to check. So `vector` itself must not be used after."""
   if hooks.trace is not None: return [vector[o:o + t.numel()].view(t.shape) for t, o in zip(like, offsets)]
   data, device, base = vector._storage.data, vector.device, vector._offset
-  return [Tensor._make(Storage(data, device), t.shape, contiguous_strides(t.shape), base + o, vector.dtype)
-          for t, o in zip(like, offsets)]
+  return [Tensor._make(Storage(data, device), t.shape, t._strides if t.is_contiguous() else contiguous_strides(t.shape),
+                       base + o, vector.dtype) for t, o in zip(like, offsets)]
