@@ -4,8 +4,10 @@ Each parameter group is cut, in order, into buckets of whole parameters (about `
 flattened values are padded to a multiple of the group size W and cut into W equal pieces, and rank r owns the r-th
 piece of every bucket. The wrapped optimizer (AdamW, SGD, ... built by `optimizer_class`) steps one leaf tensor per
 group holding only this rank's pieces, so its state (AdamW's two moments) is 1/W of the full one; after its step each
-bucket's pieces are all-gathered back into the parameters. Elementwise optimizers therefore compute exactly what they
-compute unsharded.
+bucket's pieces are all-gathered back into the parameters. The parameters live in their buckets' gather buffers from
+construction on (`p.data` carved from it), so the all-gather writes them in place, with no per-parameter copy; one
+moved out since (`p.data = ...`, `module.to(...)`) is copied into instead. Elementwise optimizers therefore compute
+exactly what they compute unsharded.
 
 Stage 1 expects gradients already averaged over the ranks (wrap the model in DistributedDataParallel) and takes its
 pieces of them at `step()`. Stage 2 averages them itself, during the backward: each parameter's post-accumulate-grad

@@ -5,8 +5,9 @@ hook (the autograd engine calls it as soon as that gradient is complete); gradie
 `bucket_cap_mb`, and a bucket whose gradients are all in is concatenated into one flat buffer and all-reduced
 (ReduceOp.AVG) with async_op=True: on GPUs the NCCL call goes on the communication stream behind an event, so it
 overlaps the rest of the backward. When the last bucket has been launched, every bucket's work is waited on (the
-current stream waits on its event: no host sync) and each gradient becomes a view of its bucket's averaged buffer
-(no copy back, as PyTorch's gradient_as_bucket_view).
+current stream waits on its event: no host sync) and each gradient becomes a tensor over its part of its bucket's
+averaged buffer (no copy back, as PyTorch's gradient_as_bucket_view). The eager step is host-bound, so what runs per
+parameter is only the hook, the cat's copy and two tensor headers made without an op (`distributed/buckets.py`).
 
 Buckets are first laid out in reverse registration order (a forward's last parameters get their gradients first); after
 the first backward they are rebuilt in the order that backward actually produced the gradients, as PyTorch does.
