@@ -200,3 +200,45 @@ except RuntimeError as e:
   print("ERROR", e)
 ''', tmp_path)
   assert "ERROR a compiled step with 1 collective (collective #" in out and "timed out after 0.3 s" in out
+
+
+def test_the_wrappers_add_ops_per_bucket_not_per_parameter(tmp_path):
+  """The eager step is host-bound, so DDP and ZeRO-2 may add work per bucket but no op per parameter: DDP's backward
+  one cat a bucket (its gradients come back as tensors carved from the averaged bucket, no op), ZeRO-2's backward a
+  cat and the reduce-scatter's output a bucket, and its step the slice of each bucket's piece besides the local
+  optimizer's ops (the parameters live in the buckets the all-gathers write)."""
+  _run('''
+from blutrain.ops import core
+from blutrain.nn.parallel import DistributedDataParallel
+from blutrain.distributed.optim import ZeroRedundancyOptimizer
+dist.init_process_group("nccl")
+count, apply = [0], core.Op.__call__
+def counted(*a, **k):
+  count[0] += 1
+  return apply(*a, **k)
+core.Op.__call__ = counted
+def ops_of(fn):
+  count[0] = 0
+  fn()
+  return count[0]
+cap = 64 * 65 * 4 * 2 / 2**20  # two layers a bucket
+x = bt.randn(4, 64, device="cuda")
+for layers in (6, 12):
+  nets = [bt.nn.Sequential(*[bt.nn.Linear(64, 64) for _ in range(layers)]).to("cuda") for _ in range(3)]
+  ddp = DistributedDataParallel(nets[1], bucket_cap_mb=cap)
+  zero = ZeroRedundancyOptimizer(nets[2].parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=cap, lr=1e-3)
+  runs = [(nets[0], bt.optim.AdamW(nets[0].parameters(), lr=1e-3)), (ddp, bt.optim.AdamW(ddp.parameters(), lr=1e-3)),
+          (nets[2], zero)]
+  counts = []
+  for step in range(3):  # the third step counted: buckets rebuilt, optimizer state made
+    counts = []
+    for model, opt in runs:
+      loss = model(x).square().mean()
+      counts += [ops_of(loss.backward), ops_of(opt.step)]
+      opt.zero_grad()
+  (plain, plain_step), (ddp_ops, ddp_step), (zero_ops, zero_step) = zip(counts[::2], counts[1::2])
+  buckets = layers // 2
+  assert len(ddp._buckets) == len(zero.buckets) == buckets
+  assert ddp_ops - plain == buckets and ddp_step == plain_step, (layers, counts)
+  assert zero_ops - plain == 2 * buckets and zero_step == buckets + 2, (layers, counts)
+''', tmp_path)
