@@ -4,7 +4,7 @@ ZeroRedundancyOptimizer stage 2, at world size 1 on the NCCL backend. The CUDA d
 and nccl4py is tests/fakegpu/fake_nccl.py's (its calls read their buffers by DLPack, as nccl4py's do, and transfer
 nothing), so everything blutrain does on the host runs: the hooks, the buckets, the events and the NCCL backend's
 enqueueing. Times are this thread's CPU time (see benchmarks/host_fake.py); the modes alternate step by step, so the
-machine's load moves them alike, and each reports the median and best of its steps with its Python calls (cProfile's
+machine's load moves them alike (after gc.freeze(), as ddp_overhead.py), and each reports the median and best of its steps with its Python calls (cProfile's
 count, which noise does not move). With --profile, each wrapper's profile by own time.
 
   python benchmarks/ddp_host_fake.py [--steps 10] [--layers 12] [--precision bf16|tf32] [--profile] [--rows 30]
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import time
 
@@ -74,6 +75,8 @@ def main() -> None:
   steps = {mode: make_step(mode, cfg, state, autocast) for mode in MODES}
   for step in steps.values():
     for _ in range(2): step(xb, yb)
+  gc.collect()
+  gc.freeze()  # as benchmarks/ddp_overhead.py: the models' objects are not walked by the timed steps' collections
   times: dict[str, list[float]] = {mode: [] for mode in MODES}
   for _ in range(args.steps):
     for mode, step in steps.items():
