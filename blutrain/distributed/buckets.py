@@ -1,9 +1,9 @@
 """Flat buckets, the unit that DistributedDataParallel and ZeroRedundancyOptimizer reduce: several tensors' values in
-one vector, and views of such a vector shaped as those tensors.
+one vector, and tensors over such a vector's memory shaped as those tensors.
 
 These run for every parameter of every step, on the eager step's critical path on the host, so in eager mode the
-views are made directly from the vector's storage (a layout, as a view op makes it, without the op's dispatch);
-under bt.compile they are the view ops, which the capture records. They are for tensors outside autograd
+tensors are made directly over the memory (a layout, as a view op makes it, without the op's dispatch); under
+bt.compile they are the view ops, which the capture records. They are for tensors outside autograd
 (gradients, or anything under no_grad): a view made directly records no tape node.
 """
 from __future__ import annotations
