@@ -5,6 +5,7 @@ and calls each node's VJP, which the op library wrote with its own ops: this mod
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 from blutrain.autograd.tape import Node, autocast_suspended, hooks, no_grad
@@ -136,15 +137,17 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | 
               if t.requires_grad and t._node is None]
     graphed = [(t, g) for t, g in zip(tensors, grad_tensors) if not (t.requires_grad and t._node is None)]
     roots, root_grads = _seed([t for t, _ in graphed], [g for _, g in graphed], "backward")
-    fresh: set[int] = set()
+    # the storages handed to leaves so far, while alive: a post-accumulate-grad hook may free one (ZeRO-2 does), and a
+    # set of ids would then take a new storage at the freed one's address for it and copy that gradient for nothing
+    fresh: weakref.WeakSet = weakref.WeakSet()
     seeded = {id(t) for t, _ in direct}
 
     def store(leaf: Tensor, g: Tensor) -> None:
       g = _run_hooks(leaf._hooks, g).detach()
       if leaf.grad is not None: leaf.grad.add_(g)
       else:
-        if not g.is_contiguous() or g._offset or id(g._storage) in fresh: g = g.clone()  # own, dense memory
-        fresh.add(id(g._storage))
+        if not g.is_contiguous() or g._offset or g._storage in fresh: g = g.clone()  # own, dense memory
+        fresh.add(g._storage)
         leaf.grad = g
       for hook in leaf._post_hooks or (): hook(leaf)
 

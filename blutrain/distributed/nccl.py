@@ -56,8 +56,10 @@ class NcclGroup(ProcessGroup):
   def __init__(self, comm, ranks: list[int], rank: int, device: int, timeout: float, store=None, name: str = "0"):
     self.comm, self.ranks, self._rank, self.device, self.timeout = comm, ranks, rank, device, timeout
     self.store, self.name, self.seq, self.error = store, name, 0, None
-    self.ops = {ReduceOp.SUM: "SUM", ReduceOp.AVG: "AVG", ReduceOp.PRODUCT: "PROD", ReduceOp.MAX: "MAX",
-                ReduceOp.MIN: "MIN"}
+    red = _nccl().NcclRedOp
+    self.ops = {ReduceOp.SUM: red.SUM, ReduceOp.AVG: red.AVG, ReduceOp.PRODUCT: red.PROD, ReduceOp.MAX: red.MAX,
+                ReduceOp.MIN: red.MIN}
+    self._fork = runtime.Event()  # re-recorded by every collective: a stream wait takes the event's state when enqueued
     self._pending: list[NcclWork] = []
     self._lock, self._stop = threading.Lock(), threading.Event()
     threading.Thread(target=self._watch, daemon=True, name=f"blutrain-nccl-watchdog-{name}").start()
@@ -104,7 +106,7 @@ class NcclGroup(ProcessGroup):
       if not t.is_contiguous(): raise RuntimeError(f"{name}: NCCL needs contiguous tensors, got shape {tuple(t.shape)} "
                                                    f"with strides {t.stride()}; pass .contiguous()")
     comm_stream = runtime.comm_stream(self.device)
-    comm_stream.wait_stream(runtime.current_stream(self.device))
+    comm_stream.wait_event(runtime.current_stream(self.device).record_event(self._fork))
     for t in tensors:
       owner = t._array().owner
       if hasattr(owner, "record_stream"): owner.record_stream(comm_stream)
@@ -117,15 +119,12 @@ class NcclGroup(ProcessGroup):
     work.wait()
     return None
 
-  def _op(self, op: ReduceOp):
-    return getattr(_nccl().NcclRedOp, self.ops[op])
-
   def all_reduce(self, t: Tensor, op: ReduceOp, async_op: bool, timeout=None) -> Work | None:
-    return self._enqueue("all_reduce", [t], lambda s: self.comm.allreduce(t, t, self._op(op), stream=s), async_op, timeout)
+    return self._enqueue("all_reduce", [t], lambda s: self.comm.allreduce(t, t, self.ops[op], stream=s), async_op, timeout)
 
   def reduce_scatter_tensor(self, out: Tensor, inp: Tensor, op: ReduceOp, async_op: bool, timeout=None) -> Work | None:
     return self._enqueue("reduce_scatter_tensor", [out, inp],
-                         lambda s: self.comm.reduce_scatter(inp, out, self._op(op), stream=s), async_op, timeout)
+                         lambda s: self.comm.reduce_scatter(inp, out, self.ops[op], stream=s), async_op, timeout)
 
   def all_gather_into_tensor(self, out: Tensor, inp: Tensor, async_op: bool, timeout=None) -> Work | None:
     return self._enqueue("all_gather_into_tensor", [out, inp], lambda s: self.comm.allgather(inp, out, stream=s),
@@ -185,13 +184,13 @@ class NcclGroup(ProcessGroup):
 
   def all_reduce_array(self, x, reduce_op: str):
     x, out = self._dense(x), memory.empty(x.shape, x.dtype, x.device)
-    op = self._op(ReduceOp(reduce_op))
+    op = self.ops[ReduceOp(reduce_op)]
     self._on_current_stream(lambda s: self.comm.allreduce(self._tensor(x), self._tensor(out), op, stream=s))
     return out
 
   def reduce_scatter_array(self, x, reduce_op: str):
     x, out = self._dense(x), memory.empty((x.shape[0] // self.size(), *x.shape[1:]), x.dtype, x.device)
-    op = self._op(ReduceOp(reduce_op))
+    op = self.ops[ReduceOp(reduce_op)]
     self._on_current_stream(lambda s: self.comm.reduce_scatter(self._tensor(x), self._tensor(out), op, stream=s))
     return out
 

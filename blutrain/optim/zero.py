@@ -4,8 +4,10 @@ Each parameter group is cut, in order, into buckets of whole parameters (about `
 flattened values are padded to a multiple of the group size W and cut into W equal pieces, and rank r owns the r-th
 piece of every bucket. The wrapped optimizer (AdamW, SGD, ... built by `optimizer_class`) steps one leaf tensor per
 group holding only this rank's pieces, so its state (AdamW's two moments) is 1/W of the full one; after its step each
-bucket's pieces are all-gathered back into the parameters. Elementwise optimizers therefore compute exactly what they
-compute unsharded.
+bucket's pieces are all-gathered back into the parameters. The parameters live in their buckets' gather buffers from
+construction on (`p.data` carved from it), so the all-gather writes them in place, with no per-parameter copy; one
+moved out since (`p.data = ...`, `module.to(...)`) is copied into instead. Elementwise optimizers therefore compute
+exactly what they compute unsharded.
 
 Stage 1 expects gradients already averaged over the ranks (wrap the model in DistributedDataParallel) and takes its
 pieces of them at `step()`. Stage 2 averages them itself, during the backward: each parameter's post-accumulate-grad
@@ -25,6 +27,7 @@ from typing import Any, Callable
 from blutrain import distributed as dist
 from blutrain import ops
 from blutrain.autograd.tape import hooks
+from blutrain.distributed import buckets
 from blutrain.ops import collective, no_grad
 from blutrain.optim.optimizer import Optimizer, ParamsT
 from blutrain.tensor import Tensor
@@ -35,21 +38,14 @@ __all__ = ["ZeroRedundancyOptimizer"]
 class _Bucket:
   """Whole parameters of one group; `start` is its offset in the group's flattened values, `length` its padded size
   (a multiple of W), `piece` = length / W, `offset` where this rank's piece sits in the group's shard."""
-  __slots__ = ("group", "params", "start", "numel", "length", "piece", "offset", "arrived")
+  __slots__ = ("group", "params", "offsets", "start", "numel", "length", "piece", "offset", "arrived", "full")
 
   def __init__(self, group: int, params: list[Tensor], start: int, world: int, offset: int):
-    self.group, self.params, self.start, self.arrived = group, params, start, 0
-    self.numel = sum(p.numel() for p in params)
+    self.group, self.params, self.start, self.arrived, self.offsets, n = group, params, start, 0, [], 0
+    for p in params: self.offsets.append(n); n += p.numel()
+    self.numel = n
     self.length = -(-self.numel // world) * world
     self.piece, self.offset = self.length // world, offset
-
-
-def _flatten(tensors: list[Tensor | None], like: list[Tensor], length: int) -> Tensor:
-  """The tensors' values in one zero-padded vector of `length` elements (None: zeros of its `like`'s size)."""
-  zeros = lambda n: ops.zeros(n, dtype=like[0].dtype, device=like[0].device)
-  parts = [t.reshape(-1) if t is not None else zeros(ref.numel()) for t, ref in zip(tensors, like)]
-  pad = length - sum(ref.numel() for ref in like)
-  return ops.cat(parts + [zeros(pad)] if pad else parts)
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -93,7 +89,9 @@ class ZeroRedundancyOptimizer(Optimizer):
           if i + 1 == len(ps) or size + ps[i + 1].numel() * p.dtype.itemsize > cap:  # the next one would overflow
             b = _Bucket(gi, current, start, self.world, offset)
             self.buckets.append(b)
-            mine.append(_flatten(current, current, b.length)[self.rank * b.piece:(self.rank + 1) * b.piece])
+            b.full = buckets.flatten(current, current, b.length)
+            mine.append(b.full[self.rank * b.piece:(self.rank + 1) * b.piece])
+            for p, v in zip(current, buckets.unflatten(b.full, current, b.offsets)): p.data = v
             start, offset, current, size = start + b.numel, offset + b.piece, [], 0
         self.numels.append(start)
         self.shards.append(ops.cat(mine).requires_grad_(True))
@@ -117,7 +115,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     """Reduce-scatter bucket b's gradients (async; under bt.compile the functional op) and free the parameters' full
     gradients."""
     with no_grad():
-      flat = _flatten([p.grad for p in b.params], b.params, b.length)
+      flat = buckets.flatten([p.grad for p in b.params], b.params, b.length)
       for p in b.params: p.grad = None
       if hooks.trace is None:
         piece = ops.empty(b.piece, dtype=flat.dtype, device=flat.device)
@@ -143,7 +141,7 @@ class ZeroRedundancyOptimizer(Optimizer):
       else:
         for b in self.buckets:
           if any(p.grad is not None for p in b.params):
-            flat = _flatten([p.grad for p in b.params], b.params, b.length)
+            flat = buckets.flatten([p.grad for p in b.params], b.params, b.length)
             pieces[id(b)] = flat[self.rank * b.piece:(self.rank + 1) * b.piece]
       for gi, shard in enumerate(self.shards):
         mine = [b for b in self.buckets if b.group == gi]
@@ -188,16 +186,24 @@ class ZeroRedundancyOptimizer(Optimizer):
         if hooks.trace is not None:
           gathered.append((None, collective.all_gather(piece, self._gid, self.world), b))
           continue
-        full = ops.empty(b.length, dtype=self.shards[b.group].dtype, device=self.shards[b.group].device)
-        gathered.append((dist.all_gather_into_tensor(full, piece, group=self.process_group, async_op=True), full, b))
+        into = self._gathers_into_parameters(b)
+        full = b.full if into else ops.empty(b.length, dtype=piece.dtype, device=piece.device)
+        work = dist.all_gather_into_tensor(full, piece, group=self.process_group, async_op=True)
+        gathered.append((work, None if into else full, b))
       for work, full, b in gathered:
         if work is not None: work.wait()
-        off = 0
-        for p in b.params:
-          p.copy_(full[off:off + p.numel()].view(p.shape))
-          off += p.numel()
+        if full is None:  # gathered into the parameters' own memory: mark them changed, as an in-place op does
+          for p in b.params: p._storage.version += 1
+        else:
+          for p, v in zip(b.params, buckets.unflatten(full, b.params, b.offsets)): p.copy_(v)
     self._collected = False
     return loss
+
+  def _gathers_into_parameters(self, b: _Bucket) -> bool:
+    """Whether bucket b's parameters still live in its gather buffer (as the constructor put them; `p.data = ...` or
+    `module.to(...)` since moves them out, and the step then copies into them instead)."""
+    data = b.full._storage.data
+    return all(p._storage.data is data and p._offset == b.full._offset + off for p, off in zip(b.params, b.offsets))
 
   def zero_grad(self, set_to_none: bool = True) -> None:
     super().zero_grad(set_to_none)

@@ -138,3 +138,24 @@ def test_bucket_formula_puts_the_latency_at_its_share_of_a_buckets_all_reduce():
   assert collective_time("all_reduce", 1 << 30, 1, NVLINK_H200) == 0.0
   t = collective_time("reduce_scatter", 8 << 20, 4, NVLINK_H200)
   assert t == pytest.approx(NVLINK_H200.alpha + 0.75 * (8 << 20) / NVLINK_H200.busbw)
+
+
+def test_buckets_flatten_and_carve_tensors_of_their_own_storage():
+  from blutrain.distributed import buckets
+  from blutrain.ops.optim import scale_
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((3, 4)).astype(np.float32)
+  b = rng.standard_normal((5, 2)).astype(np.float32)
+  ts = [bt.from_numpy(a), bt.from_numpy(b).t(), None]  # a transposed (non-contiguous) view is copied, None is zeros
+  like = [ts[0], ts[1], bt.empty(2, 3)]
+  with bt.no_grad():
+    flat = buckets.flatten(ts, like, 31)  # 12 + 10 + 6 elements, padded with zeros to 31
+    np.testing.assert_array_equal(flat.numpy(), np.concatenate([a.ravel(), b.T.ravel(), np.zeros(9, np.float32)]))
+    v = buckets.flatten([ts[0]], ts[:1], 12)
+    assert v._storage is not ts[0]._storage  # a copy: the bucket's memory is its own
+    carved = buckets.unflatten(flat, like, [0, 12, 22])
+    assert [tuple(t.shape) for t in carved] == [(3, 4), (2, 5), (2, 3)] and all(t.is_contiguous() for t in carved)
+    np.testing.assert_array_equal(carved[1].numpy(), b.T)
+    assert len({id(t._storage) for t in carved}) == 3  # each its own storage: no aliasing among them to check
+    scale_(carved, bt.tensor(2.0))  # clipping's multi-tensor op writes each in place, into the bucket's memory
+    np.testing.assert_array_equal(flat.numpy()[12:22], 2 * b.T.ravel())

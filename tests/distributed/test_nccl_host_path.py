@@ -1,5 +1,5 @@
-"""The NCCL backend's host code on the fake GPU (tests/fakegpu/fake_cuda.py) with a fake nccl.core that logs each call:
-the order of events and streams around every collective, DDP's buckets reduced during backward, ZeRO-2's
+"""The NCCL backend's host code on the fake GPU (tests/fakegpu/fake_cuda.py) with a fake nccl.core
+(tests/fakegpu/fake_nccl.py) that logs each call: the order of events and streams around every collective, DDP's buckets reduced during backward, ZeRO-2's
 reduce-scatter and all-gather, and the watchdog's timeout. Values are not checked here (nothing is computed on the
 fake device): tests/cuda/test_distributed.py does that on a GPU."""
 import subprocess
@@ -13,50 +13,13 @@ HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 
 PRELUDE = '''
-import enum, sys, types, time
-import fake_cuda
+import sys, time
+import fake_cuda, fake_nccl
 fake_cuda.install()
-log = []
+fake_nccl.install()
+log = fake_nccl.log
 fake_cuda.FakeStream.record = lambda self, e: log.append(("record", self.handle, id(e)))
 fake_cuda.FakeStream.wait = lambda self, e: log.append(("wait", self.handle, id(e)))
-
-
-class UniqueId:
-  def __init__(self, b=bytes(128)): self.b = b
-  def __bytes__(self): return self.b
-  @staticmethod
-  def from_bytes(b): return UniqueId(bytes(b))
-
-
-class NcclRedOp(enum.IntEnum):
-  SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
-
-
-class Communicator:
-  def __init__(self, n=1): self.n = n
-  @classmethod
-  def init(cls, nranks, rank, unique_id):
-    assert isinstance(unique_id, UniqueId) and 0 <= rank < nranks
-    return cls(nranks)
-  def _call(self, name, bufs, stream, *extra):
-    for b in bufs: b.__dlpack__(stream=-1)  # nccl4py reads tensors by DLPack; -1: we order the streams
-    log.append((name, stream, *extra, fake_cuda.launches[0]))
-  def allreduce(self, s, r, op, *, stream): self._call("allreduce", [s, r], stream, op.name)
-  def reduce_scatter(self, s, r, op, *, stream): self._call("reduce_scatter", [s, r], stream, op.name)
-  def allgather(self, s, r, *, stream): self._call("allgather", [s, r], stream)
-  def broadcast(self, s, r, root, *, stream): self._call("broadcast", [s, r], stream, root)
-  def send(self, s, peer, *, stream): self._call("send", [s], stream, peer)
-  def recv(self, r, peer, *, stream): self._call("recv", [r], stream, peer)
-  def split(self, color, key=0): return Communicator(1)
-  def abort(self): log.append(("abort",))
-  def destroy(self): log.append(("destroy",))
-
-
-core = types.ModuleType("nccl.core")
-core.UniqueId, core.NcclRedOp, core.Communicator = UniqueId, NcclRedOp, Communicator
-core.get_unique_id = lambda: UniqueId(b"x" * 128)
-sys.modules["nccl"] = types.ModuleType("nccl")
-sys.modules["nccl.core"] = core
 import blutrain as bt
 import blutrain.distributed as dist
 from blutrain.backend.cuda import runtime
@@ -236,3 +199,45 @@ except RuntimeError as e:
   print("ERROR", e)
 ''', tmp_path)
   assert "ERROR a compiled step with 1 collective (collective #" in out and "timed out after 0.3 s" in out
+
+
+def test_the_wrappers_add_ops_per_bucket_not_per_parameter(tmp_path):
+  """The eager step is host-bound, so DDP and ZeRO-2 may add work per bucket but no op per parameter: DDP's backward
+  one cat a bucket (its gradients come back as tensors carved from the averaged bucket, no op), ZeRO-2's backward a
+  cat and the reduce-scatter's output a bucket, and its step the slice of each bucket's piece besides the local
+  optimizer's ops (the parameters live in the buckets the all-gathers write)."""
+  _run('''
+from blutrain.ops import core
+from blutrain.nn.parallel import DistributedDataParallel
+from blutrain.distributed.optim import ZeroRedundancyOptimizer
+dist.init_process_group("nccl")
+count, apply = [0], core.Op.__call__
+def counted(*a, **k):
+  count[0] += 1
+  return apply(*a, **k)
+core.Op.__call__ = counted
+def ops_of(fn):
+  count[0] = 0
+  fn()
+  return count[0]
+cap = 64 * 65 * 4 * 2 / 2**20  # two layers a bucket
+x = bt.randn(4, 64, device="cuda")
+for layers in (6, 12):
+  nets = [bt.nn.Sequential(*[bt.nn.Linear(64, 64) for _ in range(layers)]).to("cuda") for _ in range(3)]
+  ddp = DistributedDataParallel(nets[1], bucket_cap_mb=cap)
+  zero = ZeroRedundancyOptimizer(nets[2].parameters(), bt.optim.AdamW, stage=2, bucket_cap_mb=cap, lr=1e-3)
+  runs = [(nets[0], bt.optim.AdamW(nets[0].parameters(), lr=1e-3)), (ddp, bt.optim.AdamW(ddp.parameters(), lr=1e-3)),
+          (nets[2], zero)]
+  counts = []
+  for step in range(3):  # the third step counted: buckets rebuilt, optimizer state made
+    counts = []
+    for model, opt in runs:
+      loss = model(x).square().mean()
+      counts += [ops_of(loss.backward), ops_of(opt.step)]
+      opt.zero_grad()
+  (plain, plain_step), (ddp_ops, ddp_step), (zero_ops, zero_step) = zip(counts[::2], counts[1::2])
+  buckets = layers // 2
+  assert len(ddp._buckets) == len(zero.buckets) == buckets
+  assert ddp_ops - plain == buckets and ddp_step == plain_step, (layers, counts)
+  assert zero_ops - plain == 2 * buckets and zero_step == buckets + 2, (layers, counts)
+''', tmp_path)

@@ -70,11 +70,16 @@ def case_no_sync(r, n):
   return {"grad": worst(max(diff(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())))}
 
 
-def train_zero(stage, r, n, m, steps):
+def train_zero(stage, r, n, m, steps, bucket_cap_mb=100 / 2**20, move_at=None):
+  """ZeRO training of m (100-byte buckets: one a parameter, some padded). At step `move_at` the first parameter is
+  moved out of the memory the optimizer gathers into (`p.data = ...`), which the optimizer must still update."""
   net = DistributedDataParallel(m) if stage == 1 else m
-  opt = ZeroRedundancyOptimizer(m.parameters(), bt.optim.AdamW, stage=stage, bucket_cap_mb=100 / 2**20, lr=0.05,
-                                weight_decay=0.1)  # 100-byte buckets: one a parameter, some padded
+  opt = ZeroRedundancyOptimizer(m.parameters(), bt.optim.AdamW, stage=stage, bucket_cap_mb=bucket_cap_mb, lr=0.05,
+                                weight_decay=0.1)
   for step in steps:
+    if step == move_at:
+      first = next(m.parameters())
+      first.data = first.detach().clone()
     loss_of(net, *batch(step, r, n)).backward()
     opt.step(); opt.zero_grad()
   return opt
@@ -89,7 +94,10 @@ def case_zero(stage, r, n):
     loss_of(ref, *batch(step)).backward()
     ref_opt.step(); ref_opt.zero_grad()
   state = sum(v.numel() for s in opt.optim.state.values() for v in s.values() if isinstance(v, bt.Tensor) and v.ndim)
+  whole = model(0)  # one bucket of every parameter, gathered into their memory, and one parameter moved out midway
+  train_zero(int(stage), r, n, whole, range(STEPS), bucket_cap_mb=25, move_at=1)
   return {"param": worst(max(diff(p, q) for p, q in zip(m.parameters(), ref.parameters()))), "state_numel": state,
+          "param_one_bucket": worst(max(diff(p, q) for p, q in zip(whole.parameters(), ref.parameters()))),
           "param_numel": sum(p.numel() for p in m.parameters()), "shard_numel": sum(s.numel() for s in opt.shards),
           "buckets": len(opt.buckets)}
 

@@ -5,8 +5,9 @@ hook (the autograd engine calls it as soon as that gradient is complete); gradie
 `bucket_cap_mb`, and a bucket whose gradients are all in is concatenated into one flat buffer and all-reduced
 (ReduceOp.AVG) with async_op=True: on GPUs the NCCL call goes on the communication stream behind an event, so it
 overlaps the rest of the backward. When the last bucket has been launched, every bucket's work is waited on (the
-current stream waits on its event: no host sync) and each gradient becomes a view of its bucket's averaged buffer
-(no copy back, as PyTorch's gradient_as_bucket_view).
+current stream waits on its event: no host sync) and each gradient becomes a tensor over its part of its bucket's
+averaged buffer (no copy back, as PyTorch's gradient_as_bucket_view). The eager step is host-bound, so what runs per
+parameter is only the hook, the cat's copy and two tensor headers made without an op (`distributed/buckets.py`).
 
 Buckets are first laid out in reverse registration order (a forward's last parameters get their gradients first); after
 the first backward they are rebuilt in the order that backward actually produced the gradients, as PyTorch does.
@@ -21,8 +22,8 @@ import contextlib
 from typing import Any, Iterator
 
 from blutrain import distributed as dist
-from blutrain import ops
 from blutrain.autograd.tape import hooks
+from blutrain.distributed import buckets
 from blutrain.nn.module import Module
 from blutrain.ops import collective, no_grad
 from blutrain.tensor import Tensor
@@ -109,7 +110,7 @@ class DistributedDataParallel(Module):
 
   def _launch(self, b: _Bucket) -> None:
     with no_grad():
-      b.flat = ops.cat([p.grad.reshape(-1) for p in b.params])
+      b.flat = buckets.flatten([p.grad for p in b.params], b.params, b.numel)
       if hooks.trace is None:
         b.work = dist.all_reduce(b.flat, dist.ReduceOp.AVG, group=self.process_group, async_op=True)
       else:  # under bt.compile: the functional op, one graph op per bucket in the order backward completes them
@@ -122,7 +123,7 @@ class DistributedDataParallel(Module):
     with no_grad():
       for b in self._buckets:
         if b.work is not None: b.work.wait()
-        for p, off in zip(b.params, b.offsets): p.grad = b.flat[off:off + p.numel()].view(p.shape)
+        for p, g in zip(b.params, buckets.unflatten(b.flat, b.params, b.offsets)): p.grad = g
         b.flat, b.work, b.arrived = None, None, 0
     self._launched = 0
     if not self._rebuilt and len(self._order) == len(self._params):
