@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from blutrain import distributed as dist, dtypes, nn, ops
+from blutrain import distributed as dist, nn, ops
 from blutrain.autograd.tape import is_grad_enabled, no_grad, record
 from blutrain.nn import functional as F
 from blutrain.nn.module import Module, Parameter
@@ -333,12 +333,22 @@ def unshard(module: Module, name: str, group: Group = None) -> Tensor:
   return whole.reshape(n, parts, -1, *p.shape[1:]).transpose(0, 1).reshape(whole.shape).contiguous()
 
 
+def _vocab_parallel_ce_vjp(g, out, logits, target, lse, start, ignore_index):
+  return ops.nn.cross_entropy_lse_backward_op(g, logits, target, lse, start=start, ignore_index=ignore_index), None, None
+
+
+# the loss's node: its gradient is g (softmax - onehot) from the whole rows' logsumexp, which no rank's ops compute
+_vocab_parallel_ce_node = Op("vocab_parallel_cross_entropy", None, _vocab_parallel_ce_vjp, saves=(0, 1, 2))
+
+
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, process_group: Group = None,
                                  ignore_index: int = -100, reduction: str = "mean") -> Tensor:
   """F.cross_entropy of logits whose last dim (the vocabulary) is split over the ranks, without gathering them:
-  the row maxima are all-reduced (MAX), then the sums of exponentials and the target logits (SUM), so the
-  communication is three numbers a row. `logits` (..., V / n) is this rank's slice (rank r holds classes
-  [r V/n, (r+1) V/n)); `target` (...) holds whole-vocabulary indices. Every rank gets the same loss."""
+  one pass over this rank's logits gives each row's max, sum of exponentials and target logit (`cross_entropy_stats`),
+  the maxima are all-reduced (MAX), then the rescaled sums with the target logits (SUM): two numbers a row more. The
+  backward is one pass too (`cross_entropy_lse_backward`). `logits` (..., V / n) is this rank's slice (rank r holds
+  classes [r V/n, (r+1) V/n)), of any floating dtype (half logits are read as they are, the loss is float32);
+  `target` (...) holds whole-vocabulary indices. Every rank gets the same loss."""
   if reduction not in ("mean", "sum", "none"):
     raise ValueError(f"vocab_parallel_cross_entropy: unknown reduction {reduction!r}")
   if tuple(target.shape) != tuple(logits.shape[:-1]):
@@ -346,17 +356,18 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, process_group: 
                      f"shape {tuple(logits.shape)}; expected a target of shape {tuple(logits.shape[:-1])}")
   lead, local = tuple(target.shape), logits.shape[-1]
   logits, target = logits.reshape(-1, local), target.reshape(-1)
-  if logits.dtype.itemsize < 4: logits = logits.to(dtypes.float32)  # 16-bit logits (autocast): the sums in float32
   start = dist.get_rank(process_group) * local
   with no_grad():
-    top = logits.detach().amax(-1)
+    row_max, sum_exp, picked = ops.nn.cross_entropy_stats_op(logits, target, start=start)
+    top = row_max.clone()
     dist.all_reduce(top, dist.ReduceOp.MAX, group=process_group)
-  shifted = logits - top.unsqueeze(-1)  # the loss does not depend on the shift: no gradient through it is needed
-  sum_exp = reduce_from_parallel(shifted.exp().sum(-1), process_group)
-  mine = (target >= start) & (target < start + local)
-  picked = shifted.gather(1, (target - start).clamp(0, local - 1).unsqueeze(1)).squeeze(1) * mine.to(logits.dtype)
-  valid = target != ignore_index
-  losses = (sum_exp.log() - reduce_from_parallel(picked, process_group)) * valid.to(logits.dtype)
+    sums = ops.stack([sum_exp * (row_max - top).exp(), picked])  # one all-reduce for both
+    dist.all_reduce(sums, group=process_group)
+    lse = top + sums[0].log()
+    valid = target != ignore_index
+    losses = ops.where(valid, lse - sums[1], 0.0)
+  if is_grad_enabled() and logits.requires_grad:
+    record(_vocab_parallel_ce_node, (logits, target, lse), {"start": start, "ignore_index": ignore_index}, losses)
   if reduction == "none": return losses.reshape(lead)
   if reduction == "sum": return losses.sum()
   return losses.sum() / valid.sum().to(losses.dtype)
