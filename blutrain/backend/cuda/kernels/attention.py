@@ -284,16 +284,18 @@ _FNS = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv}
 @functools.lru_cache(maxsize=None)
 def attention_spec(kernel: str, dtype: DType, head_dim: int, causal: bool, precision: str = "tf32",
                    aligned: bool = True, have_lse: bool = True, packed: bool = False) -> Spec:
-  """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides; `packed`:
-  flash_attention_lse's (the forward writes a float32 output with the logsumexp in column D, dq takes dlse)."""
+  """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides (but for the
+  packed forward's output, of rows D + 1 wide: never promised); `packed`: flash_attention_lse's (the forward writes a
+  float32 output with the logsumexp in column D, dq takes dlse)."""
   block_d = max(16, next_pow2(head_dim))
   bm, bn, warps, stages = attention_schedule(kernel, dtype.itemsize, block_d)
-  div = ":16" if aligned else ""
-  fp32 = ("LSE", "DELTA", "DLSE") + (("O",) if packed and kernel == "fwd" else ())
-  sig = {name: ("*fp32" if name in fp32 else "*" + TY[dtype]) + div for name in _PTRS[kernel].split()}
+  packed_out = packed and kernel == "fwd"
+  div = lambda name: ":16" if aligned and not (packed_out and name in ("O", "soz", "soh", "som")) else ""
+  fp32 = ("LSE", "DELTA", "DLSE") + (("O",) if packed_out else ())
+  sig = {name: ("*fp32" if name in fp32 else "*" + TY[dtype]) + div(name) for name in _PTRS[kernel].split()}
   sig |= {"qk_scale": "fp32", "L": "i32", "S": "i32", "D": "i32"} | ({} if kernel == "fwd" else {"sm_scale": "fp32"})
   for name in _FNS[kernel].arg_names:
-    if name[0] == "s" and len(name) == 3: sig[name] = ("i64" if name[2] in "zh" else "i32") + div  # strides
+    if name[0] == "s" and len(name) == 3: sig[name] = ("i64" if name[2] in "zh" else "i32") + div(name)  # strides
   consts = {"CAUSAL": causal, "EVEN_D": block_d == head_dim, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d,
             "PRECISION": precision}
   if kernel == "dq": consts["HAVE_LSE"] = have_lse
@@ -368,7 +370,8 @@ def _forward(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: floa
   out = empty(q.shape[:-1] + (width,), dtypes.float32 if packed else q.dtype, q.device)
   so = (H * L * width, L * width, width)
   lse = empty((Z * H * L,), dtypes.float32, q.device)
-  aligned = _aligned((q, k, v, out, lse), sq + sk + sv + so)
+  # the packed output's rows (D + 1 wide) are never aligned: the spec promises nothing of them, the inputs may be
+  aligned = _aligned((q, k, v, lse) + (() if packed else (out,)), sq + sk + sv + (() if packed else so))
   s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), aligned, packed=packed)
   grid = (cdiv(L, s[2]["BLOCK_M"]), H, Z)
   run(s, grid, q, k, v, out, lse, scale * _LOG2E, L, S, D, *sq, *sk, *sv, *so)
@@ -442,7 +445,8 @@ def _specs() -> list[Spec]:
     out += [attention_spec(kernel, dtypes.bfloat16, d, True) for d in (32, 128, 80)]
   out.append(attention_spec("dq", dtypes.bfloat16, 64, True, have_lse=False))
   out.append(attention_spec("dq", dtypes.float32, 64, False, "tf32x3", have_lse=False))
-  out += [attention_spec("fwd", dtypes.bfloat16, 64, True, aligned=False, packed=True),   # flash_attention_lse
+  out += [attention_spec("fwd", dtypes.bfloat16, 64, True, packed=True),   # flash_attention_lse
+          attention_spec("fwd", dtypes.bfloat16, 64, True, aligned=False, packed=True),
           attention_spec("fwd", dtypes.float32, 64, False, "tf32x3", aligned=False, packed=True),
           attention_spec("dq", dtypes.bfloat16, 64, True, have_lse=False, packed=True),
           attention_spec("dq", dtypes.float32, 64, False, "tf32x3", aligned=False, have_lse=False, packed=True)]
