@@ -39,12 +39,30 @@ def _all_reduce(x: Tensor, group: Group, dim: int) -> Tensor:
   return out
 
 
+def to_rank_major(x: Tensor, n: int, dim: int) -> Tensor:
+  """x's dim cut into n blocks, the blocks stacked along dim 0 (the layout reduce_scatter_tensor reads and
+  all_gather_into_tensor writes: rank r's block r-th), contiguous; a view of x wherever the layout allows (dim 0, or
+  a group of one), else one copy. Differentiable."""
+  _check_divisible("to_rank_major", x, dim, n)
+  s = tuple(x.shape)
+  blocks = x.reshape(*s[:dim], n, s[dim] // n, *s[dim + 1:]).permute(dim, *range(dim), *range(dim + 1, x.ndim + 1))
+  return blocks.contiguous().reshape(n * blocks.shape[1], *blocks.shape[2:])
+
+
+def from_rank_major(x: Tensor, n: int, dim: int) -> Tensor:
+  """The inverse of to_rank_major: the n blocks stacked along x's dim 0 joined along dim; a view wherever the layout
+  allows, else one copy. Differentiable."""
+  block = (x.shape[0] // n, *x.shape[1:])
+  joined = x.reshape(n, *block).permute(*range(1, dim + 1), 0, *range(dim + 1, len(block) + 1))
+  return joined.reshape(*block[:dim], n * block[dim], *block[dim + 1:])
+
+
 def _all_gather(x: Tensor, group: Group, dim: int) -> Tensor:
   n = dist.get_world_size(group)
-  front = x.detach().transpose(0, dim).contiguous()  # all_gather_into_tensor concatenates along the first dim
-  out = ops.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-  dist.all_gather_into_tensor(out, front, group=group)
-  return out.transpose(0, dim).contiguous()
+  x = x.detach().contiguous()
+  out = ops.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+  dist.all_gather_into_tensor(out, x, group=group)
+  return from_rank_major(out, n, dim)
 
 
 def _check_divisible(name: str, x: Tensor, dim: int, n: int) -> None:
@@ -56,10 +74,9 @@ def _check_divisible(name: str, x: Tensor, dim: int, n: int) -> None:
 def _reduce_scatter(x: Tensor, group: Group, dim: int) -> Tensor:
   n = dist.get_world_size(group)
   _check_divisible("reduce_scatter_to_sequence_parallel", x, dim, n)
-  front = x.detach().transpose(0, dim).contiguous()
-  out = ops.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
-  dist.reduce_scatter_tensor(out, front, group=group)
-  return out.transpose(0, dim).contiguous()
+  out = ops.empty((*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:]), dtype=x.dtype, device=x.device)
+  dist.reduce_scatter_tensor(out, to_rank_major(x.detach(), n, dim), group=group)
+  return out
 
 
 def _split(x: Tensor, group: Group, dim: int) -> Tensor:
@@ -210,15 +227,14 @@ class ColumnParallelLinear(Module):
 
   def _overlapped(self, x: Tensor) -> Tensor:
     """The sequence-parallel all-gather in chunks of the batch, the next chunk's gather in flight during this GEMM."""
-    # the sequence in front, where all_gather_into_tensor concatenates
-    gather = lambda c: start_collective("gather_from_sequence_parallel", c.transpose(0, 1), self.process_group)
-    chunks, outs = x.chunk(self.overlap_chunks, 0), []
+    gather = lambda c: start_collective("gather_from_sequence_parallel", c, self.process_group)
+    chunks, outs, n = x.chunk(self.overlap_chunks, 0), [], dist.get_world_size(self.process_group)
     pending = gather(chunks[0])
     for i in range(len(chunks)):
-      full, work = pending
+      ranks, work = pending  # the ranks' chunks stacked along dim 0
       if i + 1 < len(chunks): pending = gather(chunks[i + 1])
       work.wait()
-      outs.append(F.linear(full.transpose(0, 1), self.weight, self.bias))
+      outs.append(F.linear(from_rank_major(ranks, n, 1), self.weight, self.bias))
     return ops.cat(outs, 0)
 
 
@@ -267,10 +283,11 @@ class RowParallelLinear(Module):
     g = self.process_group
     if not self.input_is_parallel: x = scatter_to_parallel(x, g, -1)
     if self.overlap_chunks > 1 and self.sequence_parallel:
-      started = [start_collective("reduce_scatter_to_sequence_parallel", F.linear(c, self.weight).transpose(0, 1), g)
-                 for c in x.chunk(self.overlap_chunks, 0)]  # the sequence in front for the reduce-scatter
+      n = dist.get_world_size(g)
+      started = [start_collective("reduce_scatter_to_sequence_parallel", to_rank_major(F.linear(c, self.weight), n, 1),
+                                  g) for c in x.chunk(self.overlap_chunks, 0)]
       for _, work in started: work.wait()
-      y = ops.cat([out.transpose(0, 1) for out, _ in started], 0)
+      y = ops.cat([out for out, _ in started], 0)
       return y if self.bias is None else y + copy_to_parallel(self.bias, g)
     if self.overlap_chunks > 1:
       started = [start_collective("reduce_from_parallel", F.linear(c, self.weight), g)
@@ -282,7 +299,8 @@ class RowParallelLinear(Module):
     if self.sequence_parallel:
       y = reduce_scatter_to_sequence_parallel(y, g, 1)
       return y if self.bias is None else y + copy_to_parallel(self.bias, g)  # each rank adds it to its tokens only
-    y = reduce_from_parallel(y, g)
+    y, work = start_collective("reduce_from_parallel", y, g)  # in place: the GEMM's output is fresh, and saved by none
+    work.wait()
     return y if self.bias is None else y + self.bias
 
 
