@@ -143,6 +143,28 @@ def case_tp_gpt(mode, r, n):
           "params": sum(p.numel() for p in gpt().parameters())}
 
 
+def case_uneven_chunks(r, n):
+  """The overlapped layers with chunks of unequal sizes (a batch of 5 in 3 chunks, 7 x 2 tokens in 3): outputs and
+  gradients against the same layers in one chunk, float64, with and without sequence parallelism."""
+  rng = np.random.default_rng(6)
+  err = {}
+  for sp in (False, True):
+    x = rng.standard_normal((5, 2 * n, 8))  # this rank's part of the sequence with SP, else the whole input
+    g = rng.standard_normal((5, 2 * n if not sp else 2, 8))
+    results = []
+    for chunks in (1, 3):
+      bt.manual_seed(0)
+      col = ColumnParallelLinear(8, 4 * n, sequence_parallel=sp, overlap_chunks=chunks, dtype=bt.float64)
+      row = RowParallelLinear(4 * n, 8, sequence_parallel=sp, overlap_chunks=chunks, dtype=bt.float64)
+      xt = bt.from_numpy(x if not sp else x[:, :2]).requires_grad_()
+      y = row(col(xt).relu())
+      y.backward(bt.from_numpy(g))
+      results.append([y.detach().numpy(), xt.grad.numpy(), col.weight.grad.numpy(), col.bias.grad.numpy(),
+                      row.weight.grad.numpy()])
+    for name, a, b in zip(("y", "dx", "dw_col", "db_col", "dw_row"), *results): err[f"{name}_{sp}"] = diff(a, b)
+  return {k: worst(v) for k, v in err.items()}
+
+
 def case_dp_tp(r, n):
   """4 ranks: tensor-parallel pairs {0, 1}, {2, 3} (sequence parallel), data parallel across them ({0, 2}, {1, 3})
   with DDP; each pair trains on half the batch, against one process on the whole batch. No ignored targets: DDP
@@ -249,6 +271,7 @@ if __name__ == "__main__":
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:]
   out = {"cross_entropy": case_cross_entropy, "tp_gpt": case_tp_gpt, "dp_tp": case_dp_tp,
+         "uneven_chunks": case_uneven_chunks,
          "ring_attention": case_ring_attention, "cp_gpt": case_cp_gpt,
          "dp_cp": case_dp_cp, "tp_cp": case_tp_cp}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)

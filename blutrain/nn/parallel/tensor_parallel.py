@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from blutrain import distributed as dist, nn, ops
+from blutrain import backends, distributed as dist, dtypes, nn, ops
 from blutrain.autograd.tape import is_grad_enabled, no_grad, record
 from blutrain.nn import functional as F
 from blutrain.nn.module import Module, Parameter
-from blutrain.ops.core import Op
+from blutrain.ops.core import Op, autocast_inputs
+from blutrain.ops.linalg import matmul_op
 from blutrain.tensor import Tensor
 
 Group = dist.ProcessGroup | None
@@ -162,6 +163,33 @@ def _check_chunks(name: str, chunks: int) -> None:
     raise ValueError(f"{name}: overlap_chunks must be a positive int, got {chunks!r}")
 
 
+# *** the overlapped layers: chunked forward, one tape node ***
+# The forward runs in chunks, each chunk's collective in flight while another chunk's GEMM runs; the backward has
+# nothing to overlap (the duals run synchronously), so the chunks make one node whose VJP is the dual collective on the
+# whole gradient, once, and matmul's own VJP (blutrain.ops.linalg) on the whole of x @ w^T.
+
+def _matmul_grads(g: Tensor, x: Tensor, wt: Tensor) -> tuple[Tensor, Tensor]:
+  return matmul_op.vjp(g, None, x, wt, tf32=x.dtype is dtypes.float32 and backends.allow_tf32())
+
+
+def _row_overlapped_vjp(g, out, x, wt, group, sequence_parallel):
+  return _matmul_grads(_all_gather(g, group, 1) if sequence_parallel else g, x, wt)
+
+
+def _column_overlapped_vjp(g, out, x, wt, gathered, group):
+  dx, dwt = _matmul_grads(g, gathered, wt)
+  return _reduce_scatter(dx, group, 1), dwt, None
+
+
+_row_overlapped_node = Op("row_parallel_linear_overlapped", None, _row_overlapped_vjp, saves=(0, 1))
+_column_overlapped_node = Op("column_parallel_linear_overlapped", None, _column_overlapped_vjp, saves=(1, 2))
+
+
+def _record(node: Op, inputs: tuple, attrs: dict, out: Tensor) -> Tensor:
+  if is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs): record(node, inputs, attrs, out)
+  return out
+
+
 # *** layers ***
 
 def _shard(w: Tensor, dim: int, group: Group, parts: int = 1) -> Tensor:
@@ -226,16 +254,30 @@ class ColumnParallelLinear(Module):
     return gather_from_parallel(y, g, -1) if self.gather_output else y
 
   def _overlapped(self, x: Tensor) -> Tensor:
-    """The sequence-parallel all-gather in chunks of the batch, the next chunk's gather in flight during this GEMM."""
-    gather = lambda c: start_collective("gather_from_sequence_parallel", c, self.process_group)
-    chunks, outs, n = x.chunk(self.overlap_chunks, 0), [], dist.get_world_size(self.process_group)
-    pending = gather(chunks[0])
-    for i in range(len(chunks)):
-      ranks, work = pending  # the ranks' chunks stacked along dim 0
-      if i + 1 < len(chunks): pending = gather(chunks[i + 1])
-      work.wait()
-      outs.append(F.linear(from_rank_major(ranks, n, 1), self.weight, self.bias))
-    return ops.cat(outs, 0)
+    """The sequence-parallel all-gather in chunks of the batch, the next chunk's gather in flight during this GEMM;
+    the chunks are gathered into one buffer, whose whole the backward reads (one reduce-scatter of dx)."""
+    g, n, k = self.process_group, dist.get_world_size(self.process_group), self.overlap_chunks
+    x, w, b = autocast_inputs("linear", x, self.weight, self.bias)
+    wt = w.mT
+    with no_grad():
+      chunks = x.detach().chunk(k, 0)
+      # chunk i's ranks' parts stacked along dim 0 in buf[i] (a whole batch chunk per slot; the last may be short)
+      buf = ops.empty((len(chunks), n * chunks[0].shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+      slot = lambda i: buf[i, :n * chunks[i].shape[0]]
+      gather = lambda i: dist.all_gather_into_tensor(slot(i), chunks[i].contiguous(), group=g, async_op=True)
+      pending, outs = gather(0), []
+      for i in range(len(chunks)):
+        work = pending
+        if i + 1 < len(chunks): pending = gather(i + 1)
+        work.wait()
+        outs.append(ops.matmul(from_rank_major(slot(i), n, 1), wt))
+      y = ops.cat(outs, 0)
+      if len(chunks) * chunks[0].shape[0] == x.shape[0]:  # equal chunks: buf is (chunk, rank, batch in chunk, ...)
+        whole = buf.reshape(len(chunks), n, *chunks[0].shape).transpose(1, 2)  # a view for a group of one
+        gathered = whole.reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+      else: gathered = ops.cat([from_rank_major(slot(i), n, 1) for i in range(len(chunks))], 0)
+    y = _record(_column_overlapped_node, (x, wt, gathered), {"group": g}, y)
+    return y if b is None else y + b
 
 
 class RowParallelLinear(Module):
@@ -279,22 +321,34 @@ class RowParallelLinear(Module):
       if linear.bias is not None: m.bias.copy_(linear.bias.detach())
     return m
 
+  def _overlapped(self, x: Tensor) -> Tensor:
+    """x W^T in chunks (of the batch with sequence_parallel, else of the tokens), each chunk's reduction started as
+    soon as its GEMM is done; one node for the backward (one all-gather of the gradient with sequence_parallel)."""
+    g, n, sp = self.process_group, dist.get_world_size(self.process_group), self.sequence_parallel
+    x, w = autocast_inputs("linear", x, self.weight)
+    wt = w.mT
+    with no_grad():
+      if sp:
+        started = []
+        for c in x.detach().chunk(self.overlap_chunks, 0):
+          part = to_rank_major(ops.matmul(c, wt), n, 1)
+          out = ops.empty((part.shape[0] // n, *part.shape[1:]), dtype=part.dtype, device=part.device)
+          started.append((out, dist.reduce_scatter_tensor(out, part, group=g, async_op=True)))
+      else:  # in place: each chunk's GEMM output is fresh
+        started = [(y, dist.all_reduce(y, group=g, async_op=True))
+                   for y in (ops.matmul(c, wt) for c in x.detach().reshape(-1, x.shape[-1]).chunk(self.overlap_chunks))]
+      for _, work in started: work.wait()
+      y = ops.cat([out for out, _ in started], 0)
+      if not sp: y = y.reshape(*x.shape[:-1], wt.shape[1])
+    return _record(_row_overlapped_node, (x, wt), {"group": g, "sequence_parallel": sp}, y)
+
   def forward(self, x: Tensor) -> Tensor:
     g = self.process_group
     if not self.input_is_parallel: x = scatter_to_parallel(x, g, -1)
-    if self.overlap_chunks > 1 and self.sequence_parallel:
-      n = dist.get_world_size(g)
-      started = [start_collective("reduce_scatter_to_sequence_parallel", to_rank_major(F.linear(c, self.weight), n, 1),
-                                  g) for c in x.chunk(self.overlap_chunks, 0)]
-      for _, work in started: work.wait()
-      y = ops.cat([out for out, _ in started], 0)
-      return y if self.bias is None else y + copy_to_parallel(self.bias, g)
     if self.overlap_chunks > 1:
-      started = [start_collective("reduce_from_parallel", F.linear(c, self.weight), g)
-                 for c in x.reshape(-1, x.shape[-1]).chunk(self.overlap_chunks)]
-      for _, work in started: work.wait()
-      y = ops.cat([out for out, _ in started]).reshape(*x.shape[:-1], self.out_features)
-      return y if self.bias is None else y + self.bias
+      y = self._overlapped(x)
+      if self.bias is None: return y
+      return y + (copy_to_parallel(self.bias, g) if self.sequence_parallel else self.bias)
     y = F.linear(x, self.weight)
     if self.sequence_parallel:
       y = reduce_scatter_to_sequence_parallel(y, g, 1)
