@@ -149,9 +149,28 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group: Group = Non
   return out.to(query.dtype)
 
 
-def all_reduce_gradients(parameters, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.AVG) -> None:
+def all_reduce_gradients(parameters, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.AVG,
+                         bucket_cap_mb: float = 25) -> None:
   """All-reduce the `.grad` of every parameter that has one, in the given order: for the gradients of a model whose
   ranks saw different tokens (context parallelism). Unlike DDP's buckets, which are launched in the order the backward
-  produces the gradients, the order here is the same on every rank even where the ranks' graphs differ."""
-  for p in parameters:
-    if p.grad is not None: dist.all_reduce(p.grad, op, group=group)
+  produces the gradients, the order here is the same on every rank even where the ranks' graphs differ. Consecutive
+  gradients of one dtype go in buckets of up to `bucket_cap_mb` MiB, each concatenated and reduced by one call (a
+  gradient larger than that alone, in place), so a model's hundreds of tensors cost tens of collectives."""
+  cap, bucket = bucket_cap_mb * 2**20, []
+
+  def flush() -> None:
+    if len(bucket) == 1: dist.all_reduce(bucket[0], op, group=group)
+    elif bucket:
+      flat = ops.cat([g.reshape(-1) for g in bucket])
+      dist.all_reduce(flat, op, group=group)
+      for g, part in zip(bucket, flat.split([g.numel() for g in bucket])): g.copy_(part.view(g.shape))
+    bucket.clear()
+
+  with no_grad():
+    for p in parameters:
+      g = p.grad
+      if g is None: continue
+      if bucket and (g.dtype is not bucket[0].dtype or sum(b.numel() for b in bucket) * g.dtype.itemsize +
+                     g.numel() * g.dtype.itemsize > cap): flush()
+      bucket.append(g)
+    flush()
