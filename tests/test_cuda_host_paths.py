@@ -184,6 +184,25 @@ print('backward launches', fake_cuda.launches[0] - before)
   assert int(out.split()[-1]) >= 2  # the dq and dk/dv kernels (and the slices' and casts' own)
 
 
+def test_vocab_parallel_loss_primitives_launch_on_the_fake_gpu(tmp_path):
+  """cross_entropy_stats and cross_entropy_lse_backward's host paths on a strided slice of bfloat16 logits wider
+  than one tile: one launch each, float32 statistics, the gradient in the logits' dtype from a broadcast g."""
+  out = _run_fake("""
+import blutrain as bt
+from blutrain.ops.nn import cross_entropy_stats_op, cross_entropy_lse_backward_op
+x = bt.randn(6, 10000, device="cuda", dtype=bt.bfloat16)[:, 5000:]
+t = bt.tensor([0, 5001, -100, 9999, 7000, 3], device="cuda")
+before = fake_cuda.launches[0]
+stats = cross_entropy_stats_op(x, t, start=5000)
+assert [tuple(a.shape) for a in stats] == [(6,)] * 3 and all(a.dtype is bt.float32 for a in stats)
+g = bt.full((), 0.5, device="cuda").expand(6)
+d = cross_entropy_lse_backward_op(g, x, t, stats[0], start=5000, ignore_index=-100)
+assert tuple(d.shape) == (6, 5000) and d.dtype is bt.bfloat16 and d.is_contiguous()
+print('launches', fake_cuda.launches[0] - before)
+""", tmp_path)
+  assert int(out.split()[-1]) == 3  # the two kernels and the fill of g
+
+
 def test_gemm_op_host_paths_on_the_fake_gpu(tmp_path):
   """Nova's gemm op through both paths of its CUDA kernel (cuBLASLt and separate kernels, one synthesized GEMM with
   round and save epilogue steps): shapes, dtypes and results; and a compiled MLP step reports each gemm's choice."""
