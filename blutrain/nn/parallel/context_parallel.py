@@ -155,22 +155,24 @@ def all_reduce_gradients(parameters, group: Group = None, op: dist.ReduceOp = di
   ranks saw different tokens (context parallelism). Unlike DDP's buckets, which are launched in the order the backward
   produces the gradients, the order here is the same on every rank even where the ranks' graphs differ. Consecutive
   gradients of one dtype go in buckets of up to `bucket_cap_mb` MiB, each concatenated and reduced by one call (a
-  gradient larger than that alone, in place), so a model's hundreds of tensors cost tens of collectives."""
+  gradient larger than that alone, in place), so a model's hundreds of tensors cost tens of collectives; the reduced
+  gradients are views of their bucket (as DDP's are of its buffers), so nothing is copied back."""
   cap, bucket = bucket_cap_mb * 2**20, []
 
   def flush() -> None:
-    if len(bucket) == 1: dist.all_reduce(bucket[0], op, group=group)
+    if len(bucket) == 1: dist.all_reduce(bucket[0].grad, op, group=group)
     elif bucket:
-      flat = ops.cat([g.reshape(-1) for g in bucket])
+      flat = ops.cat([p.grad.reshape(-1) for p in bucket])
       dist.all_reduce(flat, op, group=group)
-      for g, part in zip(bucket, flat.split([g.numel() for g in bucket])): g.copy_(part.view(g.shape))
+      for p, part in zip(bucket, flat.split([p.grad.numel() for p in bucket])): p.grad = part.view(p.grad.shape)
     bucket.clear()
 
   with no_grad():
     for p in parameters:
       g = p.grad
       if g is None: continue
-      if bucket and (g.dtype is not bucket[0].dtype or sum(b.numel() for b in bucket) * g.dtype.itemsize +
-                     g.numel() * g.dtype.itemsize > cap): flush()
-      bucket.append(g)
+      size = g.numel() * g.dtype.itemsize
+      if bucket and (g.dtype is not bucket[0].grad.dtype or
+                     sum(b.grad.numel() for b in bucket) * g.dtype.itemsize + size > cap): flush()
+      bucket.append(p)
     flush()

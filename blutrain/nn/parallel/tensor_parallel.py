@@ -328,18 +328,19 @@ class RowParallelLinear(Module):
     x, w = autocast_inputs("linear", x, self.weight)
     wt = w.mT
     with no_grad():
-      if sp:
-        started = []
+      if sp:  # each chunk's reduce-scatter into its rows of one output
+        _check_divisible("RowParallelLinear", x, 1, n)
+        y = ops.empty((x.shape[0], x.shape[1] // n, *x.shape[2:-1], wt.shape[1]), dtype=x.dtype, device=x.device)
+        works, start = [], 0
         for c in x.detach().chunk(self.overlap_chunks, 0):
-          part = to_rank_major(ops.matmul(c, wt), n, 1)
-          out = ops.empty((part.shape[0] // n, *part.shape[1:]), dtype=part.dtype, device=part.device)
-          started.append((out, dist.reduce_scatter_tensor(out, part, group=g, async_op=True)))
+          out, start = y[start:start + c.shape[0]], start + c.shape[0]
+          works.append(dist.reduce_scatter_tensor(out, to_rank_major(ops.matmul(c, wt), n, 1), group=g, async_op=True))
+        for work in works: work.wait()
       else:  # in place: each chunk's GEMM output is fresh
         started = [(y, dist.all_reduce(y, group=g, async_op=True))
                    for y in (ops.matmul(c, wt) for c in x.detach().reshape(-1, x.shape[-1]).chunk(self.overlap_chunks))]
-      for _, work in started: work.wait()
-      y = ops.cat([out for out, _ in started], 0)
-      if not sp: y = y.reshape(*x.shape[:-1], wt.shape[1])
+        for _, work in started: work.wait()
+        y = ops.cat([out for out, _ in started], 0).reshape(*x.shape[:-1], wt.shape[1])
     return _record(_row_overlapped_node, (x, wt), {"group": g, "sequence_parallel": sp}, y)
 
   def forward(self, x: Tensor) -> Tensor:
