@@ -169,13 +169,18 @@ print("ok")
 
 
 def test_flash_attention_lse_forward_and_backward_launch_on_the_fake_gpu(tmp_path):
-  """The LSE variant's host path: the packed float32 output (unaligned rows of D + 1), dlse handed to the dq kernel."""
+  """The LSE variant's host path: the packed float32 output (unaligned rows of D + 1), the forward's logsumexp kept
+  for the backward, dlse handed to the dq kernel."""
   out = _run_fake("""
 import blutrain as bt
 from blutrain.ops.nn import flash_attention_lse
 q, k, v = (bt.randn(2, 3, 40, 64, device="cuda", dtype=bt.bfloat16).requires_grad_() for _ in range(3))
 o, lse = flash_attention_lse(q, k[..., :24, :], v[..., :24, :], is_causal=False)
 assert o.shape == (2, 3, 40, 64) and lse.shape == (2, 3, 40) and o.dtype is lse.dtype is bt.float32
+from blutrain.backend.cuda.kernels import attention
+arrays = [t._array() for t in (q, k[..., :24, :], v[..., :24, :])]
+kept = attention._recall(arrays[0], attention._inputs_key(*arrays, False, 0.125))  # the backward reads it
+assert kept is not None and kept.shape == (2 * 3 * 40,)
 before = fake_cuda.launches[0]
 (o.sum() + lse.sum()).backward()
 assert q.grad.dtype is bt.bfloat16 and k.grad.shape == (2, 3, 40, 64)

@@ -341,21 +341,27 @@ def _check(q: CudaArray, k: CudaArray, v: CudaArray) -> None:
 
 
 # The forward's logsumexp, kept beside its output's memory (a primitive has one output) so that the backward need
-# not recompute it. NOTE: a cache, not a contract: the backward recomputes the lse when no entry matches.
-_saved_lse: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # output's owner -> {call key: lse}
+# not recompute it: flash_attention's under its output, flash_attention_lse's (whose backward gets its output cast
+# to q's dtype, a new array) under q, which the op's node holds until the backward. NOTE: a cache, not a contract:
+# the backward recomputes the lse when no entry matches.
+_saved_lse: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # anchor's owner -> {call key: lse}
 
 
 def _lse_key(out: CudaArray, k: CudaArray, causal: bool, scale: float) -> tuple:
   return (out.ptr, out.shape, out.strides, k.shape, causal, scale)
 
 
-def _remember(out: CudaArray, key: tuple, lse: CudaArray) -> None:
-  try: _saved_lse.setdefault(out.owner, {})[key] = lse
+def _inputs_key(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float) -> tuple:
+  return tuple((a.ptr, a.shape, a.strides, a.dtype) for a in (q, k, v)) + (causal, scale)
+
+
+def _remember(anchor: CudaArray, key: tuple, lse: CudaArray) -> None:
+  try: _saved_lse.setdefault(anchor.owner, {})[key] = lse
   except TypeError: pass  # an owner that takes no weak reference (memory imported by DLPack): no cache
 
 
-def _recall(out: CudaArray, key: tuple) -> CudaArray | None:
-  try: return _saved_lse.get(out.owner, {}).get(key)
+def _recall(anchor: CudaArray, key: tuple) -> CudaArray | None:
+  try: return _saved_lse.get(anchor.owner, {}).get(key)
   except TypeError: return None
 
 
@@ -387,14 +393,17 @@ def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scal
 def flash_attention_lse(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float,
                         tf32: bool = False) -> CudaArray:
   """(..., L, D + 1) float32: the output and, in column D, each query's natural logsumexp."""
-  return _forward(q, k, v, causal, scale, tf32, True)[0]
+  out, lse = _forward(q, k, v, causal, scale, tf32, True)
+  _remember(q, _inputs_key(q, k, v, causal, scale), lse)
+  return out
 
 
 def _backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool, scale: float,
               tf32: bool, glse: CudaArray | None) -> tuple[CudaArray, CudaArray, CudaArray]:
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
-  lse = _recall(out, _lse_key(out, k, causal, scale))
+  lse = (_recall(out, _lse_key(out, k, causal, scale)) if glse is None else
+         _recall(q, _inputs_key(q, k, v, causal, scale)))
   batch = q.shape[:-2]
   (q, sq), (k, sk), (v, sv), (out, so), (g, sg) = (_operand(a, nb) for a in (q, k, v, out, g))
   (Z, H), _ = _batch(q, nb)
@@ -429,7 +438,8 @@ def flash_attention_lse_backward(g: CudaArray, glse: CudaArray, q: CudaArray, k:
                                  out: CudaArray, causal: bool, scale: float,
                                  tf32: bool = False) -> tuple[CudaArray, CudaArray, CudaArray]:
   """flash_attention_lse's (dq, dk, dv) from the output's gradient g, the logsumexp's glse ((..., L) float32) and the
-  output `out` in q's dtype; the logsumexp is recomputed by the dq kernel (a cheap pass: no P V product)."""
+  output `out` in q's dtype; the logsumexp is the forward's (kept under q), else recomputed by the dq kernel (a cheap
+  pass: no P V product)."""
   return _backward(g, q, k, v, out, causal, scale, tf32, glse)
 
 
@@ -449,6 +459,7 @@ def _specs() -> list[Spec]:
           attention_spec("fwd", dtypes.bfloat16, 64, True, aligned=False, packed=True),
           attention_spec("fwd", dtypes.float32, 64, False, "tf32x3", aligned=False, packed=True),
           attention_spec("dq", dtypes.bfloat16, 64, True, have_lse=False, packed=True),
+          attention_spec("dq", dtypes.bfloat16, 64, True, packed=True),
           attention_spec("dq", dtypes.float32, 64, False, "tf32x3", aligned=False, have_lse=False, packed=True)]
   return out
 
