@@ -203,19 +203,43 @@ print("ok")
 
 
 def test_flash_attention_lse_forward_and_backward_launch_on_the_fake_gpu(tmp_path):
-  """The LSE variant's host path: the packed float32 output (unaligned rows of D + 1), dlse handed to the dq kernel."""
+  """The LSE variant's host path: the packed float32 output (unaligned rows of D + 1), the forward's logsumexp kept
+  for the backward, dlse handed to the dq kernel."""
   out = _run_fake("""
 import blutrain as bt
 from blutrain.ops.nn import flash_attention_lse
 q, k, v = (bt.randn(2, 3, 40, 64, device="cuda", dtype=bt.bfloat16).requires_grad_() for _ in range(3))
 o, lse = flash_attention_lse(q, k[..., :24, :], v[..., :24, :], is_causal=False)
 assert o.shape == (2, 3, 40, 64) and lse.shape == (2, 3, 40) and o.dtype is lse.dtype is bt.float32
+from blutrain.backend.cuda.kernels import attention
+arrays = [t._array() for t in (q, k[..., :24, :], v[..., :24, :])]
+kept = attention._recall(arrays[0], attention._inputs_key(*arrays, False, 0.125))  # the backward reads it
+assert kept is not None and kept.shape == (2 * 3 * 40,)
 before = fake_cuda.launches[0]
 (o.sum() + lse.sum()).backward()
 assert q.grad.dtype is bt.bfloat16 and k.grad.shape == (2, 3, 40, 64)
 print('backward launches', fake_cuda.launches[0] - before)
 """, tmp_path)
   assert int(out.split()[-1]) >= 2  # the dq and dk/dv kernels (and the slices' and casts' own)
+
+
+def test_vocab_parallel_loss_primitives_launch_on_the_fake_gpu(tmp_path):
+  """cross_entropy_stats and cross_entropy_lse_backward's host paths on a strided slice of bfloat16 logits wider
+  than one tile: one launch each, float32 statistics, the gradient in the logits' dtype from a broadcast g."""
+  out = _run_fake("""
+import blutrain as bt
+from blutrain.ops.nn import cross_entropy_stats_op, cross_entropy_lse_backward_op
+x = bt.randn(6, 10000, device="cuda", dtype=bt.bfloat16)[:, 5000:]
+t = bt.tensor([0, 5001, -100, 9999, 7000, 3], device="cuda")
+before = fake_cuda.launches[0]
+stats = cross_entropy_stats_op(x, t, start=5000)
+assert [tuple(a.shape) for a in stats] == [(6,)] * 3 and all(a.dtype is bt.float32 for a in stats)
+g = bt.full((), 0.5, device="cuda").expand(6)
+d = cross_entropy_lse_backward_op(g, x, t, stats[0], start=5000, ignore_index=-100)
+assert tuple(d.shape) == (6, 5000) and d.dtype is bt.bfloat16 and d.is_contiguous()
+print('launches', fake_cuda.launches[0] - before)
+""", tmp_path)
+  assert int(out.split()[-1]) == 3  # the two kernels and the fill of g
 
 
 def test_gemm_op_host_paths_on_the_fake_gpu(tmp_path):

@@ -611,6 +611,68 @@ def test_cross_entropy_all_ignored():
                  lambda x, t: ops.cross_entropy(x, t), grad=False)
 
 
+def _split_vocab_case(dtype, seed=0):
+  """Logits (6, 12) scaled to a wide range, targets with an ignored row and one in each third of the classes."""
+  rng = np.random.default_rng(seed)
+  full = rng.standard_normal((6, 12)) * 4
+  target = np.array([0, 5, -100, 11, 4, 8])
+  return full, target, bt.tensor(full, dtype=bt.float32).to(dtype), bt.tensor(target)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.float64, bt.bfloat16])
+@pytest.mark.parametrize("start", [0, 4, 8])
+def test_cross_entropy_stats_and_lse_backward_match_torch_on_a_slice_of_the_classes(start, dtype):
+  """The vocabulary-parallel loss's primitives on classes [start, start + 4) of 12 (a strided slice of the whole
+  logits): the stats against torch's max, sum of exponentials and picked logit; the gradient from the whole rows'
+  logsumexp against torch's gradient of the whole cross-entropy, in the slice."""
+  full, target, x, t = _split_vocab_case(dtype)
+  tx = torch.tensor(full, dtype=torch.float32).to(TORCH_DTYPES[dtype]).float().double()  # the values blutrain holds
+  local, tl = x[:, start:start + 4], tx[:, start:start + 4]
+  row_max, sum_exp, picked = ops.nn.cross_entropy_stats_op(local, t, start=start)
+  stats = bt.float64 if dtype is bt.float64 else bt.float32
+  assert all(a.dtype is stats and tuple(a.shape) == (6,) for a in (row_max, sum_exp, picked))
+  mine = torch.tensor((target >= start) & (target < start + 4))
+  want_picked = torch.where(mine, tl.gather(1, torch.tensor(np.clip(target - start, 0, 3))[:, None])[:, 0], 0.0)
+  for got, want, what in ((row_max, tl.amax(1), "max"), (sum_exp, (tl - tl.amax(1, keepdim=True)).exp().sum(1), "sum"),
+                          (picked, want_picked, "picked")):
+    assert_close(got, want.numpy(), stats, what=what)
+  g = np.random.default_rng(1).standard_normal(6)
+  lse = bt.tensor(torch.logsumexp(tx, 1).numpy(), dtype=stats)
+  got = ops.nn.cross_entropy_lse_backward_op(bt.tensor(g, dtype=stats), local, t, lse, start=start, ignore_index=-100)
+  whole = tx.clone().requires_grad_()
+  (F.cross_entropy(whole, torch.tensor(target), reduction="none") * torch.tensor(g)).sum().backward()
+  assert got.dtype is dtype and tuple(got.shape) == (6, 4)
+  assert_close(got, whole.grad[:, start:start + 4].numpy(), dtype, what="gradient")
+
+
+def test_cross_entropy_lse_backward_is_the_loss_gradient_by_finite_differences():
+  """float64: <backward(g), v> against the central difference of sum(g * (logsumexp - x[target])) along v, with a
+  broadcast g (the gradient of a mean)."""
+  full, target, x, t = _split_vocab_case(bt.float64, seed=2)
+  valid = target != -100
+  loss = lambda a: (np.log(np.exp(a).sum(1)) - a[np.arange(6), np.where(valid, target, 0)]) * valid
+  v, g = np.random.default_rng(3).standard_normal((6, 12)), np.full(6, 0.25)
+  lse = bt.tensor(np.log(np.exp(full).sum(1)))
+  d = ops.nn.cross_entropy_lse_backward_op(bt.tensor(0.25, dtype=bt.float64).expand(6), x, t, lse, start=0,
+                                           ignore_index=-100)
+  eps = 1e-6
+  fd = ((loss(full + eps * v) - loss(full - eps * v)) * g).sum() / (2 * eps)
+  np.testing.assert_allclose((d.numpy() * v).sum(), fd, rtol=1e-7, atol=1e-9)
+
+
+def test_cross_entropy_stats_and_lse_backward_reject_bad_inputs():
+  x, t = bt.randn(4, 8), bt.tensor([0, 1, 2, 3])
+  with pytest.raises(ValueError, match=r"cross_entropy_stats: expected logits \(N, C\) and target \(N,\), got "
+                                       r"\(4, 8\) and \(3,\)"):
+    ops.nn.cross_entropy_stats_op(x, t[:3], start=0)
+  with pytest.raises(TypeError, match="cross_entropy_stats: expected floating logits and integer targets, got "
+                                      "float32 and float32"):
+    ops.nn.cross_entropy_stats_op(x, t.float(), start=0)
+  with pytest.raises(ValueError, match=r"cross_entropy_lse_backward: expected g and lse of shape \(4,\), got "
+                                       r"\(4,\) and \(3,\)"):
+    ops.nn.cross_entropy_lse_backward_op(bt.randn(4), x, t, bt.randn(3), start=0, ignore_index=-100)
+
+
 def test_nll_mse():
   helper_test_op([(5, 4), np.array([0, 3, -100, 1, 1])], lambda x, t: F.nll_loss(x.log_softmax(-1), t),
                  lambda x, t: ops.nll_loss(x.log_softmax(-1), t))

@@ -1119,6 +1119,31 @@ class CrossEntropyBackwardOp(NNOp):
 
 
 @irdl_op_definition
+class CrossEntropyStatsOp(MultiResultOp):
+  """Per row of logits (N, C), classes [start, start + C) of a vocabulary split over ranks: the max, the sum of
+  exp(x - max) and the target's logit (0 where the target is outside that range), float32 (float64 for float64)."""
+  name = "nova.cross_entropy_stats"
+  logits = operand_def(TENSOR)
+  target = operand_def(TENSOR)
+  start = prop_def(INT)
+  row_max = result_def(TENSOR)
+  sum_exp = result_def(TENSOR)
+  picked = result_def(TENSOR)
+
+
+@irdl_op_definition
+class CrossEntropyLseBackwardOp(NNOp):
+  """g * (exp(logits - lse) - one_hot(target - start)) of the logits' type, 0 in rows whose target is ignore_index."""
+  name = "nova.cross_entropy_lse_backward"
+  g = operand_def(TENSOR)
+  logits = operand_def(TENSOR)
+  target = operand_def(TENSOR)
+  lse = operand_def(TENSOR)
+  start = prop_def(INT)
+  ignore_index = prop_def(INT)
+
+
+@irdl_op_definition
 class FlashAttentionOp(NNOp):
   """softmax(q k^T * scale [causal]) v without the weights in memory."""
   name = "nova.flash_attention"
@@ -1305,7 +1330,8 @@ Nova = Dialect("nova", [
   ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
   IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
-  EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, FlashAttentionOp, FlashAttentionBackwardOp,
+  EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
+  FlashAttentionOp, FlashAttentionBackwardOp,
   FlashAttentionLseOp, FlashAttentionLseBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
   AllGatherOp, *COMPILER_OPS,
 ])

@@ -393,6 +393,34 @@ cross_entropy_op = op("cross_entropy", _cross_entropy_rule, lambda g, out, logit
     inputs="logits target", attrs="ignore_index:int dtype:dtype?")
 
 
+def _rows_rule(name, logits, target):
+  if logits.ndim != 2 or target.shape != logits.shape[:1]:
+    raise ValueError(f"{name}: expected logits (N, C) and target (N,), got {logits.shape} and {target.shape}")
+  if not logits.dtype.is_floating_point or target.dtype.category != 1:
+    raise DTypeError(f"{name}: expected floating logits and integer targets, got {logits.dtype.name} and "
+                     f"{target.dtype.name}")
+  return (logits.shape[0],), dtypes.float64 if logits.dtype is dtypes.float64 else dtypes.float32
+
+
+def _cross_entropy_lse_backward_rule(g, logits, target, lse, start, ignore_index):
+  row = _rows_rule("cross_entropy_lse_backward", logits, target)[0]
+  if g.shape != row or lse.shape != row:
+    raise ValueError(f"cross_entropy_lse_backward: expected g and lse of shape {row}, got {g.shape} and {lse.shape}")
+  return logits.shape, logits.dtype
+
+
+# The pieces of a cross-entropy whose classes are split over ranks (vocabulary parallelism), each one pass over this
+# rank's logits (N, C), classes [start, start + C) of the whole: the stats are, per row, the max, the sum of
+# exp(x - max) and the target's logit (0 where the target is not in this rank's range), in float32 (float64 for
+# float64 logits; half logits are read as they are), so that the ranks combine them into the whole row's logsumexp
+# (lse) and target logit. The gradient of the loss lse - x[target] is g (softmax - onehot(target)) with
+# softmax = exp(x - lse), written in the logits' dtype; 0 where target is ignore_index.
+cross_entropy_stats_op = op("cross_entropy_stats", lambda logits, target, start: [
+  _rows_rule("cross_entropy_stats", logits, target)] * 3, multi=True, inputs="logits target", attrs="start:int")
+cross_entropy_lse_backward_op = op("cross_entropy_lse_backward", _cross_entropy_lse_backward_rule,
+                                   inputs="g logits target lse", attrs="start:int ignore_index:int")
+
+
 def cross_entropy(input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
   """Softmax cross-entropy of logits `input` (N, C) or (N, C, d...) against class indices `target`;
   targets equal to ignore_index count neither in the loss nor in the mean."""

@@ -87,6 +87,31 @@ def test_ring_attention_equals_attention_on_the_whole_sequence(world, causal):
     np.testing.assert_allclose(host(p.grad), host(shard_sequence(w.grad, None, dim=2)), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("N,V,start,C", [(37, 12, 4, 4), (9, 10000, 5000, 5000), (3, 50304, 0, 50304)], ids=str)
+def test_vocab_parallel_cross_entropy_kernels_match_float64(N, V, start, C, dtype):
+  """cross_entropy_stats and cross_entropy_lse_backward on the GPU (classes [start, start + C) of V: a strided slice,
+  rows longer than one 4096 tile) against the float64 numpy kernels on the same rounded logits, with ignored rows,
+  targets on other ranks and a broadcast g (a mean's)."""
+  rng = np.random.default_rng(5)
+  full = bt.from_numpy(rng.standard_normal((N, V)) * 4).to(dtype)
+  target = rng.integers(0, V, N)
+  target[::5] = -100
+  outs = {}
+  for device in ("cuda", "cpu"):
+    x = (full.to("cuda") if device == "cuda" else full.double())[:, start:start + C]
+    t = bt.from_numpy(target).to(device)
+    stats = bt.ops.nn.cross_entropy_stats_op(x, t, start=start)
+    lse = bt.from_numpy(np.log(np.exp(host(full.double()) - 3).sum(1)) + 3).to(device).to(stats[0].dtype)
+    g = bt.full((), 0.7, dtype=stats[0].dtype, device=device).expand(N)
+    outs[device] = [*stats, bt.ops.nn.cross_entropy_lse_backward_op(g, x, t, lse, start=start, ignore_index=-100)]
+  assert [a.dtype for a in outs["cuda"]] == [bt.float32] * 3 + [dtype]
+  tol = 1e-5 if dtype is bt.float32 else 1e-2
+  for name, a, b in zip(("max", "sum", "picked", "grad"), outs["cuda"], outs["cpu"]):
+    a, b = host(a).astype(np.float64), host(b)
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, np.abs(b).max()), err_msg=name)
+
+
 @pytest.mark.parametrize("dtype,tol", [(bt.float32, 2e-4), (bt.bfloat16, 4e-2)], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", [(2, 3, 40, 72, 64), (1, 2, 65, 65, 80), (3, 1, 17, 129, 32)], ids=str)

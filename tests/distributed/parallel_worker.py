@@ -143,6 +143,47 @@ def case_tp_gpt(mode, r, n):
           "params": sum(p.numel() for p in gpt().parameters())}
 
 
+def case_uneven_chunks(r, n):
+  """The overlapped layers with chunks of unequal sizes (a batch of 5 in 3 chunks, 7 x 2 tokens in 3): outputs and
+  gradients against the same layers in one chunk, float64, with and without sequence parallelism."""
+  rng = np.random.default_rng(6)
+  err = {}
+  for sp in (False, True):
+    x = rng.standard_normal((5, 2 * n, 8))  # this rank's part of the sequence with SP, else the whole input
+    g = rng.standard_normal((5, 2 * n if not sp else 2, 8))
+    results = []
+    for chunks in (1, 3):
+      bt.manual_seed(0)
+      col = ColumnParallelLinear(8, 4 * n, sequence_parallel=sp, overlap_chunks=chunks, dtype=bt.float64)
+      row = RowParallelLinear(4 * n, 8, sequence_parallel=sp, overlap_chunks=chunks, dtype=bt.float64)
+      xt = bt.from_numpy(x if not sp else x[:, :2]).requires_grad_()
+      y = row(col(xt).relu())
+      y.backward(bt.from_numpy(g))
+      results.append([y.detach().numpy(), xt.grad.numpy(), col.weight.grad.numpy(), col.bias.grad.numpy(),
+                      row.weight.grad.numpy()])
+    for name, a, b in zip(("y", "dx", "dw_col", "db_col", "dw_row"), *results): err[f"{name}_{sp}"] = diff(a, b)
+  return {k: worst(v) for k, v in err.items()}
+
+
+def case_gradient_buckets(r, n):
+  """all_reduce_gradients over buckets of a few gradients (a cap of 300 bytes), float64 and float32 gradients
+  interleaved, one larger than the cap, one parameter without a gradient: each gradient the ranks' average."""
+  shapes = [(3, 4), (5,), (7, 9), (2,), (4, 4), (6,)]
+  dtypes = [bt.float64, bt.float64, bt.float64, bt.float32, bt.float32, bt.float64]
+  ranks = [[np.random.default_rng(10 * k + i).standard_normal(s) for i, s in enumerate(shapes)] for k in range(n)]
+  params = [bt.zeros(s, dtype=d) for s, d in zip(shapes, dtypes)]
+  for p, g, d in zip(params, ranks[r], dtypes): p.grad = bt.tensor(g).to(d)  # a copy: reduced in place
+  params[4].grad = None
+  all_reduce_gradients(params, bucket_cap_mb=300 / 2**20)
+  err = {"missing": float(params[4].grad is not None)}
+  for i, (p, d) in enumerate(zip(params, dtypes)):
+    if i == 4: continue
+    want = np.mean([ranks[k][i] for k in range(n)], 0)
+    err[f"grad_{i}"] = diff(p.grad.numpy(), want) / (1e-6 if d is bt.float32 else 1e-12)
+    err[f"dtype_{i}"] = float(p.grad.dtype is not d)
+  return {k: worst(v) for k, v in err.items()}
+
+
 def case_dp_tp(r, n):
   """4 ranks: tensor-parallel pairs {0, 1}, {2, 3} (sequence parallel), data parallel across them ({0, 2}, {1, 3})
   with DDP; each pair trains on half the batch, against one process on the whole batch. No ignored targets: DDP
@@ -249,6 +290,7 @@ if __name__ == "__main__":
   r, n = dist.get_rank(), dist.get_world_size()
   name, args = sys.argv[1], sys.argv[2:]
   out = {"cross_entropy": case_cross_entropy, "tp_gpt": case_tp_gpt, "dp_tp": case_dp_tp,
+         "uneven_chunks": case_uneven_chunks, "gradient_buckets": case_gradient_buckets,
          "ring_attention": case_ring_attention, "cp_gpt": case_cp_gpt,
          "dp_cp": case_dp_cp, "tp_cp": case_tp_cp}[name](*args, r, n)
   if r == 0: print(json.dumps({"case": name, "world": n, **out}), flush=True)

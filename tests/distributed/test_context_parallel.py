@@ -30,6 +30,12 @@ def test_data_parallel_over_context_parallel_pairs_trains_as_one_process():
   assert out["full"] < 1e-10, out
 
 
+def test_gradients_all_reduced_in_buckets_are_the_ranks_average():
+  (out,) = mpirun(3, "gradient_buckets", worker=WORKER)
+  assert out.pop("world") == 3 and out.pop("case") == "gradient_buckets"
+  assert all(v < 1 for v in out.values()), out  # the errors in units of each dtype's tolerance
+
+
 def test_load_balancing_permutation_and_bad_inputs():
   import blutrain as bt
   from blutrain.nn.parallel.context_parallel import load_balance_indices, ring_attention

@@ -24,6 +24,12 @@ def test_tensor_parallel_gpt_trains_as_the_whole_model(world, mode):
   assert out["local_params"] < out["params"] / world + 1100, out
 
 
+def test_overlapped_layers_with_chunks_of_unequal_sizes_equal_one_chunk():
+  (out,) = mpirun(2, "uneven_chunks", worker=WORKER)
+  assert out.pop("world") == 2 and out.pop("case") == "uneven_chunks"
+  assert all(v < 1e-12 for v in out.values()), out
+
+
 def test_data_parallel_over_tensor_parallel_pairs_trains_as_one_process():
   (out,) = mpirun(4, "dp_tp", worker=WORKER)  # the groups from init_device_mesh("cpu", (2, 2))
   assert out.pop("mesh") == 0.0

@@ -192,7 +192,10 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
            b("embedding", weight, tokens), b("embedding_backward", b("embedding", weight, tokens), tokens, num=10),
            b("cross_entropy", x, target, ignore_index=-100),
            b("cross_entropy_backward", b("exp", b("sum", x, dims=(1,), keepdim=False, dtype=f32)), x, target,
-             ignore_index=-100)]
+             ignore_index=-100),
+           *b("cross_entropy_stats", bhalf, target, start=1),
+           b("cross_entropy_lse_backward", b("slice", y, index=((0, 3, 1),)), x, target,
+             b("sum", pos, dims=(1,), keepdim=False, dtype=f32), start=1, ignore_index=-100)]
   q, k = b("view", x, shape=(1, 3, 4)), b("view", pos, shape=(1, 3, 4))
   att = b("flash_attention", q, k, k, causal=True, scale=0.5)
   outs += [att, b("flash_attention", q, k, q, causal=False, scale=1.0),

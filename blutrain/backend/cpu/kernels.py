@@ -215,6 +215,33 @@ def _cross_entropy_backward(g, logits, target, ignore_index):
   return p * (g * valid)[:, None]
 
 
+def _rows(logits):
+  """Half and float32 logits as float32 (statistics dtype), float64 as they are."""
+  return logits.astype(np.float64 if logits.dtype == np.float64 else np.float32, copy=False)
+
+
+def _local_targets(target, start, num_classes):
+  """(rows whose target is in [start, start + num_classes), the local index there, 0 elsewhere)."""
+  t = target - start
+  mine = (t >= 0) & (t < num_classes)
+  return mine, np.where(mine, t, 0)
+
+
+def _cross_entropy_stats(logits, target, start):
+  x = _rows(logits)
+  m = x.max(axis=1)
+  mine, t = _local_targets(target, start, x.shape[1])
+  return m, np.exp(x - m[:, None]).sum(axis=1), np.where(mine, x[np.arange(len(t)), t], 0).astype(x.dtype)
+
+
+def _cross_entropy_lse_backward(g, logits, target, lse, start, ignore_index):
+  x = _rows(logits)
+  p = np.exp(x - lse[:, None])
+  mine, t = _local_targets(target, start, x.shape[1])
+  p[np.nonzero(mine)[0], t[mine]] -= 1
+  return p * np.where(target == ignore_index, 0, g).astype(x.dtype)[:, None]
+
+
 # *** random ***
 
 def _rng(seed, offset) -> np.random.Generator:
@@ -396,6 +423,7 @@ kernels = {
   "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm, "add_layer_norm": _add_layer_norm,
   "layer_norm_backward": _layer_norm_backward,
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
+  "cross_entropy_stats": _cross_entropy_stats, "cross_entropy_lse_backward": _cross_entropy_lse_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
   "flash_attention_lse": _flash_attention_lse, "flash_attention_lse_backward": _flash_attention_lse_backward,
 }

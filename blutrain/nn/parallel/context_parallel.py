@@ -100,12 +100,12 @@ def unshard_sequence(x: Tensor, group: Group = None, dim: int = 1) -> Tensor:
   return gathered[(slice(None),) * dim + (inverse,)]
 
 
-def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
-  """The attention output over the union of the blocks, from each block's (output, log-sum-exp) of the same queries."""
-  if len(parts) == 1: return parts[0][0]
-  lses = ops.stack([lse for _, lse in parts])
-  total = lses.logsumexp(0)
-  return sum((lse - total).exp().unsqueeze(-1) * out for out, lse in parts)
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+  """The attention output and log-sum-exp over the union of the blocks, from each block's (output, log-sum-exp) of the
+  same queries."""
+  if len(parts) == 1: return parts[0]
+  total = ops.stack([lse for _, lse in parts]).logsumexp(0)
+  return sum((lse - total).exp().unsqueeze(-1) * out for out, lse in parts), total
 
 
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, group: Group = None, is_causal: bool = True,
@@ -123,34 +123,56 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group: Group = Non
                        f"and keys on each rank), got {L} queries and {key.shape[-2]} keys")
   n, r = dist.get_world_size(group), dist.get_rank(group)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-  kv = ops.stack([key, value])  # one tensor around the ring, so keys and values share one shift and one gradient path
-  h = L // 2
-  # partial (output, lse) of the first and second chunk of queries, float32 at least, by flash attention that returns
-  # its logsumexp: no (L, S) scores are kept, the backward recomputes them block by block
-  first, second = [], []
-  incoming = start_ring_shift(kv, group) if n > 1 else None
+  k, v, h = key, value, L // 2
+  # partial (output, lse), float32 at least, by flash attention that returns its logsumexp: no (L, S) scores are
+  # kept, the backward recomputes them block by block. `whole`: of all L queries (this rank's block, and under causal
+  # masking an earlier rank's first chunk); `second`: of the second chunk's only (a later rank's block, causal)
+  whole, second = [], []
+  # keys and values travel as one tensor, so that they share one shift and one gradient path
+  incoming = start_ring_shift(ops.stack([k, v]), group) if n > 1 else None
   for step in range(n):
     if step:  # the block that arrived; the next one travels while this one is attended
       kv, works = incoming
       for w in works: w.wait()
       if step < n - 1: incoming = start_ring_shift(kv, group)
-    k, v, src = kv[0], kv[1], (r - step) % n
-    if not is_causal or step == 0: out, lse = flash_attention_lse(query, k, v, is_causal, scale)
+      k, v = kv[0], kv[1]
+    src = (r - step) % n
+    if not is_causal or step == 0: whole.append(flash_attention_lse(query, k, v, is_causal, scale))
     elif src < r:  # an earlier rank: all queries come after its first chunk, and before its second
-      out, lse = flash_attention_lse(query, k[..., :h, :], v[..., :h, :], False, scale)
+      whole.append(flash_attention_lse(query, k[..., :h, :], v[..., :h, :], False, scale))
     else:          # a later rank: only the second chunk of queries comes after (all of) its keys
       second.append(flash_attention_lse(query[..., h:, :], k, v, False, scale))
-      continue
-    if not is_causal: first.append((out, lse)); continue
-    first.append((out[..., :h, :], lse[..., :h]))
-    second.append((out[..., h:, :], lse[..., h:]))
-  out = _merge(first) if not is_causal else ops.cat([_merge(first), _merge(second)], -2)
+  out, lse = _merge(whole)
+  if second:
+    tail, _ = _merge([(out[..., h:, :], lse[..., h:])] + second)
+    out = ops.cat([out[..., :h, :], tail], -2)
   return out.to(query.dtype)
 
 
-def all_reduce_gradients(parameters, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.AVG) -> None:
+def all_reduce_gradients(parameters, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.AVG,
+                         bucket_cap_mb: float = 25) -> None:
   """All-reduce the `.grad` of every parameter that has one, in the given order: for the gradients of a model whose
   ranks saw different tokens (context parallelism). Unlike DDP's buckets, which are launched in the order the backward
-  produces the gradients, the order here is the same on every rank even where the ranks' graphs differ."""
-  for p in parameters:
-    if p.grad is not None: dist.all_reduce(p.grad, op, group=group)
+  produces the gradients, the order here is the same on every rank even where the ranks' graphs differ. Consecutive
+  gradients of one dtype go in buckets of up to `bucket_cap_mb` MiB, each concatenated and reduced by one call (a
+  gradient larger than that alone, in place), so a model's hundreds of tensors cost tens of collectives; the reduced
+  gradients are views of their bucket (as DDP's are of its buffers), so nothing is copied back."""
+  cap, bucket = bucket_cap_mb * 2**20, []
+
+  def flush() -> None:
+    if len(bucket) == 1: dist.all_reduce(bucket[0].grad, op, group=group)
+    elif bucket:
+      flat = ops.cat([p.grad.reshape(-1) for p in bucket])
+      dist.all_reduce(flat, op, group=group)
+      for p, part in zip(bucket, flat.split([p.grad.numel() for p in bucket])): p.grad = part.view(p.grad.shape)
+    bucket.clear()
+
+  with no_grad():
+    for p in parameters:
+      g = p.grad
+      if g is None: continue
+      size = g.numel() * g.dtype.itemsize
+      if bucket and (g.dtype is not bucket[0].grad.dtype or
+                     sum(b.grad.numel() for b in bucket) * g.dtype.itemsize + size > cap): flush()
+      bucket.append(p)
+    flush()

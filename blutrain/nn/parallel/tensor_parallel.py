@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from blutrain import distributed as dist, dtypes, nn, ops
+from blutrain import backends, distributed as dist, dtypes, nn, ops
 from blutrain.autograd.tape import is_grad_enabled, no_grad, record
 from blutrain.nn import functional as F
 from blutrain.nn.module import Module, Parameter
-from blutrain.ops.core import Op
+from blutrain.ops.core import Op, autocast_inputs
+from blutrain.ops.linalg import matmul_op
 from blutrain.tensor import Tensor
 
 Group = dist.ProcessGroup | None
@@ -39,12 +40,30 @@ def _all_reduce(x: Tensor, group: Group, dim: int) -> Tensor:
   return out
 
 
+def to_rank_major(x: Tensor, n: int, dim: int) -> Tensor:
+  """x's dim cut into n blocks, the blocks stacked along dim 0 (the layout reduce_scatter_tensor reads and
+  all_gather_into_tensor writes: rank r's block r-th), contiguous; a view of x wherever the layout allows (dim 0, or
+  a group of one), else one copy. Differentiable."""
+  _check_divisible("to_rank_major", x, dim, n)
+  s = tuple(x.shape)
+  blocks = x.reshape(*s[:dim], n, s[dim] // n, *s[dim + 1:]).permute(dim, *range(dim), *range(dim + 1, x.ndim + 1))
+  return blocks.contiguous().reshape(n * blocks.shape[1], *blocks.shape[2:])
+
+
+def from_rank_major(x: Tensor, n: int, dim: int) -> Tensor:
+  """The inverse of to_rank_major: the n blocks stacked along x's dim 0 joined along dim; a view wherever the layout
+  allows, else one copy. Differentiable."""
+  block = (x.shape[0] // n, *x.shape[1:])
+  joined = x.reshape(n, *block).permute(*range(1, dim + 1), 0, *range(dim + 1, len(block) + 1))
+  return joined.reshape(*block[:dim], n * block[dim], *block[dim + 1:])
+
+
 def _all_gather(x: Tensor, group: Group, dim: int) -> Tensor:
   n = dist.get_world_size(group)
-  front = x.detach().transpose(0, dim).contiguous()  # all_gather_into_tensor concatenates along the first dim
-  out = ops.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-  dist.all_gather_into_tensor(out, front, group=group)
-  return out.transpose(0, dim).contiguous()
+  x = x.detach().contiguous()
+  out = ops.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+  dist.all_gather_into_tensor(out, x, group=group)
+  return from_rank_major(out, n, dim)
 
 
 def _check_divisible(name: str, x: Tensor, dim: int, n: int) -> None:
@@ -56,10 +75,9 @@ def _check_divisible(name: str, x: Tensor, dim: int, n: int) -> None:
 def _reduce_scatter(x: Tensor, group: Group, dim: int) -> Tensor:
   n = dist.get_world_size(group)
   _check_divisible("reduce_scatter_to_sequence_parallel", x, dim, n)
-  front = x.detach().transpose(0, dim).contiguous()
-  out = ops.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
-  dist.reduce_scatter_tensor(out, front, group=group)
-  return out.transpose(0, dim).contiguous()
+  out = ops.empty((*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:]), dtype=x.dtype, device=x.device)
+  dist.reduce_scatter_tensor(out, to_rank_major(x.detach(), n, dim), group=group)
+  return out
 
 
 def _split(x: Tensor, group: Group, dim: int) -> Tensor:
@@ -145,6 +163,33 @@ def _check_chunks(name: str, chunks: int) -> None:
     raise ValueError(f"{name}: overlap_chunks must be a positive int, got {chunks!r}")
 
 
+# *** the overlapped layers: chunked forward, one tape node ***
+# The forward runs in chunks, each chunk's collective in flight while another chunk's GEMM runs; the backward has
+# nothing to overlap (the duals run synchronously), so the chunks make one node whose VJP is the dual collective on the
+# whole gradient, once, and matmul's own VJP (blutrain.ops.linalg) on the whole of x @ w^T.
+
+def _matmul_grads(g: Tensor, x: Tensor, wt: Tensor) -> tuple[Tensor, Tensor]:
+  return matmul_op.vjp(g, None, x, wt, tf32=x.dtype is dtypes.float32 and backends.allow_tf32())
+
+
+def _row_overlapped_vjp(g, out, x, wt, group, sequence_parallel):
+  return _matmul_grads(_all_gather(g, group, 1) if sequence_parallel else g, x, wt)
+
+
+def _column_overlapped_vjp(g, out, x, wt, gathered, group):
+  dx, dwt = _matmul_grads(g, gathered, wt)
+  return _reduce_scatter(dx, group, 1), dwt, None
+
+
+_row_overlapped_node = Op("row_parallel_linear_overlapped", None, _row_overlapped_vjp, saves=(0, 1))
+_column_overlapped_node = Op("column_parallel_linear_overlapped", None, _column_overlapped_vjp, saves=(1, 2))
+
+
+def _record(node: Op, inputs: tuple, attrs: dict, out: Tensor) -> Tensor:
+  if is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs): record(node, inputs, attrs, out)
+  return out
+
+
 # *** layers ***
 
 def _shard(w: Tensor, dim: int, group: Group, parts: int = 1) -> Tensor:
@@ -209,17 +254,30 @@ class ColumnParallelLinear(Module):
     return gather_from_parallel(y, g, -1) if self.gather_output else y
 
   def _overlapped(self, x: Tensor) -> Tensor:
-    """The sequence-parallel all-gather in chunks of the batch, the next chunk's gather in flight during this GEMM."""
-    # the sequence in front, where all_gather_into_tensor concatenates
-    gather = lambda c: start_collective("gather_from_sequence_parallel", c.transpose(0, 1), self.process_group)
-    chunks, outs = x.chunk(self.overlap_chunks, 0), []
-    pending = gather(chunks[0])
-    for i in range(len(chunks)):
-      full, work = pending
-      if i + 1 < len(chunks): pending = gather(chunks[i + 1])
-      work.wait()
-      outs.append(F.linear(full.transpose(0, 1), self.weight, self.bias))
-    return ops.cat(outs, 0)
+    """The sequence-parallel all-gather in chunks of the batch, the next chunk's gather in flight during this GEMM;
+    the chunks are gathered into one buffer, whose whole the backward reads (one reduce-scatter of dx)."""
+    g, n, k = self.process_group, dist.get_world_size(self.process_group), self.overlap_chunks
+    x, w, b = autocast_inputs("linear", x, self.weight, self.bias)
+    wt = w.mT
+    with no_grad():
+      chunks = x.detach().chunk(k, 0)
+      # chunk i's ranks' parts stacked along dim 0 in buf[i] (a whole batch chunk per slot; the last may be short)
+      buf = ops.empty((len(chunks), n * chunks[0].shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+      slot = lambda i: buf[i, :n * chunks[i].shape[0]]
+      gather = lambda i: dist.all_gather_into_tensor(slot(i), chunks[i].contiguous(), group=g, async_op=True)
+      pending, outs = gather(0), []
+      for i in range(len(chunks)):
+        work = pending
+        if i + 1 < len(chunks): pending = gather(i + 1)
+        work.wait()
+        outs.append(ops.matmul(from_rank_major(slot(i), n, 1), wt))
+      y = ops.cat(outs, 0)
+      if len(chunks) * chunks[0].shape[0] == x.shape[0]:  # equal chunks: buf is (chunk, rank, batch in chunk, ...)
+        whole = buf.reshape(len(chunks), n, *chunks[0].shape).transpose(1, 2)  # a view for a group of one
+        gathered = whole.reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+      else: gathered = ops.cat([from_rank_major(slot(i), n, 1) for i in range(len(chunks))], 0)
+    y = _record(_column_overlapped_node, (x, wt, gathered), {"group": g}, y)
+    return y if b is None else y + b
 
 
 class RowParallelLinear(Module):
@@ -263,26 +321,41 @@ class RowParallelLinear(Module):
       if linear.bias is not None: m.bias.copy_(linear.bias.detach())
     return m
 
+  def _overlapped(self, x: Tensor) -> Tensor:
+    """x W^T in chunks (of the batch with sequence_parallel, else of the tokens), each chunk's reduction started as
+    soon as its GEMM is done; one node for the backward (one all-gather of the gradient with sequence_parallel)."""
+    g, n, sp = self.process_group, dist.get_world_size(self.process_group), self.sequence_parallel
+    x, w = autocast_inputs("linear", x, self.weight)
+    wt = w.mT
+    with no_grad():
+      if sp:  # each chunk's reduce-scatter into its rows of one output
+        _check_divisible("RowParallelLinear", x, 1, n)
+        y = ops.empty((x.shape[0], x.shape[1] // n, *x.shape[2:-1], wt.shape[1]), dtype=x.dtype, device=x.device)
+        works, start = [], 0
+        for c in x.detach().chunk(self.overlap_chunks, 0):
+          out, start = y[start:start + c.shape[0]], start + c.shape[0]
+          works.append(dist.reduce_scatter_tensor(out, to_rank_major(ops.matmul(c, wt), n, 1), group=g, async_op=True))
+        for work in works: work.wait()
+      else:  # in place: each chunk's GEMM output is fresh
+        started = [(y, dist.all_reduce(y, group=g, async_op=True))
+                   for y in (ops.matmul(c, wt) for c in x.detach().reshape(-1, x.shape[-1]).chunk(self.overlap_chunks))]
+        for _, work in started: work.wait()
+        y = ops.cat([out for out, _ in started], 0).reshape(*x.shape[:-1], wt.shape[1])
+    return _record(_row_overlapped_node, (x, wt), {"group": g, "sequence_parallel": sp}, y)
+
   def forward(self, x: Tensor) -> Tensor:
     g = self.process_group
     if not self.input_is_parallel: x = scatter_to_parallel(x, g, -1)
-    if self.overlap_chunks > 1 and self.sequence_parallel:
-      started = [start_collective("reduce_scatter_to_sequence_parallel", F.linear(c, self.weight).transpose(0, 1), g)
-                 for c in x.chunk(self.overlap_chunks, 0)]  # the sequence in front for the reduce-scatter
-      for _, work in started: work.wait()
-      y = ops.cat([out.transpose(0, 1) for out, _ in started], 0)
-      return y if self.bias is None else y + copy_to_parallel(self.bias, g)
     if self.overlap_chunks > 1:
-      started = [start_collective("reduce_from_parallel", F.linear(c, self.weight), g)
-                 for c in x.reshape(-1, x.shape[-1]).chunk(self.overlap_chunks)]
-      for _, work in started: work.wait()
-      y = ops.cat([out for out, _ in started]).reshape(*x.shape[:-1], self.out_features)
-      return y if self.bias is None else y + self.bias
+      y = self._overlapped(x)
+      if self.bias is None: return y
+      return y + (copy_to_parallel(self.bias, g) if self.sequence_parallel else self.bias)
     y = F.linear(x, self.weight)
     if self.sequence_parallel:
       y = reduce_scatter_to_sequence_parallel(y, g, 1)
       return y if self.bias is None else y + copy_to_parallel(self.bias, g)  # each rank adds it to its tokens only
-    y = reduce_from_parallel(y, g)
+    y, work = start_collective("reduce_from_parallel", y, g)  # in place: the GEMM's output is fresh, and saved by none
+    work.wait()
     return y if self.bias is None else y + self.bias
 
 
@@ -333,12 +406,22 @@ def unshard(module: Module, name: str, group: Group = None) -> Tensor:
   return whole.reshape(n, parts, -1, *p.shape[1:]).transpose(0, 1).reshape(whole.shape).contiguous()
 
 
+def _vocab_parallel_ce_vjp(g, out, logits, target, lse, start, ignore_index):
+  return ops.nn.cross_entropy_lse_backward_op(g, logits, target, lse, start=start, ignore_index=ignore_index), None, None
+
+
+# the loss's node: its gradient is g (softmax - onehot) from the whole rows' logsumexp, which no rank's ops compute
+_vocab_parallel_ce_node = Op("vocab_parallel_cross_entropy", None, _vocab_parallel_ce_vjp, saves=(0, 1, 2))
+
+
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, process_group: Group = None,
                                  ignore_index: int = -100, reduction: str = "mean") -> Tensor:
   """F.cross_entropy of logits whose last dim (the vocabulary) is split over the ranks, without gathering them:
-  the row maxima are all-reduced (MAX), then the sums of exponentials and the target logits (SUM), so the
-  communication is three numbers a row. `logits` (..., V / n) is this rank's slice (rank r holds classes
-  [r V/n, (r+1) V/n)); `target` (...) holds whole-vocabulary indices. Every rank gets the same loss."""
+  one pass over this rank's logits gives each row's max, sum of exponentials and target logit (`cross_entropy_stats`),
+  the maxima are all-reduced (MAX), then the rescaled sums with the target logits (SUM): two numbers a row more. The
+  backward is one pass too (`cross_entropy_lse_backward`). `logits` (..., V / n) is this rank's slice (rank r holds
+  classes [r V/n, (r+1) V/n)), of any floating dtype (half logits are read as they are, the loss is float32);
+  `target` (...) holds whole-vocabulary indices. Every rank gets the same loss."""
   if reduction not in ("mean", "sum", "none"):
     raise ValueError(f"vocab_parallel_cross_entropy: unknown reduction {reduction!r}")
   if tuple(target.shape) != tuple(logits.shape[:-1]):
@@ -346,17 +429,18 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, process_group: 
                      f"shape {tuple(logits.shape)}; expected a target of shape {tuple(logits.shape[:-1])}")
   lead, local = tuple(target.shape), logits.shape[-1]
   logits, target = logits.reshape(-1, local), target.reshape(-1)
-  if logits.dtype.itemsize < 4: logits = logits.to(dtypes.float32)  # 16-bit logits (autocast): the sums in float32
   start = dist.get_rank(process_group) * local
   with no_grad():
-    top = logits.detach().amax(-1)
+    row_max, sum_exp, picked = ops.nn.cross_entropy_stats_op(logits, target, start=start)
+    top = row_max.clone()
     dist.all_reduce(top, dist.ReduceOp.MAX, group=process_group)
-  shifted = logits - top.unsqueeze(-1)  # the loss does not depend on the shift: no gradient through it is needed
-  sum_exp = reduce_from_parallel(shifted.exp().sum(-1), process_group)
-  mine = (target >= start) & (target < start + local)
-  picked = shifted.gather(1, (target - start).clamp(0, local - 1).unsqueeze(1)).squeeze(1) * mine.to(logits.dtype)
-  valid = target != ignore_index
-  losses = (sum_exp.log() - reduce_from_parallel(picked, process_group)) * valid.to(logits.dtype)
+    sums = ops.stack([sum_exp * (row_max - top).exp(), picked])  # one all-reduce for both
+    dist.all_reduce(sums, group=process_group)
+    lse = top + sums[0].log()
+    valid = target != ignore_index
+    losses = ops.where(valid, lse - sums[1], 0.0)
+  if is_grad_enabled() and logits.requires_grad:
+    record(_vocab_parallel_ce_node, (logits, target, lse), {"start": start, "ignore_index": ignore_index}, losses)
   if reduction == "none": return losses.reshape(lead)
   if reduction == "sum": return losses.sum()
   return losses.sum() / valid.sum().to(losses.dtype)

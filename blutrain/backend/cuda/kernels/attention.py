@@ -284,16 +284,18 @@ _FNS = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv}
 @functools.lru_cache(maxsize=None)
 def attention_spec(kernel: str, dtype: DType, head_dim: int, causal: bool, precision: str = "tf32",
                    aligned: bool = True, have_lse: bool = True, packed: bool = False) -> Spec:
-  """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides; `packed`:
-  flash_attention_lse's (the forward writes a float32 output with the logsumexp in column D, dq takes dlse)."""
+  """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides (but for the
+  packed forward's output, of rows D + 1 wide: never promised); `packed`: flash_attention_lse's (the forward writes a
+  float32 output with the logsumexp in column D, dq takes dlse)."""
   block_d = max(16, next_pow2(head_dim))
   bm, bn, warps, stages = attention_schedule(kernel, dtype.itemsize, block_d)
-  div = ":16" if aligned else ""
-  fp32 = ("LSE", "DELTA", "DLSE") + (("O",) if packed and kernel == "fwd" else ())
-  sig = {name: ("*fp32" if name in fp32 else "*" + TY[dtype]) + div for name in _PTRS[kernel].split()}
+  packed_out = packed and kernel == "fwd"
+  div = lambda name: ":16" if aligned and not (packed_out and name in ("O", "soz", "soh", "som")) else ""
+  fp32 = ("LSE", "DELTA", "DLSE") + (("O",) if packed_out else ())
+  sig = {name: ("*fp32" if name in fp32 else "*" + TY[dtype]) + div(name) for name in _PTRS[kernel].split()}
   sig |= {"qk_scale": "fp32", "L": "i32", "S": "i32", "D": "i32"} | ({} if kernel == "fwd" else {"sm_scale": "fp32"})
   for name in _FNS[kernel].arg_names:
-    if name[0] == "s" and len(name) == 3: sig[name] = ("i64" if name[2] in "zh" else "i32") + div  # strides
+    if name[0] == "s" and len(name) == 3: sig[name] = ("i64" if name[2] in "zh" else "i32") + div(name)  # strides
   consts = {"CAUSAL": causal, "EVEN_D": block_d == head_dim, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d,
             "PRECISION": precision}
   if kernel == "dq": consts["HAVE_LSE"] = have_lse
@@ -339,21 +341,27 @@ def _check(q: CudaArray, k: CudaArray, v: CudaArray) -> None:
 
 
 # The forward's logsumexp, kept beside its output's memory (a primitive has one output) so that the backward need
-# not recompute it. NOTE: a cache, not a contract: the backward recomputes the lse when no entry matches.
-_saved_lse: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # output's owner -> {call key: lse}
+# not recompute it: flash_attention's under its output, flash_attention_lse's (whose backward gets its output cast
+# to q's dtype, a new array) under q, which the op's node holds until the backward. NOTE: a cache, not a contract:
+# the backward recomputes the lse when no entry matches.
+_saved_lse: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # anchor's owner -> {call key: lse}
 
 
 def _lse_key(out: CudaArray, k: CudaArray, causal: bool, scale: float) -> tuple:
   return (out.ptr, out.shape, out.strides, k.shape, causal, scale)
 
 
-def _remember(out: CudaArray, key: tuple, lse: CudaArray) -> None:
-  try: _saved_lse.setdefault(out.owner, {})[key] = lse
+def _inputs_key(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float) -> tuple:
+  return tuple((a.ptr, a.shape, a.strides, a.dtype) for a in (q, k, v)) + (causal, scale)
+
+
+def _remember(anchor: CudaArray, key: tuple, lse: CudaArray) -> None:
+  try: _saved_lse.setdefault(anchor.owner, {})[key] = lse
   except TypeError: pass  # an owner that takes no weak reference (memory imported by DLPack): no cache
 
 
-def _recall(out: CudaArray, key: tuple) -> CudaArray | None:
-  try: return _saved_lse.get(out.owner, {}).get(key)
+def _recall(anchor: CudaArray, key: tuple) -> CudaArray | None:
+  try: return _saved_lse.get(anchor.owner, {}).get(key)
   except TypeError: return None
 
 
@@ -368,7 +376,8 @@ def _forward(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: floa
   out = empty(q.shape[:-1] + (width,), dtypes.float32 if packed else q.dtype, q.device)
   so = (H * L * width, L * width, width)
   lse = empty((Z * H * L,), dtypes.float32, q.device)
-  aligned = _aligned((q, k, v, out, lse), sq + sk + sv + so)
+  # the packed output's rows (D + 1 wide) are never aligned: the spec promises nothing of them, the inputs may be
+  aligned = _aligned((q, k, v, lse) + (() if packed else (out,)), sq + sk + sv + (() if packed else so))
   s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), aligned, packed=packed)
   grid = (cdiv(L, s[2]["BLOCK_M"]), H, Z)
   run(s, grid, q, k, v, out, lse, scale * _LOG2E, L, S, D, *sq, *sk, *sv, *so)
@@ -384,14 +393,17 @@ def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scal
 def flash_attention_lse(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float,
                         tf32: bool = False) -> CudaArray:
   """(..., L, D + 1) float32: the output and, in column D, each query's natural logsumexp."""
-  return _forward(q, k, v, causal, scale, tf32, True)[0]
+  out, lse = _forward(q, k, v, causal, scale, tf32, True)
+  _remember(q, _inputs_key(q, k, v, causal, scale), lse)
+  return out
 
 
 def _backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool, scale: float,
               tf32: bool, glse: CudaArray | None) -> tuple[CudaArray, CudaArray, CudaArray]:
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
-  lse = _recall(out, _lse_key(out, k, causal, scale))
+  lse = (_recall(out, _lse_key(out, k, causal, scale)) if glse is None else
+         _recall(q, _inputs_key(q, k, v, causal, scale)))
   batch = q.shape[:-2]
   (q, sq), (k, sk), (v, sv), (out, so), (g, sg) = (_operand(a, nb) for a in (q, k, v, out, g))
   (Z, H), _ = _batch(q, nb)
@@ -426,7 +438,8 @@ def flash_attention_lse_backward(g: CudaArray, glse: CudaArray, q: CudaArray, k:
                                  out: CudaArray, causal: bool, scale: float,
                                  tf32: bool = False) -> tuple[CudaArray, CudaArray, CudaArray]:
   """flash_attention_lse's (dq, dk, dv) from the output's gradient g, the logsumexp's glse ((..., L) float32) and the
-  output `out` in q's dtype; the logsumexp is recomputed by the dq kernel (a cheap pass: no P V product)."""
+  output `out` in q's dtype; the logsumexp is the forward's (kept under q), else recomputed by the dq kernel (a cheap
+  pass: no P V product)."""
   return _backward(g, q, k, v, out, causal, scale, tf32, glse)
 
 
@@ -442,9 +455,11 @@ def _specs() -> list[Spec]:
     out += [attention_spec(kernel, dtypes.bfloat16, d, True) for d in (32, 128, 80)]
   out.append(attention_spec("dq", dtypes.bfloat16, 64, True, have_lse=False))
   out.append(attention_spec("dq", dtypes.float32, 64, False, "tf32x3", have_lse=False))
-  out += [attention_spec("fwd", dtypes.bfloat16, 64, True, aligned=False, packed=True),   # flash_attention_lse
+  out += [attention_spec("fwd", dtypes.bfloat16, 64, True, packed=True),   # flash_attention_lse
+          attention_spec("fwd", dtypes.bfloat16, 64, True, aligned=False, packed=True),
           attention_spec("fwd", dtypes.float32, 64, False, "tf32x3", aligned=False, packed=True),
           attention_spec("dq", dtypes.bfloat16, 64, True, have_lse=False, packed=True),
+          attention_spec("dq", dtypes.bfloat16, 64, True, packed=True),
           attention_spec("dq", dtypes.float32, 64, False, "tf32x3", aligned=False, have_lse=False, packed=True)]
   return out
 

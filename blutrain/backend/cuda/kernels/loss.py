@@ -5,6 +5,10 @@ once: one read of the logits, no softmax stored. The backward recomputes the sta
 (softmax - onehot(target)) * g in a second pass: two reads and one write of (N, C), never a softmax tensor.
 Vocabularies of any size are walked in tiles of 4096 (GPT-2's 50304 takes 13).
 
+cross_entropy_stats and cross_entropy_lse_backward are the vocabulary-parallel loss's halves: the first reads the
+logits once for each row's max, sum of exponentials and target logit (the ranks combine them into the row's
+logsumexp), the second writes (exp(x - lse) - onehot(target)) * g from that logsumexp in one read and one write.
+
 Half logits are read as they are and computed on in float32; the losses come in the dtype asked for (float32 when
 Nova folds autocast's cast of the logits into the forward), the gradient in the logits' dtype, from g of any floating
 dtype. Targets equal to ignore_index give a zero loss and gradient. A target out of [0, C) makes that row's loss and
@@ -74,6 +78,50 @@ def _ce_backward(out, g, logits, target, N, C, row_stride, class_stride, target_
     tl.store(out + (rows * C)[:, None] + cs[None, :], d.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _ce_stats(row_max_out, sum_out, picked_out, logits, target, N, C, row_stride, class_stride, target_stride, start,
+              ACC: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              IDX64: tl.constexpr):
+  """Per row: max, sum of exp(x - max), and x[target - start] (0 where that is outside [0, C)), in one read."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_mask = rows < N
+  row_max, row_sum = row_stats(logits, rows * row_stride, m_mask, C, class_stride, ACC, C_UNIT, BLOCK_M, BLOCK_N)
+  t = tl.load(target + rows * target_stride, mask=m_mask, other=0).to(tl.int64) - start
+  mine = (t >= 0) & (t < C)
+  picked = tl.load(logits + rows * row_stride + t * class_stride, mask=m_mask & mine, other=0).to(ACC)
+  tl.store(row_max_out + rows, row_max, mask=m_mask)
+  tl.store(sum_out + rows, row_sum, mask=m_mask)
+  tl.store(picked_out + rows, picked, mask=m_mask)
+
+
+@triton.jit
+def _ce_lse_backward(out, g, logits, target, lse, N, C, row_stride, class_stride, target_stride, g_stride, lse_stride,
+                     start, ignore_index, ACC: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
+  """out[n, c] = (exp(logits[n, c] - lse[n]) - (c == target[n] - start)) * g[n], 0 where target[n] is ignore_index;
+  out is contiguous (N, C). One read of the logits: the row's logsumexp is given."""
+  pid = tl.program_id(0)
+  if IDX64:
+    pid = pid.to(tl.int64)
+  rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_mask = rows < N
+  t = tl.load(target + rows * target_stride, mask=m_mask, other=ignore_index).to(tl.int64)
+  gt = tl.load(g + rows * g_stride, mask=m_mask, other=0).to(ACC)
+  gt = tl.where(t == ignore_index, 0.0, gt)
+  t = t - start
+  row_lse = tl.load(lse + rows * lse_stride, mask=m_mask, other=0).to(ACC)
+  for c0 in range(0, C, BLOCK_N):
+    cs = c0 + tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (cs < C)[None, :]
+    v = tl.load(logits + (rows * row_stride)[:, None] + (cs if C_UNIT else cs * class_stride)[None, :], mask=mask,
+                other=0).to(ACC)
+    d = tl.exp(v - row_lse[:, None]) * gt[:, None] - tl.where(cs[None, :] == t[:, None], gt[:, None], 0.0)
+    tl.store(out + (rows * C)[:, None] + cs[None, :], d.to(out.dtype.element_ty), mask=mask)
+
+
 def _signature(logits, target, i64: bool, backward: bool, other) -> dict:
   it = "i64" if i64 else "i32"
   out, g = (logits, other) if backward else (other, None)
@@ -118,9 +166,54 @@ def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, i
   return out
 
 
+@functools.lru_cache(maxsize=4096)
+def ce_lse_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool, g=None):
+  """cross_entropy_stats (backward False) or cross_entropy_lse_backward's kernel, from g of dtype `g`."""
+  bm, bn, warps, _ = row_schedule(N, C)
+  bn = min(bn, 4096)
+  it, acc = ("i64" if i64 else "i32"), stats_dtype(logits)
+  rows = {"N": it, "C": it, "row_stride": it, "class_stride": it, "target_stride": it}
+  if backward:
+    sig = {"out": ptr(logits), "g": ptr(g), "logits": ptr(logits), "target": ptr(target), "lse": ptr(acc), **rows,
+           "g_stride": it, "lse_stride": it, "start": "i64", "ignore_index": "i64"}
+  else:
+    sig = {"row_max_out": ptr(acc), "sum_out": ptr(acc), "picked_out": ptr(acc), "logits": ptr(logits),
+           "target": ptr(target), **rows, "start": "i64"}
+  return spec(_ce_lse_backward if backward else _ce_stats, sig,
+              dict(ACC=TL[acc], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+
+
+def cross_entropy_stats(logits: CudaArray, target: CudaArray, start: int) -> tuple[CudaArray, CudaArray, CudaArray]:
+  N, C = logits.shape
+  outs = tuple(empty((N,), stats_dtype(logits.dtype), logits.device) for _ in range(3))
+  if N == 0: return outs
+  i64 = needs_i64(logits.shape, logits.strides)
+  s = ce_lse_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
+  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), *(o.ptr for o in outs), logits.ptr, target.ptr, N, C, *logits.strides,
+      target.strides[0], start)
+  return outs
+
+
+def cross_entropy_lse_backward(g: CudaArray, logits: CudaArray, target: CudaArray, lse: CudaArray, start: int,
+                               ignore_index: int) -> CudaArray:
+  N, C = logits.shape
+  out = empty((N, C), logits.dtype, logits.device)
+  if out.size == 0: return out
+  i64 = needs_i64(logits.shape, logits.strides, (C, 1))
+  s = ce_lse_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype)
+  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, lse.ptr, N, C, *logits.strides,
+      target.strides[0], g.strides[0], lse.strides[0], start, ignore_index)
+  return out
+
+
 cross_entropy_backward.writes_out = True
-KERNELS = {"cross_entropy": cross_entropy, "cross_entropy_backward": cross_entropy_backward}
+KERNELS = {"cross_entropy": cross_entropy, "cross_entropy_backward": cross_entropy_backward,
+           "cross_entropy_stats": cross_entropy_stats, "cross_entropy_lse_backward": cross_entropy_lse_backward}
 
 SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False, o) for b in (False, True)
          for dt, o in ((dtypes.float32, None), (dtypes.bfloat16, None), (dtypes.bfloat16, dtypes.float32))] + \
-        [ce_spec(b, dtypes.float64, dtypes.int32, False, 100, 10, True) for b in (False, True)]
+        [ce_spec(b, dtypes.float64, dtypes.int32, False, 100, 10, True) for b in (False, True)] + \
+        [ce_lse_spec(b, dt, dtypes.int64, True, 8192, 50304, False, dtypes.float32 if b else None)
+         for b in (False, True) for dt in (dtypes.float32, dtypes.bfloat16)] + \
+        [ce_lse_spec(b, dtypes.float64, dtypes.int32, False, 100, 10, True, dtypes.float64 if b else None)
+         for b in (False, True)]
