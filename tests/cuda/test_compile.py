@@ -89,20 +89,24 @@ def test_compiled_step_equals_eager(kind, amp, monkeypatch):
   assert step.captures == 2 and step.info["cuda_graph"] == "on"  # the first call's graph (AdamW's state), the steady
   tol = 2e-2 if amp else 2e-5
   np.testing.assert_allclose(l2, l1, rtol=tol)
-  for name in p1:  # noise-sized differences (the key slice of c_attn.bias has a zero true gradient) stay within lr
-    if amp: assert_adam_close(p2[name], p1[name], lr=1e-3, rtol=tol, atol=1e-4, what=name, outliers=1e-3)
+  for name in p1:  # noise-sized differences (the key slice of c_attn.bias, a third of it, has a zero true gradient)
+    if amp:       # move each element by up to each step's rate either way in each run: twice the schedule's sum, 3e-3
+      assert_adam_close(p2[name], p1[name], lr=2 * 3e-3, rtol=tol, atol=1e-4, what=name,
+                        outliers=0.34 if name.endswith("c_attn.bias") else 1e-3)
     else: np.testing.assert_allclose(p2[name], p1[name], atol=5e-7 + 5e-3 * name.endswith("c_attn.bias"), rtol=tol,
                                      err_msg=name)
 
 
 def test_graph_replay_equals_kernel_by_kernel(monkeypatch):
-  """The same kernels on the same buffers: losses agree bitwise. The embedding's gradient adds rows with atomics,
-  whose order differs from run to run in either mode, so the parameters agree to the last bits only."""
+  """The same kernels on the same buffers: the first loss agrees bitwise. The embedding's gradient adds rows with
+  atomics, whose order differs from run to run in either mode, so the parameters, and the losses after them, agree to
+  the last bits only."""
   l1, p1, s1 = _train("gpt", True, amp=True, monkeypatch=monkeypatch, graphs="0")
   l2, p2, s2 = _train("gpt", True, amp=True, monkeypatch=monkeypatch, graphs="1")
   assert s1.info["cuda_graph"].startswith("off") and s2.info["cuda_graph"] == "on" and s2.info["graph_nodes"] > 50
-  assert l1 == l2
-  for name in p1: np.testing.assert_allclose(p2[name], p1[name], rtol=1e-6, atol=1e-8, err_msg=name)
+  assert l1[0] == l2[0]
+  np.testing.assert_allclose(l2, l1, rtol=1e-5)
+  for name in p1: np.testing.assert_allclose(p2[name], p1[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_dropout_step_replays_as_a_graph_and_equals_eager(monkeypatch):

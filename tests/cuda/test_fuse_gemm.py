@@ -11,6 +11,7 @@ from blutrain.backend.cuda import kernels as cuda, memory
 from blutrain.models import GPT, GPTConfig
 from blutrain.nn import functional as F
 from tests.cuda.operands import host, place
+from tests.helpers import assert_adam_close
 
 pytestmark = pytest.mark.cuda
 
@@ -90,9 +91,13 @@ def test_models_compiled_equal_eager(make, autocast):
   losses, params, info = _train(make, True, autocast)
   np.testing.assert_allclose(losses, eager_losses, rtol=2e-2 if autocast else 2e-5)
   for name, a in eager_params.items():
-    # the GEMMs' rounding differs (synthesized against cuBLASLt); Adam turns the noise of a zero true gradient (the key
-    # slice of c_attn.bias: softmax ignores a bias added to every key alike) into steps of up to lr each
+    # the GEMMs' rounding differs (synthesized against cuBLASLt; under bf16 cuBLASLt's bias epilogue rounds once where
+    # eager rounds twice); Adam turns the noise of a gradient near zero (the key slice of c_attn.bias: softmax ignores
+    # a bias added to every key alike) into steps of up to lr either way in each run, over 3 steps
+    if autocast:
+      assert_adam_close(params[name], a, lr=2 * 3 * 1e-3, rtol=2e-2, atol=1e-4, what=name,
+                        outliers=0.34 if name.endswith("c_attn.bias") else 1e-3)
+      continue
     noise = 2 * 3 * 1e-3 if name.endswith("c_attn.bias") else 0.0
-    np.testing.assert_allclose(params[name], a, rtol=2e-2 if autocast else 2e-5,
-                               atol=(1e-4 if autocast else 1e-6) + noise, err_msg=name)
+    np.testing.assert_allclose(params[name], a, rtol=2e-5, atol=1e-6 + noise, err_msg=name)
   assert info["counts_after"].get("gemm", 0) >= 2 and len(info["gemms"]) == info["counts_after"]["gemm"]

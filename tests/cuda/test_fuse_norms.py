@@ -91,7 +91,7 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp):
   (eager_losses, eager_params), (losses, params) = results
   np.testing.assert_allclose(losses, eager_losses, rtol=1e-4)
   for a, b in zip(params, eager_params):  # under bf16 the compiled step's fused pointwise groups round once
-    if amp: assert_adam_close(a, b, lr=1e-2, rtol=1e-3, atol=1e-4)
+    if amp: assert_adam_close(a, b, lr=1e-2, rtol=1e-3, atol=1e-4, outliers=0.1)
     else: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
   source = open(fn.info["source"]).read()  # each residual add before a norm folds into the GEMM before it or the norm
   assert source.count('kernels["add_layer_norm"]') + source.count("epilogue='bias,residual'") == 4

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import blutrain as bt
+from blutrain.backend.cuda.kernels.cublaslt import WORKSPACE
 from blutrain.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.cuda
@@ -95,8 +96,8 @@ def test_the_first_call_holds_what_its_plan_says():
   step(x, y).item()
   info = step.info
   assert info["capture"].startswith("initial") and not step._entries, info
-  batch = 2 * x.numel() * x.dtype.itemsize
-  assert bt.cuda.max_memory_allocated() <= info["planned_peak_bytes"] + batch + (1 << 20), info
+  batch = 2 * x.numel() * x.dtype.itemsize  # and cuBLASLt's workspace for the pool's stream, made at its first GEMM
+  assert bt.cuda.max_memory_allocated() <= info["planned_peak_bytes"] + batch + WORKSPACE + (1 << 20), info
   assert bt.cuda.memory_stats()["pools_reserved_bytes.all.current"] <= 2 << 20  # what kernels keep (the error flag)
   losses = [step(x, y).item() for _ in range(3)]
   assert step.info["capture"] == "steady" and all(np.isfinite(losses))
