@@ -321,3 +321,33 @@ def test_inplace_on_view_of_leaf_raises():
   with pytest.raises(RuntimeError, match="view of a leaf"): x[0].add_(1)
   with pytest.raises(RuntimeError, match="view of a leaf"): x.T.mul_(2)
   with bt.no_grad(): x[0].add_(1)
+
+
+def test_the_backward_owns_only_the_gradients_it_holds():
+  """Slices add into an input's gradient in place only when the backward made that buffer (`owned`); an id leaves
+  `owned` when its gradient is replaced or taken, so a tensor that Python later places at a freed one's address (a
+  gradient shared with another input, say) is never added into."""
+  from blutrain.autograd import engine
+  grads, owned = {}, set()
+  a, b = bt.randn(3), bt.randn(3)
+  engine._accumulate(grads, 1, a, owned, fresh=True)
+  assert owned == {id(a)}
+  engine._accumulate(grads, 1, b, owned)
+  total = grads[1]
+  assert total is not a and owned == {id(total)}
+  assert engine._take(grads, 1, owned) is total and not owned and engine._take(grads, 1, owned) is None
+
+
+def test_slices_of_a_tensor_whose_gradient_is_shared_match_pytorch():
+  """h feeds an add (whose VJP hands one gradient to both inputs) and three slices: the slices' gradients must not
+  be added into the add's gradient in place."""
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    xs = rng.standard_normal((4, 6)).astype(np.float32)
+    x, tx = bt.tensor(xs, requires_grad=True), torch.tensor(xs, requires_grad=True)
+    for t in (x, tx):
+      h = t * 2
+      s = h + t
+      q, k, v = h[:, :2], h[:, 2:4], h[:, 4:]
+      (s.sum() * 3 + (q * k).sum() + v.exp().sum()).backward()
+    np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-5, atol=1e-6)

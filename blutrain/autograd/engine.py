@@ -47,9 +47,21 @@ def _run_hooks(hooks, g: Tensor) -> Tensor:
 
 def _accumulate(grads: dict, key: int, g: Tensor, owned: set[int] | None = None, fresh: bool = False) -> None:
   """grads[key] += g out of place; `owned` collects the ids of sums and of `fresh` gradients (memory this backward
-  made and nothing else holds), which later slices of the same input may add into in place."""
-  grads[key] = total = g if key not in grads else grads[key] + g
-  if owned is not None and (fresh or total is not g): owned.add(id(total))
+  made and nothing else holds), which later slices of the same input may add into in place. An id leaves `owned`
+  when its tensor leaves the store (`_take`), so a new tensor that Python places at a freed one's address is never
+  taken for it."""
+  prev = grads.get(key)
+  grads[key] = total = g if prev is None else prev + g
+  if owned is None: return
+  if prev is not None: owned.discard(id(prev))
+  if fresh or total is not g: owned.add(id(total))
+
+
+def _take(grads: dict, key: int, owned: set[int]):
+  """Remove and return grads[key] (None if absent), forgetting that the backward owns it."""
+  g = grads.pop(key, None)
+  if g is not None: owned.discard(id(g))
+  return g
 
 
 def _add_into_slice(node: Node, g: Tensor, store: dict, owned: set[int]) -> bool:
@@ -80,14 +92,14 @@ def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=froze
       for p in node.parents if ready is not None else ():
         if isinstance(p, Tensor):
           pending[id(p)] -= 1
-          if not pending[id(p)] and id(p) in leaf_grads: ready(leaves.pop(id(p)), leaf_grads.pop(id(p)))
+          if not pending[id(p)] and id(p) in leaf_grads: ready(leaves.pop(id(p)), _take(leaf_grads, id(p), owned))
   return leaf_grads, leaves, captured
 
 
 def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, captured: dict, owned: set,
            retain_graph: bool, capture) -> None:
   """Run one node of the reverse walk: its hooks, its VJP, and the accumulation of its inputs' gradients."""
-  g = node_grads.pop(id(node), None)
+  g = _take(node_grads, id(node), owned)
   if g is None: return
   if node.hooks: g = _run_hooks(node.hooks, g)
   if capture and id(node) in capture: captured[id(node)] = g
