@@ -75,10 +75,8 @@ def test_the_plans_peak_is_what_a_replay_holds():
   assert pool - WORKSPACE < (1 << 20), pool  # the pool's stream's workspace and kernels' temporaries
 
 
-def test_the_first_call_holds_what_its_plan_says():
-  """The first call is captured, not run eagerly: its graph (which creates AdamW's state) runs once in a pool holding
-  its plan's arena, so the device allocator's peak during it is the plan's peak (the step's inputs, the arena and the
-  copies of the state it creates) beside the call's batch; the pool is given back after the call."""
+def _compiled_gpt_step():
+  """A small GPT's compiled AdamW step, not yet called."""
   bt.manual_seed(0)
   model = GPT(GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_head=2, n_embd=64)).to("cuda")
   opt = model.configure_optimizers(0.1, 1e-3, fused=True)
@@ -90,6 +88,14 @@ def test_the_first_call_holds_what_its_plan_says():
     opt.step()
     opt.zero_grad()
     return loss
+  return step
+
+
+def test_the_first_call_holds_what_its_plan_says():
+  """The first call is captured, not run eagerly: its graph (which creates AdamW's state) runs once in a pool holding
+  its plan's arena, so the device allocator's peak during it is the plan's peak (the step's inputs, the arena and the
+  copies of the state it creates) beside the call's batch; the pool is given back after the call."""
+  step = _compiled_gpt_step()
   x, y = (bt.from_numpy(np.random.default_rng(3).integers(0, 96, (16, 64))).to("cuda") for _ in range(2))
   bt.cuda.synchronize()
   bt.cuda.reset_peak_memory_stats()
@@ -104,17 +110,7 @@ def test_the_first_call_holds_what_its_plan_says():
 
 
 def test_out_of_memory_in_a_compiled_step_is_clear_and_training_goes_on():
-  bt.manual_seed(0)
-  model = GPT(GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_head=2, n_embd=64)).to("cuda")
-  opt = model.configure_optimizers(0.1, 1e-3, fused=True)
-
-  @bt.compile
-  def step(x, y):
-    _, loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+  step = _compiled_gpt_step()
   x, y = (bt.from_numpy(np.random.default_rng(3).integers(0, 96, (4, 64))).to("cuda") for _ in range(2))
   first = step(x, y).item()
   bt.cuda.empty_cache()  # no cached segment from the first call's graph may hold the step's arena: it must ask for more
