@@ -169,6 +169,15 @@ def check_vjp(fn: Callable, specs: Sequence, *, low: float = -2.0, high: float =
   np.testing.assert_allclose(vjp_dot, fd, atol=atol, rtol=rtol, err_msg="VJP vs central finite differences")
 
 
+def assert_as_accurate(got: np.ndarray, other: np.ndarray, exact: np.ndarray, what: str = "", slack: float = 2.0) -> None:
+  """`got` and `other` approximate `exact` with rounding of their own (two bf16 runs against a float32 run): `got`'s
+  error must be no more than `slack` times `other`'s (in the 2-norm), and a wrong result is far beyond that."""
+  err = lambda a: float(np.linalg.norm(np.asarray(a, np.float64) - exact))
+  scale = float(np.linalg.norm(np.asarray(exact, np.float64)))
+  assert err(got) <= slack * err(other) + 1e-6 * scale, \
+    f"{what}: error {err(got):.3g} against the exact run, {err(other):.3g} for the other run, over a norm of {scale:.3g}"
+
+
 def assert_adam_close(got: np.ndarray, want: np.ndarray, lr: float, rtol: float, atol: float, what: str = "",
                       outliers: float = 0.05) -> None:
   """Parameters after a few Adam steps from runs that round differently (bf16, fused kernels): Adam normalizes each

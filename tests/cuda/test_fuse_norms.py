@@ -7,7 +7,7 @@ import pytest
 import blutrain as bt
 from blutrain.ops import registry
 from blutrain.ops.core import apply
-from tests.helpers import assert_adam_close
+from tests.helpers import assert_as_accurate
 
 pytestmark = pytest.mark.cuda
 
@@ -70,15 +70,18 @@ def test_param_grads_against_float64():
 
 @pytest.mark.parametrize("amp", [False, True])
 def test_compiled_gpt_step_with_fused_norms_equals_eager(amp):
+  """Compiled == eager; under bf16 autocast, where the two round differently (the compiled step's fused groups round
+  once) and Adam amplifies that noise in near-zero gradients, the compiled parameters must be at least about as close
+  to a float32 run's as the eager ones are."""
   from blutrain.models import GPT, GPTConfig
   results = []
-  for compiled in (False, True):
+  for compiled, autocast in ((False, amp), (True, amp)) + (((False, False),) if amp else ()):
     bt.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64)).to("cuda")
     opt = bt.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
 
     def step(x, y):
-      with bt.autocast(device_type="cuda", dtype=bt.bfloat16, enabled=amp):
+      with bt.autocast(device_type="cuda", dtype=bt.bfloat16, enabled=autocast):
         _, loss = model(x, y)
       loss.backward()
       bt.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -88,10 +91,12 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp):
     rng = np.random.default_rng(2)
     losses = [fn(*(bt.from_numpy(rng.integers(0, 96, (4, 32))).to("cuda") for _ in range(2))).item() for _ in range(4)]
     results.append((losses, [p.detach().cpu().numpy() for p in model.parameters()]))
-  (eager_losses, eager_params), (losses, params) = results
+    if compiled: source = open(fn.info["source"]).read()
+  (eager_losses, eager_params), (losses, params) = results[:2]
+  exact_params = results[-1][1]
   np.testing.assert_allclose(losses, eager_losses, rtol=1e-4)
-  for a, b in zip(params, eager_params):  # under bf16 the compiled step's fused pointwise groups round once
-    if amp: assert_adam_close(a, b, lr=1e-2, rtol=1e-3, atol=1e-4, outliers=0.1)
-    else: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
-  source = open(fn.info["source"]).read()  # each residual add before a norm folds into the GEMM before it or the norm
+  for name, a, b, exact in zip((n for n, _ in model.named_parameters()), params, eager_params, exact_params):
+    if amp: assert_as_accurate(a, b, exact, name)
+    else: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4, err_msg=name)
+  # each residual add before a norm folds into the GEMM before it or the norm
   assert source.count('kernels["add_layer_norm"]') + source.count("epilogue='bias,residual'") == 4
