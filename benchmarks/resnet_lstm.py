@@ -6,6 +6,7 @@ PyTorch eager, compiled >= 1.0x torch.compile. Writes benchmarks/results/resnet_
   python benchmarks/resnet_lstm.py [--quick] [--models resnet18,lstm] [--precisions bf16,tf32]
                                    [--order torch_eager,blutrain_eager,blutrain_compile,torch_compile]
   python benchmarks/resnet_lstm.py --device cpu --quick   # a small dry run of the script itself (tiny shapes)
+  python benchmarks/resnet_lstm.py --order blutrain_eager --profile   # and blutrain's eager step op by op
 
 The models are written once against PyTorch's nn API (`resnet18(nn)`, `LSTMLM(nn)`) and built from `blutrain.nn` and
 `torch.nn`; the torch copy loads blutrain's initial state dict, so both start from the same weights.
@@ -114,7 +115,7 @@ def timed(step, data, warmup: int, sync) -> dict:
 
 
 def run(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str, warmup: int,
-        compiled: bool) -> dict:
+        compiled: bool, profile: bool = False) -> dict:
   """One (framework, compiled) run of `model`'s training step."""
   if framework == "blutrain":
     import blutrain as bt
@@ -146,6 +147,9 @@ def run(framework: str, model: str, s: dict, state: dict, data: list, precision:
 
   dev = [(tensor(x), tensor(y)) for x, y in data]
   out = timed(compile_(step) if compiled else step, dev, warmup, sync)
+  if profile and framework == "blutrain" and not compiled:  # one more eager step, op by op
+    with bt.profiler.profile() as prof: step(*dev[0]).item()
+    print(prof.table(25), flush=True)
   del net, opt, dev
   gc.collect()
   return out
@@ -161,6 +165,7 @@ def main() -> None:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--order", default="torch_eager,blutrain_eager,blutrain_compile,torch_compile")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "resnet_lstm.json"))
+  ap.add_argument("--profile", action="store_true", help="print blutrain's eager step op by op (bt.profiler)")
   args = ap.parse_args()
   require_gpu(args.device)
   steps = 2 if args.quick else args.steps
@@ -177,7 +182,8 @@ def main() -> None:
       for name in args.order.split(","):
         framework, mode = name.split("_")
         try:
-          r = run(framework, model, s, state, data, precision, args.device, warmup, mode == "compile")
+          r = run(framework, model, s, state, data, precision, args.device, warmup, mode == "compile",
+                  args.profile)
           r["items_per_s"] = s["batch"] / r["step_s"]
         except Exception as e:  # a failed run is reported, not hidden
           r = {"error": f"{type(e).__name__}: {e}"}

@@ -1,5 +1,7 @@
 """Autograd semantics against PyTorch: accumulation, retain_graph, grad modes, leaves, hooks, autograd.grad,
 in-place ops and version counters, graphs with shared nodes."""
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -351,3 +353,27 @@ def test_slices_of_a_tensor_whose_gradient_is_shared_match_pytorch():
       q, k, v = h[:, :2], h[:, 2:4], h[:, 4:]
       (s.sum() * 3 + (q * k).sum() + v.exp().sum()).backward()
     np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["conv input", "conv weight", "matmul a", "matmul b"])
+def test_backward_computes_only_the_gradients_inputs_need(case):
+  """An input that needs no gradient (an image into the first convolution, a frozen weight) costs no kernel in
+  backward, and the gradient that is computed still equals PyTorch's."""
+  rng = np.random.default_rng(0)
+  conv = case.startswith("conv")
+  a, b = (rng.standard_normal((2, 3, 6, 6)), rng.standard_normal((4, 3, 3, 3))) if conv else \
+    (rng.standard_normal((5, 3, 4)), rng.standard_normal((4, 2)))
+  needs = (True, False) if case.endswith(("input", " a")) else (False, True)
+  fn = (lambda m, x, y: m.nn.functional.conv2d(x, y, padding=1)) if conv else (lambda m, x, y: x @ y)
+  ours = [bt.tensor(v, requires_grad=r) for v, r in zip((a, b), needs)]
+  theirs = [torch.tensor(v, requires_grad=r) for v, r in zip((a, b), needs)]
+  with bt.profiler.profile() as prof: fn(bt, *ours).square().sum().backward()
+  fn(torch, *theirs).square().sum().backward()
+  for o, t in zip(ours, theirs):
+    assert (o.grad is None) == (t.grad is None)
+    if t.grad is not None: assert_close(o.grad, t.grad, rtol=1e-10, atol=1e-10)
+  ran = collections.Counter()
+  for row in prof.rows: ran[row.name] += row.calls
+  want = {"conv_grad_input": int(conv and needs[0]), "conv_grad_weight": int(conv and needs[1]),
+          "matmul": 0 if conv else 2}  # the forward's and one gradient's
+  assert {k: ran[k] for k in want} == want, ran

@@ -110,7 +110,8 @@ def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, capture
   if is_slice and _add_into_slice(node, g, node_grads if isinstance(node.parents[0], Node) else leaf_grads, owned):
     if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
     return
-  in_grads = node.op.vjp(g, node.out, *node.saved, **node.attrs)
+  attrs = {**node.attrs, "needs": tuple(p is not None for p in node.parents)} if node.op.vjp_needs else node.attrs
+  in_grads = node.op.vjp(g, node.out, *node.saved, **attrs)
   if len(in_grads) != len(node.parents):
     raise RuntimeError(f"VJP of {node.op.name} returned {len(in_grads)} gradients for {len(node.parents)} inputs")
   for parent, ig, inp in zip(node.parents, in_grads, node.saved):

@@ -1,12 +1,14 @@
 """The op registry and `apply`, the one door every primitive goes through.
 
 A primitive is an `Op`: a name, a signature, a rule from input tensors to the output's shape and dtype, a VJP
-written with other ops (one gradient per input, None where there is none), and, for view ops, a layout rule that
+written with other ops (one gradient per input, None where there is none; a VJP that takes `needs` computes only
+the gradients of the inputs that require one), and, for view ops, a layout rule that
 makes the output share the input's storage. Kernels live in the backends, keyed by the op name. `apply` reads the
 modes of `blutrain.autograd.tape` (grad mode, and the capture, autocast and profiler hooks that higher layers fill).
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +46,8 @@ class Op:
   name: str
   rule: Callable[..., tuple[Shape, DType]]
   vjp: Callable[..., tuple] | None = None   # (g, out, *inputs, **attrs) -> one gradient per input
+  vjp_needs: bool = False                    # the VJP takes `needs` (which inputs need a gradient) and returns None
+                                             # for the others, so backward never runs a costly kernel for nothing
   view: Callable[..., tuple] | None = None  # (x, **attrs) -> (shape, strides, offset) sharing x's storage
   saves: tuple[int, ...] | None = None       # inputs the VJP reads (None: all); the rest reach it as Avals
   saves_output: bool = False                 # the VJP reads `out`; otherwise it gets None
@@ -67,6 +71,7 @@ def op(name: str, rule, vjp=None, *, inputs: str, attrs: str = "", **kw) -> Op:
   assert name not in registry, f"op {name} declared twice"
   assert not (kw.get("multi") and vjp), f"op {name}: multi-output primitives have no VJP"
   registry[name] = o = Op(name, rule, vjp, **kw, **dict(zip(("inputs", "attrs"), parse_signature(inputs, attrs))))
+  o.vjp_needs = vjp is not None and "needs" in inspect.signature(vjp).parameters
   return o
 
 

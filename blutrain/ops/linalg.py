@@ -20,7 +20,9 @@ def _matmul_rule(a, b, tf32=False):
   return batch + (a.shape[-2], b.shape[-1]), a.dtype
 
 
-def _matmul_vjp(g, out, a, b, tf32=False):
+def _matmul_vjp(g, out, a, b, tf32=False, needs=(True, True)):
+  da = sum_to(matmul_op(g, b.mT, tf32=tf32), a.shape) if needs[0] else None
+  if not needs[1]: return da, None
   if b.ndim == 2 and a.ndim > 2:  # a weight shared by the batch: fold the batch into one contraction
     rows = math.prod(a.shape[:-1])
     a2, g2 = a.reshape(rows, a.shape[-1]), g.reshape(rows, g.shape[-1])
@@ -28,7 +30,7 @@ def _matmul_vjp(g, out, a, b, tf32=False):
     db = matmul_op(g2.mT, a2, tf32=tf32).mT if b.stride()[-2] == 1 and b.shape[-1] > 1 else matmul_op(a2.mT, g2, tf32=tf32)
   else:
     db = sum_to(matmul_op(a.mT, g, tf32=tf32), b.shape)
-  return sum_to(matmul_op(g, b.mT, tf32=tf32), a.shape), db
+  return da, db
 
 
 matmul_op = op("matmul", _matmul_rule, _matmul_vjp, inputs="a b", attrs="tf32:bool?")

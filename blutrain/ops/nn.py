@@ -312,9 +312,10 @@ def _conv_rule(x, weight, stride, padding, dilation, groups, tf32=False):
   return (x.shape[0], weight.shape[0]) + out, x.dtype
 
 
-def _conv_vjp(g, out, x, weight, stride, padding, dilation, groups, tf32=False):
+def _conv_vjp(g, out, x, weight, stride, padding, dilation, groups, tf32=False, needs=(True, True)):
   kw = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, tf32=tf32)
-  return conv_grad_input_op(g, weight, shape=x.shape, **kw), conv_grad_weight_op(g, x, shape=weight.shape, **kw)
+  return (conv_grad_input_op(g, weight, shape=x.shape, **kw) if needs[0] else None,
+          conv_grad_weight_op(g, x, shape=weight.shape, **kw) if needs[1] else None)
 
 
 def _conv_grad_check(name: str, g, x, weight, stride, padding, dilation, groups) -> None:
@@ -339,12 +340,13 @@ def _conv_grad_weight_rule(g, x, shape, stride, padding, dilation, groups, tf32=
 # Both gradients are linear in each operand, so their VJPs are the three ops again (double backward):
 # dx = conv_grad_input(g, w) gives d/dg = conv(gg, w), d/dw = conv_grad_weight(g, gg); dw = conv_grad_weight(g, x)
 # gives d/dg = conv(x, gw), d/dx = conv_grad_input(g, gw).
-def _conv_grad_input_vjp(gg, out, g, weight, shape, **kw):
-  return conv_op(gg, weight, **kw), conv_grad_weight_op(g, gg, shape=weight.shape, **kw)
+def _conv_grad_input_vjp(gg, out, g, weight, shape, needs=(True, True), **kw):
+  return (conv_op(gg, weight, **kw) if needs[0] else None,
+          conv_grad_weight_op(g, gg, shape=weight.shape, **kw) if needs[1] else None)
 
 
-def _conv_grad_weight_vjp(gw, out, g, x, shape, **kw):
-  return conv_op(x, gw, **kw), conv_grad_input_op(g, gw, shape=x.shape, **kw)
+def _conv_grad_weight_vjp(gw, out, g, x, shape, needs=(True, True), **kw):
+  return conv_op(x, gw, **kw) if needs[0] else None, conv_grad_input_op(g, gw, shape=x.shape, **kw) if needs[1] else None
 
 
 _CONV_ATTRS = "stride:ints padding:ints dilation:ints groups:int tf32:bool?"
