@@ -96,6 +96,47 @@ def test_rnn_vjp_against_finite_differences():
   check_vjp(lambda x: lstm(x)[1][1], [(3, 2, 3)])
 
 
+def _torch_lstm_cell(gi, gh, c):
+  i, f, g, o = (gi + gh).chunk(4, 1)
+  c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+  return torch.sigmoid(o) * torch.tanh(c), c
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_lstm_cell_matches_torch(layout):
+  """The fused step against PyTorch's composite: both halves and every input's gradient, in float64, from inputs
+  that are rows of wider tensors (as nn.LSTM passes them) or contiguous."""
+  rng = np.random.default_rng(0)
+  N, H = 5, 3
+  arrays = [rng.standard_normal(shape) for shape in ((N, 4 * H), (N, 4 * H), (N, H))]
+  pad = (lambda a: np.concatenate([a, rng.standard_normal(a.shape)], 1)) if layout == "strided" else (lambda a: a)
+  ours = [bt.tensor(pad(a), requires_grad=True) for a in arrays]
+  theirs = [torch.tensor(pad(a), requires_grad=True) for a in arrays]
+  cut = (lambda t, a: t[:, :a.shape[1]]) if layout == "strided" else (lambda t, a: t)
+  got = bt.ops.lstm_cell(*(cut(t, a) for t, a in zip(ours, arrays)))
+  want = _torch_lstm_cell(*(cut(t, a) for t, a in zip(theirs, arrays)))
+  w = [rng.standard_normal((N, H)) for _ in range(2)]
+  for g, t in zip(got, want): assert_close(g, t, bt.float64)
+  sum((g * bt.tensor(u)).sum() for g, u in zip(got, w)).backward()
+  sum((t * torch.tensor(u)).sum() for t, u in zip(want, w)).backward()
+  for o, t in zip(ours, theirs): assert_close(o.grad, t.grad, bt.float64, "gradient")
+
+
+def test_lstm_cell_vjp_against_finite_differences():
+  check_vjp(lambda gi, gh, c: bt.ops.lstm_cell(gi, gh, c)[0] * 2 + bt.ops.lstm_cell(gi, gh, c)[1],
+            [(4, 8), (4, 8), (4, 2)])
+
+
+def test_lstm_cell_dtypes_and_errors():
+  gi, c = bt.randn(2, 8, dtype=bt.bfloat16), bt.randn(2, 2)
+  h, c2 = bt.ops.lstm_cell(gi, gi, c)
+  assert h.dtype is c2.dtype is bt.float32 and h.shape == c2.shape == (2, 2)
+  with pytest.raises(RuntimeError, match=r"lstm_cell: expected .* \[2, 8\], \[2, 8\] and \[2, 3\]"):
+    bt.ops.lstm_cell(gi, gi, bt.randn(2, 3))
+  with pytest.raises(TypeError, match="lstm_cell: expected floating"):
+    bt.ops.lstm_cell(gi, gi, bt.ones(2, 2, dtype=bt.int64))
+
+
 def test_rnn_errors_and_training_dropout():
   m = nn.LSTM(4, 3, num_layers=2, dropout=0.5)
   with pytest.raises(RuntimeError, match="input_size. Expected 4, got 5"): m(bt.randn(2, 3, 5))

@@ -1,6 +1,7 @@
 """Recurrent layers (LSTM, GRU; multi-layer, bidirectional, batch_first) and MultiheadAttention, as composites over
 matmuls: each layer projects the whole sequence's inputs in one matmul, then steps through time with one matmul of
-the hidden state per step. (Eagerly the time loop is Python; under `bt.compile` it is unrolled into the graph.)"""
+the hidden state per step and, for the LSTM, one `lstm_cell` primitive for the gates and states (one kernel forward
+and one backward). (Eagerly the time loop is Python; under `bt.compile` it is unrolled into the graph.)"""
 from __future__ import annotations
 
 import math
@@ -147,9 +148,7 @@ class LSTM(_RNNBase):
   @staticmethod
   def _cell(gi: Tensor, state: list, w_hh: Tensor, b_hh: Tensor | None) -> list:
     h, c = state
-    i, f, g, o = (gi + F.linear(h, w_hh, b_hh)).chunk(4, -1)
-    c = ops.sigmoid(f) * c + ops.sigmoid(i) * ops.tanh(g)
-    return [ops.sigmoid(o) * ops.tanh(c), c]
+    return list(ops.lstm_cell(gi, F.linear(h, w_hh, b_hh), c))
 
 
 class GRU(_RNNBase):

@@ -1144,6 +1144,26 @@ class CrossEntropyLseBackwardOp(NNOp):
 
 
 @irdl_op_definition
+class LstmCellOp(NNOp):
+  """One LSTM step after its matmuls: [h', c'] (N, 2H) from the gate pre-activations gi + gh (N, 4H) and c (N, H)."""
+  name = "nova.lstm_cell"
+  gi = operand_def(TENSOR)
+  gh = operand_def(TENSOR)
+  c = operand_def(TENSOR)
+
+
+@irdl_op_definition
+class LstmCellBackwardOp(NNOp):
+  """[d gates, d c] (N, 5H) from the gradient g of lstm_cell's [h', c'], its inputs and its output."""
+  name = "nova.lstm_cell_backward"
+  g = operand_def(TENSOR)
+  gi = operand_def(TENSOR)
+  gh = operand_def(TENSOR)
+  c = operand_def(TENSOR)
+  out = operand_def(TENSOR)
+
+
+@irdl_op_definition
 class FlashAttentionOp(NNOp):
   """softmax(q k^T * scale [causal]) v without the weights in memory."""
   name = "nova.flash_attention"
@@ -1332,7 +1352,7 @@ Nova = Dialect("nova", [
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp,
-  FlashAttentionLseOp, FlashAttentionLseBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
+  FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp, LstmCellBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
   AllGatherOp, *COMPILER_OPS,
 ])
 

@@ -378,6 +378,40 @@ def conv_transpose(x: Tensor, weight: Tensor, shape, stride, padding, dilation, 
                             tf32=x.dtype is dtypes.float32 and backends.allow_tf32())
 
 
+# *** recurrent cells ***
+
+def _lstm_cell_rule(gi, gh, c):
+  if gi.ndim != 2 or gh.shape != gi.shape or gi.shape[1] % 4 or c.shape != (gi.shape[0], gi.shape[1] // 4):
+    raise ShapeError(f"lstm_cell: expected input and hidden gates (N, 4H) and a cell state (N, H), got "
+                     f"{list(gi.shape)}, {list(gh.shape)} and {list(c.shape)}")
+  if not all(t.dtype.is_floating_point for t in (gi, gh, c)):
+    raise DTypeError(f"lstm_cell: expected floating tensors, got {gi.dtype.name}, {gh.dtype.name} and {c.dtype.name}")
+  return (gi.shape[0], 2 * c.shape[1]), dtypes.promote_types(dtypes.promote_types(gi.dtype, gh.dtype), c.dtype)
+
+
+def _lstm_cell_vjp(g, out, gi, gh, c):
+  d = lstm_cell_backward_op(g, gi, gh, c, out)
+  H = c.shape[1]
+  return d[:, :4 * H], d[:, :4 * H], d[:, 4 * H:]
+
+
+# One step of an LSTM after its matmuls: with gates a = gi + gh split as (i, f, g, o) along dim 1,
+# c' = sigmoid(f) c + sigmoid(i) tanh(g) and h' = sigmoid(o) tanh(c'), returned side by side as (N, 2H) = [h', c']
+# (nn.LSTM takes views of the halves), in float32 math for half inputs. Its backward takes the gradient of [h', c'],
+# the inputs and [h', c'], and returns [d gates, d c] (N, 5H): the gates' gradient serves gi and gh alike.
+lstm_cell_backward_op = op("lstm_cell_backward", lambda g, gi, gh, c, out: ((gi.shape[0], 5 * c.shape[1]), out.dtype),
+                           inputs="g gi gh c out")
+lstm_cell_op = op("lstm_cell", _lstm_cell_rule, _lstm_cell_vjp, inputs="gi gh c", saves_output=True)
+
+
+def lstm_cell(gi: Tensor, gh: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+  """One LSTM step after its matmuls (gate pre-activations gi and gh (N, 4H), cell state c (N, H)): (h', c'), views
+  of one (N, 2H) result."""
+  out = lstm_cell_op(gi, gh, c)
+  H = c.shape[-1]
+  return out[:, :H], out[:, H:]
+
+
 # *** losses ***
 
 def _cross_entropy_rule(logits, target, ignore_index, dtype=None):

@@ -66,6 +66,23 @@ def test_recurrent_and_attention_gradients_match_the_cpu(make):
   for (name, c), (_, g) in zip(cpu.named_parameters(), gpu.named_parameters()): _close(g.grad, c.grad, name, tol=1e-3)
 
 
+def test_lstm_cell_with_bfloat16_gates_matches_the_cpu():
+  """The fused LSTM step's kernels on bf16 gates and a float32 cell state that is a view of a wider tensor (as
+  nn.LSTM passes them), values and gradients against the CPU kernels on the same inputs."""
+  rng = np.random.default_rng(0)
+  N, H = 33, 70
+  gi, gh = (rng.standard_normal((N, 4 * H)).astype(np.float32) for _ in range(2))
+  c, w = rng.standard_normal((N, 2 * H)).astype(np.float32), rng.standard_normal((N, 2 * H)).astype(np.float32)
+  results = []
+  for dev in ("cpu", "cuda"):
+    leaves = [bt.tensor(a, device=dev).to(bt.bfloat16).requires_grad_() for a in (gi, gh)] + \
+      [bt.tensor(c, device=dev, requires_grad=True)]
+    h2, c2 = bt.ops.lstm_cell(leaves[0], leaves[1], leaves[2][:, :H])
+    ((h2 * bt.tensor(w[:, :H], device=dev)).sum() + (c2 * bt.tensor(w[:, H:], device=dev)).sum()).backward()
+    results.append((h2, c2, *(t.grad for t in leaves)))
+  for name, c_, g_ in zip(("h", "c", "d gi", "d gh", "d c"), *results): _close(g_.float(), c_.float(), name, tol=1e-2)
+
+
 FUNCTIONS = [
   lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False),
   lambda x: F.interpolate(x, size=(5, 3)),

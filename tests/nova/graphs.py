@@ -196,6 +196,9 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
            *b("cross_entropy_stats", bhalf, target, start=1),
            b("cross_entropy_lse_backward", b("slice", y, index=((0, 3, 1),)), x, target,
              b("sum", pos, dims=(1,), keepdim=False, dtype=f32), start=1, ignore_index=-100)]
+  cell = b("slice", pos, index=((0, 3, 1), (0, 1, 1)))  # (N, H) = (3, 1) beside gates (3, 4)
+  outs += [cell_out := b("lstm_cell", x, pos, cell),
+           b("lstm_cell_backward", b("slice", pos, index=((0, 3, 1), (0, 2, 1))), x, pos, cell, cell_out)]
   q, k = b("view", x, shape=(1, 3, 4)), b("view", pos, shape=(1, 3, 4))
   att = b("flash_attention", q, k, k, causal=True, scale=0.5)
   outs += [att, b("flash_attention", q, k, q, causal=False, scale=1.0),

@@ -242,6 +242,26 @@ def _cross_entropy_lse_backward(g, logits, target, lse, start, ignore_index):
   return p * np.where(target == ignore_index, 0, g).astype(x.dtype)[:, None]
 
 
+def _lstm_gates(gi, gh):
+  i, f, g, o = np.split(gi + gh, 4, axis=1)
+  return _sigmoid(i), _sigmoid(f), np.tanh(g), _sigmoid(o)
+
+
+def _lstm_cell(gi, gh, c):
+  i, f, g, o = _lstm_gates(gi, gh)
+  c2 = f * c + i * g
+  return np.concatenate([o * np.tanh(c2), c2], axis=1)
+
+
+def _lstm_cell_backward(grad, gi, gh, c, out):
+  H = c.shape[1]
+  i, f, g, o = _lstm_gates(gi, gh)
+  dh, tc = grad[:, :H], np.tanh(out[:, H:])
+  dc = grad[:, H:] + dh * o * (1 - tc * tc)
+  return np.concatenate([dc * g * i * (1 - i), dc * c * f * (1 - f), dc * i * (1 - g * g), dh * tc * o * (1 - o),
+                         dc * f], axis=1)
+
+
 # *** random ***
 
 def _rng(seed, offset) -> np.random.Generator:
@@ -426,6 +446,7 @@ kernels = {
   "cross_entropy_stats": _cross_entropy_stats, "cross_entropy_lse_backward": _cross_entropy_lse_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
   "flash_attention_lse": _flash_attention_lse, "flash_attention_lse_backward": _flash_attention_lse_backward,
+  "lstm_cell": _lstm_cell, "lstm_cell_backward": _lstm_cell_backward,
 }
 
 

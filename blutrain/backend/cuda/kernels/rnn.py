@@ -1,0 +1,124 @@
+"""Recurrent cells: one LSTM step after its matmuls (`lstm_cell`) and its backward (`lstm_cell_backward`), each one
+pass over the (N, H) elements of the step, in float32 math.
+
+An element (n, j) reads its four gate pre-activations a_k = gi[n, k H + j] + gh[n, k H + j] (k = i, f, g, o) and
+c[n, j]; the forward writes h' and c' into out[n, j] and out[n, H + j]. The backward reads the gradient of [h', c'],
+the same inputs and c' (from the forward's output), and writes the gates' gradients and c's into d[n, k H + j] and
+d[n, 4 H + j]. Operands are rows of unit column stride (a row stride of their own: nn.LSTM passes a slice of each
+step's input projection and a view of the previous output); others are copied first. The block size is the
+configurator's `fused_schedule`, as for a synthesized pointwise group of as many operands.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from blutrain import dtypes
+from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda.kernels import empty, needs_i64, ptr, run, spec
+from blutrain.backend.cuda.kernels.copy import copy
+from blutrain.configurator import fused_schedule
+from blutrain.dtypes import DType
+from blutrain.shapes import cdiv
+
+
+@triton.jit
+def _element(n, H, BLOCK: tl.constexpr, IDX64: tl.constexpr):
+  """This program's flat element indices, their rows and columns, and which are inside the n = N * H elements."""
+  start = tl.program_id(0)
+  if IDX64: start = start.to(tl.int64)
+  idx = start * BLOCK + tl.arange(0, BLOCK)
+  return idx // H, idx % H, idx < n
+
+
+@triton.jit
+def _gates(gi, gh, row, col, H, gi_s, gh_s, ok):
+  """sigmoid(i), sigmoid(f), tanh(g), sigmoid(o) of the pre-activations gi + gh, in float32."""
+  a_i = tl.load(gi + row * gi_s + col, mask=ok, other=0.0).to(tl.float32) + \
+      tl.load(gh + row * gh_s + col, mask=ok, other=0.0).to(tl.float32)
+  a_f = tl.load(gi + row * gi_s + H + col, mask=ok, other=0.0).to(tl.float32) + \
+      tl.load(gh + row * gh_s + H + col, mask=ok, other=0.0).to(tl.float32)
+  a_g = tl.load(gi + row * gi_s + 2 * H + col, mask=ok, other=0.0).to(tl.float32) + \
+      tl.load(gh + row * gh_s + 2 * H + col, mask=ok, other=0.0).to(tl.float32)
+  a_o = tl.load(gi + row * gi_s + 3 * H + col, mask=ok, other=0.0).to(tl.float32) + \
+      tl.load(gh + row * gh_s + 3 * H + col, mask=ok, other=0.0).to(tl.float32)
+  return 1.0 / (1.0 + libdevice.exp(-a_i)), 1.0 / (1.0 + libdevice.exp(-a_f)), libdevice.tanh(a_g), \
+      1.0 / (1.0 + libdevice.exp(-a_o))
+
+
+@triton.jit
+def _lstm_cell_kernel(out, gi, gh, c, n, H, gi_s, gh_s, c_s, out_s, BLOCK: tl.constexpr, IDX64: tl.constexpr):
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  i, f, g, o = _gates(gi, gh, row, col, H, gi_s, gh_s, ok)
+  c2 = f * tl.load(c + row * c_s + col, mask=ok, other=0.0).to(tl.float32) + i * g
+  tl.store(out + row * out_s + col, (o * libdevice.tanh(c2)).to(out.dtype.element_ty), mask=ok)
+  tl.store(out + row * out_s + H + col, c2.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _lstm_cell_backward_kernel(d, grad, gi, gh, c, out, n, H, grad_s, gi_s, gh_s, c_s, out_s, d_s,
+                               BLOCK: tl.constexpr, IDX64: tl.constexpr):
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  i, f, g, o = _gates(gi, gh, row, col, H, gi_s, gh_s, ok)
+  dh = tl.load(grad + row * grad_s + col, mask=ok, other=0.0).to(tl.float32)
+  tc = libdevice.tanh(tl.load(out + row * out_s + H + col, mask=ok, other=0.0).to(tl.float32))
+  dc = tl.load(grad + row * grad_s + H + col, mask=ok, other=0.0).to(tl.float32) + dh * o * (1.0 - tc * tc)
+  c_old = tl.load(c + row * c_s + col, mask=ok, other=0.0).to(tl.float32)
+  ty = d.dtype.element_ty
+  d_row = d + row * d_s + col
+  tl.store(d_row, (dc * g * i * (1.0 - i)).to(ty), mask=ok)
+  tl.store(d_row + H, (dc * c_old * f * (1.0 - f)).to(ty), mask=ok)
+  tl.store(d_row + 2 * H, (dc * i * (1.0 - g * g)).to(ty), mask=ok)
+  tl.store(d_row + 3 * H, (dh * tc * o * (1.0 - o)).to(ty), mask=ok)
+  tl.store(d_row + 4 * H, (dc * f).to(ty), mask=ok)
+
+
+_OPERANDS = {"fwd": 11, "bwd": 17}  # elements loaded and stored per (n, j): what fused_schedule sizes registers by
+
+
+def cell_spec(kind: str, out: DType, inputs: tuple[DType, ...], n: int, i64: bool):
+  """The variant of the forward ("fwd": inputs gi, gh, c) or backward ("bwd": grad, gi, gh, c, out) kernel."""
+  fn, names = ((_lstm_cell_kernel, ("out", "gi", "gh", "c")) if kind == "fwd" else
+               (_lstm_cell_backward_kernel, ("d", "grad", "gi", "gh", "c", "out")))
+  block, warps = fused_schedule(n, min(t.itemsize for t in (out, *inputs)), _OPERANDS[kind])
+  it = "i64" if i64 else "i32"
+  sig = {**{k: ptr(t) for k, t in zip(names, (out, *inputs))}, "n": it, "H": it,
+         **{f"{k}_s": it for k in names[1:] + names[:1]}}
+  return spec(fn, sig, dict(BLOCK=block, IDX64=i64), num_warps=warps)
+
+
+def _rows(a: CudaArray) -> CudaArray:
+  return a if a.strides[1] == 1 else copy(a)
+
+
+def _launch(kind: str, out: CudaArray, H: int, *inputs: CudaArray) -> CudaArray:
+  n = out.shape[0] * H
+  if n == 0: return out
+  inputs = tuple(_rows(a) for a in inputs)
+  i64 = needs_i64(out.shape, out.strides) or any(needs_i64(a.shape, a.strides) for a in inputs)
+  s = cell_spec(kind, out.dtype, tuple(a.dtype for a in inputs), n, i64)
+  run(s, (cdiv(n, s.constexprs["BLOCK"]),), out.ptr, *(a.ptr for a in inputs), n, H,
+      *(a.strides[0] for a in inputs), out.strides[0])
+  return out
+
+
+def lstm_cell(gi: CudaArray, gh: CudaArray, c: CudaArray) -> CudaArray:
+  """[h', c'] (N, 2H) of one LSTM step from its gate pre-activations gi + gh (N, 4H) and cell state c (N, H)."""
+  dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, gh.dtype), c.dtype)
+  return _launch("fwd", empty((c.shape[0], 2 * c.shape[1]), dtype, c.device), c.shape[1], gi, gh, c)
+
+
+def lstm_cell_backward(grad: CudaArray, gi: CudaArray, gh: CudaArray, c: CudaArray, out: CudaArray) -> CudaArray:
+  """[d gates, d c] (N, 5H) from the gradient of the forward's [h', c'] (N, 2H), its inputs and its output."""
+  return _launch("bwd", empty((c.shape[0], 5 * c.shape[1]), out.dtype, c.device), c.shape[1], grad, gi, gh, c,
+                 out)
+
+
+KERNELS = {"lstm_cell": lstm_cell, "lstm_cell_backward": lstm_cell_backward}
+
+_F32, _BF16 = dtypes.float32, dtypes.bfloat16
+SPECS = [cell_spec("fwd", _F32, (_BF16, _BF16, _F32), 32 * 1024, False), cell_spec("fwd", _F32, (_F32,) * 3, 64, False),
+         cell_spec("fwd", _BF16, (_BF16,) * 3, 32 * 1024, True),
+         cell_spec("bwd", _F32, (_F32, _BF16, _BF16, _F32, _F32), 32 * 1024, False),
+         cell_spec("bwd", _F32, (_F32,) * 5, 64, False), cell_spec("bwd", _BF16, (_BF16,) * 5, 32 * 1024, True)]

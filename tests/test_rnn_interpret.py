@@ -1,0 +1,81 @@
+"""The CUDA LSTM cell kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since it
+must be set before Triton is imported) runs the forward and backward kernels, launched as `rnn._launch` does, on torch
+CPU tensors (test-only) whose rows are slices of wider ones, against the CPU backend's float64 kernels."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+
+
+def _run_case(N: int, H: int, dtype: str) -> None:
+  import torch
+  from blutrain import dtypes
+  from blutrain.backend.cpu.kernels import kernels as cpu
+  from blutrain.backend.cuda.kernels import rnn
+  from blutrain.shapes import cdiv
+  rng = np.random.default_rng(N * H)
+  gi64, gh64, grad64 = (rng.standard_normal((N, k * H)) for k in (4, 4, 2))
+  c64 = rng.standard_normal((N, H))
+  half = dtype == "bf16"
+  low = (lambda a: torch.tensor(a, dtype=torch.float64).to(torch.bfloat16)) if half else \
+    (lambda a: torch.tensor(a, dtype=torch.float32))
+  wide = lambda a: torch.cat([a, a], 1)[:, :a.shape[1]]  # rows of a wider tensor: row stride twice the row
+  gi, gh = wide(low(gi64)), wide(low(gh64))
+  c, grad = wide(torch.tensor(c64, dtype=torch.float32)), torch.tensor(grad64, dtype=torch.float32)
+  exact = [t.double().numpy() for t in (gi, gh, c)]  # what the kernels read, rounded as they read it
+  ty = {torch.float32: dtypes.float32, torch.bfloat16: dtypes.bfloat16}
+
+  def launch(kind, out, *inputs):
+    s = rnn.cell_spec(kind, ty[out.dtype], tuple(ty[a.dtype] for a in inputs), N * H, False)
+    s[0][(cdiv(N * H, s.constexprs["BLOCK"]),)](out, *inputs, N * H, H, *(a.stride(0) for a in inputs), out.stride(0),
+                                                **s.constexprs)
+    return out
+
+  out = launch("fwd", torch.empty((N, 2 * H), dtype=torch.float32), gi, gh, c)
+  want = cpu["lstm_cell"](*exact)
+  assert np.abs(out.double().numpy() - want).max() < 1e-5, f"lstm_cell ({dtype}, N={N}, H={H})"
+  d = launch("bwd", torch.empty((N, 5 * H), dtype=torch.float32), grad, gi, gh, c, out)
+  want = cpu["lstm_cell_backward"](grad64, *exact, out.double().numpy())
+  err = np.abs(d.double().numpy() - want).max() / np.abs(want).max()
+  assert err < 1e-5, f"lstm_cell_backward ({dtype}, N={N}, H={H}): relative error {err:.2e}"
+
+
+@triton.jit
+def _exp(x):
+  return tl.exp(x)
+
+
+@triton.jit
+def _tanh(x):
+  t = tl.exp(-2.0 * tl.abs(x))
+  y = (1.0 - t) / (1.0 + t)
+  return tl.where(x < 0, -y, y)
+
+
+def _patch_libdevice():
+  """Triton 3.6's interpreter cannot run libdevice's calls: stand in tl.exp for exp and a formula over it for tanh
+  (test-only; the tolerance covers their rounding)."""
+  from triton.language.extra.cuda import libdevice
+  libdevice.exp, libdevice.tanh = _exp, _tanh
+
+
+def main() -> None:
+  _patch_libdevice()
+  for case in ((3, 5, "fp32"), (4, 130, "bf16"), (1, 1, "fp32")):
+    _run_case(*case)
+  print("ok")
+
+
+def test_lstm_cell_kernels_under_triton_interpreter():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-m", "tests.test_rnn_interpret"], cwd=root, capture_output=True, text=True,
+                     env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+if __name__ == "__main__":
+  main()
