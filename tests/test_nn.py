@@ -369,6 +369,15 @@ def test_dropout_values_and_gradient_on_a_strided_view():
   np.testing.assert_allclose(base.grad.numpy(), grad, rtol=1e-6)
 
 
+def test_dropout_backward_keeps_no_mask():
+  """The tape keeps the generator and the draw's seed and offset, not the mask or the input: backward draws the same
+  numbers again (the values test above checks that they are the same)."""
+  x = bt.randn(8, 8, requires_grad=True)
+  node = F.dropout(x, 0.5)._node
+  assert node.op.name == "dropout" and node.out is None and not any(isinstance(s, bt.Tensor) for s in node.saved)
+  assert node.attrs["rng"] is bt.ops.default_generator and node.attrs["p"] == 0.5
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
 def test_dropout_train_statistics(p):
   x = bt.ones(200_000, requires_grad=True)

@@ -156,7 +156,7 @@ class Trace:
       if state is None:
         state = self.rng[id(rng)] = [rng, self._input((2,), dtypes.int64, Rng(rng)), attrs["offset"]]
       attrs["offset"] -= state[2]
-      ins = [state[1]]
+      ins = [*ins, state[1]]  # a random op's last operand is its generator's state, after its tensors (dropout's x)
     outs = [None if a is None else self._new(*a) for a in (avals if op.multi else [avals])]
     self.graph.equations.append(Equation(op.name, ins, dict(attrs), outs))
     if op.multi: return tuple(None if v is None else self._traced(v, device) for v in outs)

@@ -83,11 +83,11 @@ def _call(op: NovaOp, args: list[str], out: str | None, target: str, path: str |
   replays with the generator's new offset); a gemm on the GPU is given its `path`."""
   a = op.attrs()
   if isinstance(op, RandomOp):
-    rng = args[0]
+    rng = args[-1]
     kw = [f"{k}={literal(v)}" for k, v in a.items() if k != "offset"]
     if target == "cuda": kw += [f"state={rng}", f"offset={a['offset']}"]
     else: kw += [f"seed=int({rng}[0])", f"offset=int({rng}[1])" + (f" + {a['offset']}" if a["offset"] else "")]
-    return f'kernels["{op.opname}"]({", ".join(kw)})'
+    return f'kernels["{op.opname}"]({", ".join(args[:-1] + kw)})'
   kw = [f"{k}={literal(v)}" for k, v in a.items()] + ([f"out={out}"] if out else [])
   if path: kw.append(f"path={path!r}")
   return f'kernels["{op.opname}"]({", ".join(args + kw)})'

@@ -257,7 +257,7 @@ class CreationOp(SingleResultOp):
 
 class RandomOp(SingleResultOp):
   """A counter-based random draw of `shape` and `dtype` from the generator state `rng` = (seed, base offset), at
-  `offset` past the base offset."""
+  `offset` past the base offset; `rng` is the last operand (after dropout's x)."""
   rng = operand_def(EqAttrConstraint(TensorType(i64, [2])))
 
   def rule_args(self) -> tuple: return ()  # the draw's shape and dtype are attributes; rng is not an input of the rule
@@ -368,6 +368,18 @@ class BernoulliOp(RandomOp):
   dtype = prop_def(ELEMENT)
   p = prop_def(FLOAT)
   offset = prop_def(INT)
+
+
+@irdl_op_definition
+class DropoutOp(RandomOp):
+  """x with each element kept (scaled by 1 / (1 - p)) where bernoulli's draw of a mask of x's shape with probability
+  1 - p would be True, else 0; its gradient is the same op on the gradient (the same draws)."""
+  name = "nova.dropout"
+  x = operand_def(TENSOR)
+  p = prop_def(FLOAT)
+  offset = prop_def(INT)
+
+  def rule_args(self) -> tuple: return (aval(self.x.type),)
 
 
 # *** elementwise ***
@@ -1341,19 +1353,18 @@ class YieldOp(IRDLOperation):
 COMPILER_OPS = (FusedOp, YieldOp)  # not primitives of the op library: the dialect test leaves them out
 
 Nova = Dialect("nova", [
-  FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp, NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp, SinOp, CosOp,
-  TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp, AsinhOp, AcoshOp,
-  AtanhOp, Exp2Op, Log2Op, Log10Op, Log1pOp, Expm1Op, CeilOp, TruncOp, RoundOp, BitwiseNotOp, LogicalNotOp, CopyOp,
-  GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp, FloorDivideOp,
-  BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp, EqOp, NeOp,
-  LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp, AminOp,
-  ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp, CatOp,
-  IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
+  FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp, DropoutOp, NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp,
+  SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp,
+  AsinhOp, AcoshOp, AtanhOp, Exp2Op, Log2Op, Log10Op, Log1pOp, Expm1Op, CeilOp, TruncOp, RoundOp, BitwiseNotOp,
+  LogicalNotOp, CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp,
+  FloorDivideOp, BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp,
+  EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp,
+  AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
+  CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
-  FlashAttentionOp, FlashAttentionBackwardOp,
-  FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp, LstmCellBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
-  AllGatherOp, *COMPILER_OPS,
+  FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
+  LstmCellBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations

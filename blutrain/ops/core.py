@@ -171,7 +171,7 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
       return tuple(None if r is None else Tensor._wrap(r, out_dev, a[1]) for r, a in zip(result, avals))
     out = Tensor._wrap(result, out_dev, avals[1])
     assert out.shape == avals[0], f"{op_.name}: {dev.type} kernel returned shape {out.shape}, the rule says {avals[0]}"
-  if record: tape_record(op_, inputs, attrs, out)
+  if record: tape_record(op_, inputs, attrs if rng is None else {**attrs, "rng": rng}, out)  # a random VJP redraws
   return out
 
 

@@ -10,7 +10,7 @@ from blutrain.ops.creation import arange, full, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
 from blutrain.ops.linalg import matmul
 from blutrain.ops.movement import put
-from blutrain.ops.random import bernoulli_mask
+from blutrain.ops.random import dropout
 from blutrain.dtypes import DTypeError
 from blutrain.shapes import ShapeError, normalize_dim
 from blutrain.tensor import Tensor
@@ -490,16 +490,7 @@ def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
   return sq.mean() if reduction == "mean" else sq.sum() if reduction == "sum" else sq
 
 
-# *** dropout, masks, attention ***
-
-def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator=None) -> Tensor:
-  """Zero each element with probability p and scale the rest by 1/(1-p) (identity when not training)."""
-  if not 0.0 <= p <= 1.0: raise ValueError(f"dropout: probability must be in [0, 1], got {p}")
-  if not training or p == 0.0: return x
-  if p == 1.0: return x * 0.0
-  keep = bernoulli_mask(x.shape, 1.0 - p, device=x.device, generator=generator)
-  return where(keep, x, 0.0) * (1.0 / (1.0 - p))  # 3 kernels; backward keeps the 1-byte mask, not a float copy
-
+# *** masks, attention ***
 
 def _band(x: Tensor, diagonal: int, lower: bool) -> Tensor:
   if x.ndim < 2: raise ShapeError(f"{'tril' if lower else 'triu'}: expected at least 2 dims, got shape {x.shape}")

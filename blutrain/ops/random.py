@@ -1,4 +1,4 @@
-"""Random numbers: a counter-based generator and the draws from it (rand, randn, randint, bernoulli)."""
+"""Random numbers: a counter-based generator and the draws from it (rand, randn, randint, bernoulli), and dropout."""
 from __future__ import annotations
 
 import math
@@ -7,6 +7,7 @@ from blutrain import dtypes
 from blutrain.device import to_device as parse_device
 from blutrain.ops.core import op
 from blutrain.ops.creation import shape_from, tensor
+from blutrain.dtypes import DTypeError
 from blutrain.shapes import ShapeError, broadcast_shapes
 from blutrain.tensor import Tensor
 
@@ -55,6 +56,30 @@ def _draw(op_, shape, dtype, device, generator, **attrs) -> Tensor:
   gen = generator or default_generator
   seed, offset = gen._take(math.prod(shape))
   return op_(device=parse_device(device), rng=gen, shape=shape, dtype=dtype, seed=seed, offset=offset, **attrs)
+
+
+def _dropout_rule(x, **_):
+  if not x.dtype.is_floating_point: raise DTypeError(f"dropout: expected a floating tensor, got {x.dtype.name}")
+  return x.shape, x.dtype
+
+
+# Each element of x kept where the draw bernoulli would make (rand(seed, offset + i) < 1 - p, i the element's index in
+# row-major order) and scaled by 1 / (1 - p), else 0. Its VJP is the op again on the gradient, with the same draws:
+# backward regenerates the mask from the generator's seed and offset (the tape keeps them and the generator) instead of
+# saving it.
+dropout_op = op("dropout", _dropout_rule, lambda g, out, x, p, seed, offset, rng=None: (
+  dropout_op(g, rng=rng, p=p, seed=seed, offset=offset),), inputs="x", attrs="p:float seed:int offset:int", saves=())
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator: Generator | None = None) -> Tensor:
+  """Zero each element with probability p and scale the rest by 1/(1-p) (identity when not training): one kernel,
+  and backward keeps nothing of it but the generator's seed and offset."""
+  if not 0.0 <= p <= 1.0: raise ValueError(f"dropout: probability must be in [0, 1], got {p}")
+  if not training or p == 0.0: return x
+  if p == 1.0: return x * 0.0
+  gen = generator or default_generator
+  seed, offset = gen._take(x.numel())
+  return dropout_op(x, rng=gen, p=float(p), seed=seed, offset=offset)
 
 
 def rand(*shape, size=None, dtype=None, device=None, generator: Generator | None = None,

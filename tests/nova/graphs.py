@@ -15,6 +15,9 @@ from blutrain.autograd.tape import Aval
 from tests.loopback import LOOPBACK
 
 
+RANDOM = ("rand", "randn", "randint", "bernoulli", "dropout")  # ops that draw from a generator state input
+
+
 class Builder:
   """Records equations into a Graph: `b = Builder(); x = b.input((4, 8)); y = b("exp", x); b.output(y)`."""
 
@@ -38,8 +41,8 @@ class Builder:
 
   def __call__(self, op: str, *inputs: Value | None, **attrs) -> Value | tuple[Value | None, ...]:
     """The output of `op` on `inputs`: a value, or a tuple of values for a multi-output op."""
-    args = [] if op in ("rand", "randn", "randint", "bernoulli") else \
-           [None if v is None else Aval(v.shape, v.dtype, None) for v in inputs]
+    tensors = inputs[:-1] if op in RANDOM else inputs  # a random op's last input is its generator's state
+    args = [None if v is None else Aval(v.shape, v.dtype, None) for v in tensors]
     avals = registry[op].rule(*args, **attrs)
     outs = [None if a is None else self._value(*a) for a in (avals if registry[op].multi else [avals])]
     self.graph.equations.append(Equation(op, list(inputs), dict(attrs), outs))
@@ -145,7 +148,7 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
           b("arange", start=0.5, step=0.25, shape=(4,), dtype=f32),
           b("rand", rng, shape=(3, 4), dtype=f32, offset=0), b("randn", rng, shape=(3, 4), dtype=f32, offset=12),
           b("randint", rng, shape=(5,), dtype=dtypes.int64, offset=24, low=-3, high=10),
-          b("bernoulli", rng, shape=(3, 4), dtype=dtypes.bool_, offset=29, p=0.3)]
+          b("bernoulli", rng, shape=(3, 4), dtype=dtypes.bool_, offset=29, p=0.3), b("dropout", x, rng, p=0.25, offset=41)]
   for name in ("neg", "exp", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "sign", "abs", "copy", "tan", "asin",
                "acos", "atan", "sinh", "cosh", "asinh", "atanh", "exp2", "expm1", "ceil", "trunc", "round"): outs.append(b(name, x))
   for name in ("log", "sqrt", "rsqrt", "log2", "log10", "log1p", "acosh"): outs.append(b(name, pos))
@@ -232,9 +235,10 @@ def evaluate(graph: Graph, arrays: list[np.ndarray]) -> list[np.ndarray]:
   with bt.no_grad():
     for eq in graph.equations:
       op = registry[eq.op]
-      if eq.op in ("rand", "randn", "randint", "bernoulli"):
-        seed, base = (int(s) for s in env[eq.inputs[0]].numpy())
-        out = op(device=cpu, **(eq.attrs | {"seed": seed, "offset": base + eq.attrs["offset"]}))
+      if eq.op in RANDOM:
+        seed, base = (int(s) for s in env[eq.inputs[-1]].numpy())
+        out = op(*(env[v] for v in eq.inputs[:-1]), device=cpu,
+                 **(eq.attrs | {"seed": seed, "offset": base + eq.attrs["offset"]}))
       elif eq.op == "view":
         out = bt.ops.reshape(env[eq.inputs[0]], eq.attrs["shape"])
       else:

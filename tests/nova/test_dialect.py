@@ -48,7 +48,7 @@ def _differences(cls: type[NovaOp], op: Op) -> list[str]:
   """How the class's operands, properties and results differ from the op's signature. A random op's seed is its
   operand `rng`, not a property."""
   inputs, attrs = op.inputs, op.attrs
-  if issubclass(cls, RandomOp): inputs, attrs = ("rng",) + inputs, tuple(a for a in attrs if a.name != "seed")
+  if issubclass(cls, RandomOp): inputs, attrs = inputs + ("rng",), tuple(a for a in attrs if a.name != "seed")
   operands, names, _ = cls.signature()
   out = [] if operands == inputs else [f"operands ({', '.join(operands)}) != ({', '.join(inputs)})"]
   if issubclass(cls, MultiResultOp) != op.multi:

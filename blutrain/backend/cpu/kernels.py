@@ -406,6 +406,8 @@ kernels = {
   "randn": lambda *, shape, dtype, seed, offset: _rng(seed, offset).standard_normal(shape, dtype=np.float32),
   "randint": lambda *, shape, dtype, seed, offset, low, high: _rng(seed, offset).integers(low, high, shape),
   "bernoulli": lambda *, shape, dtype, seed, offset, p: _rng(seed, offset).random(shape, dtype=np.float32) < p,
+  "dropout": lambda x, *, p, seed, offset: np.where(_rng(seed, offset).random(x.shape, dtype=np.float32) < 1.0 - p, x,
+                                                    0) * x.dtype.type(1.0 / (1.0 - p)),
   # unary
   "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
   "rsqrt": lambda x: 1.0 / np.sqrt(x), "abs": np.abs, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,

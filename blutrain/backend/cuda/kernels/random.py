@@ -11,7 +11,7 @@ numbers then replays with new ones once the state's memory is given the generato
 
 rand is uniform on [0, 1) in float32 (31 random bits), then converted to the dtype, as the CPU backend converts its
 float32 draw; randn is Box-Muller over two uniforms; randint reduces 64 random bits modulo (high - low); bernoulli is
-rand < p.
+rand < p; dropout keeps an element where bernoulli's draw of a mask of its shape (probability 1 - p) would be True.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import triton.language as tl
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import empty, ptr, run, spec
+from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.configurator import flat_schedule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
@@ -48,12 +49,46 @@ def _random_kernel(out, n, seed, offset, state, low, span, p, OP: tl.constexpr, 
   tl.store(out + i, v.to(out.dtype.element_ty), mask=i < n)
 
 
+@triton.jit
+def _dropout_kernel(out, x, n, seed, offset, state, keep, scale, ACC: tl.constexpr, STATE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+  i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+  if STATE:
+    seed = tl.load(state)
+    offset = tl.load(state + 1) + offset
+  v = tl.load(x + i, mask=i < n)
+  y = tl.where(tl.rand(seed, offset + i) < keep, v.to(ACC) * scale, 0.0)
+  tl.store(out + i, y.to(out.dtype.element_ty), mask=i < n)
+
+
 @functools.lru_cache(maxsize=4096)
 def random_spec(op: str, dtype: DType, n: int, state: bool = False):
   block, warps = flat_schedule(n, 4)
   sig = {"out": ptr(dtype), "n": "i64", "seed": "i64", "offset": "i64", "state": ptr(dtypes.int64), "low": "i64",
          "span": "i64", "p": "fp32"}
   return spec(_random_kernel, sig, dict(OP=op, STATE=state, BLOCK=block), num_warps=warps)
+
+
+@functools.lru_cache(maxsize=4096)
+def dropout_spec(dtype: DType, n: int, state: bool = False):
+  block, warps = flat_schedule(n, dtype.itemsize)
+  f64 = dtype is dtypes.float64
+  sig = {"out": ptr(dtype), "x": ptr(dtype), "n": "i64", "seed": "i64", "offset": "i64", "state": ptr(dtypes.int64),
+         "keep": "fp32", "scale": "fp64" if f64 else "fp32"}
+  return spec(_dropout_kernel, sig, dict(ACC=tl.float64 if f64 else tl.float32, STATE=state, BLOCK=block),
+              num_warps=warps)
+
+
+def dropout(x: CudaArray, *, p: float, seed: int = 0, offset: int, state: CudaArray | None = None) -> CudaArray:
+  """x with the elements whose draw is not below 1 - p zeroed and the rest scaled by 1 / (1 - p) (element i, in
+  row-major order, draws at counter offset + i, as bernoulli's draw of a mask of x's shape does), contiguous."""
+  x = x if x.is_contiguous() else copy(x)
+  out = empty(x.shape, x.dtype, x.device)
+  if out.size == 0: return out
+  s = dropout_spec(x.dtype, out.size, state is not None)
+  run(s, (cdiv(out.size, s.constexprs["BLOCK"]),), out.ptr, x.ptr, out.size, _signed64(seed), _signed64(offset),
+      0 if state is None else state.ptr, 1.0 - float(p), 1.0 / (1.0 - float(p)))
+  return out
 
 
 def _signed64(x: int) -> int: return (int(x) + 2**63) % 2**64 - 2**63
@@ -79,10 +114,13 @@ KERNELS = {
                                                                                  low, high, state=state),
   "bernoulli": lambda *, shape, dtype, seed=0, offset, p, state=None: _draw("bernoulli", shape, dtype, seed, offset, p=p,
                                                                             state=state),
+  "dropout": dropout,
 }
 
 SPECS = [random_spec(op, dt, 1 << 20) for op, dt in (("rand", dtypes.float32), ("rand", dtypes.bfloat16),
                                                      ("randn", dtypes.float32), ("randn", dtypes.float64),
                                                      ("randint", dtypes.int64), ("randint", dtypes.int32),
                                                      ("bernoulli", dtypes.bool_))] + [
-         random_spec("bernoulli", dtypes.bool_, 1 << 20, True), random_spec("rand", dtypes.float32, 1 << 20, True)]
+         random_spec("bernoulli", dtypes.bool_, 1 << 20, True), random_spec("rand", dtypes.float32, 1 << 20, True)] + [
+         dropout_spec(dt, 1 << 20, state) for dt in (dtypes.float32, dtypes.bfloat16, dtypes.float64)
+         for state in (False, True)]
