@@ -2,6 +2,9 @@
 and check a VJP against float64 central finite differences (`check_vjp`, after JAX's)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -187,3 +190,12 @@ def assert_adam_close(got: np.ndarray, want: np.ndarray, lr: float, rtol: float,
   diff = np.abs(np.asarray(got, np.float64) - want)
   assert bad.mean() <= outliers and diff.max(initial=0.0) <= lr, \
     f"{what}: {bad.sum()} of {bad.size} elements beyond rtol={rtol}, atol={atol}; largest difference {diff.max():.3g}"
+
+
+def run_under_triton_interpreter(module: str) -> None:
+  """Run `python -m module` (a test module's `main`, which prints "ok" last) with TRITON_INTERPRET=1, in a subprocess
+  since the variable must be set before Triton is imported: Triton kernels' values without a GPU."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-m", module], cwd=root, capture_output=True, text=True,
+                     env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]

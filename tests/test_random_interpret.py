@@ -1,11 +1,9 @@
 """The CUDA dropout kernel without a GPU: under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess) it keeps
 exactly the elements bernoulli's kernel draws True for a mask of the same shape, seed and offset (probability 1 - p),
 scaled by 1 / (1 - p), reading the seed and offset from arguments or from a generator state in memory."""
-import os
-import subprocess
-import sys
-
 import numpy as np
+
+from tests.helpers import run_under_triton_interpreter
 
 
 def main() -> None:
@@ -31,10 +29,7 @@ def main() -> None:
 
 
 def test_dropout_kernel_under_triton_interpreter():
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  r = subprocess.run([sys.executable, "-m", "tests.test_random_interpret"], cwd=root, capture_output=True, text=True,
-                     env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+  run_under_triton_interpreter("tests.test_random_interpret")
 
 
 if __name__ == "__main__":

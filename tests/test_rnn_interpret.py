@@ -1,14 +1,11 @@
 """The CUDA LSTM cell kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since it
 must be set before Triton is imported) runs the forward and backward kernels, launched as `rnn._launch` does, on torch
 CPU tensors (test-only) whose rows are slices of wider ones, against the CPU backend's float64 kernels."""
-import os
-import subprocess
-import sys
-
 import numpy as np
-import pytest
 import triton
 import triton.language as tl
+
+from tests.helpers import run_under_triton_interpreter
 
 
 def _run_case(N: int, H: int, dtype: str) -> None:
@@ -71,10 +68,7 @@ def main() -> None:
 
 
 def test_lstm_cell_kernels_under_triton_interpreter():
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  r = subprocess.run([sys.executable, "-m", "tests.test_rnn_interpret"], cwd=root, capture_output=True, text=True,
-                     env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-  assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+  run_under_triton_interpreter("tests.test_rnn_interpret")
 
 
 if __name__ == "__main__":

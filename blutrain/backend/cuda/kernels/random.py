@@ -29,13 +29,20 @@ from blutrain.shapes import cdiv
 
 
 @triton.jit
-def _random_kernel(out, n, seed, offset, state, low, span, p, OP: tl.constexpr, STATE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _draws(seed, offset, state, STATE: tl.constexpr, BLOCK: tl.constexpr):
+  """This program's element indices, and the seed and counters of their draws: from the arguments, or with STATE
+  from the generator state in memory, its base offset added."""
   i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
   if STATE:
     seed = tl.load(state)
     offset = tl.load(state + 1) + offset
-  counter = offset + i
+  return i, seed, offset + i
+
+
+@triton.jit
+def _random_kernel(out, n, seed, offset, state, low, span, p, OP: tl.constexpr, STATE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+  i, seed, counter = _draws(seed, offset, state, STATE, BLOCK)
   if OP == "rand":
     v = tl.rand(seed, counter)
   elif OP == "randn":
@@ -52,12 +59,9 @@ def _random_kernel(out, n, seed, offset, state, low, span, p, OP: tl.constexpr, 
 @triton.jit
 def _dropout_kernel(out, x, n, seed, offset, state, keep, scale, ACC: tl.constexpr, STATE: tl.constexpr,
                     BLOCK: tl.constexpr):
-  i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-  if STATE:
-    seed = tl.load(state)
-    offset = tl.load(state + 1) + offset
+  i, seed, counter = _draws(seed, offset, state, STATE, BLOCK)
   v = tl.load(x + i, mask=i < n)
-  y = tl.where(tl.rand(seed, offset + i) < keep, v.to(ACC) * scale, 0.0)
+  y = tl.where(tl.rand(seed, counter) < keep, v.to(ACC) * scale, 0.0)
   tl.store(out + i, y.to(out.dtype.element_ty), mask=i < n)
 
 
