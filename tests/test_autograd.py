@@ -377,3 +377,20 @@ def test_backward_computes_only_the_gradients_inputs_need(case):
   want = {"conv_grad_input": int(conv and needs[0]), "conv_grad_weight": int(conv and needs[1]),
           "matmul": 0 if conv else 2}  # the forward's and one gradient's
   assert {k: ran[k] for k in want} == want, ran
+
+
+@pytest.mark.parametrize("case", ["x * 0.5", "x / c", "c - x", "where", "pow"])
+def test_elementwise_backward_skips_the_gradients_of_constants(case):
+  """A constant operand (a Python number, a tensor without grad) of add, sub, mul, div, pow and where costs no
+  kernel in backward: `x * 0.5` runs one mul and no sum; the gradient equals PyTorch's."""
+  rng = np.random.default_rng(1)
+  a, c = rng.uniform(0.5, 2.0, (4, 5)), rng.uniform(0.5, 2.0, (5,))
+  fns = {"x * 0.5": lambda m, x, c: x * 0.5, "x / c": lambda m, x, c: x / c, "c - x": lambda m, x, c: c - x,
+         "where": lambda m, x, c: m.where(x > 1.0, x, c), "pow": lambda m, x, c: x ** c}
+  ours, theirs = bt.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)
+  out = fns[case](bt, ours, bt.tensor(c))
+  with bt.profiler.profile() as prof: out.backward(bt.ones_like(out))
+  fns[case](torch, theirs, torch.tensor(c)).backward(torch.ones(4, 5, dtype=torch.float64))
+  assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+  assert not any(row.name == "sum" for row in prof.rows), [(row.name, row.calls) for row in prof.rows]
+

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from blutrain import dtypes
 from blutrain.dtypes import DType, DTypeError, UnsupportedDType
@@ -132,6 +133,13 @@ def _unbroadcast(g: Tensor, x) -> Tensor:
   return g if g.shape == tuple(x.shape) else g.sum_to_size(x.shape)
 
 
+def _binary_vjp(dx: Callable, dy: Callable) -> Callable:
+  """A binary op's VJP from its two gradients at the broadcast shape (each a function of g, out, x, y), computing
+  only those its inputs need: `x * 0.5` costs no product with x and no sum to a scalar in backward."""
+  return lambda g, out, x, y, needs=(True, True): (_unbroadcast(dx(g, out, x, y), x) if needs[0] else None,
+                                                   _unbroadcast(dy(g, out, x, y), y) if needs[1] else None)
+
+
 def _extremum_vjp(less: bool):
   """maximum's VJP (`less`: minimum's): ties split the gradient evenly and a nan on either side passes all of it to
   both, as PyTorch's."""
@@ -142,22 +150,19 @@ def _extremum_vjp(less: bool):
   return vjp
 
 
-add_op = op("add", _binary_rule("add"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(g, y)), saves=(),
+add_op = op("add", _binary_rule("add"), _binary_vjp(lambda g, out, x, y: g, lambda g, out, x, y: g), saves=(),
             inputs="x y")
-sub_op = op("sub", _binary_rule("sub"), lambda g, out, x, y: (_unbroadcast(g, x), _unbroadcast(-g, y)), saves=(),
+sub_op = op("sub", _binary_rule("sub"), _binary_vjp(lambda g, out, x, y: g, lambda g, out, x, y: -g), saves=(),
             inputs="x y")
-mul_op = op("mul", _binary_rule("mul"), lambda g, out, x, y: (_unbroadcast(g * y, x), _unbroadcast(g * x, y)),
+mul_op = op("mul", _binary_rule("mul"), _binary_vjp(lambda g, out, x, y: g * y, lambda g, out, x, y: g * x),
             inputs="x y")
-div_op = op("div", _binary_rule("div"), lambda g, out, x, y: (_unbroadcast(g / y, x), _unbroadcast(-g * out / y, y)),
+div_op = op("div", _binary_rule("div"), _binary_vjp(lambda g, out, x, y: g / y, lambda g, out, x, y: -g * out / y),
             saves=(1,), saves_output=True, inputs="x y")
 
-
-def _pow_vjp(g, out, x, y):
-  """PyTorch's edges: d/dx is 0 where y == 0 (even at x = 0); d/dy is 0 where x == 0 and y >= 0, and out * log(x)
-  elsewhere (nan for a negative base, -inf for 0 ** negative)."""
-  dx = where(y == 0, 0.0, y * pow_op(x, y - 1))
-  dy = where((x == 0) & (y >= 0), 0.0, out * log_op(x))
-  return _unbroadcast(g * dx, x), _unbroadcast(g * dy, y)
+# PyTorch's edges of pow: d/dx is 0 where y == 0 (even at x = 0); d/dy is 0 where x == 0 and y >= 0, and out * log(x)
+# elsewhere (nan for a negative base, -inf for 0 ** negative).
+_pow_vjp = _binary_vjp(lambda g, out, x, y: g * where(y == 0, 0.0, y * pow_op(x, y - 1)),
+                       lambda g, out, x, y: g * where((x == 0) & (y >= 0), 0.0, out * log_op(x)))
 
 
 pow_op = op("pow", _binary_rule("pow"), _pow_vjp, saves_output=True, inputs="x y")
@@ -327,9 +332,9 @@ def _where_rule(c, x, y):
   return broadcast_shapes(c.shape, x.shape, y.shape, op="where"), x.dtype
 
 
-where_op = op("where", _where_rule, lambda g, out, c, x, y: (
-  None, _unbroadcast(where_op(c, g, zeros_like(g)), x), _unbroadcast(where_op(c, zeros_like(g), g), y)), saves=(0,),
-    inputs="c x y")
+where_op = op("where", _where_rule, lambda g, out, c, x, y, needs=(False, True, True): (
+  None, _unbroadcast(where_op(c, g, zeros_like(g)), x) if needs[1] else None,
+  _unbroadcast(where_op(c, zeros_like(g), g), y) if needs[2] else None), saves=(0,), inputs="c x y")
 
 
 def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
