@@ -325,7 +325,8 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     if count <= 1:
       raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(input.shape)}")
     mean = input.mean(dims, keepdim=True)
-    var = ((input - mean) * (input - mean)).mean(dims, keepdim=True)
+    centered = input - mean
+    var = (centered * centered).mean(dims, keepdim=True)
     if running_mean is not None and running_var is not None:
       with ops.no_grad():
         m = momentum.to(running_mean.dtype) if isinstance(momentum, Tensor) else momentum
@@ -335,7 +336,8 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     if running_mean is None or running_var is None:
       raise RuntimeError("batch_norm: running_mean and running_var must be given when training=False")
     mean, var = running_mean.reshape(shape).to(input.dtype), running_var.reshape(shape).to(input.dtype)
-  out = (input - mean) * ops.rsqrt(var + eps)
+    centered = input - mean
+  out = centered * ops.rsqrt(var + eps)
   if weight is not None: out = out * weight.reshape(shape)
   return out + bias.reshape(shape) if bias is not None else out
 
