@@ -187,3 +187,22 @@ def assert_adam_close(got: np.ndarray, want: np.ndarray, lr: float, rtol: float,
   diff = np.abs(np.asarray(got, np.float64) - want)
   assert bad.mean() <= outliers and diff.max(initial=0.0) <= lr, \
     f"{what}: {bad.sum()} of {bad.size} elements beyond rtol={rtol}, atol={atol}; largest difference {diff.max():.3g}"
+
+
+
+def compiled(s):
+  """A kernel variant (fn, signature, constexprs, options) compiled for sm_90 without a GPU, as Triton returns it
+  (its PTX in .asm["ptx"], its shared memory in .metadata.shared)."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+  from blutrain.backend.cuda import launch
+  fn, signature, constexprs, opts = s
+  sig, attrs = launch._parse_signature(fn, signature, constexprs)
+  src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+  return triton.compile(src, target=GPUTarget(*launch.TARGET), options=opts)
+
+
+def ptx(s) -> str:
+  """The sm_90 PTX of a kernel variant (see `compiled`)."""
+  return compiled(s).asm["ptx"]
