@@ -516,6 +516,12 @@ def _specs() -> list:
     out += [conv_spec(kind, bf16, M, N, K, True, False, depth=True),  # 3-D
             conv_spec(kind, f32, 50, 10, 7, False, True, depth=True),
             conv_spec(kind, f64, 50, 10, 7, False, False, depth=True)]
+    small = (16, 144, 1000) if kind == "wgrad" else (1000, 16, 144)  # 16 channels, 3x3
+    out += [conv_spec(kind, bf16, M, N, K, True, False, channels=64),  # channels-last
+            conv_spec(kind, f32, M, N, K, True, False, channels=64),
+            conv_spec(kind, f16, *small, True, True, channels=16),
+            conv_spec(kind, f32, *small, False, False, depth=True, channels=16),
+            conv_spec(kind, bf16, M, N, K, True, True, depth=True, channels=64)]
   return out
 
 
