@@ -12,6 +12,17 @@ kernels' DEPTH variant walks as they walk H, which 1-D and 2-D convolutions skip
 The tile sizes, stages and split come from `configurator.conv_schedule`. Half inputs accumulate in float32; float32
 multiplies in TF32 when the op's `tf32` attribute is set, else in 3xTF32 (float32-accurate, as attention does);
 float64 in float64 FMAs (a broadcast product; tl.dot takes no float64). Offsets are int64 only where the tensors need them (`IDX64`).
+
+These general kernels decode each reduction index by `%` and `//` of runtime sizes and take every stride at run
+time, so Triton cannot prove any tile contiguous: each element is its own 2-byte load and nothing is pipelined. The
+channels-last variants (`_conv_*_cl_kernel`) read channels-last operands (unit channel stride, never passed) and
+walk the reduction as (kd, kh, kw) x channel blocks in one flat loop, so a tile's channels are `c0 + arange` at unit
+stride; with pointers, the other strides and the channel counts promised multiples of 16 (":16" in the signature),
+their tiles load as 16-byte cp.async copies pipelined over `num_stages` buffers. wgrad's columns become (kd, kh,
+kw, c) with one kernel position per column tile. The host wrappers take them for bfloat16, float16 and float32 with
+channels per group of multiples of 16 (`vectorizes`), copying NCHW operands channels-last first (`_channels_last`:
+one transposing copy costs far less than the scalar loads); every other case runs the general kernels. Outputs stay
+new contiguous arrays of the op's layout.
 """
 from __future__ import annotations
 
