@@ -380,7 +380,7 @@ def conv_spec(kind: str, dtype: DType, M: int, N: int, K: int, tf32: bool, i64: 
   convolutions (1-D and 2-D ones skip the depth dim's index arithmetic). `channels` > 0 picks the channels-last
   variant, whose tiles run along that many channels of a group (fwd: C_in, dgrad: C_out, the reduction's; wgrad:
   C_in, the result's columns); its caller promises unit channel strides and 16-divisible pointers, other strides of
-  the operands it reads and channel counts (`cl_layout`)."""
+  the operands it reads and channel counts (`plan` checks them)."""
   bm, bn, bk, warps, stages, _ = configurator.conv_schedule(M, N, K, dtype.itemsize, hw, *_runs(kind, channels))
   it, cl = "i64" if i64 else "i32", channels > 0
   first, second, third = _PTRS[kind]
