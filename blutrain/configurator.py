@@ -545,22 +545,25 @@ def attention_schedule(kernel: str, itemsize: int, block_d: int) -> tuple[int, i
 
 # *** convolution (implicit GEMM) ***
 
-def conv_schedule(M: int, N: int, K: int, itemsize: int, hw: Hardware = H200) -> tuple[int, int, int, int, int, int]:
+def conv_schedule(M: int, N: int, K: int, itemsize: int, hw: Hardware = H200, k_run: int = 0,
+                  n_run: int = 0) -> tuple[int, int, int, int, int, int]:
   """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split) of an implicit-GEMM convolution kernel computing an
   (M, N) result over a reduction of K (forward: M = N*OH*OW, N = C_out/groups, K = C_in/groups*KH*KW; dgrad and
   wgrad likewise, see backend/cuda/kernels/conv.py). The tile is the largest of 128 that the GEMM's N (the channels,
   often 64) fills, as GEMM tiles are; BLOCK_K holds 128 bytes of a row's reduction (32 float32, 64 halves), at most
-  the padded K. Stages are as many as shared memory holds for the A and B tiles, up to 4. When the tiles cannot fill the
+  the padded K. The channels-last kernels' tiles do not cross a kernel position: `k_run` (fwd, dgrad) is the
+  channels a reduction tile runs along, `n_run` (wgrad) those of a column tile, and the tile is at most their padded
+  count. Stages are as many as shared memory holds for the A and B tiles, up to 4. When the tiles cannot fill the
   SMs twice over (wgrad: small C_out x C_in, huge N*OH*OW), K is split into `split` parts of at least 8 BLOCK_K steps
   each, summed afterwards (only wgrad splits; the others ignore `split`)."""
   cap = 32 if itemsize == 8 else 128  # float64 has no tensor cores: its tile is a broadcast product in registers
   bm = min(cap, max(16, next_pow2(M)))
-  bn = min(cap, 128 if N > 64 else max(16, next_pow2(N)))
-  bk = max(16, min(128 // itemsize, next_pow2(K)))
+  bn = min(cap, 128 if N > 64 else max(16, next_pow2(N)), max(16, next_pow2(n_run)) if n_run else cap)
+  bk = max(16, min(128 // itemsize, next_pow2(min(K, k_run or K))))
   warps = 8 if bm * bn >= 128 * 128 else 4
   tile_bytes = (bm + bn) * bk * itemsize
   stages = max(1, min(4, hw.smem_per_block // max(tile_bytes, 1) - 1))
-  tiles = cdiv(M, bm) * cdiv(N, bn)
+  tiles = cdiv(M, bm) * ((N // n_run) * cdiv(n_run, bn) if n_run else cdiv(N, bn))
   split = 1
   if tiles < 2 * hw.sms: split = max(1, min(cdiv(2 * hw.sms, tiles), K // (8 * bk)))
   return bm, bn, bk, warps, stages, split

@@ -199,3 +199,21 @@ def run_under_triton_interpreter(module: str) -> None:
   r = subprocess.run([sys.executable, "-m", module], cwd=root, capture_output=True, text=True,
                      env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
   assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def compiled(s):
+  """A kernel variant (fn, signature, constexprs, options) compiled for sm_90 without a GPU, as Triton returns it
+  (its PTX in .asm["ptx"], its shared memory in .metadata.shared)."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+  from blutrain.backend.cuda import launch
+  fn, signature, constexprs, opts = s
+  sig, attrs = launch._parse_signature(fn, signature, constexprs)
+  src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+  return triton.compile(src, target=GPUTarget(*launch.TARGET), options=opts)
+
+
+def ptx(s) -> str:
+  """The sm_90 PTX of a kernel variant (see `compiled`)."""
+  return compiled(s).asm["ptx"]

@@ -11,6 +11,7 @@ from hypothesis import given, strategies as st
 
 from blutrain import configurator as C
 from blutrain.configurator import H200, GemmProblem, gemm_schedule
+from blutrain.shapes import cdiv
 
 T = 16384  # GPT-2 124M training tokens per step (B=16, T=1024)
 LINEARS = ((2304, 768), (768, 768), (3072, 768), (768, 3072), (50304, 768))  # (out, in) features
@@ -196,6 +197,20 @@ def test_reduction_and_elementwise_schedules():
   assert C.row_schedule(16384, 768) == (4, 1024, 8, True) and C.row_schedule(8, 50304) == (1, 4096, 8, False)
   assert C.index_schedule(16384, 768) == (4, 512, 4)
   assert C.copy_schedule(16384, 768) == (64, 64, 4) and C.copy_schedule(5, 3) == (16, 16, 4)
+
+
+def test_conv_schedules():
+  """ResNet's 3x3 64-channel layer at 56x56, batch 128, in bf16; the channels-last tiles stop at a kernel position."""
+  M, K = 128 * 56 * 56, 64 * 9
+  assert C.conv_schedule(M, 64, K, 2) == (128, 64, 64, 4, 4, 1) == C.conv_schedule(M, 64, K, 2, k_run=64)
+  assert C.conv_schedule(M, 64, K, 2, k_run=16)[2] == 16 and C.conv_schedule(M, 64, K, 4, k_run=48)[2] == 32
+  assert C.conv_schedule(64, K, M, 2)[:2] == (64, 128) and C.conv_schedule(64, K, M, 2, n_run=64)[:2] == (64, 64)
+  for M, N, K, item, k_run, n_run in ((M, 64, K, 2, 0, 0), (64, K, M, 2, 0, 64), (M, 48, 48 * 9, 4, 48, 0),
+                                      (16, 144, 10**6, 2, 0, 16), (10, 3, 27, 8, 0, 0)):
+    bm, bn, bk, warps, stages, split = C.conv_schedule(M, N, K, item, H200, k_run, n_run)
+    assert (bm + bn) * bk * item * stages <= H200.smem_per_block and bk >= 16 and warps in (4, 8)
+    assert bk <= max(16, k_run or K) * 2 and (not n_run or bn < 2 * n_run)
+    assert split == 1 or cdiv(cdiv(K, bk), split) >= 8  # each part at least 8 steps
 
 
 def test_kernel_library_takes_its_schedules_from_the_configurator():

@@ -292,18 +292,24 @@ for dtype in (bt.float32, bt.bfloat16, bt.int8, bt.int64):
 """, tmp_path)
 
 
-def test_3d_convolutions_launch_on_the_fake_gpu(tmp_path):
-  """The implicit-GEMM kernels' host path (plan, argument packing) for a 3-D convolution, forward and both gradients,
-  and a transposed one: shapes and dtypes."""
+def test_convolutions_launch_on_the_fake_gpu(tmp_path):
+  """The implicit-GEMM kernels' host path (plan, argument packing, the channels-last copies) for 3-D convolutions
+  and 2-D ones of 16-divisible channel counts, forward and both gradients, and transposed ones: shapes and dtypes."""
   _run_fake("""
 import blutrain as bt
 from blutrain import nn
+from blutrain.backend.cuda.kernels import conv
+plans, plan = [], conv.plan
+conv.plan = lambda *args: plans.append(plan(*args)) or plans[-1]
 for layer, shape in ((nn.Conv3d(4, 6, (3, 2, 3), stride=(2, 1, 1), padding=1, groups=2), (2, 4, 5, 6, 7)),
-                     (nn.ConvTranspose3d(6, 4, 3, stride=2, output_padding=1, groups=2), (2, 6, 3, 4, 5))):
+                     (nn.ConvTranspose3d(6, 4, 3, stride=2, output_padding=1, groups=2), (2, 6, 3, 4, 5)),
+                     (nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=2), (2, 32, 9, 9)),
+                     (nn.ConvTranspose2d(16, 32, 3, stride=2), (2, 16, 4, 5))):
   layer.to("cuda")
   x = bt.randn(*shape, device="cuda", requires_grad=True)
   with bt.autocast("cuda", dtype=bt.bfloat16):
     y = layer(x)
   y.float().sum().backward()
   assert y.dtype is bt.bfloat16 and x.grad.shape == shape and layer.weight.grad.shape == layer.weight.shape
+assert [p[4] for p in plans] == [False] * 6 + [True] * 6, [p[4] for p in plans]  # the 2-D ones read channels-last
 """, tmp_path)

@@ -114,3 +114,22 @@ def test_index_space_is_numpys():
     key = [slice(None)] * 4
     for s, p in zip(shapes, positions): key[p] = np.zeros(s, np.int64)
     assert _index_space(x.shape, tuple(arr(*s) for s in shapes), positions)[0] == x[tuple(key)].shape
+
+
+def test_conv_takes_the_channels_last_variant_only_where_promised():
+  from blutrain.backend.cuda.kernels import conv
+  from blutrain.shapes import cdiv
+  nhwc, nchw = lambda c: ((2, c, 8, 8), (64 * c, 1, 8 * c, c)), lambda c: ((2, c, 8, 8), (64 * c, 64, 8, 1))
+  w_last = ((32, 32, 3, 3), (288, 1, 96, 32))
+  pick = lambda kind, x, w, g, dtype=dtypes.bfloat16, groups=1, aligned=True: conv.plan(
+    kind, dtype, x, w, g, (1, 1), (1, 1), (1, 1), groups, True, aligned=aligned)
+  x, g = nhwc(32), nhwc(32)
+  assert pick("fwd", x, w_last, nchw(32))[4] and pick("dgrad", nchw(32), w_last, g)[4]
+  s, grid, *_, cl = pick("wgrad", x, w_last, g)
+  assert cl and grid[1] == 9 * cdiv(32, s.constexprs["BLOCK_N"])  # a column tile per kernel position
+  assert not pick("fwd", x, w_last, g, aligned=False)[4]  # a pointer off 16 bytes
+  assert not pick("fwd", x, w_last, g, dtypes.float64)[4]
+  assert not pick("fwd", nchw(32), w_last, g)[4] and not pick("dgrad", x, w_last, nchw(32))[4]
+  assert not pick("wgrad", x, w_last, nchw(32))[4]
+  assert not pick("fwd", ((2, 32, 8, 8), (2 * 64 * 48, 1, 8 * 48 + 8, 48)), w_last, g)[4]  # a stride off 16
+  assert not pick("fwd", x, ((32, 8, 3, 3), (72, 1, 24, 8)), g, groups=4)[4]  # 8 channels per group

@@ -6,20 +6,11 @@ import re
 import pytest
 
 from blutrain import dtypes
-from blutrain.backend.cuda import launch
 from blutrain.backend.cuda.kernels import norm, optim
+from tests.helpers import ptx as _ptx
 
 triton = pytest.importorskip("triton")
 f32, bf16 = dtypes.float32, dtypes.bfloat16
-
-
-def _ptx(s) -> str:
-  from triton.backends.compiler import GPUTarget
-  from triton.compiler import ASTSource
-  fn, signature, constexprs, opts = s
-  sig, attrs = launch._parse_signature(fn, signature, constexprs)
-  src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-  return triton.compile(src, target=GPUTarget(*launch.TARGET), options=opts).asm["ptx"]
 
 
 @pytest.mark.parametrize("fused, plain, instruction", [

@@ -1,6 +1,7 @@
 """The CUDA convolution kernels (implicit GEMM, backend/cuda/kernels/conv.py) against PyTorch CUDA in float64 as the
 reference: forward, input and weight gradients through bt for 1-D, 2-D and 3-D geometry (stride, padding, dilation,
-groups, 'same'), channels-last views, every dtype and float32 precision, the split-K weight gradient of a ResNet
+groups, 'same'), channels-last views, every dtype and float32 precision (the channels-last kernels where channel
+counts are multiples of 16), channels-last views that they must copy, the split-K weight gradient of a ResNet
 layer, conv_transpose, and a small CNN's training step under bf16 autocast."""
 import numpy as np
 import pytest
@@ -25,6 +26,11 @@ GEOMETRY = [  # (x shape, w shape, kwargs)
   ((2, 4, 6, 9, 10), (6, 2, 3, 3, 2), dict(stride=(1, 2, 1), padding=(1, 1, 2), dilation=(2, 1, 2), groups=2)),
   ((2, 8, 5, 12, 12), (16, 8, 3, 3, 3), dict(padding=1)),
   ((1, 3, 7, 8, 9), (4, 3, 2, 3, 2), dict(stride=2, padding="valid")),
+  # channels per group of multiples of 16: the channels-last kernels (48: a part-masked channel block)
+  ((2, 48, 15, 15), (32, 48, 3, 3), dict(stride=2, padding=1)),
+  ((2, 32, 9, 10), (32, 16, 3, 2), dict(stride=(2, 1), padding=(1, 0), dilation=(1, 2), groups=2)),
+  ((2, 16, 33), (32, 16, 5), dict(stride=2, padding=2, dilation=2)),
+  ((2, 16, 5, 8, 8), (16, 16, 3, 3, 3), dict(stride=(1, 2, 2), padding=1)),
 ]
 FUNCTIONS = {3: "conv1d", 4: "conv2d", 5: "conv3d"}  # by the input's rank
 
@@ -86,6 +92,24 @@ def test_resnet_layer_weight_gradient_splits_k(dtype, torch_cuda):
   tol = 3e-2 if dtype is bt.bfloat16 else 1e-4
   assert rel_err(bw.grad.float().cpu().numpy(), tw.grad.cpu().numpy()) < tol
   assert rel_err(bx.grad.float().cpu().numpy(), tx.grad.cpu().numpy()) < tol
+
+
+def test_channels_last_views_off_16_bytes_match_torch_cuda(torch_cuda):
+  """A channel slice of a channels-last tensor (pointer 2 bytes in, row strides of 34 channels): the host copies it
+  for the channels-last kernels, whose promise of 16-byte alignment it breaks."""
+  torch = torch_cuda
+  rng = np.random.default_rng(3)
+  x, w = rng.standard_normal((2, 10, 9, 34)).astype(np.float32), rng.standard_normal((16, 32, 3, 3)).astype(np.float32)
+  bx = bt.tensor(x, device="cuda").to(bt.bfloat16).permute(0, 3, 1, 2)[:, 1:33].requires_grad_()
+  bw = bt.tensor(w, device="cuda").to(bt.bfloat16).requires_grad_()
+  y = F.conv2d(bx, bw, stride=2, padding=1)
+  y.float().square().sum().backward()
+  tx = torch.tensor(x, device="cuda").to(torch.bfloat16).double().permute(0, 3, 1, 2)[:, 1:33].requires_grad_()
+  tw = torch.tensor(w, device="cuda").to(torch.bfloat16).double().requires_grad_()
+  ty = torch.nn.functional.conv2d(tx, tw, stride=2, padding=1)
+  ty.square().sum().backward()
+  for got, want in ((y, ty), (bx.grad, tx.grad), (bw.grad, tw.grad)):
+    assert rel_err(got.detach().float().cpu().numpy(), want.detach().cpu().numpy()) < 3e-2
 
 
 def test_conv_transpose_matches_torch_cuda(torch_cuda):

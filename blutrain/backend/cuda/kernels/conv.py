@@ -12,6 +12,17 @@ kernels' DEPTH variant walks as they walk H, which 1-D and 2-D convolutions skip
 The tile sizes, stages and split come from `configurator.conv_schedule`. Half inputs accumulate in float32; float32
 multiplies in TF32 when the op's `tf32` attribute is set, else in 3xTF32 (float32-accurate, as attention does);
 float64 in float64 FMAs (a broadcast product; tl.dot takes no float64). Offsets are int64 only where the tensors need them (`IDX64`).
+
+These general kernels decode each reduction index by `%` and `//` of runtime sizes and take every stride at run
+time, so Triton cannot prove any tile contiguous: each element is its own 2-byte load and nothing is pipelined. The
+channels-last variants (`_conv_*_cl_kernel`) read channels-last operands (unit channel stride, never passed) and
+walk the reduction as (kd, kh, kw) x channel blocks in one flat loop, so a tile's channels are `c0 + arange` at unit
+stride; with pointers, the other strides and the channel counts promised multiples of 16 (":16" in the signature),
+their tiles load as 16-byte cp.async copies pipelined over `num_stages` buffers. wgrad's columns become (kd, kh,
+kw, c) with one kernel position per column tile. The host wrappers take them for bfloat16, float16 and float32 with
+channels per group of multiples of 16 (`vectorizes`), copying NCHW operands channels-last first (`_channels_last`:
+one transposing copy costs far less than the scalar loads); every other case runs the general kernels. Outputs stay
+new contiguous arrays of the op's layout.
 """
 from __future__ import annotations
 
@@ -29,7 +40,7 @@ from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv
+from blutrain.shapes import cdiv, contiguous_strides
 
 _GEOMETRY = ["C", "D", "H", "W", "OD", "OH", "OW", "KD", "KH", "KW", "sd", "sh", "sw", "pd", "ph", "pw", "dd", "dh",
              "dw"]
@@ -192,8 +203,160 @@ def _conv_wgrad_kernel(part, g, x, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, 
   tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-_FNS = {"fwd": _conv_fwd_kernel, "dgrad": _conv_dgrad_kernel, "wgrad": _conv_wgrad_kernel}
+@triton.jit
+def _conv_fwd_cl_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                        x_s0, x_s1, x_s2, x_s3, x_s4, w_s0, w_s1, w_s2, w_s3, w_s4,
+                        out_s0, out_s1, out_s2, out_s3, out_s4,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+                        PRECISION: tl.constexpr, IDX64: tl.constexpr, DEPTH: tl.constexpr):
+  # channels-last x and w (x_s1 == w_s1 == 1, unused): K steps over (kd, kh, kw, channel block), so a tile's
+  # reduction index is a run of channels, contiguous in both operands
+  grp = tl.program_id(2)
+  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output positions (n, od, oh, ow)
+  rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of the group
+  ow, t = rm % OW, rm // OW
+  oh, n = t % OH, t // OH
+  if DEPTH:
+    od, n = n % OD, n // OD
+  if IDX64: n = n.to(tl.int64)
+  ih0, iw0 = oh * sh - ph, ow * sw - pw
+  x_row = x + n * x_s0 + grp * C
+  o = grp * N + rn
+  if IDX64: o = o.to(tl.int64)
+  w_col = w + o * w_s0
+  m_ok, n_ok = rm < M, rn < N
+  if DEPTH:
+    id0 = od * sd - pd
+  blocks = tl.cdiv(C, BLOCK_K)
+  acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+  for step in range(0, KD * KH * KW * blocks):
+    win, c = step // blocks, (step % blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kw, r = win % KW, win // KW
+    kh, kd = r % KH, r // KH
+    ih, iw = ih0 + kh * dh, iw0 + kw * dw
+    a_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    a_off = x_row + ih * x_s3 + iw * x_s4
+    b_off = w_col + kh * w_s3 + kw * w_s4
+    if DEPTH:
+      i_d = id0 + kd * dd
+      a_ok = a_ok & (i_d >= 0) & (i_d < D)
+      a_off += i_d * x_s2
+      b_off += kd * w_s2
+    c_ok = c < C
+    a = tl.load(a_off[:, None] + c[None, :], mask=a_ok[:, None] & c_ok[None, :], other=0.0)
+    b = tl.load(b_off[None, :] + c[:, None], mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+    acc = _mma(a, b, acc, PRECISION)
+  row = n * out_s0 + oh * out_s3 + ow * out_s4
+  if DEPTH:
+    row += od * out_s2
+  tl.store(out + row[:, None] + (o * out_s1)[None, :], acc.to(out.dtype.element_ty),
+           mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _conv_dgrad_cl_kernel(dx, g, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                          g_s0, g_s1, g_s2, g_s3, g_s4, w_s0, w_s1, w_s2, w_s3, w_s4, dx_s0, dx_s1, dx_s2, dx_s3, dx_s4,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+                          PRECISION: tl.constexpr, IDX64: tl.constexpr, DEPTH: tl.constexpr):
+  # channels-last g and w (g_s1 == w_s1 == 1, unused): K steps over (kd, kh, kw, output-channel block); a tile of g
+  # is contiguous along its output channels, one of w along its input channels
+  grp = tl.program_id(2)
+  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # input positions (n, id, ih, iw)
+  rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # input channels of the group
+  iw, t = rm % W, rm // W
+  ih, n = t % H, t // H
+  if DEPTH:
+    i_d, n = n % D, n // D
+  if IDX64: n = n.to(tl.int64)
+  g_row = g + n * g_s0 + grp * C
+  c = grp * N + rn
+  if IDX64: c = c.to(tl.int64)
+  w_col = w + grp * C * w_s0 + rn
+  m_ok, n_ok = rm < M, rn < N
+  blocks = tl.cdiv(C, BLOCK_K)
+  acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+  for step in range(0, KD * KH * KW * blocks):
+    win, o = step // blocks, (step % blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kw, r = win % KW, win // KW
+    kh, kd = r % KH, r // KH
+    th, tw = ih + ph - kh * dh, iw + pw - kw * dw
+    th_ok, tw_ok = th >= 0, tw >= 0
+    th, tw = tl.where(th_ok, th, 0), tl.where(tw_ok, tw, 0)
+    oh, ow = th // sh, tw // sw
+    ok = m_ok & th_ok & tw_ok & (oh * sh == th) & (ow * sw == tw) & (oh < OH) & (ow < OW)
+    a_off = g_row + oh * g_s3 + ow * g_s4
+    b_off = w_col + kh * w_s3 + kw * w_s4
+    if DEPTH:
+      td = i_d + pd - kd * dd
+      td_ok = td >= 0
+      td = tl.where(td_ok, td, 0)
+      od = td // sd
+      ok = ok & td_ok & (od * sd == td) & (od < OD)
+      a_off += od * g_s2
+      b_off += kd * w_s2
+    o_ok = o < C
+    a = tl.load(a_off[:, None] + o[None, :], mask=ok[:, None] & o_ok[None, :], other=0.0)
+    b = tl.load(b_off[None, :] + (o * w_s0)[:, None], mask=o_ok[:, None] & n_ok[None, :], other=0.0)
+    acc = _mma(a, b, acc, PRECISION)
+  row = n * dx_s0 + ih * dx_s3 + iw * dx_s4
+  if DEPTH:
+    row += i_d * dx_s2
+  tl.store(dx + row[:, None] + (c * dx_s1)[None, :], acc.to(dx.dtype.element_ty),
+           mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _conv_wgrad_cl_kernel(part, g, x, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                          g_s0, g_s1, g_s2, g_s3, g_s4, x_s0, x_s1, x_s2, x_s3, x_s4, STEPS, SPLIT,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+                          PRECISION: tl.constexpr, IDX64: tl.constexpr, DEPTH: tl.constexpr):
+  # channels-last g and x (g_s1 == x_s1 == 1, unused): a program's columns are one kernel position (kd, kh, kw) and
+  # a block of input channels, so its tile of x is contiguous along them and its tile of g along the output
+  # channels; part is (SPLIT, groups * M, N) partial sums with columns in (kd, kh, kw, c) order
+  grp, split = tl.program_id(2) // SPLIT, tl.program_id(2) % SPLIT
+  blocks = tl.cdiv(C, BLOCK_N)
+  win = tl.program_id(1) // blocks
+  kw, kh, kd = win % KW, win // KW % KH, win // KW // KH
+  rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output channels of the group
+  rn = (tl.program_id(1) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # input channels of the group
+  o = grp * M + rm
+  if IDX64: o = o.to(tl.int64)
+  g_row = g + o
+  x_col = x + grp * C + rn
+  m_ok, n_ok = rm < M, rn < C
+  acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+  start = split * STEPS * BLOCK_K
+  for step in range(0, STEPS):
+    rk = start + step * BLOCK_K + tl.arange(0, BLOCK_K)  # (n, od, oh, ow)
+    ow, r = rk % OW, rk // OW
+    oh, n = r % OH, r // OH
+    if DEPTH:
+      od, n = n % OD, n // OD
+    if IDX64: n = n.to(tl.int64)
+    ih, iw = oh * sh - ph + kh * dh, ow * sw - pw + kw * dw
+    a_off = n * g_s0 + oh * g_s3 + ow * g_s4
+    b_off = n * x_s0 + ih * x_s3 + iw * x_s4
+    k_ok = rk < K
+    b_ok = k_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    if DEPTH:
+      i_d = od * sd - pd + kd * dd
+      a_off += od * g_s2
+      b_off += i_d * x_s2
+      b_ok = b_ok & (i_d >= 0) & (i_d < D)
+    a = tl.load(g_row[:, None] + a_off[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    b = tl.load(x_col[None, :] + b_off[:, None], mask=b_ok[:, None] & n_ok[None, :], other=0.0)
+    acc = _mma(a, b, acc, PRECISION)
+  dst = part + split * (tl.num_programs(2) // SPLIT) * M * N + o[:, None] * N + (win * C + rn)[None, :]
+  tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+_FNS = {("fwd", False): _conv_fwd_kernel, ("dgrad", False): _conv_dgrad_kernel, ("wgrad", False): _conv_wgrad_kernel,
+        ("fwd", True): _conv_fwd_cl_kernel, ("dgrad", True): _conv_dgrad_cl_kernel,
+        ("wgrad", True): _conv_wgrad_cl_kernel}
 _PTRS = {"fwd": ("out", "x", "w"), "dgrad": ("dx", "g", "w"), "wgrad": ("part", "g", "x")}
+# scalars of the channels-last variants promised to be multiples of 16 (channel counts of a group; wgrad's M is one)
+_ALIGNED = {"fwd": ("C", "N"), "dgrad": ("C", "N"), "wgrad": ("M", "N", "C")}
+VECTOR = 16  # channels per group, strides and pointers (bytes) that the channels-last variants need multiples of
 
 
 def precision(dtype: DType, tf32: bool) -> str:
@@ -205,20 +368,31 @@ def precision(dtype: DType, tf32: bool) -> str:
 def acc_dtype(dtype: DType) -> DType: return dtypes.float64 if dtype is dtypes.float64 else dtypes.float32
 
 
+def _runs(kind: str, channels: int) -> tuple[int, int]:
+  """conv_schedule's (k_run, n_run) of a variant (0 for the general ones)."""
+  return (0, channels) if kind == "wgrad" else (channels, 0)
+
+
 @functools.lru_cache(maxsize=1024)
 def conv_spec(kind: str, dtype: DType, M: int, N: int, K: int, tf32: bool, i64: bool,
-              hw: configurator.Hardware = configurator.H200, depth: bool = False):
+              hw: configurator.Hardware = configurator.H200, depth: bool = False, channels: int = 0):
   """The variant of kernel `kind` ("fwd", "dgrad", "wgrad") for an (M, N, K) problem of `dtype`; `depth` for 3-D
-  convolutions (1-D and 2-D ones skip the depth dim's index arithmetic)."""
-  bm, bn, bk, warps, stages, _ = configurator.conv_schedule(M, N, K, dtype.itemsize, hw)
-  it = "i64" if i64 else "i32"
+  convolutions (1-D and 2-D ones skip the depth dim's index arithmetic). `channels` > 0 picks the channels-last
+  variant, whose tiles run along that many channels of a group (fwd: C_in, dgrad: C_out, the reduction's; wgrad:
+  C_in, the result's columns); its caller promises unit channel strides and 16-divisible pointers, other strides of
+  the operands it reads and channel counts (`plan` checks them)."""
+  bm, bn, bk, warps, stages, _ = configurator.conv_schedule(M, N, K, dtype.itemsize, hw, *_runs(kind, channels))
+  it, cl = "i64" if i64 else "i32", channels > 0
   first, second, third = _PTRS[kind]
-  sig = {first: ptr(acc_dtype(dtype) if kind == "wgrad" else dtype), second: ptr(dtype), third: ptr(dtype),
-         **dict.fromkeys(["M", "N", "K"] + _GEOMETRY, "i32"), **dict.fromkeys(_strides(second, third), it)}
+  div = lambda name: ":16" if cl and not name.endswith("_s1") else ""
+  sig = {name: ptr(acc_dtype(dtype) if kind == "wgrad" and name == first else dtype) + div(name)
+         for name in (first, second, third)}
+  sig |= {**dict.fromkeys(["M", "N", "K"] + _GEOMETRY, "i32"), **{n: it + div(n) for n in _strides(second, third)}}
+  if cl: sig |= dict.fromkeys(_ALIGNED[kind], "i32:16")
   if kind == "wgrad": sig |= {"STEPS": "i32", "SPLIT": "i32"}
   else: sig |= dict.fromkeys(_strides(first), it)
-  return spec(_FNS[kind], sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACC=TL[acc_dtype(dtype)],
-                                    PRECISION=precision(dtype, tf32), IDX64=i64, DEPTH=depth),
+  return spec(_FNS[kind, cl], sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACC=TL[acc_dtype(dtype)],
+                                        PRECISION=precision(dtype, tf32), IDX64=i64, DEPTH=depth),
               num_warps=warps, num_stages=stages)
 
 
@@ -231,72 +405,111 @@ def _as3d(shape, strides) -> tuple[tuple[int, ...], tuple[int, ...]]:
   return tuple(shape[:2]) + (1,) * pad + tuple(shape[2:]), tuple(strides[:2]) + (0,) * pad + tuple(strides[2:])
 
 
+def _unit_channels(shape, strides) -> bool:
+  """Whether an operand is channels-last as the vectorized variants read it: unit channel (dim 1) stride, every
+  other stride a multiple of VECTOR."""
+  return strides[1] == 1 and all(st % VECTOR == 0 for i, st in enumerate(strides) if i != 1)
+
+
+def vectorizes(dtype: DType, w_shape, groups: int) -> bool:
+  """Whether a convolution by a weight of `w_shape` has channels-last variants: a tensor-core dtype (float64 keeps
+  the general kernels) and input and output channels per group that are multiples of VECTOR."""
+  return dtype in (dtypes.bfloat16, dtypes.float16, dtypes.float32) and w_shape[1] % VECTOR == 0 and \
+    (w_shape[0] // groups) % VECTOR == 0
+
+
 def plan(kind: str, dtype: DType, x, w, out, stride, padding, dilation, groups: int, tf32: bool,
-         hw: configurator.Hardware = configurator.H200):
-  """(spec, grid, scalar arguments, split) of kernel `kind` for the convolution of x by w into out, each given as
-  (shape, strides) of the op's N-d arrays: for "fwd" x and w are read and out written, for "dgrad" out (g) and w read
-  and x (dx) written, for "wgrad" out (g) and x read into `split` float32 parts of w's shape (w's strides unused).
-  The kernel takes the pointers in _PTRS's order, then these scalars."""
+         hw: configurator.Hardware = configurator.H200, aligned: bool = False):
+  """(spec, grid, scalar arguments, split, channels_last) of kernel `kind` for the convolution of x by w into out,
+  each given as (shape, strides) of the op's N-d arrays: for "fwd" x and w are read and out written, for "dgrad"
+  out (g) and w read and x (dx) written, for "wgrad" out (g) and x read into `split` float32 parts of w's shape (w's
+  strides unused). With `aligned` (every pointer a multiple of 16 bytes) and the two operands read channels-last
+  (`vectorizes` and `_unit_channels`), the channels-last variant (`channels_last`), whose wgrad parts have their
+  columns in (kd, kh, kw, c) order rather than w's (c, kd, kh, kw). The kernel takes the pointers in _PTRS's order,
+  then these scalars."""
   (xs, xst), (ws, wst), (os_, ost) = _as3d(*x), _as3d(*w), _as3d(*out)
   pad = 3 - len(stride)
   geometry = [*xs[2:], *os_[2:], *ws[2:], *(1,) * pad, *stride, *(0,) * pad, *padding, *(1,) * pad, *dilation]
   i64 = any(needs_i64(sh_, st) for sh_, st in (x, w, out))
   og, kernel = ws[0] // groups, ws[2] * ws[3] * ws[4]
+  reads = {"fwd": ((xs, xst), (ws, wst)), "dgrad": ((os_, ost), (ws, wst)), "wgrad": ((os_, ost), (xs, xst))}[kind]
+  cl = aligned and vectorizes(dtype, ws, groups) and all(_unit_channels(*a) for a in reads)
   if kind == "fwd": M, N, K, C, strides = xs[0] * math.prod(os_[2:]), og, ws[1] * kernel, ws[1], (*xst, *wst, *ost)
   elif kind == "dgrad": M, N, K, C, strides = xs[0] * math.prod(xs[2:]), ws[1], og * kernel, og, (*ost, *wst, *xst)
   else: M, N, K, C, strides = og, ws[1] * kernel, os_[0] * math.prod(os_[2:]), ws[1], (*ost, *xst)
-  s = conv_spec(kind, dtype, M, N, K, tf32, i64, hw, pad == 0)
+  s = conv_spec(kind, dtype, M, N, K, tf32, i64, hw, pad == 0, C if cl else 0)
   c = s.constexprs
-  grid, args, split = [cdiv(M, c["BLOCK_M"]), cdiv(N, c["BLOCK_N"]), groups], [M, N, K, C, *geometry, *strides], 1
+  cols = kernel * cdiv(C, c["BLOCK_N"]) if cl and kind == "wgrad" else cdiv(N, c["BLOCK_N"])
+  grid, args, split = [cdiv(M, c["BLOCK_M"]), cols, groups], [M, N, K, C, *geometry, *strides], 1
   if kind == "wgrad":
-    split = configurator.conv_schedule(M, N, K, dtype.itemsize, hw)[5]
+    split = configurator.conv_schedule(M, N, K, dtype.itemsize, hw, *_runs(kind, C if cl else 0))[5]
     steps = cdiv(cdiv(K, c["BLOCK_K"]), split)
     split = cdiv(cdiv(K, c["BLOCK_K"]), steps)  # no empty part
     grid[2] *= split
     args += [steps, split]
-  return s, tuple(grid), args, split
+  return s, tuple(grid), args, split, cl
 
 
 def _layout(a: CudaArray) -> tuple: return a.shape, a.strides
 
 
+def _aligned(*arrays: CudaArray) -> bool: return all(a.ptr % VECTOR == 0 for a in arrays)
+
+
+def _channels_last(a: CudaArray) -> CudaArray:
+  """a when the channels-last variants can read it as it is (`_unit_channels`, 16-byte aligned), else such a copy
+  (N, C, *spatial) viewed over an (N, *spatial, C) array: one transposing copy costs far less than the general
+  kernels' scalar loads."""
+  if a.ptr % VECTOR == 0 and _unit_channels(a.shape, a.strides): return a
+  buf = empty((a.shape[0], *a.shape[2:], a.shape[1]), a.dtype, a.device)
+  return copy(a, out=view(buf, a.shape, (buf.strides[0], 1, *buf.strides[1:-1])))
+
+
 def conv(x: CudaArray, w: CudaArray, stride, padding, dilation, groups: int, tf32: bool = False) -> CudaArray:
-  """The convolution of x (N, C, *spatial) with w (C_out, C / groups, *kernel), a new contiguous array."""
+  """The convolution of x (N, C, *spatial) with w (C_out, C / groups, *kernel), a new contiguous array. With channel
+  counts that `vectorizes`, x and w are read channels-last (copied so unless they are)."""
   out_sp = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding,
                                                                                dilation)]
   out = empty((x.shape[0], w.shape[0], *out_sp), x.dtype, x.device)
   if out.size == 0: return out
   if x.size == 0 or w.size == 0: return fill(out, 0)
-  s, grid, args, _ = plan("fwd", x.dtype, _layout(x), _layout(w), _layout(out), stride, padding, dilation, groups,
-                          tf32, runtime.hardware(x.device))
+  if vectorizes(x.dtype, w.shape, groups): x, w = _channels_last(x), _channels_last(w)
+  s, grid, args, _, _ = plan("fwd", x.dtype, _layout(x), _layout(w), _layout(out), stride, padding, dilation, groups,
+                             tf32, runtime.hardware(x.device), _aligned(out, x, w))
   run(s, grid, out.ptr, x.ptr, w.ptr, *args)
   return out
 
 
 def conv_grad_input(g: CudaArray, w: CudaArray, shape, stride, padding, dilation, groups: int,
                     tf32: bool = False) -> CudaArray:
-  """conv's gradient for an input of `shape`: the transposed convolution of g (N, C_out, *out) with w."""
+  """conv's gradient for an input of `shape`: the transposed convolution of g (N, C_out, *out) with w, a new
+  contiguous array (g and w read channels-last as in `conv`)."""
   dx = empty(tuple(shape), g.dtype, g.device)
   if dx.size == 0: return dx
   if g.size == 0 or w.size == 0: return fill(dx, 0)
-  s, grid, args, _ = plan("dgrad", g.dtype, _layout(dx), _layout(w), _layout(g), stride, padding, dilation, groups,
-                          tf32, runtime.hardware(g.device))
+  if vectorizes(g.dtype, w.shape, groups): g, w = _channels_last(g), _channels_last(w)
+  s, grid, args, _, _ = plan("dgrad", g.dtype, _layout(dx), _layout(w), _layout(g), stride, padding, dilation, groups,
+                             tf32, runtime.hardware(g.device), _aligned(dx, g, w))
   run(s, grid, dx.ptr, g.ptr, w.ptr, *args)
   return dx
 
 
 def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilation, groups: int,
                      tf32: bool = False) -> CudaArray:
-  """conv's gradient for a weight of `shape`: g (N, C_out, *out) correlated with x, summed over split parts."""
+  """conv's gradient for a weight of `shape`: g (N, C_out, *out) correlated with x, summed over split parts (g and
+  x read channels-last as in `conv`)."""
   dw = empty(tuple(shape), g.dtype, g.device)
   if dw.size == 0: return dw
   if g.size == 0 or x.size == 0: return fill(dw, 0)
-  s, grid, args, split = plan("wgrad", g.dtype, _layout(x), _layout(dw), _layout(g), stride, padding, dilation,
-                              groups, tf32, runtime.hardware(g.device))
+  if vectorizes(g.dtype, shape, groups): g, x = _channels_last(g), _channels_last(x)
+  s, grid, args, split, cl = plan("wgrad", g.dtype, _layout(x), _layout(dw), _layout(g), stride, padding, dilation,
+                                  groups, tf32, runtime.hardware(g.device), _aligned(g, x))
   part = empty((split, shape[0], dw.size // shape[0]), acc_dtype(g.dtype), g.device)
   run(s, grid, part.ptr, g.ptr, x.ptr, *args)
   total = part if split == 1 else reduce(part, (0,), False, "sum", part.dtype)
-  copy(view(total, dw.shape, dw.strides), out=dw)
+  # the channels-last variant's columns are (*kernel, c): view them in w's (c, *kernel) order
+  inner = contiguous_strides((*shape[2:], shape[1]))
+  copy(view(total, dw.shape, (dw.size // shape[0], 1, *inner[:-1]) if cl else dw.strides), out=dw)
   return dw
 
 
@@ -314,6 +527,12 @@ def _specs() -> list:
     out += [conv_spec(kind, bf16, M, N, K, True, False, depth=True),  # 3-D
             conv_spec(kind, f32, 50, 10, 7, False, True, depth=True),
             conv_spec(kind, f64, 50, 10, 7, False, False, depth=True)]
+    small = (16, 144, 1000) if kind == "wgrad" else (1000, 16, 144)  # 16 channels, 3x3
+    out += [conv_spec(kind, bf16, M, N, K, True, False, channels=64),  # channels-last
+            conv_spec(kind, f32, M, N, K, True, False, channels=64),
+            conv_spec(kind, f16, *small, True, True, channels=16),
+            conv_spec(kind, f32, *small, False, False, depth=True, channels=16),
+            conv_spec(kind, bf16, M, N, K, True, True, depth=True, channels=64)]
   return out
 
 
