@@ -292,7 +292,7 @@ def _apply(s: _Schedule, p: _Plan) -> tuple[list, list]:
     return c.result
 
   p.clone = mapping[p.value]
-  for op in s.ops[p.b:]:
+  for op in dict.fromkeys(s.ops[i] for i in s.reads[p.value] if i >= p.b):  # the ops from b on reading v or its views
     for i, x in enumerate(op.operands):
       if (y := remap(x)) is not None:
         changed.append((op, i, x))
