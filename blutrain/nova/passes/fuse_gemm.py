@@ -83,10 +83,11 @@ def _reads(v: SSAValue) -> list:
 def _read_after(g: _Gemm, consumer, values: list[SSAValue]) -> bool:
   """Whether every live read of `values` other than the consumer's comes after the consumer (whose place the new gemm
   takes), in its block."""
+  others = [op for v in values for op in _reads(v) if op is not consumer]
+  if not others: return True  # NOTE: positions cost a walk of the block, so they are looked up only when needed
   block = consumer.parent_block()
   at = block.get_operation_index(consumer)
-  return all(op is consumer or (op.parent_block() is block and block.get_operation_index(op) > at)
-             for v in values for op in _reads(v))
+  return all(op.parent_block() is block and block.get_operation_index(op) > at for op in others)
 
 
 def _fold(rewriter: PatternRewriter, consumer, g: _Gemm, steps: tuple[str, ...], x: SSAValue | None,
