@@ -160,15 +160,20 @@ class CastPattern(RewritePattern):
 # *** the gradient of a split ***
 
 def _summands(op: AddOp) -> list | None:
-  """The leaves of the tree of adds rooted at op, all of its type, whose inner adds nothing else reads."""
+  """The leaves of the tree of adds rooted at op, whose inner adds nothing else reads, when they are all of its type
+  and slice_backwards nothing else reads (else None)."""
   leaves, todo = [], [op.x, op.y]
   while todo:
     v = todo.pop()
-    if v.type != op.result.type: return None
+    if v.type != op.result.type or not v.has_one_use(): return None
     inner = v.owner
-    if isinstance(inner, AddOp) and v.has_one_use(): todo += [inner.x, inner.y]
-    else: leaves.append(v)
+    if isinstance(inner, AddOp): todo += [inner.x, inner.y]
+    elif isinstance(inner, SliceBackwardOp): leaves.append(v)
+    else: return None
   return leaves
+
+
+def _numel(v) -> int: return math.prod(aval(v.type).shape)
 
 
 def _band(sb: SliceBackwardOp) -> tuple[int, int, int] | None:
@@ -192,7 +197,9 @@ class SplitGradientPattern(RewritePattern):
   @op_type_rewrite_pattern
   def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
     leaves = _summands(op)
-    if not leaves or not all(isinstance(v.owner, SliceBackwardOp) and v.has_one_use() for v in leaves): return
+    # NOTE: bands that tile the dim hold all of op's elements: this cheap test spares decoding the bands of each inner
+    # add of a long chain (the gradient of an LSTM's T slices of its input projection), whose leaves cannot tile it
+    if not leaves or sum(_numel(v.owner.g) for v in leaves) != _numel(op.result): return
     bands = [_band(v.owner) for v in leaves]
     if None in bands or len({d for d, _, _ in bands}) != 1: return
     order = sorted(range(len(leaves)), key=lambda i: bands[i][1])
