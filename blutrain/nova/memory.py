@@ -25,8 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import SSAValue
+from xdsl.ir import Attribute, SSAValue
 
 from blutrain.nova.dialect import (AdamwOp, CatOp, CollectiveOp, CrossEntropyBackwardOp, ElementwiseOp, FusedOp,
                                    LayoutOp, NovaOp, ScaleOp, ViewOp, aval)
@@ -77,10 +78,15 @@ class MemoryPlan:
     return "\n".join(lines) + "\n"
 
 
+_nbytes: dict[Attribute, int] = {}
+
+
 def nbytes(v: SSAValue) -> int:
-  """The bytes of a value's buffer, rounded up to ALIGN."""
-  a = aval(v.type)
-  return -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
+  """The bytes of a value's buffer, rounded up to ALIGN (cached by type, as `aval` is)."""
+  if (n := _nbytes.get(v.type)) is None:
+    a = aval(v.type)
+    n = _nbytes[v.type] = -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
+  return n
 
 
 def joins(ops: list) -> dict[int, int]:
@@ -126,8 +132,9 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
   made, last = _liveness(ops)
   reused = _reused(ops, made, last)
   ops_of: dict[SSAValue, list[str]] = {v: [name] for v, (_, name) in made.items()}
+  roots: dict[SSAValue, SSAValue] = {}
   for r, u in reused.items():  # in program order, so u's root already holds the ops before r
-    root = _root(u, reused)
+    roots[r] = root = roots.get(u, u)
     ops_of[root].append(ops_of.pop(r)[0])
   in_place_inputs = _written_in_place(block.args, ops, written or {}, made, last)
   parts = _concatenated(ops, made, last, reused, in_place_inputs)
@@ -140,17 +147,13 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
           for v, (first, _) in made.items() if v not in reused and v not in in_place_inputs]
 
 
-def _root(v: SSAValue, reused: dict[SSAValue, SSAValue]) -> SSAValue:
-  while v in reused: v = reused[v]
-  return v
-
-
 def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
   """The results written into the buffer of an operand they read for the last time (see `lifetimes`), each with that
   operand (for the cross-entropy backward, the value its logits view whole), in program order; extends the buffer's
   lifetime (`last` of its root) to theirs. A fused op's results each take a different operand (its kernel loads a
   block of every input before it stores any)."""
   reused: dict[SSAValue, SSAValue] = {}
+  roots: dict[SSAValue, SSAValue] = {}  # a reused result -> the value whose buffer it takes (at the chain's start)
   for i, op in enumerate(ops):
     if isinstance(op, CrossEntropyBackwardOp):
       x = op.operands[1]
@@ -160,9 +163,9 @@ def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
     taken: set[SSAValue] = set()  # a fused op's results take distinct buffers
     for r in op.results:
       for u in candidates:
-        root = _root(u, reused)
+        root = roots.get(u, u)
         if root not in taken and u in made and last.get(root) == i and nbytes(u) == nbytes(r):
-          reused[r], last[root] = u, max(last[root], last.get(r, i))
+          reused[r], roots[r], last[root] = u, root, max(last[root], last.get(r, i))
           taken.add(root)
           break
   return reused
@@ -224,18 +227,28 @@ def updated_in_place(module: ModuleOp, written: dict[int, int] | None = None) ->
   return _written_in_place(block.args, ops, written or {}, *_liveness(ops))
 
 
+def _best_fit(lo: np.ndarray, hi: np.ndarray, size: int) -> int:
+  """The start of the smallest gap of at least `size` bytes between the taken byte ranges [lo, hi) (the lowest such
+  gap at a tie), or the end of the last range when none fits."""
+  order = np.lexsort((hi, lo))
+  lo, hi = lo[order], hi[order]
+  cursor = np.maximum.accumulate(np.concatenate(([0], hi)))  # cursor[i]: the end of the taken bytes before range i
+  gaps = lo - cursor[:-1]
+  fits = np.flatnonzero(gaps >= size)
+  return int(cursor[-1] if not len(fits) else cursor[fits[np.argmin(gaps[fits])]])
+
+
 def plan(module: ModuleOp, written: dict[int, int] | None = None) -> MemoryPlan:
   """Place every buffer of the module's function in one arena (see the module docstring and `lifetimes`)."""
   buffers = lifetimes(module, written)
+  order = sorted((b for b in buffers if b.inside is None), key=lambda b: (-b.nbytes, b.first))
+  first, last, lo, hi = (np.empty(len(order), np.int64) for _ in range(4))  # the placed buffers, as columns
   placed: list[Buffer] = []
-  for b in sorted((b for b in buffers if b.inside is None), key=lambda b: (-b.nbytes, b.first)):
-    taken = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.meets(b))
-    best, best_gap, cursor = None, None, 0
-    for lo, hi in taken:
-      gap = lo - cursor
-      if gap >= b.nbytes and (best_gap is None or gap < best_gap): best, best_gap = cursor, gap
-      cursor = max(cursor, hi)
-    placed.append(Buffer(b.name, b.op, b.nbytes, b.first, b.last, cursor if best is None else best, b.made))
+  for n, b in enumerate(order):  # NOTE: each overlap test is one vectorized pass over the placed buffers
+    meets = (first[:n] <= b.last) & (b.first <= last[:n])
+    offset = _best_fit(lo[:n][meets], hi[:n][meets], b.nbytes)
+    first[n], last[n], lo[n], hi[n] = b.first, b.last, offset, offset + b.nbytes
+    placed.append(Buffer(b.name, b.op, b.nbytes, b.first, b.last, offset, b.made))
   hosts = {p.name: p.offset for p in placed}
   parts = [Buffer(b.name, b.op, b.nbytes, b.first, b.last, hosts[b.inside[0]] + b.inside[1], b.made, b.inside)
            for b in buffers if b.inside is not None]
