@@ -39,7 +39,7 @@ from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, Flas
                                    LayerNormOp, LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
                                    SoftmaxOp, aval)
 from blutrain.nova.ir import function
-from blutrain.nova.memory import lifetimes, nbytes, plan
+from blutrain.nova.memory import live_bytes, nbytes, plan
 
 DEFAULT_FLOPS_SHARE = 0.03  # the default recomputes at most this share of the step's FLOPs
 MAX_DEPTH = 8  # ops one recomputation may clone in a chain, so a candidate never recomputes half the forward
@@ -165,15 +165,7 @@ class _Schedule:
     for i, op in enumerate(self.ops):
       for v in op.operands: self.reads.setdefault(self.root.get(v, v), []).append(i)
       if isinstance(op, LayoutOp): self.root[op.result] = self.root.get(op.x, op.x)
-    events = [0] * (len(self.ops) + 1)
-    for b in lifetimes(module, written):
-      if b.inside is not None: continue  # a part of a cat's buffer, which counts its bytes
-      events[b.first] += b.nbytes
-      events[b.last + 1] -= b.nbytes
-    self.live, run = [], 0
-    for e in events[:-1]:
-      run += e
-      self.live.append(run)
+    self.live = live_bytes(module, written)
     self.peak = max(self.live, default=0)
     self.at_peak = sum(1 for x in self.live if x == self.peak)
     self.templates: list[Operation] = []  # GELUs standing for gemm outputs in recipes, outside the block
@@ -181,8 +173,8 @@ class _Schedule:
   def key(self) -> tuple[int, int]: return self.peak, self.at_peak
 
   def last(self, v: SSAValue) -> int:
-    r = self.root.get(v, v)
-    return max(self.reads.get(r, ()), default=-1)
+    reads = self.reads.get(self.root.get(v, v))
+    return reads[-1] if reads else -1  # reads are in program order
 
   def made(self, v: SSAValue) -> int:
     return -1 if isinstance(v, BlockArgument) else self.pos[v.owner]
