@@ -22,6 +22,7 @@ result (its join, `joins`): its input stays live until then, since the collectiv
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -94,7 +95,8 @@ def joins(ops: list) -> dict[int, int]:
   op that reads its result, a view of it included: where the stream that runs the collective joins the step's."""
   source: dict[SSAValue, int] = {}  # a collective's result, or a view of one -> the collective's position
   found: dict[int, int] = {}
-  for i, op in enumerate(ops):
+  start = next((i for i, op in enumerate(ops) if isinstance(op, CollectiveOp)), len(ops))  # most steps have none
+  for i, op in enumerate(ops[start:], start):
     for v in op.operands:
       c = source.get(v)
       if c is not None and c not in found and not isinstance(op, LayoutOp): found[c] = i
@@ -111,8 +113,10 @@ def _liveness(ops: list) -> tuple[dict[SSAValue, tuple[int, str]], dict[SSAValue
   last: dict[SSAValue, int] = {}
   joined = joins(ops)
   for i, op in enumerate(ops):
+    until = joined.get(i, i)
     for v in op.operands:
-      last[source.get(v, v)] = max(last.get(source.get(v, v), i), joined.get(i, i))
+      v = source.get(v, v)
+      last[v] = max(last.get(v, until), until)
     if isinstance(op, LayoutOp):
       source[op.result] = source.get(op.x, op.x)
     elif isinstance(op, NovaOp):
@@ -127,24 +131,45 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
   is its last op, so a returned value lives to the end. `written` maps an output's position to the input position
   whose new value it is (an in-place update the runtime writes back): when the op making it reads that input for
   the last time and works element by element, the output takes the input's own memory and no arena buffer."""
-  block = function(module).body.block
-  ops = list(block.ops)
-  made, last = _liveness(ops)
-  reused = _reused(ops, made, last)
+  _, made, reused, spans = _spans(module, written)
   ops_of: dict[SSAValue, list[str]] = {v: [name] for v, (_, name) in made.items()}
   roots: dict[SSAValue, SSAValue] = {}
   for r, u in reused.items():  # in program order, so u's root already holds the ops before r
     roots[r] = root = roots.get(u, u)
     ops_of[root].append(ops_of.pop(r)[0])
+  name = lambda v: f"op {made[v][0]} result {v.index}"  # noqa: E731
+  return [Buffer(name(v), " > ".join(ops_of[v]), nbytes(v), first, last, made=at,
+                 inside=None if part is None else (name(part[0]), part[1]))
+          for v, first, last, at, part in spans]
+
+
+def live_bytes(module: ModuleOp, written: dict[int, int] | None = None) -> list[int]:
+  """The bytes of the buffers `lifetimes` plans that are alive at each op position (a part of a cat's buffer counts
+  in the cat's): the lower bound of `plan`, position by position."""
+  n, _, _, spans = _spans(module, written)
+  events = [0] * (n + 1)
+  for v, first, last, _, part in spans:
+    if part is None:
+      events[first] += nbytes(v)
+      events[last + 1] -= nbytes(v)
+  return list(itertools.accumulate(events[:-1]))
+
+
+def _spans(module: ModuleOp, written: dict[int, int] | None) -> tuple[int, dict, dict, list]:
+  """What `lifetimes` builds its buffers from: the number of ops, `_liveness`'s `made`, `_reused`, and per planned
+  buffer (its value, first and last position, the position that allocates it or -1, (the cat's result, the byte
+  offset there) for a part of a cat's buffer, else None)."""
+  block = function(module).body.block
+  ops = list(block.ops)
+  made, last = _liveness(ops)
+  reused = _reused(ops, made, last)
   in_place_inputs = _written_in_place(block.args, ops, written or {}, made, last)
   parts = _concatenated(ops, made, last, reused, in_place_inputs)
-  name = {v: f"op {first} result {v.index}" for v, (first, _) in made.items()}
   starts: dict[SSAValue, int] = {}
   for v, (cat, _) in parts.items(): starts[cat] = min(starts.get(cat, made[cat][0]), made[v][0])
-  return [Buffer(name[v], " > ".join(ops_of[v]), nbytes(v), starts.get(v, first), last.get(v, first),
-                 made=first if v in starts else -1,
-                 inside=(name[parts[v][0]], parts[v][1]) if v in parts else None)
-          for v, (first, _) in made.items() if v not in reused and v not in in_place_inputs]
+  spans = [(v, starts.get(v, first), last.get(v, first), first if v in starts else -1, parts.get(v))
+           for v, (first, _) in made.items() if v not in reused and v not in in_place_inputs]
+  return len(ops), made, reused, spans
 
 
 def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
