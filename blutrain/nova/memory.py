@@ -150,8 +150,9 @@ def live_bytes(module: ModuleOp, written: dict[int, int] | None = None) -> list[
   events = [0] * (n + 1)
   for v, first, last, _, part in spans:
     if part is None:
-      events[first] += nbytes(v)
-      events[last + 1] -= nbytes(v)
+      n = nbytes(v)
+      events[first] += n
+      events[last + 1] -= n
   return list(itertools.accumulate(events[:-1]))
 
 
@@ -189,7 +190,7 @@ def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
     for r in op.results:
       for u in candidates:
         root = roots.get(u, u)
-        if root not in taken and u in made and last.get(root) == i and nbytes(u) == nbytes(r):
+        if last.get(root) == i and root not in taken and u in made and nbytes(u) == nbytes(r):
           reused[r], roots[r], last[root] = u, root, max(last[root], last.get(r, i))
           taken.add(root)
           break

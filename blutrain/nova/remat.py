@@ -308,10 +308,14 @@ def _names(module: ModuleOp) -> dict[SSAValue, str]:
 def _mib(n: int) -> str: return f"{n / 2**20:.2f} MiB"
 
 
-def _drop_dead(module: ModuleOp) -> None:
-  block = function(module).body.block
+def _drop_dead(module: ModuleOp) -> int:
+  """Erase the nova ops nothing reads; returns how many went."""
+  block, dropped = function(module).body.block, 0
   for op in reversed(list(block.ops)):
-    if isinstance(op, NovaOp) and all(r.first_use is None for r in op.results): block.erase_op(op)
+    if isinstance(op, NovaOp) and all(r.first_use is None for r in op.results):
+      block.erase_op(op)
+      dropped += 1
+  return dropped
 
 
 # *** the pass ***
@@ -376,8 +380,7 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
       arena = plan(module, written).arena
       if report.inputs_bytes + arena <= budget or s.peak > target: break
       target = budget - report.inputs_bytes - (arena - s.peak)  # below s.peak: the arena's excess comes off it too
-  _drop_dead(module)
-  s = _Schedule(module, written)
+  if _drop_dead(module): s = _Schedule(module, written)  # else s, the last round's (or the one it undid), holds
   report.peak_after = s.peak
   report.arena_after = plan(module, written).arena
   if budget is not None:
