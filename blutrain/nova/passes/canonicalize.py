@@ -232,9 +232,9 @@ class SplitGradientPattern(RewritePattern):
       =>   %s = nova.cat %ga, %gb {dim = 1 : i64} : (tensor<4x3xf32>, tensor<4x3xf32>) -> tensor<4x6xf32>
 
   Every add of a tree is tried at its root, in one walk: bands that tile a dim hold all of the sum's elements, so
-  only the adds whose summands do are tried further (in a chain, one at most). Tried at each add of a chain of T
-  (the gradient of an LSTM's T slices of its input projection), the test would walk the chain T times. The pattern
-  comes before `AddZeroPattern`, which would take the root of `tree + 0` first.
+  only the adds whose summands do are tried further (in a chain of nonempty bands, one at most). Tried at each add
+  of a chain of T (the gradient of an LSTM's T slices of its input projection), the test would walk the chain T
+  times. The pattern comes before `AddZeroPattern`, which would take the root of `tree + 0` first.
   """
   @op_type_rewrite_pattern
   def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
