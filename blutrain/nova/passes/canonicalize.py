@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 
 from blutrain import dtypes
 from blutrain.nova.dialect import (AddOp, CastOp, CatOp, CopyOp, DivOp, ExpandOp, MulOp, NegOp, PermuteOp,
                                    SliceBackwardOp, SubOp, ViewOp, aval, decode, tensor_type)
-from blutrain.nova.passes.base import PatternPass, splat
+from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern, splat
 
 
 def _keep(op, x, rewriter: PatternRewriter) -> bool:

@@ -30,14 +30,14 @@ import os
 from dataclasses import dataclass
 
 from xdsl.ir import SSAValue
-from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import configurator as cfg
 from blutrain import dtypes
 from blutrain.nova.dialect import AddOp, GeluBackwardOp, GeluOp, GemmOp, MatmulOp, NovaOp, PermuteOp, aval
 from blutrain.nova.ir import function
-from blutrain.nova.passes.base import PatternPass
+from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 from blutrain.ops.linalg import gemm_steps
 
 _FLOATS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
