@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, get_args
+from typing import Any, Callable, ClassVar, get_args
 
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
@@ -39,7 +39,7 @@ class PatternPass(NovaPass):
     return PatternRewriteWalker(_ByOpType(list(self.PATTERNS)), apply_recursively=True).rewrite_module(module)
 
 
-def op_type_rewrite_pattern(func):
+def op_type_rewrite_pattern(func: Callable) -> Callable:
   """xDSL's decorator of the name (the pattern fires on ops of the type its `op` argument is annotated with), which
   also records that type (`op_types`) for `_ByOpType`."""
   impl = _xdsl_op_type_rewrite_pattern(func)
