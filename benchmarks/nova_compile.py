@@ -3,6 +3,7 @@ fresh process), op counts before and after the passes, and per-step time of the 
 step against eager. Writes benchmarks/results/nova_compile.json and prints rows for BENCHMARKS.md.
 
   python benchmarks/nova_compile.py [--preset gpt2] [--steps 20]
+  python benchmarks/nova_compile.py --lstm 32,64,128,256   # compile time of issue #17's LSTM step per T, only
 """
 from __future__ import annotations
 
@@ -42,9 +43,37 @@ def compile_once(preset: str) -> dict:
   return {k: v for k, v in info.items() if k != "source"}
 
 
-def _child(preset: str, cache: str) -> dict:
+def lstm_once(T: int) -> dict:
+  """In this process: the seconds (wall and CPU) of the first two calls of a compiled LSTM language model step
+  (`resnet_lstm.lstm_lm`: 2 layers, hidden 64, vocab 100, B=2, AdamW) whose time loop of T steps is unrolled into the
+  graph; each call captures and compiles (the first call's graph creates the optimizer's state)."""
+  import blutrain as bt
+  from benchmarks.resnet_lstm import lstm_lm
+  bt.manual_seed(0)
+  net = lstm_lm(bt.nn, 100, 64)
+  opt = bt.optim.AdamW(net.parameters(), lr=1e-3)
+
+  def step(x, y):
+    logits = net(x)
+    loss = bt.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+  compiled = bt.compile(step)
+  x = bt.from_numpy(np.random.default_rng(0).integers(0, 100, (2, T)))
+  result = {"T": T}
+  for call in ("first", "second"):
+    t, cpu = time.perf_counter(), time.process_time()
+    compiled(x, x).item()
+    result[call] = {"wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu,
+                    "timings": compiled.info["timings"]}
+  return result
+
+
+def _child(preset: str, cache: str, flag: str = "--child") -> dict:
   env = dict(os.environ, BLUTRAIN_CACHE_DIR=cache)
-  out = subprocess.run([sys.executable, __file__, "--child", preset], env=env, capture_output=True, text=True, check=True)
+  out = subprocess.run([sys.executable, __file__, flag, preset], env=env, capture_output=True, text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -85,10 +114,23 @@ def main() -> None:
   ap.add_argument("--step-preset", default="char-small")
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--lstm", help="comma-separated sequence lengths: time the LSTM step's compiles instead")
   ap.add_argument("--child")
+  ap.add_argument("--child-lstm", type=int)
   args = ap.parse_args()
   if args.child:
     print(json.dumps(compile_once(args.child)))
+    return
+  if args.child_lstm:
+    print(json.dumps(lstm_once(args.child_lstm)))
+    return
+  if args.lstm:
+    print("| T | first call: wall (CPU) s | second call: wall (CPU) s |\n| --- | --- | --- |")
+    for T in args.lstm.split(","):
+      with tempfile.TemporaryDirectory() as cache:
+        r = _child(T, cache, "--child-lstm")
+      print(f"| {T} | " + " | ".join(f"{r[c]['wall_s']:.2f} ({r[c]['cpu_s']:.2f})" for c in ("first", "second")) + " |",
+            flush=True)
     return
   import blutrain as bt
   with tempfile.TemporaryDirectory() as cache:

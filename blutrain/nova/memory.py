@@ -22,11 +22,13 @@ result (its join, `joins`): its input stays live until then, since the collectiv
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import SSAValue
+from xdsl.ir import Attribute, SSAValue
 
 from blutrain.nova.dialect import (AdamwOp, CatOp, CollectiveOp, CrossEntropyBackwardOp, ElementwiseOp, FusedOp,
                                    LayoutOp, NovaOp, ScaleOp, ViewOp, aval)
@@ -77,10 +79,15 @@ class MemoryPlan:
     return "\n".join(lines) + "\n"
 
 
+_nbytes: dict[Attribute, int] = {}
+
+
 def nbytes(v: SSAValue) -> int:
-  """The bytes of a value's buffer, rounded up to ALIGN."""
-  a = aval(v.type)
-  return -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
+  """The bytes of a value's buffer, rounded up to ALIGN (cached by type, as `aval` is)."""
+  if (n := _nbytes.get(v.type)) is None:
+    a = aval(v.type)
+    n = _nbytes[v.type] = -(-max(math.prod(a.shape) * a.dtype.itemsize, 1) // ALIGN) * ALIGN
+  return n
 
 
 def joins(ops: list) -> dict[int, int]:
@@ -88,7 +95,8 @@ def joins(ops: list) -> dict[int, int]:
   op that reads its result, a view of it included: where the stream that runs the collective joins the step's."""
   source: dict[SSAValue, int] = {}  # a collective's result, or a view of one -> the collective's position
   found: dict[int, int] = {}
-  for i, op in enumerate(ops):
+  start = next((i for i, op in enumerate(ops) if isinstance(op, CollectiveOp)), len(ops))  # most steps have none
+  for i, op in enumerate(ops[start:], start):
     for v in op.operands:
       c = source.get(v)
       if c is not None and c not in found and not isinstance(op, LayoutOp): found[c] = i
@@ -105,8 +113,10 @@ def _liveness(ops: list) -> tuple[dict[SSAValue, tuple[int, str]], dict[SSAValue
   last: dict[SSAValue, int] = {}
   joined = joins(ops)
   for i, op in enumerate(ops):
+    until = joined.get(i, i)
     for v in op.operands:
-      last[source.get(v, v)] = max(last.get(source.get(v, v), i), joined.get(i, i))
+      v = source.get(v, v)
+      last[v] = max(last.get(v, until), until)
     if isinstance(op, LayoutOp):
       source[op.result] = source.get(op.x, op.x)
     elif isinstance(op, NovaOp):
@@ -121,28 +131,46 @@ def lifetimes(module: ModuleOp, written: dict[int, int] | None = None) -> list[B
   is its last op, so a returned value lives to the end. `written` maps an output's position to the input position
   whose new value it is (an in-place update the runtime writes back): when the op making it reads that input for
   the last time and works element by element, the output takes the input's own memory and no arena buffer."""
+  _, made, reused, spans = _spans(module, written)
+  ops_of: dict[SSAValue, list[str]] = {v: [name] for v, (_, name) in made.items()}
+  roots: dict[SSAValue, SSAValue] = {}
+  for r, u in reused.items():  # in program order, so u's root already holds the ops before r
+    roots[r] = root = roots.get(u, u)
+    ops_of[root].append(ops_of.pop(r)[0])
+  name = lambda v: f"op {made[v][0]} result {v.index}"  # noqa: E731
+  return [Buffer(name(v), " > ".join(ops_of[v]), nbytes(v), first, last, made=at,
+                 inside=None if part is None else (name(part[0]), part[1]))
+          for v, first, last, at, part in spans]
+
+
+def live_bytes(module: ModuleOp, written: dict[int, int] | None = None) -> list[int]:
+  """The bytes of the buffers `lifetimes` plans that are alive at each op position (a part of a cat's buffer counts
+  in the cat's): the lower bound of `plan`, position by position."""
+  n, _, _, spans = _spans(module, written)
+  events = [0] * (n + 1)
+  for v, first, last, _, part in spans:
+    if part is None:
+      n = nbytes(v)
+      events[first] += n
+      events[last + 1] -= n
+  return list(itertools.accumulate(events[:-1]))
+
+
+def _spans(module: ModuleOp, written: dict[int, int] | None) -> tuple[int, dict, dict, list]:
+  """What `lifetimes` builds its buffers from: the number of ops, `_liveness`'s `made`, `_reused`, and per planned
+  buffer (its value, first and last position, the position that allocates it or -1, (the cat's result, the byte
+  offset there) for a part of a cat's buffer, else None)."""
   block = function(module).body.block
   ops = list(block.ops)
   made, last = _liveness(ops)
   reused = _reused(ops, made, last)
-  ops_of: dict[SSAValue, list[str]] = {v: [name] for v, (_, name) in made.items()}
-  for r, u in reused.items():  # in program order, so u's root already holds the ops before r
-    root = _root(u, reused)
-    ops_of[root].append(ops_of.pop(r)[0])
   in_place_inputs = _written_in_place(block.args, ops, written or {}, made, last)
   parts = _concatenated(ops, made, last, reused, in_place_inputs)
-  name = {v: f"op {first} result {v.index}" for v, (first, _) in made.items()}
   starts: dict[SSAValue, int] = {}
   for v, (cat, _) in parts.items(): starts[cat] = min(starts.get(cat, made[cat][0]), made[v][0])
-  return [Buffer(name[v], " > ".join(ops_of[v]), nbytes(v), starts.get(v, first), last.get(v, first),
-                 made=first if v in starts else -1,
-                 inside=(name[parts[v][0]], parts[v][1]) if v in parts else None)
-          for v, (first, _) in made.items() if v not in reused and v not in in_place_inputs]
-
-
-def _root(v: SSAValue, reused: dict[SSAValue, SSAValue]) -> SSAValue:
-  while v in reused: v = reused[v]
-  return v
+  spans = [(v, starts.get(v, first), last.get(v, first), first if v in starts else -1, parts.get(v))
+           for v, (first, _) in made.items() if v not in reused and v not in in_place_inputs]
+  return len(ops), made, reused, spans
 
 
 def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
@@ -151,6 +179,7 @@ def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
   lifetime (`last` of its root) to theirs. A fused op's results each take a different operand (its kernel loads a
   block of every input before it stores any)."""
   reused: dict[SSAValue, SSAValue] = {}
+  roots: dict[SSAValue, SSAValue] = {}  # a reused result -> the value whose buffer it takes (at the chain's start)
   for i, op in enumerate(ops):
     if isinstance(op, CrossEntropyBackwardOp):
       x = op.operands[1]
@@ -160,9 +189,9 @@ def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
     taken: set[SSAValue] = set()  # a fused op's results take distinct buffers
     for r in op.results:
       for u in candidates:
-        root = _root(u, reused)
-        if root not in taken and u in made and last.get(root) == i and nbytes(u) == nbytes(r):
-          reused[r], last[root] = u, max(last[root], last.get(r, i))
+        root = roots.get(u, u)
+        if last.get(root) == i and root not in taken and u in made and nbytes(u) == nbytes(r):
+          reused[r], roots[r], last[root] = u, root, max(last[root], last.get(r, i))
           taken.add(root)
           break
   return reused
@@ -224,18 +253,28 @@ def updated_in_place(module: ModuleOp, written: dict[int, int] | None = None) ->
   return _written_in_place(block.args, ops, written or {}, *_liveness(ops))
 
 
+def _best_fit(lo: np.ndarray, hi: np.ndarray, size: int) -> int:
+  """The start of the smallest gap of at least `size` bytes between the taken byte ranges [lo, hi) (the lowest such
+  gap at a tie), or the end of the last range when none fits."""
+  order = np.lexsort((hi, lo))
+  lo, hi = lo[order], hi[order]
+  cursor = np.maximum.accumulate(np.concatenate(([0], hi)))  # cursor[i]: the end of the taken bytes before range i
+  gaps = lo - cursor[:-1]
+  fits = np.flatnonzero(gaps >= size)
+  return int(cursor[-1] if not len(fits) else cursor[fits[np.argmin(gaps[fits])]])
+
+
 def plan(module: ModuleOp, written: dict[int, int] | None = None) -> MemoryPlan:
   """Place every buffer of the module's function in one arena (see the module docstring and `lifetimes`)."""
   buffers = lifetimes(module, written)
+  order = sorted((b for b in buffers if b.inside is None), key=lambda b: (-b.nbytes, b.first))
+  first, last, lo, hi = (np.empty(len(order), np.int64) for _ in range(4))  # the placed buffers, as columns
   placed: list[Buffer] = []
-  for b in sorted((b for b in buffers if b.inside is None), key=lambda b: (-b.nbytes, b.first)):
-    taken = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.meets(b))
-    best, best_gap, cursor = None, None, 0
-    for lo, hi in taken:
-      gap = lo - cursor
-      if gap >= b.nbytes and (best_gap is None or gap < best_gap): best, best_gap = cursor, gap
-      cursor = max(cursor, hi)
-    placed.append(Buffer(b.name, b.op, b.nbytes, b.first, b.last, cursor if best is None else best, b.made))
+  for n, b in enumerate(order):  # NOTE: each overlap test is one vectorized pass over the placed buffers
+    meets = (first[:n] <= b.last) & (b.first <= last[:n])
+    offset = _best_fit(lo[:n][meets], hi[:n][meets], b.nbytes)
+    first[n], last[n], lo[n], hi[n] = b.first, b.last, offset, offset + b.nbytes
+    placed.append(Buffer(b.name, b.op, b.nbytes, b.first, b.last, offset, b.made))
   hosts = {p.name: p.offset for p in placed}
   parts = [Buffer(b.name, b.op, b.nbytes, b.first, b.last, hosts[b.inside[0]] + b.inside[1], b.made, b.inside)
            for b in buffers if b.inside is not None]

@@ -39,7 +39,7 @@ from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, Flas
                                    LayerNormOp, LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
                                    SoftmaxOp, aval)
 from blutrain.nova.ir import function
-from blutrain.nova.memory import lifetimes, nbytes, plan
+from blutrain.nova.memory import live_bytes, nbytes, plan
 
 DEFAULT_FLOPS_SHARE = 0.03  # the default recomputes at most this share of the step's FLOPs
 MAX_DEPTH = 8  # ops one recomputation may clone in a chain, so a candidate never recomputes half the forward
@@ -165,15 +165,7 @@ class _Schedule:
     for i, op in enumerate(self.ops):
       for v in op.operands: self.reads.setdefault(self.root.get(v, v), []).append(i)
       if isinstance(op, LayoutOp): self.root[op.result] = self.root.get(op.x, op.x)
-    events = [0] * (len(self.ops) + 1)
-    for b in lifetimes(module, written):
-      if b.inside is not None: continue  # a part of a cat's buffer, which counts its bytes
-      events[b.first] += b.nbytes
-      events[b.last + 1] -= b.nbytes
-    self.live, run = [], 0
-    for e in events[:-1]:
-      run += e
-      self.live.append(run)
+    self.live = live_bytes(module, written)
     self.peak = max(self.live, default=0)
     self.at_peak = sum(1 for x in self.live if x == self.peak)
     self.templates: list[Operation] = []  # GELUs standing for gemm outputs in recipes, outside the block
@@ -181,8 +173,8 @@ class _Schedule:
   def key(self) -> tuple[int, int]: return self.peak, self.at_peak
 
   def last(self, v: SSAValue) -> int:
-    r = self.root.get(v, v)
-    return max(self.reads.get(r, ()), default=-1)
+    reads = self.reads.get(self.root.get(v, v))
+    return reads[-1] if reads else -1  # reads are in program order
 
   def made(self, v: SSAValue) -> int:
     return -1 if isinstance(v, BlockArgument) else self.pos[v.owner]
@@ -292,7 +284,7 @@ def _apply(s: _Schedule, p: _Plan) -> tuple[list, list]:
     return c.result
 
   p.clone = mapping[p.value]
-  for op in s.ops[p.b:]:
+  for op in dict.fromkeys(s.ops[i] for i in s.reads[p.value] if i >= p.b):  # the ops from b on reading v or its views
     for i, x in enumerate(op.operands):
       if (y := remap(x)) is not None:
         changed.append((op, i, x))
@@ -316,10 +308,14 @@ def _names(module: ModuleOp) -> dict[SSAValue, str]:
 def _mib(n: int) -> str: return f"{n / 2**20:.2f} MiB"
 
 
-def _drop_dead(module: ModuleOp) -> None:
-  block = function(module).body.block
+def _drop_dead(module: ModuleOp) -> int:
+  """Erase the nova ops nothing reads; returns how many went."""
+  block, dropped = function(module).body.block, 0
   for op in reversed(list(block.ops)):
-    if isinstance(op, NovaOp) and all(r.first_use is None for r in op.results): block.erase_op(op)
+    if isinstance(op, NovaOp) and all(r.first_use is None for r in op.results):
+      block.erase_op(op)
+      dropped += 1
+  return dropped
 
 
 # *** the pass ***
@@ -384,8 +380,7 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
       arena = plan(module, written).arena
       if report.inputs_bytes + arena <= budget or s.peak > target: break
       target = budget - report.inputs_bytes - (arena - s.peak)  # below s.peak: the arena's excess comes off it too
-  _drop_dead(module)
-  s = _Schedule(module, written)
+  if _drop_dead(module): s = _Schedule(module, written)  # else s, the last round's (or the one it undid), holds
   report.peak_after = s.peak
   report.arena_after = plan(module, written).arena
   if budget is not None:

@@ -151,6 +151,27 @@ def test_split_gradient_becomes_one_cat():
     func.return %u : tensor<4x6xf32>"""))
 
 
+@pytest.mark.parametrize("other", ["%x", "%z"], ids=["read", "zero"])
+def test_split_gradient_inside_a_larger_sum(other):
+  """An inner add of a tree of adds whose summands tile the dim becomes the cat; the add above it stays (or, adding
+  zero, goes too: the pattern tries the tree's adds before `x + 0` takes its root)."""
+  args = f"{G3}, %x: tensor<4x6xf32>"
+  add = f"nova.add %t2, {other} : (tensor<4x6xf32>, tensor<{'4x6xf32' if other == '%x' else 'f32'}>) -> tensor<4x6xf32>"
+  cat = "nova.cat %a, %b, %c {dim = 1 : i64} : (tensor<4x2xf32>, tensor<4x2xf32>, tensor<4x2xf32>) -> tensor<4x6xf32>"
+  check(CANON, func(args, "tensor<4x6xf32>", f"""
+    {_sb("%sa", "%a", 0, 2)}
+    {_sb("%sb", "%b", 2, 4)}
+    {_sb("%sc", "%c", 4, 6)}
+    {full("%z", "0.0 : f64", F32)}
+    %t1 = nova.add %sa, %sb : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
+    %t2 = nova.add %t1, %sc : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
+    %u = {add}
+    func.return %u : tensor<4x6xf32>"""), func(args, "tensor<4x6xf32>", f"""
+    %t2 = {cat}
+    {f"%u = {add}" if other == "%x" else ""}
+    func.return {"%u" if other == "%x" else "%t2"} : tensor<4x6xf32>"""))
+
+
 @pytest.mark.parametrize("bands,reuse", [([(0, 2), (2, 4), (2, 4)], False), ([(0, 2), (2, 4), (4, 6)], True)],
                          ids=["overlap-and-gap", "a-part-read-elsewhere"])
 def test_split_gradient_needs_a_tiling_read_only_by_the_sum(bands, reuse):

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 
 from blutrain import dtypes
 from blutrain.nova.dialect import (AddOp, CastOp, CatOp, CopyOp, DivOp, ExpandOp, MulOp, NegOp, PermuteOp,
                                    SliceBackwardOp, SubOp, ViewOp, aval, decode, tensor_type)
-from blutrain.nova.passes.base import PatternPass, splat
+from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern, splat
 
 
 def _keep(op, x, rewriter: PatternRewriter) -> bool:
@@ -159,16 +159,46 @@ class CastPattern(RewritePattern):
 
 # *** the gradient of a split ***
 
+def _below(v, op: AddOp) -> bool:
+  """Whether v is made by an add inside the tree of adds rooted at op: op reads it, nothing else does, of op's type."""
+  return isinstance(v.owner, AddOp) and v.has_one_use() and v.type == op.result.type
+
+
 def _summands(op: AddOp) -> list | None:
-  """The leaves of the tree of adds rooted at op, all of its type, whose inner adds nothing else reads."""
+  """The leaves of the tree of adds rooted at op, whose inner adds nothing else reads, when they are all of its type
+  and slice_backwards nothing else reads (else None)."""
   leaves, todo = [], [op.x, op.y]
   while todo:
     v = todo.pop()
-    if v.type != op.result.type: return None
+    if v.type != op.result.type or not v.has_one_use(): return None
     inner = v.owner
-    if isinstance(inner, AddOp) and v.has_one_use(): todo += [inner.x, inner.y]
-    else: leaves.append(v)
+    if isinstance(inner, AddOp): todo += [inner.x, inner.y]
+    elif isinstance(inner, SliceBackwardOp): leaves.append(v)
+    else: return None
   return leaves
+
+
+def _numel(v) -> int: return math.prod(aval(v.type).shape)
+
+
+def _sizes(root: AddOp) -> list[tuple[AddOp, int | None]]:
+  """Every add of the tree rooted at root, inner ones before the adds that read them, with the elements its
+  `_summands` hold in all (None when it has none), in one walk of the tree."""
+  order, todo = [], [root]
+  while todo:
+    op = todo.pop()
+    order.append(op)
+    todo += [v.owner for v in (op.x, op.y) if _below(v, op)]
+  size: dict[AddOp, int | None] = {}
+  for op in reversed(order):
+    total: int | None = 0
+    for v in (op.x, op.y):
+      if v.owner in size: n = size[v.owner]
+      elif isinstance(v.owner, SliceBackwardOp) and v.has_one_use() and v.type == op.result.type: n = _numel(v.owner.g)
+      else: n = None
+      total = None if total is None or n is None else total + n
+    size[op] = total
+  return list(size.items())
 
 
 def _band(sb: SliceBackwardOp) -> tuple[int, int, int] | None:
@@ -177,6 +207,18 @@ def _band(sb: SliceBackwardOp) -> tuple[int, int, int] | None:
   partial = [(d, lo, hi) for d, ((lo, hi, step), n) in enumerate(zip(index, shape)) if (lo, hi, step) != (0, n, 1)]
   if len(partial) != 1 or index[partial[0][0]][2] != 1: return None
   return partial[0]
+
+
+def _split_cat(op: AddOp) -> CatOp | None:
+  """The cat that op's sum of slice_backwards is, when their bands tile one dim."""
+  leaves = _summands(op)
+  if not leaves: return None
+  bands = [_band(v.owner) for v in leaves]
+  if None in bands or len({d for d, _, _ in bands}) != 1: return None
+  order = sorted(range(len(leaves)), key=lambda i: bands[i][1])
+  dim, stops = bands[0][0], [0] + [bands[i][2] for i in order]
+  if [bands[i][1] for i in order] != stops[:-1] or stops[-1] != aval(op.result.type).shape[dim]: return None
+  return CatOp.make([leaves[i].owner.g for i in order], {"dim": dim}, [op.result.type])
 
 
 class SplitGradientPattern(RewritePattern):
@@ -188,17 +230,18 @@ class SplitGradientPattern(RewritePattern):
     %b = nova.slice_backward %gb {shape = array<i64: 4, 6>, index = [array<i64: 0, 4, 1>, array<i64: 3, 6, 1>]}
     %s = nova.add %a, %b : (tensor<4x6xf32>, tensor<4x6xf32>) -> tensor<4x6xf32>
       =>   %s = nova.cat %ga, %gb {dim = 1 : i64} : (tensor<4x3xf32>, tensor<4x3xf32>) -> tensor<4x6xf32>
+
+  Every add of a tree is tried at its root, in one walk: bands that tile a dim hold all of the sum's elements, so
+  only the adds whose summands do are tried further (in a chain of nonempty bands, one at most). Tried at each add
+  of a chain of T (the gradient of an LSTM's T slices of its input projection), the test would walk the chain T
+  times. The pattern comes before `AddZeroPattern`, which would take the root of `tree + 0` first.
   """
   @op_type_rewrite_pattern
   def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
-    leaves = _summands(op)
-    if not leaves or not all(isinstance(v.owner, SliceBackwardOp) and v.has_one_use() for v in leaves): return
-    bands = [_band(v.owner) for v in leaves]
-    if None in bands or len({d for d, _, _ in bands}) != 1: return
-    order = sorted(range(len(leaves)), key=lambda i: bands[i][1])
-    dim, stops = bands[0][0], [0] + [bands[i][2] for i in order]
-    if [bands[i][1] for i in order] != stops[:-1] or stops[-1] != aval(op.result.type).shape[dim]: return
-    rewriter.replace(op, CatOp.make([leaves[i].owner.g for i in order], {"dim": dim}, [op.result.type]))
+    use = op.result.first_use
+    if use is not None and isinstance(use.operation, AddOp) and _below(op.result, use.operation): return  # inner
+    for add, n in _sizes(op):  # a replaced add fails the test of the adds above it, as when tried in program order
+      if n == _numel(add.result) and (cat := _split_cat(add)) is not None: rewriter.replace(add, cat)
 
 
 class CatOfCopiesPattern(RewritePattern):
@@ -237,5 +280,5 @@ class CanonicalizePass(PatternPass):
   """Algebraic identities (x*1, x+0, x-0, x/1, neg(neg(x))), layout/cast chain folding, and a split's gradient as a
   cat that reads its parts in any layout."""
   name = "canonicalize"
-  PATTERNS = (MulOnePattern(), AddZeroPattern(), SubZeroPattern(), DivOnePattern(), NegNegPattern(), PermutePattern(),
-              ViewPattern(), ExpandPattern(), CastPattern(), SplitGradientPattern(), CatOfCopiesPattern())
+  PATTERNS = (MulOnePattern(), SplitGradientPattern(), AddZeroPattern(), SubZeroPattern(), DivOnePattern(),
+              NegNegPattern(), PermutePattern(), ViewPattern(), ExpandPattern(), CastPattern(), CatOfCopiesPattern())

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 
 from blutrain.backend.cpu.kernels import kernels
 from blutrain.nova.dialect import ElementwiseOp, FullOp, LayoutOp, NovaOp, aval
-from blutrain.nova.passes.base import PatternPass, splat
+from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern, splat
 
 
 def _full(op: NovaOp, value) -> FullOp:

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 
 from blutrain import dtypes
 from blutrain.nova.dialect import (AddOp, BinaryOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp,
                                    LayerNormBackwardOp, LayerNormOp, MaximumOp, MinimumOp, MulOp, SubOp, aval, decode)
-from blutrain.nova.passes.base import PatternPass
+from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _HALVES = (dtypes.float16, dtypes.bfloat16)
 _ARITHMETIC = (AddOp, SubOp, MulOp, DivOp, MaximumOp, MinimumOp)  # kernels that read halves as float32

@@ -30,14 +30,14 @@ import os
 from dataclasses import dataclass
 
 from xdsl.ir import SSAValue
-from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import configurator as cfg
 from blutrain import dtypes
 from blutrain.nova.dialect import AddOp, GeluBackwardOp, GeluOp, GemmOp, MatmulOp, NovaOp, PermuteOp, aval
 from blutrain.nova.ir import function
-from blutrain.nova.passes.base import PatternPass
+from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 from blutrain.ops.linalg import gemm_steps
 
 _FLOATS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
@@ -83,10 +83,11 @@ def _reads(v: SSAValue) -> list:
 def _read_after(g: _Gemm, consumer, values: list[SSAValue]) -> bool:
   """Whether every live read of `values` other than the consumer's comes after the consumer (whose place the new gemm
   takes), in its block."""
+  others = [op for v in values for op in _reads(v) if op is not consumer]
+  if not others: return True  # NOTE: positions cost a walk of the block, so they are looked up only when needed
   block = consumer.parent_block()
   at = block.get_operation_index(consumer)
-  return all(op is consumer or (op.parent_block() is block and block.get_operation_index(op) > at)
-             for v in values for op in _reads(v))
+  return all(op.parent_block() is block and block.get_operation_index(op) > at for op in others)
 
 
 def _fold(rewriter: PatternRewriter, consumer, g: _Gemm, steps: tuple[str, ...], x: SSAValue | None,

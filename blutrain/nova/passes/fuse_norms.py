@@ -37,13 +37,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xdsl.ir import BlockArgument, Operation, SSAValue
-from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
 from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, ExpandOp, LayerNormBackwardOp, LayerNormOp, ScaleOp,
                                    aval)
-from blutrain.nova.passes.base import PatternPass
+from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
 
