@@ -122,6 +122,31 @@ def test_lstm_cell_matches_torch(layout):
   for o, t in zip(ours, theirs): assert_close(o.grad, t.grad, bt.float64, "gradient")
 
 
+def _torch_gru_cell(gi, gh, h):
+  (ir, iz, in_), (hr, hz, hn) = gi.chunk(3, 1), gh.chunk(3, 1)
+  r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+  n = torch.tanh(in_ + r * hn)
+  return (1 - z) * n + z * h
+
+
+def test_gru_cell_matches_torch():
+  """The fused GRU step against PyTorch's composite in float64, on a hidden state that is a view of a wider tensor:
+  h' and the gradients of both gates and h (the n block of gh's differs from gi's)."""
+  rng = np.random.default_rng(1)
+  N, H = 4, 3
+  gi, gh, wide = rng.standard_normal((N, 3 * H)), rng.standard_normal((N, 3 * H)), rng.standard_normal((N, 2 * H))
+  ours = [bt.tensor(a, requires_grad=True) for a in (gi, gh, wide)]
+  theirs = [torch.tensor(a, requires_grad=True) for a in (gi, gh, wide)]
+  got, want = bt.ops.gru_cell(ours[0], ours[1], ours[2][:, :H]), _torch_gru_cell(theirs[0], theirs[1], theirs[2][:, :H])
+  assert_close(got, want, bt.float64)
+  w = rng.standard_normal((N, H))
+  (got * bt.tensor(w)).sum().backward()
+  (want * torch.tensor(w)).sum().backward()
+  for o, t in zip(ours, theirs): assert_close(o.grad, t.grad, bt.float64, "gradient")
+  with pytest.raises(RuntimeError, match=r"gru_cell: expected .* \[4, 9\], \[4, 9\] and \[4, 2\]"):
+    bt.ops.gru_cell(ours[0], ours[1], bt.randn(4, 2, dtype=bt.float64))
+
+
 def test_lstm_cell_vjp_against_finite_differences():
   check_vjp(lambda gi, gh, c: bt.ops.lstm_cell(gi, gh, c)[0] * 2 + bt.ops.lstm_cell(gi, gh, c)[1],
             [(4, 8), (4, 8), (4, 2)])

@@ -975,6 +975,7 @@ VJP_CASES = {
   "conv_grad_weight": (lambda g, x: ops.nn.conv_grad_weight_op(g, x, shape=(4, 2, 3), stride=(2,), padding=(1,),
                                                                dilation=(2,), groups=2), [(2, 4, 3), (2, 4, 7)], {}),
   "lstm_cell": (lambda gi, gh, c: ops.nn.lstm_cell_op(gi, gh, c), [(3, 8), (3, 8), (3, 2)], {}),
+  "gru_cell": (lambda gi, gh, h: ops.gru_cell(gi, gh, h), [(3, 6), (3, 6), (3, 2)], {}),
   "dropout": (lambda x: ops.dropout(x, 0.4, generator=bt.Generator().manual_seed(3)), [(6, 7)], {}),  # the same draws
   # a group of one rank here; tests/distributed/test_mpi.py checks the gradients of 3 ranks against the math
   "all_reduce": (lambda x: ops.collective.all_reduce(x * x, "avg", LOOPBACK, 1), [(3, 4)], {}),

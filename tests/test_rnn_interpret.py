@@ -1,4 +1,4 @@
-"""The CUDA LSTM cell kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since it
+"""The CUDA LSTM and GRU cell kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since it
 must be set before Triton is imported) runs the forward and backward kernels, launched as `rnn._launch` does, on torch
 CPU tensors (test-only) whose rows are slices of wider ones, against the CPU backend's float64 kernels."""
 import numpy as np
@@ -8,22 +8,24 @@ import triton.language as tl
 from tests.helpers import run_under_triton_interpreter
 
 
-def _run_case(N: int, H: int, dtype: str) -> None:
+def _run_case(cell: str, N: int, H: int, dtype: str) -> None:
+  """One cell's forward and backward kernels (cell "lstm" or "gru") against the CPU kernels, on gates of `dtype` and
+  a float32 state, every operand a row slice of a wider tensor."""
   import torch
   from blutrain import dtypes
   from blutrain.backend.cpu.kernels import kernels as cpu
   from blutrain.backend.cuda.kernels import rnn
   from blutrain.shapes import cdiv
+  gates, outs, d_width = (4, 2, 5) if cell == "lstm" else (3, 1, 7)
   rng = np.random.default_rng(N * H)
-  gi64, gh64, grad64 = (rng.standard_normal((N, k * H)) for k in (4, 4, 2))
-  c64 = rng.standard_normal((N, H))
-  half = dtype == "bf16"
-  low = (lambda a: torch.tensor(a, dtype=torch.float64).to(torch.bfloat16)) if half else \
+  gi64, gh64, grad64 = (rng.standard_normal((N, k * H)) for k in (gates, gates, outs))
+  state64 = rng.standard_normal((N, H))
+  low = (lambda a: torch.tensor(a, dtype=torch.float64).to(torch.bfloat16)) if dtype == "bf16" else \
     (lambda a: torch.tensor(a, dtype=torch.float32))
   wide = lambda a: torch.cat([a, a], 1)[:, :a.shape[1]]  # rows of a wider tensor: row stride twice the row
   gi, gh = wide(low(gi64)), wide(low(gh64))
-  c, grad = wide(torch.tensor(c64, dtype=torch.float32)), torch.tensor(grad64, dtype=torch.float32)
-  exact = [t.double().numpy() for t in (gi, gh, c)]  # what the kernels read, rounded as they read it
+  state, grad = wide(torch.tensor(state64, dtype=torch.float32)), torch.tensor(grad64, dtype=torch.float32)
+  exact = [t.double().numpy() for t in (gi, gh, state)]  # what the kernels read, rounded as they read it
   ty = {torch.float32: dtypes.float32, torch.bfloat16: dtypes.bfloat16}
 
   def launch(kind, out, *inputs):
@@ -32,13 +34,14 @@ def _run_case(N: int, H: int, dtype: str) -> None:
                                                 **s.constexprs)
     return out
 
-  out = launch("fwd", torch.empty((N, 2 * H), dtype=torch.float32), gi, gh, c)
-  want = cpu["lstm_cell"](*exact)
-  assert np.abs(out.double().numpy() - want).max() < 1e-5, f"lstm_cell ({dtype}, N={N}, H={H})"
-  d = launch("bwd", torch.empty((N, 5 * H), dtype=torch.float32), grad, gi, gh, c, out)
-  want = cpu["lstm_cell_backward"](grad64, *exact, out.double().numpy())
+  out = launch(cell, torch.empty((N, outs * H), dtype=torch.float32), gi, gh, state)
+  want = cpu[f"{cell}_cell"](*exact)
+  assert np.abs(out.double().numpy() - want).max() < 1e-5, f"{cell}_cell ({dtype}, N={N}, H={H})"
+  saved = (out,) if cell == "lstm" else ()  # the LSTM's backward reads c' from the forward's output
+  d = launch(f"{cell}_backward", torch.empty((N, d_width * H), dtype=torch.float32), grad, gi, gh, state, *saved)
+  want = cpu[f"{cell}_cell_backward"](grad64, *exact, *(t.double().numpy() for t in saved))
   err = np.abs(d.double().numpy() - want).max() / np.abs(want).max()
-  assert err < 1e-5, f"lstm_cell_backward ({dtype}, N={N}, H={H}): relative error {err:.2e}"
+  assert err < 1e-5, f"{cell}_cell_backward ({dtype}, N={N}, H={H}): relative error {err:.2e}"
 
 
 @triton.jit
@@ -62,8 +65,9 @@ def _patch_libdevice():
 
 def main() -> None:
   _patch_libdevice()
-  for case in ((3, 5, "fp32"), (4, 130, "bf16"), (1, 1, "fp32")):
-    _run_case(*case)
+  for cell in ("lstm", "gru"):
+    for case in ((3, 5, "fp32"), (4, 130, "bf16"), (1, 1, "fp32")):
+      _run_case(cell, *case)
   print("ok")
 
 

@@ -1,6 +1,6 @@
 """Recurrent layers (LSTM, GRU; multi-layer, bidirectional, batch_first) and MultiheadAttention, as composites over
 matmuls: each layer projects the whole sequence's inputs in one matmul, then steps through time with one matmul of
-the hidden state per step and, for the LSTM, one `lstm_cell` primitive for the gates and states (one kernel forward
+the hidden state per step and one `lstm_cell` or `gru_cell` primitive for the gates and states (one kernel forward
 and one backward). (Eagerly the time loop is Python; under `bt.compile` it is unrolled into the graph.)"""
 from __future__ import annotations
 
@@ -163,11 +163,7 @@ class GRU(_RNNBase):
   @staticmethod
   def _cell(gi: Tensor, state: list, w_hh: Tensor, b_hh: Tensor | None) -> list:
     (h,) = state
-    gh = F.linear(h, w_hh, b_hh)
-    (ir, iz, in_), (hr, hz, hn) = gi.chunk(3, -1), gh.chunk(3, -1)
-    r, z = ops.sigmoid(ir + hr), ops.sigmoid(iz + hz)
-    n = ops.tanh(in_ + r * hn)
-    return [(1 - z) * n + z * h]
+    return [ops.gru_cell(gi, F.linear(h, w_hh, b_hh), h)]
 
 
 class MultiheadAttention(Module):

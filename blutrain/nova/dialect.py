@@ -1176,6 +1176,25 @@ class LstmCellBackwardOp(NNOp):
 
 
 @irdl_op_definition
+class GruCellOp(NNOp):
+  """One GRU step after its matmuls: h' (N, H) from the gate pre-activations gi and gh (N, 3H) and h (N, H)."""
+  name = "nova.gru_cell"
+  gi = operand_def(TENSOR)
+  gh = operand_def(TENSOR)
+  h = operand_def(TENSOR)
+
+
+@irdl_op_definition
+class GruCellBackwardOp(NNOp):
+  """[d gi, d gh, d h] (N, 7H) from the gradient g of gru_cell's h' and its inputs."""
+  name = "nova.gru_cell_backward"
+  g = operand_def(TENSOR)
+  gi = operand_def(TENSOR)
+  gh = operand_def(TENSOR)
+  h = operand_def(TENSOR)
+
+
+@irdl_op_definition
 class FlashAttentionOp(NNOp):
   """softmax(q k^T * scale [causal]) v without the weights in memory."""
   name = "nova.flash_attention"
@@ -1364,7 +1383,8 @@ Nova = Dialect("nova", [
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
-  LstmCellBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp, AllGatherOp, *COMPILER_OPS,
+  LstmCellBackwardOp, GruCellOp, GruCellBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
+  AllGatherOp, *COMPILER_OPS,
 ])
 
 OP_CLASSES: dict[str, type[NovaOp]] = {op.name[5:]: op for op in Nova.operations

@@ -404,6 +404,34 @@ lstm_cell_backward_op = op("lstm_cell_backward", lambda g, gi, gh, c, out: ((gi.
 lstm_cell_op = op("lstm_cell", _lstm_cell_rule, _lstm_cell_vjp, inputs="gi gh c", saves_output=True)
 
 
+def _gru_cell_rule(gi, gh, h):
+  if gi.ndim != 2 or gh.shape != gi.shape or gi.shape[1] % 3 or h.shape != (gi.shape[0], gi.shape[1] // 3):
+    raise ShapeError(f"gru_cell: expected input and hidden gates (N, 3H) and a hidden state (N, H), got "
+                     f"{list(gi.shape)}, {list(gh.shape)} and {list(h.shape)}")
+  if not all(t.dtype.is_floating_point for t in (gi, gh, h)):
+    raise DTypeError(f"gru_cell: expected floating tensors, got {gi.dtype.name}, {gh.dtype.name} and {h.dtype.name}")
+  return h.shape, dtypes.promote_types(dtypes.promote_types(gi.dtype, gh.dtype), h.dtype)
+
+
+def _gru_cell_vjp(g, out, gi, gh, h):
+  d = gru_cell_backward_op(g, gi, gh, h)
+  H = h.shape[1]
+  return d[:, :3 * H], d[:, 3 * H:6 * H], d[:, 6 * H:]
+
+
+# One step of a GRU after its matmuls: with gi, gh split as (r, z, n) along dim 1, r = sigmoid(gi_r + gh_r),
+# z = sigmoid(gi_z + gh_z), n = tanh(gi_n + r gh_n) and h' = (1 - z) n + z h, in float32 math for half inputs. Its
+# backward returns [d gi, d gh, d h] (N, 7H) side by side (d gh differs from d gi in the n block, which r scales).
+gru_cell_backward_op = op("gru_cell_backward", lambda g, gi, gh, h: ((gi.shape[0], 7 * h.shape[1]), g.dtype),
+                          inputs="g gi gh h")
+gru_cell_op = op("gru_cell", _gru_cell_rule, _gru_cell_vjp, inputs="gi gh h")
+
+
+def gru_cell(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
+  """One GRU step after its matmuls (gate pre-activations gi and gh (N, 3H), hidden state h (N, H)): h'."""
+  return gru_cell_op(gi, gh, h)
+
+
 def lstm_cell(gi: Tensor, gh: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
   """One LSTM step after its matmuls (gate pre-activations gi and gh (N, 4H), cell state c (N, H)): (h', c'), views
   of one (N, 2H) result."""

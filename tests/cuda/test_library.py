@@ -66,21 +66,23 @@ def test_recurrent_and_attention_gradients_match_the_cpu(make):
   for (name, c), (_, g) in zip(cpu.named_parameters(), gpu.named_parameters()): _close(g.grad, c.grad, name, tol=1e-3)
 
 
-def test_lstm_cell_with_bfloat16_gates_matches_the_cpu():
-  """The fused LSTM step's kernels on bf16 gates and a float32 cell state that is a view of a wider tensor (as
-  nn.LSTM passes them), values and gradients against the CPU kernels on the same inputs."""
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_fused_cells_with_bfloat16_gates_match_the_cpu(cell):
+  """The fused LSTM and GRU steps' kernels on bf16 gates and a float32 state that is a view of a wider tensor (as
+  nn.LSTM and nn.GRU pass them), values and gradients against the CPU kernels on the same inputs."""
   rng = np.random.default_rng(0)
-  N, H = 33, 70
-  gi, gh = (rng.standard_normal((N, 4 * H)).astype(np.float32) for _ in range(2))
-  c, w = rng.standard_normal((N, 2 * H)).astype(np.float32), rng.standard_normal((N, 2 * H)).astype(np.float32)
+  N, H, gates = 33, 70, 4 if cell == "lstm" else 3
+  gi, gh = (rng.standard_normal((N, gates * H)).astype(np.float32) for _ in range(2))
+  state, w = rng.standard_normal((N, 2 * H)).astype(np.float32), rng.standard_normal((N, 2 * H)).astype(np.float32)
   results = []
   for dev in ("cpu", "cuda"):
     leaves = [bt.tensor(a, device=dev).to(bt.bfloat16).requires_grad_() for a in (gi, gh)] + \
-      [bt.tensor(c, device=dev, requires_grad=True)]
-    h2, c2 = bt.ops.lstm_cell(leaves[0], leaves[1], leaves[2][:, :H])
-    ((h2 * bt.tensor(w[:, :H], device=dev)).sum() + (c2 * bt.tensor(w[:, H:], device=dev)).sum()).backward()
-    results.append((h2, c2, *(t.grad for t in leaves)))
-  for name, c_, g_ in zip(("h", "c", "d gi", "d gh", "d c"), *results): _close(g_.float(), c_.float(), name, tol=1e-2)
+      [bt.tensor(state, device=dev, requires_grad=True)]
+    outs = bt.ops.lstm_cell(*leaves[:2], leaves[2][:, :H]) if cell == "lstm" else \
+      (bt.ops.gru_cell(*leaves[:2], leaves[2][:, :H]),)
+    sum((o * bt.tensor(w[:, k * H:(k + 1) * H], device=dev)).sum() for k, o in enumerate(outs)).backward()
+    results.append((*outs, *(t.grad for t in leaves)))
+  for i, (c_, g_) in enumerate(zip(*results)): _close(g_.float(), c_.float(), f"{cell} result {i}", tol=1e-2)
 
 
 FUNCTIONS = [

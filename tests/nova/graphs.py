@@ -202,6 +202,9 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   cell = b("slice", pos, index=((0, 3, 1), (0, 1, 1)))  # (N, H) = (3, 1) beside gates (3, 4)
   outs += [cell_out := b("lstm_cell", x, pos, cell),
            b("lstm_cell_backward", b("slice", pos, index=((0, 3, 1), (0, 2, 1))), x, pos, cell, cell_out)]
+  gates3 = b("slice", x, index=((0, 3, 1), (0, 3, 1)))  # GRU gates (3, 3H) with H = 1
+  outs += [b("gru_cell", gates3, b("slice", pos, index=((0, 3, 1), (1, 4, 1))), cell),
+           b("gru_cell_backward", cell, gates3, gates3, cell)]
   q, k = b("view", x, shape=(1, 3, 4)), b("view", pos, shape=(1, 3, 4))
   att = b("flash_attention", q, k, k, causal=True, scale=0.5)
   outs += [att, b("flash_attention", q, k, q, causal=False, scale=1.0),

@@ -262,6 +262,24 @@ def _lstm_cell_backward(grad, gi, gh, c, out):
                          dc * f], axis=1)
 
 
+def _gru_gates(gi, gh):
+  (ir, iz, in_), (hr, hz, hn) = np.split(gi, 3, axis=1), np.split(gh, 3, axis=1)
+  r = _sigmoid(ir + hr)
+  return r, _sigmoid(iz + hz), np.tanh(in_ + r * hn), hn
+
+
+def _gru_cell(gi, gh, h):
+  _, z, n, _ = _gru_gates(gi, gh)
+  return (1 - z) * n + z * h
+
+
+def _gru_cell_backward(grad, gi, gh, h):
+  r, z, n, hn = _gru_gates(gi, gh)
+  dn = grad * (1 - z) * (1 - n * n)
+  dr, dz = dn * hn * r * (1 - r), grad * (h - n) * z * (1 - z)
+  return np.concatenate([dr, dz, dn, dr, dz, dn * r, grad * z], axis=1)
+
+
 # *** random ***
 
 def _rng(seed, offset) -> np.random.Generator:
@@ -449,6 +467,7 @@ kernels = {
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
   "flash_attention_lse": _flash_attention_lse, "flash_attention_lse_backward": _flash_attention_lse_backward,
   "lstm_cell": _lstm_cell, "lstm_cell_backward": _lstm_cell_backward,
+  "gru_cell": _gru_cell, "gru_cell_backward": _gru_cell_backward,
 }
 
 

@@ -1,12 +1,14 @@
-"""Recurrent cells: one LSTM step after its matmuls (`lstm_cell`) and its backward (`lstm_cell_backward`), each one
+"""Recurrent cells: one LSTM or GRU step after its matmuls (`lstm_cell`, `gru_cell`) and their backwards, each one
 pass over the (N, H) elements of the step, in float32 math.
 
-An element (n, j) reads its four gate pre-activations a_k = gi[n, k H + j] + gh[n, k H + j] (k = i, f, g, o) and
-c[n, j]; the forward writes h' and c' into out[n, j] and out[n, H + j]. The backward reads the gradient of [h', c'],
-the same inputs and c' (from the forward's output), and writes the gates' gradients and c's into d[n, k H + j] and
-d[n, 4 H + j]. Operands are rows of unit column stride (a row stride of their own: nn.LSTM passes a slice of each
-step's input projection and a view of the previous output); others are copied first. The block size is the
-configurator's `fused_schedule`, as for a synthesized pointwise group of as many operands.
+An element (n, j) of an LSTM step reads its four gate pre-activations a_k = gi[n, k H + j] + gh[n, k H + j]
+(k = i, f, g, o) and c[n, j]; the forward writes h' and c' into out[n, j] and out[n, H + j]. The backward reads the
+gradient of [h', c'], the same inputs and c' (from the forward's output), and writes the gates' gradients and c's into
+d[n, k H + j] and d[n, 4 H + j]. A GRU step reads r's, z's and n's pre-activations the same way (gh's n block times r)
+and h, and writes h', or [d gi, d gh, d h] (N, 7H). Operands are rows of unit column stride (a row stride of their
+own: nn.LSTM passes a slice of each step's input projection and a view of the previous output); others are copied
+first. The block size is the configurator's `fused_schedule`, as for a synthesized pointwise group of as many
+operands.
 """
 from __future__ import annotations
 
@@ -74,14 +76,57 @@ def _lstm_cell_backward_kernel(d, grad, gi, gh, c, out, n, H, grad_s, gi_s, gh_s
   tl.store(d_row + 4 * H, (dc * f).to(ty), mask=ok)
 
 
-_OPERANDS = {"fwd": 11, "bwd": 17}  # elements loaded and stored per (n, j): what fused_schedule sizes registers by
+@triton.jit
+def _gru_gates(gi, gh, h, row, col, H, gi_s, gh_s, h_s, ok):
+  """r, z, n of a GRU step in float32, with gh_n and h."""
+  a_r = tl.load(gi + row * gi_s + col, mask=ok, other=0.0).to(tl.float32) + \
+      tl.load(gh + row * gh_s + col, mask=ok, other=0.0).to(tl.float32)
+  a_z = tl.load(gi + row * gi_s + H + col, mask=ok, other=0.0).to(tl.float32) + \
+      tl.load(gh + row * gh_s + H + col, mask=ok, other=0.0).to(tl.float32)
+  hn = tl.load(gh + row * gh_s + 2 * H + col, mask=ok, other=0.0).to(tl.float32)
+  r, z = 1.0 / (1.0 + libdevice.exp(-a_r)), 1.0 / (1.0 + libdevice.exp(-a_z))
+  n = libdevice.tanh(tl.load(gi + row * gi_s + 2 * H + col, mask=ok, other=0.0).to(tl.float32) + r * hn)
+  return r, z, n, hn, tl.load(h + row * h_s + col, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gru_cell_kernel(out, gi, gh, h, n, H, gi_s, gh_s, h_s, out_s, BLOCK: tl.constexpr, IDX64: tl.constexpr):
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  _, z, g, _, h_old = _gru_gates(gi, gh, h, row, col, H, gi_s, gh_s, h_s, ok)
+  tl.store(out + row * out_s + col, ((1.0 - z) * g + z * h_old).to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gru_cell_backward_kernel(d, grad, gi, gh, h, n, H, grad_s, gi_s, gh_s, h_s, d_s, BLOCK: tl.constexpr,
+                              IDX64: tl.constexpr):
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  r, z, g, hn, h_old = _gru_gates(gi, gh, h, row, col, H, gi_s, gh_s, h_s, ok)
+  dh = tl.load(grad + row * grad_s + col, mask=ok, other=0.0).to(tl.float32)
+  dn = dh * (1.0 - z) * (1.0 - g * g)
+  dr, dz = dn * hn * r * (1.0 - r), dh * (h_old - g) * z * (1.0 - z)
+  ty = d.dtype.element_ty
+  d_row = d + row * d_s + col
+  tl.store(d_row, dr.to(ty), mask=ok)
+  tl.store(d_row + H, dz.to(ty), mask=ok)
+  tl.store(d_row + 2 * H, dn.to(ty), mask=ok)
+  tl.store(d_row + 3 * H, dr.to(ty), mask=ok)
+  tl.store(d_row + 4 * H, dz.to(ty), mask=ok)
+  tl.store(d_row + 5 * H, (dn * r).to(ty), mask=ok)
+  tl.store(d_row + 6 * H, (dh * z).to(ty), mask=ok)
+
+
+# per kernel: the function, its array parameters in order (the output first) and the elements it loads and stores per
+# (n, j), which fused_schedule sizes registers by
+_CELLS = {"lstm": (_lstm_cell_kernel, ("out", "gi", "gh", "c"), 11),
+          "lstm_backward": (_lstm_cell_backward_kernel, ("d", "grad", "gi", "gh", "c", "out"), 17),
+          "gru": (_gru_cell_kernel, ("out", "gi", "gh", "h"), 8),
+          "gru_backward": (_gru_cell_backward_kernel, ("d", "grad", "gi", "gh", "h"), 14)}
 
 
 def cell_spec(kind: str, out: DType, inputs: tuple[DType, ...], n: int, i64: bool):
-  """The variant of the forward ("fwd": inputs gi, gh, c) or backward ("bwd": grad, gi, gh, c, out) kernel."""
-  fn, names = ((_lstm_cell_kernel, ("out", "gi", "gh", "c")) if kind == "fwd" else
-               (_lstm_cell_backward_kernel, ("d", "grad", "gi", "gh", "c", "out")))
-  block, warps = fused_schedule(n, min(t.itemsize for t in (out, *inputs)), _OPERANDS[kind])
+  """The variant of kernel `kind` (a key of _CELLS) writing `out` from `inputs` of these dtypes."""
+  fn, names, operands = _CELLS[kind]
+  block, warps = fused_schedule(n, min(t.itemsize for t in (out, *inputs)), operands)
   it = "i64" if i64 else "i32"
   sig = {**{k: ptr(t) for k, t in zip(names, (out, *inputs))}, "n": it, "H": it,
          **{f"{k}_s": it for k in names[1:] + names[:1]}}
@@ -106,19 +151,33 @@ def _launch(kind: str, out: CudaArray, H: int, *inputs: CudaArray) -> CudaArray:
 def lstm_cell(gi: CudaArray, gh: CudaArray, c: CudaArray) -> CudaArray:
   """[h', c'] (N, 2H) of one LSTM step from its gate pre-activations gi + gh (N, 4H) and cell state c (N, H)."""
   dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, gh.dtype), c.dtype)
-  return _launch("fwd", empty((c.shape[0], 2 * c.shape[1]), dtype, c.device), c.shape[1], gi, gh, c)
+  return _launch("lstm", empty((c.shape[0], 2 * c.shape[1]), dtype, c.device), c.shape[1], gi, gh, c)
 
 
 def lstm_cell_backward(grad: CudaArray, gi: CudaArray, gh: CudaArray, c: CudaArray, out: CudaArray) -> CudaArray:
   """[d gates, d c] (N, 5H) from the gradient of the forward's [h', c'] (N, 2H), its inputs and its output."""
-  return _launch("bwd", empty((c.shape[0], 5 * c.shape[1]), out.dtype, c.device), c.shape[1], grad, gi, gh, c,
-                 out)
+  return _launch("lstm_backward", empty((c.shape[0], 5 * c.shape[1]), out.dtype, c.device), c.shape[1], grad, gi,
+                 gh, c, out)
 
 
-KERNELS = {"lstm_cell": lstm_cell, "lstm_cell_backward": lstm_cell_backward}
+def gru_cell(gi: CudaArray, gh: CudaArray, h: CudaArray) -> CudaArray:
+  """h' (N, H) of one GRU step from its gate pre-activations gi and gh (N, 3H) and hidden state h (N, H)."""
+  dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, gh.dtype), h.dtype)
+  return _launch("gru", empty(h.shape, dtype, h.device), h.shape[1], gi, gh, h)
+
+
+def gru_cell_backward(grad: CudaArray, gi: CudaArray, gh: CudaArray, h: CudaArray) -> CudaArray:
+  """[d gi, d gh, d h] (N, 7H) from the gradient of the forward's h' and its inputs."""
+  return _launch("gru_backward", empty((h.shape[0], 7 * h.shape[1]), grad.dtype, h.device), h.shape[1], grad, gi, gh,
+                 h)
+
+
+KERNELS = {"lstm_cell": lstm_cell, "lstm_cell_backward": lstm_cell_backward, "gru_cell": gru_cell,
+           "gru_cell_backward": gru_cell_backward}
 
 _F32, _BF16 = dtypes.float32, dtypes.bfloat16
-SPECS = [cell_spec("fwd", _F32, (_BF16, _BF16, _F32), 32 * 1024, False), cell_spec("fwd", _F32, (_F32,) * 3, 64, False),
-         cell_spec("fwd", _BF16, (_BF16,) * 3, 32 * 1024, True),
-         cell_spec("bwd", _F32, (_F32, _BF16, _BF16, _F32, _F32), 32 * 1024, False),
-         cell_spec("bwd", _F32, (_F32,) * 5, 64, False), cell_spec("bwd", _BF16, (_BF16,) * 5, 32 * 1024, True)]
+_MIXED = {"lstm": (_BF16, _BF16, _F32), "lstm_backward": (_F32, _BF16, _BF16, _F32, _F32),  # bf16 gates, float32 states
+          "gru": (_BF16, _BF16, _F32), "gru_backward": (_F32, _BF16, _BF16, _F32)}
+SPECS = [s for kind, mixed in _MIXED.items() for s in (
+  cell_spec(kind, _F32, mixed, 32 * 1024, False), cell_spec(kind, _F32, (_F32,) * len(mixed), 64, False),
+  cell_spec(kind, _BF16, (_BF16,) * len(mixed), 32 * 1024, True))]
