@@ -380,13 +380,20 @@ def conv_transpose(x: Tensor, weight: Tensor, shape, stride, padding, dilation, 
 
 # *** recurrent cells ***
 
+def _cell_dtype(name: str, gates: int, state: str, gi, gh, s):
+  """The result dtype of a recurrent cell (the inputs' promoted one) after checking its gates (N, gates * H) and its
+  state s (N, H)."""
+  if gi.ndim != 2 or gh.shape != gi.shape or gi.shape[1] % gates or s.shape != (gi.shape[0], gi.shape[1] // gates):
+    raise ShapeError(f"{name}: expected input and hidden gates (N, {gates}H) and a {state} (N, H), got "
+                     f"{list(gi.shape)}, {list(gh.shape)} and {list(s.shape)}")
+  if not all(t.dtype.is_floating_point for t in (gi, gh, s)):
+    raise DTypeError(f"{name}: expected floating tensors, got {gi.dtype.name}, {gh.dtype.name} and {s.dtype.name}")
+  return dtypes.promote_types(dtypes.promote_types(gi.dtype, gh.dtype), s.dtype)
+
+
 def _lstm_cell_rule(gi, gh, c):
-  if gi.ndim != 2 or gh.shape != gi.shape or gi.shape[1] % 4 or c.shape != (gi.shape[0], gi.shape[1] // 4):
-    raise ShapeError(f"lstm_cell: expected input and hidden gates (N, 4H) and a cell state (N, H), got "
-                     f"{list(gi.shape)}, {list(gh.shape)} and {list(c.shape)}")
-  if not all(t.dtype.is_floating_point for t in (gi, gh, c)):
-    raise DTypeError(f"lstm_cell: expected floating tensors, got {gi.dtype.name}, {gh.dtype.name} and {c.dtype.name}")
-  return (gi.shape[0], 2 * c.shape[1]), dtypes.promote_types(dtypes.promote_types(gi.dtype, gh.dtype), c.dtype)
+  dtype = _cell_dtype("lstm_cell", 4, "cell state", gi, gh, c)
+  return (gi.shape[0], 2 * c.shape[1]), dtype
 
 
 def _lstm_cell_vjp(g, out, gi, gh, c):
@@ -405,12 +412,7 @@ lstm_cell_op = op("lstm_cell", _lstm_cell_rule, _lstm_cell_vjp, inputs="gi gh c"
 
 
 def _gru_cell_rule(gi, gh, h):
-  if gi.ndim != 2 or gh.shape != gi.shape or gi.shape[1] % 3 or h.shape != (gi.shape[0], gi.shape[1] // 3):
-    raise ShapeError(f"gru_cell: expected input and hidden gates (N, 3H) and a hidden state (N, H), got "
-                     f"{list(gi.shape)}, {list(gh.shape)} and {list(h.shape)}")
-  if not all(t.dtype.is_floating_point for t in (gi, gh, h)):
-    raise DTypeError(f"gru_cell: expected floating tensors, got {gi.dtype.name}, {gh.dtype.name} and {h.dtype.name}")
-  return h.shape, dtypes.promote_types(dtypes.promote_types(gi.dtype, gh.dtype), h.dtype)
+  return h.shape, _cell_dtype("gru_cell", 3, "hidden state", gi, gh, h)
 
 
 def _gru_cell_vjp(g, out, gi, gh, h):
