@@ -18,7 +18,7 @@ from blutrain import dtypes
 from blutrain.backend.cuda import launch
 from blutrain.nova import ir, synth
 from blutrain.nova.dialect import FullOp, FusedOp, NovaOp
-from blutrain.nova.passes.fuse_pointwise import fuse
+from blutrain.nova.passes.fuse_pointwise import MAX_INPUTS, MAX_MEMBERS, fuse
 from blutrain.nova.pipeline import compile_graph
 from tests.nova.graphs import Builder, evaluate
 from tests.nova.test_codegen import assert_same
@@ -106,6 +106,24 @@ def test_a_group_of_one_stays():
   b.output(b("mul", x, b.full((), 3.0)))
   _, ops = _fused(b)
   assert [op.opname for op in ops] == ["full", "mul"]
+
+
+def test_a_long_sum_splits_into_groups_within_the_kernel_limits():
+  # an LSTM's weight gradient: one addend per time step; its one kernel of 256 inputs took 28 s to compile
+  b = Builder()
+  xs = [b.input((4, 8)) for _ in range(3 * MAX_INPUTS + 5)]
+  total = xs[0]
+  for x in xs[1:]: total = b("add", total, b("mul", x, b.full((), 0.5)))
+  graph = b.output(total)
+  module, ops = _fused(b)
+  fused = [op for op in ops if op.opname == "fused"]
+  assert len(fused) == 4 and [op.opname for op in ops].count("add") + [op.opname for op in ops].count("mul") == 0
+  assert all(len(f.xs) <= MAX_INPUTS and len([m for m in _body(f) if m != "full"]) <= MAX_MEMBERS for f in fused)
+  assert sum(len(f.xs) for f in fused) == len(xs) + len(fused) - 1  # each group reads the last one's partial sum
+  rng = np.random.default_rng(1)
+  arrays = [rng.standard_normal((4, 8)).astype(np.float32) for _ in xs]
+  compiled = compile_graph(graph, verify=True)
+  np.testing.assert_allclose(compiled.fn(*arrays)[0], arrays[0] + 0.5 * np.sum(arrays[1:], axis=0), rtol=1e-5, atol=1e-5)
 
 
 def _mlp_graph(dtype=dtypes.float32):

@@ -30,6 +30,10 @@ Rules:
   reads (merging them) only if no op outside them read one of their values before it, so every input of a group
   is made before it and every reader comes after (no cycle through another op or group). Otherwise it starts a
   group of its own.
+- A group reads at most MAX_INPUTS tensors and holds at most MAX_MEMBERS ops; an op that would take a group past
+  either starts a group of its own. Triton's compile time grows faster than linearly in a kernel's size (an LSTM's
+  weight gradient summed over 256 steps in one kernel of 256 inputs took 28 s to compile), while splitting a long
+  chain costs one more write and read of its partial result per MAX_INPUTS inputs it reads.
 - A group of one elementwise op stays as it is.
 """
 from __future__ import annotations
@@ -43,13 +47,27 @@ from blutrain.nova.dialect import ElementwiseOp, FullOp, FusedOp, YieldOp
 from blutrain.nova.ir import function
 from blutrain.nova.passes.base import NovaPass
 
+MAX_INPUTS, MAX_MEMBERS = 16, 64
+
 
 class _Group:
-  """Members in program order, all of one result shape."""
-  __slots__ = ("ops", "shape")
+  """Members in program order, all of one result shape, and the tensors they read from outside the group."""
+  __slots__ = ("ops", "shape", "inputs")
 
   def __init__(self, op: ElementwiseOp):
-    self.ops, self.shape = [op], op.result.type.get_shape()
+    self.ops, self.shape, self.inputs = [op], op.result.type.get_shape(), _outside_reads([op], {op})
+
+
+def _outside_reads(ops, members) -> set[SSAValue]:
+  return {v for m in ops for v in m.operands if v.owner not in members and not isinstance(v.owner, FullOp)}
+
+
+def _merged_inputs(groups: list[_Group], op: Operation) -> set[SSAValue] | None:
+  """The inputs of `groups` and `op` as one group, or None when that group would pass MAX_INPUTS or MAX_MEMBERS."""
+  if sum(len(g.ops) for g in groups) + 1 > MAX_MEMBERS: return None
+  members = {op, *(m for g in groups for m in g.ops)}
+  inputs = {v for g in groups for v in g.inputs if v.owner not in members} | _outside_reads([op], members)
+  return inputs if len(inputs) <= MAX_INPUTS else None
 
 
 def _read_early(groups: list[_Group], op: Operation, block: Block, pos: dict[Operation, int]) -> bool:
@@ -72,18 +90,18 @@ def fuse(module: ModuleOp) -> int:
     if not isinstance(op, ElementwiseOp): continue
     shape = op.result.type.get_shape()
     near = list(dict.fromkeys(g for v in op.operands if (g := group_of.get(v.owner)) is not None and g.shape == shape))
-    if near and not _read_early(near, op, block, pos): chosen = near
-    else: chosen = next(([g] for g in near if not _read_early([g], op, block, pos)), [])
-    if not chosen:
+    fits = next(((gs, inputs) for gs in ([near] if len(near) > 1 else []) + [[g] for g in near]
+                 if not _read_early(gs, op, block, pos) and (inputs := _merged_inputs(gs, op)) is not None), None)
+    if fits is None:
       group = _Group(op)
       groups.append(group)
     else:
-      group, *others = chosen
+      (group, *others), inputs = fits
       for g in others:
         group.ops += g.ops
         for m in g.ops: group_of[m] = group
         groups.remove(g)
-      group.ops = sorted(group.ops + [op], key=pos.__getitem__)
+      group.ops, group.inputs = sorted(group.ops + [op], key=pos.__getitem__), inputs
     group_of[op] = group
   made = 0
   for g in groups:
