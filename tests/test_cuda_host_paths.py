@@ -313,3 +313,32 @@ for layer, shape in ((nn.Conv3d(4, 6, (3, 2, 3), stride=(2, 1, 1), padding=1, gr
   assert y.dtype is bt.bfloat16 and x.grad.shape == shape and layer.weight.grad.shape == layer.weight.shape
 assert [p[4] for p in plans] == [False] * 6 + [True] * 6, [p[4] for p in plans]  # the 2-D ones read channels-last
 """, tmp_path)
+
+
+def test_an_image_stem_runs_padded_to_16_channels_on_the_fake_gpu(tmp_path):
+  """A 3-channel input of a convolution with 16-divisible output channels runs the channels-last variants on zero-
+  padded channels (x and w padded to 16; the gradients cut back to 3), forward and both gradients; a grouped one and
+  one whose output channels do not vectorize stay on the general kernels."""
+  _run_fake("""
+import blutrain as bt
+from blutrain import nn
+from blutrain.backend.cuda.kernels import conv
+plans, plan = [], conv.plan
+def traced(*args):
+  p = plan(*args)
+  plans.append((args[0], args[3][0], p[4]))  # (kind, the weight's shape as planned, channels-last)
+  return p
+conv.plan = traced
+assert conv.padded_channels(bt.bfloat16, (64, 3, 7, 7), 1) == 16 and conv.padded_channels(bt.float32, (32, 20, 3, 3), 1) == 32
+assert conv.padded_channels(bt.bfloat16, (10, 3, 7, 7), 1) == 3 and conv.padded_channels(bt.bfloat16, (64, 3, 3, 3), 3) == 3
+assert conv.padded_channels(bt.float64, (64, 3, 7, 7), 1) == 3
+stem = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False).to("cuda")
+x = bt.randn(2, 3, 32, 32, device="cuda", requires_grad=True)
+with bt.autocast("cuda", dtype=bt.bfloat16):
+  y = stem(x)
+y.float().sum().backward()
+assert y.shape == (2, 64, 16, 16) and y.dtype is bt.bfloat16
+assert x.grad.shape == (2, 3, 32, 32) and stem.weight.grad.shape == (64, 3, 7, 7)
+assert sorted(plans) == [("dgrad", (64, 16, 7, 7), True), ("fwd", (64, 16, 7, 7), True),
+                         ("wgrad", (64, 16, 7, 7), True)], plans
+""", tmp_path)

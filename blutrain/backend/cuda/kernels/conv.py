@@ -21,7 +21,8 @@ stride; with pointers, the other strides and the channel counts promised multipl
 their tiles load as 16-byte cp.async copies pipelined over `num_stages` buffers. wgrad's columns become (kd, kh,
 kw, c) with one kernel position per column tile. The host wrappers take them for bfloat16, float16 and float32 with
 channels per group of multiples of 16 (`vectorizes`), copying NCHW operands channels-last first (`_channels_last`:
-one transposing copy costs far less than the scalar loads); every other case runs the general kernels. Outputs stay
+one transposing copy costs far less than the scalar loads), and pad a single group's few input channels (an image's
+3) with zeros up to 16 (`padded_channels`); every other case runs the general kernels. Outputs stay
 new contiguous arrays of the op's layout.
 """
 from __future__ import annotations
@@ -465,9 +466,35 @@ def _channels_last(a: CudaArray) -> CudaArray:
   return copy(a, out=view(buf, a.shape, (buf.strides[0], 1, *buf.strides[1:-1])))
 
 
+def padded_channels(dtype: DType, w_shape, groups: int) -> int:
+  """The input channels a convolution runs with: C rounded up to a multiple of VECTOR when only C keeps it from the
+  channels-last variants (one group, output channels that `vectorizes`: an image's 3 channels), else C. The zero
+  channels add K work (7x7x16 against 7x7x3 for a ResNet stem), far less than the general kernels' scalar loads."""
+  c = w_shape[1]
+  if groups != 1 or c % VECTOR == 0: return c
+  c_pad = cdiv(c, VECTOR) * VECTOR
+  return c_pad if vectorizes(dtype, (w_shape[0], c_pad), 1) else c
+
+
+def _pad_channels(a: CudaArray, c: int) -> CudaArray:
+  """a (N, C, *spatial) with zero channels appended up to c, channels-last (as the channels-last variants read it)."""
+  buf = fill(empty((a.shape[0], *a.shape[2:], c), a.dtype, a.device), 0)
+  strides = (buf.strides[0], 1, *buf.strides[1:-1])
+  copy(a, out=view(buf, a.shape, strides))
+  return view(buf, (a.shape[0], c, *a.shape[2:]), strides)
+
+
+def _first_channels(a: CudaArray, c: int) -> CudaArray:
+  """The first c channels (dim 1) of a, a new contiguous array."""
+  return copy(view(a, (a.shape[0], c, *a.shape[2:]), a.strides))
+
+
 def conv(x: CudaArray, w: CudaArray, stride, padding, dilation, groups: int, tf32: bool = False) -> CudaArray:
   """The convolution of x (N, C, *spatial) with w (C_out, C / groups, *kernel), a new contiguous array. With channel
-  counts that `vectorizes`, x and w are read channels-last (copied so unless they are)."""
+  counts that `vectorizes`, x and w are read channels-last (copied so unless they are); a few input channels are
+  padded with zeros to such a count (`padded_channels`)."""
+  c = padded_channels(x.dtype, w.shape, groups)
+  if c != w.shape[1] and x.size and w.size: x, w = _pad_channels(x, c), _pad_channels(w, c)
   out_sp = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding,
                                                                                dilation)]
   out = empty((x.shape[0], w.shape[0], *out_sp), x.dtype, x.device)
@@ -484,6 +511,10 @@ def conv_grad_input(g: CudaArray, w: CudaArray, shape, stride, padding, dilation
                     tf32: bool = False) -> CudaArray:
   """conv's gradient for an input of `shape`: the transposed convolution of g (N, C_out, *out) with w, a new
   contiguous array (g and w read channels-last as in `conv`)."""
+  c = padded_channels(g.dtype, w.shape, groups)
+  if c != w.shape[1] and g.size and w.size:
+    dx = conv_grad_input(g, _pad_channels(w, c), (shape[0], c, *shape[2:]), stride, padding, dilation, groups, tf32)
+    return _first_channels(dx, shape[1])
   dx = empty(tuple(shape), g.dtype, g.device)
   if dx.size == 0: return dx
   if g.size == 0 or w.size == 0: return fill(dx, 0)
@@ -498,6 +529,10 @@ def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilatio
                      tf32: bool = False) -> CudaArray:
   """conv's gradient for a weight of `shape`: g (N, C_out, *out) correlated with x, summed over split parts (g and
   x read channels-last as in `conv`)."""
+  c = padded_channels(g.dtype, shape, groups)
+  if c != shape[1] and g.size and x.size:
+    dw = conv_grad_weight(g, _pad_channels(x, c), (shape[0], c, *shape[2:]), stride, padding, dilation, groups, tf32)
+    return _first_channels(dw, shape[1])
   dw = empty(tuple(shape), g.dtype, g.device)
   if dw.size == 0: return dw
   if g.size == 0 or x.size == 0: return fill(dw, 0)
