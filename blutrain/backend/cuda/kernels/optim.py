@@ -34,8 +34,9 @@ from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import TL, f64_bits, run, spec, sqrt_rn
 from blutrain.backend.cuda.kernels.copy import cat, copy
 from blutrain.backend.cuda.kernels.reduce import reduce
+from blutrain.configurator import MULTI_TENSOR_CHUNK, multi_tensor_schedule
 
-CHUNK = 65536  # elements per program: 16 tiles of 4096
+CHUNK = MULTI_TENSOR_CHUNK  # elements per program
 
 
 @triton.jit
@@ -110,8 +111,9 @@ def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False, clip: bool 
   sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "clip_ptr": "*fp32",
          "beta1_bits": "i64", "beta2_bits": "i64", "wd_bits": "i64", "one_minus_beta1": "fp32", "beta2": "fp32",
          "one_minus_beta2": "fp32", "eps": "fp32"}
+  block, warps = multi_tensor_schedule(4)  # param, grad, moments
   return spec(_adamw_kernel, sig, dict(P=TL[param], G=TL[grad], DECAY=decay, LR_PTR=lr_on_device, CLIP=clip,
-                                       CHUNK=CHUNK, BLOCK=4096), num_warps=8)
+                                       CHUNK=CHUNK, BLOCK=block), num_warps=warps)
 
 
 _STEPS = spec(_steps_kernel, {"table": "*i64", "T": "i32"}, dict(BLOCK=256))
@@ -223,9 +225,10 @@ def sgd_spec(param, grad, momentum: bool, first: bool, dampening: bool, nesterov
              lr_on_device: bool = False, clip: bool = False):
   sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "clip_ptr": "*fp32",
          "weight_decay": "fp32", "momentum": "fp32", "one_minus_dampening": "fp32"}
+  block, warps = multi_tensor_schedule(3)  # param, grad, buffer
   return spec(_sgd_kernel, sig, dict(P=TL[param], G=TL[grad], MOMENTUM=momentum, FIRST=first, DAMPENING=dampening,
                                      NESTEROV=nesterov, MAXIMIZE=maximize, DECAY=decay, LR_PTR=lr_on_device, CLIP=clip,
-                                     CHUNK=CHUNK, BLOCK=4096), num_warps=8)
+                                     CHUNK=CHUNK, BLOCK=block), num_warps=warps)
 
 
 def fused_sgd(params: list[CudaArray], grads: list[CudaArray], momentum_buffers: list[CudaArray], lr: float | CudaArray,
@@ -283,8 +286,9 @@ def _scale_kernel(table, chunks, scale, G: tl.constexpr, CHUNK: tl.constexpr, BL
 @functools.lru_cache(maxsize=64)
 def multi_tensor_spec(kernel: str, dtype):
   fn, last = {"sum_squares": (_sum_squares_kernel, "out"), "scale": (_scale_kernel, "scale")}[kernel]
-  return spec(fn, {"table": "*i64", "chunks": "*i64", last: "*fp32"}, dict(G=TL[dtype], CHUNK=CHUNK, BLOCK=4096),
-              num_warps=8)
+  block, warps = multi_tensor_schedule(1)
+  return spec(fn, {"table": "*i64", "chunks": "*i64", last: "*fp32"}, dict(G=TL[dtype], CHUNK=CHUNK, BLOCK=block),
+              num_warps=warps)
 
 
 def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[tuple[int, int]]]:
