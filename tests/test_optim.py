@@ -171,7 +171,8 @@ def test_multi_tensor_adamw_equals_the_per_parameter_update(dtype):
 
 
 SGD_OPTIONS = [dict(lr=0.07, momentum=m, dampening=d, nesterov=n, weight_decay=wd, maximize=mx)
-               for m, d, n, wd, mx in itertools.product((0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.05), (False, True))
+               for m, d, n, wd, mx in itertools.product((0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.05),
+                                                        (False, True))
                if not n or (m and not d)]
 MIXED_SHAPES = [(4, 3), (5,), (), (2, 3, 2), (0, 3), (1,)]
 
@@ -250,7 +251,8 @@ def test_multi_tensor_sgd_bfloat16():
 
 
 def test_sgd_op_with_a_tensor_learning_rate_and_a_scheduler():
-  """`ops.sgd_` with lr a 0-d float64 tensor, in place (versions bumped), and SGD under StepLR, against torch."""
+  """`ops.sgd_` with lr a 0-d tensor, in place (versions bumped), and SGD under StepLR and with a tensor lr, against
+  torch."""
   bparams, tparams = make_params(11)
   bufs = [bt.zeros(p.shape) for p in bparams]
   tbufs = [None] * len(tparams)
@@ -258,7 +260,7 @@ def test_sgd_op_with_a_tensor_learning_rate_and_a_scheduler():
   for k in range(3):
     set_grads(bparams, tparams, rng)
     versions = [t._storage.version for t in bparams + bufs]
-    lr = bt.tensor(0.1 / (k + 1), dtype=bt.float64)
+    lr = bt.tensor(0.1 / (k + 1), dtype=bt.float32 if k == 1 else bt.float64)  # float32 is widened, exactly
     bt.ops.sgd_(bparams, [p.grad for p in bparams], bufs, lr, momentum=0.8, dampening=0.2, weight_decay=0.0,
                 nesterov=False, maximize=False, is_first_step=k == 0)
     assert all(t._storage.version > v for t, v in zip(bparams + bufs, versions))
@@ -275,6 +277,13 @@ def test_sgd_op_with_a_tensor_learning_rate_and_a_scheduler():
     set_grads(bparams, tparams, rng)
     bopt.step(); topt.step(); bsched.step(); tsched.step()
     assert_params_equal(bparams, tparams, f"scheduled step {step}")
+  bparams, tparams = make_params(14)
+  bopt = optim.SGD(bparams, lr=bt.tensor(0.2), momentum=0.5)
+  topt = torch.optim.SGD(tparams, lr=torch.tensor(0.2), momentum=0.5)
+  for step in range(3):
+    set_grads(bparams, tparams, rng)
+    bopt.step(); topt.step()
+    assert_params_equal(bparams, tparams, f"tensor lr step {step}")
 
 
 def test_sgd_op_errors():
@@ -284,8 +293,8 @@ def test_sgd_op_errors():
     bt.ops.sgd_([p], [g], [bt.zeros(3, dtype=bt.bfloat16)], 0.1, **kw)
   with pytest.raises(ValueError, match=r"sgd: a parameter float32\[3\] needs a gradient of its shape.*float32\[4\]"):
     bt.ops.sgd_([p], [bt.randn(4)], [bt.zeros(3)], 0.1, **kw)
-  with pytest.raises(ValueError, match="sgd: the learning rate must be a 0-d float64 tensor, got float32"):
-    bt.ops.sgd_([p], [g], [bt.zeros(3)], bt.tensor(0.1), **kw)
+  with pytest.raises(ValueError, match=r"sgd: the learning rate must be a 0-d float64 tensor, got float64\[2\]"):
+    bt.ops.sgd_([p], [g], [bt.zeros(3)], bt.tensor([0.1, 0.2]), **kw)
   with pytest.raises(ValueError, match="sgd_: momentum 0.9 needs a buffer per parameter, got 0 for 1"):
     bt.ops.sgd_([p], [g], [], 0.1, **kw)
   with pytest.raises(TypeError, match="sgd: expected float32, bfloat16 or float16 tensors on one device, got float64"):

@@ -100,13 +100,14 @@ def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Se
     p += -lr * g
 
   the buffers only when momentum != 0 (pass none otherwise); with `is_first_step` their values are not read (PyTorch
-  starts the buffer as a copy of g). `lr` is a number or a 0-d float64 tensor (Nova makes a scheduled learning rate
-  one)."""
+  starts the buffer as a copy of g). `lr` is a number or a 0-d tensor (Nova makes a scheduled learning rate a float64
+  one; another floating dtype is widened to it, exactly)."""
   if not params: return
   bufs = list(momentum_buffers) if momentum != 0 else []
   if momentum != 0 and len(bufs) != len(params):
     raise ValueError(f"sgd_: momentum {momentum} needs a buffer per parameter, got {len(bufs)} for {len(params)}")
-  lr_t = lr if isinstance(lr, Tensor) else scalar_operand(float(lr), dtypes.float64, params[0].device)
+  if isinstance(lr, Tensor): lr_t = lr if lr.dtype is dtypes.float64 else lr.double()
+  else: lr_t = scalar_operand(float(lr), dtypes.float64, params[0].device)
   into = [*params, *bufs]
   new = sgd_op(*params, *grads, *bufs, lr_t, into=into, n=len(params), momentum=float(momentum),
                dampening=float(dampening), weight_decay=float(weight_decay), nesterov=bool(nesterov),
