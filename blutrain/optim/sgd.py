@@ -26,8 +26,8 @@ class SGD(Optimizer):
     foreach, fused: unless either is False, a group of dense floating parameters is updated by one multi-tensor op
       (`ops.sgd_`: one kernel launch for the whole group on CUDA; the same float32 operations, in the same order, as
       the per-parameter update below, which stays the reference and runs otherwise: with strided parameters or
-      buffers, float64 or integer parameters, or parameters on several devices). Momentum buffers are in the
-      parameter's dtype either way.
+      buffers, float64 or integer parameters, or parameters on several devices). The op keeps the momentum buffers
+      in the parameter's dtype.
   """
 
   def __init__(self, params: ParamsT, lr: float = 1e-3, momentum: float = 0, dampening: float = 0,
@@ -49,7 +49,8 @@ class SGD(Optimizer):
     momentum = group["momentum"]
     states = [self.state[p] for p in params]
     bufs = [s.get("momentum_buffer") for s in states] if momentum != 0 else [None] * len(params)
-    if any(b is not None and not (b.is_contiguous() and b.dtype is p.dtype) for p, b in zip(params, bufs)):
+    if any(b is not None and not (b.is_contiguous() and b.dtype is p.dtype and b.shape == p.shape)
+           for p, b in zip(params, bufs)):
       return super()._step_group(group)
     lr = ops.dynamic_scalar(lambda: group["lr"], params[0].device)
     kw = {k: group[k] for k in ("momentum", "dampening", "weight_decay", "nesterov", "maximize")}
