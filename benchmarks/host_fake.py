@@ -3,12 +3,14 @@ on the host runs: allocator, launch planning, argument packing, autograd, autoca
 `x + y`, `x.add_(1)` and `x.sum(-1)` (4096 float32 elements) and host milliseconds of a GPT-2 124M-shaped training
 step (bf16 autocast or TF32; forward, backward, clipping, fused AdamW); medians and bests of the trials, with the Python
 function calls of each (cProfile's count, which noise does not move). With --profile, the profiles by own time.
+With --resnet, only the kernel launches of a ResNet-18 eager step with SGD (momentum, weight decay), its update per
+parameter (fused=False) and multi-tensor (the default).
 Runs on any machine, so a change to the host path can be measured without a GPU. Times are this thread's CPU time
 (`time.thread_time`): nothing waits on a fake device, and CPU time is far less disturbed than wall-clock time by
 other work on a shared machine; still, compare figures of one run.
 
   python benchmarks/host_fake.py [--calls 5000] [--trials 5] [--steps 3] [--layers 12] [--precision bf16|tf32]
-                                 [--profile] [--rows 30] [--skip-step]
+                                 [--profile] [--rows 30] [--skip-step] [--resnet]
 """
 from __future__ import annotations
 
@@ -59,6 +61,24 @@ def profiled(fn, calls: int, rows: int = 0) -> float:
   return stats.total_calls / calls
 
 
+def resnet_sgd_launches() -> None:
+  """Launches of the third eager step of ResNet-18 (batch 8, 64x64 images): forward and backward, then opt.step(),
+  with SGD's per-parameter update and with its multi-tensor op."""
+  from benchmarks.resnet_lstm import resnet18
+  for fused in (False, None):
+    bt.manual_seed(0)
+    model = resnet18(bt.nn).to("cuda")
+    opt = bt.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=fused)
+    x, y = bt.randn(8, 3, 64, 64).to("cuda"), bt.from_numpy(np.arange(8)).to("cuda")
+    for _ in range(3):
+      before = fake_cuda.launches[0]
+      bt.nn.functional.cross_entropy(model(x), y).backward()
+      backward = fake_cuda.launches[0]
+      opt.step(); opt.zero_grad()
+    print(f"ResNet-18 eager step, SGD fused={fused}: {fake_cuda.launches[0] - before} launches "
+          f"(forward and backward {backward - before}, opt.step() {fake_cuda.launches[0] - backward})", flush=True)
+
+
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--calls", type=int, default=5000)
@@ -71,7 +91,9 @@ def main() -> None:
   ap.add_argument("--rows", type=int, default=30)
   ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16", help="bf16 autocast, or float32 with TF32")
   ap.add_argument("--skip-step", action="store_true")
+  ap.add_argument("--resnet", action="store_true", help="only the launches of a ResNet-18 step with SGD")
   args = ap.parse_args()
+  if args.resnet: return resnet_sgd_launches()
   x, y = bt.randn(4096, device="cuda"), bt.randn(4096, device="cuda")
   for name, fn in CASES.items():
     us, best = per_call_us(lambda: fn(x, y), args.calls, args.trials)

@@ -457,6 +457,20 @@ def fused_schedule(n: int, itemsize: int, operands: int, hw: Hardware = H200) ->
   return per_thread * 32 * warps, warps
 
 
+MULTI_TENSOR_CHUNK = 65536  # elements of one tensor per program of a multi-tensor kernel
+
+
+def multi_tensor_schedule(operands: int, hw: Hardware = H200) -> tuple[int, int]:
+  """(BLOCK, num_warps) of a multi-tensor kernel (the optimizer's updates and gradient clipping, kernels/optim.py)
+  that loads `operands` arrays of each tensor: `fused_schedule`'s upper tier at float32, whatever the dtypes (one
+  table mixes tensors of every size, so the block cannot follow each one's), BLOCK = 4096 at 8 warps for up to four
+  (AdamW's param, grad and moments: 64 registers of elements per thread). Each program takes MULTI_TENSOR_CHUNK
+  elements, 16 such tiles: its fixed cost (its table row, the learning rate, AdamW's bias corrections) is spread over
+  a megabyte or more of traffic, and a model still gives the SMs many programs (GPT-2 124M ~1900, 14 waves of 132;
+  ResNet-18 ~240 of its 11.7M parameters' chunks and small tensors)."""
+  return fused_schedule(hw.sms * MULTI_TENSOR_CHUNK, 4, operands, hw)
+
+
 def tile_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:
   """(BLOCK_R, BLOCK_C, num_warps) of a 2-D elementwise kernel: tiles of 4096 elements at 8 warps (16 per thread and
   operand). BLOCK_C is the largest power of two dividing n_cols, up to 1024, so columns need no mask and rows stay

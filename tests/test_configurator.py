@@ -197,6 +197,7 @@ def test_reduction_and_elementwise_schedules():
   assert C.row_schedule(16384, 768) == (4, 1024, 8, True) and C.row_schedule(8, 50304) == (1, 4096, 8, False)
   assert C.index_schedule(16384, 768) == (4, 512, 4)
   assert C.copy_schedule(16384, 768) == (64, 64, 4) and C.copy_schedule(5, 3) == (16, 16, 4)
+  assert C.multi_tensor_schedule(4) == C.multi_tensor_schedule(1) == (4096, 8) and C.multi_tensor_schedule(6)[0] == 2048
 
 
 def test_conv_schedules():
@@ -216,12 +217,14 @@ def test_conv_schedules():
 def test_kernel_library_takes_its_schedules_from_the_configurator():
   """One place per decision: the CUDA kernels' schedule functions are the configurator's."""
   K = "blutrain.backend.cuda.kernels"
-  mods = {n: importlib.import_module(f"{K}.{n}") for n in ("elementwise", "reduce", "norm", "index", "attention", "random")}
+  mods = {n: importlib.import_module(f"{K}.{n}")
+          for n in ("elementwise", "reduce", "norm", "index", "attention", "random", "optim")}
   assert mods["elementwise"].flat_schedule is C.flat_schedule and mods["elementwise"].tile_schedule is C.tile_schedule
   assert mods["random"].flat_schedule is C.flat_schedule
   assert mods["reduce"].reduce_schedule is C.reduce_schedule and mods["reduce"].split_rule is C.split_rule
   assert mods["norm"].row_schedule is C.row_schedule and mods["index"].index_schedule is C.index_schedule
   assert mods["attention"].attention_schedule is C.attention_schedule
+  assert mods["optim"].multi_tensor_schedule is C.multi_tensor_schedule and mods["optim"].CHUNK == C.MULTI_TENSOR_CHUNK
 
 
 def test_smem_model_bounds_what_triton_allocates(tmp_path, monkeypatch):

@@ -114,6 +114,44 @@ print("ok")
   assert "ok" in _run_fake(code, tmp_path)
 
 
+def test_sgd_is_one_launch_per_dtype_group_eager_and_compiled_on_the_fake_gpu(tmp_path):
+  """SGD with momentum on the fake device: eagerly one launch a step per (param, grad) dtype pair once the buffers
+  exist (strided gradients copied first); compiled with clipping and a scheduled learning rate, the sgd op reads the
+  clip factor and the learning rate from device memory and the step replays as a CUDA graph."""
+  code = """
+import blutrain as bt
+ps = [bt.randn(64, 32, device="cuda", requires_grad=True), bt.randn(7, device="cuda", requires_grad=True),
+      bt.randn(16, device="cuda").bfloat16().requires_grad_()]
+opt = bt.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+counts = []
+for _ in range(3):
+  for p in ps: p.grad = bt.ones(p.shape, device="cuda", dtype=p.dtype)
+  ps[0].grad = bt.ones(32, 64, device="cuda").t()
+  before = fake_cuda.launches[0]
+  opt.step()
+  counts.append(fake_cuda.launches[0] - before)
+assert counts == [3 + 1 + 2, 1 + 2, 1 + 2], counts  # the new buffers' fills, the strided grad's copy, 2 dtype groups
+model = bt.nn.Sequential(bt.nn.Linear(8, 16), bt.nn.ReLU(), bt.nn.Linear(16, 4)).to("cuda")
+opt = bt.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+@bt.compile
+def step(x, y):
+  loss = bt.nn.functional.cross_entropy(model(x), y)
+  loss.backward()
+  bt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+  opt.step(); opt.zero_grad()
+  return loss
+x, y = bt.randn(5, 8, device="cuda"), bt.randint(4, (5,)).to("cuda")
+for i in range(5):
+  opt.param_groups[0]["lr"] = 0.1 / (i + 1)
+  step(x, y)
+source = open(step.info["source"]).read()
+assert step.captures == 2 and step.info["cuda_graph"] == "on", (step.captures, step.info["cuda_graph"])
+assert source.count('kernels["sgd"](') == 1 and "clip=True" in source and 'kernels["scale"]' not in source
+print("ok")
+"""
+  assert "ok" in _run_fake(code, tmp_path)
+
+
 def test_compiled_step_places_its_buffers_by_the_memory_plan_on_the_fake_gpu(tmp_path):
   """The graph's pool cuts one arena of the plan's size; the results the plan places come from it at their offsets
   (announced by `expect`), and only temporaries the plan does not see (kernels' scratch, a view that needs a copy)

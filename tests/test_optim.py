@@ -1,10 +1,12 @@
 """optim: SGD, Adam, AdamW, RMSprop and Adagrad step by step against torch.optim from the same init and gradients; state_dict round
 trips (own and PyTorch's); the Optimizer base's checks; LR schedules against torch.optim.lr_scheduler."""
+import itertools
 import math
 
 import numpy as np
 import pytest
 import torch
+from torch.optim.sgd import sgd as torch_sgd
 
 import blutrain as bt
 from blutrain import nn, optim
@@ -166,6 +168,137 @@ def test_multi_tensor_adamw_equals_the_per_parameter_update(dtype):
     for key in ("exp_avg", "exp_avg_sq"):
       np.testing.assert_allclose(fused_opt.state[p][key].float().numpy(), ref_opt.state[q][key].float().numpy(), **tol)
     assert fused_opt.state[p]["step"].item() == ref_opt.state[q]["step"].item() == 4
+
+
+SGD_OPTIONS = [dict(lr=0.07, momentum=m, dampening=d, nesterov=n, weight_decay=wd, maximize=mx)
+               for m, d, n, wd, mx in itertools.product((0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.05),
+                                                        (False, True))
+               if not n or (m and not d)]
+MIXED_SHAPES = [(4, 3), (5,), (), (2, 3, 2), (0, 3), (1,)]
+
+
+def _sgd_runs(kwargs, dtype, fused_values, steps=4, strided=False):
+  """Parameters and optimizers after `steps` SGD steps from the same init and gradients, one run per `fused` value
+  (None: the multi-tensor op, False: the per-parameter update) plus torch's; parameter 1 gets its first gradient at
+  step 1 (a group of params with and without a momentum buffer), strided gradients when `strided`."""
+  rng = np.random.default_rng(7)
+  init = [rng.standard_normal(s).astype(np.float32) for s in MIXED_SHAPES]
+  grads = [[rng.standard_normal(s[::-1] if strided else s).astype(np.float32) for s in MIXED_SHAPES]
+           for _ in range(steps)]
+  tdt = getattr(torch, dtype)
+  tparams = [torch.nn.Parameter(torch.tensor(a, dtype=tdt)) for a in init]
+  topt = torch.optim.SGD(tparams, **kwargs)
+  runs = []
+  for fused in fused_values:
+    params = [nn.Parameter(bt.tensor(a).to(getattr(bt, dtype))) for a in init]
+    runs.append((params, optim.SGD(params, **kwargs, fused=fused)))
+  for k, step in enumerate(grads):
+    for i, g in enumerate(step):
+      if k == 0 and i == 1: continue
+      tparams[i].grad = torch.tensor(g.T if strided else g, dtype=tdt)
+      for params, _ in runs:
+        params[i].grad = bt.tensor(g).to(getattr(bt, dtype))
+        if strided: params[i].grad = params[i].grad.permute(*reversed(range(g.ndim)))
+    topt.step()
+    for _, opt in runs: opt.step()
+  return runs, (tparams, topt)
+
+
+@pytest.mark.parametrize("kwargs", SGD_OPTIONS, ids=lambda k: ",".join(f"{a}={v}" for a, v in k.items() if v))
+def test_multi_tensor_sgd_matches_torch_and_the_per_parameter_update(kwargs, monkeypatch):
+  """`ops.sgd_` (SGD with foreach and fused unset) on float32 parameters of mixed shapes against torch.optim.SGD and
+  against the per-parameter update (fused=False), which it equals bit for bit: the same float32 operations."""
+  calls, sgd_ = [], bt.ops.sgd_
+  monkeypatch.setattr(bt.ops, "sgd_", lambda *a, **kw: calls.append(kw.get("is_first_step")) or sgd_(*a, **kw))
+  (fused, ref), (tparams, topt) = _sgd_runs(kwargs, "float32", (None, False))
+  # one op a step; with momentum, at step 1 a second one starts parameter 1's buffer
+  assert calls == ([True, False, True, False, False] if kwargs["momentum"] else [None] * 4)
+  for (p, q, t) in zip(fused[0], ref[0], tparams):
+    assert p.shape == tuple(t.shape) and p.dtype is bt.float32
+    np.testing.assert_array_equal(p.detach().numpy(), q.detach().numpy())
+    np.testing.assert_allclose(p.detach().numpy(), t.detach().numpy(), rtol=1e-6, atol=1e-6)
+    if kwargs["momentum"]:
+      b, want = fused[1].state[p]["momentum_buffer"], topt.state[t]["momentum_buffer"]
+      assert b.dtype is bt.float32 and b.is_contiguous()
+      np.testing.assert_array_equal(b.numpy(), ref[1].state[q]["momentum_buffer"].numpy())
+      np.testing.assert_allclose(b.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+    else: assert not fused[1].state[p] and not topt.state[t]
+
+
+def test_multi_tensor_sgd_float64_and_strided_gradients():
+  """float64 parameters take the per-parameter update (the op is for float32/16), and both match torch; strided
+  gradients (transposed views) go to the op as they are."""
+  kwargs = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
+  (run,), (tparams, _) = _sgd_runs(kwargs, "float64", (None,))
+  for p, t in zip(run[0], tparams):
+    np.testing.assert_allclose(p.detach().numpy(), t.detach().numpy(), rtol=1e-12, atol=1e-12)
+  (fused, ref), (tparams, _) = _sgd_runs(kwargs, "float32", (None, False), strided=True)
+  assert not fused[0][0].grad.is_contiguous()
+  for p, q, t in zip(fused[0], ref[0], tparams):
+    np.testing.assert_array_equal(p.detach().numpy(), q.detach().numpy())
+    np.testing.assert_allclose(p.detach().numpy(), t.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_multi_tensor_sgd_bfloat16():
+  """bfloat16 parameters: the op computes in float32 and rounds each result once, the per-parameter update after each
+  of its ops (within a few ulps of 2^-8); buffers in bfloat16 either way."""
+  kwargs = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+  (fused, ref), (tparams, _) = _sgd_runs(kwargs, "bfloat16", (None, False))
+  for p, q, t in zip(fused[0], ref[0], tparams):
+    assert p.dtype is bt.bfloat16 and fused[1].state[p]["momentum_buffer"].dtype is bt.bfloat16
+    for other in (q.detach().float().numpy(), t.detach().float().numpy()):
+      np.testing.assert_allclose(p.detach().float().numpy(), other, rtol=4 * 2**-8, atol=2e-2)
+
+
+def test_sgd_op_with_a_tensor_learning_rate_and_a_scheduler():
+  """`ops.sgd_` with lr a 0-d tensor, in place (versions bumped), and SGD under StepLR and with a tensor lr, against
+  torch."""
+  bparams, tparams = make_params(11)
+  bufs = [bt.zeros(p.shape) for p in bparams]
+  tbufs = [None] * len(tparams)
+  rng = np.random.default_rng(12)
+  for k in range(3):
+    set_grads(bparams, tparams, rng)
+    versions = [t._storage.version for t in bparams + bufs]
+    lr = bt.tensor(0.1 / (k + 1), dtype=bt.float32 if k == 1 else bt.float64)  # float32 is widened, exactly
+    bt.ops.sgd_(bparams, [p.grad for p in bparams], bufs, lr, momentum=0.8, dampening=0.2, weight_decay=0.0,
+                nesterov=False, maximize=False, is_first_step=k == 0)
+    assert all(t._storage.version > v for t, v in zip(bparams + bufs, versions))
+    with torch.no_grad():
+      torch_sgd(tparams, [t.grad for t in tparams], tbufs, lr=0.1 / (k + 1), momentum=0.8, dampening=0.2,
+                weight_decay=0.0, nesterov=False, maximize=False, foreach=False)
+    assert_params_equal(bparams, tparams, f"step {k}")
+    for b, t in zip(bufs, tbufs): np.testing.assert_allclose(b.numpy(), t.numpy(), rtol=1e-6, atol=1e-7)
+  bparams, tparams = make_params(13)
+  bopt, topt = optim.SGD(bparams, lr=0.1, momentum=0.9), torch.optim.SGD(tparams, lr=0.1, momentum=0.9)
+  bsched = lr_scheduler.StepLR(bopt, step_size=2, gamma=0.5)
+  tsched = torch.optim.lr_scheduler.StepLR(topt, step_size=2, gamma=0.5)
+  for step in range(5):
+    set_grads(bparams, tparams, rng)
+    bopt.step(); topt.step(); bsched.step(); tsched.step()
+    assert_params_equal(bparams, tparams, f"scheduled step {step}")
+  bparams, tparams = make_params(14)
+  bopt = optim.SGD(bparams, lr=bt.tensor(0.2), momentum=0.5)
+  topt = torch.optim.SGD(tparams, lr=torch.tensor(0.2), momentum=0.5)
+  for step in range(3):
+    set_grads(bparams, tparams, rng)
+    bopt.step(); topt.step()
+    assert_params_equal(bparams, tparams, f"tensor lr step {step}")
+
+
+def test_sgd_op_errors():
+  p, g = bt.randn(3), bt.randn(3)
+  kw = dict(momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+  with pytest.raises(ValueError, match=r"sgd: a parameter float32\[3\] needs .* got float32\[3\], bfloat16\[3\]"):
+    bt.ops.sgd_([p], [g], [bt.zeros(3, dtype=bt.bfloat16)], 0.1, **kw)
+  with pytest.raises(ValueError, match=r"sgd: a parameter float32\[3\] needs a gradient of its shape.*float32\[4\]"):
+    bt.ops.sgd_([p], [bt.randn(4)], [bt.zeros(3)], 0.1, **kw)
+  with pytest.raises(ValueError, match=r"sgd: the learning rate must be a 0-d float64 tensor, got float64\[2\]"):
+    bt.ops.sgd_([p], [g], [bt.zeros(3)], bt.tensor([0.1, 0.2]), **kw)
+  with pytest.raises(ValueError, match="sgd_: momentum 0.9 needs a buffer per parameter, got 0 for 1"):
+    bt.ops.sgd_([p], [g], [], 0.1, **kw)
+  with pytest.raises(TypeError, match="sgd: expected float32, bfloat16 or float16 tensors on one device, got float64"):
+    bt.ops.sgd_([p.double()], [g.double()], [bt.zeros(3, dtype=bt.float64)], 0.1, **kw)
 
 
 def test_sum_squares_and_scale_against_numpy():

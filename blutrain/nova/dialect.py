@@ -1281,6 +1281,31 @@ class AdamwOp(MultiResultOp):
 
 
 @irdl_op_definition
+class SgdOp(MultiResultOp):
+  """SGD's step on n parameters at once (PyTorch's update), as `ops.sgd_` documents it.
+
+  Operands `xs`: n params, n grads, n momentum buffers (none when momentum is 0), then lr (0-d float64), and with
+  `clip` a 0-d float32 factor each gradient is multiplied by as it is read (passes/fuse_norms.py).
+  Results `outs`: n new params and n new buffers (none when momentum is 0), in the operands' types."""
+  name = "nova.sgd"
+  xs = var_operand_def(TENSOR)
+  outs = var_result_def(TENSOR)
+  n = prop_def(INT)
+  momentum = prop_def(FLOAT)
+  dampening = prop_def(FLOAT)
+  weight_decay = prop_def(FLOAT)
+  nesterov = prop_def(BOOL)
+  maximize = prop_def(BOOL)
+  is_first_step = prop_def(BOOL)
+  clip = opt_prop_def(BOOL | NONE)
+
+  def updated_operands(self) -> list[int]:
+    """The operand each result is the new value of: params and momentum buffers (not grads, lr, clip)."""
+    n = self.attrs()["n"]
+    return [*range(n), *range(2 * n, 2 * n + len(self.outs) - n)]
+
+
+@irdl_op_definition
 class SumSquaresOp(SingleResultOp):
   """The float32 sum of the squares of every element of every operand (their joint squared 2-norm)."""
   name = "nova.sum_squares"
@@ -1383,7 +1408,7 @@ Nova = Dialect("nova", [
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
-  LstmCellBackwardOp, GruCellOp, GruCellBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
+  LstmCellBackwardOp, GruCellOp, GruCellBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
   AllGatherOp, *COMPILER_OPS,
 ])
 

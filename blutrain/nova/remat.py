@@ -47,7 +47,8 @@ CHEAP = (ElementwiseOp, LayoutOp, CreationOp, RandomOp, LayerNormOp, SoftmaxOp, 
 # FLOPs per output element of the elementwise and normalization ops that cost more than one
 PER_ELEMENT = {"exp": 4, "log": 4, "sqrt": 2, "rsqrt": 2, "sin": 4, "cos": 4, "tanh": 4, "sigmoid": 4, "erf": 4,
                "pow": 4, "gelu": 8, "gelu_backward": 12, "layer_norm": 8, "layer_norm_backward": 12, "softmax": 5,
-               "log_softmax": 5, "cross_entropy": 5, "cross_entropy_backward": 5, "adamw": 12}
+               "log_softmax": 5, "cross_entropy": 5, "cross_entropy_backward": 5, "adamw": 12,
+               "sgd": 4}
 
 
 def _numel(v: SSAValue) -> int: return math.prod(aval(v.type).shape)

@@ -31,7 +31,7 @@ from blutrain.ops.nn import (conv, conv_transpose, cross_entropy, embedding, gat
                              mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter, scatter_add,
                              scatter_reduce, softmax,
                              tril, triu)
-from blutrain.ops.optim import adamw_, scale_, sum_squares
+from blutrain.ops.optim import adamw_, scale_, sgd_, sum_squares
 from blutrain.ops.ordering import argsort, cummax, cummin, kthvalue, msort, multinomial, randperm, sort, topk
 from blutrain.ops.random import (bernoulli, bernoulli_mask, default_generator, dropout, Generator, manual_seed, normal, rand,
                                  rand_like, randint, randn, randn_like)

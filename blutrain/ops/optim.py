@@ -65,6 +65,57 @@ def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence
     for t, v in zip(into, new): write(t, v)
 
 
+def _sgd_rule(*xs, n, momentum, dampening, weight_decay, nesterov, maximize, is_first_step, clip=None):
+  k = 3 if momentum != 0 else 2
+  if len(xs) != k * n + 1 + bool(clip):
+    raise ValueError(f"sgd: expected {k} * {n} tensors (params, grads{', momentum buffers' if k == 3 else ''}), the "
+                     f"learning rate{' and the clip factor' if clip else ''}, got {len(xs)}")
+  if clip: _scale_rule(*xs[n:2 * n], xs[-1])
+  params, grads, bufs = xs[:n], xs[n:2 * n], xs[2 * n:k * n]
+  _dense_floats("sgd", [*params, *grads])
+  for p, g, b in zip(params, grads, bufs or params):
+    if not p.shape == g.shape == b.shape or b.dtype is not p.dtype:
+      raise ValueError(f"sgd: a parameter {p.dtype.name}{list(p.shape)} needs a gradient of its shape and a momentum "
+                       f"buffer of its shape and dtype; got {g.dtype.name}{list(g.shape)}, "
+                       f"{b.dtype.name}{list(b.shape)}")
+  lr = xs[k * n]
+  if lr.shape != () or lr.dtype is not dtypes.float64:
+    raise ValueError(f"sgd: the learning rate must be a 0-d float64 tensor, got {lr.dtype.name}{list(lr.shape)}")
+  return [(t.shape, t.dtype) for t in (*params, *bufs)]
+
+
+# `clip` as adamw's: a last 0-d float32 operand that scales each gradient as it is read (passes/fuse_norms.py).
+sgd_op = op("sgd", _sgd_rule, multi=True, inputs="*xs",
+            attrs="n:int momentum:float dampening:float weight_decay:float nesterov:bool maximize:bool "
+                  "is_first_step:bool clip:bool?")
+
+
+def sgd_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor], lr: float | Tensor, *,
+         momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+         is_first_step: bool = False) -> None:
+  """SGD's step on every parameter at once, in place (PyTorch's update, `optim.SGD` documents it): with
+  g = grad (negated when `maximize`) + weight_decay * p,
+
+    b = g (is_first_step) or momentum * b + (1 - dampening) * g;  g = g + momentum * b (nesterov) or b
+    p += -lr * g
+
+  the buffers only when momentum != 0 (pass none otherwise); with `is_first_step` their values are not read (PyTorch
+  starts the buffer as a copy of g). `lr` is a number or a 0-d tensor (Nova makes a scheduled learning rate a float64
+  one; another floating dtype is widened to it, exactly)."""
+  if not params: return
+  bufs = list(momentum_buffers) if momentum != 0 else []
+  if momentum != 0 and len(bufs) != len(params):
+    raise ValueError(f"sgd_: momentum {momentum} needs a buffer per parameter, got {len(bufs)} for {len(params)}")
+  if isinstance(lr, Tensor): lr_t = lr if lr.dtype is dtypes.float64 else lr.double()
+  else: lr_t = scalar_operand(float(lr), dtypes.float64, params[0].device)
+  into = [*params, *bufs]
+  new = sgd_op(*params, *grads, *bufs, lr_t, into=into, n=len(params), momentum=float(momentum),
+               dampening=float(dampening), weight_decay=float(weight_decay), nesterov=bool(nesterov),
+               maximize=bool(maximize), is_first_step=bool(is_first_step))
+  if new is not into:
+    for t, v in zip(into, new): write(t, v)
+
+
 def _sum_squares_rule(*xs):
   _dense_floats("sum_squares", xs)
   return (), dtypes.float32

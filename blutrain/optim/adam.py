@@ -4,10 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import dtypes, ops
-from blutrain.optim.optimizer import Optimizer, ParamsT
+from blutrain.optim.optimizer import Optimizer, ParamsT, multi_tensor_ready
 from blutrain.tensor import Tensor
-
-_FUSED_DTYPES = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
 
 
 class Adam(Optimizer):
@@ -72,11 +70,9 @@ class Adam(Optimizer):
   def _fusable(group: dict[str, Any], params: list[Tensor]) -> bool:
     """Whether `ops.adamw_` can update the group: AdamW's update of dense float32/16 parameters and grads on one
     device."""
-    return (group["fused"] is not False and bool(params)
-            and not group["amsgrad"] and not group["maximize"]
+    return (group["fused"] is not False and not group["amsgrad"] and not group["maximize"]
             and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
-            and all(p.device == params[0].device and p.dtype in _FUSED_DTYPES and p.grad.dtype in _FUSED_DTYPES
-                    and p.is_contiguous() and p.grad.is_contiguous() and p.grad.shape == p.shape for p in params))
+            and multi_tensor_ready(params) and all(p.grad.is_contiguous() for p in params))
 
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     (beta1, beta2), weight_decay = group["betas"], group["weight_decay"]

@@ -20,7 +20,7 @@ class Optimizer:
   group leaves out come from `defaults`); `state[p]` is a dict of the per-parameter state (step, moments).
   A subclass implements `_update`, the update of one parameter; `step` runs it under no_grad for every
   parameter that has a gradient, group by group through `_step_group`, which a subclass may override to update a
-  whole group at once (Adam's multi-tensor op, `ops.adamw_`).
+  whole group at once (the multi-tensor ops `ops.adamw_`, `ops.sgd_`).
 
   Args:
     params: an iterable of tensors, or of dicts defining parameter groups.
@@ -126,6 +126,16 @@ class Optimizer:
       lines.append(f"Parameter Group {i}")
       lines += [f"    {k}: {group[k]}" for k in sorted(group) if k != "params"]
     return "\n".join(lines) + "\n)"
+
+
+MULTI_TENSOR_DTYPES = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
+
+
+def multi_tensor_ready(params: list[Tensor]) -> bool:
+  """Whether a multi-tensor update (`ops.adamw_`, `ops.sgd_`) can take these parameters with their gradients:
+  contiguous float32/16 parameters on one device, with float32/16 gradients of their shapes."""
+  return bool(params) and all(p.device == params[0].device and p.dtype in MULTI_TENSOR_DTYPES and p.is_contiguous()
+                              and p.grad.dtype in MULTI_TENSOR_DTYPES and p.grad.shape == p.shape for p in params)
 
 
 def _load_value(p: Tensor, key: str, value: Any) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import ops
-from blutrain.optim.optimizer import Optimizer, ParamsT
+from blutrain.optim.optimizer import Optimizer, ParamsT, multi_tensor_ready
 from blutrain.tensor import Tensor
 
 
@@ -23,7 +23,11 @@ class SGD(Optimizer):
     weight_decay: L2 penalty added to the gradient.
     nesterov: use Nesterov momentum (needs momentum > 0 and dampening 0).
     maximize: ascend instead of descend.
-    foreach, fused: accepted for PyTorch compatibility; every setting runs the same per-parameter update.
+    foreach, fused: unless either is False, a group of dense floating parameters is updated by one multi-tensor op
+      (`ops.sgd_`: one kernel launch for the whole group on CUDA; the same float32 operations, in the same order, as
+      the per-parameter update below, which stays the reference and runs otherwise: with strided parameters or
+      buffers, float64 or integer parameters, or parameters on several devices). The op keeps the momentum buffers
+      in the parameter's dtype.
   """
 
   def __init__(self, params: ParamsT, lr: float = 1e-3, momentum: float = 0, dampening: float = 0,
@@ -37,6 +41,27 @@ class SGD(Optimizer):
     if fused and foreach: raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                   nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused))
+
+  def _step_group(self, group: dict[str, Any]) -> None:
+    params = [p for p in group["params"] if p.grad is not None]
+    if group["foreach"] is False or group["fused"] is False or not multi_tensor_ready(params):
+      return super()._step_group(group)
+    momentum = group["momentum"]
+    states = [self.state[p] for p in params]
+    bufs = [s.get("momentum_buffer") for s in states] if momentum != 0 else [None] * len(params)
+    if any(b is not None and not (b.is_contiguous() and b.dtype is p.dtype and b.shape == p.shape)
+           for p, b in zip(params, bufs)):
+      return super()._step_group(group)
+    lr = ops.dynamic_scalar(lambda: group["lr"], params[0].device)
+    kw = {k: group[k] for k in ("momentum", "dampening", "weight_decay", "nesterov", "maximize")}
+    if momentum == 0: return ops.sgd_(params, [p.grad for p in params], [], lr, **kw)
+    for first in (False, True):  # the parameters with a buffer, then those stepped for the first time
+      todo = [i for i, b in enumerate(bufs) if (b is None) == first]
+      if not todo: continue
+      if first:  # PyTorch's first buffer is a copy of the gradient: the op writes it, reading nothing here
+        for i in todo: states[i]["momentum_buffer"] = ops.empty_like(params[i])
+      ops.sgd_([params[i] for i in todo], [params[i].grad for i in todo],
+               [states[i]["momentum_buffer"] for i in todo], lr, **kw, is_first_step=first)
 
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     momentum, weight_decay = group["momentum"], group["weight_decay"]

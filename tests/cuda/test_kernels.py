@@ -639,3 +639,34 @@ def test_fused_adamw_matches_the_per_parameter_update():
       assert of.state[a]["step"].item() == orf.state[b]["step"].item() == len(grads)
   for i, (a, b) in enumerate(zip(runs["fused"][0], runs["cpu"][0])):
     check(f"fused AdamW vs CPU param {i}", a.detach(), b.detach(), (1e-6, 1e-5))
+
+
+# *** fused SGD ***
+
+@pytest.mark.parametrize("kwargs", [dict(momentum=0.9, weight_decay=1e-4), dict(momentum=0.9, nesterov=True),
+                                    dict(momentum=0.8, dampening=0.3, maximize=True), dict(weight_decay=0.01)],
+                         ids=("momentum", "nesterov", "dampening-maximize", "plain"))
+def test_fused_sgd_matches_the_per_parameter_update_and_the_cpu(kwargs):
+  """One launch per step (two while a parameter starts its buffer, as the second group here does at step 1) against
+  the per-parameter update on the GPU and on the CPU; a strided gradient and bf16 parameters among them."""
+  shapes = [(768, 3072), (3072,), (50304, 64), (7,), (), (0, 3)]
+  init = [rand(s, bt.float32, seed=i) for i, s in enumerate(shapes)]
+  grads = [[rand(s, bt.float32, seed=100 * k + i) for i, s in enumerate(shapes)] for k in range(4)]
+  runs = {}
+  for name, device, fused in (("fused", "cuda", None), ("reference", "cuda", False), ("cpu", "cpu", False)):
+    params = [bt.tensor(a, device=device, requires_grad=True) for a in init]
+    params[3] = bt.tensor(init[3], device=device).bfloat16().requires_grad_()
+    opt = bt.optim.SGD(params, lr=0.05, **kwargs, fused=fused)
+    for k, step in enumerate(grads):
+      for i, (p, g) in enumerate(zip(params, step)):
+        p.grad = None if k == 0 and i == 1 else bt.tensor(g, device=device).to(p.dtype)
+      params[0].grad = params[0].grad.t().contiguous().t()  # the same values, transposed strides
+      opt.step()
+    runs[name] = (params, opt)
+  (pf, of), (pr, orf), (pc, oc) = runs["fused"], runs["reference"], runs["cpu"]
+  for i, (a, b, c) in enumerate(zip(pf, pr, pc)):
+    tol = (2e-2, 2e-2) if a.dtype is bt.bfloat16 else (1e-6, 1e-5)  # one rounding or one per op; the GPU's FMAs
+    check(f"fused SGD param {i} {shapes[i]}", a.detach(), b.detach().cpu(), tol)
+    check(f"fused SGD vs CPU param {i} {shapes[i]}", a.detach(), c.detach(), tol)
+    if kwargs.get("momentum"):
+      check(f"fused SGD buffer {i}", of.state[a]["momentum_buffer"], oc.state[c]["momentum_buffer"], tol)

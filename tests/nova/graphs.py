@@ -215,6 +215,10 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   step, lr, sq = arg(np.array(3.0)), arg(np.array(1e-3)), arg(rs.uniform(0.1, 1.0, (4,)).astype(np.float32))
   outs += [*b("adamw", x, w, pos, y, pos, bias, pos, sq, step, step, lr, n=2, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.1),
+           *b("sgd", x, w, pos, bias, pos, y, lr, n=2, momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=False,
+              maximize=True, is_first_step=False),
+           *b("sgd", w, y, lr, n=1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+              is_first_step=False),
            *b("scale", x, w, b.full((), 0.5))]
   img, ker = b("view", x, shape=(1, 2, 6)), b("view", pos, shape=(2, 2, 3))
   conv = dict(stride=(2,), padding=(1,), dilation=(1,), groups=1)

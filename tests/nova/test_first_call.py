@@ -86,13 +86,16 @@ def test_compiled_from_the_first_call_equals_eager_and_todays_path(name):
   assert keys(compiled[2]) == keys(eager[2])
 
 
-@pytest.mark.parametrize("clip,autocast", [(True, False), (False, True), (True, True)],
-                         ids=["clip", "bf16", "clip-bf16"])
-def test_clipping_and_autocast_from_the_first_call(clip, autocast):
-  runs = [_run(_mlp, OPTIMIZERS["adamw-fused"], how, clip=clip, autocast=autocast)
-          for how in ("eager", "today", "compiled")]
+@pytest.mark.parametrize("name,clip,autocast", [("adamw-fused", True, False), ("adamw-fused", False, True),
+                                                ("adamw-fused", True, True), ("sgd-momentum", True, False)],
+                         ids=["clip", "bf16", "clip-bf16", "sgd-clip"])
+def test_clipping_and_autocast_from_the_first_call(name, clip, autocast):
+  runs = [_run(_mlp, OPTIMIZERS[name], how, clip=clip, autocast=autocast) for how in ("eager", "today", "compiled")]
   _assert_bit_equal(runs[2], runs[1])
   _assert_bit_equal(runs[2], runs[0])
+  if clip:  # the update scales the gradients as it reads them (fuse-norms)
+    source = open(runs[2][3].info["source"]).read()
+    assert 'kernels["scale"]' not in source and "clip=True" in source
 
 
 def test_gpt_from_the_first_call():

@@ -163,6 +163,23 @@ def test_clip_folds_into_adamw_and_computes_the_same_bits(grad_dtype):
   assert counts == {"adamw": 1}
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_clip_folds_into_sgd_and_computes_the_same_bits(momentum):
+  b = Builder()
+  shapes = [(4, 8), (8,)]
+  params, grads = [b.input(s) for s in shapes], [b.input(s, dtypes.bfloat16) for s in shapes]
+  bufs = [b.input(s) for s in shapes] if momentum else []
+  lr, c = b.input((), dtypes.float64), b.input(())
+  outs = b("sgd", *params, *b("scale", *grads, c), *bufs, lr, n=2, momentum=momentum, dampening=0.1,
+           weight_decay=0.01, nesterov=False, maximize=False, is_first_step=False)
+  rng = np.random.default_rng(6)
+  args = [*(rng.standard_normal(s).astype(np.float32) for s in shapes),
+          *(rng.standard_normal(s).astype(dtypes.bfloat16.np) for s in shapes),
+          *(rng.standard_normal(s).astype(np.float32) for s in shapes if momentum), np.array(0.1),
+          np.array(0.37, np.float32)]
+  assert _same_bits(b.output(*outs), args) == {"sgd": 1}
+
+
 @pytest.mark.parametrize("case", ["grads_read_after_the_step", "an_unscaled_gradient_in_the_update"])
 def test_clip_stays_where_the_scaled_gradients_are_read_or_not_all_are_scaled(case):
   read = case == "grads_read_after_the_step"

@@ -184,6 +184,23 @@ def test_updates_of_inputs_take_the_inputs_memory():
   assert len(plan(module2).buffers) == 2 and len(_check(plan(module2, written={0: 0})).buffers) == 1
 
 
+def test_sgd_updates_parameters_and_momentum_buffers_where_they_live():
+  """The sgd op's new parameters and buffers, written back to their inputs, take the inputs' memory and no arena: the
+  CUDA code hands the kernel those inputs as `out`."""
+  from blutrain.nova.memory import updated_in_place
+  b = Builder()
+  p, g, buf, lr = b.input((64, 32)), b.input((64, 32)), b.input((64, 32)), b.input((), dtypes.float64)
+  outs = b("sgd", p, g, buf, lr, n=1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+           is_first_step=False)
+  module = ir.to_module(b.output(*outs))
+  written = {0: 0, 1: 2}
+  updated = updated_in_place(module, written)
+  assert list(updated.values()) == [ir.function(module).body.block.args[i] for i in (0, 2)]
+  assert plan(module, written=written).arena == 0 and _check(plan(module)).arena >= 2 * 64 * 32 * 4
+  source = codegen.generate(module, target="cuda", in_place=updated, plan=plan(module, written))
+  assert 'kernels["sgd"](' in source and "out=(a0, a2,)" in source, source
+
+
 def test_a_training_step_updates_parameters_and_moments_where_they_live(tmp_path, monkeypatch):
   compiled, model = _compiled_gpt_step(tmp_path, monkeypatch)
   state = sum(p.numel() * 4 for p in model.parameters()) * 3  # new parameters, exp_avg, exp_avg_sq

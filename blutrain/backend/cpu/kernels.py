@@ -542,6 +542,29 @@ def _adamw(*xs, n, beta1, beta2, eps, weight_decay, clip=None, out=None):
   return tuple(r for rs in results for r in rs)
 
 
+def _sgd(*xs, n, momentum, dampening, weight_decay, nesterov, maximize, is_first_step, clip=None, out=None):
+  """SGD over n tensors: xs = params, grads, momentum buffers (n each, none when momentum is 0), lr (and with `clip`
+  a factor each gradient is scaled by as `_scale` scales it). The float32 operations, their order and the buffer's
+  rounding to its dtype are those of the per-parameter update (blutrain/optim/sgd.py) and of the CUDA kernel."""
+  f32, k = np.float32, 3 if momentum != 0 else 2
+  lr, params, grads, bufs = float(xs[k * n]), xs[:n], xs[n:2 * n], xs[2 * n:k * n]
+  new_params, new_bufs = [], []
+  for i, (p0, g0) in enumerate(zip(params, grads)):
+    if clip: g0 = (g0.astype(f32) * xs[-1].astype(f32)).astype(g0.dtype)  # as _scale stores it
+    p, g = p0.astype(f32), g0.astype(f32)
+    if maximize: g = -g
+    if weight_decay != 0: g = g + p * f32(weight_decay)
+    if momentum != 0:
+      b0 = bufs[i]
+      b = g if is_first_step else b0.astype(f32) * f32(momentum)
+      if not is_first_step: b = b + g if dampening == 0 else b + g * f32(1 - dampening)
+      new_bufs.append(b := _store(out, n + i, b, b0))
+      b = b.astype(f32)  # the update reads the buffer as stored
+      g = g + b * f32(momentum) if nesterov else b
+    new_params.append(_store(out, i, p + g * f32(-lr), p0))
+  return (*new_params, *new_bufs)
+
+
 def _sum_squares(*xs):
   """The float32 sum of the squares of every element of every tensor."""
   return np.asarray(sum((np.sum(np.square(x, dtype=np.float32), dtype=np.float32) for x in xs), np.float32(0)))
@@ -553,7 +576,7 @@ def _scale(*xs, out=None):
   return tuple(_store(out, i, x.astype(np.float32) * s, x) for i, x in enumerate(xs[:-1]))
 
 
-_adamw.writes_out = _scale.writes_out = True
+_adamw.writes_out = _sgd.writes_out = _scale.writes_out = True
 
 
 def _gemm(a, b, *xs, epilogue, dtype, tf32=False):
@@ -572,5 +595,5 @@ def _gemm(a, b, *xs, epilogue, dtype, tf32=False):
   return (y.astype(dtype.np), *saved)
 
 
-kernels |= {"adamw": _adamw, "sum_squares": _sum_squares, "scale": _scale, "gemm": _gemm}
+kernels |= {"adamw": _adamw, "sgd": _sgd, "sum_squares": _sum_squares, "scale": _scale, "gemm": _gemm}
 kernels |= collective.KERNELS  # the process group's own calls (backend/collective.py)

@@ -1,5 +1,5 @@
 """Norm fusion: a transformer's residual adds folded into the layer norms next to them, and gradient-norm clipping's
-scale folded into the AdamW update after it.
+scale folded into the optimizer's update after it (AdamW's or SGD's).
 
 Each block of a pre-norm transformer adds a branch into the residual stream and normalizes the sum for the next
 branch; the sum is used again later (the next residual add, the norm's backward), so it is written either way. One
@@ -13,18 +13,20 @@ reads the residual gradient and adds it before its one store:
   d = layer_norm_backward(g, x, w)[0];  s = add(r, d)   ->  s = layer_norm_backward(g, x, w, residual=r)[0]
                                                              (d used by the add alone; either operand order)
 
-clip_grad_norm_ scales every gradient by min(1, max_norm / (total + 1e-6)), a pass over all of them, and AdamW reads
-them right after; when nothing else reads the scaled gradients (the step ends with zero_grad, so they are not written
-back to `.grad`), the update reads the factor from device memory and scales each gradient as it reads it:
+clip_grad_norm_ scales every gradient by min(1, max_norm / (total + 1e-6)), a pass over all of them, and the update
+(AdamW's or SGD's multi-tensor op) reads them right after; when nothing else reads the scaled gradients (the step ends
+with zero_grad, so they are not written back to `.grad`), the update reads the factor from device memory and scales
+each gradient as it reads it:
 
   gs = scale(g1, ..., gn, c);  adamw(p, gs, m, v, s, lr)  ->  adamw(p, g, m, v, s, lr, c, clip=true)
-                                                             (every gs read by adamw ops alone, as gradients)
+                                                             (every gs read by update ops alone, as gradients;
+                                                             sgd(p, gs, b, lr) likewise)
 
 Where the gradients are read after the step they stay scaled in memory, as PyTorch's in-place clip leaves them.
 
 All are exact: the same float32 arithmetic on the same values (y and r may be halves, read as float32 as the add
 reads them; float32 addition is commutative), one rounding where there was one (the fused backward adds with an
-explicitly rounded add and AdamW scales with an explicitly rounded multiply, rounded to the gradient's dtype as the
+explicitly rounded add and the update scales with an explicitly rounded multiply, rounded to the gradient's dtype as the
 scale stored it, so the compiler cannot contract either with the arithmetic next to it). Nothing changes where the
 pattern does not hold: a sum used by the norm alone, broadcast operands (shapes differ or an `expand` makes one),
 float64 or half residual streams.
@@ -42,7 +44,7 @@ from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
 from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, ExpandOp, LayerNormBackwardOp, LayerNormOp, ScaleOp,
-                                   aval)
+                                   SgdOp, aval)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
@@ -112,9 +114,12 @@ class LayerNormBackwardResidualPattern(RewritePattern):
     rewriter.replace(back, [], list(fused.results))
 
 
-class ClipIntoAdamwPattern(RewritePattern):
-  """adamw(p, scale(g, c), m, v, s, lr) -> adamw(p, g, m, v, s, lr, c, clip=true), when every scaled gradient is
-  read by adamw ops alone, as a gradient, and those read no other gradients.
+_UPDATES = (AdamwOp, SgdOp)  # multi-tensor updates: n params, then n gradients, ...; a `clip` factor last
+
+
+class ClipIntoUpdatePattern(RewritePattern):
+  """adamw(p, scale(g, c), m, v, s, lr) -> adamw(p, g, m, v, s, lr, c, clip=true), and sgd likewise, when every
+  scaled gradient is read by update ops alone, as a gradient, and those read no other gradients.
 
     %gs = nova.scale %g, %c : (tensor<4xf32>, tensor<f32>) -> tensor<4xf32>
     %p2, %m2, %v2, %s2 = nova.adamw %p, %gs, %m, %v, %s, %lr {n = 1 : i64, ...} : (...) -> (...)
@@ -123,19 +128,19 @@ class ClipIntoAdamwPattern(RewritePattern):
   @op_type_rewrite_pattern
   def match_and_rewrite(self, op: ScaleOp, rewriter: PatternRewriter):
     raw, factor = list(op.operands[:-1]), op.operands[-1]
-    users: list[AdamwOp] = []
+    users: list[AdamwOp | SgdOp] = []
     for scaled in op.results:
       for use in scaled.uses:
         a = use.operation
-        n = a.attrs()["n"] if isinstance(a, AdamwOp) else 0
-        if not isinstance(a, AdamwOp) or a.attrs().get("clip") or not n <= use.index < 2 * n: return
+        n = a.attrs()["n"] if isinstance(a, _UPDATES) else 0
+        if not isinstance(a, _UPDATES) or a.attrs().get("clip") or not n <= use.index < 2 * n: return
         if a not in users: users.append(a)
     unscaled = dict(zip(op.results, raw))
     if not users or any(v not in unscaled for a in users for v in a.operands[a.attrs()["n"]:2 * a.attrs()["n"]]):
       return  # the clip factor would scale every gradient of the update, so all of them must come from this scale
     for a in users:
       xs = [unscaled.get(v, v) for v in a.operands]
-      fused = AdamwOp.make([*xs, factor], {**a.attrs(), "clip": True}, [r.type for r in a.results])
+      fused = type(a).make([*xs, factor], {**a.attrs(), "clip": True}, [r.type for r in a.results])
       rewriter.replace(a, fused)
     rewriter.erase(op)
 
@@ -143,6 +148,6 @@ class ClipIntoAdamwPattern(RewritePattern):
 @dataclass(frozen=True)
 class FuseNormsPass(PatternPass):
   """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation);
-  clip_grad_norm_'s scale folded into AdamW."""
+  clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
   name = "fuse-norms"
-  PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), ClipIntoAdamwPattern())
+  PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), ClipIntoUpdatePattern())

@@ -1,13 +1,20 @@
-"""Multi-tensor fused AdamW: one launch updates every parameter of a group, PyTorch's update in the same order of
-float32 operations as blutrain's per-parameter path (blutrain/optim/adam.py), so both give the same numbers:
+"""Multi-tensor fused AdamW and SGD: one launch updates every parameter of a group, PyTorch's update in the same order
+of float32 operations as blutrain's per-parameter paths (blutrain/optim/adam.py, sgd.py), so both give the same numbers
+(up to the GPU's fused multiply-adds). AdamW:
 
   step += 1;  bc1 = 1 - beta1^step;  bc2 = 1 - beta2^step                      (float64, as the step tensor)
   p = p * (1 - lr * weight_decay)
   m = m + (1 - beta1) * (g - m);  v = v * beta2 + ((1 - beta2) * g) * g
   p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 
-A table on the device holds each tensor's pointers (param, grad, exp_avg, exp_avg_sq, step) and size; a second one
-cuts the tensors into chunks of CHUNK elements, one program each, so a launch covers any mix of sizes. The tables
+SGD (g negated first when maximizing; the buffer b rounded to its dtype before the update reads it):
+
+  g = g + p * weight_decay
+  b = g (first step) or b * momentum + g * (1 - dampening);  g = g + b * momentum (nesterov) or b
+  p = p + g * (-lr)
+
+A table on the device holds each tensor's pointers (param, grad, state...) and size; a second one cuts the tensors
+into chunks of CHUNK elements, one program each, so a launch covers any mix of sizes. The tables
 are uploaded once per set of pointers and reused while the pointers stay the same (the caching allocator usually
 hands gradients the same memory every step).
 """
@@ -27,8 +34,20 @@ from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import TL, f64_bits, run, spec, sqrt_rn
 from blutrain.backend.cuda.kernels.copy import cat, copy
 from blutrain.backend.cuda.kernels.reduce import reduce
+from blutrain.configurator import MULTI_TENSOR_CHUNK, multi_tensor_schedule
 
-CHUNK = 65536  # elements per program: 16 tiles of 4096
+CHUNK = MULTI_TENSOR_CHUNK  # elements per program
+
+
+@triton.jit
+def _row(table, chunks, WIDTH: tl.constexpr, CHUNK: tl.constexpr):
+  """This program's chunk: its tensor's row of the table (WIDTH entries, pointers then the tensor's size) and the
+  chunk's [start, end)."""
+  pid = tl.program_id(0)
+  t = tl.load(chunks + 2 * pid)
+  start = tl.load(chunks + 2 * pid + 1)
+  row = table + t * WIDTH
+  return row, start, tl.minimum(start + CHUNK, tl.load(row + WIDTH - 1))
 
 
 @triton.jit
@@ -49,16 +68,12 @@ def _adamw_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, beta1_bits, beta2_bi
   a replayed CUDA graph reads the learning rate of each step. With CLIP each gradient is multiplied by the float32 at
   clip_ptr as it is read and rounded to G, as the scale kernel stores it: by PTX's mul.rn, which is never contracted
   with the subtraction after it into an FMA (libdevice's mul_rn would flush subnormals)."""
-  pid = tl.program_id(0)
-  t = tl.load(chunks + 2 * pid)
-  start = tl.load(chunks + 2 * pid + 1)
-  row = table + t * 6
+  row, start, end = _row(table, chunks, 6, CHUNK)
   p_ptr = tl.load(row).to(tl.pointer_type(P))
   g_ptr = tl.load(row + 1).to(tl.pointer_type(G))
   m_ptr = tl.load(row + 2).to(tl.pointer_type(P))
   v_ptr = tl.load(row + 3).to(tl.pointer_type(P))
   step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float64)))
-  end = tl.minimum(start + CHUNK, tl.load(row + 5))
   if LR_PTR:
     lr = tl.load(lr_ptr)
   else:
@@ -96,12 +111,19 @@ def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False, clip: bool 
   sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "clip_ptr": "*fp32",
          "beta1_bits": "i64", "beta2_bits": "i64", "wd_bits": "i64", "one_minus_beta1": "fp32", "beta2": "fp32",
          "one_minus_beta2": "fp32", "eps": "fp32"}
+  block, warps = multi_tensor_schedule(4)  # param, grad, moments
   return spec(_adamw_kernel, sig, dict(P=TL[param], G=TL[grad], DECAY=decay, LR_PTR=lr_on_device, CLIP=clip,
-                                       CHUNK=CHUNK, BLOCK=4096), num_warps=8)
+                                       CHUNK=CHUNK, BLOCK=block), num_warps=warps)
 
 
 _STEPS = spec(_steps_kernel, {"table": "*i64", "T": "i32"}, dict(BLOCK=256))
 _tables: OrderedDict = OrderedDict()  # (pointers, sizes) -> (table, chunks) on the device, the most recent last
+
+
+def host_tables(rows: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+  """The int64 table of rows (pointers ending in the tensor's size) and that of (tensor, start) chunks, on the host."""
+  chunks = [(t, s) for t, r in enumerate(rows) for s in range(0, r[-1], CHUNK)]
+  return np.array(rows, np.int64).reshape(len(rows), -1), np.array(chunks, np.int64).reshape(-1, 2)
 
 
 def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, CudaArray]:
@@ -111,12 +133,19 @@ def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, Cu
   if hit is not None:
     _tables.move_to_end(key)
     return hit
-  chunks = [(t, s) for t, r in enumerate(rows) for s in range(0, r[-1], CHUNK)]
   with memory.kept():
-    hit = _tables[key] = (memory.from_numpy(np.array(rows, np.int64).reshape(len(rows), -1), device),
-                          memory.from_numpy(np.array(chunks, np.int64).reshape(-1, 2), device))
+    hit = _tables[key] = tuple(memory.from_numpy(a, device) for a in host_tables(rows))
   if len(_tables) > 16: _tables.popitem(last=False)
   return hit
+
+
+def _param_rows(params: list[CudaArray], grads: list[CudaArray], *state: list[CudaArray]) -> dict[tuple, list]:
+  """Table rows (the pointers of param, grad and each state tensor, then the size) grouped by (param dtype, grad dtype,
+  device), one launch each; empty tensors have none."""
+  groups: dict[tuple, list[tuple[int, ...]]] = {}
+  for p, g, *s in zip(params, grads, *state, strict=True):
+    if p.size: groups.setdefault((p.dtype, g.dtype, p.device), []).append((p.ptr, g.ptr, *(x.ptr for x in s), p.size))
+  return groups
 
 
 def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[CudaArray], exp_avg_sqs: list[CudaArray],
@@ -128,7 +157,6 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
   increments the steps. `lr` is a number, or a 0-d float64 device array read by the kernel (no host sync: a CUDA graph
   captures the read, not the value). `clip`, a float32 device array of one element, scales every gradient as it is
   read (clip_grad_norm_'s factor, folded by Nova)."""
-  groups: dict[tuple, list[tuple[int, ...]]] = {}
   grads = [g if g.is_contiguous() else copy(g) for g in grads]
   for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
     if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()) or \
@@ -136,9 +164,8 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
       raise ValueError(f"fused_adamw: needs contiguous param, grad and moments of one shape (moments in the param's "
                        f"dtype) and a float64 step; got {p.shape} {p.dtype.name}, {g.shape} {g.dtype.name}, "
                        f"{m.shape} {m.dtype.name}, {v.shape} {v.dtype.name}, step {s.dtype.name}")
-    if p.size: groups.setdefault((p.dtype, g.dtype, p.device), []).append((p.ptr, g.ptr, m.ptr, v.ptr, s.ptr, p.size))
   on_device = isinstance(lr, CudaArray)
-  for (pd, gd, device), rows in groups.items():
+  for (pd, gd, device), rows in _param_rows(params, grads, exp_avgs, exp_avg_sqs, steps).items():
     table, chunks = _tables_for(rows, device)
     run(_STEPS, (1,), table, len(rows))
     run(adamw_spec(pd, gd, weight_decay != 0, on_device, clip is not None), (chunks.shape[0],), table, chunks,
@@ -149,12 +176,89 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
 
 
 @triton.jit
+def _sgd_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, weight_decay, momentum, one_minus_dampening,
+                P: tl.constexpr, G: tl.constexpr, MOMENTUM: tl.constexpr, FIRST: tl.constexpr, DAMPENING: tl.constexpr,
+                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr, LR_PTR: tl.constexpr,
+                CLIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+  """SGD over one chunk (table rows: param, grad, momentum buffer, size); the learning rate as AdamW's kernel takes
+  it, the gradient scaled by clip_ptr's factor as AdamW's scales it. FIRST: the buffer starts as the gradient."""
+  row, start, end = _row(table, chunks, 4, CHUNK)
+  p_ptr = tl.load(row).to(tl.pointer_type(P))
+  g_ptr = tl.load(row + 1).to(tl.pointer_type(G))
+  b_ptr = tl.load(row + 2).to(tl.pointer_type(P))
+  if LR_PTR:
+    lr = tl.load(lr_ptr)
+  else:
+    lr = lr_bits.to(tl.float64, bitcast=True)
+  neg_lr = (-lr).to(tl.float32)
+  if CLIP:
+    clip = tl.load(clip_ptr)
+  for off in range(start, end, BLOCK):
+    i = off + tl.arange(0, BLOCK)
+    mask = i < end
+    p = tl.load(p_ptr + i, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + i, mask=mask).to(tl.float32)
+    if CLIP:
+      g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, tl.broadcast_to(clip, g.shape)],
+                                    dtype=tl.float32, is_pure=True, pack=1).to(G).to(tl.float32)
+    if MAXIMIZE:
+      g = -g
+    if DECAY:
+      g = g + p * weight_decay
+    if MOMENTUM:
+      if FIRST:
+        b = g.to(P)
+      elif DAMPENING:
+        b = (tl.load(b_ptr + i, mask=mask).to(tl.float32) * momentum + g * one_minus_dampening).to(P)
+      else:
+        b = (tl.load(b_ptr + i, mask=mask).to(tl.float32) * momentum + g).to(P)
+      tl.store(b_ptr + i, b, mask=mask)
+      if NESTEROV:
+        g = g + b.to(tl.float32) * momentum
+      else:
+        g = b.to(tl.float32)
+    tl.store(p_ptr + i, (p + g * neg_lr).to(P), mask=mask)
+
+
+@functools.lru_cache(maxsize=4096)
+def sgd_spec(param, grad, momentum: bool, first: bool, dampening: bool, nesterov: bool, maximize: bool, decay: bool,
+             lr_on_device: bool = False, clip: bool = False):
+  sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "clip_ptr": "*fp32",
+         "weight_decay": "fp32", "momentum": "fp32", "one_minus_dampening": "fp32"}
+  block, warps = multi_tensor_schedule(3)  # param, grad, buffer
+  return spec(_sgd_kernel, sig, dict(P=TL[param], G=TL[grad], MOMENTUM=momentum, FIRST=first, DAMPENING=dampening,
+                                     NESTEROV=nesterov, MAXIMIZE=maximize, DECAY=decay, LR_PTR=lr_on_device, CLIP=clip,
+                                     CHUNK=CHUNK, BLOCK=block), num_warps=warps)
+
+
+def fused_sgd(params: list[CudaArray], grads: list[CudaArray], momentum_buffers: list[CudaArray], lr: float | CudaArray,
+              momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+              is_first_step: bool, clip: CudaArray | None = None) -> None:
+  """SGD on every (param, grad, momentum buffer) in place (no buffers when momentum is 0; with `is_first_step` they
+  are written, not read). Params and buffers share a floating dtype and are contiguous; grads may have another
+  floating dtype and any layout (a strided one is read through a contiguous copy). One launch per (param dtype, grad
+  dtype) group; `lr` and `clip` as `fused_adamw` takes them."""
+  grads = [g if g.is_contiguous() else copy(g) for g in grads]
+  bufs = momentum_buffers if momentum != 0 else params  # the rows' third pointer, never read without momentum
+  for p, g, b in zip(params, grads, bufs, strict=True):
+    if not (p.is_contiguous() and b.is_contiguous()) or not p.shape == g.shape == b.shape or b.dtype is not p.dtype:
+      raise ValueError(f"fused_sgd: needs a contiguous param, grad and momentum buffer of one shape (the buffer in the "
+                       f"param's dtype); got {p.shape} {p.dtype.name}, {g.shape} {g.dtype.name}, {b.shape} "
+                       f"{b.dtype.name}")
+  on_device = isinstance(lr, CudaArray)
+  for (pd, gd, device), rows in _param_rows(params, grads, bufs).items():
+    table, chunks = _tables_for(rows, device)
+    run(sgd_spec(pd, gd, momentum != 0, is_first_step, dampening != 0, nesterov, maximize, weight_decay != 0,
+                 on_device, clip is not None), (chunks.shape[0],), table, chunks, 0 if on_device else f64_bits(lr),
+        lr.ptr if on_device else 0, 0 if clip is None else clip.ptr, float(np.float32(weight_decay)),
+        float(np.float32(momentum)), float(np.float32(1 - dampening)))
+
+
+@triton.jit
 def _chunk(table, chunks, G: tl.constexpr, CHUNK: tl.constexpr):
   """(pointer, start, end) of this program's chunk of a (pointer, numel) table."""
-  pid = tl.program_id(0)
-  t = tl.load(chunks + 2 * pid)
-  start = tl.load(chunks + 2 * pid + 1)
-  return tl.load(table + t * 2).to(tl.pointer_type(G)), start, tl.minimum(start + CHUNK, tl.load(table + t * 2 + 1))
+  row, start, end = _row(table, chunks, 2, CHUNK)
+  return tl.load(row).to(tl.pointer_type(G)), start, end
 
 
 @triton.jit
@@ -182,8 +286,9 @@ def _scale_kernel(table, chunks, scale, G: tl.constexpr, CHUNK: tl.constexpr, BL
 @functools.lru_cache(maxsize=64)
 def multi_tensor_spec(kernel: str, dtype):
   fn, last = {"sum_squares": (_sum_squares_kernel, "out"), "scale": (_scale_kernel, "scale")}[kernel]
-  return spec(fn, {"table": "*i64", "chunks": "*i64", last: "*fp32"}, dict(G=TL[dtype], CHUNK=CHUNK, BLOCK=4096),
-              num_warps=8)
+  block, warps = multi_tensor_schedule(1)
+  return spec(fn, {"table": "*i64", "chunks": "*i64", last: "*fp32"}, dict(G=TL[dtype], CHUNK=CHUNK, BLOCK=block),
+              num_warps=warps)
 
 
 def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[tuple[int, int]]]:
@@ -240,6 +345,18 @@ def adamw(*xs, n: int, beta1: float, beta2: float, eps: float, weight_decay: flo
   return tuple(updated)
 
 
+def sgd(*xs, n: int, momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+        is_first_step: bool, clip: bool | None = None, out=None) -> tuple:
+  """The `sgd` op: xs = params, grads, momentum buffers (n each, none when momentum is 0), lr (and with `clip` the
+  gradients' factor); returns (or updates in `out`) params and buffers, by `fused_sgd`."""
+  k = 3 if momentum != 0 else 2
+  updated = _into([*xs[:n], *xs[2 * n:k * n]], out)
+  lr = xs[k * n]  # a CPU scalar by value, a device scalar (a learning-rate tensor) read by the kernel
+  fused_sgd(updated[:n], list(xs[n:2 * n]), updated[n:], float(lr) if isinstance(lr, np.ndarray) else lr, momentum,
+            dampening, weight_decay, nesterov, maximize, is_first_step, xs[-1] if clip else None)
+  return tuple(updated)
+
+
 def sum_squares_op(*xs: CudaArray) -> CudaArray:
   """The `sum_squares` op: the float32 0-d sum of squares of every element of every tensor."""
   parts = sum_squares(list(xs), xs[0].device)
@@ -253,10 +370,20 @@ def scale(*xs: CudaArray, out=None) -> tuple:
   return tuple(updated)
 
 
-adamw.writes_out = adamw.host_scalars = scale.writes_out = True
-KERNELS = {"adamw": adamw, "sum_squares": sum_squares_op, "scale": scale}
+_F32, _BF16 = dtypes.float32, dtypes.bfloat16
+# param, grad, (momentum, first step, dampening, nesterov, maximize, decay, lr on device, clip): every branch once
+_SGD_VARIANTS = [(_F32, _F32, (True, False, False, False, False, True, False)),
+                 (_F32, _F32, (True, False, False, False, False, True, True)),
+                 (_F32, _F32, (True, True, False, False, False, True, False)),
+                 (_F32, _F32, (False, False, False, False, False, False, False)),
+                 (_F32, _F32, (True, False, False, True, False, True, True, True)),
+                 (_BF16, _BF16, (True, False, True, False, True, False, False)),
+                 (_F32, _BF16, (True, True, False, False, False, True, False, True))]
+adamw.writes_out = adamw.host_scalars = sgd.writes_out = sgd.host_scalars = scale.writes_out = True
+KERNELS = {"adamw": adamw, "sgd": sgd, "sum_squares": sum_squares_op, "scale": scale}
 SPECS = [_STEPS] + [adamw_spec(p, g, d, on) for p, g, d in ((dtypes.float32, dtypes.float32, True),
                                                             (dtypes.float32, dtypes.bfloat16, False),
                                                             (dtypes.bfloat16, dtypes.bfloat16, True)) for on in (False, True)] + \
         [adamw_spec(dtypes.float32, g, True, on, True) for g, on in ((dtypes.float32, True), (dtypes.bfloat16, False))] + \
-        [multi_tensor_spec(k, d) for k in ("sum_squares", "scale") for d in (dtypes.float32, dtypes.bfloat16)]
+        [multi_tensor_spec(k, d) for k in ("sum_squares", "scale") for d in (dtypes.float32, dtypes.bfloat16)] + \
+        [sgd_spec(p, g, *flags) for p, g, flags in _SGD_VARIANTS]
