@@ -41,6 +41,17 @@ INT32_MAX = 2**31 - 1
 def ptr(dtype: DType) -> str: return "*" + TY[dtype]
 
 
+def aligned(arrays, numbers=()) -> bool:
+  """Whether every array starts on 16 bytes and every number (a size or stride in elements) is a multiple of 16: what
+  a variant's ":16" signature promises Triton, which then loads and stores 16-byte vectors."""
+  return all(a.ptr % 16 == 0 for a in arrays) and all(n % 16 == 0 for n in numbers)
+
+
+def divisible(signature: dict[str, str], names) -> dict[str, str]:
+  """The signature with the named parameters marked ":16" (see `aligned`)."""
+  return {k: t + ":16" if k in names else t for k, t in signature.items()}
+
+
 class Spec(tuple):
   """One compiled variant: (fn, signature, constexprs, options). Its `kernel` is looked up once and kept on it, so
   the specs that host wrappers cache launch with no lookup at all."""

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import HALF, INT32_MAX, TY, Spec, empty, run, spec
+from blutrain.backend.cuda.kernels import HALF, INT32_MAX, TY, Spec, aligned, empty, run, spec
 from blutrain.configurator import attention_schedule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, next_pow2
@@ -325,10 +325,6 @@ def _operand(a: CudaArray, nb: int) -> tuple[CudaArray, tuple[int, int, int]]:
   return a, (zh[1][0], zh[1][1], a.strides[-2])
 
 
-def _aligned(arrays, strides) -> bool:
-  return all(a.ptr % 16 == 0 for a in arrays) and all(s % 16 == 0 for s in strides)
-
-
 def _check(q: CudaArray, k: CudaArray, v: CudaArray) -> None:
   if q.dtype not in (*HALF, dtypes.float32):
     raise TypeError(f"flash_attention: the CUDA kernel takes float16, bfloat16 or float32, got {q.dtype.name}")
@@ -377,8 +373,8 @@ def _forward(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: floa
   so = (H * L * width, L * width, width)
   lse = empty((Z * H * L,), dtypes.float32, q.device)
   # the packed output's rows (D + 1 wide) are never aligned: the spec promises nothing of them, the inputs may be
-  aligned = _aligned((q, k, v, lse) + (() if packed else (out,)), sq + sk + sv + (() if packed else so))
-  s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), aligned, packed=packed)
+  vectors = aligned((q, k, v, lse) + (() if packed else (out,)), sq + sk + sv + (() if packed else so))
+  s = attention_spec("fwd", q.dtype, D, causal, _precision(q.dtype, tf32), vectors, packed=packed)
   grid = (cdiv(L, s[2]["BLOCK_M"]), H, Z)
   run(s, grid, q, k, v, out, lse, scale * _LOG2E, L, S, D, *sq, *sk, *sv, *so)
   return out, lse
@@ -417,12 +413,12 @@ def _backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaA
     from blutrain.backend.cuda.kernels.copy import copy
     glse = copy(glse)
   prec = _precision(q.dtype, tf32)
-  aligned = _aligned((q, k, v, out, g, dq, dk, dv, lse, delta, *((glse,) if packed else ())),
-                     sq + sk + sv + so + sg + sdq + sdk)
-  s = attention_spec("dq", q.dtype, D, causal, prec, aligned, have_lse, packed)
+  vectors = aligned((q, k, v, out, g, dq, dk, dv, lse, delta, *((glse,) if packed else ())),
+                    sq + sk + sv + so + sg + sdq + sdk)
+  s = attention_spec("dq", q.dtype, D, causal, prec, vectors, have_lse, packed)
   run(s, (cdiv(L, s[2]["BLOCK_M"]), H, Z), q, k, v, out, g, dq, lse, delta, glse if packed else delta, scale * _LOG2E,
       scale, L, S, D, *sq, *sk, *sv, *so, *sg, *sdq)
-  s = attention_spec("dkdv", q.dtype, D, causal, prec, aligned)
+  s = attention_spec("dkdv", q.dtype, D, causal, prec, vectors)
   run(s, (cdiv(S, s[2]["BLOCK_N"]), H, Z), q, k, v, g, dk, dv, lse, delta, scale * _LOG2E, scale, L, S, D,
       *sq, *sk, *sv, *sg, *sdk)
   return dq, dk, dv

@@ -20,8 +20,8 @@ import triton.language as tl
 from blutrain import dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, collapse, empty, max_nan, needs_i64,
-                                           ptr, run, spec, sqrt_rn, strided)
+from blutrain.backend.cuda.kernels import (TL, aligned, axis_args, axis_offsets, axis_params, collapse, divisible, empty,
+                                           max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.configurator import norm_backward_rows, row_schedule
@@ -342,13 +342,15 @@ def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
 
 @functools.lru_cache(maxsize=4096)
 def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: int, N: int, i64: bool,
-                    out: DType | None = None, y: DType | None = None):
+                    out: DType | None = None, y: DType | None = None, vectors: bool = False):
   """The layer-norm kernel's variant for M rows of N (w, b: the dtypes of the weight and bias, None when absent; out:
-  the output's, default x's; y: the added operand's of add_layer_norm, None for a plain layer norm)."""
+  the output's, default x's; y: the added operand's of add_layer_norm, None for a plain layer norm; vectors: every
+  pointer, N and the row strides are promised multiples of 16, so rows load and store as 16-byte vectors)."""
   bm, bn, warps, one = row_schedule(M, N)
   it = "i64" if i64 else "i32"
   sig = {"out": ptr(out or x), "h": ptr(x), "x": ptr(x), "addend": ptr(y or x), "w": ptr(w or x), "b": ptr(b or x),
          "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", **{k: it for k in axis_params("m", "x")}}
+  if vectors: sig = divisible(sig, ("out", "h", "x", "addend", "w", "b", "N", *axis_params("m", "x")[4:]))  # strides
   return spec(_layer_norm_kernel, sig, dict(ACC=TL[stats_dtype(x)], M_DIMS=m_dims, HAS_W=w is not None,
                                             HAS_B=b is not None, ADD=y is not None, BLOCK_M=bm, BLOCK_N=bn,
                                             ONE_PASS=one, IDX64=i64), num_warps=warps)
@@ -366,7 +368,8 @@ def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, e
   w, b = (p if p is None or p.is_contiguous() else copy(p) for p in (w, b))
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   i64 = needs_i64(x.shape, x.strides)
-  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64, out.dtype)
+  vectors = aligned([a for a in (out, x, w, b) if a is not None], (N, *kst))
+  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64, out.dtype, None, vectors)
   run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, x.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N,
       float(eps), *axis_args(kshape, kst))
   return out
@@ -380,19 +383,23 @@ def add_layer_norm(x: CudaArray, y: CudaArray, w: CudaArray | None, b: CudaArray
   x, y, w, b = (p if p is None or p.is_contiguous() else copy(p) for p in (x, y, w, b))
   M, N = math.prod(x.shape[:x.ndim - n]), math.prod(x.shape[x.ndim - n:])
   i64 = needs_i64(x.shape, x.strides)
-  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, 1, M, N, i64, out.dtype, y.dtype)
+  vectors = aligned([a for a in (h, out, x, y, w, b) if a is not None], (N,))
+  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, 1, M, N, i64, out.dtype, y.dtype, vectors)
   run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, h.ptr, x.ptr, y.ptr, (w or x).ptr, (b or x).ptr, M, N,
       float(eps), *axis_args((M,), (N,)))
   return h, out
 
 
 @functools.lru_cache(maxsize=4096)
-def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r: DType | None = None):
-  """The layer-norm backward kernel's variant for M rows of N (r: the residual gradient's dtype, None without)."""
+def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r: DType | None = None,
+                             vectors: bool = False):
+  """The layer-norm backward kernel's variant for M rows of N (r: the residual gradient's dtype, None without;
+  vectors: as `layer_norm_spec`'s)."""
   bm, bn, warps, one = row_schedule(M, N)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
   sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x),
          "r": ptr(r or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
+  if vectors: sig = divisible(sig, ("dx", "dw_part", "db_part", "g", "x", "w", "r", "N"))
   return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[acc], HAS_W=w is not None, HAS_B=has_b, HAS_R=r is not None,
                                                      BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
 
@@ -419,11 +426,12 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residua
     for p in params: fill(p, 0)
     return grads
   g, x, w, r = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w, residual))
-  s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides),
-                               r and r.dtype)
-  rows = norm_backward_rows(M, s[2]["BLOCK_M"], runtime.hardware(x.device).sms)
+  rows = norm_backward_rows(M, row_schedule(M, N)[0], runtime.hardware(x.device).sms)
   programs = cdiv(M, rows)
   parts = empty((2, programs, N), stats_dtype(x.dtype), x.device)
+  vectors = aligned([a for a in (dx, parts, g, x, w, r) if a is not None], (N,))  # N | 16: db's part aligns as dw's
+  s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides),
+                               r and r.dtype, vectors)
   run(s, (programs,), dx.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
       (w or x).ptr, (r or x).ptr, M, N, float(eps), rows)
   if params:
@@ -464,6 +472,12 @@ def _specs() -> list:
           layer_norm_backward_spec(f32, f32, f32, True, 1 << 14, 768, False, f32),
           layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, bf16),
           layer_norm_backward_spec(f32, f32, f32, False, 10, 100000, False, f32),
+          # GPT-2's rows of 768 as 16-byte vectors: forward to bf16, with the residual add, backward with a residual
+          layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False, bf16, None, True),
+          layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False, bf16, bf16, True),
+          layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, None, True),
+          layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, bf16, True),
+          layer_norm_backward_spec(bf16, bf16, bf16, False, 1000, 20000, False, None, True),
           param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64)]
   return out
 

@@ -1,0 +1,34 @@
+"""Without a GPU: the layer-norm kernels' variants for rows whose pointers, length and strides are multiples of 16
+(`vectors`, which the host takes whenever they are: GPT-2's rows of 768) load and store whole rows as 16-byte vectors,
+where the others (nothing promised) read and write one element at a time."""
+import re
+from collections import Counter
+
+import pytest
+
+from blutrain import dtypes
+from blutrain.backend.cuda.kernels import norm
+from tests.helpers import ptx
+
+triton = pytest.importorskip("triton")
+
+f32, bf16 = dtypes.float32, dtypes.bfloat16
+M, N = 1 << 14, 768
+VARIANTS = {
+  "forward to bf16": lambda v: norm.layer_norm_spec(f32, f32, f32, 1, M, N, False, bf16, None, v),
+  "forward with the residual add": lambda v: norm.layer_norm_spec(f32, f32, f32, 1, M, N, False, bf16, bf16, v),
+  "backward from a bf16 gradient": lambda v: norm.layer_norm_backward_spec(f32, bf16, f32, True, M, N, False, None, v),
+  "backward with a residual gradient": lambda v: norm.layer_norm_backward_spec(f32, bf16, f32, True, M, N, False, bf16,
+                                                                                v),
+}
+
+
+def _accesses(code: str) -> Counter:
+  return Counter(m.group(2) or "scalar" for m in re.finditer(r"(ld|st)\.global(?:\.\w+)*?(\.v[24])?\.b\d+", code))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_aligned_rows_move_as_16_byte_vectors(name):
+  vec, plain = _accesses(ptx(VARIANTS[name](True))), _accesses(ptx(VARIANTS[name](False)))
+  assert plain[".v4"] == 0 and plain["scalar"] > 0, (name, plain)
+  assert vec[".v4"] > 0 and vec["scalar"] == 0, (name, vec)
