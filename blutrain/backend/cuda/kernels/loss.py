@@ -22,7 +22,7 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import TL, empty, needs_i64, ptr, run, spec
+from blutrain.backend.cuda.kernels import TL, aligned, divisible, empty, needs_i64, ptr, run, spec
 from blutrain.backend.cuda.kernels.norm import row_stats, stats_dtype
 from blutrain.configurator import row_schedule
 from blutrain.shapes import cdiv
@@ -122,6 +122,9 @@ def _ce_lse_backward(out, g, logits, target, lse, N, C, row_stride, class_stride
     tl.store(out + (rows * C)[:, None] + cs[None, :], d.to(out.dtype.element_ty), mask=mask)
 
 
+_ROWS = ("out", "logits", "C", "row_stride")  # what the `vectors` variants promise multiples of 16
+
+
 def _signature(logits, target, i64: bool, backward: bool, other) -> dict:
   it = "i64" if i64 else "i32"
   out, g = (logits, other) if backward else (other, None)
@@ -131,14 +134,21 @@ def _signature(logits, target, i64: bool, backward: bool, other) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool, other=None):
+def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool, other=None,
+            vectors: bool = False):
   """The forward (losses in dtype `other`, default the logits') or the backward (the gradient in the logits' dtype,
-  from g of dtype `other`, default the logits')."""
+  from g of dtype `other`, default the logits'). `vectors`: the rows' pointers, C and the row stride are promised
+  multiples of 16, so rows load (and the backward stores) as 16-byte vectors."""
   bm, bn, warps, _ = row_schedule(N, C)
   bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward reads the row twice anyway
-  return spec(_ce_backward if backward else _ce_forward,
-              _signature(logits, target, i64, backward, other or logits),
+  sig = _signature(logits, target, i64, backward, other or logits)
+  return spec(_ce_backward if backward else _ce_forward, divisible(sig, _ROWS) if vectors else sig,
               dict(ACC=TL[stats_dtype(logits)], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+
+
+def _vectors(logits: CudaArray, *outs: CudaArray) -> bool:
+  """Whether the `vectors` variants may run: unit class stride, rows (and outputs) on 16 bytes (see `aligned`)."""
+  return logits.strides[1] == 1 and aligned((logits, *outs), (logits.shape[1], logits.strides[0]))
 
 
 def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int, dtype=None) -> CudaArray:
@@ -146,7 +156,7 @@ def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int, dtype
   out = empty((N,), dtype or logits.dtype, logits.device)
   if N == 0: return out
   i64 = needs_i64(logits.shape, logits.strides)
-  s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, out.dtype)
+  s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, out.dtype, _vectors(logits, out))
   run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, N, C, *logits.strides, target.strides[0],
       ignore_index)
   return out
@@ -160,15 +170,17 @@ def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, i
   if out is None: out = empty((N, C), logits.dtype, logits.device)
   if out.size == 0: return out
   i64 = needs_i64(logits.shape, logits.strides, (C, 1))
-  s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype)
+  s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype, _vectors(logits, out))
   run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, N, C, *logits.strides,
       target.strides[0], g.strides[0] if g.ndim else 0, ignore_index)
   return out
 
 
 @functools.lru_cache(maxsize=4096)
-def ce_lse_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool, g=None):
-  """cross_entropy_stats (backward False) or cross_entropy_lse_backward's kernel, from g of dtype `g`."""
+def ce_lse_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool, g=None,
+                vectors: bool = False):
+  """cross_entropy_stats (backward False) or cross_entropy_lse_backward's kernel, from g of dtype `g` (`vectors` as
+  `ce_spec`'s)."""
   bm, bn, warps, _ = row_schedule(N, C)
   bn = min(bn, 4096)
   it, acc = ("i64" if i64 else "i32"), stats_dtype(logits)
@@ -179,7 +191,7 @@ def ce_lse_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i6
   else:
     sig = {"row_max_out": ptr(acc), "sum_out": ptr(acc), "picked_out": ptr(acc), "logits": ptr(logits),
            "target": ptr(target), **rows, "start": "i64"}
-  return spec(_ce_lse_backward if backward else _ce_stats, sig,
+  return spec(_ce_lse_backward if backward else _ce_stats, divisible(sig, _ROWS) if vectors else sig,
               dict(ACC=TL[acc], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
 
 
@@ -188,7 +200,7 @@ def cross_entropy_stats(logits: CudaArray, target: CudaArray, start: int) -> tup
   outs = tuple(empty((N,), stats_dtype(logits.dtype), logits.device) for _ in range(3))
   if N == 0: return outs
   i64 = needs_i64(logits.shape, logits.strides)
-  s = ce_lse_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64)
+  s = ce_lse_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, None, _vectors(logits))
   run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), *(o.ptr for o in outs), logits.ptr, target.ptr, N, C, *logits.strides,
       target.strides[0], start)
   return outs
@@ -200,7 +212,7 @@ def cross_entropy_lse_backward(g: CudaArray, logits: CudaArray, target: CudaArra
   out = empty((N, C), logits.dtype, logits.device)
   if out.size == 0: return out
   i64 = needs_i64(logits.shape, logits.strides, (C, 1))
-  s = ce_lse_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype)
+  s = ce_lse_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype, _vectors(logits, out))
   run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, lse.ptr, N, C, *logits.strides,
       target.strides[0], g.strides[0], lse.strides[0], start, ignore_index)
   return out
@@ -216,4 +228,7 @@ SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False, o) for b in (Fa
         [ce_lse_spec(b, dt, dtypes.int64, True, 8192, 50304, False, dtypes.float32 if b else None)
          for b in (False, True) for dt in (dtypes.float32, dtypes.bfloat16)] + \
         [ce_lse_spec(b, dtypes.float64, dtypes.int32, False, 100, 10, True, dtypes.float64 if b else None)
+         for b in (False, True)] + \
+        [ce_spec(b, dtypes.bfloat16, dtypes.int64, True, 16384, 50304, False, dtypes.float32, True) for b in (False, True)] + \
+        [ce_lse_spec(b, dtypes.bfloat16, dtypes.int64, True, 8192, 50304, False, dtypes.float32 if b else None, True)
          for b in (False, True)]
