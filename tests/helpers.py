@@ -201,6 +201,18 @@ def run_under_triton_interpreter(module: str) -> None:
   assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
 
 
+def patch_interpreter_loop_bounds() -> None:
+  """Triton 3.6's interpreter reads loop bounds with int() of a 1-element array, which numpy 2 refuses: take the
+  element (a patch of the interpreter's tensor, test-only; call it in the interpreter's subprocess)."""
+  import triton.runtime.interpreter as interp
+  original = interp._patch_lang_tensor
+
+  def patched(tensor, scope):
+    original(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+  interp._patch_lang_tensor = patched
+
+
 def compiled(s):
   """A kernel variant (fn, signature, constexprs, options) compiled for sm_90 without a GPU, as Triton returns it
   (its PTX in .asm["ptx"], its shared memory in .metadata.shared)."""
