@@ -10,22 +10,9 @@ import torch.nn.functional as TF
 import blutrain as bt
 from blutrain import nn, ops
 from blutrain.nn import functional as F
+from tests.helpers import channel_layout
 
 TORCH = {bt.float64: torch.float64, bt.float32: torch.float32}
-
-
-def _leaf_and_view(a: np.ndarray, layout: str, make, dtype):
-  """A leaf tensor (`make` is bt.tensor or torch.tensor) holding `a` in `layout` and its (N, C, *) view:
-  channels-last stores dim 1 innermost, strided every other element of a twice-wider last dim."""
-  nd = a.ndim
-  if layout == "channels_last":
-    leaf = make(np.ascontiguousarray(np.moveaxis(a, 1, -1)), dtype=dtype, requires_grad=True)
-    return leaf, leaf.permute(0, nd - 1, *range(1, nd - 1))
-  if layout == "strided":
-    leaf = make(np.stack([a, a], -1).reshape(*a.shape[:-1], 2 * a.shape[-1]), dtype=dtype, requires_grad=True)
-    return leaf, leaf[..., ::2]
-  leaf = make(a, dtype=dtype, requires_grad=True)
-  return leaf, leaf
 
 
 def _params(c: int, which: str, rng, make, dtype):
@@ -49,7 +36,7 @@ def _compare(shape, layout: str, dtype, training: bool, params: str = "both", mo
   rm, rv = rng.standard_normal(c), rng.uniform(0.5, 2, c)
   out, grads, stats = [], [], []
   for make, dt in ((bt.tensor, dtype), (torch.tensor, TORCH[dtype])):
-    leaf, x = _leaf_and_view(a, layout, make, dt)
+    leaf, x = channel_layout(a, layout, make, dt)
     w, b = _params(c, params, np.random.default_rng(seed + 1), make, dt)
     run_mean, run_var = make(rm, dtype=dt), make(rv, dtype=dt)
     y = (F.batch_norm if make is bt.tensor else TF.batch_norm)(x, run_mean, run_var, w, b, training, momentum, eps)

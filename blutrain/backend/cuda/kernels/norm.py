@@ -692,6 +692,10 @@ def _channel_apply(mode: str, out: CudaArray, x: CudaArray, g: CudaArray | None,
       *scalars)
 
 
+def _contiguous(*arrays: CudaArray | None) -> list[CudaArray | None]:
+  return [a if a is None or a.is_contiguous() else copy(a) for a in arrays]
+
+
 def _few_dims(x: CudaArray, *others: CudaArray) -> list[CudaArray]:
   """x and arrays of its shape, copied contiguous when their reduced dims, with those of a contiguous output, would not
   collapse to 5 (7-D and more)."""
