@@ -540,9 +540,9 @@ def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size
                              R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
   """One [BLOCK_C, BLOCK_R] tile, with invstd = 1 / sqrt(var + eps): MODE "forward" out = (x - mean) invstd w + b;
   "train" out = dx = (g - (sum(g) + xhat sum(g xhat)) / R) invstd w from the reduction's sums; "eval" out = dx =
-  g invstd w (the statistics are constants)."""
-  pid_c = tl.program_id(0)
-  pid_r = tl.program_id(1)
+  g invstd w (the statistics are constants). The blocks of R are the grid's first axis, which may pass 65535."""
+  pid_r = tl.program_id(0)
+  pid_c = tl.program_id(1)
   if IDX64:
     pid_c = pid_c.to(tl.int64)
     pid_r = pid_r.to(tl.int64)
@@ -668,7 +668,7 @@ def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, va
   s = batch_norm_apply_spec(mode, x, g, out, mean, var, w, b, len(rshape), c_unit, r_unit, C, R,
                             needs_i64(shape, x_strides, g_strides, out_strides))
   bc, br = s.constexprs["BLOCK_C"], s.constexprs["BLOCK_R"]
-  return s, (cdiv(C, bc), cdiv(R, br)), (C, R, float(eps), *axis_args(rshape, *rst), *cst)
+  return s, (cdiv(R, br), cdiv(C, bc)), (C, R, float(eps), *axis_args(rshape, *rst), *cst)
 
 
 def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, eps: float, out0, out1) -> CudaArray:
