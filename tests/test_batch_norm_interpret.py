@@ -51,21 +51,22 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> 
     assert err < rel, f"{name} ({shape}, {x_layout}/{g_layout}, {dtype}, training={training}): relative error {err:.2e}"
 
   def reduce(grad, mean=None, var=None, out0=None, out1=None):
-    s, grid, scalars, S, chunk = K.reduce_plan(grad, dt, dt if grad else None, mean is not None and acc or None,
-                                               shape, x.stride(), g.stride() if grad else None, eps, hw)
+    stats = acc if grad else None
+    s, grid, scalars, S, chunk = K.reduce_plan(grad, dt, dt if grad else None, stats, stats, shape, x.stride(),
+                                               g.stride() if grad else None, eps, hw)
     assert S == (2 if sms == 2 else 1), f"{S} splits for {shape} on {sms} SMs"
     part = torch.empty((2, S, C), dtype=tacc)
     s[0][grid](part[0], part[1], x, g if grad else x, part if mean is None else mean, part if var is None else var,
                *scalars, **s.constexprs)
     sums = torch.empty((2, C), dtype=tacc)
-    f = K.batch_norm_finalize_spec(grad, acc, out0 is not None and acc or None, out1 is not None and acc or None)
+    f = K.batch_norm_finalize_spec(grad, acc, None if out0 is None else acc, None if out1 is None else acc)
     f[0][(cdiv(C, K.FINALIZE_BLOCK_C),)](part if out0 is None else out0, part if out1 is None else out1, sums, part[0],
                                           part[1], C, R, S, chunk, **f.constexprs)
     return sums
 
   def apply(mode, out, mean, var, sums=None):
-    s, grid, scalars = K.apply_plan(mode, dt, None if mode == "forward" else dt, dt, acc, acc, w is not None and acc or None,
-                                    b is not None and acc or None, shape, x.stride(),
+    s, grid, scalars = K.apply_plan(mode, dt, None if mode == "forward" else dt, dt, acc, acc,
+                                    None if w is None else acc, None if b is None else acc, shape, x.stride(),
                                     (x if mode == "forward" else g).stride(), out.stride(), eps)
     s[0][grid](out, x, x if mode == "forward" else g, mean, var, mean if w is None else w, mean if b is None else b,
                mean if sums is None else sums, *scalars, **s.constexprs)

@@ -607,14 +607,14 @@ def _tile(C: int, R: int, c_unit: bool, r_unit: bool) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def batch_norm_reduce_spec(grad: bool, x: DType, g: DType | None, stats: DType | None, r_dims: int, c_unit: bool,
-                           r_unit: bool, C: int, R: int, i64: bool):
-  """The per-channel reduction's variant: x's statistics, or with `grad` the sums of g xhat and g (stats: the dtype
-  of mean and var)."""
+def batch_norm_reduce_spec(grad: bool, x: DType, g: DType | None, mean: DType | None, var: DType | None, r_dims: int,
+                           c_unit: bool, r_unit: bool, C: int, R: int, i64: bool):
+  """The per-channel reduction's variant: x's statistics, or with `grad` the sums of g xhat and g (mean, var: the
+  dtypes of the statistics it reads then)."""
   bc, br, warps = _tile(C, R, c_unit, r_unit)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
-  sig = {"part0": ptr(acc), "part1": ptr(acc), "x": ptr(x), "g": ptr(g or x), "mean": ptr(stats or acc),
-         "var": ptr(stats or acc), "C": it, "R": it, "chunk": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
+  sig = {"part0": ptr(acc), "part1": ptr(acc), "x": ptr(x), "g": ptr(g or x), "mean": ptr(mean or acc),
+         "var": ptr(var or acc), "C": it, "R": it, "chunk": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
          **{k: it for k in axis_params("r", "x", "g")}, "x_c_stride": it, "g_c_stride": it}
   return spec(_batch_norm_reduce_kernel, sig, dict(GRAD=grad, ACC=TL[acc], R_DIMS=r_dims, C_UNIT=c_unit, R_UNIT=r_unit,
                                                    BLOCK_C=bc, BLOCK_R=br, IDX64=i64), num_warps=warps)
@@ -643,14 +643,14 @@ def batch_norm_apply_spec(mode: str, x: DType, g: DType | None, out: DType, mean
                                                   IDX64=i64), num_warps=warps)
 
 
-def reduce_plan(grad: bool, x: DType, g: DType | None, stats: DType | None, shape, x_strides, g_strides, eps: float,
-                hw=H200):
+def reduce_plan(grad: bool, x: DType, g: DType | None, mean: DType | None, var: DType | None, shape, x_strides,
+                g_strides, eps: float, hw=H200):
   """(spec, grid, scalar arguments after the pointers part0, part1, x, g, mean, var, splits S, chunk) of the
   per-channel reduction over x of `shape` (and g with `grad`), whose layouts collapse to 5 reduced dims: `split_rule`
   cuts the R positions of each channel into S chunks when the channel blocks alone leave SMs idle."""
   C, R = shape[1], math.prod(shape) // shape[1]
   rshape, rst, cst, c_unit, r_unit = _channel_problem(shape, x_strides, g_strides if grad else x_strides)
-  s = batch_norm_reduce_spec(grad, x, g, stats, len(rshape), c_unit, r_unit, C, R,
+  s = batch_norm_reduce_spec(grad, x, g, mean, var, len(rshape), c_unit, r_unit, C, R,
                              needs_i64(shape, x_strides, g_strides if grad else x_strides))
   bc, br = s.constexprs["BLOCK_C"], s.constexprs["BLOCK_R"]
   pieces = split_rule(cdiv(C, bc), R, br, hw)
@@ -673,8 +673,8 @@ def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, va
 
 def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, eps: float, out0, out1) -> CudaArray:
   """Run the per-channel reduction and its finalize over x (and g); returns the sums buffer (2, C) of `grad`."""
-  s, grid, scalars, S, chunk = reduce_plan(grad, x.dtype, g and g.dtype, mean and mean.dtype, x.shape, x.strides,
-                                           g and g.strides, eps, runtime.hardware(x.device))
+  s, grid, scalars, S, chunk = reduce_plan(grad, x.dtype, g and g.dtype, mean and mean.dtype, var and var.dtype,
+                                           x.shape, x.strides, g and g.strides, eps, runtime.hardware(x.device))
   C, R, acc = x.shape[1], x.size // x.shape[1], stats_dtype(x.dtype)
   part = empty((2, S, C), acc, x.device)
   part1 = part.ptr + S * C * acc.itemsize
@@ -786,11 +786,12 @@ def _specs() -> list:
           param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64)]
   # batch norm: NCHW (C, then N and H W collapsed), channels-last (the channels unit-stride), (N, C) and 1-D runs
   R = 256 * 56 * 56
-  for grad, x, g, st in ((False, f32, None, None), (False, bf16, None, None), (True, f32, f32, f32), (True, bf16, bf16, f32)):
-    out += [batch_norm_reduce_spec(grad, x, g, st, 2, False, False, 64, R, False),
-            batch_norm_reduce_spec(grad, x, g, st, 1, True, False, 64, R, False)]
-  out += [batch_norm_reduce_spec(False, f64, None, None, 1, False, True, 3, 100, True),
-          batch_norm_reduce_spec(True, f64, f64, f64, 1, True, False, 10, 64, False),
+  for grad, x, g, st in ((False, f32, None, None), (False, bf16, None, None), (True, f32, f32, f32),
+                         (True, bf16, bf16, f32)):
+    out += [batch_norm_reduce_spec(grad, x, g, st, st, 2, False, False, 64, R, False),
+            batch_norm_reduce_spec(grad, x, g, st, st, 1, True, False, 64, R, False)]
+  out += [batch_norm_reduce_spec(False, f64, None, None, None, 1, False, True, 3, 100, True),
+          batch_norm_reduce_spec(True, f64, f64, f64, bf16, 1, True, False, 10, 64, False),
           batch_norm_finalize_spec(False, f32, f32, f32), batch_norm_finalize_spec(True, f32, f32, f32),
           batch_norm_finalize_spec(True, f32, None, f32), batch_norm_finalize_spec(True, f64, f64, None)]
   for mode, x, g in (("forward", f32, None), ("forward", bf16, None), ("train", f32, f32), ("train", bf16, bf16),
