@@ -141,8 +141,8 @@ def test_runs_in_the_input_dtype_under_autocast():
   np.testing.assert_array_equal(y.detach().float().numpy(), bn2(h).detach().float().numpy())
 
 
-@pytest.mark.parametrize("cls, shape", [(nn.BatchNorm1d, (6, 4)), (nn.BatchNorm1d, (3, 4, 5)), (nn.BatchNorm2d, (3, 4, 2, 5)),
-                                        (nn.BatchNorm3d, (2, 4, 3, 2, 3))])
+@pytest.mark.parametrize("cls, shape", [(nn.BatchNorm1d, (6, 4)), (nn.BatchNorm1d, (3, 4, 5)),
+                                        (nn.BatchNorm2d, (3, 4, 2, 5)), (nn.BatchNorm3d, (2, 4, 3, 2, 3))])
 def test_modules_over_steps_match_torch(cls, shape):
   """Training steps with the cumulative-average momentum (None) and a float one, then eval, as torch's modules."""
   tcls = getattr(torch.nn, cls.__name__)
@@ -152,7 +152,8 @@ def test_modules_over_steps_match_torch(cls, shape):
     for step in range(4):
       if step == 3: bm.eval(); tm.eval()
       a = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
-      np.testing.assert_allclose(bm(bt.tensor(a)).detach().numpy(), tm(torch.tensor(a)).detach().numpy(), rtol=1e-5, atol=1e-5)
+      got, want = bm(bt.tensor(a)).detach().numpy(), tm(torch.tensor(a)).detach().numpy()
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for k, v in tm.state_dict().items():
       np.testing.assert_allclose(bm.state_dict()[k].numpy(), v.numpy(), rtol=1e-6, atol=1e-7, err_msg=k)
   with pytest.raises(ValueError, match=r"expected 5D input \(got 4D input\)"): nn.BatchNorm3d(4)(bt.randn(2, 4, 3, 3))

@@ -327,7 +327,7 @@ from blutrain.nn import functional as F
 for shape, perm in (((8, 16, 6, 5), None), ((8, 6, 5, 16), (0, 3, 1, 2)), ((2, 3, 4, 2, 3, 2, 3), None)):
   base = bt.randn(*shape, device="cuda", requires_grad=True)
   x = base.permute(*perm) if perm else base
-  w, b = bt.randn(x.shape[1], device="cuda", requires_grad=True), bt.randn(x.shape[1], device="cuda", requires_grad=True)
+  w, b = (bt.randn(x.shape[1], device="cuda", requires_grad=True) for _ in range(2))
   g = bt.randn(*x.shape, device="cuda")
   n0 = fake_cuda.launches[0]
   y = F.batch_norm(x, None, None, w, b, training=True)

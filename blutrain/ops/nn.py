@@ -1,4 +1,4 @@
-"""Neural-network primitives (softmax, layer_norm, embedding, gather/scatter, cross_entropy) and composites."""
+"""Neural-network primitives (softmax, layer/batch norm, embedding, gather/scatter, cross_entropy) and composites."""
 from __future__ import annotations
 
 import math
@@ -134,7 +134,7 @@ def _batch_norm_backward_rule(g, x, mean, var, w, eps, training, input_grad, wei
 
 # Per-channel statistics of x (N, C, *) over all dims but 1: the mean and the biased variance, float32 (float64 for
 # float64 x; halves read as float32). Not differentiable: batch_norm's VJP in training form accounts for them.
-batch_norm_stats_op = op("batch_norm_stats", lambda x: [((_channels("batch_norm_stats", x)), _stats_dtype(x))] * 2,
+batch_norm_stats_op = op("batch_norm_stats", lambda x: [(_channels("batch_norm_stats", x), _stats_dtype(x))] * 2,
                          multi=True, inputs="x")
 # (x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1) of x (N, C, *), in float32 math for halves, the
 # output in x's dtype; mean, var, weight and bias (C,) of any floating dtype. `training` says that mean and var are
