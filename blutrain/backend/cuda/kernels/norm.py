@@ -453,8 +453,7 @@ def _batch_norm_reduce_kernel(part0, part1, x, g, mean, var, C, R, chunk, eps, r
                               GRAD: tl.constexpr, ACC: tl.constexpr, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr,
                               R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
   """Per channel, over the reduced positions [s chunk, (s + 1) chunk) of split s = program_id(1): the mean and M2 of
-  x into part0[s] and part1[s] (tiles merged by Chan's formula), or with GRAD the sums of g xhat and of g,
-  xhat = (x - mean) / sqrt(var + eps)."""
+  x into part0[s] and part1[s], or with GRAD the sums of g xhat and of g, xhat = (x - mean) / sqrt(var + eps)."""
   pid_c = tl.program_id(0)
   pid_s = tl.program_id(1)
   if IDX64:
@@ -482,19 +481,22 @@ def _batch_norm_reduce_kernel(part0, part1, x, g, mean, var, C, R, chunk, eps, r
       sg += gv
     a = tl.sum(sgx, axis=1) * invstd
     b = tl.sum(sg, axis=1)
-  else:
-    a = tl.zeros([BLOCK_C], ACC)
-    b = tl.zeros([BLOCK_C], ACC)
+  else:  # per-lane Welford, as _row_moments, the lanes merged once at the end
+    lane_mean = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+    lane_m2 = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+    lane_n = tl.zeros([BLOCK_C, BLOCK_R], ACC)
     for r0 in range(start, end, BLOCK_R):
       rs = r0 + tl.arange(0, BLOCK_R)
       mask = c_mask[:, None] & (rs < end)[None, :]
       v = tl.load(x + _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0,
                                        x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT),
                   mask=mask, other=0).to(ACC)
-      n = tl.minimum(end - r0, BLOCK_R).to(ACC)
-      tile_mean = tl.sum(v, axis=1) / n
-      d = tl.where(mask, v - tile_mean[:, None], 0.0)
-      a, b, _ = _welford_combine(a, b, (r0 - start).to(ACC), tile_mean, tl.sum(d * d, axis=1), n)
+      n = lane_n + tl.where(mask, 1.0, 0.0)
+      d = tl.where(mask, v - lane_mean, 0.0)
+      lane_mean += d / tl.maximum(n, 1.0)
+      lane_m2 += d * tl.where(mask, v - lane_mean, 0.0)
+      lane_n = n
+    a, b, _ = tl.reduce((lane_mean, lane_m2, lane_n), 1, _welford_combine)
   tl.store(part0 + pid_s * C + cs, a, mask=c_mask)
   tl.store(part1 + pid_s * C + cs, b, mask=c_mask)
 
