@@ -4,7 +4,9 @@ of the op library (`nn.functional` re-exports them under PyTorch's names).
 Convolution is the op library's `conv` primitive (its gradients `conv_grad_input` and `conv_grad_weight`, and
 conv_transpose is `conv_grad_input`): the backends' kernels are implicit GEMMs, so no (N, C, K, *out) column buffer
 is built. Here are PyTorch's argument forms and messages ('same' padding, unbatched inputs, bias). Pooling takes one
-strided slice of the padded input per kernel offset, stacked into (N, C, K, *out), and reduces them.
+strided slice of the padded input per kernel offset, stacked into (N, C, K, *out), and reduces them. Batch norm is
+the op library's `batch_norm_stats` and `batch_norm` primitives (one `batch_norm_backward`), with the running
+statistics' update here.
 """
 from __future__ import annotations
 
