@@ -3,7 +3,8 @@
 
 Autocast is one table, `POLICY`: per device type, op name -> `LOWER` (float32 inputs are cast to the autocast
 dtype: matmul, linear, convolution, attention) or `FP32` (float16/bfloat16 inputs are cast up: softmax, norms, losses, sums,
-exp/log on CUDA). Ops not in the table run in their inputs' dtypes. The table follows PyTorch's lists
+exp/log on CUDA). Ops not in the table run in their inputs' dtypes (batch_norm among them, as in PyTorch: its kernels
+read halves in float32 and keep float32 statistics). The table follows PyTorch's lists
 (aten/src/ATen/autocast_mode.cpp), which differ by device: on the CPU only matmuls and attention go down and only
 the losses go up. `ops.apply` consults it (through `hooks.autocast`) for every primitive, and the few composites PyTorch lists (linear,
 scaled_dot_product_attention) and `sum` (whose result dtype is an attribute) consult it by name; VJPs run outside

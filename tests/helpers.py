@@ -201,6 +201,33 @@ def run_under_triton_interpreter(module: str) -> None:
   assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
 
 
+def channel_layout(a: np.ndarray, layout: str, make: Callable, dtype, **kw):
+  """A leaf tensor (`make` is bt.tensor or torch.tensor, given `dtype` and keywords such as device) holding the
+  (N, C, *) array `a` in `layout`, and its (N, C, *) view: "channels_last" stores dim 1 innermost, "strided" every
+  other element of a twice-wider last dim, "contiguous" as it is."""
+  nd = a.ndim
+  if layout == "channels_last":
+    leaf = make(np.ascontiguousarray(np.moveaxis(a, 1, -1)), dtype=dtype, requires_grad=True, **kw)
+    return leaf, leaf.permute(0, nd - 1, *range(1, nd - 1))
+  if layout == "strided":
+    leaf = make(np.stack([a, a], -1).reshape(*a.shape[:-1], 2 * a.shape[-1]), dtype=dtype, requires_grad=True, **kw)
+    return leaf, leaf[..., ::2]
+  leaf = make(a, dtype=dtype, requires_grad=True, **kw)
+  return leaf, leaf
+
+
+def patch_interpreter_loop_bounds() -> None:
+  """Triton 3.6's interpreter reads loop bounds with int() of a 1-element array, which numpy 2 refuses: take the
+  element (a patch of the interpreter's tensor, test-only; call it in the interpreter's subprocess)."""
+  import triton.runtime.interpreter as interp
+  original = interp._patch_lang_tensor
+
+  def patched(tensor, scope):
+    original(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+  interp._patch_lang_tensor = patched
+
+
 def compiled(s):
   """A kernel variant (fn, signature, constexprs, options) compiled for sm_90 without a GPU, as Triton returns it
   (its PTX in .asm["ptx"], its shared memory in .metadata.shared)."""

@@ -3,7 +3,7 @@ since it must be set before Triton is imported) runs the forward, dgrad and spli
 `conv.plan` says, on torch CPU tensors (test-only), against PyTorch CPU's convolution and its gradients: the general
 kernels on channels-last views and, for channel counts that `conv.vectorizes`, the channels-last variants on operands
 copied channels-last as the host wrappers copy them (NCHW ones stay on the general kernels)."""
-from tests.helpers import run_under_triton_interpreter
+from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
 
 CASES = [  # (x shape, w shape, stride, padding, dilation, groups, SMs of the device the schedule is made for:
   # fewer than the H200's must split the wgrad's K)
@@ -20,18 +20,6 @@ CASES = [  # (x shape, w shape, stride, padding, dilation, groups, SMs of the de
   ((1, 16, 4, 5, 6), (16, 16, 3, 2, 3), (1, 2, 1), (1, 0, 1), (1, 1, 2), 1, 132),  # 3-D
 ]
 CONV = {3: "conv1d", 4: "conv2d", 5: "conv3d"}  # by the input's rank
-
-
-def _patch_interpreter():
-  """Triton 3.6's interpreter reads loop bounds with int() of a 1-element array, which numpy 2 refuses: take the
-  element (a patch of the interpreter's tensor, test-only)."""
-  import triton.runtime.interpreter as interp
-  original = interp._patch_lang_tensor
-
-  def patched(tensor, scope):
-    original(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-  interp._patch_lang_tensor = patched
 
 
 def _run_case(xs, ws, stride, padding, dilation, groups, split_hw) -> None:
@@ -82,7 +70,7 @@ def _run_case(xs, ws, stride, padding, dilation, groups, split_hw) -> None:
 
 
 def main() -> None:
-  _patch_interpreter()
+  patch_interpreter_loop_bounds()
   for case in CASES: _run_case(*case)
   print("ok")
 

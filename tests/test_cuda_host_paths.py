@@ -380,3 +380,45 @@ assert x.grad.shape == (2, 3, 32, 32) and stem.weight.grad.shape == (64, 3, 7, 7
 assert sorted(plans) == [("dgrad", (64, 16, 7, 7), True), ("fwd", (64, 16, 7, 7), True),
                          ("wgrad", (64, 16, 7, 7), True)], plans
 """, tmp_path)
+
+
+def test_batch_norm_launches_on_the_fake_gpu(tmp_path):
+  """batch_norm's host path: the statistics (reduction and finalize), the normalization and the one backward (its
+  reduction, finalize and dx) in NCHW, channels-last (kept in the output and dx) and 7-D layouts, the eval form
+  (one kernel), a bf16 input under autocast, and a compiled ResNet-style step."""
+  _run_fake("""
+import fake_cuda
+import blutrain as bt
+from blutrain import nn
+from blutrain.nn import functional as F
+for shape, perm in (((8, 16, 6, 5), None), ((8, 6, 5, 16), (0, 3, 1, 2)), ((2, 3, 4, 2, 3, 2, 3), None)):
+  base = bt.randn(*shape, device="cuda", requires_grad=True)
+  x = base.permute(*perm) if perm else base
+  w, b = (bt.randn(x.shape[1], device="cuda", requires_grad=True) for _ in range(2))
+  g = bt.randn(*x.shape, device="cuda")
+  n0 = fake_cuda.launches[0]
+  y = F.batch_norm(x, None, None, w, b, training=True)
+  n1 = fake_cuda.launches[0]
+  y.backward(g)
+  assert (n1 - n0, fake_cuda.launches[0] - n1) == (3, 3), (shape, n1 - n0, fake_cuda.launches[0] - n1)
+  assert y.stride() == x.stride() and base.grad.stride() == base.stride() and w.grad.dtype is bt.float32
+  with bt.no_grad():
+    running_var = b.detach().abs()
+    n0 = fake_cuda.launches[0]
+    F.batch_norm(x, w.detach(), running_var, w, None, False)
+    assert fake_cuda.launches[0] - n0 == 1
+conv, bn = nn.Conv2d(3, 8, 3).cuda(), nn.BatchNorm2d(8).cuda()
+with bt.autocast("cuda", dtype=bt.bfloat16):
+  y = bn(conv(bt.randn(2, 3, 8, 8, device="cuda")))
+assert y.dtype is bt.bfloat16 and bn.running_var.dtype is bt.float32
+y.float().sum().backward()
+model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4)).cuda()
+opt = bt.optim.SGD(model.parameters(), lr=0.1)
+@bt.compile
+def step(x, y):
+  loss = F.cross_entropy(model(x), y)
+  loss.backward(); opt.step(); opt.zero_grad()
+  return loss
+x, t = bt.randn(4, 3, 8, 8, device="cuda"), bt.randint(4, (4,)).to("cuda")
+for _ in range(3): step(x, t)
+""", tmp_path)

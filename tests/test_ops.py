@@ -975,6 +975,10 @@ VJP_CASES = {
   "conv_grad_weight": (lambda g, x: ops.nn.conv_grad_weight_op(g, x, shape=(4, 2, 3), stride=(2,), padding=(1,),
                                                                dilation=(2,), groups=2), [(2, 4, 3), (2, 4, 7)], {}),
   "lstm_cell": (lambda gi, gh, c: ops.nn.lstm_cell_op(gi, gh, c), [(3, 8), (3, 8), (3, 2)], {}),
+  # the training form (statistics of x, which the finite differences move with x) plus the eval form (constants)
+  "batch_norm": (lambda x, w, b: ops.nn.batch_norm(x, *ops.nn.batch_norm_stats(x), w, b, 1e-3, True) * 2 +
+                 ops.nn.batch_norm(x, bt.tensor([0.5, -1.0, 0.25]), bt.tensor([0.5, 1.0, 2.0]), w, b, 1e-3, False),
+                 [(4, 3, 5), (3,), (3,)], {}),
   "gru_cell": (lambda gi, gh, h: ops.gru_cell(gi, gh, h), [(3, 6), (3, 6), (3, 2)], {}),
   "dropout": (lambda x: ops.dropout(x, 0.4, generator=bt.Generator().manual_seed(3)), [(6, 7)], {}),  # the same draws
   # a group of one rank here; tests/distributed/test_mpi.py checks the gradients of 3 ranks against the math

@@ -10,7 +10,7 @@ from blutrain.nn.layers import (CELU, ELU, GELU, SELU, Dropout, Embedding, Flatt
 from blutrain.nn.loss import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss, L1Loss, MSELoss,
                               NLLLoss, SmoothL1Loss)
 from blutrain.nn.module import Module, Parameter
-from blutrain.nn.norm import BatchNorm1d, BatchNorm2d, GroupNorm
+from blutrain.nn.norm import BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm
 from blutrain.nn.rnn import GRU, LSTM, MultiheadAttention
 
 __all__ = ["Module", "Parameter", "Sequential", "ModuleList", "ModuleDict", "Identity", "Linear", "Embedding",
@@ -19,5 +19,5 @@ __all__ = ["Module", "Parameter", "Sequential", "ModuleList", "ModuleDict", "Ide
            "Hardswish", "Mish", "Softplus", "Softsign", "LogSigmoid", "L1Loss", "MSELoss", "SmoothL1Loss", "HuberLoss",
            "NLLLoss", "CrossEntropyLoss", "BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
-           "BatchNorm1d", "BatchNorm2d", "GroupNorm", "LSTM", "GRU", "MultiheadAttention", "functional", "init", "parallel",
-           "utils"]
+           "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "GroupNorm", "LSTM", "GRU", "MultiheadAttention", "functional",
+           "init", "parallel", "utils"]

@@ -1,4 +1,4 @@
-"""Batch and group normalization layers: BatchNorm1d, BatchNorm2d (running statistics) and GroupNorm."""
+"""Batch and group normalization layers: BatchNorm1d, BatchNorm2d, BatchNorm3d (running statistics) and GroupNorm."""
 from __future__ import annotations
 
 from blutrain import dtypes, ops
@@ -84,6 +84,11 @@ class BatchNorm2d(_BatchNorm):
     (8, 16, 4, 4)
   """
   _dims = (4,)
+
+
+class BatchNorm3d(_BatchNorm):
+  """Batch normalization of (N, C, D, H, W) inputs (see _BatchNorm)."""
+  _dims = (5,)
 
 
 class GroupNorm(Module):

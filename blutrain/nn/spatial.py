@@ -4,7 +4,9 @@ of the op library (`nn.functional` re-exports them under PyTorch's names).
 Convolution is the op library's `conv` primitive (its gradients `conv_grad_input` and `conv_grad_weight`, and
 conv_transpose is `conv_grad_input`): the backends' kernels are implicit GEMMs, so no (N, C, K, *out) column buffer
 is built. Here are PyTorch's argument forms and messages ('same' padding, unbatched inputs, bias). Pooling takes one
-strided slice of the padded input per kernel offset, stacked into (N, C, K, *out), and reduces them.
+strided slice of the padded input per kernel offset, stacked into (N, C, K, *out), and reduces them. Batch norm is
+the op library's `batch_norm_stats` and `batch_norm` primitives (one `batch_norm_backward`), with the running
+statistics' update here.
 """
 from __future__ import annotations
 
@@ -318,28 +320,21 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
   for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
     if t is not None and tuple(t.shape) != (c,):
       raise RuntimeError(f"batch_norm: {name} should contain {c} elements not {t.numel()}")
-  dims = (0,) + tuple(range(2, input.ndim))
-  shape = (1, c) + (1,) * (input.ndim - 2)
   if training:
     count = input.numel() // c if c else 0
     if count <= 1:
       raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(input.shape)}")
-    mean = input.mean(dims, keepdim=True)
-    centered = input - mean
-    var = (centered * centered).mean(dims, keepdim=True)
+    mean, var = ops.nn.batch_norm_stats(input)
     if running_mean is not None and running_var is not None:
       with ops.no_grad():
         m = momentum.to(running_mean.dtype) if isinstance(momentum, Tensor) else momentum
-        running_mean.mul_(1 - m).add_(mean.detach().reshape(c).to(running_mean.dtype) * m)
-        running_var.mul_(1 - m).add_(var.detach().reshape(c).to(running_var.dtype) * (m * count / (count - 1)))
+        running_mean.mul_(1 - m).add_(mean.to(running_mean.dtype) * m)
+        running_var.mul_(1 - m).add_(var.to(running_var.dtype) * (m * count / (count - 1)))
   else:
     if running_mean is None or running_var is None:
       raise RuntimeError("batch_norm: running_mean and running_var must be given when training=False")
-    mean, var = running_mean.reshape(shape).to(input.dtype), running_var.reshape(shape).to(input.dtype)
-    centered = input - mean
-  out = centered * ops.rsqrt(var + eps)
-  if weight is not None: out = out * weight.reshape(shape)
-  return out + bias.reshape(shape) if bias is not None else out
+    mean, var = running_mean, running_var
+  return ops.nn.batch_norm(input, mean, var, weight, bias, eps, training)
 
 
 def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,

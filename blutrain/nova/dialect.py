@@ -1061,6 +1061,57 @@ class LayerNormBackwardOp(MultiResultOp):
 
 
 @irdl_op_definition
+class BatchNormStatsOp(MultiResultOp):
+  """The mean and biased variance of each channel (dim 1) of x (N, C, *), float32 (float64 for float64 x)."""
+  name = "nova.batch_norm_stats"
+  x = operand_def(TENSOR)
+  mean = result_def(TENSOR)
+  var = result_def(TENSOR)
+
+
+@irdl_op_definition
+class BatchNormOp(NNOp):
+  """(x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1) of x, in x's type; `training`: mean and var are
+  x's own statistics (batch_norm_stats), which the gradient flows through."""
+  name = "nova.batch_norm"
+  x = operand_def(TENSOR)
+  mean = operand_def(TENSOR)
+  var = operand_def(TENSOR)
+  weight = opt_operand_def(TENSOR)
+  bias = opt_operand_def(TENSOR)
+  eps = prop_def(FLOAT)
+  training = prop_def(BOOL)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$x `,` $mean `,` $var (`weight` $weight^ `:` type($weight))? (`bias` $bias^ `:` type($bias))? "
+                     "attr-dict `:` type($x) `,` type($mean) `,` type($var) `->` type($result)")
+
+
+@irdl_op_definition
+class BatchNormBackwardOp(MultiResultOp):
+  """batch_norm's gradients, each present when asked for: dx (x's type), dweight and dbias (float32; float64 for
+  float64 x)."""
+  name = "nova.batch_norm_backward"
+  g = operand_def(TENSOR)
+  x = operand_def(TENSOR)
+  mean = operand_def(TENSOR)
+  var = operand_def(TENSOR)
+  weight = opt_operand_def(TENSOR)
+  eps = prop_def(FLOAT)
+  training = prop_def(BOOL)
+  input_grad = prop_def(BOOL)
+  weight_grad = prop_def(BOOL)
+  bias_grad = prop_def(BOOL)
+  dx = opt_result_def(TENSOR)
+  dweight = opt_result_def(TENSOR)
+  dbias = opt_result_def(TENSOR)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
+                  ParsePropInAttrDict())
+  assembly_format = ("$g `,` $x `,` $mean `,` $var (`weight` $weight^ `:` type($weight))? attr-dict `:` type($g) `,` "
+                     "type($x) `,` type($mean) `,` type($var) `->` (`dx` type($dx)^)? (`dweight` type($dweight)^)? "
+                     "(`dbias` type($dbias)^)?")
+
+
+@irdl_op_definition
 class ScatterAddOp(NNOp):
   """x with src added at `index` along `dim`."""
   name = "nova.scatter_add"
@@ -1405,7 +1456,8 @@ Nova = Dialect("nova", [
   EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp,
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
   CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
-  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
+  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormOp,
+  BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
   LstmCellBackwardOp, GruCellOp, GruCellBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,

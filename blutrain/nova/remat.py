@@ -12,8 +12,8 @@ The cost model: a candidate saves `bytes(v)` at the peak and costs `flops` (the 
 `moved` (the bytes they read and write). Candidates are tried in order of bytes saved per FLOP, and one is kept when
 the planned live peak (or, at a tie, the number of positions at the peak) goes down:
 
-  default          only O(elements) ops (elementwise, views, creation, random draws, layer_norm, softmax), while the
-                   FLOPs added stay within `DEFAULT_FLOPS_SHARE` of the step's;
+  default          only O(elements) ops (elementwise, views, creation, random draws, layer_norm, batch_norm, softmax),
+                   while the FLOPs added stay within `DEFAULT_FLOPS_SHARE` of the step's;
   memory_budget    then any single-result op, without a FLOPs cap, until inputs + live peak, then inputs + arena, fit
                    the budget, or no candidate is left (the report then says by how much the step stays above it).
 
@@ -34,7 +34,7 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
-from blutrain.nova.dialect import (CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp,
+from blutrain.nova.dialect import (BatchNormOp, CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp,
                                    FlashAttentionLseBackwardOp, FlashAttentionLseOp, FlashAttentionOp, GeluOp, GemmOp,
                                    LayerNormOp, LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
                                    SoftmaxOp, aval)
@@ -43,12 +43,12 @@ from blutrain.nova.memory import live_bytes, nbytes, plan
 
 DEFAULT_FLOPS_SHARE = 0.03  # the default recomputes at most this share of the step's FLOPs
 MAX_DEPTH = 8  # ops one recomputation may clone in a chain, so a candidate never recomputes half the forward
-CHEAP = (ElementwiseOp, LayoutOp, CreationOp, RandomOp, LayerNormOp, SoftmaxOp, LogSoftmaxOp)
+CHEAP = (ElementwiseOp, LayoutOp, CreationOp, RandomOp, LayerNormOp, BatchNormOp, SoftmaxOp, LogSoftmaxOp)
 # FLOPs per output element of the elementwise and normalization ops that cost more than one
 PER_ELEMENT = {"exp": 4, "log": 4, "sqrt": 2, "rsqrt": 2, "sin": 4, "cos": 4, "tanh": 4, "sigmoid": 4, "erf": 4,
-               "pow": 4, "gelu": 8, "gelu_backward": 12, "layer_norm": 8, "layer_norm_backward": 12, "softmax": 5,
-               "log_softmax": 5, "cross_entropy": 5, "cross_entropy_backward": 5, "adamw": 12,
-               "sgd": 4}
+               "pow": 4, "gelu": 8, "gelu_backward": 12, "layer_norm": 8, "layer_norm_backward": 12, "batch_norm": 8,
+               "batch_norm_backward": 12, "softmax": 5, "log_softmax": 5, "cross_entropy": 5,
+               "cross_entropy_backward": 5, "adamw": 12, "sgd": 4}
 
 
 def _numel(v: SSAValue) -> int: return math.prod(aval(v.type).shape)

@@ -1,4 +1,4 @@
-"""Neural-network primitives (softmax, layer_norm, embedding, gather/scatter, cross_entropy) and composites."""
+"""Neural-network primitives (softmax, layer/batch norm, embedding, gather/scatter, cross_entropy) and composites."""
 from __future__ import annotations
 
 import math
@@ -96,6 +96,67 @@ def layer_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, bias: 
   if tuple(x.shape[x.ndim - len(shape):]) != shape:
     raise ShapeError(f"layer_norm: normalized_shape {shape} does not match the trailing dims of input {x.shape}")
   return layer_norm_op(x, weight, bias, n=len(shape), eps=float(eps))
+
+
+def _stats_dtype(x) -> dtypes.DType:
+  """The dtype per-channel statistics are kept in: float64 for float64 inputs, else float32."""
+  return dtypes.float64 if x.dtype is dtypes.float64 else dtypes.float32
+
+
+def _channels(name: str, x) -> tuple[int]:
+  if x.ndim < 2 or not x.dtype.is_floating_point:
+    raise ShapeError(f"{name}: expected a floating input (N, C, *), got shape {x.shape} of {x.dtype.name}")
+  return (x.shape[1],)
+
+
+def _batch_norm_rule(x, mean, var, w, b, eps, training):
+  c = _channels("batch_norm", x)
+  for name, t in (("mean", mean), ("var", var), ("weight", w), ("bias", b)):
+    if t is not None and (t.shape != c or not t.dtype.is_floating_point):
+      raise ShapeError(f"batch_norm: {name} should be a floating tensor of {c[0]} elements (the channels of input "
+                       f"{x.shape}), got shape {t.shape} of {t.dtype.name}")
+  return x.shape, x.dtype
+
+
+def _batch_norm_vjp(g, out, x, mean, var, w, b, eps, training, needs=(True,) * 5):
+  if not (needs[0] or needs[3] or needs[4]): return (None,) * 5  # the statistics get no gradient
+  dx, dw, db = batch_norm_backward_op(g, x, mean, var, w, eps=eps, training=training, input_grad=needs[0],
+                                      weight_grad=needs[3], bias_grad=needs[4])
+  return dx, None, None, dw, db
+
+
+def _batch_norm_backward_rule(g, x, mean, var, w, eps, training, input_grad, weight_grad, bias_grad):
+  _batch_norm_rule(x, mean, var, w, None, eps, training)
+  if g.shape != x.shape: raise ShapeError(f"batch_norm_backward: gradient of shape {g.shape} for input {x.shape}")
+  c = (x.shape[1],), _stats_dtype(x)
+  return [(x.shape, x.dtype) if input_grad else None, c if weight_grad else None, c if bias_grad else None]
+
+
+# Per-channel statistics of x (N, C, *) over all dims but 1: the mean and the biased variance, float32 (float64 for
+# float64 x; halves read as float32). Not differentiable: batch_norm's VJP in training form accounts for them.
+batch_norm_stats_op = op("batch_norm_stats", lambda x: [(_channels("batch_norm_stats", x), _stats_dtype(x))] * 2,
+                         multi=True, inputs="x")
+# (x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1) of x (N, C, *), in float32 math for halves, the
+# output in x's dtype; mean, var, weight and bias (C,) of any floating dtype. `training` says that mean and var are
+# x's batch statistics (batch_norm_stats), so the gradient flows through them; otherwise they are given constants
+# (running statistics). The backward is one op: dx (x's dtype), dweight = sum(g xhat) and dbias = sum(g) (float32),
+# each computed only when asked for; mean and var get no gradient, as in PyTorch.
+batch_norm_backward_op = op("batch_norm_backward", _batch_norm_backward_rule, multi=True, inputs="g x mean var ?weight",
+                            attrs="eps:float training:bool input_grad:bool weight_grad:bool bias_grad:bool")
+batch_norm_op = op("batch_norm", _batch_norm_rule, _batch_norm_vjp, saves=(0, 1, 2, 3),
+                   inputs="x mean var ?weight ?bias", attrs="eps:float training:bool")
+
+
+def batch_norm_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+  """The mean and biased variance of each channel (dim 1) of x (N, C, *), float32 (float64 for float64 x)."""
+  return batch_norm_stats_op(x)
+
+
+def batch_norm(x: Tensor, mean: Tensor, var: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5, training: bool = False) -> Tensor:
+  """(x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1) of x (N, C, *), with statistics (C,) that are
+  x's own (`training`: from `batch_norm_stats(x)`, and the gradient flows through them) or given constants."""
+  return batch_norm_op(x, mean, var, weight, bias, eps=float(eps), training=bool(training))
 
 
 def rms_norm(x: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None) -> Tensor:

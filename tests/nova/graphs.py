@@ -205,6 +205,13 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   gates3 = b("slice", x, index=((0, 3, 1), (0, 3, 1)))  # GRU gates (3, 3H) with H = 1
   outs += [b("gru_cell", gates3, b("slice", pos, index=((0, 3, 1), (1, 4, 1))), cell),
            b("gru_cell_backward", cell, gates3, gates3, cell)]
+  mean, var = b("batch_norm_stats", x)  # x as (N, C) = (3, 4)
+  outs += [mean, var, b("batch_norm", x, mean, var, w, bias, eps=1e-5, training=True),
+           b("batch_norm", x, y, b("exp", y), None, bias, eps=1e-3, training=False),
+           *b("batch_norm_backward", pos, x, mean, var, w, eps=1e-5, training=True, input_grad=True, weight_grad=True,
+              bias_grad=True),
+           b("batch_norm_backward", pos, x, y, b("exp", y), None, eps=1e-3, training=False, input_grad=False,
+             weight_grad=True, bias_grad=False)[1]]
   q, k = b("view", x, shape=(1, 3, 4)), b("view", pos, shape=(1, 3, 4))
   att = b("flash_attention", q, k, k, causal=True, scale=0.5)
   outs += [att, b("flash_attention", q, k, q, causal=False, scale=1.0),

@@ -192,6 +192,45 @@ def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias):
   return dx.astype(x.dtype, copy=False), dw, g.sum(axis=batch).astype(x.dtype, copy=False) if has_bias else None
 
 
+def _channel_axes(x):
+  """The axes batch norm reduces over (all but 1), and the shape that broadcasts a (C,) vector against x."""
+  return (0,) + tuple(range(2, x.ndim)), (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+
+def _batch_norm_stats(x):
+  axes, shape = _channel_axes(x)
+  x = x.astype(np.float64)
+  mean = x.mean(axis=axes)
+  xc = x - mean.reshape(shape)
+  return mean, (xc * xc).mean(axis=axes)
+
+
+def _batch_norm_terms(x, mean, var, eps):
+  """(x - mean) / sqrt(var + eps) and 1 / sqrt(var + eps) (broadcasting against x), in float64."""
+  _, shape = _channel_axes(x)
+  invstd = 1 / np.sqrt(var.astype(np.float64).reshape(shape) + eps)
+  return (x.astype(np.float64) - mean.reshape(shape)) * invstd, invstd
+
+
+def _batch_norm(x, mean, var, w, b, eps, training):
+  _, shape = _channel_axes(x)
+  y, _ = _batch_norm_terms(x, mean, var, eps)
+  if w is not None: y = y * w.reshape(shape)
+  return y + b.reshape(shape) if b is not None else y
+
+
+def _batch_norm_backward(g, x, mean, var, w, eps, training, input_grad, weight_grad, bias_grad):
+  axes, shape = _channel_axes(x)
+  xhat, invstd = _batch_norm_terms(x, mean, var, eps)
+  g = g.astype(np.float64)
+  dw, db = (g * xhat).sum(axis=axes), g.sum(axis=axes)
+  dx = None
+  if input_grad:
+    if training: g = g - (db.reshape(shape) + xhat * dw.reshape(shape)) / (x.size // x.shape[1])
+    dx = g * invstd if w is None else g * (invstd * w.reshape(shape))
+  return dx, dw if weight_grad else None, db if bias_grad else None
+
+
 def _valid_targets(op, target, ignore_index, num_classes):
   valid = target != ignore_index
   bad = target[valid & ((target < 0) | (target >= num_classes))]
@@ -461,7 +500,8 @@ kernels = {
   # linear algebra, normalization, losses
   "matmul": _matmul, "conv": _conv, "conv_grad_input": _conv_grad_input, "conv_grad_weight": _conv_grad_weight,
   "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm, "add_layer_norm": _add_layer_norm,
-  "layer_norm_backward": _layer_norm_backward,
+  "layer_norm_backward": _layer_norm_backward, "batch_norm_stats": _batch_norm_stats, "batch_norm": _batch_norm,
+  "batch_norm_backward": _batch_norm_backward,
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "cross_entropy_stats": _cross_entropy_stats, "cross_entropy_lse_backward": _cross_entropy_lse_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,

@@ -21,12 +21,13 @@ from blutrain import dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (TL, aligned, axis_args, axis_offsets, axis_params, collapse, divisible, empty,
-                                           max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided)
+                                           max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided, view)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
-from blutrain.configurator import norm_backward_rows, row_schedule
+from blutrain.backend.cuda.memory import is_dense
+from blutrain.configurator import H200, norm_backward_rows, reduce_schedule, row_schedule, split_rule
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv
+from blutrain.shapes import cdiv, contiguous_strides
 
 
 @triton.jit
@@ -441,12 +442,332 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residua
   return grads
 
 
+# *** batch norm ***
+
+@triton.jit
+def _channel_offsets(cs, rs, c_stride, r_size1, r_size2, r_size3, r_size4, r_stride0, r_stride1, r_stride2, r_stride3,
+                     r_stride4, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr, R_UNIT: tl.constexpr):
+  """[BLOCK_C, BLOCK_R] element offsets of channels cs at reduced positions rs (the N and spatial dims, collapsed)."""
+  c_off = cs if C_UNIT else cs * c_stride
+  r_off = axis_offsets(rs, r_size1, r_size2, r_size3, r_size4, r_stride0, r_stride1, r_stride2, r_stride3, r_stride4,
+                       R_DIMS, R_UNIT)
+  return c_off[:, None] + r_off[None, :]
+
+
+@triton.jit
+def _batch_norm_reduce_kernel(part0, part1, x, g, mean, var, C, R, chunk, eps, r_size1, r_size2, r_size3, r_size4,
+                              x_r_stride0, x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4,
+                              g_r_stride0, g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4, x_c_stride, g_c_stride,
+                              GRAD: tl.constexpr, ACC: tl.constexpr, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr,
+                              R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
+  """Per channel, over the reduced positions [s chunk, (s + 1) chunk) of split s = program_id(1): the mean and M2 of
+  x into part0[s] and part1[s], or with GRAD the sums of g xhat and of g, xhat = (x - mean) / sqrt(var + eps)."""
+  pid_c = tl.program_id(0)
+  pid_s = tl.program_id(1)
+  if IDX64:
+    pid_c = pid_c.to(tl.int64)
+    pid_s = pid_s.to(tl.int64)
+  cs = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+  c_mask = cs < C
+  start = pid_s * chunk
+  end = tl.minimum(start + chunk, R)
+  if GRAD:
+    mu = tl.load(mean + cs, mask=c_mask, other=0).to(ACC)
+    invstd = 1.0 / sqrt_rn(tl.load(var + cs, mask=c_mask, other=1).to(ACC) + eps)
+    sgx = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+    sg = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+    for r0 in range(start, end, BLOCK_R):
+      rs = r0 + tl.arange(0, BLOCK_R)
+      mask = c_mask[:, None] & (rs < end)[None, :]
+      xv = tl.load(x + _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0,
+                                        x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT),
+                   mask=mask, other=0).to(ACC)
+      gv = tl.load(g + _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0,
+                                        g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT),
+                   mask=mask, other=0).to(ACC)
+      sgx += gv * (xv - mu[:, None])
+      sg += gv
+    a = tl.sum(sgx, axis=1) * invstd
+    b = tl.sum(sg, axis=1)
+  else:  # per-lane Welford, as _row_moments, the lanes merged once at the end
+    lane_mean = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+    lane_m2 = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+    lane_n = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+    for r0 in range(start, end, BLOCK_R):
+      rs = r0 + tl.arange(0, BLOCK_R)
+      mask = c_mask[:, None] & (rs < end)[None, :]
+      v = tl.load(x + _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0,
+                                       x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT),
+                  mask=mask, other=0).to(ACC)
+      n = lane_n + tl.where(mask, 1.0, 0.0)
+      d = tl.where(mask, v - lane_mean, 0.0)
+      lane_mean += d / tl.maximum(n, 1.0)
+      lane_m2 += d * tl.where(mask, v - lane_mean, 0.0)
+      lane_n = n
+    a, b, _ = tl.reduce((lane_mean, lane_m2, lane_n), 1, _welford_combine)
+  tl.store(part0 + pid_s * C + cs, a, mask=c_mask)
+  tl.store(part1 + pid_s * C + cs, b, mask=c_mask)
+
+
+@triton.jit
+def _batch_norm_finalize_kernel(out0, out1, sums, part0, part1, C, R, S, chunk, GRAD: tl.constexpr,
+                                HAS0: tl.constexpr, HAS1: tl.constexpr, BLOCK_C: tl.constexpr):
+  """The S splits' partial results per channel merged: the mean and the biased variance into out0 and out1, or with
+  GRAD the sums of g xhat and of g into sums[0] and sums[1] (the dx kernel reads them) and out0 (dweight) and out1
+  (dbias) in their dtypes, each when HAS0 / HAS1."""
+  cs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+  c_mask = cs < C
+  a = tl.zeros([BLOCK_C], part0.dtype.element_ty)
+  b = tl.zeros([BLOCK_C], part0.dtype.element_ty)
+  cnt = tl.zeros([BLOCK_C], part0.dtype.element_ty)
+  for s in range(0, S):
+    p0 = tl.load(part0 + s * C + cs, mask=c_mask, other=0)
+    p1 = tl.load(part1 + s * C + cs, mask=c_mask, other=0)
+    if GRAD:
+      a += p0
+      b += p1
+    else:
+      a, b, cnt = _welford_combine(a, b, cnt, p0, p1, cnt * 0 + tl.minimum(chunk, R - s * chunk))
+  if GRAD:
+    tl.store(sums + cs, a, mask=c_mask)
+    tl.store(sums + C + cs, b, mask=c_mask)
+    if HAS0:
+      tl.store(out0 + cs, a.to(out0.dtype.element_ty), mask=c_mask)
+    if HAS1:
+      tl.store(out1 + cs, b.to(out1.dtype.element_ty), mask=c_mask)
+  else:
+    tl.store(out0 + cs, a.to(out0.dtype.element_ty), mask=c_mask)
+    tl.store(out1 + cs, (b / R).to(out1.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size1, r_size2, r_size3, r_size4,
+                             x_r_stride0, x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4,
+                             g_r_stride0, g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4,
+                             out_r_stride0, out_r_stride1, out_r_stride2, out_r_stride3, out_r_stride4,
+                             x_c_stride, g_c_stride, out_c_stride, MODE: tl.constexpr, ACC: tl.constexpr,
+                             HAS_W: tl.constexpr, HAS_B: tl.constexpr, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr,
+                             R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
+  """One [BLOCK_C, BLOCK_R] tile, with invstd = 1 / sqrt(var + eps): MODE "forward" out = (x - mean) invstd w + b;
+  "train" out = dx = (g - (sum(g) + xhat sum(g xhat)) / R) invstd w from the reduction's sums; "eval" out = dx =
+  g invstd w (the statistics are constants). The blocks of R are the grid's first axis, which may pass 65535."""
+  pid_r = tl.program_id(0)
+  pid_c = tl.program_id(1)
+  if IDX64:
+    pid_c = pid_c.to(tl.int64)
+    pid_r = pid_r.to(tl.int64)
+  cs = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+  rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+  c_mask = cs < C
+  mask = c_mask[:, None] & (rs < R)[None, :]
+  mu = tl.load(mean + cs, mask=c_mask, other=0).to(ACC)
+  invstd = 1.0 / sqrt_rn(tl.load(var + cs, mask=c_mask, other=1).to(ACC) + eps)
+  scale = invstd * tl.load(w + cs, mask=c_mask, other=0).to(ACC) if HAS_W else invstd
+  x_off = _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0, x_r_stride1,
+                           x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT)
+  if MODE == "forward":
+    y = (tl.load(x + x_off, mask=mask, other=0).to(ACC) - mu[:, None]) * scale[:, None]
+    if HAS_B:
+      y += tl.load(b + cs, mask=c_mask, other=0).to(ACC)[:, None]
+  else:
+    y = tl.load(g + _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0, g_r_stride1,
+                                     g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT),
+                mask=mask, other=0).to(ACC)
+    if MODE == "train":
+      xhat = (tl.load(x + x_off, mask=mask, other=0).to(ACC) - mu[:, None]) * invstd[:, None]
+      sgx = tl.load(sums + cs, mask=c_mask, other=0)
+      sg = tl.load(sums + C + cs, mask=c_mask, other=0)
+      y = y - (sg[:, None] + xhat * sgx[:, None]) / R
+    y = y * scale[:, None]
+  tl.store(out + _channel_offsets(cs, rs, out_c_stride, r_size1, r_size2, r_size3, r_size4, out_r_stride0,
+                                  out_r_stride1, out_r_stride2, out_r_stride3, out_r_stride4, R_DIMS, C_UNIT, R_UNIT),
+           y.to(out.dtype.element_ty), mask=mask)
+
+
+FINALIZE_BLOCK_C = 128  # channels per program of the finalize kernel (a loop over the splits, one vector each)
+
+
+def _dense_like(x: CudaArray, dtype: DType) -> CudaArray:
+  """A new array of x's shape in x's dense layout (channels-last stays channels-last), contiguous when x is not
+  dense."""
+  if x.is_contiguous() or not is_dense(x): return empty(x.shape, dtype, x.device)
+  order = sorted(range(x.ndim), key=lambda d: -x.strides[d])
+  buf = empty(tuple(x.shape[d] for d in order), dtype, x.device)
+  strides = [0] * x.ndim
+  for i, d in enumerate(order): strides[d] = buf.strides[i]
+  return view(buf, x.shape, strides)
+
+
+def _channel_problem(shape, *strides):
+  """Arrays of one shape (N, C, *) (x's strides first) as one (C, R) problem: the reduced dims (all but 1, by x's
+  falling strides) collapsed for all of them, as (R's shape, each array's strides along R, each array's channel
+  stride, C_UNIT, R_UNIT), or None when more than 5 dims remain. C_UNIT and R_UNIT: the channels, or the reduced
+  positions (one dim), at unit stride in every array."""
+  red = sorted([0, *range(2, len(shape))], key=lambda d: -strides[0][d])
+  rshape, rst = collapse([shape[d] for d in red], *([st[d] for d in red] for st in strides))
+  if len(rshape) > 5: return None
+  cst = [st[1] for st in strides]
+  return rshape, rst, cst, shape[1] == 1 or all(c == 1 for c in cst), len(rshape) == 1 and all(r[0] == 1 for r in rst)
+
+
+def _tile(C: int, R: int, c_unit: bool, r_unit: bool) -> tuple[int, int, int]:
+  """(BLOCK_C, BLOCK_R, num_warps): a reduction's schedule over C outputs of R, loading along the channels when they
+  are the unit-stride axis (channels-last)."""
+  return reduce_schedule(C, R, c_unit and not r_unit)
+
+
+@functools.lru_cache(maxsize=4096)
+def batch_norm_reduce_spec(grad: bool, x: DType, g: DType | None, mean: DType | None, var: DType | None, r_dims: int,
+                           c_unit: bool, r_unit: bool, C: int, R: int, i64: bool):
+  """The per-channel reduction's variant: x's statistics, or with `grad` the sums of g xhat and g (mean, var: the
+  dtypes of the statistics it reads then)."""
+  bc, br, warps = _tile(C, R, c_unit, r_unit)
+  it, acc = "i64" if i64 else "i32", stats_dtype(x)
+  sig = {"part0": ptr(acc), "part1": ptr(acc), "x": ptr(x), "g": ptr(g or x), "mean": ptr(mean or acc),
+         "var": ptr(var or acc), "C": it, "R": it, "chunk": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
+         **{k: it for k in axis_params("r", "x", "g")}, "x_c_stride": it, "g_c_stride": it}
+  return spec(_batch_norm_reduce_kernel, sig, dict(GRAD=grad, ACC=TL[acc], R_DIMS=r_dims, C_UNIT=c_unit, R_UNIT=r_unit,
+                                                   BLOCK_C=bc, BLOCK_R=br, IDX64=i64), num_warps=warps)
+
+
+@functools.lru_cache(maxsize=256)
+def batch_norm_finalize_spec(grad: bool, acc: DType, out0: DType | None, out1: DType | None):
+  """The kernel merging the reduction's splits (out0, out1: mean and var, or dweight and dbias, None when absent)."""
+  sig = {"out0": ptr(out0 or acc), "out1": ptr(out1 or acc), "sums": ptr(acc), "part0": ptr(acc), "part1": ptr(acc),
+         "C": "i32", "R": "i64", "S": "i32", "chunk": "i64"}
+  return spec(_batch_norm_finalize_kernel, sig, dict(GRAD=grad, HAS0=out0 is not None, HAS1=out1 is not None,
+                                                     BLOCK_C=FINALIZE_BLOCK_C), num_warps=4)
+
+
+@functools.lru_cache(maxsize=4096)
+def batch_norm_apply_spec(mode: str, x: DType, g: DType | None, out: DType, mean: DType, var: DType, w: DType | None,
+                          b: DType | None, r_dims: int, c_unit: bool, r_unit: bool, C: int, R: int, i64: bool):
+  """The elementwise kernel's variant: the forward normalization, or dx ("train", "eval")."""
+  bc, br, warps = _tile(C, R, c_unit, r_unit)
+  it, acc = "i64" if i64 else "i32", stats_dtype(x)
+  sig = {"out": ptr(out), "x": ptr(x), "g": ptr(g or x), "mean": ptr(mean), "var": ptr(var), "w": ptr(w or mean),
+         "b": ptr(b or mean), "sums": ptr(acc), "C": it, "R": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
+         **{k: it for k in axis_params("r", "x", "g", "out")}, "x_c_stride": it, "g_c_stride": it, "out_c_stride": it}
+  return spec(_batch_norm_apply_kernel, sig, dict(MODE=mode, ACC=TL[acc], HAS_W=w is not None, HAS_B=b is not None,
+                                                  R_DIMS=r_dims, C_UNIT=c_unit, R_UNIT=r_unit, BLOCK_C=bc, BLOCK_R=br,
+                                                  IDX64=i64), num_warps=warps)
+
+
+def reduce_plan(grad: bool, x: DType, g: DType | None, mean: DType | None, var: DType | None, shape, x_strides,
+                g_strides, eps: float, hw=H200):
+  """(spec, grid, scalar arguments after the pointers part0, part1, x, g, mean, var, splits S, chunk) of the
+  per-channel reduction over x of `shape` (and g with `grad`), whose layouts collapse to 5 reduced dims: `split_rule`
+  cuts the R positions of each channel into S chunks when the channel blocks alone leave SMs idle."""
+  C, R = shape[1], math.prod(shape) // shape[1]
+  rshape, rst, cst, c_unit, r_unit = _channel_problem(shape, x_strides, g_strides if grad else x_strides)
+  s = batch_norm_reduce_spec(grad, x, g, mean, var, len(rshape), c_unit, r_unit, C, R,
+                             needs_i64(shape, x_strides, g_strides if grad else x_strides))
+  bc, br = s.constexprs["BLOCK_C"], s.constexprs["BLOCK_R"]
+  pieces = split_rule(cdiv(C, bc), R, br, hw)
+  chunk = cdiv(cdiv(R, pieces), br) * br
+  S = cdiv(R, chunk)
+  return s, (cdiv(C, bc), S), (C, R, chunk, float(eps), *axis_args(rshape, *rst), *cst), S, chunk
+
+
+def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, var: DType, w: DType | None,
+               b: DType | None, shape, x_strides, g_strides, out_strides, eps: float):
+  """(spec, grid, scalar arguments after the pointers out, x, g, mean, var, w, b, sums) of the elementwise kernel
+  over arrays of `shape` whose layouts collapse to 5 reduced dims (g_strides: x's when there is no g)."""
+  C, R = shape[1], math.prod(shape) // shape[1]
+  rshape, rst, cst, c_unit, r_unit = _channel_problem(shape, x_strides, g_strides, out_strides)
+  s = batch_norm_apply_spec(mode, x, g, out, mean, var, w, b, len(rshape), c_unit, r_unit, C, R,
+                            needs_i64(shape, x_strides, g_strides, out_strides))
+  bc, br = s.constexprs["BLOCK_C"], s.constexprs["BLOCK_R"]
+  return s, (cdiv(R, br), cdiv(C, bc)), (C, R, float(eps), *axis_args(rshape, *rst), *cst)
+
+
+def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, eps: float, out0, out1) -> CudaArray:
+  """Run the per-channel reduction and its finalize over x (and g); returns the sums buffer (2, C) of `grad`."""
+  s, grid, scalars, S, chunk = reduce_plan(grad, x.dtype, g and g.dtype, mean and mean.dtype, var and var.dtype,
+                                           x.shape, x.strides, g and g.strides, eps, runtime.hardware(x.device))
+  C, R, acc = x.shape[1], x.size // x.shape[1], stats_dtype(x.dtype)
+  part = empty((2, S, C), acc, x.device)
+  part1 = part.ptr + S * C * acc.itemsize
+  run(s, grid, part.ptr, part1, x.ptr, (g or x).ptr, (mean or part).ptr, (var or part).ptr, *scalars)
+  sums = empty((2, C), acc, x.device) if grad else part
+  run(batch_norm_finalize_spec(grad, acc, out0 and out0.dtype, out1 and out1.dtype), (cdiv(C, FINALIZE_BLOCK_C),),
+      (out0 or part).ptr, (out1 or part).ptr, sums.ptr, part.ptr, part1, C, R, S, chunk)
+  return sums
+
+
+def _channel_apply(mode: str, out: CudaArray, x: CudaArray, g: CudaArray | None, mean, var, w, b, sums, eps: float):
+  s, grid, scalars = apply_plan(mode, x.dtype, g and g.dtype, out.dtype, mean.dtype, var.dtype, w and w.dtype,
+                                b and b.dtype, x.shape, x.strides, (g or x).strides, out.strides, eps)
+  run(s, grid, out.ptr, x.ptr, (g or x).ptr, mean.ptr, var.ptr, (w or mean).ptr, (b or mean).ptr, (sums or mean).ptr,
+      *scalars)
+
+
+def _contiguous(*arrays: CudaArray | None) -> list[CudaArray | None]:
+  return [a if a is None or a.is_contiguous() else copy(a) for a in arrays]
+
+
+def _few_dims(x: CudaArray, *others: CudaArray) -> list[CudaArray]:
+  """x and arrays of its shape, copied contiguous when their reduced dims, with those of a contiguous output, would not
+  collapse to 5 (7-D and more)."""
+  if _channel_problem(x.shape, x.strides, *(a.strides for a in others), contiguous_strides(x.shape)) is not None:
+    return [x, *others]
+  return [copy(a) for a in (x, *others)]
+
+
+def batch_norm_stats(x: CudaArray) -> tuple[CudaArray, CudaArray]:
+  """The mean and biased variance of each channel of x (N, C, *), float32 (float64 for float64 x), new arrays: a
+  split reduction (`reduce_schedule`, `split_rule`) leaves per-split means and M2s that a second kernel merges."""
+  acc = stats_dtype(x.dtype)
+  mean, var = empty((x.shape[1],), acc, x.device), empty((x.shape[1],), acc, x.device)
+  if x.size == 0: return fill(mean, float("nan")), fill(var, float("nan"))
+  (x,) = _few_dims(x)
+  _channel_reduce(False, x, None, None, None, 0.0, mean, var)
+  return mean, var
+
+
+def batch_norm(x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | None, b: CudaArray | None, eps: float,
+               training: bool) -> CudaArray:
+  """(x - mean) / sqrt(var + eps) * w + b per channel of x (N, C, *), a new array in x's dense layout."""
+  (x,) = _few_dims(x)
+  out = _dense_like(x, x.dtype)
+  if out.size == 0: return out
+  mean, var, w, b = _contiguous(mean, var, w, b)
+  _channel_apply("forward", out, x, None, mean, var, w, b, None, eps)
+  return out
+
+
+def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | None, *,
+                        eps: float, training: bool, input_grad: bool, weight_grad: bool,
+                        bias_grad: bool) -> tuple[CudaArray | None, ...]:
+  """(dx, dweight, dbias) of batch_norm, each a new array when asked for (else None): dx in x's dense layout, the
+  others float32 (float64 for float64 x). The sums over each channel (one split reduction) come first unless only
+  dx of the eval form is asked for."""
+  acc = stats_dtype(x.dtype)
+  x, g = _few_dims(x, g)
+  mean, var, w = _contiguous(mean, var, w)
+  dw = empty((x.shape[1],), acc, x.device) if weight_grad else None
+  db = empty((x.shape[1],), acc, x.device) if bias_grad else None
+  dx = _dense_like(x, x.dtype) if input_grad else None
+  if x.size == 0:
+    for p in (dw, db):
+      if p is not None: fill(p, 0)
+    return dx, dw, db
+  sums = None
+  if weight_grad or bias_grad or (input_grad and training):
+    sums = _channel_reduce(True, x, g, mean, var, eps, dw, db)
+  if input_grad: _channel_apply("train" if training else "eval", dx, x, g, mean, var, w, None, sums, eps)
+  return dx, dw, db
+
+
 KERNELS = {
   "softmax": lambda x, dim: _softmax(x, dim, False),
   "log_softmax": lambda x, dim: _softmax(x, dim, True),
   "layer_norm": layer_norm,
   "add_layer_norm": add_layer_norm,
   "layer_norm_backward": layer_norm_backward,
+  "batch_norm_stats": batch_norm_stats,
+  "batch_norm": batch_norm,
+  "batch_norm_backward": batch_norm_backward,
 }
 
 
@@ -479,6 +800,25 @@ def _specs() -> list:
           layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, bf16, True),
           layer_norm_backward_spec(bf16, bf16, bf16, False, 1000, 20000, False, None, True),
           param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64)]
+  # batch norm: NCHW (C, then N and H W collapsed), channels-last (the channels unit-stride), (N, C) and 1-D runs
+  R = 256 * 56 * 56
+  for grad, x, g, st in ((False, f32, None, None), (False, bf16, None, None), (True, f32, f32, f32),
+                         (True, bf16, bf16, f32)):
+    out += [batch_norm_reduce_spec(grad, x, g, st, st, 2, False, False, 64, R, False),
+            batch_norm_reduce_spec(grad, x, g, st, st, 1, True, False, 64, R, False)]
+  out += [batch_norm_reduce_spec(False, f64, None, None, None, 1, False, True, 3, 100, True),
+          batch_norm_reduce_spec(True, f64, f64, f64, bf16, 1, True, False, 10, 64, False),
+          batch_norm_finalize_spec(False, f32, f32, f32), batch_norm_finalize_spec(True, f32, f32, f32),
+          batch_norm_finalize_spec(True, f32, None, f32), batch_norm_finalize_spec(True, f64, f64, None)]
+  for mode, x, g in (("forward", f32, None), ("forward", bf16, None), ("train", f32, f32), ("train", bf16, bf16),
+                     ("eval", bf16, bf16)):
+    out += [batch_norm_apply_spec(mode, x, g, x, f32, f32, f32, f32 if mode == "forward" else None, 2, False, False,
+                                  64, R, False),
+            batch_norm_apply_spec(mode, x, g, x, f32, f32, f32, f32 if mode == "forward" else None, 1, True, False,
+                                  64, R, False)]
+  out += [batch_norm_apply_spec("forward", f64, None, f64, f64, f64, None, None, 3, False, False, 5, 100, True),
+          batch_norm_apply_spec("forward", bf16, None, bf16, bf16, bf16, bf16, None, 1, False, True, 3, 100, False),
+          batch_norm_apply_spec("train", f64, f64, f64, f64, f64, f64, None, 1, True, False, 10, 64, True)]
   return out
 
 

@@ -1,0 +1,110 @@
+"""The CUDA batch-norm kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since
+it must be set before Triton is imported) runs the statistics, forward and backward kernels, launched as
+`norm.reduce_plan` and `norm.apply_plan` say, on torch CPU tensors (test-only) in NCHW, channels-last and strided
+layouts, against the CPU backend's float64 kernels."""
+import numpy as np
+
+from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
+
+CASES = [  # (shape, layout of x, layout of g, dtype, training, weight, bias, SMs the schedule is made for)
+  ((32, 2, 32, 32), "nchw", "nchw", "fp32", True, True, True, 2),  # two SMs: the reduction splits R in two
+  ((4, 6, 5, 7), "channels_last", "channels_last", "bf16", True, True, False, 132),
+  ((4, 6, 5, 7), "channels_last", "nchw", "fp32", True, False, True, 132),
+  ((3, 4, 2, 3, 5), "strided", "channels_last", "fp32", True, True, True, 132),
+  ((9, 5), "nchw", "nchw", "fp64", True, True, True, 132),
+  ((2, 3, 7), "nchw", "strided", "bf16", False, True, True, 132),  # eval: given statistics
+  ((6, 5), "nchw", "nchw", "fp32", False, False, False, 132),
+]
+
+
+def _layout(t, layout: str):
+  """t (contiguous) as channels-last (dim 1 innermost), as every other element of a twice-wider last dim, or as is."""
+  import torch
+  if layout == "channels_last": return t.movedim(1, -1).contiguous().movedim(-1, 1)
+  if layout == "strided": return torch.stack([t, t], -1).flatten(-2)[..., ::2]
+  return t
+
+
+def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> None:
+  import dataclasses
+  import torch
+  from blutrain import configurator, dtypes
+  from blutrain.backend.cpu.kernels import kernels as cpu
+  from blutrain.backend.cuda.kernels import norm as K
+  from blutrain.shapes import cdiv
+  dt = {"fp32": dtypes.float32, "bf16": dtypes.bfloat16, "fp64": dtypes.float64}[dtype]
+  tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[dtype]
+  acc, tacc = (dtypes.float64, torch.float64) if dtype == "fp64" else (dtypes.float32, torch.float32)
+  hw = dataclasses.replace(configurator.H200, sms=sms)
+  rng = np.random.default_rng(sum(shape))
+  C, R, eps = shape[1], int(np.prod(shape)) // shape[1], 1e-3
+  x = _layout(torch.tensor(rng.standard_normal(shape) * 2 + 5).to(tdt), x_layout)  # far from 0: a stable variance
+  g = _layout(torch.tensor(rng.standard_normal(shape)).to(tdt), g_layout)
+  w = torch.tensor(rng.standard_normal(C), dtype=tacc) if weight else None
+  b = torch.tensor(rng.standard_normal(C), dtype=tacc) if bias else None
+  x64, g64 = x.double().numpy(), g.double().numpy()  # what the kernels read, rounded as they read it
+  w64, b64 = (None if t is None else t.double().numpy() for t in (w, b))
+  tol = {"fp32": 1e-5, "bf16": 1e-2, "fp64": 1e-12}[dtype]
+
+  def close(name, got, want, rel):
+    err = float(np.abs(got.double().numpy() - want).max() / max(np.abs(want).max(), 1e-30))
+    assert err < rel, f"{name} ({shape}, {x_layout}/{g_layout}, {dtype}, training={training}): relative error {err:.2e}"
+
+  def reduce(grad, mean=None, var=None, out0=None, out1=None):
+    stats = acc if grad else None
+    s, grid, scalars, S, chunk = K.reduce_plan(grad, dt, dt if grad else None, stats, stats, shape, x.stride(),
+                                               g.stride() if grad else None, eps, hw)
+    assert S == (2 if sms == 2 else 1), f"{S} splits for {shape} on {sms} SMs"
+    part = torch.empty((2, S, C), dtype=tacc)
+    s[0][grid](part[0], part[1], x, g if grad else x, part if mean is None else mean, part if var is None else var,
+               *scalars, **s.constexprs)
+    sums = torch.empty((2, C), dtype=tacc)
+    f = K.batch_norm_finalize_spec(grad, acc, None if out0 is None else acc, None if out1 is None else acc)
+    f[0][(cdiv(C, K.FINALIZE_BLOCK_C),)](part if out0 is None else out0, part if out1 is None else out1, sums, part[0],
+                                          part[1], C, R, S, chunk, **f.constexprs)
+    return sums
+
+  def apply(mode, out, mean, var, sums=None):
+    s, grid, scalars = K.apply_plan(mode, dt, None if mode == "forward" else dt, dt, acc, acc,
+                                    None if w is None else acc, None if b is None else acc, shape, x.stride(),
+                                    (x if mode == "forward" else g).stride(), out.stride(), eps)
+    s[0][grid](out, x, x if mode == "forward" else g, mean, var, mean if w is None else w, mean if b is None else b,
+               mean if sums is None else sums, *scalars, **s.constexprs)
+    return out
+
+  if training:
+    mean, var = torch.empty(C, dtype=tacc), torch.empty(C, dtype=tacc)
+    reduce(False, out0=mean, out1=var)
+    want_mean, want_var = cpu["batch_norm_stats"](x64)
+    close("mean", mean, want_mean, tol if dtype != "bf16" else 1e-5)  # halves are read exactly: float32 stats
+    close("var", var, want_var, tol if dtype != "bf16" else 1e-5)
+    mean64, var64 = want_mean, want_var
+  else:
+    mean64, var64 = rng.standard_normal(C) + 5, rng.uniform(1, 4, C)
+    mean, var = torch.tensor(mean64, dtype=tacc), torch.tensor(var64, dtype=tacc)
+  mean64, var64 = mean.double().numpy(), var.double().numpy()
+  out = apply("forward", torch.empty_like(x), mean, var)
+  assert out.stride() == x.stride() or x_layout == "strided"
+  close("out", out, cpu["batch_norm"](x64, mean64, var64, w64, b64, eps=eps, training=training), tol)
+  want_dx, want_dw, want_db = cpu["batch_norm_backward"](g64, x64, mean64, var64, w64, eps=eps, training=training,
+                                                         input_grad=True, weight_grad=True, bias_grad=True)
+  dw, db = torch.empty(C, dtype=tacc), torch.empty(C, dtype=tacc)
+  sums = reduce(True, mean, var, dw, db)
+  close("dweight", dw, want_dw, 1e-5 if dtype != "fp64" else tol)
+  close("dbias", db, want_db, 1e-5 if dtype != "fp64" else tol)
+  dx = apply("train" if training else "eval", torch.empty_like(x), mean, var, sums)
+  close("dx", dx, want_dx, tol if dtype != "fp32" else 1e-4)  # dx subtracts nearly equal terms
+
+
+def main() -> None:
+  patch_interpreter_loop_bounds()
+  for case in CASES: _run_case(*case)
+  print("ok")
+
+
+def test_batch_norm_kernels_under_triton_interpreter():
+  run_under_triton_interpreter("tests.test_batch_norm_interpret")
+
+
+if __name__ == "__main__":
+  main()
