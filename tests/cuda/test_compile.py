@@ -10,7 +10,7 @@ import blutrain as bt
 from blutrain import nn
 from blutrain.nn import functional as F
 from blutrain.models import GPT, GPTConfig
-from tests.helpers import assert_adam_close
+from tests.helpers import assert_as_accurate
 
 pytestmark = pytest.mark.cuda
 
@@ -88,14 +88,16 @@ def test_compiled_step_equals_eager(kind, amp, monkeypatch):
   l1, p1, _ = _train(kind, False, amp)
   l2, p2, step = _train(kind, True, amp, monkeypatch=monkeypatch)
   assert step.captures == 2 and step.info["cuda_graph"] == "on"  # the graph making the optimizer's state, the steady
-  tol = 2e-2 if amp else 2e-5
-  np.testing.assert_allclose(l2, l1, rtol=tol)
+  if amp:  # the two bf16 runs round differently (fused kernels round once) and Adam amplifies that in near-zero
+    # gradients: each must be about as close to a float32 run as the other
+    l32, p32, _ = _train(kind, False, False)
+    assert_as_accurate(l2, l1, np.array(l32), "losses")
+    for name in p1: assert_as_accurate(p2[name], p1[name], p32[name], name)
+    return
+  np.testing.assert_allclose(l2, l1, rtol=2e-5)
   for name in p1:  # noise-sized differences (the key slice of c_attn.bias, a third of it, has a zero true gradient)
-    if amp:       # move each element by up to each step's rate either way in each run: twice the schedule's sum, 3e-3
-      assert_adam_close(p2[name], p1[name], lr=2 * 3e-3, rtol=tol, atol=1e-4, what=name,
-                        outliers=0.34 if name.endswith("c_attn.bias") else 1e-3)
-    else: np.testing.assert_allclose(p2[name], p1[name], atol=5e-7 + 5e-3 * name.endswith("c_attn.bias"), rtol=tol,
-                                     err_msg=name)
+    np.testing.assert_allclose(p2[name], p1[name], atol=5e-7 + 5e-3 * name.endswith("c_attn.bias"), rtol=2e-5,
+                               err_msg=name)
 
 
 def test_graph_replay_equals_kernel_by_kernel(monkeypatch):

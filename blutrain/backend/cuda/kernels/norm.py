@@ -341,6 +341,14 @@ def _softmax(x: CudaArray, dim: int, log: bool) -> CudaArray:
   return out
 
 
+def _same_vectors(extra: DType | None, *dtypes_: DType) -> bool:
+  """Whether a fused kernel's extra row operand (add_layer_norm's addend, the backward's residual gradient) may be
+  promised 16 bytes without changing the kernel's layout: Triton gives every row load the widest vector of the
+  kernel's row accesses, and the row sums' order follows it, so a narrower element (float16 beside float32 rows)
+  would make the fused kernel round differently from the plain one it must equal bit for bit."""
+  return extra is None or extra.itemsize >= min(d.itemsize for d in dtypes_)
+
+
 @functools.lru_cache(maxsize=4096)
 def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: int, N: int, i64: bool,
                     out: DType | None = None, y: DType | None = None, vectors: bool = False):
@@ -351,7 +359,9 @@ def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: 
   it = "i64" if i64 else "i32"
   sig = {"out": ptr(out or x), "h": ptr(x), "x": ptr(x), "addend": ptr(y or x), "w": ptr(w or x), "b": ptr(b or x),
          "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", **{k: it for k in axis_params("m", "x")}}
-  if vectors: sig = divisible(sig, ("out", "h", "x", "addend", "w", "b", "N", *axis_params("m", "x")[4:]))  # strides
+  if vectors:
+    extra = ("addend",) if _same_vectors(y, x, out or x) else ()
+    sig = divisible(sig, ("out", "h", "x", *extra, "w", "b", "N", *axis_params("m", "x")[4:]))  # [4:]: the strides
   return spec(_layer_norm_kernel, sig, dict(ACC=TL[stats_dtype(x)], M_DIMS=m_dims, HAS_W=w is not None,
                                             HAS_B=b is not None, ADD=y is not None, BLOCK_M=bm, BLOCK_N=bn,
                                             ONE_PASS=one, IDX64=i64), num_warps=warps)
@@ -400,7 +410,7 @@ def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r:
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
   sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x),
          "r": ptr(r or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
-  if vectors: sig = divisible(sig, ("dx", "dw_part", "db_part", "g", "x", "w", "r", "N"))
+  if vectors: sig = divisible(sig, ("dx", "dw_part", "db_part", "g", "x", "w", *("r",) * _same_vectors(r, g, x), "N"))
   return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[acc], HAS_W=w is not None, HAS_B=has_b, HAS_R=r is not None,
                                                      BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
 
