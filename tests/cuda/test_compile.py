@@ -89,10 +89,11 @@ def test_compiled_step_equals_eager(kind, amp, monkeypatch):
   l2, p2, step = _train(kind, True, amp, monkeypatch=monkeypatch)
   assert step.captures == 2 and step.info["cuda_graph"] == "on"  # the graph making the optimizer's state, the steady
   if amp:  # the two bf16 runs round differently (fused kernels round once) and Adam amplifies that in near-zero
-    # gradients: each must be about as close to a float32 run as the other
+    # gradients: each must be about as close to a float32 run as the other (a rarely touched embedding's error over
+    # 5 steps varies by 2x between runs; a wrong kernel's is 10x and more)
     l32, p32, _ = _train(kind, False, False)
     assert_as_accurate(l2, l1, np.array(l32), "losses")
-    for name in p1: assert_as_accurate(p2[name], p1[name], p32[name], name)
+    for name in p1: assert_as_accurate(p2[name], p1[name], p32[name], name, slack=3.0)
     return
   np.testing.assert_allclose(l2, l1, rtol=2e-5)
   for name in p1:  # noise-sized differences (the key slice of c_attn.bias, a third of it, has a zero true gradient)
