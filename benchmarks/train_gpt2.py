@@ -135,7 +135,8 @@ def run_torch(cfg, state, batches, precision: str, warmup: int, compiled: bool, 
   if device != "cuda": return _timed(one, dev, warmup, lambda: None)
   torch.cuda.synchronize()
   torch.cuda.reset_peak_memory_stats()
-  out = _timed(one, dev, warmup, torch.cuda.synchronize, torch.cuda.reset_peak_memory_stats if compiled else lambda: None)
+  out = _timed(one, dev, warmup, torch.cuda.synchronize,
+               torch.cuda.reset_peak_memory_stats if compiled else lambda: None)
   out["peak_bytes"] = torch.cuda.max_memory_allocated()
   del model, step, fn, dev
   gc.collect()
@@ -177,8 +178,11 @@ def main() -> None:
   ap.add_argument("--device", default="cuda")
   ap.add_argument("--quick", action="store_true", help="1 warm-up and 2 timed steps (with --device cpu: a 2-layer GPT "
                   "of width 64, B=2, T=32)")
-  ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_gpt2.json"))
+  ap.add_argument("--out", help="the results file (default: benchmarks/results/train_gpt2.json on a GPU, "
+                  "train_gpt2_cpu.json in the temporary directory on the CPU)")
   args = ap.parse_args()
+  args.out = args.out or str(ROOT / "benchmarks" / "results" / "train_gpt2.json" if args.device == "cuda" else
+                             Path(tempfile.gettempdir()) / "train_gpt2_cpu.json")
   if args.quick: args.steps, args.warmup = 2, 1
   tiny = args.quick and args.device == "cpu"
   if tiny: args.batch, args.block = 2, 32
@@ -239,7 +243,8 @@ def main() -> None:
     jx, tc, bc, te = (result["runs"].get(f"{n}/{precision}", {}) for n in ("jax_xla", "torch_compile",
                                                                            "blutrain_compile", "torch_eager"))
     if "tokens_per_s" not in jx: continue
-    ratio = lambda a, b: f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" if "tokens_per_s" in a and "tokens_per_s" in b else "-"
+    ratio = lambda a, b: f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" if "tokens_per_s" in a and "tokens_per_s" in b \
+      else "-"
     diff = f"{max(abs(a - b) for a, b in zip(jx['losses'], te['losses'])):.2e}" if "losses" in te else "-"
     print(f"| {precision} | {jx['tokens_per_s']:,.0f} | {ratio(jx, tc)} | {ratio(bc, jx)} | {_gib(jx):.1f} "
           f"| {jx['step_s'] * 1e3:.1f} | {jx['first_step_s']:.1f} | {jx['attention']} | {diff} |")
