@@ -158,6 +158,7 @@ def run_jax(cfg, state, batches, precision: str, warmup: int, device: str = "cud
                            "--out", str(out)], env=env, stderr=subprocess.PIPE, text=True)
     if proc.returncode:
       raise RuntimeError(f"benchmarks/jax_gpt.py exited with {proc.returncode}: {proc.stderr[-2000:]}")
+    sys.stderr.write(proc.stderr)  # JAX's and XLA's warnings, and a note when cuDNN attention was refused
     return json.loads(out.read_text())
 
 
