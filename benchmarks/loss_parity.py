@@ -4,6 +4,7 @@ default. Writes both loss curves, their difference over the last 100 steps and t
 benchmarks/results/loss_parity.json, and both curves with their difference to loss_parity.png.
 
   python benchmarks/loss_parity.py [--steps 300] [--batch 16] [--block 1024] [--precision bf16] [--jax]
+                                   [--fp32-reference]
   python benchmarks/loss_parity.py --device cpu --quick   # a small dry run of the script itself (char-tiny, 20 steps)
 
 The data are `blutrain train`'s: the bundled Tiny Shakespeare, its byte-level BPE tokenizer (8192 tokens; the model's
@@ -11,11 +12,13 @@ vocabulary stays GPT-2's 50304 as `blutrain train --preset gpt2` builds it), its
 sampler seeded with 1337. The optimizer is the benchmarks' (train_gpt2.py): fused AdamW, betas (0.9, 0.95), weight
 decay 0.1 on matrices, clipping to 1.0; the learning rate follows `blutrain train`'s schedule (linear warmup over a
 tenth of the run, at most 100 steps, then cosine decay to a tenth) to a peak of --lr (6e-4). With --jax, JAX/XLA
-(benchmarks/jax_gpt.py) adds a third curve.
+(benchmarks/jax_gpt.py) adds a third curve; with --fp32-reference, PyTorch eager in fp32 adds the rounding scale.
 
 The noise scale: a curve's standard deviation over a sliding window of --window steps (the spread of the loss from
-batch to batch, which bf16 rounding can shift by as much), averaged over the last 100 steps. With identical batches
-the batch-to-batch spread cancels from the difference; what remains is the peers' rounding, amplified by training.
+batch to batch), averaged over the last 100 steps. With identical batches the batch-to-batch spread cancels from the
+difference; what remains is the peers' rounding, amplified by training. A tighter scale is --fp32-reference's: how far
+PyTorch's own bf16 curve lies from its fp32 curve (a peer is within it when its mean difference from PyTorch's bf16
+curve is at most twice that: each rounds independently around the fp32 curve).
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import metadata, require_gpu, write  # noqa: E402
 from benchmarks.train_gpt2 import run_blutrain, run_jax, run_torch  # noqa: E402
 
-PEERS = {"blutrain_compile": "blutrain compiled", "torch_eager": "PyTorch eager", "jax_xla": "JAX/XLA"}
+PEERS = {"blutrain_compile": "blutrain compiled", "torch_eager": "PyTorch eager", "jax_xla": "JAX/XLA",
+         "torch_eager_fp32": "PyTorch eager fp32"}
 REF = "torch_eager"
 
 
@@ -73,7 +77,7 @@ def plot(result: dict, path: Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-  steps, color = np.arange(1, result["steps"] + 1), dict(zip(PEERS, ("C0", "C1", "C2")))
+  steps, color = np.arange(1, result["steps"] + 1), dict(zip(PEERS, ("C0", "C1", "C2", "C3")))
   for name, curve in result["curves"].items(): top.plot(steps, curve, lw=1, color=color[name], label=PEERS[name])
   top.set(ylabel="training loss", title=f"{result['preset']} on {result['corpus']}, {result['precision']}, "
           f"B={result['batch']}, T={result['block']}, on {result['gpu']}")
@@ -100,6 +104,8 @@ def main() -> None:
   ap.add_argument("--lr", type=float, default=6e-4, help="the schedule's peak learning rate")
   ap.add_argument("--window", type=int, default=20, help="steps of the sliding window of the noise scale")
   ap.add_argument("--jax", action="store_true", help="and a JAX/XLA curve (benchmarks/jax_gpt.py)")
+  ap.add_argument("--fp32-reference", action="store_true", help="and PyTorch eager in fp32: its distance to PyTorch "
+                  "eager in --precision is what that precision's rounding alone does to the curve")
   ap.add_argument("--device", default="cuda")
   ap.add_argument("--quick", action="store_true", help="a dry run: char-tiny's 2-layer GPT, B=4, T=32, 20 steps")
   ap.add_argument("--out", help="the results file (default: benchmarks/results/loss_parity.json on a GPU, "
@@ -127,8 +133,10 @@ def main() -> None:
   del model  # each run builds its own from `state`
   runs = {"blutrain_compile": lambda: run_blutrain(model_cfg, state, batches, args.precision, 1, True, args.device, lrs),
           "torch_eager": lambda: run_torch(model_cfg, state, batches, args.precision, 1, False, args.device, lrs),
-          "jax_xla": lambda: run_jax(model_cfg, state, batches, args.precision, 1, args.device, lrs)}
-  for name in ["blutrain_compile", "torch_eager"] + (["jax_xla"] if args.jax else []):
+          "jax_xla": lambda: run_jax(model_cfg, state, batches, args.precision, 1, args.device, lrs),
+          "torch_eager_fp32": lambda: run_torch(model_cfg, state, batches, "fp32", 1, False, args.device, lrs)}
+  names = ["blutrain_compile", "torch_eager"] + ["jax_xla"] * args.jax + ["torch_eager_fp32"] * args.fp32_reference
+  for name in names:
     try:
       r = runs[name]()
     except Exception as e:  # a failed peer is reported, not hidden
@@ -146,11 +154,16 @@ def main() -> None:
     d = np.abs(c - curves[REF])[-last:]
     result["diff"][name] = {"last": last, "max_abs": float(d.max()), "mean_abs": float(d.mean()),
                             "within_noise": bool(d.mean() <= result["noise"][REF])}
-  write(result, args.out)
+  rounding = result["diff"].get("torch_eager_fp32", {}).get("mean_abs")
   for name, d in result["diff"].items():
-    noises = ", ".join(f"{k} {v:.4f}" for k, v in result["noise"].items())
-    print(f"{PEERS[name]} vs {PEERS[REF]}, last {last} steps: max |d| {d['max_abs']:.3g}, "
-          f"mean |d| {d['mean_abs']:.3g}; noise (sliding std over {args.window} steps): {noises}; within noise: {d['within_noise']}")
+    # two runs rounding independently, each at that distance from the fp32 curve, lie up to twice it apart
+    if rounding is not None and name != "torch_eager_fp32": d["within_fp32_rounding"] = d["mean_abs"] <= 2 * rounding
+  write(result, args.out)
+  print(f"noise (std over {args.window} steps, mean over the last {last}): "
+        + ", ".join(f"{PEERS[k]} {v:.4f}" for k, v in result["noise"].items()))
+  for name, d in result["diff"].items():
+    print(f"{PEERS[name]} - {PEERS[REF]}, last {last} steps: max |d| {d['max_abs']:.3g}, mean |d| {d['mean_abs']:.3g}; "
+          + ", ".join(f"{k}: {v}" for k, v in d.items() if k.startswith("within")))
   png = Path(args.out).with_suffix(".png")
   try:
     import matplotlib  # noqa: F401
