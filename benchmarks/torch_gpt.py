@@ -90,8 +90,10 @@ def load_from_blutrain(torch_model: GPT, state: dict) -> None:
 def training_step(model: GPT, opt: torch.optim.Optimizer, precision: str):
   """The benchmarks' PyTorch step: forward (under bf16 autocast when precision is "bf16"), backward, clipping to 1.0,
   the optimizer's step, gradients set to None; returns the loss."""
+  device = next(model.parameters()).device.type
+
   def step(x, y):
-    with torch.autocast("cuda", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+    with torch.autocast(device, torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
       _, loss = model(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
