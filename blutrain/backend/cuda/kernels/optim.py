@@ -61,38 +61,52 @@ def _steps_kernel(table, T, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _learning_rate(lr_bits, lr_ptr, LR_PTR: tl.constexpr):
+  """The float64 learning rate: lr_bits's bits, or with LR_PTR read from lr_ptr (so that a replayed CUDA graph reads
+  each step's)."""
+  if LR_PTR:
+    lr = tl.load(lr_ptr)
+  else:
+    lr = lr_bits.to(tl.float64, bitcast=True)
+  return lr
+
+
+@triton.jit
+def _gradient(g_ptr, i, mask, clip, G: tl.constexpr, CLIP: tl.constexpr):
+  """The gradient at g_ptr + i as float32; with CLIP multiplied by the float32 clip as it is read and rounded to G, as
+  the scale kernel stores it: by PTX's mul.rn, which is never contracted with the subtraction after it into an FMA
+  (libdevice's mul_rn would flush subnormals)."""
+  g = tl.load(g_ptr + i, mask=mask).to(tl.float32)
+  if CLIP:
+    g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, tl.broadcast_to(clip, g.shape)],
+                                  dtype=tl.float32, is_pure=True, pack=1).to(G).to(tl.float32)
+  return g
+
+
+@triton.jit
 def _adamw_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, beta1_bits, beta2_bits, wd_bits, one_minus_beta1, beta2,
                   one_minus_beta2, eps, P: tl.constexpr, G: tl.constexpr, DECAY: tl.constexpr, LR_PTR: tl.constexpr,
                   CLIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-  """AdamW over one chunk; the learning rate is lr_bits (a float64's bits) or, with LR_PTR, read from lr_ptr, so that
-  a replayed CUDA graph reads the learning rate of each step. With CLIP each gradient is multiplied by the float32 at
-  clip_ptr as it is read and rounded to G, as the scale kernel stores it: by PTX's mul.rn, which is never contracted
-  with the subtraction after it into an FMA (libdevice's mul_rn would flush subnormals)."""
+  """AdamW over one chunk; the learning rate and, with CLIP, the gradients' factor at clip_ptr as `_learning_rate` and
+  `_gradient` read them."""
   row, start, end = _row(table, chunks, 6, CHUNK)
   p_ptr = tl.load(row).to(tl.pointer_type(P))
   g_ptr = tl.load(row + 1).to(tl.pointer_type(G))
   m_ptr = tl.load(row + 2).to(tl.pointer_type(P))
   v_ptr = tl.load(row + 3).to(tl.pointer_type(P))
   step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float64)))
-  if LR_PTR:
-    lr = tl.load(lr_ptr)
-  else:
-    lr = lr_bits.to(tl.float64, bitcast=True)
+  lr = _learning_rate(lr_bits, lr_ptr, LR_PTR)
   decay = (1.0 - lr * wd_bits.to(tl.float64, bitcast=True)).to(tl.float32)
   bc1 = 1.0 - libdevice.pow(beta1_bits.to(tl.float64, bitcast=True), step)
   bc2 = 1.0 - libdevice.pow(beta2_bits.to(tl.float64, bitcast=True), step)
   step_size = (-lr / bc1).to(tl.float32)
-  if CLIP:
-    clip = tl.load(clip_ptr)
+  clip = tl.load(clip_ptr) if CLIP else 0.0
   bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
     mask = i < end
     p = tl.load(p_ptr + i, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr + i, mask=mask).to(tl.float32)
-    if CLIP:
-      g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, tl.broadcast_to(clip, g.shape)],
-                                    dtype=tl.float32, is_pure=True, pack=1).to(G).to(tl.float32)
+    g = _gradient(g_ptr, i, mask, clip, G, CLIP)
     m = tl.load(m_ptr + i, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + i, mask=mask).to(tl.float32)
     if DECAY:
@@ -186,21 +200,14 @@ def _sgd_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, weight_decay, momentum
   p_ptr = tl.load(row).to(tl.pointer_type(P))
   g_ptr = tl.load(row + 1).to(tl.pointer_type(G))
   b_ptr = tl.load(row + 2).to(tl.pointer_type(P))
-  if LR_PTR:
-    lr = tl.load(lr_ptr)
-  else:
-    lr = lr_bits.to(tl.float64, bitcast=True)
+  lr = _learning_rate(lr_bits, lr_ptr, LR_PTR)
   neg_lr = (-lr).to(tl.float32)
-  if CLIP:
-    clip = tl.load(clip_ptr)
+  clip = tl.load(clip_ptr) if CLIP else 0.0
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
     mask = i < end
     p = tl.load(p_ptr + i, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr + i, mask=mask).to(tl.float32)
-    if CLIP:
-      g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, tl.broadcast_to(clip, g.shape)],
-                                    dtype=tl.float32, is_pure=True, pack=1).to(G).to(tl.float32)
+    g = _gradient(g_ptr, i, mask, clip, G, CLIP)
     if MAXIMIZE:
       g = -g
     if DECAY:
