@@ -61,6 +61,27 @@ def _mma(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _position(p, W, H, D, DEPTH: tl.constexpr, IDX64: tl.constexpr):
+  """(w, h, d, n) of flat positions p over (n, [d,] h, w) (d 0 without DEPTH; n int64 with IDX64)."""
+  w, t = p % W, p // W
+  h, n = t % H, t // H
+  d = 0
+  if DEPTH:
+    d, n = n % D, n // D
+  if IDX64: n = n.to(tl.int64)
+  return w, h, d, n
+
+
+@triton.jit
+def _store(out, acc, n, d, h, w, ch, mask, s0, s1, s2, s3, s4, DEPTH: tl.constexpr):
+  """acc (positions x channels ch) into out at strides (s0..s4) of (n, channel, [d,] h, w)."""
+  row = n * s0 + h * s3 + w * s4
+  if DEPTH:
+    row += d * s2
+  tl.store(out + row[:, None] + (ch * s1)[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _conv_fwd_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                      x_s0, x_s1, x_s2, x_s3, x_s4, w_s0, w_s1, w_s2, w_s3, w_s4,
                      out_s0, out_s1, out_s2, out_s3, out_s4,
@@ -69,11 +90,7 @@ def _conv_fwd_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd,
   grp = tl.program_id(2)
   rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output positions (n, od, oh, ow)
   rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of the group
-  ow, t = rm % OW, rm // OW
-  oh, n = t % OH, t // OH
-  if DEPTH:
-    od, n = n % OD, n // OD
-  if IDX64: n = n.to(tl.int64)
+  ow, oh, od, n = _position(rm, OW, OH, OD, DEPTH, IDX64)
   ih0, iw0 = oh * sh - ph, ow * sw - pw
   x_row = x + n * x_s0 + grp * C * x_s1
   o = grp * N + rn
@@ -101,11 +118,7 @@ def _conv_fwd_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd,
     a = tl.load(a_off + (c * x_s1)[None, :], mask=a_ok, other=0.0)
     b = tl.load(w_col[None, :] + (c * w_s1 + b_off)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     acc = _mma(a, b, acc, PRECISION)
-  row = n * out_s0 + oh * out_s3 + ow * out_s4
-  if DEPTH:
-    row += od * out_s2
-  tl.store(out + row[:, None] + (o * out_s1)[None, :], acc.to(out.dtype.element_ty),
-           mask=m_ok[:, None] & n_ok[None, :])
+  _store(out, acc, n, od, oh, ow, o, m_ok[:, None] & n_ok[None, :], out_s0, out_s1, out_s2, out_s3, out_s4, DEPTH)
 
 
 @triton.jit
@@ -117,11 +130,7 @@ def _conv_dgrad_kernel(dx, g, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd
   grp = tl.program_id(2)
   rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # input positions (n, id, ih, iw)
   rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # input channels of the group
-  iw, t = rm % W, rm // W
-  ih, n = t % H, t // H
-  if DEPTH:
-    i_d, n = n % D, n // D
-  if IDX64: n = n.to(tl.int64)
+  iw, ih, i_d, n = _position(rm, W, H, D, DEPTH, IDX64)
   g_row = g + n * g_s0 + grp * C * g_s1
   c = grp * N + rn
   if IDX64: c = c.to(tl.int64)
@@ -152,11 +161,7 @@ def _conv_dgrad_kernel(dx, g, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, sd
     a = tl.load(a_off + (o * g_s1)[None, :], mask=ok, other=0.0)
     b = tl.load(w_col[None, :] + (o * w_s0 + b_off)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     acc = _mma(a, b, acc, PRECISION)
-  row = n * dx_s0 + ih * dx_s3 + iw * dx_s4
-  if DEPTH:
-    row += i_d * dx_s2
-  tl.store(dx + row[:, None] + (c * dx_s1)[None, :], acc.to(dx.dtype.element_ty),
-           mask=m_ok[:, None] & n_ok[None, :])
+  _store(dx, acc, n, i_d, ih, iw, c, m_ok[:, None] & n_ok[None, :], dx_s0, dx_s1, dx_s2, dx_s3, dx_s4, DEPTH)
 
 
 @triton.jit
@@ -182,11 +187,7 @@ def _conv_wgrad_kernel(part, g, x, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, 
   start = split * STEPS * BLOCK_K
   for step in range(0, STEPS):
     rk = start + step * BLOCK_K + tl.arange(0, BLOCK_K)  # (n, od, oh, ow)
-    ow, r = rk % OW, rk // OW
-    oh, n = r % OH, r // OH
-    if DEPTH:
-      od, n = n % OD, n // OD
-    if IDX64: n = n.to(tl.int64)
+    ow, oh, od, n = _position(rk, OW, OH, OD, DEPTH, IDX64)
     k_ok = rk < K
     ih, iw = (oh * sh - ph)[:, None] + kh[None, :] * dh, (ow * sw - pw)[:, None] + kw[None, :] * dw
     a_off = n * g_s0 + oh * g_s3 + ow * g_s4
@@ -215,11 +216,7 @@ def _conv_fwd_cl_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, 
   grp = tl.program_id(2)
   rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # output positions (n, od, oh, ow)
   rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels of the group
-  ow, t = rm % OW, rm // OW
-  oh, n = t % OH, t // OH
-  if DEPTH:
-    od, n = n % OD, n // OD
-  if IDX64: n = n.to(tl.int64)
+  ow, oh, od, n = _position(rm, OW, OH, OD, DEPTH, IDX64)
   ih0, iw0 = oh * sh - ph, ow * sw - pw
   x_row = x + n * x_s0 + grp * C
   o = grp * N + rn
@@ -247,11 +244,7 @@ def _conv_fwd_cl_kernel(out, x, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW, 
     a = tl.load(a_off[:, None] + c[None, :], mask=a_ok[:, None] & c_ok[None, :], other=0.0)
     b = tl.load(b_off[None, :] + c[:, None], mask=c_ok[:, None] & n_ok[None, :], other=0.0)
     acc = _mma(a, b, acc, PRECISION)
-  row = n * out_s0 + oh * out_s3 + ow * out_s4
-  if DEPTH:
-    row += od * out_s2
-  tl.store(out + row[:, None] + (o * out_s1)[None, :], acc.to(out.dtype.element_ty),
-           mask=m_ok[:, None] & n_ok[None, :])
+  _store(out, acc, n, od, oh, ow, o, m_ok[:, None] & n_ok[None, :], out_s0, out_s1, out_s2, out_s3, out_s4, DEPTH)
 
 
 @triton.jit
@@ -264,11 +257,7 @@ def _conv_dgrad_cl_kernel(dx, g, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW,
   grp = tl.program_id(2)
   rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # input positions (n, id, ih, iw)
   rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # input channels of the group
-  iw, t = rm % W, rm // W
-  ih, n = t % H, t // H
-  if DEPTH:
-    i_d, n = n % D, n // D
-  if IDX64: n = n.to(tl.int64)
+  iw, ih, i_d, n = _position(rm, W, H, D, DEPTH, IDX64)
   g_row = g + n * g_s0 + grp * C
   c = grp * N + rn
   if IDX64: c = c.to(tl.int64)
@@ -299,11 +288,7 @@ def _conv_dgrad_cl_kernel(dx, g, w, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, KW,
     a = tl.load(a_off[:, None] + o[None, :], mask=ok[:, None] & o_ok[None, :], other=0.0)
     b = tl.load(b_off[None, :] + (o * w_s0)[:, None], mask=o_ok[:, None] & n_ok[None, :], other=0.0)
     acc = _mma(a, b, acc, PRECISION)
-  row = n * dx_s0 + ih * dx_s3 + iw * dx_s4
-  if DEPTH:
-    row += i_d * dx_s2
-  tl.store(dx + row[:, None] + (c * dx_s1)[None, :], acc.to(dx.dtype.element_ty),
-           mask=m_ok[:, None] & n_ok[None, :])
+  _store(dx, acc, n, i_d, ih, iw, c, m_ok[:, None] & n_ok[None, :], dx_s0, dx_s1, dx_s2, dx_s3, dx_s4, DEPTH)
 
 
 @triton.jit
@@ -329,11 +314,7 @@ def _conv_wgrad_cl_kernel(part, g, x, M, N, K, C, D, H, W, OD, OH, OW, KD, KH, K
   start = split * STEPS * BLOCK_K
   for step in range(0, STEPS):
     rk = start + step * BLOCK_K + tl.arange(0, BLOCK_K)  # (n, od, oh, ow)
-    ow, r = rk % OW, rk // OW
-    oh, n = r % OH, r // OH
-    if DEPTH:
-      od, n = n % OD, n // OD
-    if IDX64: n = n.to(tl.int64)
+    ow, oh, od, n = _position(rk, OW, OH, OD, DEPTH, IDX64)
     ih, iw = oh * sh - ph + kh * dh, ow * sw - pw + kw * dw
     a_off = n * g_s0 + oh * g_s3 + ow * g_s4
     b_off = n * x_s0 + ih * x_s3 + iw * x_s4
