@@ -5,7 +5,9 @@ and N over the reduced dims (ordered by falling stride, so the contiguous one is
 5 dims. A program reduces BLOCK_M outputs over tiles of BLOCK_N; when one of M or N is a single unit-stride dim the
 kernel knows it, so tiles load along it (innermost reductions load along N, reductions over leading dims, like a
 bias gradient, along M). When M alone gives too few programs for the GPU, N is split: partial results of the
-accumulation type go to a (SPLIT, M) buffer that the same kernel reduces once more. Half types accumulate in float32,
+accumulation type go to a (SPLIT, M) buffer that the same kernel reduces once more. A 2-D problem whose pointer,
+sizes, chunk and non-unit stride are multiples of 16 takes the `vectors` variant, whose tiles load 16-byte vectors
+(unpromised, Triton loads them an element at a time). Half types accumulate in float32,
 integers and bools in int64 (sum), float64 in float64. amax/amin propagate NaN, argmax/argmin treat NaN as the
 extreme and return the first index, as numpy does.
 """
@@ -20,8 +22,8 @@ import triton.language as tl
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.runtime import current_stream
-from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, collapse, empty, max_nan, min_nan,
-                                           needs_i64, ptr, run, spec)
+from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, collapse, divisible, empty,
+                                           max_nan, min_nan, needs_i64, ptr, run, spec)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.backend.cuda.kernels.elementwise import launch
@@ -202,13 +204,17 @@ def accumulation_dtype(op: str, x: DType, out: DType) -> DType:
 
 @functools.lru_cache(maxsize=4096)
 def reduce_spec(op: str, x: DType, out: DType, m_dims: int, n_dims: int, m_unit: bool, n_unit: bool, M: int, N: int,
-                i64: bool):
+                i64: bool, vectors: bool = False):
   """The reduction kernel's variant (m_dims, n_dims: the dims of the kept and reduced axes; *_unit: a single
-  unit-stride dim)."""
+  unit-stride dim; vectors: a 2-D problem whose pointers, M, N, chunk and non-unit stride are promised multiples of
+  16, so its tiles load 16-byte vectors along the unit-stride axis)."""
   bm, bn, warps = reduce_schedule(M, N, m_unit and m_dims == 1 and not (n_unit and n_dims == 1))
   it = "i64" if i64 else "i32"
   sig = {"out": ptr(out), "x": ptr(x), "M": it, "N": it, "chunk": it,
          **{k: it for k in axis_params("m", "x") + axis_params("n", "x")}}
+  if vectors:
+    strides = [f"x_{axis}_stride4" for axis, unit in (("m", m_unit), ("n", n_unit)) if not unit]
+    sig = divisible(sig, ("out", "x", "M", "N", "chunk", *strides))
   return spec(_reduce_kernel, sig, dict(OP=op, IDENT=_identity(op, x), ACC=TL[accumulation_dtype(op, x, out)],
                                         M_DIMS=m_dims, N_DIMS=n_dims, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
                                         BLOCK_N=bn, IDX64=i64), num_warps=warps)
@@ -216,7 +222,8 @@ def reduce_spec(op: str, x: DType, out: DType, m_dims: int, n_dims: int, m_unit:
 
 def reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
   """op ("sum", "amax", "amin") of x over `dims` in out_dtype, a new contiguous array (see the module's docstring)."""
-  out_shape, perm, passes = _reduce_plan(op, x.shape, x.strides, x.dtype, tuple(dims), keepdim, out_dtype)
+  out_shape, perm, passes = _reduce_plan(op, x.shape, x.strides, x.dtype, tuple(dims), keepdim, out_dtype,
+                                         x.ptr % 16 == 0)
   s = current_stream(x.device)
   out = empty(out_shape, out_dtype, x.device, s)
   if not passes: return out if 0 in out_shape else fill(out, 0)
@@ -228,29 +235,44 @@ def reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> Cuda
   return out
 
 
+def _vectors(aligned: bool, kshape, kst, rshape, rst, chunk: int) -> bool:
+  """Whether a pass may take `reduce_spec`'s vectors variant: x on 16 bytes, one kept and one reduced dim, their
+  sizes, the chunk and every stride but a unit one multiples of 16."""
+  return aligned and len(kshape) == len(rshape) == 1 and \
+    all(n % 16 == 0 for n in (kshape[0], rshape[0], chunk, *(st for st in (kst[0], rst[0]) if st != 1)))
+
+
 @functools.lru_cache(maxsize=4096)
-def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], keepdim: bool, out_dtype: DType):
-  """(output shape, the permutation of x to copy first or None, passes) of a reduction of x's layout; each pass is
-  (kernel, grid, scalar arguments after the out and x pointers, (shape, dtype) of a partial result or None for the
-  output), and reads the previous pass's result. No passes: the output or x is empty."""
+def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], keepdim: bool, out_dtype: DType,
+                 aligned: bool = False):
+  """(output shape, the permutation of x to copy first or None, passes) of a reduction of x's layout (`aligned`: x
+  starts on 16 bytes); each pass is (kernel, grid, scalar arguments after the out and x pointers, (shape, dtype) of a
+  partial result or None for the output), and reads the previous pass's result. No passes: the output or x is
+  empty."""
   out_shape = (tuple(1 if d in dims else n for d, n in enumerate(shape)) if keepdim else
                tuple(n for d, n in enumerate(shape) if d not in dims))
   if 0 in out_shape or 0 in shape: return out_shape, None, []
   perm, kshape, kst, rshape, rst = _layout(shape, strides, dims)
   M, N = math.prod(kshape), math.prod(rshape)
   i64 = needs_i64(shape, strides) if perm is None else needs_i64((M, N), (N, 1))
-  s = reduce_spec(op, dtype, out_dtype, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
+  units = (kst[-1] == 1, rst[-1] == 1)
+  s = reduce_spec(op, dtype, out_dtype, len(kshape), len(rshape), *units, M, N, i64)
   bm, bn = s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"]
   passes = []
+  aligned = aligned or perm is not None  # a permuting copy is a new array
   if (pieces := split_rule(cdiv(M, bm), N, bn)) > 1:
     chunk = cdiv(cdiv(N, pieces), bn) * bn
     pieces = cdiv(N, chunk)
     acc = accumulation_dtype(op, dtype, out_dtype)
-    s = reduce_spec(op, dtype, acc, len(kshape), len(rshape), kst[-1] == 1, rst[-1] == 1, M, N, i64)
+    s = reduce_spec(op, dtype, acc, len(kshape), len(rshape), *units, M, N, i64,
+                    _vectors(aligned, kshape, kst, rshape, rst, chunk))
     passes.append((s.kernel, (cdiv(M, bm), pieces), (M, N, chunk, *axis_args(kshape, kst), *axis_args(rshape, rst)),
                    ((pieces, M), acc)))
     kshape, kst, rshape, rst, N = (M,), (1,), (pieces,), (M,), pieces
-    s = reduce_spec(op, acc, out_dtype, 1, 1, True, False, M, N, i64)
+    s = reduce_spec(op, acc, out_dtype, 1, 1, True, False, M, N, i64, _vectors(True, kshape, kst, rshape, rst, N))
+  else:
+    s = reduce_spec(op, dtype, out_dtype, len(kshape), len(rshape), *units, M, N, i64,
+                    _vectors(aligned, kshape, kst, rshape, rst, N))
   passes.append((s.kernel, (cdiv(M, s.constexprs["BLOCK_M"]), 1), (M, N, N, *axis_args(kshape, kst), *axis_args(rshape, rst)),
                  None))
   return out_shape, perm, passes
@@ -326,6 +348,8 @@ def _specs() -> list:
   for op in ("sum", "amax", "amin"):
     out.append(reduce_spec(op, f32, f32, 1, 1, True, True, 1 << 14, 768, False))     # rows
     out.append(reduce_spec(op, bf16, bf16, 1, 1, True, False, 768, 1 << 14, False))  # leading dims
+    out.append(reduce_spec(op, f32, f32, 1, 1, False, True, 1 << 14, 768, False, True))  # and as 16-byte vectors
+    out.append(reduce_spec(op, bf16, f32, 1, 1, True, False, 768, 1 << 14, False, True))
   out += [reduce_spec("sum", f32, f32, 1, 1, True, False, 768, 128, False),          # second pass of a split
           reduce_spec("sum", b, i64, 3, 2, False, False, 100, 100, True),
           reduce_spec("sum", f16, f32, 2, 1, True, True, 100, 3, False),

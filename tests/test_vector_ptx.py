@@ -1,13 +1,14 @@
-"""Without a GPU: the layer-norm and cross-entropy kernels' variants for rows whose pointers, length and strides are
-multiples of 16 (`vectors`, which the host takes whenever they are: GPT-2's rows of 768 and its 50,304 logits) load
-and store whole rows as 16-byte vectors, where the others (nothing promised) read and write one element at a time."""
+"""Without a GPU: the layer-norm, cross-entropy and reduction kernels' variants for rows whose pointers, lengths and
+strides are multiples of 16 (`vectors`, which the host takes whenever they are: GPT-2's rows of 768, its 50,304
+logits, its bias gradients) load and store whole rows as 16-byte vectors, where the others (nothing promised) read
+and write one element at a time."""
 import re
 from collections import Counter
 
 import pytest
 
 from blutrain import dtypes
-from blutrain.backend.cuda.kernels import loss, norm
+from blutrain.backend.cuda.kernels import loss, norm, reduce
 from tests.helpers import ptx
 
 triton = pytest.importorskip("triton")
@@ -24,8 +25,11 @@ VARIANTS = {
   "cross-entropy backward": lambda v: loss.ce_spec(True, bf16, dtypes.int64, True, M, 50304, False, f32, v),
   "cross-entropy backward from the logsumexp": lambda v: loss.ce_lse_spec(True, bf16, dtypes.int64, True, M, 50304,
                                                                           False, f32, v),
+  "row sums": lambda v: reduce.reduce_spec("sum", f32, f32, 1, 1, False, True, M, N, False, v),
+  "a bias gradient (sums over rows)": lambda v: reduce.reduce_spec("sum", bf16, f32, 1, 1, True, False, N, M, False, v),
 }
-ROW_SCALARS = {"cross-entropy forward": 3, "cross-entropy backward": 2, "cross-entropy backward from the logsumexp": 3}
+ROW_SCALARS = {"cross-entropy forward": 3, "cross-entropy backward": 2, "cross-entropy backward from the logsumexp": 3,
+               "row sums": 1, "a bias gradient (sums over rows)": 1}  # a reduction stores its sums as scalars
 
 
 def _accesses(code: str) -> Counter:
@@ -38,3 +42,13 @@ def test_aligned_rows_move_as_16_byte_vectors(name):
   assert plain[".v4"] == 0 and plain["scalar"] > 0, (name, plain)
   # a loss row's own scalars stay scalars: its target, picked logit and loss; its gradient and logsumexp
   assert vec[".v4"] > 0 and vec["scalar"] <= ROW_SCALARS.get(name, 0), (name, vec)
+
+
+def test_reductions_take_the_vectors_variant_only_when_its_promise_holds():
+  ok = lambda aligned=True, k=((768,), (1,)), r=((16384,), (768,)), chunk=16384: reduce._vectors(aligned, *k, *r, chunk)
+  assert ok()  # GPT-2's bias gradient: sums over 16,384 rows of 768
+  assert ok(k=((16384,), (768,)), r=((768,), (1,)), chunk=768)  # row sums
+  assert not ok(aligned=False)  # a view starting off 16 bytes
+  assert not ok(k=((770,), (1,)), r=((16384,), (770,)))  # rows of 770: every other row starts off 16 bytes
+  assert not ok(chunk=1000)  # a split whose pieces start off 16 bytes
+  assert not ok(k=((12, 64), (64, 1)), r=((16384,), (768,)))  # two kept dims: strided offsets
