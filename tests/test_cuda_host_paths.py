@@ -313,3 +313,30 @@ for layer, shape in ((nn.Conv3d(4, 6, (3, 2, 3), stride=(2, 1, 1), padding=1, gr
   assert y.dtype is bt.bfloat16 and x.grad.shape == shape and layer.weight.grad.shape == layer.weight.shape
 assert [p[4] for p in plans] == [False] * 6 + [True] * 6, [p[4] for p in plans]  # the 2-D ones read channels-last
 """, tmp_path)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_lstm_sequence_launches_on_the_fake_gpu(tmp_path, autocast):
+  """nn.LSTM's time loop on the GPU: per step one GEMM into the reused gates buffer and one cell kernel forward; the
+  backward's recomputed gates GEMM, per step cell backward and GEMM, then d w_hh and d b_hh; float32 and bf16 under
+  autocast (a float32 state, bf16 GEMMs), both directions, given initial states."""
+  out = _run_fake(f"""
+import blutrain as bt
+L = 7
+m = bt.nn.LSTM(8, 16, num_layers=2, bidirectional=True).to("cuda")
+x = bt.randn(L, 3, 8, device="cuda", requires_grad=True)
+h0, c0 = (bt.randn(4, 3, 16, device="cuda", requires_grad=True) for _ in range(2))
+with bt.autocast("cuda", dtype=bt.bfloat16, enabled={autocast}):
+  before = fake_cuda.launches[0]
+  out, (h, c) = m(x, (h0, c0))
+  forward = fake_cuda.launches[0] - before
+assert out.shape == (L, 3, 32) and h.shape == c.shape == (4, 3, 16) and out.dtype is bt.float32
+before = fake_cuda.launches[0]
+(out.sum() + h.sum() + c.sum()).backward()
+assert x.grad.shape == x.shape and h0.grad.shape == h0.shape and c0.grad.shape == c0.shape
+assert m.weight_hh_l1_reverse.grad.dtype is bt.float32 and m.bias_hh_l0.grad.shape == (64,)
+print('launches', forward, fake_cuda.launches[0] - before)
+""", tmp_path)
+  forward, backward = map(int, out.split()[-2:])
+  steps = 4 * 7  # layers x directions x L: a cell kernel each, forward and backward (cuBLASLt's GEMMs not counted)
+  assert steps <= forward <= 4 * steps and 3 * steps <= backward <= 8 * steps, (forward, backward)

@@ -107,6 +107,9 @@ class _RNNBase(Module):
     """One direction of one layer over (L, N, H_in): the outputs (L, N, hidden) and the final states."""
     w_ih, w_hh, b_ih, b_hh, w_hr = weights
     gi = F.linear(x, w_ih, b_ih)  # every step's input projection in one matmul
+    if self.gates == 4 and w_hr is None:  # the LSTM's whole time loop is one primitive
+      hs, c = ops.lstm_sequence(gi, state[0], state[1], w_hh, b_hh, reverse)
+      return hs, [hs[0 if reverse else -1], c]
     outs = []
     for t in (range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])):
       state = self._cell(gi[t], state, w_hh, b_hh)

@@ -434,6 +434,62 @@ def gru_cell(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
   return gru_cell_op(gi, gh, h)
 
 
+def _lstm_sequence_rule(gi, h0, c0, w_hh, b_hh, reverse, tf32=False):
+  L, N, G = gi.shape if gi.ndim == 3 else (0, 0, 0)
+  H = G // 4
+  if (gi.ndim != 3 or G % 4 or h0.shape != (N, H) or c0.shape != (N, H) or w_hh.shape != (G, H)
+      or (b_hh is not None and b_hh.shape != (G,))):
+    raise ShapeError(f"lstm_sequence: expected input gates (L, N, 4H), h0 and c0 (N, H), w_hh (4H, H) and b_hh (4H,), "
+                     f"got {list(gi.shape)}, {list(h0.shape)}, {list(c0.shape)}, {list(w_hh.shape)} and "
+                     f"{None if b_hh is None else list(b_hh.shape)}")
+  if not h0.dtype.is_floating_point or not w_hh.dtype.is_floating_point or (b_hh is not None and b_hh.dtype is not w_hh.dtype):
+    raise DTypeError(f"lstm_sequence: expected a floating h0 and w_hh, and b_hh of w_hh's dtype, got {h0.dtype.name}, "
+                     f"{w_hh.dtype.name} and {None if b_hh is None else b_hh.dtype.name}")
+  step = Aval((N, G), gi.dtype, None)  # one step's gates: the cell's rule gives the states' dtype
+  return (L, N, 2 * H), _cell_dtype("lstm_sequence", 4, "cell state", step, Aval((N, G), w_hh.dtype, None), c0)
+
+
+def _lstm_sequence_vjp(g, out, gi, h0, c0, w_hh, b_hh, reverse, tf32=False, needs=(True,) * 5):
+  return lstm_sequence_backward_op(g, gi, h0, c0, w_hh, b_hh, out, reverse=reverse, tf32=tf32,
+                                   states=needs[1] or needs[2], weights=needs[3] or needs[4])
+
+
+def _lstm_sequence_backward_rule(g, gi, h0, c0, w_hh, b_hh, out, reverse, states, weights, tf32=False):
+  if g.shape != out.shape: raise ShapeError(f"lstm_sequence_backward: gradient of shape {g.shape} for an output {out.shape}")
+  state = lambda t: (t.shape, t.dtype) if states else None
+  return [(gi.shape, gi.dtype), state(h0), state(c0), (w_hh.shape, w_hh.dtype) if weights else None,
+          (b_hh.shape, b_hh.dtype) if weights and b_hh is not None else None]
+
+
+# An LSTM's whole time loop after the input projection gi = x W_ih^T + b_ih (L, N, 4H): from h0, c0, step by step
+# (from t = L - 1 down with `reverse`) gh = h W_hh^T + b_hh, then lstm_cell's math, returning every step's [h, c] side
+# by side as (L, N, 2H) in time order (nn.LSTM takes views of the halves). The recurrent matmul runs in w_hh's dtype
+# (h cast to it, float32 accumulation, rounded as linear rounds it), the cell in float32 with states stored in the
+# dtype lstm_cell gives, so the result equals the per-step ops exactly. Its backward (one op) walks back through
+# time with the cell's gradient and one matmul of the gates' gradient per step; it recomputes every step's gh by one
+# matmul of all the h's before the loop (off the sequential path, and 4H fewer values kept per step), and ends with
+# one matmul for d w_hh: it returns (d gi, d h0, d c0, d w_hh, d b_hh), without the states' (`states`) or the
+# weights' (`weights`) when they need none.
+lstm_sequence_backward_op = op("lstm_sequence_backward", _lstm_sequence_backward_rule, multi=True,
+                               inputs="g gi h0 c0 w_hh ?b_hh out",
+                               attrs="reverse:bool states:bool weights:bool tf32:bool?")
+lstm_sequence_op = op("lstm_sequence", _lstm_sequence_rule, _lstm_sequence_vjp, inputs="gi h0 c0 w_hh ?b_hh",
+                      attrs="reverse:bool tf32:bool?", saves_output=True)
+
+
+def lstm_sequence(gi: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, b_hh: Tensor | None = None,
+                  reverse: bool = False) -> tuple[Tensor, Tensor]:
+  """One direction of an LSTM layer after its input projection: gi (L, N, 4H) = x W_ih^T + b_ih for every step,
+  initial states h0 and c0 (N, H), recurrent weight w_hh (4H, H) and bias b_hh (4H,) (autocast runs the recurrent
+  matmul as it runs linear). Steps t = 0 .. L - 1 (L - 1 .. 0 when `reverse`) with gates gi[t] + h W_hh^T + b_hh as
+  `lstm_cell`. Returns every step's h (L, N, H) in time order and the last step's c (N, H), views of one result."""
+  w_hh, b_hh = autocast_inputs("linear", w_hh, b_hh)
+  out = lstm_sequence_op(gi, h0, c0, w_hh, b_hh, reverse=bool(reverse),
+                         tf32=w_hh.dtype is dtypes.float32 and backends.allow_tf32())
+  H = c0.shape[-1]
+  return out[:, :, :H], out[0 if reverse else -1, :, H:]
+
+
 def lstm_cell(gi: Tensor, gh: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
   """One LSTM step after its matmuls (gate pre-activations gi and gh (N, 4H), cell state c (N, H)): (h', c'), views
   of one (N, 2H) result."""

@@ -18,8 +18,11 @@ from triton.language.extra.cuda import libdevice
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import empty, needs_i64, ptr, run, spec
-from blutrain.backend.cuda.kernels.copy import copy
+from blutrain.backend.cuda.kernels import elementwise, empty, needs_i64, ptr, run, spec, view
+from blutrain.backend.cuda.kernels.copy import cast, copy
+from blutrain.backend.cuda.kernels.cublaslt import matmul, matmul_bias
+from blutrain.backend.cuda.kernels.matrix import transposed
+from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.configurator import fused_schedule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
@@ -172,8 +175,87 @@ def gru_cell_backward(grad: CudaArray, gi: CudaArray, gh: CudaArray, h: CudaArra
                  h)
 
 
+# *** an LSTM direction's whole time loop ***
+
+def _step(a: CudaArray, t: int) -> CudaArray:
+  """Step t of a (L, N, X) array: the (N, X) rows (a view)."""
+  return view(a, a.shape[1:], a.strides[1:], t * a.strides[0])
+
+
+def _recurrent(h: CudaArray, w_t: CudaArray, b: CudaArray | None, tf32: bool, out: CudaArray | None = None) -> CudaArray:
+  """h W^T + b in w's dtype (h cast to it) through the backend's matmul, into `out` when given."""
+  if h.dtype is not w_t.dtype: h = cast(h, w_t.dtype)
+  return matmul(h, w_t, tf32, out) if b is None else matmul_bias(h, w_t, b, tf32, out)
+
+
+def _steps(L: int, reverse: bool) -> list[int]:
+  return list(range(L - 1, -1, -1) if reverse else range(L))
+
+
+def lstm_sequence(gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *,
+                  reverse: bool, tf32: bool = False) -> CudaArray:
+  """Every step's [h, c] (L, N, 2H): per step one GEMM of the previous h into a (N, 4H) buffer that all steps reuse,
+  then the cell kernel, which reads the step's slice of gi and writes its slice of the output; all on the current
+  stream, so a CUDA graph captures the whole loop."""
+  L, N, G = gi.shape
+  H = G // 4
+  dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, w_hh.dtype), c0.dtype)
+  out, gh = empty((L, N, 2 * H), dtype, gi.device), empty((N, G), w_hh.dtype, gi.device)
+  w_t, h, c = transposed(w_hh), h0, c0
+  for t in _steps(L, reverse):
+    o = _launch("lstm", _step(out, t), H, _step(gi, t), _recurrent(h, w_t, b_hh, tf32, gh), c)
+    h, c = view(o, (N, H), o.strides), view(o, (N, H), o.strides, H)
+  return out
+
+
+def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray,
+                           b_hh: CudaArray | None, out: CudaArray, *, reverse: bool, states: bool, weights: bool,
+                           tf32: bool = False) -> tuple:
+  """(d gi, d h0, d c0, d w_hh, d b_hh): every step's h before it (in w_hh's dtype) and one GEMM of them for every
+  step's gh first, then per step back in time the cell's backward kernel (into that step's rows of a (L, N, 5H)
+  buffer), the gates' gradient cast to w_hh's dtype into a stack and one GEMM with w_hh for the previous h, whose
+  gradient and c's are added to the output's for the next step; one GEMM and one sum of the stack at the end."""
+  L, N, G = gi.shape
+  H, dev, wd, steps = G // 4, gi.device, w_hh.dtype, _steps(L, reverse)
+  h_prev = empty((L, N, H), wd, dev)  # the h each step read, in time order
+  copy(h0, out=_step(h_prev, steps[0]))
+  if L > 1:
+    lo, hi = (1, 0) if reverse else (0, 1)  # forward: step t read out[t - 1]; reverse: out[t + 1]
+    copy(view(out, (L - 1, N, H), out.strides, lo * out.strides[0]), out=view(h_prev, (L - 1, N, H), h_prev.strides,
+                                                                              hi * h_prev.strides[0]))
+  gh = _recurrent(view(h_prev, (L * N, H), (H, 1)), transposed(w_hh), b_hh, tf32)  # (L N, 4H)
+  d = empty((L, N, 5 * H), out.dtype, dev)
+  dgates = d if wd is out.dtype else empty((L, N, G), wd, dev)  # the GEMMs' operand
+  grad = empty((N, 2 * H), out.dtype, dev)
+  dh = None
+  for i in range(L - 1, -1, -1):
+    t = steps[i]
+    g_t, d_t = _step(g, t), _step(d, t)
+    if dh is None: copy(g_t, out=grad)
+    else:
+      elementwise.launch("add", view(grad, (N, H), grad.strides), view(g_t, (N, H), g_t.strides), dh)
+      elementwise.launch("add", view(grad, (N, H), grad.strides, H), view(g_t, (N, H), g_t.strides, H),
+                         view(_step(d, steps[i + 1]), (N, H), d_t.strides, G))
+    c = c0 if i == 0 else view(_step(out, steps[i - 1]), (N, H), (out.strides[1], 1), H)
+    _launch("lstm_backward", d_t, H, grad, _step(gi, t), view(gh, (N, G), (G, 1), t * N * G), c, _step(out, t))
+    dg_t = view(_step(dgates, t), (N, G), _step(dgates, t).strides)
+    if dgates is not d: copy(view(d_t, (N, G), d_t.strides), out=dg_t)
+    if i or states: dh = matmul(dg_t, w_hh, tf32)
+  dgi = copy(view(d, (L, N, G), d.strides), out=empty(gi.shape, gi.dtype, dev))
+  dh0 = dc0 = dw = db = None
+  if states:
+    dh0 = cast(dh, h0.dtype)
+    dc0 = cast(view(_step(d, steps[0]), (N, H), d.strides[1:], G), c0.dtype)
+  if weights:
+    stack = view(dgates, (L * N, G), (dgates.strides[1], 1))
+    dw = matmul(transposed(stack), view(h_prev, (L * N, H), (H, 1)), tf32)
+    if b_hh is not None: db = reduce(stack, (0,), False, "sum", b_hh.dtype)
+  return dgi, dh0, dc0, dw, db
+
+
 KERNELS = {"lstm_cell": lstm_cell, "lstm_cell_backward": lstm_cell_backward, "gru_cell": gru_cell,
-           "gru_cell_backward": gru_cell_backward}
+           "gru_cell_backward": gru_cell_backward, "lstm_sequence": lstm_sequence,
+           "lstm_sequence_backward": lstm_sequence_backward}
 
 _F32, _BF16 = dtypes.float32, dtypes.bfloat16
 _MIXED = {"lstm": (_BF16, _BF16, _F32), "lstm_backward": (_F32, _BF16, _BF16, _F32, _F32),  # bf16 gates, float32 states
