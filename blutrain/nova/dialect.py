@@ -1430,7 +1430,8 @@ Nova = Dialect("nova", [
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
-  LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, AdamwOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
+  LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, AdamwOp, SumSquaresOp,
+  ScaleOp, AllReduceOp, ReduceScatterOp,
   AllGatherOp, *COMPILER_OPS,
 ])
 

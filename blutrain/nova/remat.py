@@ -55,7 +55,8 @@ def _numel(v: SSAValue) -> int: return math.prod(aval(v.type).shape)
 
 def op_flops(op: Operation) -> int:
   """An estimate of the FLOPs of one nova op: 2 per multiply-add of a matmul (an LSTM sequence's recurrent ones too),
-  4 per q-k-v triple of attention (2.5 times that for its backward), `PER_ELEMENT` (default 1) per output element of the others, none for views."""
+  4 per q-k-v triple of attention (2.5 times that for its backward), `PER_ELEMENT` (default 1) per output element of
+  the others, none for views."""
   if isinstance(op, LayoutOp) or not isinstance(op, NovaOp): return 0
   if isinstance(op, (MatmulOp, GemmOp)): return 2 * _numel(op.results[0]) * aval(op.operands[0].type).shape[-1]
   if isinstance(op, (FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp)):

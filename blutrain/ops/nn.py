@@ -442,7 +442,8 @@ def _lstm_sequence_rule(gi, h0, c0, w_hh, b_hh, reverse, tf32=False):
     raise ShapeError(f"lstm_sequence: expected input gates (L, N, 4H), h0 and c0 (N, H), w_hh (4H, H) and b_hh (4H,), "
                      f"got {list(gi.shape)}, {list(h0.shape)}, {list(c0.shape)}, {list(w_hh.shape)} and "
                      f"{None if b_hh is None else list(b_hh.shape)}")
-  if not h0.dtype.is_floating_point or not w_hh.dtype.is_floating_point or (b_hh is not None and b_hh.dtype is not w_hh.dtype):
+  if (not h0.dtype.is_floating_point or not w_hh.dtype.is_floating_point
+      or (b_hh is not None and b_hh.dtype is not w_hh.dtype)):
     raise DTypeError(f"lstm_sequence: expected a floating h0 and w_hh, and b_hh of w_hh's dtype, got {h0.dtype.name}, "
                      f"{w_hh.dtype.name} and {None if b_hh is None else b_hh.dtype.name}")
   step = Aval((N, G), gi.dtype, None)  # one step's gates: the cell's rule gives the states' dtype
@@ -455,7 +456,8 @@ def _lstm_sequence_vjp(g, out, gi, h0, c0, w_hh, b_hh, reverse, tf32=False, need
 
 
 def _lstm_sequence_backward_rule(g, gi, h0, c0, w_hh, b_hh, out, reverse, states, weights, tf32=False):
-  if g.shape != out.shape: raise ShapeError(f"lstm_sequence_backward: gradient of shape {g.shape} for an output {out.shape}")
+  if g.shape != out.shape:
+    raise ShapeError(f"lstm_sequence_backward: gradient of shape {g.shape} for an output of shape {out.shape}")
   state = lambda t: (t.shape, t.dtype) if states else None
   return [(gi.shape, gi.dtype), state(h0), state(c0), (w_hh.shape, w_hh.dtype) if weights else None,
           (b_hh.shape, b_hh.dtype) if weights and b_hh is not None else None]

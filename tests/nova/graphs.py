@@ -203,7 +203,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   outs += [cell_out := b("lstm_cell", x, pos, cell),
            b("lstm_cell_backward", b("slice", pos, index=((0, 3, 1), (0, 2, 1))), x, pos, cell, cell_out)]
   seq_in = [b("view", x, shape=(3, 1, 4)), b("slice", pos, index=((0, 1, 1), (0, 1, 1))),  # L, N, H = 3, 1, 1
-            b("slice", pos, index=((1, 2, 1), (0, 1, 1))), b("permute", b("slice", pos, index=((2, 3, 1), (0, 4, 1))), dims=(1, 0))]
+            b("slice", pos, index=((1, 2, 1), (0, 1, 1))),
+            b("permute", b("slice", pos, index=((2, 3, 1), (0, 4, 1))), dims=(1, 0))]
   seq = b("lstm_sequence", *seq_in, y, reverse=False)
   outs += [seq, b("lstm_sequence", *seq_in, None, reverse=True, tf32=True),
            *b("lstm_sequence_backward", seq, *seq_in, y, seq, reverse=False, states=True, weights=True),

@@ -182,7 +182,8 @@ def _step(a: CudaArray, t: int) -> CudaArray:
   return view(a, a.shape[1:], a.strides[1:], t * a.strides[0])
 
 
-def _recurrent(h: CudaArray, w_t: CudaArray, b: CudaArray | None, tf32: bool, out: CudaArray | None = None) -> CudaArray:
+def _recurrent(h: CudaArray, w_t: CudaArray, b: CudaArray | None, tf32: bool,
+               out: CudaArray | None = None) -> CudaArray:
   """h W^T + b in w's dtype (h cast to it) through the backend's matmul, into `out` when given."""
   if h.dtype is not w_t.dtype: h = cast(h, w_t.dtype)
   return matmul(h, w_t, tf32, out) if b is None else matmul_bias(h, w_t, b, tf32, out)
