@@ -1,7 +1,8 @@
 """Recurrent layers (LSTM, GRU; multi-layer, bidirectional, batch_first) and MultiheadAttention, as composites over
-matmuls: each layer projects the whole sequence's inputs in one matmul, then steps through time with one matmul of
-the hidden state per step and one `lstm_cell` or `gru_cell` primitive for the gates and states (one kernel forward
-and one backward). (Eagerly the time loop is Python; under `bt.compile` it is unrolled into the graph.)"""
+matmuls: each layer projects the whole sequence's inputs in one matmul, then runs its time loop. An LSTM direction
+without projections is one `lstm_sequence` primitive (the loop of recurrent matmuls and cells inside its kernel, one
+op eagerly and in a compiled graph, and one op backward); with proj_size, and for the GRU, the loop is Python: one
+matmul of the hidden state and one `lstm_cell` or `gru_cell` primitive per step (unrolled under `bt.compile`)."""
 from __future__ import annotations
 
 import math
