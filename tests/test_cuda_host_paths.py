@@ -315,26 +315,28 @@ assert [p[4] for p in plans] == [False] * 6 + [True] * 6, [p[4] for p in plans] 
 """, tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_lstm_sequence_launches_on_the_fake_gpu(tmp_path, autocast):
-  """nn.LSTM's time loop on the GPU: per step one GEMM into the reused gates buffer and one cell kernel forward; the
-  backward's recomputed gates GEMM, per step cell backward and GEMM, then d w_hh and d b_hh; float32 and bf16 under
-  autocast (a float32 state, bf16 GEMMs), both directions, given initial states."""
+def test_sequences_launch_on_the_fake_gpu(tmp_path, kind, autocast):
+  """nn.LSTM's and nn.GRU's time loops on the GPU: per step one GEMM into the reused gates buffer and one cell kernel
+  forward; the backward's recomputed gates GEMM, per step cell backward and GEMM, then d w_hh and d b_hh; float32 and
+  bf16 under autocast (a float32 state, bf16 GEMMs), both directions, given initial states."""
   out = _run_fake(f"""
 import blutrain as bt
-L = 7
-m = bt.nn.LSTM(8, 16, num_layers=2, bidirectional=True).to("cuda")
+L, lstm = 7, {kind == "LSTM"}
+m = bt.nn.{kind}(8, 16, num_layers=2, bidirectional=True).to("cuda")
 x = bt.randn(L, 3, 8, device="cuda", requires_grad=True)
-h0, c0 = (bt.randn(4, 3, 16, device="cuda", requires_grad=True) for _ in range(2))
+states = [bt.randn(4, 3, 16, device="cuda", requires_grad=True) for _ in range(2 if lstm else 1)]
 with bt.autocast("cuda", dtype=bt.bfloat16, enabled={autocast}):
   before = fake_cuda.launches[0]
-  out, (h, c) = m(x, (h0, c0))
+  out, last = m(x, tuple(states) if lstm else states[0])
   forward = fake_cuda.launches[0] - before
-assert out.shape == (L, 3, 32) and h.shape == c.shape == (4, 3, 16) and out.dtype is bt.float32
+last = last if lstm else (last,)
+assert out.shape == (L, 3, 32) and all(s.shape == (4, 3, 16) for s in last) and out.dtype is bt.float32
 before = fake_cuda.launches[0]
-(out.sum() + h.sum() + c.sum()).backward()
-assert x.grad.shape == x.shape and h0.grad.shape == h0.shape and c0.grad.shape == c0.shape
-assert m.weight_hh_l1_reverse.grad.dtype is bt.float32 and m.bias_hh_l0.grad.shape == (64,)
+(out.sum() + sum(s.sum() for s in last)).backward()
+assert x.grad.shape == x.shape and all(s.grad.shape == s.shape for s in states)
+assert m.weight_hh_l1_reverse.grad.dtype is bt.float32 and m.bias_hh_l0.grad.shape == (16 * (4 if lstm else 3),)
 print('launches', forward, fake_cuda.launches[0] - before)
 """, tmp_path)
   forward, backward = map(int, out.split()[-2:])

@@ -28,7 +28,7 @@ from blutrain.ops.movement import (cat, chunk, diag, diagonal, expand, flatten, 
                                    nonzero, permute, repeat, repeat_interleave, reshape, roll, split, squeeze, stack,
                                    transpose, unbind, unflatten, unfold, unsqueeze, view)
 from blutrain.ops.nn import (conv, conv_transpose, cross_entropy, embedding, gather, index_select, layer_norm, linear, log_softmax, lstm_cell,
-                             lstm_sequence, gru_cell, mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter, scatter_add,
+                             lstm_sequence, gru_cell, gru_sequence, mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter, scatter_add,
                              scatter_reduce, softmax,
                              tril, triu)
 from blutrain.ops.optim import adamw_, scale_, sum_squares

@@ -1,5 +1,6 @@
 """Recurrent cells: one LSTM or GRU step after its matmuls (`lstm_cell`, `gru_cell`) and their backwards, each one
-pass over the (N, H) elements of the step, in float32 math.
+pass over the (N, H) elements of the step, in float32 math; and a direction's whole time loop (`lstm_sequence`,
+`gru_sequence` and their backwards), host loops of the backend's GEMMs and these kernels on the current stream.
 
 An element (n, j) of an LSTM step reads its four gate pre-activations a_k = gi[n, k H + j] + gh[n, k H + j]
 (k = i, f, g, o) and c[n, j]; the forward writes h' and c' into out[n, j] and out[n, H + j]. The backward reads the
@@ -175,7 +176,7 @@ def gru_cell_backward(grad: CudaArray, gi: CudaArray, gh: CudaArray, h: CudaArra
                  h)
 
 
-# *** an LSTM direction's whole time loop ***
+# *** a direction's whole time loop (LSTM, GRU) ***
 
 def _step(a: CudaArray, t: int) -> CudaArray:
   """Step t of a (L, N, X) array: the (N, X) rows (a view)."""
@@ -191,6 +192,26 @@ def _recurrent(h: CudaArray, w_t: CudaArray, b: CudaArray | None, tf32: bool,
 
 def _steps(L: int, reverse: bool) -> list[int]:
   return list(range(L - 1, -1, -1) if reverse else range(L))
+
+
+def _h_before(hs: CudaArray, h0: CudaArray, dtype: DType, reverse: bool) -> CudaArray:
+  """The h each step read (L, N, H), in time order and `dtype`, from every step's h and h0: two copies."""
+  L, N, H = hs.shape
+  h_prev = empty((L, N, H), dtype, hs.device)
+  copy(h0, out=_step(h_prev, L - 1 if reverse else 0))
+  if L > 1:
+    src, dst = (1, 0) if reverse else (0, 1)  # forward: step t read hs[t - 1]; reverse: hs[t + 1]
+    copy(view(hs, (L - 1, N, H), hs.strides, src * hs.strides[0]),
+         out=view(h_prev, (L - 1, N, H), h_prev.strides, dst * h_prev.strides[0]))
+  return h_prev
+
+
+def _weight_grads(dgh: CudaArray, h_prev: CudaArray, b_hh: CudaArray | None, tf32: bool) -> tuple:
+  """d w_hh (one GEMM over all steps: d gh^T (G, L N) @ h (L N, H)) and d b_hh (a sum of d gh), from the gradients of
+  every step's gh (L N, G) and the h's they multiplied."""
+  L, N, H = h_prev.shape
+  dw = matmul(transposed(dgh), view(h_prev, (L * N, H), (H, 1)), tf32)
+  return dw, None if b_hh is None else reduce(dgh, (0,), False, "sum", b_hh.dtype)
 
 
 def lstm_sequence(gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *,
@@ -218,12 +239,7 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
   gradient and c's are added to the output's for the next step; one GEMM and one sum of the stack at the end."""
   L, N, G = gi.shape
   H, dev, wd, steps = G // 4, gi.device, w_hh.dtype, _steps(L, reverse)
-  h_prev = empty((L, N, H), wd, dev)  # the h each step read, in time order
-  copy(h0, out=_step(h_prev, steps[0]))
-  if L > 1:
-    lo, hi = (1, 0) if reverse else (0, 1)  # forward: step t read out[t - 1]; reverse: out[t + 1]
-    copy(view(out, (L - 1, N, H), out.strides, lo * out.strides[0]), out=view(h_prev, (L - 1, N, H), h_prev.strides,
-                                                                              hi * h_prev.strides[0]))
+  h_prev = _h_before(view(out, (L, N, H), out.strides), h0, wd, reverse)
   gh = _recurrent(view(h_prev, (L * N, H), (H, 1)), transposed(w_hh), b_hh, tf32)  # (L N, 4H)
   d = empty((L, N, 5 * H), out.dtype, dev)
   dgates = d if wd is out.dtype else empty((L, N, G), wd, dev)  # the GEMMs' operand
@@ -247,16 +263,59 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
   if states:
     dh0 = cast(dh, h0.dtype)
     dc0 = cast(view(_step(d, steps[0]), (N, H), d.strides[1:], G), c0.dtype)
-  if weights:
-    stack = view(dgates, (L * N, G), (dgates.strides[1], 1))
-    dw = matmul(transposed(stack), view(h_prev, (L * N, H), (H, 1)), tf32)
-    if b_hh is not None: db = reduce(stack, (0,), False, "sum", b_hh.dtype)
+  if weights: dw, db = _weight_grads(view(dgates, (L * N, G), (dgates.strides[1], 1)), h_prev, b_hh, tf32)
   return dgi, dh0, dc0, dw, db
+
+
+def gru_sequence(gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *, reverse: bool,
+                 tf32: bool = False) -> CudaArray:
+  """Every step's h (L, N, H), as lstm_sequence's loop: per step one GEMM into a reused (N, 3H) buffer and the cell
+  kernel into the step's rows of the output."""
+  L, N, G = gi.shape
+  H = G // 3
+  dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, w_hh.dtype), h0.dtype)
+  out, gh = empty((L, N, H), dtype, gi.device), empty((N, G), w_hh.dtype, gi.device)
+  w_t, h = transposed(w_hh), h0
+  for t in _steps(L, reverse): h = _launch("gru", _step(out, t), H, _step(gi, t), _recurrent(h, w_t, b_hh, tf32, gh), h)
+  return out
+
+
+def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None,
+                          out: CudaArray, *, reverse: bool, states: bool, weights: bool, tf32: bool = False) -> tuple:
+  """(d gi, d h0, d w_hh, d b_hh), as lstm_sequence_backward's: gh of every step by one GEMM, then per step back the
+  cell's backward kernel into the step's rows of a (L, N, 7H) buffer ([d gi, d gh, d h]), d gh (cast to w_hh's dtype
+  into a stack) times w_hh for the previous h, added with d h to the output's gradient for the next step."""
+  L, N, G = gi.shape
+  H, dev, wd, steps = G // 3, gi.device, w_hh.dtype, _steps(L, reverse)
+  h_prev = _h_before(out, h0, wd, reverse)
+  gh = _recurrent(view(h_prev, (L * N, H), (H, 1)), transposed(w_hh), b_hh, tf32)  # (L N, 3H)
+  d = empty((L, N, 7 * H), out.dtype, dev)
+  dgh, at = (d, G) if wd is out.dtype else (empty((L, N, G), wd, dev), 0)  # the GEMMs' operand, at column `at`
+  grad = empty((N, H), out.dtype, dev)
+  dh = None
+  for i in range(L - 1, -1, -1):
+    t = steps[i]
+    g_t, d_t = _step(g, t), _step(d, t)
+    if dh is None: copy(g_t, out=grad)
+    else:
+      elementwise.launch("add", grad, g_t, dh)
+      elementwise.launch("add", grad, grad, view(_step(d, steps[i + 1]), (N, H), d_t.strides, 2 * G))
+    h = h0 if i == 0 else _step(out, steps[i - 1])
+    _launch("gru_backward", d_t, H, grad, _step(gi, t), view(gh, (N, G), (G, 1), t * N * G), h)
+    dgh_t = view(_step(dgh, t), (N, G), (dgh.strides[1], 1), at)
+    if dgh is not d: copy(view(d_t, (N, G), d_t.strides, G), out=dgh_t)
+    if i or states: dh = matmul(dgh_t, w_hh, tf32)
+  dgi = copy(view(d, (L, N, G), d.strides), out=empty(gi.shape, gi.dtype, dev))
+  dh0 = None
+  if states: dh0 = elementwise.elementwise("add", h0.dtype, view(_step(d, steps[0]), (N, H), d.strides[1:], 2 * G), dh)
+  dw, db = _weight_grads(view(dgh, (L * N, G), (dgh.strides[1], 1), at), h_prev, b_hh, tf32) if weights else (None, None)
+  return dgi, dh0, dw, db
 
 
 KERNELS = {"lstm_cell": lstm_cell, "lstm_cell_backward": lstm_cell_backward, "gru_cell": gru_cell,
            "gru_cell_backward": gru_cell_backward, "lstm_sequence": lstm_sequence,
-           "lstm_sequence_backward": lstm_sequence_backward}
+           "lstm_sequence_backward": lstm_sequence_backward, "gru_sequence": gru_sequence,
+           "gru_sequence_backward": gru_sequence_backward}
 
 _F32, _BF16 = dtypes.float32, dtypes.bfloat16
 _MIXED = {"lstm": (_BF16, _BF16, _F32), "lstm_backward": (_F32, _BF16, _BF16, _F32, _F32),  # bf16 gates, float32 states
