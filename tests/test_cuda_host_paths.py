@@ -315,8 +315,7 @@ assert [p[4] for p in plans] == [False] * 6 + [True] * 6, [p[4] for p in plans] 
 """, tmp_path)
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
-@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("kind,autocast", [("LSTM", True), ("GRU", False)])
 def test_sequences_launch_on_the_fake_gpu(tmp_path, kind, autocast):
   """nn.LSTM's and nn.GRU's time loops on the GPU: per step one GEMM into the reused gates buffer and one cell kernel
   forward; the backward's recomputed gates GEMM, per step cell backward and GEMM, then d w_hh and d b_hh; float32 and
