@@ -442,8 +442,8 @@ def _sequence_dtype(name: str, gates: int, gi, states: dict, w_hh, b_hh):
   H, h0, s = G // gates, list(states.values())[0], list(states.values())[-1]
   if (gi.ndim != 3 or G % gates or any(t.shape != (N, H) for t in states.values()) or w_hh.shape != (G, H)
       or (b_hh is not None and b_hh.shape != (G,))):
-    raise ShapeError(f"{name}: expected input gates (L, N, {gates}H), {' and '.join(states)} (N, H), w_hh ({gates}H, H) "
-                     f"and b_hh ({gates}H,), got {', '.join(str(list(t.shape)) for t in (gi, *states.values(), w_hh))} "
+    raise ShapeError(f"{name}: expected input gates (L, N, {gates}H), {' and '.join(states)} (N, H), "
+                     f"w_hh ({gates}H, H) and b_hh ({gates}H,), got {', '.join(str(list(t.shape)) for t in (gi, *states.values(), w_hh))} "
                      f"and {None if b_hh is None else list(b_hh.shape)}")
   if (not h0.dtype.is_floating_point or not w_hh.dtype.is_floating_point
       or (b_hh is not None and b_hh.dtype is not w_hh.dtype)):

@@ -1,8 +1,9 @@
 """Nova's compile time grows about linearly with the graph. Work is counted, not timed: the calls of each pass's
 costly primitive while an LSTM language model step compiles at T = 8 and at T = 32, four times the ops: an LSTM
-with projections (proj_size), whose time loop is unrolled into the graph (issue #17; without them it is one op). A pass that rewalks the graph per decision (remat rewiring every op after
-each recomputed value, fuse-gemm finding op positions by walking the block, the split-gradient pattern decoding each
-inner add's leaves, the planner testing every pair of buffers) makes its count grow about sixteen times instead."""
+with projections (proj_size), whose time loop is unrolled into the graph (issue #17; without them it is one op). A
+pass that rewalks the graph per decision (remat rewiring every op after each recomputed value, fuse-gemm finding op
+positions by walking the block, the split-gradient pattern decoding each inner add's leaves, the planner testing every
+pair of buffers) makes its count grow about sixteen times instead."""
 import sys
 from collections import Counter
 

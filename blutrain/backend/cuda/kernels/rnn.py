@@ -308,7 +308,8 @@ def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: Cuda
   dgi = copy(view(d, (L, N, G), d.strides), out=empty(gi.shape, gi.dtype, dev))
   dh0 = None
   if states: dh0 = elementwise.elementwise("add", h0.dtype, view(_step(d, steps[0]), (N, H), d.strides[1:], 2 * G), dh)
-  dw, db = _weight_grads(view(dgh, (L * N, G), (dgh.strides[1], 1), at), h_prev, b_hh, tf32) if weights else (None, None)
+  dw = db = None
+  if weights: dw, db = _weight_grads(view(dgh, (L * N, G), (dgh.strides[1], 1), at), h_prev, b_hh, tf32)
   return dgi, dh0, dw, db
 
 
