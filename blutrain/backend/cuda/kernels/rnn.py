@@ -206,11 +206,17 @@ def _h_before(hs: CudaArray, h0: CudaArray, dtype: DType, reverse: bool) -> Cuda
   return h_prev
 
 
-def _weight_grads(dgh: CudaArray, h_prev: CudaArray, b_hh: CudaArray | None, tf32: bool) -> tuple:
-  """d w_hh (one GEMM over all steps: d gh^T (G, L N) @ h (L N, H)) and d b_hh (a sum of d gh), from the gradients of
-  every step's gh (L N, G) and the h's they multiplied."""
+def _results(*arrays: tuple | None) -> list:
+  """The backward's results as (shape, dtype, device) say, None where absent, allocated before any temporary: a step
+  replayed on a static memory plan then gets each at its planned offset (see `graphs.PlannedAllocator`)."""
+  return [None if a is None else empty(*a) for a in arrays]
+
+
+def _weight_grads(dw: CudaArray, dgh: CudaArray, h_prev: CudaArray, b_hh: CudaArray | None, tf32: bool) -> tuple:
+  """d w_hh into dw (one GEMM over all steps: d gh^T (G, L N) @ h (L N, H)) and d b_hh (a sum of d gh), from the
+  gradients of every step's gh (L N, G) and the h's they multiplied."""
   L, N, H = h_prev.shape
-  dw = matmul(transposed(dgh), view(h_prev, (L * N, H), (H, 1)), tf32)
+  matmul(transposed(dgh), view(h_prev, (L * N, H), (H, 1)), tf32, dw)
   return dw, None if b_hh is None else reduce(dgh, (0,), False, "sum", b_hh.dtype)
 
 
@@ -239,6 +245,8 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
   gradient and c's are added to the output's for the next step; one GEMM and one sum of the stack at the end."""
   L, N, G = gi.shape
   H, dev, wd, steps = G // 4, gi.device, w_hh.dtype, _steps(L, reverse)
+  state = lambda s: (s.shape, s.dtype, dev) if states else None
+  dgi, dh0, dc0, dw = _results((gi.shape, gi.dtype, dev), state(h0), state(c0), (w_hh.shape, wd, dev) if weights else None)
   h_prev = _h_before(view(out, (L, N, H), out.strides), h0, wd, reverse)
   gh = _recurrent(view(h_prev, (L * N, H), (H, 1)), transposed(w_hh), b_hh, tf32)  # (L N, 4H)
   d = empty((L, N, 5 * H), out.dtype, dev)
@@ -258,12 +266,12 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
     dg_t = view(_step(dgates, t), (N, G), _step(dgates, t).strides)
     if dgates is not d: copy(view(d_t, (N, G), d_t.strides), out=dg_t)
     if i or states: dh = matmul(dg_t, w_hh, tf32)
-  dgi = copy(view(d, (L, N, G), d.strides), out=empty(gi.shape, gi.dtype, dev))
-  dh0 = dc0 = dw = db = None
+  copy(view(d, (L, N, G), d.strides), out=dgi)
   if states:
-    dh0 = cast(dh, h0.dtype)
-    dc0 = cast(view(_step(d, steps[0]), (N, H), d.strides[1:], G), c0.dtype)
-  if weights: dw, db = _weight_grads(view(dgates, (L * N, G), (dgates.strides[1], 1)), h_prev, b_hh, tf32)
+    copy(dh, out=dh0)
+    copy(view(_step(d, steps[0]), (N, H), d.strides[1:], G), out=dc0)
+  db = None
+  if weights: dw, db = _weight_grads(dw, view(dgates, (L * N, G), (dgates.strides[1], 1)), h_prev, b_hh, tf32)
   return dgi, dh0, dc0, dw, db
 
 
@@ -287,6 +295,8 @@ def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: Cuda
   into a stack) times w_hh for the previous h, added with d h to the output's gradient for the next step."""
   L, N, G = gi.shape
   H, dev, wd, steps = G // 3, gi.device, w_hh.dtype, _steps(L, reverse)
+  dgi, dh0, dw = _results((gi.shape, gi.dtype, dev), (h0.shape, h0.dtype, dev) if states else None,
+                          (w_hh.shape, wd, dev) if weights else None)
   h_prev = _h_before(out, h0, wd, reverse)
   gh = _recurrent(view(h_prev, (L * N, H), (H, 1)), transposed(w_hh), b_hh, tf32)  # (L N, 3H)
   d = empty((L, N, 7 * H), out.dtype, dev)
@@ -305,11 +315,10 @@ def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: Cuda
     dgh_t = view(_step(dgh, t), (N, G), (dgh.strides[1], 1), at)
     if dgh is not d: copy(view(d_t, (N, G), d_t.strides, G), out=dgh_t)
     if i or states: dh = matmul(dgh_t, w_hh, tf32)
-  dgi = copy(view(d, (L, N, G), d.strides), out=empty(gi.shape, gi.dtype, dev))
-  dh0 = None
-  if states: dh0 = elementwise.elementwise("add", h0.dtype, view(_step(d, steps[0]), (N, H), d.strides[1:], 2 * G), dh)
-  dw = db = None
-  if weights: dw, db = _weight_grads(view(dgh, (L * N, G), (dgh.strides[1], 1), at), h_prev, b_hh, tf32)
+  copy(view(d, (L, N, G), d.strides), out=dgi)
+  if states: elementwise.launch("add", dh0, view(_step(d, steps[0]), (N, H), d.strides[1:], 2 * G), dh)
+  db = None
+  if weights: dw, db = _weight_grads(dw, view(dgh, (L * N, G), (dgh.strides[1], 1), at), h_prev, b_hh, tf32)
   return dgi, dh0, dw, db
 
 
