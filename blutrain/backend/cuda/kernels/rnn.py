@@ -246,7 +246,8 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
   L, N, G = gi.shape
   H, dev, wd, steps = G // 4, gi.device, w_hh.dtype, _steps(L, reverse)
   state = lambda s: (s.shape, s.dtype, dev) if states else None
-  dgi, dh0, dc0, dw = _results((gi.shape, gi.dtype, dev), state(h0), state(c0), (w_hh.shape, wd, dev) if weights else None)
+  dgi, dh0, dc0, dw = _results((gi.shape, gi.dtype, dev), state(h0), state(c0),
+                               (w_hh.shape, wd, dev) if weights else None)
   h_prev = _h_before(view(out, (L, N, H), out.strides), h0, wd, reverse)
   gh = _recurrent(view(h_prev, (L * N, H), (H, 1)), transposed(w_hh), b_hh, tf32)  # (L N, 4H)
   d = empty((L, N, 5 * H), out.dtype, dev)
@@ -259,8 +260,8 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
     if dh is None: copy(g_t, out=grad)
     else:
       elementwise.launch("add", view(grad, (N, H), grad.strides), view(g_t, (N, H), g_t.strides), dh)
-      elementwise.launch("add", view(grad, (N, H), grad.strides, H), view(g_t, (N, H), g_t.strides, H),
-                         view(_step(d, steps[i + 1]), (N, H), d_t.strides, G))
+      elementwise.launch("add", view(grad, (N, H), grad.strides, H), view(g_t, (N, H), g_t.strides, H * g_t.strides[1]),
+                         view(_step(d, steps[i + 1]), (N, H), d_t.strides, G))  # g may be broadcast (stride 0)
     c = c0 if i == 0 else view(_step(out, steps[i - 1]), (N, H), (out.strides[1], 1), H)
     _launch("lstm_backward", d_t, H, grad, _step(gi, t), view(gh, (N, G), (G, 1), t * N * G), c, _step(out, t))
     dg_t = view(_step(dgates, t), (N, G), _step(dgates, t).strides)
