@@ -48,7 +48,8 @@ def mem(monkeypatch) -> Memory:
   new = lambda out, shape, dtype: out if out is not None else m.empty(shape, dtype)
   stand_ins = dict(
     empty=m.empty,
-    matmul=lambda a, b, tf32=False, out=None: m.write(new(out, (a.shape[0], b.shape[1]), a.dtype), m.read(a) @ m.read(b)),
+    matmul=lambda a, b, tf32=False, out=None: m.write(new(out, (a.shape[0], b.shape[1]), a.dtype),
+                                                      m.read(a) @ m.read(b)),
     matmul_bias=lambda a, b, bias, tf32=False, out=None: m.write(new(out, (a.shape[0], b.shape[1]), a.dtype),
                                                                  m.read(a) @ m.read(b) + m.read(bias)),
     cast=lambda x, dtype: m.write(m.empty(x.shape, dtype), m.read(x)),
