@@ -162,6 +162,139 @@ def test_lstm_cell_dtypes_and_errors():
     bt.ops.lstm_cell(gi, gi, bt.ones(2, 2, dtype=bt.int64))
 
 
+def test_lstm_matches_torch_in_float64():
+  """nn.LSTM on lstm_sequence in float64 (two bidirectional layers, batch_first, given states): outputs, final states
+  and every gradient to float64's tolerance."""
+  bm, tm = twins(nn.LSTM, torch.nn.LSTM, 5, 6, num_layers=2, bidirectional=True, batch_first=True)
+  bm, tm = bm.double(), tm.double()
+  arrays = [RNG.standard_normal(shape) for shape in ((3, 4, 5), (4, 3, 6), (4, 3, 6))]
+  bl, tl = [bt.tensor(a, requires_grad=True) for a in arrays], [torch.tensor(a, requires_grad=True) for a in arrays]
+  compare(bm(bl[0], tuple(bl[1:])), tm(tl[0], tuple(tl[1:])), bl, tl, bm, tm, atol=1e-10, rtol=1e-8)
+
+
+def _torch_sequence(kind, gi, states, w_hh, b_hh, reverse):
+  """PyTorch's per-step composite of lstm_sequence (every h and the last c) or gru_sequence (every h)."""
+  state, hs = list(states), []
+  for t in (range(gi.shape[0] - 1, -1, -1) if reverse else range(gi.shape[0])):
+    gh = torch.nn.functional.linear(state[0], w_hh, b_hh)
+    state = list(_torch_lstm_cell(gi[t], gh, state[1])) if kind == "lstm" else [_torch_gru_cell(gi[t], gh, state[0])]
+    hs.append(state[0])
+  hs = torch.stack(hs[::-1] if reverse else hs)
+  return (hs, state[1]) if kind == "lstm" else (hs,)
+
+
+def _sequence(kind, gi, states, w_hh, b_hh, reverse):
+  """bt.ops.lstm_sequence or gru_sequence, its results as a tuple."""
+  if kind == "lstm": return bt.ops.lstm_sequence(gi, *states, w_hh, b_hh, reverse=reverse)
+  return (bt.ops.gru_sequence(gi, *states, w_hh, b_hh, reverse=reverse),)
+
+
+GATES = {"lstm": (4, 2), "gru": (3, 1)}  # gate blocks, initial states
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_sequence_matches_torch(kind, dtype, reverse, bias):
+  """The whole loop against PyTorch's per-step composite: every h (and the LSTM's last c), and the gradients of gi (a
+  non-contiguous view), the initial states, w_hh and b_hh."""
+  rng = np.random.default_rng(1)
+  (gates, n_states), (L, N, H) = GATES[kind], (6, 3, 4)
+  shapes = [(N, L, gates * H)] + [(N, H)] * n_states + [(gates * H, H), (gates * H,)]
+  arrays = [(rng.standard_normal(s) * 0.7).astype(dtype.np) for s in shapes[:len(shapes) - (not bias)]]
+  ours = [bt.tensor(a, requires_grad=True) for a in arrays]
+  theirs = [torch.tensor(a, requires_grad=True) for a in arrays]
+  split = lambda ts: (ts[0].transpose(0, 1), ts[1:1 + n_states], ts[1 + n_states], ts[2 + n_states] if bias else None)
+  got, want = _sequence(kind, *split(ours), reverse), _torch_sequence(kind, *split(theirs), reverse)
+  us = [rng.standard_normal(tuple(t.shape)).astype(dtype.np) for t in want]
+  for g, t in zip(got, want): assert_close(g, t, dtype)
+  sum((g * bt.tensor(u)).sum() for g, u in zip(got, us)).backward()
+  sum((t * torch.tensor(u)).sum() for t, u in zip(want, us)).backward()
+  for i, (o, t) in enumerate(zip(ours, theirs)): assert_close(o.grad, t.grad, dtype, f"gradient of input {i}")
+
+
+def test_sequence_backward_skips_what_needs_no_gradient():
+  """With the initial states (or the weights) needing no gradient the backward op is asked for none: their results
+  are None."""
+  gi, h0, c0, w, b = (bt.randn(*s) for s in ((3, 2, 8), (2, 2), (2, 2), (8, 2), (8,)))
+  out = bt.ops.nn.lstm_sequence_op(gi, h0, c0, w, b, reverse=False)
+  vjp = lambda *needs: bt.ops.nn.lstm_sequence_op.vjp(bt.randn(3, 2, 4), out, gi, h0, c0, w, b, reverse=False,
+                                                       needs=needs)
+  dgi, dh0, dc0, dw, db = vjp(True, False, False, True, True)
+  assert dh0 is None and dc0 is None and dgi.shape == gi.shape and dw.shape == w.shape and db.shape == b.shape
+  dgi, dh0, dc0, dw, db = vjp(True, True, True, False, False)
+  assert dw is None and db is None and dh0.shape == dc0.shape == (2, 2)
+  gi, w, b = gi[..., :6], w[:6], b[:6]
+  out = bt.ops.nn.gru_sequence_op(gi, h0, w, b, reverse=True)
+  vjp = lambda *needs: bt.ops.nn.gru_sequence_op.vjp(bt.randn(3, 2, 2), out, gi, h0, w, b, reverse=True, needs=needs)
+  dgi, dh0, dw, db = vjp(True, False, True, True)
+  assert dh0 is None and dgi.shape == gi.shape and dw.shape == w.shape and db.shape == b.shape
+  dgi, dh0, dw, db = vjp(True, True, False, False)
+  assert dw is None and db is None and dh0.shape == (2, 2)
+
+
+def _per_step(kind):
+  """nn.LSTM's or nn.GRU's loop as it was: one linear and one cell per step (the composite a sequence stands for)."""
+  def run(gi, *args):
+    *states, w_hh, b_hh, reverse = args
+    hs = []
+    for t in (range(gi.shape[0] - 1, -1, -1) if reverse else range(gi.shape[0])):
+      gh = F.linear(states[0], w_hh, b_hh)
+      states = bt.ops.lstm_cell(gi[t], gh, states[1]) if kind == "LSTM" else [bt.ops.gru_cell(gi[t], gh, states[0])]
+      hs.append(states[0])
+    hs = bt.stack(hs[::-1] if reverse else hs, 0)
+    return (hs, states[1]) if kind == "LSTM" else hs
+  return run
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("half", ["autocast", "bfloat16"])
+def test_half_sequences_equal_the_per_step_ops(kind, half, monkeypatch):
+  """bf16 under autocast (float32 states, bf16 matmuls) and a bf16 model: the outputs equal the per-step ops' bit for
+  bit; the gradients (the sequence sums d w_hh in float32 once, the steps in bf16 per step) to bf16's tolerance."""
+  results = []
+  for seq in (True, False):
+    if not seq: monkeypatch.setattr(bt.ops, f"{kind.lower()}_sequence", _per_step(kind))
+    bt.manual_seed(0)
+    m = getattr(nn, kind)(5, 8, num_layers=2, bidirectional=True)
+    x = bt.tensor(np.random.default_rng(2).standard_normal((7, 3, 5)).astype(np.float32))
+    if half == "bfloat16": m, x = m.to(bt.bfloat16), x.to(bt.bfloat16)
+    x.requires_grad_()
+    with bt.autocast("cpu", dtype=bt.bfloat16, enabled=half == "autocast"):
+      out, state = m(x)
+    outs = [out, *(state if kind == "LSTM" else (state,))]
+    sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+    results.append(outs + [x.grad] + [p.grad for p in m.parameters()])
+  n = 3 if kind == "LSTM" else 2
+  for i, (a, b) in enumerate(zip(*results)):
+    assert a.dtype is b.dtype and a.shape == b.shape
+    if i < n:
+      np.testing.assert_array_equal(a.detach().float().numpy(), b.detach().float().numpy(), err_msg=f"output {i}")
+    else:  # both sum bf16 roundings of the same terms: compared at bf16's tolerance relative to the largest entry
+      want = b.detach().float().numpy()
+      assert_close(a, want, bt.bfloat16, f"gradient {i}", atol=2e-2 * max(1.0, float(np.abs(want).max())), rtol=3e-2)
+
+
+def test_sequence_errors_name_the_op():
+  gi, h, w = bt.randn(3, 2, 8), bt.randn(2, 2), bt.randn(8, 2)
+  with pytest.raises(RuntimeError, match=r"lstm_sequence: expected .* got \[3, 2, 8\], \[2, 2\], \[2, 3\], \[8, 2\]"):
+    bt.ops.lstm_sequence(gi, h, bt.randn(2, 3), w)
+  with pytest.raises(RuntimeError, match=r"lstm_sequence: expected input gates \(L, N, 4H\)"):
+    bt.ops.lstm_sequence(bt.randn(2, 8), h, h, w)
+  with pytest.raises(RuntimeError, match=r"lstm_sequence: .* and \[4\]"):
+    bt.ops.lstm_sequence(gi, h, h, w, bt.randn(4))
+  with pytest.raises(TypeError, match="lstm_sequence: expected a floating h0 and w_hh, and b_hh of w_hh's dtype"):
+    bt.ops.lstm_sequence(gi, h, h, w, bt.randn(8, dtype=bt.float64))
+  with pytest.raises(TypeError, match="lstm_sequence: expected floating"):
+    bt.ops.lstm_sequence(gi, h, bt.ones(2, 2, dtype=bt.int64), w)
+  with pytest.raises(RuntimeError, match=r"gru_sequence: expected input gates \(L, N, 3H\), h0 \(N, H\), w_hh "
+                                         r"\(3H, H\) and b_hh \(3H,\), got \[3, 2, 8\], \[2, 2\], \[8, 2\]"):
+    bt.ops.gru_sequence(gi, h, w)
+  with pytest.raises(TypeError, match="gru_sequence: expected a floating h0"):
+    bt.ops.gru_sequence(gi[..., :6], bt.ones(2, 2, dtype=bt.int64), w[:6])
+
+
 def test_rnn_errors_and_training_dropout():
   m = nn.LSTM(4, 3, num_layers=2, dropout=0.5)
   with pytest.raises(RuntimeError, match="input_size. Expected 4, got 5"): m(bt.randn(2, 3, 5))

@@ -980,6 +980,11 @@ VJP_CASES = {
                  ops.nn.batch_norm(x, bt.tensor([0.5, -1.0, 0.25]), bt.tensor([0.5, 1.0, 2.0]), w, b, 1e-3, False),
                  [(4, 3, 5), (3,), (3,)], {}),
   "gru_cell": (lambda gi, gh, h: ops.gru_cell(gi, gh, h), [(3, 6), (3, 6), (3, 2)], {}),
+  "lstm_sequence": (lambda gi, h0, c0, w, b: bt.cat([ops.nn.lstm_sequence_op(gi, h0, c0, w, b, reverse=r) for r in
+                                                     (False, True)]), [(5, 2, 12), (2, 3), (2, 3), (12, 3), (12,)],
+                    dict(low=-1.0, high=1.0)),
+  "gru_sequence": (lambda gi, h0, w, b: bt.cat([ops.nn.gru_sequence_op(gi, h0, w, b, reverse=r) for r in
+                                                (False, True)]), [(5, 2, 9), (2, 3), (9, 3), (9,)], dict(low=-1.0, high=1.0)),
   "dropout": (lambda x: ops.dropout(x, 0.4, generator=bt.Generator().manual_seed(3)), [(6, 7)], {}),  # the same draws
   # a group of one rank here; tests/distributed/test_mpi.py checks the gradients of 3 ranks against the math
   "all_reduce": (lambda x: ops.collective.all_reduce(x * x, "avg", LOOPBACK, 1), [(3, 4)], {}),

@@ -1,7 +1,8 @@
 """Recurrent layers (LSTM, GRU; multi-layer, bidirectional, batch_first) and MultiheadAttention, as composites over
-matmuls: each layer projects the whole sequence's inputs in one matmul, then steps through time with one matmul of
-the hidden state per step and one `lstm_cell` or `gru_cell` primitive for the gates and states (one kernel forward
-and one backward). (Eagerly the time loop is Python; under `bt.compile` it is unrolled into the graph.)"""
+matmuls: each layer projects the whole sequence's inputs in one matmul, then runs its time loop. A direction is one
+`lstm_sequence` or `gru_sequence` primitive (the loop of recurrent matmuls and cells inside its kernel, one op eagerly
+and in a compiled graph, and one op backward); an LSTM with proj_size loops in Python, one matmul of the hidden state
+and one `lstm_cell` primitive per step (unrolled under `bt.compile`)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,8 @@ from blutrain.tensor import Tensor
 
 
 class _RNNBase(Module):
-  """Parameters and the layer/direction loop shared by LSTM and GRU; a subclass defines `_cell`.
+  """Parameters and the layer/direction loop shared by LSTM and GRU; a subclass defines `_sequence` (one direction's
+  time loop, a primitive) and, with projections, `_cell` (one step).
 
   Parameter names and shapes are PyTorch's: weight_ih_l{k}{suffix} (gates * hidden_size, input size of layer k),
   weight_hh_l{k}{suffix} (gates * hidden_size, hidden_size), bias_ih_l{k}{suffix} and bias_hh_l{k}{suffix}, suffix
@@ -107,6 +109,7 @@ class _RNNBase(Module):
     """One direction of one layer over (L, N, H_in): the outputs (L, N, hidden) and the final states."""
     w_ih, w_hh, b_ih, b_hh, w_hr = weights
     gi = F.linear(x, w_ih, b_ih)  # every step's input projection in one matmul
+    if w_hr is None: return self._sequence(gi, state, w_hh, b_hh, reverse)  # the whole loop is one primitive
     outs = []
     for t in (range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])):
       state = self._cell(gi[t], state, w_hh, b_hh)
@@ -146,6 +149,11 @@ class LSTM(_RNNBase):
                      dtype)
 
   @staticmethod
+  def _sequence(gi: Tensor, state: list, w_hh: Tensor, b_hh: Tensor | None, reverse: bool) -> tuple[Tensor, list]:
+    hs, c = ops.lstm_sequence(gi, state[0], state[1], w_hh, b_hh, reverse)
+    return hs, [hs[0 if reverse else -1], c]
+
+  @staticmethod
   def _cell(gi: Tensor, state: list, w_hh: Tensor, b_hh: Tensor | None) -> list:
     h, c = state
     return list(ops.lstm_cell(gi, F.linear(h, w_hh, b_hh), c))
@@ -161,9 +169,9 @@ class GRU(_RNNBase):
   gates, _states = 3, 1
 
   @staticmethod
-  def _cell(gi: Tensor, state: list, w_hh: Tensor, b_hh: Tensor | None) -> list:
-    (h,) = state
-    return [ops.gru_cell(gi, F.linear(h, w_hh, b_hh), h)]
+  def _sequence(gi: Tensor, state: list, w_hh: Tensor, b_hh: Tensor | None, reverse: bool) -> tuple[Tensor, list]:
+    hs = ops.gru_sequence(gi, state[0], w_hh, b_hh, reverse)
+    return hs, [hs[0 if reverse else -1]]
 
 
 class MultiheadAttention(Module):

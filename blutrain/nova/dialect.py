@@ -1227,6 +1227,96 @@ class LstmCellBackwardOp(NNOp):
 
 
 @irdl_op_definition
+class LstmSequenceOp(NNOp):
+  """An LSTM direction's whole time loop: every step's [h, c] (L, N, 2H) from the input gates gi (L, N, 4H), h0 and
+  c0 (N, H), w_hh (4H, H) and the optional b_hh (4H,), steps from the last when `reverse`; float32 recurrent matmuls
+  in TF32 when `tf32`."""
+  name = "nova.lstm_sequence"
+  gi = operand_def(TENSOR)
+  h0 = operand_def(TENSOR)
+  c0 = operand_def(TENSOR)
+  w_hh = operand_def(TENSOR)
+  b_hh = opt_operand_def(TENSOR)
+  reverse = prop_def(BOOL)
+  tf32 = opt_prop_def(BOOL | NONE)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$gi `,` $h0 `,` $c0 `,` $w_hh (`bias` $b_hh^ `:` type($b_hh))? attr-dict `:` type($gi) `,` "
+                     "type($h0) `,` type($c0) `,` type($w_hh) `->` type($result)")
+
+
+@irdl_op_definition
+class LstmSequenceBackwardOp(MultiResultOp):
+  """lstm_sequence's gradients from g (L, N, 2H) and its output: d gi, then d h0 and d c0 when `states`, d w_hh when
+  `weights` and d b_hh when `weights` and b_hh is given (each absent otherwise), in their inputs' types."""
+  name = "nova.lstm_sequence_backward"
+  g = operand_def(TENSOR)
+  gi = operand_def(TENSOR)
+  h0 = operand_def(TENSOR)
+  c0 = operand_def(TENSOR)
+  w_hh = operand_def(TENSOR)
+  b_hh = opt_operand_def(TENSOR)
+  out = operand_def(TENSOR)
+  reverse = prop_def(BOOL)
+  states = prop_def(BOOL)
+  weights = prop_def(BOOL)
+  tf32 = opt_prop_def(BOOL | NONE)
+  d_gi = result_def(TENSOR)
+  d_h0 = opt_result_def(TENSOR)
+  d_c0 = opt_result_def(TENSOR)
+  d_w_hh = opt_result_def(TENSOR)
+  d_b_hh = opt_result_def(TENSOR)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
+                  ParsePropInAttrDict())
+  assembly_format = ("$g `,` $gi `,` $h0 `,` $c0 `,` $w_hh (`bias` $b_hh^ `:` type($b_hh))? `,` $out attr-dict `:` "
+                     "type($g) `,` type($gi) `,` type($h0) `,` type($c0) `,` type($w_hh) `,` type($out) `->` "
+                     "type($d_gi) (`d_h0` type($d_h0)^)? (`d_c0` type($d_c0)^)? (`d_w_hh` type($d_w_hh)^)? "
+                     "(`d_b_hh` type($d_b_hh)^)?")
+
+
+@irdl_op_definition
+class GruSequenceOp(NNOp):
+  """A GRU direction's whole time loop: every step's h (L, N, H) from the input gates gi (L, N, 3H), h0 (N, H), w_hh
+  (3H, H) and the optional b_hh (3H,), steps from the last when `reverse`; float32 recurrent matmuls in TF32 when
+  `tf32`."""
+  name = "nova.gru_sequence"
+  gi = operand_def(TENSOR)
+  h0 = operand_def(TENSOR)
+  w_hh = operand_def(TENSOR)
+  b_hh = opt_operand_def(TENSOR)
+  reverse = prop_def(BOOL)
+  tf32 = opt_prop_def(BOOL | NONE)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$gi `,` $h0 `,` $w_hh (`bias` $b_hh^ `:` type($b_hh))? attr-dict `:` type($gi) `,` type($h0) "
+                     "`,` type($w_hh) `->` type($result)")
+
+
+@irdl_op_definition
+class GruSequenceBackwardOp(MultiResultOp):
+  """gru_sequence's gradients from g (L, N, H) and its output: d gi, then d h0 when `states`, d w_hh when `weights`
+  and d b_hh when `weights` and b_hh is given (each absent otherwise), in their inputs' types."""
+  name = "nova.gru_sequence_backward"
+  g = operand_def(TENSOR)
+  gi = operand_def(TENSOR)
+  h0 = operand_def(TENSOR)
+  w_hh = operand_def(TENSOR)
+  b_hh = opt_operand_def(TENSOR)
+  out = operand_def(TENSOR)
+  reverse = prop_def(BOOL)
+  states = prop_def(BOOL)
+  weights = prop_def(BOOL)
+  tf32 = opt_prop_def(BOOL | NONE)
+  d_gi = result_def(TENSOR)
+  d_h0 = opt_result_def(TENSOR)
+  d_w_hh = opt_result_def(TENSOR)
+  d_b_hh = opt_result_def(TENSOR)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
+                  ParsePropInAttrDict())
+  assembly_format = ("$g `,` $gi `,` $h0 `,` $w_hh (`bias` $b_hh^ `:` type($b_hh))? `,` $out attr-dict `:` type($g) "
+                     "`,` type($gi) `,` type($h0) `,` type($w_hh) `,` type($out) `->` type($d_gi) "
+                     "(`d_h0` type($d_h0)^)? (`d_w_hh` type($d_w_hh)^)? (`d_b_hh` type($d_b_hh)^)?")
+
+
+@irdl_op_definition
 class GruCellOp(NNOp):
   """One GRU step after its matmuls: h' (N, H) from the gate pre-activations gi and gh (N, 3H) and h (N, H)."""
   name = "nova.gru_cell"
@@ -1460,7 +1550,8 @@ Nova = Dialect("nova", [
   BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
-  LstmCellBackwardOp, GruCellOp, GruCellBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
+  LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp,
+  GruSequenceBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
   AllGatherOp, *COMPILER_OPS,
 ])
 

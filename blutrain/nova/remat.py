@@ -36,13 +36,15 @@ from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from blutrain.nova.dialect import (BatchNormOp, CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp,
                                    FlashAttentionLseBackwardOp, FlashAttentionLseOp, FlashAttentionOp, GeluOp, GemmOp,
-                                   LayerNormOp, LayoutOp, LogSoftmaxOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
+                                   GruSequenceBackwardOp, GruSequenceOp, LayerNormOp, LayoutOp, LogSoftmaxOp,
+                                   LstmSequenceBackwardOp, LstmSequenceOp, MatmulOp, NovaOp, RandomOp, SingleResultOp,
                                    SoftmaxOp, aval)
 from blutrain.nova.ir import function
 from blutrain.nova.memory import live_bytes, nbytes, plan
 
 DEFAULT_FLOPS_SHARE = 0.03  # the default recomputes at most this share of the step's FLOPs
 MAX_DEPTH = 8  # ops one recomputation may clone in a chain, so a candidate never recomputes half the forward
+SEQUENCES = (LstmSequenceOp, LstmSequenceBackwardOp, GruSequenceOp, GruSequenceBackwardOp)
 CHEAP = (ElementwiseOp, LayoutOp, CreationOp, RandomOp, LayerNormOp, BatchNormOp, SoftmaxOp, LogSoftmaxOp)
 # FLOPs per output element of the elementwise and normalization ops that cost more than one
 PER_ELEMENT = {"exp": 4, "log": 4, "sqrt": 2, "rsqrt": 2, "sin": 4, "cos": 4, "tanh": 4, "sigmoid": 4, "erf": 4,
@@ -55,14 +57,18 @@ def _numel(v: SSAValue) -> int: return math.prod(aval(v.type).shape)
 
 
 def op_flops(op: Operation) -> int:
-  """An estimate of the FLOPs of one nova op: 2 per multiply-add of a matmul, 4 per q-k-v triple of attention (2.5
-  times that for its backward), `PER_ELEMENT` (default 1) per output element of the others, none for views."""
+  """An estimate of the FLOPs of one nova op: 2 per multiply-add of a matmul (a recurrent sequence's ones too),
+  4 per q-k-v triple of attention (2.5 times that for its backward), `PER_ELEMENT` (default 1) per output element of
+  the others, none for views."""
   if isinstance(op, LayoutOp) or not isinstance(op, NovaOp): return 0
   if isinstance(op, (MatmulOp, GemmOp)): return 2 * _numel(op.results[0]) * aval(op.operands[0].type).shape[-1]
   if isinstance(op, (FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp)):
     q, k = aval(op.q.type).shape, aval(op.k.type).shape
     work = 4 * math.prod(q) * k[-2]
     return work if isinstance(op, (FlashAttentionOp, FlashAttentionLseOp)) else 5 * work // 2
+  if isinstance(op, SEQUENCES):  # a recurrent matmul per step (backward: three)
+    L, N, G = aval(op.gi.type).shape
+    return (2 if isinstance(op, (LstmSequenceOp, GruSequenceOp)) else 6) * L * N * G * aval(op.h0.type).shape[-1]
   return PER_ELEMENT.get(op.opname, 1) * sum(_numel(r) for r in op.results if r is not None)
 
 

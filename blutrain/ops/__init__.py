@@ -27,10 +27,10 @@ from blutrain.ops.linalg import bmm, einsum, matmul, mm, outer
 from blutrain.ops.movement import (cat, chunk, diag, diagonal, expand, flatten, flip, getitem, masked_select, narrow,
                                    nonzero, permute, repeat, repeat_interleave, reshape, roll, split, squeeze, stack,
                                    transpose, unbind, unflatten, unfold, unsqueeze, view)
-from blutrain.ops.nn import (conv, conv_transpose, cross_entropy, embedding, gather, index_select, layer_norm, linear, log_softmax, lstm_cell, gru_cell,
-                             mse_loss, nll_loss, one_hot, rms_norm, scaled_dot_product_attention, scatter, scatter_add,
-                             scatter_reduce, softmax,
-                             tril, triu)
+from blutrain.ops.nn import (conv, conv_transpose, cross_entropy, embedding, gather, gru_cell, gru_sequence, index_select,
+                             layer_norm, linear, log_softmax, lstm_cell, lstm_sequence, mse_loss, nll_loss, one_hot,
+                             rms_norm, scaled_dot_product_attention, scatter, scatter_add, scatter_reduce, softmax, tril,
+                             triu)
 from blutrain.ops.optim import adamw_, scale_, sgd_, sum_squares
 from blutrain.ops.ordering import argsort, cummax, cummin, kthvalue, msort, multinomial, randperm, sort, topk
 from blutrain.ops.random import (bernoulli, bernoulli_mask, default_generator, dropout, Generator, manual_seed, normal, rand,

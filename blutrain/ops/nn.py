@@ -495,6 +495,110 @@ def gru_cell(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
   return gru_cell_op(gi, gh, h)
 
 
+def _sequence_dtype(name: str, gates: int, gi, states: dict, w_hh, b_hh):
+  """The states' dtype of a recurrent time loop (its cell's rule on one step) after checking the input gates gi
+  (L, N, gates H), the initial `states` {name: (N, H)} (h0 first, the cell's own state last), w_hh (gates H, H) and
+  b_hh (gates H,) of w_hh's dtype."""
+  L, N, G = gi.shape if gi.ndim == 3 else (0, 0, 0)
+  H, h0, s = G // gates, list(states.values())[0], list(states.values())[-1]
+  if (gi.ndim != 3 or G % gates or any(t.shape != (N, H) for t in states.values()) or w_hh.shape != (G, H)
+      or (b_hh is not None and b_hh.shape != (G,))):
+    raise ShapeError(f"{name}: expected input gates (L, N, {gates}H), {' and '.join(states)} (N, H), "
+                     f"w_hh ({gates}H, H) and b_hh ({gates}H,), got {', '.join(str(list(t.shape)) for t in (gi, *states.values(), w_hh))} "
+                     f"and {None if b_hh is None else list(b_hh.shape)}")
+  if (not h0.dtype.is_floating_point or not w_hh.dtype.is_floating_point
+      or (b_hh is not None and b_hh.dtype is not w_hh.dtype)):
+    raise DTypeError(f"{name}: expected a floating h0 and w_hh, and b_hh of w_hh's dtype, got {h0.dtype.name}, "
+                     f"{w_hh.dtype.name} and {None if b_hh is None else b_hh.dtype.name}")
+  step = Aval((N, G), gi.dtype, None)  # one step's gates
+  return _cell_dtype(name, gates, "cell state" if gates == 4 else "hidden state", step, Aval((N, G), w_hh.dtype, None),
+                     s)
+
+
+def _lstm_sequence_rule(gi, h0, c0, w_hh, b_hh, reverse, tf32=False):
+  dtype = _sequence_dtype("lstm_sequence", 4, gi, {"h0": h0, "c0": c0}, w_hh, b_hh)
+  return gi.shape[:2] + (2 * c0.shape[1],), dtype
+
+
+def _lstm_sequence_vjp(g, out, gi, h0, c0, w_hh, b_hh, reverse, tf32=False, needs=(True,) * 5):
+  return lstm_sequence_backward_op(g, gi, h0, c0, w_hh, b_hh, out, reverse=reverse, tf32=tf32,
+                                   states=needs[1] or needs[2], weights=needs[3] or needs[4])
+
+
+def _lstm_sequence_backward_rule(g, gi, h0, c0, w_hh, b_hh, out, reverse, states, weights, tf32=False):
+  if g.shape != out.shape:
+    raise ShapeError(f"lstm_sequence_backward: gradient of shape {g.shape} for an output of shape {out.shape}")
+  state = lambda t: (t.shape, t.dtype) if states else None
+  return [(gi.shape, gi.dtype), state(h0), state(c0), (w_hh.shape, w_hh.dtype) if weights else None,
+          (b_hh.shape, b_hh.dtype) if weights and b_hh is not None else None]
+
+
+# An LSTM's whole time loop after the input projection gi = x W_ih^T + b_ih (L, N, 4H): from h0, c0, step by step
+# (from t = L - 1 down with `reverse`) gh = h W_hh^T + b_hh, then lstm_cell's math, returning every step's [h, c] side
+# by side as (L, N, 2H) in time order (nn.LSTM takes views of the halves). The recurrent matmul runs in w_hh's dtype
+# (h cast to it, float32 accumulation, rounded as linear rounds it), the cell in float32 with states stored in the
+# dtype lstm_cell gives, so the result equals the per-step ops exactly. Its backward (one op) walks back through
+# time with the cell's gradient and one matmul of the gates' gradient per step; it recomputes every step's gh by one
+# matmul of all the h's before the loop (off the sequential path, and 4H fewer values kept per step), and ends with
+# one matmul for d w_hh: it returns (d gi, d h0, d c0, d w_hh, d b_hh), without the states' (`states`) or the
+# weights' (`weights`) when they need none.
+lstm_sequence_backward_op = op("lstm_sequence_backward", _lstm_sequence_backward_rule, multi=True,
+                               inputs="g gi h0 c0 w_hh ?b_hh out",
+                               attrs="reverse:bool states:bool weights:bool tf32:bool?")
+lstm_sequence_op = op("lstm_sequence", _lstm_sequence_rule, _lstm_sequence_vjp, inputs="gi h0 c0 w_hh ?b_hh",
+                      attrs="reverse:bool tf32:bool?", saves_output=True)
+
+
+def lstm_sequence(gi: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, b_hh: Tensor | None = None,
+                  reverse: bool = False) -> tuple[Tensor, Tensor]:
+  """One direction of an LSTM layer after its input projection: gi (L, N, 4H) = x W_ih^T + b_ih for every step,
+  initial states h0 and c0 (N, H), recurrent weight w_hh (4H, H) and bias b_hh (4H,) (autocast runs the recurrent
+  matmul as it runs linear). Steps t = 0 .. L - 1 (L - 1 .. 0 when `reverse`) with gates gi[t] + h W_hh^T + b_hh as
+  `lstm_cell`. Returns every step's h (L, N, H) in time order and the last step's c (N, H), views of one result."""
+  w_hh, b_hh = autocast_inputs("linear", w_hh, b_hh)
+  out = lstm_sequence_op(gi, h0, c0, w_hh, b_hh, reverse=bool(reverse),
+                         tf32=w_hh.dtype is dtypes.float32 and backends.allow_tf32())
+  H = c0.shape[-1]
+  return out[:, :, :H], out[0 if reverse else -1, :, H:]
+
+
+def _gru_sequence_rule(gi, h0, w_hh, b_hh, reverse, tf32=False):
+  dtype = _sequence_dtype("gru_sequence", 3, gi, {"h0": h0}, w_hh, b_hh)
+  return gi.shape[:2] + h0.shape[1:], dtype
+
+
+def _gru_sequence_vjp(g, out, gi, h0, w_hh, b_hh, reverse, tf32=False, needs=(True,) * 4):
+  return gru_sequence_backward_op(g, gi, h0, w_hh, b_hh, out, reverse=reverse, tf32=tf32, states=needs[1],
+                                  weights=needs[2] or needs[3])
+
+
+def _gru_sequence_backward_rule(g, gi, h0, w_hh, b_hh, out, reverse, states, weights, tf32=False):
+  if g.shape != out.shape:
+    raise ShapeError(f"gru_sequence_backward: gradient of shape {g.shape} for an output of shape {out.shape}")
+  return [(gi.shape, gi.dtype), (h0.shape, h0.dtype) if states else None, (w_hh.shape, w_hh.dtype) if weights else None,
+          (b_hh.shape, b_hh.dtype) if weights and b_hh is not None else None]
+
+
+# A GRU direction's whole time loop, as lstm_sequence's: from gi (L, N, 3H) and h0, per step gh = h W_hh^T + b_hh and
+# gru_cell's math, every step's h (L, N, H) in time order, equal to the per-step ops. Its backward is one op: gh for all
+# steps by one matmul, then per step back gru_cell's backward ([d gi, d gh, d h]) and one matmul of d gh for the
+# previous h, one matmul for d w_hh at the end; (d gi, d h0, d w_hh, d b_hh), without d h0 (`states`) or the weights'.
+gru_sequence_backward_op = op("gru_sequence_backward", _gru_sequence_backward_rule, multi=True,
+                              inputs="g gi h0 w_hh ?b_hh out", attrs="reverse:bool states:bool weights:bool tf32:bool?")
+gru_sequence_op = op("gru_sequence", _gru_sequence_rule, _gru_sequence_vjp, inputs="gi h0 w_hh ?b_hh",
+                     attrs="reverse:bool tf32:bool?", saves_output=True)
+
+
+def gru_sequence(gi: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None = None, reverse: bool = False) -> Tensor:
+  """One direction of a GRU layer after its input projection: gi (L, N, 3H) = x W_ih^T + b_ih, initial state h0
+  (N, H), recurrent weight w_hh (3H, H) and bias b_hh (3H,) (autocast runs the recurrent matmul as it runs linear).
+  Steps as `gru_cell` with gh = h W_hh^T + b_hh, from the last step when `reverse`. Returns every step's h
+  (L, N, H) in time order."""
+  w_hh, b_hh = autocast_inputs("linear", w_hh, b_hh)
+  return gru_sequence_op(gi, h0, w_hh, b_hh, reverse=bool(reverse),
+                         tf32=w_hh.dtype is dtypes.float32 and backends.allow_tf32())
+
+
 def lstm_cell(gi: Tensor, gh: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
   """One LSTM step after its matmuls (gate pre-activations gi and gh (N, 4H), cell state c (N, H)): (h', c'), views
   of one (N, 2H) result."""

@@ -202,6 +202,20 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   cell = b("slice", pos, index=((0, 3, 1), (0, 1, 1)))  # (N, H) = (3, 1) beside gates (3, 4)
   outs += [cell_out := b("lstm_cell", x, pos, cell),
            b("lstm_cell_backward", b("slice", pos, index=((0, 3, 1), (0, 2, 1))), x, pos, cell, cell_out)]
+  seq_in = [b("view", x, shape=(3, 1, 4)), b("slice", pos, index=((0, 1, 1), (0, 1, 1))),  # L, N, H = 3, 1, 1
+            b("slice", pos, index=((1, 2, 1), (0, 1, 1))),
+            b("permute", b("slice", pos, index=((2, 3, 1), (0, 4, 1))), dims=(1, 0))]
+  seq = b("lstm_sequence", *seq_in, y, reverse=False)
+  outs += [seq, b("lstm_sequence", *seq_in, None, reverse=True, tf32=True),
+           *b("lstm_sequence_backward", seq, *seq_in, y, seq, reverse=False, states=True, weights=True),
+           b("lstm_sequence_backward", seq, *seq_in, None, seq, reverse=True, states=False, weights=False)[0]]
+  gru_in = [b("view", b("slice", x, index=((0, 3, 1), (0, 3, 1))), shape=(3, 1, 3)), seq_in[1],  # L, N, H = 3, 1, 1
+            b("slice", seq_in[3], index=((0, 3, 1), (0, 1, 1)))]
+  gru = b("gru_sequence", *gru_in, b("slice", y, index=((0, 3, 1),)), reverse=True)
+  outs += [gru, b("gru_sequence", *gru_in, None, reverse=False, tf32=True),
+           *b("gru_sequence_backward", gru, *gru_in, b("slice", y, index=((1, 4, 1),)), gru, reverse=True, states=True,
+              weights=True),
+           b("gru_sequence_backward", gru, *gru_in, None, gru, reverse=False, states=False, weights=False)[0]]
   gates3 = b("slice", x, index=((0, 3, 1), (0, 3, 1)))  # GRU gates (3, 3H) with H = 1
   outs += [b("gru_cell", gates3, b("slice", pos, index=((0, 3, 1), (1, 4, 1))), cell),
            b("gru_cell_backward", cell, gates3, gates3, cell)]

@@ -301,6 +301,62 @@ def _lstm_cell_backward(grad, gi, gh, c, out):
                          dc * f], axis=1)
 
 
+def _as(x, dtype):
+  """x rounded to dtype as a kernel's result is stored, read back in float32 (float64 stays)."""
+  return x.astype(dtype).astype(np.float32) if dtype in _HALF else x
+
+
+def _recurrent(h, w, b):
+  """h W^T + b as a recurrent layer's linear computes it in w's dtype: the matmul rounded, then the bias added and
+  rounded."""
+  f = _as(h.astype(w.dtype, copy=False), w.dtype)
+  gh = _as(_matmul(f, w.astype(f.dtype).T), w.dtype)
+  return gh if b is None else _as(gh + _as(b, b.dtype), w.dtype)
+
+
+def _steps(L: int, reverse: bool) -> list[int]:
+  return list(range(L - 1, -1, -1) if reverse else range(L))
+
+
+def _lstm_sequence(gi, h0, c0, w_hh, b_hh, *, reverse, tf32=False):
+  """lstm_cell's steps with their recurrent matmuls, every intermediate rounded as the per-step ops round it."""
+  L, N, G = gi.shape
+  dtype = np.promote_types(np.promote_types(gi.dtype, w_hh.dtype), c0.dtype)
+  out = np.empty((L, N, G // 2), dtype)
+  h, c = h0, c0
+  for t in _steps(L, reverse):
+    out[t] = _lstm_cell(_as(gi[t], gi.dtype), _recurrent(h, w_hh, b_hh), _as(c, c.dtype))
+    h, c = out[t, :, :G // 4], out[t, :, G // 4:]
+  return out
+
+
+def _lstm_sequence_backward(g, gi, h0, c0, w_hh, b_hh, out, *, reverse, states, weights, tf32=False):
+  """Back through the steps: the cell's gradient, then the gates' gradient (rounded to w_hh's dtype, as the
+  matmul's backward reads it) times w_hh for the previous h; d w_hh and d b_hh from all steps' gates at the end."""
+  L, N, G = gi.shape
+  H, steps = G // 4, _steps(L, reverse)
+  f = np.float64 if np.float64 in (g.dtype, out.dtype) else np.float32
+  w = w_hh.astype(f)
+  prev = {t: steps[i - 1] for i, t in enumerate(steps) if i}
+  h_prev = np.stack([out[prev[t], :, :H] if t in prev else h0 for t in range(L)]) if L else np.empty((0, N, H))
+  dgates = np.empty((L, N, G), f)  # rounded to w_hh's dtype
+  dgi = np.empty((L, N, G), f)
+  dh, dc = np.zeros((N, H), f), np.zeros((N, H), f)
+  for i in range(L - 1, -1, -1):
+    t = steps[i]
+    c = _as(out[prev[t], :, H:], out.dtype) if t in prev else _as(c0, c0.dtype)
+    grad = g[t].astype(f) + np.concatenate([dh, dc], axis=1)
+    d = _as(_lstm_cell_backward(grad, _as(gi[t], gi.dtype), _recurrent(h_prev[t], w_hh, b_hh), c,
+                                _as(out[t], out.dtype)), out.dtype)
+    dgi[t], dgates[t], dc = d[:, :G], _as(d[:, :G], w_hh.dtype), d[:, G:]
+    if i or states: dh = _as(dgates[t] @ w, w_hh.dtype)
+  dw = db = None
+  if weights:
+    dw = dgates.reshape(-1, G).T @ _as(h_prev.astype(w_hh.dtype), w_hh.dtype).reshape(-1, H)
+    db = None if b_hh is None else dgates.sum((0, 1))
+  return dgi, dh if states else None, dc if states else None, dw, db
+
+
 def _gru_gates(gi, gh):
   (ir, iz, in_), (hr, hz, hn) = np.split(gi, 3, axis=1), np.split(gh, 3, axis=1)
   r = _sigmoid(ir + hr)
@@ -317,6 +373,42 @@ def _gru_cell_backward(grad, gi, gh, h):
   dn = grad * (1 - z) * (1 - n * n)
   dr, dz = dn * hn * r * (1 - r), grad * (h - n) * z * (1 - z)
   return np.concatenate([dr, dz, dn, dr, dz, dn * r, grad * z], axis=1)
+
+
+def _gru_sequence(gi, h0, w_hh, b_hh, *, reverse, tf32=False):
+  """gru_cell's steps with their recurrent matmuls, every intermediate rounded as the per-step ops round it."""
+  L, N, G = gi.shape
+  out = np.empty((L, N, G // 3), np.promote_types(np.promote_types(gi.dtype, w_hh.dtype), h0.dtype))
+  h = h0
+  for t in _steps(L, reverse):
+    out[t] = _gru_cell(_as(gi[t], gi.dtype), _recurrent(h, w_hh, b_hh), _as(h, h.dtype))
+    h = out[t]
+  return out
+
+
+def _gru_sequence_backward(g, gi, h0, w_hh, b_hh, out, *, reverse, states, weights, tf32=False):
+  """Back through the steps: gru_cell's gradient ([d gi, d gh, d h]), then d gh (rounded to w_hh's dtype) times w_hh
+  added to d h for the previous h; d w_hh and d b_hh from all steps' d gh at the end."""
+  L, N, G = gi.shape
+  H, steps = G // 3, _steps(L, reverse)
+  f = np.float64 if np.float64 in (g.dtype, out.dtype) else np.float32
+  w = w_hh.astype(f)
+  prev = {t: steps[i - 1] for i, t in enumerate(steps) if i}
+  h_prev = np.stack([out[prev[t]] if t in prev else h0 for t in range(L)]) if L else np.empty((0, N, H))
+  dgh, dgi = np.empty((L, N, G), f), np.empty((L, N, G), f)
+  dh = np.zeros((N, H), f)
+  for i in range(L - 1, -1, -1):
+    t = steps[i]
+    h = _as(out[prev[t]], out.dtype) if t in prev else _as(h0, h0.dtype)
+    d = _as(_gru_cell_backward(g[t].astype(f) + dh, _as(gi[t], gi.dtype), _recurrent(h_prev[t], w_hh, b_hh), h),
+            out.dtype)
+    dgi[t], dgh[t], dh = d[:, :G], _as(d[:, G:2 * G], w_hh.dtype), d[:, 2 * G:]
+    if i or states: dh = dh + _as(dgh[t] @ w, w_hh.dtype)
+  dw = db = None
+  if weights:
+    dw = dgh.reshape(-1, G).T @ _as(h_prev.astype(w_hh.dtype), w_hh.dtype).reshape(-1, H)
+    db = None if b_hh is None else dgh.sum((0, 1))
+  return dgi, dh if states else None, dw, db
 
 
 # *** random ***
@@ -550,6 +642,10 @@ _UFUNCS = ("neg exp log sqrt abs sin cos tanh floor logical_not add sub mul div 
            "bitwise_not").split()
 kernels = {name: _writing(_upcast_halves(fn)) if name in _UFUNCS else _upcast_halves(fn) for name, fn in kernels.items()}
 kernels["full"], kernels["where"] = _fill, _where
+# NOTE: the recurrent loops take their inputs in their own dtypes: they round each step's values as the ops they stand
+# for would store them
+kernels |= {"lstm_sequence": _lstm_sequence, "lstm_sequence_backward": _lstm_sequence_backward,
+            "gru_sequence": _gru_sequence, "gru_sequence_backward": _gru_sequence_backward}
 
 
 # *** multi-tensor kernels (the optimizer's update, gradient norms and scaling) ***

@@ -272,13 +272,13 @@ def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool, out:
 _TRITON_DTYPES = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what bt.backends.matmul = "triton" takes
 
 
-def matmul(a: CudaArray, b: CudaArray, tf32: bool = False) -> CudaArray:
+def matmul(a: CudaArray, b: CudaArray, tf32: bool = False, out: CudaArray | None = None) -> CudaArray:
   """a @ b over broadcast batch dims (the op library passes both operands with at least 2 dims); float32 through TF32
-  tensor cores when `tf32`."""
+  tensor cores when `tf32`; into `out` when given (contiguous, of the result's shape and a's dtype)."""
   _check("matmul", a, b)
   if backends.matmul == "triton" and a.dtype in _TRITON_DTYPES:
-    return gemm(a, b, precision="tf32" if tf32 else None)
-  return _matmul(a, b, None, tf32)
+    return gemm(a, b, out=out, precision="tf32" if tf32 else None)
+  return _matmul(a, b, None, tf32, out)
 
 
 def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False, out: CudaArray | None = None) -> CudaArray:

@@ -1,5 +1,6 @@
 """Recurrent cells: one LSTM or GRU step after its matmuls (`lstm_cell`, `gru_cell`) and their backwards, each one
-pass over the (N, H) elements of the step, in float32 math.
+pass over the (N, H) elements of the step, in float32 math; and a direction's whole time loop (`lstm_sequence`,
+`gru_sequence` and their backwards), host loops of the backend's GEMMs and these kernels on the current stream.
 
 An element (n, j) of an LSTM step reads its four gate pre-activations a_k = gi[n, k H + j] + gh[n, k H + j]
 (k = i, f, g, o) and c[n, j]; the forward writes h' and c' into out[n, j] and out[n, H + j]. The backward reads the
@@ -18,8 +19,11 @@ from triton.language.extra.cuda import libdevice
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import empty, needs_i64, ptr, run, spec
-from blutrain.backend.cuda.kernels.copy import copy
+from blutrain.backend.cuda.kernels import elementwise, empty, needs_i64, ptr, run, spec, view
+from blutrain.backend.cuda.kernels.copy import cast, copy
+from blutrain.backend.cuda.kernels.cublaslt import matmul, matmul_bias
+from blutrain.backend.cuda.kernels.matrix import transposed
+from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.configurator import fused_schedule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
@@ -172,8 +176,157 @@ def gru_cell_backward(grad: CudaArray, gi: CudaArray, gh: CudaArray, h: CudaArra
                  h)
 
 
+# *** a direction's whole time loop (LSTM, GRU) ***
+
+def _step(a: CudaArray, t: int) -> CudaArray:
+  """Step t of a (L, N, X) array: the (N, X) rows (a view)."""
+  return view(a, a.shape[1:], a.strides[1:], t * a.strides[0])
+
+
+def _recurrent(h: CudaArray, w_t: CudaArray, b: CudaArray | None, tf32: bool,
+               out: CudaArray | None = None) -> CudaArray:
+  """h W^T + b in w's dtype (h cast to it) through the backend's matmul, into `out` when given."""
+  if h.dtype is not w_t.dtype: h = cast(h, w_t.dtype)
+  return matmul(h, w_t, tf32, out) if b is None else matmul_bias(h, w_t, b, tf32, out)
+
+
+def _steps(L: int, reverse: bool) -> list[int]:
+  return list(range(L - 1, -1, -1) if reverse else range(L))
+
+
+def _h_before(hs: CudaArray, h0: CudaArray, dtype: DType, reverse: bool) -> CudaArray:
+  """The h each step read (L, N, H), in time order and `dtype`, from every step's h and h0: two copies."""
+  L, N, H = hs.shape
+  h_prev = empty((L, N, H), dtype, hs.device)
+  copy(h0, out=_step(h_prev, L - 1 if reverse else 0))
+  if L > 1:
+    src, dst = (1, 0) if reverse else (0, 1)  # forward: step t read hs[t - 1]; reverse: hs[t + 1]
+    copy(view(hs, (L - 1, N, H), hs.strides, src * hs.strides[0]),
+         out=view(h_prev, (L - 1, N, H), h_prev.strides, dst * h_prev.strides[0]))
+  return h_prev
+
+
+def _results(*arrays: tuple | None) -> list:
+  """The backward's results as (shape, dtype, device) say, None where absent, allocated before any temporary: a step
+  replayed on a static memory plan then gets each at its planned offset (see `graphs.PlannedAllocator`)."""
+  return [None if a is None else empty(*a) for a in arrays]
+
+
+def _weight_grads(dw: CudaArray, dgh: CudaArray, h_prev: CudaArray, b_hh: CudaArray | None, tf32: bool) -> tuple:
+  """d w_hh into dw (one GEMM over all steps: d gh^T (G, L N) @ h (L N, H)) and d b_hh (a sum of d gh), from the
+  gradients of every step's gh (L N, G) and the h's they multiplied."""
+  L, N, H = h_prev.shape
+  matmul(transposed(dgh), view(h_prev, (L * N, H), (H, 1)), tf32, dw)
+  return dw, None if b_hh is None else reduce(dgh, (0,), False, "sum", b_hh.dtype)
+
+
+def lstm_sequence(gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *,
+                  reverse: bool, tf32: bool = False) -> CudaArray:
+  """Every step's [h, c] (L, N, 2H): per step one GEMM of the previous h into a (N, 4H) buffer that all steps reuse,
+  then the cell kernel, which reads the step's slice of gi and writes its slice of the output; all on the current
+  stream, so a CUDA graph captures the whole loop."""
+  L, N, G = gi.shape
+  H = G // 4
+  dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, w_hh.dtype), c0.dtype)
+  out, gh = empty((L, N, 2 * H), dtype, gi.device), empty((N, G), w_hh.dtype, gi.device)
+  w_t, h, c = transposed(w_hh), h0, c0
+  for t in _steps(L, reverse):
+    o = _launch("lstm", _step(out, t), H, _step(gi, t), _recurrent(h, w_t, b_hh, tf32, gh), c)
+    h, c = view(o, (N, H), o.strides), view(o, (N, H), o.strides, H)
+  return out
+
+
+def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray,
+                           b_hh: CudaArray | None, out: CudaArray, *, reverse: bool, states: bool, weights: bool,
+                           tf32: bool = False) -> tuple:
+  """(d gi, d h0, d c0, d w_hh, d b_hh): every step's h before it (in w_hh's dtype) and one GEMM of them for every
+  step's gh first, then per step back in time the cell's backward kernel (into that step's rows of a (L, N, 5H)
+  buffer), the gates' gradient cast to w_hh's dtype into a stack and one GEMM with w_hh for the previous h, whose
+  gradient and c's are added to the output's for the next step; one GEMM and one sum of the stack at the end."""
+  L, N, G = gi.shape
+  H, dev, wd, steps = G // 4, gi.device, w_hh.dtype, _steps(L, reverse)
+  state = lambda s: (s.shape, s.dtype, dev) if states else None
+  dgi, dh0, dc0, dw = _results((gi.shape, gi.dtype, dev), state(h0), state(c0),
+                               (w_hh.shape, wd, dev) if weights else None)
+  h_prev = _h_before(view(out, (L, N, H), out.strides), h0, wd, reverse)
+  gh = _recurrent(view(h_prev, (L * N, H), (H, 1)), transposed(w_hh), b_hh, tf32)  # (L N, 4H)
+  d = empty((L, N, 5 * H), out.dtype, dev)
+  dgates = d if wd is out.dtype else empty((L, N, G), wd, dev)  # the GEMMs' operand
+  grad = empty((N, 2 * H), out.dtype, dev)
+  dh = None
+  for i in range(L - 1, -1, -1):
+    t = steps[i]
+    g_t, d_t = _step(g, t), _step(d, t)
+    if dh is None: copy(g_t, out=grad)
+    else:
+      elementwise.launch("add", view(grad, (N, H), grad.strides), view(g_t, (N, H), g_t.strides), dh)
+      elementwise.launch("add", view(grad, (N, H), grad.strides, H), view(g_t, (N, H), g_t.strides, H * g_t.strides[1]),
+                         view(_step(d, steps[i + 1]), (N, H), d_t.strides, G))  # g may be broadcast (stride 0)
+    c = c0 if i == 0 else view(_step(out, steps[i - 1]), (N, H), (out.strides[1], 1), H)
+    _launch("lstm_backward", d_t, H, grad, _step(gi, t), view(gh, (N, G), (G, 1), t * N * G), c, _step(out, t))
+    dg_t = view(_step(dgates, t), (N, G), _step(dgates, t).strides)
+    if dgates is not d: copy(view(d_t, (N, G), d_t.strides), out=dg_t)
+    if i or states: dh = matmul(dg_t, w_hh, tf32)
+  copy(view(d, (L, N, G), d.strides), out=dgi)
+  if states:
+    copy(dh, out=dh0)
+    copy(view(_step(d, steps[0]), (N, H), d.strides[1:], G), out=dc0)
+  db = None
+  if weights: dw, db = _weight_grads(dw, view(dgates, (L * N, G), (dgates.strides[1], 1)), h_prev, b_hh, tf32)
+  return dgi, dh0, dc0, dw, db
+
+
+def gru_sequence(gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *, reverse: bool,
+                 tf32: bool = False) -> CudaArray:
+  """Every step's h (L, N, H), as lstm_sequence's loop: per step one GEMM into a reused (N, 3H) buffer and the cell
+  kernel into the step's rows of the output."""
+  L, N, G = gi.shape
+  H = G // 3
+  dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, w_hh.dtype), h0.dtype)
+  out, gh = empty((L, N, H), dtype, gi.device), empty((N, G), w_hh.dtype, gi.device)
+  w_t, h = transposed(w_hh), h0
+  for t in _steps(L, reverse): h = _launch("gru", _step(out, t), H, _step(gi, t), _recurrent(h, w_t, b_hh, tf32, gh), h)
+  return out
+
+
+def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None,
+                          out: CudaArray, *, reverse: bool, states: bool, weights: bool, tf32: bool = False) -> tuple:
+  """(d gi, d h0, d w_hh, d b_hh), as lstm_sequence_backward's: gh of every step by one GEMM, then per step back the
+  cell's backward kernel into the step's rows of a (L, N, 7H) buffer ([d gi, d gh, d h]), d gh (cast to w_hh's dtype
+  into a stack) times w_hh for the previous h, added with d h to the output's gradient for the next step."""
+  L, N, G = gi.shape
+  H, dev, wd, steps = G // 3, gi.device, w_hh.dtype, _steps(L, reverse)
+  dgi, dh0, dw = _results((gi.shape, gi.dtype, dev), (h0.shape, h0.dtype, dev) if states else None,
+                          (w_hh.shape, wd, dev) if weights else None)
+  h_prev = _h_before(out, h0, wd, reverse)
+  gh = _recurrent(view(h_prev, (L * N, H), (H, 1)), transposed(w_hh), b_hh, tf32)  # (L N, 3H)
+  d = empty((L, N, 7 * H), out.dtype, dev)
+  dgh, at = (d, G) if wd is out.dtype else (empty((L, N, G), wd, dev), 0)  # the GEMMs' operand, at column `at`
+  grad = empty((N, H), out.dtype, dev)
+  dh = None
+  for i in range(L - 1, -1, -1):
+    t = steps[i]
+    g_t, d_t = _step(g, t), _step(d, t)
+    if dh is None: copy(g_t, out=grad)
+    else:
+      elementwise.launch("add", grad, g_t, dh)
+      elementwise.launch("add", grad, grad, view(_step(d, steps[i + 1]), (N, H), d_t.strides, 2 * G))
+    h = h0 if i == 0 else _step(out, steps[i - 1])
+    _launch("gru_backward", d_t, H, grad, _step(gi, t), view(gh, (N, G), (G, 1), t * N * G), h)
+    dgh_t = view(_step(dgh, t), (N, G), (dgh.strides[1], 1), at)
+    if dgh is not d: copy(view(d_t, (N, G), d_t.strides, G), out=dgh_t)
+    if i or states: dh = matmul(dgh_t, w_hh, tf32)
+  copy(view(d, (L, N, G), d.strides), out=dgi)
+  if states: elementwise.launch("add", dh0, view(_step(d, steps[0]), (N, H), d.strides[1:], 2 * G), dh)
+  db = None
+  if weights: dw, db = _weight_grads(dw, view(dgh, (L * N, G), (dgh.strides[1], 1), at), h_prev, b_hh, tf32)
+  return dgi, dh0, dw, db
+
+
 KERNELS = {"lstm_cell": lstm_cell, "lstm_cell_backward": lstm_cell_backward, "gru_cell": gru_cell,
-           "gru_cell_backward": gru_cell_backward}
+           "gru_cell_backward": gru_cell_backward, "lstm_sequence": lstm_sequence,
+           "lstm_sequence_backward": lstm_sequence_backward, "gru_sequence": gru_sequence,
+           "gru_sequence_backward": gru_sequence_backward}
 
 _F32, _BF16 = dtypes.float32, dtypes.bfloat16
 _MIXED = {"lstm": (_BF16, _BF16, _F32), "lstm_backward": (_F32, _BF16, _BF16, _F32, _F32),  # bf16 gates, float32 states
