@@ -9,7 +9,7 @@ import triton  # noqa: E402
 
 from blutrain import dtypes  # noqa: E402
 from blutrain.backend.cuda.array import CudaArray  # noqa: E402
-from blutrain.backend.cuda import kernels  # noqa: E402
+from blutrain.backend.cuda.kernels import aligned  # noqa: E402
 from blutrain.backend.cuda.kernels import attention  # noqa: E402
 
 SHARED_OPTIN = 232448  # bytes of shared memory a block may opt in to on sm_90
@@ -56,5 +56,5 @@ def test_variant_choice():
   assert s[2]["EVEN_D"] and s[2]["BLOCK_D"] == 64 and s[1]["Q"] == "*bf16:16" and s[1]["sqm"] == "i32:16"
   s = attention.attention_spec("dkdv", dtypes.float32, 40, False, "tf32x3", aligned=False)
   assert not s[2]["EVEN_D"] and s[2]["BLOCK_D"] == 64 and s[1]["K"] == "*fp32" and s[1]["sdn"] == "i32"
-  assert kernels.aligned([_arr((4,), (1,))], (16, 32)) and not kernels.aligned([_arr((4,), (1,), 2 + (1 << 20))], ())
-  assert not kernels.aligned([_arr((4,), (1,))], (16, 40))
+  assert aligned([_arr((4,), (1,))], (16, 32)) and not aligned([_arr((4,), (1,), 2 + (1 << 20))], ())
+  assert not aligned([_arr((4,), (1,))], (16, 40))
