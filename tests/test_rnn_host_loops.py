@@ -42,6 +42,28 @@ class Memory:
     return self.write(self.empty(a.shape, dtype), a)
 
 
+def _cell(m: Memory, kind: str, out: CudaArray, H: int, *ins: CudaArray) -> CudaArray:
+  """A cell kernel over numpy memory: the CPU backend's cell; the time loops' step kinds also add the later step's
+  gradients first (rounded to the output's dtype, as the kernels round them) and write their second output."""
+  rounded = lambda a: a.astype(out.dtype.np).astype(np.float64)
+  if kind in ("lstm_step", "gru_step"):
+    *cell_ins, hb = ins
+    m.write(out, CELLS[kind[:-5]](*(m.read(a) for a in cell_ins)))
+    return m.write(hb, rounded(m.read(out)[:, :H]))
+  if kind == "lstm_step_backward":
+    grad, dh_in, dc_in, *cell_ins, dg = ins
+    g = m.read(grad)
+    total = np.concatenate([rounded(g[:, :H] + m.read(dh_in)), rounded(g[:, H:] + m.read(dc_in))], 1)
+    m.write(out, _lstm_cell_backward(total, *(m.read(a) for a in cell_ins)))
+    return m.write(dg, m.read(out)[:, :4 * H])
+  if kind == "gru_step_backward":
+    grad, dh_in, dhd_in, *cell_ins, dg = ins
+    total = rounded(rounded(m.read(grad) + m.read(dh_in)) + m.read(dhd_in))
+    m.write(out, _gru_cell_backward(total, *(m.read(a) for a in cell_ins)))
+    return m.write(dg, m.read(out)[:, 3 * H:6 * H])
+  return m.write(out, CELLS[kind](*(m.read(a) for a in ins)))
+
+
 @pytest.fixture
 def mem(monkeypatch) -> Memory:
   m = Memory()
@@ -55,7 +77,7 @@ def mem(monkeypatch) -> Memory:
     cast=lambda x, dtype: m.write(m.empty(x.shape, dtype), m.read(x)),
     copy=lambda x, out=None: m.write(new(out, x.shape, x.dtype), m.read(x)),
     reduce=lambda x, dims, keepdim, op, dtype: m.write(m.empty(x.shape[1:], dtype), m.read(x).sum(0)),
-    _launch=lambda kind, out, H, *ins: m.write(out, CELLS[kind](*(m.read(a) for a in ins))))
+    _launch=lambda kind, out, H, *ins: _cell(m, kind, out, H, *ins))
   for k, v in stand_ins.items(): monkeypatch.setattr(rnn, k, v)
   monkeypatch.setattr(rnn.elementwise, "launch", lambda op, out, a, b: m.write(out, m.read(a) + m.read(b)))
   return m

@@ -43,6 +43,26 @@ def _run_case(cell: str, N: int, H: int, dtype: str) -> None:
   err = np.abs(d.double().numpy() - want).max() / np.abs(want).max()
   assert err < 1e-5, f"{cell}_cell_backward ({dtype}, N={N}, H={H}): relative error {err:.2e}"
 
+  # the time loops' step kernels: h' also in the GEMM's dtype; the later step's gradients added in the kernel and the
+  # gates' (GRU: gh's) gradient also in the GEMM's dtype
+  hb = wide(torch.empty((N, H), dtype=gi.dtype))
+  stepped = launch(f"{cell}_step", torch.empty((N, outs * H), dtype=torch.float32), gi, gh, state, hb)
+  # (the interpreter rounds float32 to bf16 toward zero, the GPU to nearest: one bf16 ulp apart at most)
+  same = lambda a, b: torch.allclose(a.float(), b.to(a.dtype).float(), rtol=2 ** -7, atol=0)
+  assert torch.equal(stepped, out) and same(hb, out[:, :H]), f"{cell}_step ({dtype}, N={N}, H={H})"
+  carry = [wide(low(rng.standard_normal((N, H)))), wide(torch.tensor(rng.standard_normal((N, H)), dtype=torch.float32))]
+  d = torch.empty((N, d_width * H), dtype=torch.float32)
+  columns = slice(0, 4 * H) if cell == "lstm" else slice(3 * H, 6 * H)
+  # the loops pass d's own columns when the GEMM takes d's dtype, which the kernel then leaves as they are
+  dg = d[:, columns] if gi.dtype == torch.float32 else torch.empty((N, columns.stop - columns.start), dtype=gi.dtype)
+  launch(f"{cell}_step_backward", d, grad, *carry, gi, gh, state, *saved, dg)
+  h_in, extra = carry[0].double().numpy(), carry[1].double().numpy()
+  total = np.concatenate([grad64[:, :H] + h_in, grad64[:, H:] + extra], 1) if cell == "lstm" else grad64 + h_in + extra
+  want = cpu[f"{cell}_cell_backward"](total, *exact, *(t.double().numpy() for t in saved))
+  err = np.abs(d.double().numpy() - want).max() / np.abs(want).max()
+  assert err < 1e-5, f"{cell}_step_backward ({dtype}, N={N}, H={H}): relative error {err:.2e}"
+  assert same(dg, d[:, columns]), f"{cell}_step_backward's gates in {dtype} ({N}, {H})"
+
 
 @triton.jit
 def _exp(x):

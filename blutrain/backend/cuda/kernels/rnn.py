@@ -54,30 +54,80 @@ def _gates(gi, gh, row, col, H, gi_s, gh_s, ok):
 
 
 @triton.jit
-def _lstm_cell_kernel(out, gi, gh, c, n, H, gi_s, gh_s, c_s, out_s, BLOCK: tl.constexpr, IDX64: tl.constexpr):
-  row, col, ok = _element(n, H, BLOCK, IDX64)
+def _lstm_forward(out, gi, gh, c, row, col, ok, H, gi_s, gh_s, c_s, out_s):
+  """Store [h', c'] of the elements into out's rows; returns h'."""
   i, f, g, o = _gates(gi, gh, row, col, H, gi_s, gh_s, ok)
   c2 = f * tl.load(c + row * c_s + col, mask=ok, other=0.0).to(tl.float32) + i * g
-  tl.store(out + row * out_s + col, (o * libdevice.tanh(c2)).to(out.dtype.element_ty), mask=ok)
+  h2 = o * libdevice.tanh(c2)
+  tl.store(out + row * out_s + col, h2.to(out.dtype.element_ty), mask=ok)
   tl.store(out + row * out_s + H + col, c2.to(out.dtype.element_ty), mask=ok)
+  return h2
+
+
+@triton.jit
+def _lstm_cell_kernel(out, gi, gh, c, n, H, gi_s, gh_s, c_s, out_s, BLOCK: tl.constexpr, IDX64: tl.constexpr):
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  _lstm_forward(out, gi, gh, c, row, col, ok, H, gi_s, gh_s, c_s, out_s)
+
+
+@triton.jit
+def _lstm_step_kernel(out, gi, gh, c, hb, n, H, gi_s, gh_s, c_s, hb_s, out_s, BLOCK: tl.constexpr,
+                      IDX64: tl.constexpr):
+  """The cell, and h' once more in hb's dtype (the next step's GEMM operand)."""
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  h2 = _lstm_forward(out, gi, gh, c, row, col, ok, H, gi_s, gh_s, c_s, out_s)
+  tl.store(hb + row * hb_s + col, h2.to(out.dtype.element_ty).to(hb.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _lstm_backward(d, dg, gi, gh, c, out, dh, dc_out, row, col, ok, H, gi_s, gh_s, c_s, out_s, d_s, dg_s):
+  """[d gates, d c] of the elements from the gradients dh, dc_out of [h', c'] into d's rows, and the gates' again in
+  dg's dtype into dg's unless dg has d's (then dg is d itself)."""
+  i, f, g, o = _gates(gi, gh, row, col, H, gi_s, gh_s, ok)
+  tc = libdevice.tanh(tl.load(out + row * out_s + H + col, mask=ok, other=0.0).to(tl.float32))
+  dc = dc_out + dh * o * (1.0 - tc * tc)
+  c_old = tl.load(c + row * c_s + col, mask=ok, other=0.0).to(tl.float32)
+  ty = d.dtype.element_ty
+  da_i = (dc * g * i * (1.0 - i)).to(ty)
+  da_f = (dc * c_old * f * (1.0 - f)).to(ty)
+  da_g = (dc * i * (1.0 - g * g)).to(ty)
+  da_o = (dh * tc * o * (1.0 - o)).to(ty)
+  d_row = d + row * d_s + col
+  tl.store(d_row, da_i, mask=ok)
+  tl.store(d_row + H, da_f, mask=ok)
+  tl.store(d_row + 2 * H, da_g, mask=ok)
+  tl.store(d_row + 3 * H, da_o, mask=ok)
+  tl.store(d_row + 4 * H, (dc * f).to(ty), mask=ok)
+  if dg.dtype.element_ty != ty:
+    gty = dg.dtype.element_ty
+    dg_row = dg + row * dg_s + col
+    tl.store(dg_row, da_i.to(gty), mask=ok)
+    tl.store(dg_row + H, da_f.to(gty), mask=ok)
+    tl.store(dg_row + 2 * H, da_g.to(gty), mask=ok)
+    tl.store(dg_row + 3 * H, da_o.to(gty), mask=ok)
 
 
 @triton.jit
 def _lstm_cell_backward_kernel(d, grad, gi, gh, c, out, n, H, grad_s, gi_s, gh_s, c_s, out_s, d_s,
                                BLOCK: tl.constexpr, IDX64: tl.constexpr):
   row, col, ok = _element(n, H, BLOCK, IDX64)
-  i, f, g, o = _gates(gi, gh, row, col, H, gi_s, gh_s, ok)
   dh = tl.load(grad + row * grad_s + col, mask=ok, other=0.0).to(tl.float32)
-  tc = libdevice.tanh(tl.load(out + row * out_s + H + col, mask=ok, other=0.0).to(tl.float32))
-  dc = tl.load(grad + row * grad_s + H + col, mask=ok, other=0.0).to(tl.float32) + dh * o * (1.0 - tc * tc)
-  c_old = tl.load(c + row * c_s + col, mask=ok, other=0.0).to(tl.float32)
-  ty = d.dtype.element_ty
-  d_row = d + row * d_s + col
-  tl.store(d_row, (dc * g * i * (1.0 - i)).to(ty), mask=ok)
-  tl.store(d_row + H, (dc * c_old * f * (1.0 - f)).to(ty), mask=ok)
-  tl.store(d_row + 2 * H, (dc * i * (1.0 - g * g)).to(ty), mask=ok)
-  tl.store(d_row + 3 * H, (dh * tc * o * (1.0 - o)).to(ty), mask=ok)
-  tl.store(d_row + 4 * H, (dc * f).to(ty), mask=ok)
+  dc_out = tl.load(grad + row * grad_s + H + col, mask=ok, other=0.0).to(tl.float32)
+  _lstm_backward(d, d, gi, gh, c, out, dh, dc_out, row, col, ok, H, gi_s, gh_s, c_s, out_s, d_s, d_s)
+
+
+@triton.jit
+def _lstm_step_backward_kernel(d, grad, dh_in, dc_in, gi, gh, c, out, dg, n, H, grad_s, dh_in_s, dc_in_s, gi_s, gh_s,
+                               c_s, out_s, dg_s, d_s, BLOCK: tl.constexpr, IDX64: tl.constexpr):
+  """A time step back: the cell's backward with the later step's gradients of h (dh_in, from its GEMM) and c (dc_in)
+  added to the output's (grad), and the gates' gradient also in dg's dtype (the next GEMM's operand)."""
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  ty = d.dtype.element_ty  # the sums rounded as the separate adds stored them
+  dh = (tl.load(grad + row * grad_s + col, mask=ok, other=0.0).to(tl.float32) +
+        tl.load(dh_in + row * dh_in_s + col, mask=ok, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+  dc_out = (tl.load(grad + row * grad_s + H + col, mask=ok, other=0.0).to(tl.float32) +
+            tl.load(dc_in + row * dc_in_s + col, mask=ok, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+  _lstm_backward(d, dg, gi, gh, c, out, dh, dc_out, row, col, ok, H, gi_s, gh_s, c_s, out_s, d_s, dg_s)
 
 
 @triton.jit
@@ -94,37 +144,87 @@ def _gru_gates(gi, gh, h, row, col, H, gi_s, gh_s, h_s, ok):
 
 
 @triton.jit
+def _gru_forward(out, gi, gh, h, row, col, ok, H, gi_s, gh_s, h_s, out_s):
+  """Store h' of the elements into out's rows; returns it."""
+  _, z, g, _, h_old = _gru_gates(gi, gh, h, row, col, H, gi_s, gh_s, h_s, ok)
+  h2 = (1.0 - z) * g + z * h_old
+  tl.store(out + row * out_s + col, h2.to(out.dtype.element_ty), mask=ok)
+  return h2
+
+
+@triton.jit
 def _gru_cell_kernel(out, gi, gh, h, n, H, gi_s, gh_s, h_s, out_s, BLOCK: tl.constexpr, IDX64: tl.constexpr):
   row, col, ok = _element(n, H, BLOCK, IDX64)
-  _, z, g, _, h_old = _gru_gates(gi, gh, h, row, col, H, gi_s, gh_s, h_s, ok)
-  tl.store(out + row * out_s + col, ((1.0 - z) * g + z * h_old).to(out.dtype.element_ty), mask=ok)
+  _gru_forward(out, gi, gh, h, row, col, ok, H, gi_s, gh_s, h_s, out_s)
+
+
+@triton.jit
+def _gru_step_kernel(out, gi, gh, h, hb, n, H, gi_s, gh_s, h_s, hb_s, out_s, BLOCK: tl.constexpr,
+                     IDX64: tl.constexpr):
+  """The cell, and h' once more in hb's dtype (the next step's GEMM operand)."""
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  h2 = _gru_forward(out, gi, gh, h, row, col, ok, H, gi_s, gh_s, h_s, out_s)
+  tl.store(hb + row * hb_s + col, h2.to(out.dtype.element_ty).to(hb.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gru_backward(d, dg, gi, gh, h, dh, row, col, ok, H, gi_s, gh_s, h_s, d_s, dg_s):
+  """[d gi, d gh, d h] of the elements from the gradient dh of h' into d's rows, and d gh again in dg's dtype into
+  dg's unless dg has d's (then dg is d's d gh columns)."""
+  r, z, g, hn, h_old = _gru_gates(gi, gh, h, row, col, H, gi_s, gh_s, h_s, ok)
+  dn = dh * (1.0 - z) * (1.0 - g * g)
+  dr, dz = dn * hn * r * (1.0 - r), dh * (h_old - g) * z * (1.0 - z)
+  ty = d.dtype.element_ty
+  dr, dz, dn, dnr = dr.to(ty), dz.to(ty), dn.to(ty), (dn * r).to(ty)
+  d_row = d + row * d_s + col
+  tl.store(d_row, dr, mask=ok)
+  tl.store(d_row + H, dz, mask=ok)
+  tl.store(d_row + 2 * H, dn, mask=ok)
+  tl.store(d_row + 3 * H, dr, mask=ok)
+  tl.store(d_row + 4 * H, dz, mask=ok)
+  tl.store(d_row + 5 * H, dnr, mask=ok)
+  tl.store(d_row + 6 * H, (dh * z).to(ty), mask=ok)
+  if dg.dtype.element_ty != ty:
+    gty = dg.dtype.element_ty
+    dg_row = dg + row * dg_s + col
+    tl.store(dg_row, dr.to(gty), mask=ok)
+    tl.store(dg_row + H, dz.to(gty), mask=ok)
+    tl.store(dg_row + 2 * H, dnr.to(gty), mask=ok)
 
 
 @triton.jit
 def _gru_cell_backward_kernel(d, grad, gi, gh, h, n, H, grad_s, gi_s, gh_s, h_s, d_s, BLOCK: tl.constexpr,
                               IDX64: tl.constexpr):
   row, col, ok = _element(n, H, BLOCK, IDX64)
-  r, z, g, hn, h_old = _gru_gates(gi, gh, h, row, col, H, gi_s, gh_s, h_s, ok)
   dh = tl.load(grad + row * grad_s + col, mask=ok, other=0.0).to(tl.float32)
-  dn = dh * (1.0 - z) * (1.0 - g * g)
-  dr, dz = dn * hn * r * (1.0 - r), dh * (h_old - g) * z * (1.0 - z)
-  ty = d.dtype.element_ty
-  d_row = d + row * d_s + col
-  tl.store(d_row, dr.to(ty), mask=ok)
-  tl.store(d_row + H, dz.to(ty), mask=ok)
-  tl.store(d_row + 2 * H, dn.to(ty), mask=ok)
-  tl.store(d_row + 3 * H, dr.to(ty), mask=ok)
-  tl.store(d_row + 4 * H, dz.to(ty), mask=ok)
-  tl.store(d_row + 5 * H, (dn * r).to(ty), mask=ok)
-  tl.store(d_row + 6 * H, (dh * z).to(ty), mask=ok)
+  _gru_backward(d, d, gi, gh, h, dh, row, col, ok, H, gi_s, gh_s, h_s, d_s, d_s)
+
+
+@triton.jit
+def _gru_step_backward_kernel(d, grad, dh_in, dhd_in, gi, gh, h, dg, n, H, grad_s, dh_in_s, dhd_in_s, gi_s, gh_s, h_s,
+                              dg_s, d_s, BLOCK: tl.constexpr, IDX64: tl.constexpr):
+  """A time step back: the cell's backward with the later step's gradients of h through its GEMM (dh_in) and
+  directly (dhd_in) added to the output's (grad), and d gh also in dg's dtype (the next GEMM's operand)."""
+  row, col, ok = _element(n, H, BLOCK, IDX64)
+  ty = d.dtype.element_ty  # the sums rounded as the separate adds stored them
+  dh = (tl.load(grad + row * grad_s + col, mask=ok, other=0.0).to(tl.float32) +
+        tl.load(dh_in + row * dh_in_s + col, mask=ok, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+  dh = (dh + tl.load(dhd_in + row * dhd_in_s + col, mask=ok, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+  _gru_backward(d, dg, gi, gh, h, dh, row, col, ok, H, gi_s, gh_s, h_s, d_s, dg_s)
 
 
 # per kernel: the function, its array parameters in order (the output first) and the elements it loads and stores per
 # (n, j), which fused_schedule sizes registers by
 _CELLS = {"lstm": (_lstm_cell_kernel, ("out", "gi", "gh", "c"), 11),
+          "lstm_step": (_lstm_step_kernel, ("out", "gi", "gh", "c", "hb"), 12),
           "lstm_backward": (_lstm_cell_backward_kernel, ("d", "grad", "gi", "gh", "c", "out"), 17),
+          "lstm_step_backward": (_lstm_step_backward_kernel,
+                                 ("d", "grad", "dh_in", "dc_in", "gi", "gh", "c", "out", "dg"), 23),
           "gru": (_gru_cell_kernel, ("out", "gi", "gh", "h"), 8),
-          "gru_backward": (_gru_cell_backward_kernel, ("d", "grad", "gi", "gh", "h"), 14)}
+          "gru_step": (_gru_step_kernel, ("out", "gi", "gh", "h", "hb"), 9),
+          "gru_backward": (_gru_cell_backward_kernel, ("d", "grad", "gi", "gh", "h"), 14),
+          "gru_step_backward": (_gru_step_backward_kernel,
+                                ("d", "grad", "dh_in", "dhd_in", "gi", "gh", "h", "dg"), 19)}
 
 
 def cell_spec(kind: str, out: DType, inputs: tuple[DType, ...], n: int, i64: bool):
@@ -223,16 +323,20 @@ def _weight_grads(dw: CudaArray, dgh: CudaArray, h_prev: CudaArray, b_hh: CudaAr
 def lstm_sequence(gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *,
                   reverse: bool, tf32: bool = False) -> CudaArray:
   """Every step's [h, c] (L, N, 2H): per step one GEMM of the previous h into a (N, 4H) buffer that all steps reuse,
-  then the cell kernel, which reads the step's slice of gi and writes its slice of the output; all on the current
-  stream, so a CUDA graph captures the whole loop."""
+  then the cell kernel, which reads the step's slice of gi and writes its slice of the output (and, when the GEMM
+  takes another dtype than the state, h' in that dtype into a reused (N, H) buffer, so no step casts); all on the
+  current stream, so a CUDA graph captures the whole loop."""
   L, N, G = gi.shape
   H = G // 4
   dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, w_hh.dtype), c0.dtype)
   out, gh = empty((L, N, 2 * H), dtype, gi.device), empty((N, G), w_hh.dtype, gi.device)
+  hb = None if dtype is w_hh.dtype else empty((N, H), w_hh.dtype, gi.device)
   w_t, h, c = transposed(w_hh), h0, c0
   for t in _steps(L, reverse):
-    o = _launch("lstm", _step(out, t), H, _step(gi, t), _recurrent(h, w_t, b_hh, tf32, gh), c)
-    h, c = view(o, (N, H), o.strides), view(o, (N, H), o.strides, H)
+    gates, o = _recurrent(h, w_t, b_hh, tf32, gh), _step(out, t)
+    if hb is None: _launch("lstm", o, H, _step(gi, t), gates, c)
+    else: _launch("lstm_step", o, H, _step(gi, t), gates, c, hb)
+    h, c = view(o, (N, H), o.strides) if hb is None else hb, view(o, (N, H), o.strides, H)
   return out
 
 
@@ -241,8 +345,9 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
                            tf32: bool = False) -> tuple:
   """(d gi, d h0, d c0, d w_hh, d b_hh): every step's h before it (in w_hh's dtype) and one GEMM of them for every
   step's gh first, then per step back in time the cell's backward kernel (into that step's rows of a (L, N, 5H)
-  buffer), the gates' gradient cast to w_hh's dtype into a stack and one GEMM with w_hh for the previous h, whose
-  gradient and c's are added to the output's for the next step; one GEMM and one sum of the stack at the end."""
+  buffer; after the last step it adds the later step's gradients of h and c to the output's itself, and writes the
+  gates' gradient in w_hh's dtype into a stack too) and one GEMM with w_hh for the previous h; one GEMM and one sum of
+  the stack at the end."""
   L, N, G = gi.shape
   H, dev, wd, steps = G // 4, gi.device, w_hh.dtype, _steps(L, reverse)
   state = lambda s: (s.shape, s.dtype, dev) if states else None
@@ -257,15 +362,14 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
   for i in range(L - 1, -1, -1):
     t = steps[i]
     g_t, d_t = _step(g, t), _step(d, t)
-    if dh is None: copy(g_t, out=grad)
-    else:
-      elementwise.launch("add", view(grad, (N, H), grad.strides), view(g_t, (N, H), g_t.strides), dh)
-      elementwise.launch("add", view(grad, (N, H), grad.strides, H), view(g_t, (N, H), g_t.strides, H * g_t.strides[1]),
-                         view(_step(d, steps[i + 1]), (N, H), d_t.strides, G))  # g may be broadcast (stride 0)
     c = c0 if i == 0 else view(_step(out, steps[i - 1]), (N, H), (out.strides[1], 1), H)
-    _launch("lstm_backward", d_t, H, grad, _step(gi, t), view(gh, (N, G), (G, 1), t * N * G), c, _step(out, t))
+    cell = (_step(gi, t), view(gh, (N, G), (G, 1), t * N * G), c, _step(out, t))
     dg_t = view(_step(dgates, t), (N, G), _step(dgates, t).strides)
-    if dgates is not d: copy(view(d_t, (N, G), d_t.strides), out=dg_t)
+    if dh is None:
+      _launch("lstm_backward", d_t, H, copy(g_t, out=grad), *cell)  # g may be broadcast (stride 0)
+      if dgates is not d: copy(view(d_t, (N, G), d_t.strides), out=dg_t)
+    else:
+      _launch("lstm_step_backward", d_t, H, g_t, dh, view(_step(d, steps[i + 1]), (N, H), d_t.strides, G), *cell, dg_t)
     if i or states: dh = matmul(dg_t, w_hh, tf32)
   copy(view(d, (L, N, G), d.strides), out=dgi)
   if states:
@@ -279,21 +383,27 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
 def gru_sequence(gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *, reverse: bool,
                  tf32: bool = False) -> CudaArray:
   """Every step's h (L, N, H), as lstm_sequence's loop: per step one GEMM into a reused (N, 3H) buffer and the cell
-  kernel into the step's rows of the output."""
+  kernel into the step's rows of the output (and h' in the GEMM's dtype, when it differs, into a reused buffer)."""
   L, N, G = gi.shape
   H = G // 3
   dtype = dtypes.promote_types(dtypes.promote_types(gi.dtype, w_hh.dtype), h0.dtype)
   out, gh = empty((L, N, H), dtype, gi.device), empty((N, G), w_hh.dtype, gi.device)
-  w_t, h = transposed(w_hh), h0
-  for t in _steps(L, reverse): h = _launch("gru", _step(out, t), H, _step(gi, t), _recurrent(h, w_t, b_hh, tf32, gh), h)
+  hb = None if dtype is w_hh.dtype else empty((N, H), w_hh.dtype, gi.device)
+  w_t, h, h_gemm = transposed(w_hh), h0, h0
+  for t in _steps(L, reverse):
+    gates, o = _recurrent(h_gemm, w_t, b_hh, tf32, gh), _step(out, t)
+    if hb is None: _launch("gru", o, H, _step(gi, t), gates, h)
+    else: _launch("gru_step", o, H, _step(gi, t), gates, h, hb)
+    h, h_gemm = o, o if hb is None else hb
   return out
 
 
 def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None,
                           out: CudaArray, *, reverse: bool, states: bool, weights: bool, tf32: bool = False) -> tuple:
   """(d gi, d h0, d w_hh, d b_hh), as lstm_sequence_backward's: gh of every step by one GEMM, then per step back the
-  cell's backward kernel into the step's rows of a (L, N, 7H) buffer ([d gi, d gh, d h]), d gh (cast to w_hh's dtype
-  into a stack) times w_hh for the previous h, added with d h to the output's gradient for the next step."""
+  cell's backward kernel into the step's rows of a (L, N, 7H) buffer ([d gi, d gh, d h]; after the last step it adds
+  the later step's d gh times w_hh and d h to the output's gradient itself, and writes d gh in w_hh's dtype into a
+  stack too), and d gh times w_hh for the previous h."""
   L, N, G = gi.shape
   H, dev, wd, steps = G // 3, gi.device, w_hh.dtype, _steps(L, reverse)
   dgi, dh0, dw = _results((gi.shape, gi.dtype, dev), (h0.shape, h0.dtype, dev) if states else None,
@@ -307,14 +417,15 @@ def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: Cuda
   for i in range(L - 1, -1, -1):
     t = steps[i]
     g_t, d_t = _step(g, t), _step(d, t)
-    if dh is None: copy(g_t, out=grad)
-    else:
-      elementwise.launch("add", grad, g_t, dh)
-      elementwise.launch("add", grad, grad, view(_step(d, steps[i + 1]), (N, H), d_t.strides, 2 * G))
     h = h0 if i == 0 else _step(out, steps[i - 1])
-    _launch("gru_backward", d_t, H, grad, _step(gi, t), view(gh, (N, G), (G, 1), t * N * G), h)
+    cell = (_step(gi, t), view(gh, (N, G), (G, 1), t * N * G), h)
     dgh_t = view(_step(dgh, t), (N, G), (dgh.strides[1], 1), at)
-    if dgh is not d: copy(view(d_t, (N, G), d_t.strides, G), out=dgh_t)
+    if dh is None:
+      _launch("gru_backward", d_t, H, copy(g_t, out=grad), *cell)
+      if dgh is not d: copy(view(d_t, (N, G), d_t.strides, G), out=dgh_t)
+    else:
+      _launch("gru_step_backward", d_t, H, g_t, dh, view(_step(d, steps[i + 1]), (N, H), d_t.strides, 2 * G), *cell,
+              dgh_t)
     if i or states: dh = matmul(dgh_t, w_hh, tf32)
   copy(view(d, (L, N, G), d.strides), out=dgi)
   if states: elementwise.launch("add", dh0, view(_step(d, steps[0]), (N, H), d.strides[1:], 2 * G), dh)
@@ -330,7 +441,10 @@ KERNELS = {"lstm_cell": lstm_cell, "lstm_cell_backward": lstm_cell_backward, "gr
 
 _F32, _BF16 = dtypes.float32, dtypes.bfloat16
 _MIXED = {"lstm": (_BF16, _BF16, _F32), "lstm_backward": (_F32, _BF16, _BF16, _F32, _F32),  # bf16 gates, float32 states
-          "gru": (_BF16, _BF16, _F32), "gru_backward": (_F32, _BF16, _BF16, _F32)}
+          "lstm_step": (_BF16, _BF16, _F32, _BF16),
+          "lstm_step_backward": (_F32, _BF16, _F32, _BF16, _BF16, _F32, _F32, _BF16),
+          "gru": (_BF16, _BF16, _F32), "gru_backward": (_F32, _BF16, _BF16, _F32),
+          "gru_step": (_BF16, _BF16, _F32, _BF16), "gru_step_backward": (_F32, _BF16, _F32, _BF16, _BF16, _F32, _BF16)}
 SPECS = [s for kind, mixed in _MIXED.items() for s in (
   cell_spec(kind, _F32, mixed, 32 * 1024, False), cell_spec(kind, _F32, (_F32,) * len(mixed), 64, False),
   cell_spec(kind, _BF16, (_BF16,) * len(mixed), 32 * 1024, True))]
