@@ -2,8 +2,9 @@
 (CUPTI through torch.profiler, which records every kernel of the process, blutrain's CUDA-graph nodes included):
 device milliseconds and launches per step, averaged over 3 steps after 4 warm-up steps.
 
-  python benchmarks/kernel_profile.py --against torch_compile [--precision bf16|tf32]
-      blutrain compiled against torch.compile, same model, batch and optimizer
+  python benchmarks/kernel_profile.py --against torch_compile [--precision bf16|tf32] [--model gpt2|resnet18|lstm]
+      blutrain compiled against torch.compile, same model, batch and optimizer (ResNet-18 and the LSTM LM as
+      benchmarks/resnet_lstm.py builds and feeds them)
   NCCL_NVLS_ENABLE=0 python benchmarks/kernel_profile.py --against ddp [--precision tf32]
       the plain compiled step against the same step under DistributedDataParallel at world size 1 (NCCL), sorted by
       the difference: what the wrapper costs, kernel by kernel
@@ -76,9 +77,24 @@ def torch_compile_step(precision: str):
   return lambda: step(x, x)
 
 
+def resnet_lstm_steps(model: str, precision: str) -> dict:
+  """blutrain's and torch.compile's compiled steps of benchmarks/resnet_lstm.py's `model`, same weights and batch."""
+  from benchmarks.resnet_lstm import SHAPES, batches, build, make_step
+  s = SHAPES[model][0]
+  bt.manual_seed(0)
+  state = {k: v.detach().numpy().copy() for k, v in build(bt.nn, model, s).state_dict().items()}
+  data = batches(model, s, 1)
+  steps = {}
+  for framework in ("blutrain", "torch"):
+    step, dev, sync, _ = make_step(framework, model, s, state, data, precision, "cuda", True)
+    steps["blutrain" if framework == "blutrain" else "torch_compile"] = (lambda st=step, b=dev[0]: st(*b), sync)
+  return steps
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--against", choices=("torch_compile", "ddp"), default="torch_compile")
+  ap.add_argument("--model", choices=("gpt2", "resnet18", "lstm"), default="gpt2")
   ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16")
   ap.add_argument("--rows", type=int, default=25)
   ap.add_argument("--out")
@@ -88,7 +104,10 @@ def main() -> None:
     import blutrain.distributed as dist
     dist.init_process_group("nccl")
   runs = {}
-  for name in ("blutrain", args.against):
+  if args.model != "gpt2":
+    if args.against != "torch_compile": ap.error("--model resnet18 and lstm profile against torch_compile only")
+    for name, (fn, sync) in resnet_lstm_steps(args.model, args.precision).items(): runs[name] = kernels(fn, sync)
+  for name in ("blutrain", args.against) if args.model == "gpt2" else ():
     fn = torch_compile_step(args.precision) if name == "torch_compile" else \
       blutrain_step(args.precision, ddp=name == "ddp")
     runs[name] = kernels(fn, torch.cuda.synchronize if name == "torch_compile" else bt.cuda.synchronize)
@@ -107,7 +126,8 @@ def main() -> None:
     for name, r in runs.items():
       print(f"| {name} kernel | ms | launches |\n| --- | --- | --- |")
       for k, (t, n) in sorted(r.items(), key=lambda kv: -kv[1][0])[:args.rows]: print(f"| {k} | {t:.3f} | {n:.0f} |")
-  if args.out: Path(args.out).write_text(json.dumps({"precision": args.precision, "runs": runs}, indent=1))
+  if args.out:
+    Path(args.out).write_text(json.dumps({"model": args.model, "precision": args.precision, "runs": runs}, indent=1))
   if args.against == "ddp": dist.destroy_process_group()
 
 

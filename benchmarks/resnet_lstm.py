@@ -114,9 +114,10 @@ def timed(step, data, warmup: int, sync) -> dict:
   return {"first_step_s": first, "step_s": statistics.median(times), "step_times_s": times, "losses": losses}
 
 
-def run(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str, warmup: int,
-        compiled: bool, profile: bool = False) -> dict:
-  """One (framework, compiled) run of `model`'s training step."""
+def make_step(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str,
+              compiled: bool):
+  """(the training step of `model` in `framework`, compiled or eager, from the weights `state`; the batches on the
+  device; the framework's synchronize; the eager step)."""
   if framework == "blutrain":
     import blutrain as bt
     lib, nn, F, tensor = bt, bt.nn, bt.nn.functional, lambda a: bt.from_numpy(a).to(device)
@@ -145,12 +146,19 @@ def run(framework: str, model: str, s: dict, state: dict, data: list, precision:
     opt.zero_grad(set_to_none=True)
     return loss
 
-  dev = [(tensor(x), tensor(y)) for x, y in data]
-  out = timed(compile_(step) if compiled else step, dev, warmup, sync)
+  return compile_(step) if compiled else step, [(tensor(x), tensor(y)) for x, y in data], sync, step
+
+
+def run(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str, warmup: int,
+        compiled: bool, profile: bool = False) -> dict:
+  """One (framework, compiled) run of `model`'s training step."""
+  step, dev, sync, eager = make_step(framework, model, s, state, data, precision, device, compiled)
+  out = timed(step, dev, warmup, sync)
   if profile and framework == "blutrain" and not compiled:  # one more eager step, op by op
-    with bt.profiler.profile() as prof: step(*dev[0]).item()
+    import blutrain as bt
+    with bt.profiler.profile() as prof: eager(*dev[0]).item()
     print(prof.table(25), flush=True)
-  del net, opt, dev
+  del step, dev, eager
   gc.collect()
   return out
 
