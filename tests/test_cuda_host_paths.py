@@ -453,3 +453,25 @@ for L in (7, 9):
   (f7, b7), (f9, b9) = (map(int, line.split()[1:]) for line in out.splitlines() if line.startswith("launches"))
   sequences = 4  # layers x directions
   assert (f9 - f7, b9 - b7) == (2 * sequences, 2 * sequences), (f7, b7, f9, b9)  # two more steps: one kernel each way
+
+
+def test_max_pool2d_launches_on_the_fake_gpu(tmp_path):
+  """max_pool2d on the GPU: the window search and a gather forward (a channels-last input's H and W merge into one
+  strided dim, so it is read in place too), the gather's scatter back in backward (zeros, scatter_add, the leaf's gradient); bf16, 3x3
+  windows at stride 2 as ResNet's stem pool."""
+  _run_fake("""
+import fake_cuda
+import blutrain as bt
+from blutrain.nn import functional as F
+for channels_last in (False, True):
+  base = bt.randn(2, 8, 9, 10, device="cuda").to(bt.bfloat16)
+  x = (base.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) if channels_last else base).requires_grad_()
+  g = bt.ones(2, 8, 5, 5, device="cuda", dtype=bt.bfloat16)
+  n0 = fake_cuda.launches[0]
+  y, idx = F.max_pool2d(x, 3, 2, 1, return_indices=True)
+  n1 = fake_cuda.launches[0]
+  y.backward(g)
+  n2 = fake_cuda.launches[0]
+  assert y.shape == (2, 8, 5, 5) and y.dtype is bt.bfloat16 and idx.dtype is bt.int64 and x.grad.shape == x.shape
+  assert n1 - n0 == 2 and n2 - n1 <= 4, (channels_last, n1 - n0, n2 - n1)
+""", tmp_path)

@@ -107,6 +107,30 @@ def test_max_pool2d_values_indices_and_grads(kw):
   helper_test_op([(3, 9)], lambda x: TF.max_pool1d(x, 3, 2, 1), lambda x: F.max_pool1d(x, 3, 2, 1))
 
 
+def test_max_pool2d_picks_the_maxima_pytorch_picks():
+  """Ties (the first maximum), NaNs (the last NaN), integers and a channels-last input: values, indices and the
+  gradient, which goes to the chosen element only, against PyTorch."""
+  rng = np.random.default_rng(3)
+  a = rng.standard_normal((2, 3, 9, 8)).round(0)  # many ties
+  a.flat[rng.integers(0, a.size, 6)] = np.nan
+  for x_np in (a.astype(np.float32), rng.integers(-4, 4, (2, 3, 9, 8))):
+    for channels_last in (False, True):
+      tx = torch.tensor(x_np)
+      if channels_last: tx = tx.contiguous(memory_format=torch.channels_last)
+      bx = bt.tensor(x_np).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) if channels_last else bt.tensor(x_np)
+      for kw in (dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, dilation=2, ceil_mode=True)):
+        ty, ti = TF.max_pool2d(tx, return_indices=True, **kw)
+        by, bi = F.max_pool2d(bx, return_indices=True, **kw)
+        np.testing.assert_array_equal(bi.numpy(), ti.numpy())
+        np.testing.assert_array_equal(by.numpy(), ty.numpy())
+  tx = torch.tensor(a.astype(np.float64), requires_grad=True)
+  bx = bt.tensor(a.astype(np.float64), requires_grad=True)
+  g = rng.standard_normal((2, 3, 5, 4))
+  TF.max_pool2d(tx, 3, 2, 1).backward(torch.tensor(g))
+  F.max_pool2d(bx, 3, 2, 1).backward(bt.tensor(g))
+  np.testing.assert_array_equal(bx.grad.numpy(), tx.grad.numpy())
+
+
 @pytest.mark.parametrize("kw", POOLS)
 @pytest.mark.parametrize("count_include_pad", [True, False])
 def test_avg_pool2d_matches_torch(kw, count_include_pad):

@@ -1135,6 +1135,19 @@ class ScatterReduceOp(NNOp):
 
 
 @irdl_op_definition
+class MaxPool2dIndicesOp(NNOp):
+  """The int64 flat position in H * W of each `kernel` window's maximum of x (N, C, H, W), windows at `stride`,
+  `padding` and `dilation`, `out_size` of them per dim."""
+  name = "nova.max_pool2d_indices"
+  x = operand_def(TENSOR)
+  kernel = prop_def(INTS)
+  stride = prop_def(INTS)
+  padding = prop_def(INTS)
+  dilation = prop_def(INTS)
+  out_size = prop_def(INTS)
+
+
+@irdl_op_definition
 class GatherOp(NNOp):
   """x read at `index` along `dim`."""
   name = "nova.gather"
@@ -1547,7 +1560,7 @@ Nova = Dialect("nova", [
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
   CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormOp,
-  BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, GatherOp, EmbeddingOp,
+  BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
   LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp,

@@ -430,6 +430,25 @@ def conv(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int = 1) 
                  tf32=x.dtype is dtypes.float32 and backends.allow_tf32())
 
 
+def _max_pool2d_indices_rule(x, kernel, stride, padding, dilation, out_size):
+  if x.ndim != 4 or len(out_size) != 2:
+    raise ShapeError(f"max_pool2d_indices: expected an input (N, C, H, W) and a 2-d output size, got {x.shape} and "
+                     f"{out_size}")
+  return (x.shape[0], x.shape[1], *out_size), dtypes.int64
+
+
+# Each window's first maximum (NaN above every number, padding never) as its flat position in H * W, PyTorch's
+# max_pool2d indices: max_pool2d gathers its values there, and its gradient scatters back to them.
+max_pool2d_indices_op = op("max_pool2d_indices", _max_pool2d_indices_rule, differentiable=False, inputs="x",
+                           attrs="kernel:ints stride:ints padding:ints dilation:ints out_size:ints")
+
+
+def max_pool2d_indices(x: Tensor, kernel, stride, padding, dilation, out_size) -> Tensor:
+  """The int64 flat position in H * W of each window's maximum of x (N, C, H, W) (see `max_pool2d_indices_op`)."""
+  return max_pool2d_indices_op(x, kernel=tuple(kernel), stride=tuple(stride), padding=tuple(padding),
+                               dilation=tuple(dilation), out_size=tuple(out_size))
+
+
 def conv_transpose(x: Tensor, weight: Tensor, shape, stride, padding, dilation, groups: int = 1) -> Tensor:
   """The transposed convolution of x (N, C_in, *spatial) with weight (C_in, C_out / groups, *kernel) to an output
   of size `shape`: conv's gradient with respect to its input."""

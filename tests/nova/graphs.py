@@ -219,6 +219,9 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   gates3 = b("slice", x, index=((0, 3, 1), (0, 3, 1)))  # GRU gates (3, 3H) with H = 1
   outs += [b("gru_cell", gates3, b("slice", pos, index=((0, 3, 1), (1, 4, 1))), cell),
            b("gru_cell_backward", cell, gates3, gates3, cell)]
+  image = b("view", x, shape=(1, 1, 3, 4))
+  outs += [b("max_pool2d_indices", image, kernel=(2, 2), stride=(1, 2), padding=(1, 0), dilation=(1, 1),
+             out_size=(4, 2))]
   mean, var = b("batch_norm_stats", x)  # x as (N, C) = (3, 4)
   outs += [mean, var, b("batch_norm", x, mean, var, w, bias, eps=1e-5, training=True),
            b("batch_norm", x, y, b("exp", y), None, bias, eps=1e-3, training=False),

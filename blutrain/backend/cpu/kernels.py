@@ -6,6 +6,7 @@ the caller casts it to the dtype the op's rule gives. float16 and bfloat16 input
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import ml_dtypes
@@ -284,6 +285,26 @@ def _cross_entropy_lse_backward(g, logits, target, lse, start, ignore_index):
 def _lstm_gates(gi, gh):
   i, f, g, o = np.split(gi + gh, 4, axis=1)
   return _sigmoid(i), _sigmoid(f), np.tanh(g), _sigmoid(o)
+
+
+def _max_pool2d_indices(x, kernel, stride, padding, dilation, out_size):
+  """Each window's maximum's flat position in H * W, as PyTorch's kernels pick it: the first of equal maxima, the
+  last NaN (a NaN replaces any maximum); padding never."""
+  N, C, H, W = x.shape
+  best = idx = seen = None
+  for i, j in itertools.product(range(kernel[0]), range(kernel[1])):
+    rows = np.arange(out_size[0]) * stride[0] - padding[0] + i * dilation[0]
+    cols = np.arange(out_size[1]) * stride[1] - padding[1] + j * dilation[1]
+    inside = np.broadcast_to(((rows >= 0) & (rows < H))[:, None] & ((cols >= 0) & (cols < W))[None, :],
+                             (N, C, *out_size))
+    v = x[:, :, np.clip(rows, 0, H - 1)][:, :, :, np.clip(cols, 0, W - 1)]
+    pos = np.broadcast_to(rows[:, None] * W + cols[None, :], v.shape)
+    if best is None:
+      best, idx, seen = v, pos, inside
+      continue
+    take = inside & (~seen | (v > best) | (v != v))
+    best, idx, seen = np.where(take, v, best), np.where(take, pos, idx), seen | take
+  return np.ascontiguousarray(idx, dtype=np.int64)
 
 
 def _lstm_cell(gi, gh, c):
@@ -584,6 +605,7 @@ kernels = {
   "argmax": lambda x, dim, keepdim: np.argmax(x, axis=dim, keepdims=keepdim),
   "argmin": lambda x, dim, keepdim: np.argmin(x, axis=dim, keepdims=keepdim),
   "cumsum": _cumsum, "cumprod": lambda x, dim: np.cumprod(x, dim), "argsort": _argsort,
+  "max_pool2d_indices": _max_pool2d_indices,
   # movement and indexing
   "slice_backward": _slice_backward, "cat": lambda *xs, dim: np.concatenate(xs, axis=dim),
   "index": lambda x, *idx, positions: x[_key(x, idx, positions)], "index_backward": _index_backward,

@@ -1,0 +1,29 @@
+"""max_pool2d on the GPU (the window search kernel, backend/cuda/kernels/pool.py, and the gather around it) against
+the CPU backend: values, indices and the input gradient, float32 and bf16, NCHW and channels-last, with ties and
+NaNs."""
+import numpy as np
+import pytest
+
+import blutrain as bt
+from blutrain.nn import functional as F
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("kw", [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=(3, 2), stride=(2, 1),
+                                                                               padding=(1, 0), ceil_mode=True)])
+def test_max_pool2d_matches_the_cpu(dtype, channels_last, kw):
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((4, 16, 17, 15)).round(1)  # ties
+  a.flat[rng.integers(0, a.size, 20)] = np.nan
+  results = []
+  for device in ("cpu", "cuda"):
+    x = bt.tensor(a, device=device).to(dtype)
+    if channels_last: x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    x.requires_grad_()
+    y, idx = F.max_pool2d(x, return_indices=True, **kw)
+    y.float().sum().backward()
+    results.append([t.detach().float().cpu().numpy() for t in (y, idx, x.grad)])
+  for got, want in zip(*results[::-1]): np.testing.assert_array_equal(got, want)

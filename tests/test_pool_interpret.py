@@ -1,0 +1,56 @@
+"""The CUDA window search of max_pool2d (`max_pool2d_indices`) without a GPU: Triton's interpreter (TRITON_INTERPRET=1,
+in a subprocess, since it must be set before Triton is imported) runs the kernel as its host wrapper launches it, on
+torch CPU tensors (test-only), against the CPU backend's kernel and PyTorch's own indices: padding, dilation, strides,
+ceil_mode windows, channels-last input, ties, NaNs, integers."""
+import numpy as np
+
+from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
+
+CASES = [  # (x shape, kernel, stride, padding, dilation, ceil_mode)
+  ((2, 3, 7, 6), (2, 2), (2, 2), (0, 0), (1, 1), False),
+  ((2, 3, 9, 8), (3, 3), (2, 2), (1, 1), (1, 1), False),  # ResNet's stem pool
+  ((1, 2, 7, 6), (3, 2), (2, 1), (1, 0), (1, 1), True),
+  ((1, 2, 8, 7), (2, 2), (1, 2), (1, 1), (2, 2), False),
+]
+
+
+def _run_case(shape, kernel, stride, padding, dilation, ceil_mode, dtype: str, channels_last: bool) -> None:
+  import torch
+  from blutrain.backend.cpu.kernels import kernels as cpu
+  from blutrain.backend.cuda.kernels import pool
+  from blutrain.shapes import cdiv
+  from blutrain import dtypes
+  rng = np.random.default_rng(sum(shape))
+  a = rng.integers(-3, 3, shape) if dtype == "int64" else rng.standard_normal(shape).round(1)  # rounding: ties
+  if dtype != "int64": a.flat[rng.integers(0, a.size, 3)] = np.nan
+  x = torch.tensor(a, dtype=getattr(torch, dtype))
+  if channels_last: x = x.contiguous(memory_format=torch.channels_last)
+  want_y, want = torch.nn.functional.max_pool2d(x.double(), kernel, stride, padding, dilation, ceil_mode,
+                                                return_indices=True)
+  out_size = tuple(want.shape[2:])
+  out = torch.empty(want.shape, dtype=torch.int64)
+  s = pool.max_pool2d_indices_spec(getattr(dtypes, dtype), out.numel(), False)
+  s[0][(cdiv(out.numel(), s.constexprs["BLOCK"]),)](out, x, out.numel(), shape[1], *out_size, *shape[2:], *kernel,
+                                                    *stride, *padding, *dilation, *x.stride(), **s.constexprs)
+  host = cpu["max_pool2d_indices"](x.double().numpy(), kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+                                   out_size=out_size)
+  case = (shape, kernel, stride, padding, dilation, ceil_mode, dtype, channels_last)
+  assert np.array_equal(out.numpy(), want.numpy()), f"kernel against PyTorch: {case}"
+  assert np.array_equal(host, want.numpy()), f"CPU kernel against PyTorch: {case}"
+
+
+def main() -> None:
+  patch_interpreter_loop_bounds()
+  for case in CASES:
+    for dtype in ("float32", "float16", "int64"):  # (the interpreter holds bfloat16 as raw bits: it cannot compare them)
+      for channels_last in (False, True):
+        _run_case(*case, dtype, channels_last)
+  print("ok")
+
+
+def test_max_pool2d_indices_under_triton_interpreter():
+  run_under_triton_interpreter("tests.test_pool_interpret")
+
+
+if __name__ == "__main__":
+  main()
