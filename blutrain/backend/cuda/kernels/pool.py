@@ -4,6 +4,8 @@ gradient scatters back to them (the op library's gather). Maxima as PyTorch's ke
 maxima, the last NaN, padding never. The block size is the configurator's `flat_schedule` for the int64 output."""
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -40,6 +42,7 @@ def _max_pool2d_indices_kernel(out, x, n, C, OH, OW, H, W, KH, KW, sh, sw, ph, p
   tl.store(out + o, best_i, mask=ok)
 
 
+@functools.lru_cache(maxsize=4096)
 def max_pool2d_indices_spec(dtype: DType, n: int, i64: bool):
   """The window search's variant for n output elements of an input of `dtype`."""
   block, warps = flat_schedule(n, 8)

@@ -13,6 +13,8 @@ operands.
 """
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
@@ -227,6 +229,7 @@ _CELLS = {"lstm": (_lstm_cell_kernel, ("out", "gi", "gh", "c"), 11),
                                 ("d", "grad", "dh_in", "dhd_in", "gi", "gh", "h", "dg"), 19)}
 
 
+@functools.lru_cache(maxsize=4096)
 def cell_spec(kind: str, out: DType, inputs: tuple[DType, ...], n: int, i64: bool):
   """The variant of kernel `kind` (a key of _CELLS) writing `out` from `inputs` of these dtypes."""
   fn, names, operands = _CELLS[kind]
