@@ -77,8 +77,9 @@ def torch_compile_step(precision: str):
   return lambda: step(x, x)
 
 
-def resnet_lstm_steps(model: str, precision: str) -> dict:
-  """blutrain's and torch.compile's compiled steps of benchmarks/resnet_lstm.py's `model`, same weights and batch."""
+def resnet_lstm_steps(model: str, precision: str, channels_last: bool = False) -> dict:
+  """blutrain's and torch.compile's compiled steps of benchmarks/resnet_lstm.py's `model`, same weights and batch
+  (images channels-last with `channels_last`)."""
   from benchmarks.resnet_lstm import SHAPES, batches, build, make_step
   s = SHAPES[model][0]
   bt.manual_seed(0)
@@ -86,7 +87,7 @@ def resnet_lstm_steps(model: str, precision: str) -> dict:
   data = batches(model, s, 1)
   steps = {}
   for framework in ("blutrain", "torch"):
-    step, dev, sync, _ = make_step(framework, model, s, state, data, precision, "cuda", True)
+    step, dev, sync, _ = make_step(framework, model, s, state, data, precision, "cuda", True, channels_last)
     steps["blutrain" if framework == "blutrain" else "torch_compile"] = (lambda st=step, b=dev[0]: st(*b), sync)
   return steps
 
@@ -97,6 +98,7 @@ def main() -> None:
   ap.add_argument("--model", choices=("gpt2", "resnet18", "lstm"), default="gpt2")
   ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16")
   ap.add_argument("--rows", type=int, default=25)
+  ap.add_argument("--channels-last", action="store_true", help="resnet18: images (so activations) channels-last")
   ap.add_argument("--out")
   args = ap.parse_args()
   bt.set_float32_matmul_precision("high")
@@ -106,7 +108,8 @@ def main() -> None:
   runs = {}
   if args.model != "gpt2":
     if args.against != "torch_compile": ap.error("--model resnet18 and lstm profile against torch_compile only")
-    for name, (fn, sync) in resnet_lstm_steps(args.model, args.precision).items(): runs[name] = kernels(fn, sync)
+    for name, (fn, sync) in resnet_lstm_steps(args.model, args.precision, args.channels_last).items():
+      runs[name] = kernels(fn, sync)
   for name in ("blutrain", args.against) if args.model == "gpt2" else ():
     fn = torch_compile_step(args.precision) if name == "torch_compile" else \
       blutrain_step(args.precision, ddp=name == "ddp")

@@ -7,6 +7,7 @@ PyTorch eager, compiled >= 1.0x torch.compile. Writes benchmarks/results/resnet_
                                    [--order torch_eager,blutrain_eager,blutrain_compile,torch_compile]
   python benchmarks/resnet_lstm.py --device cpu --quick   # a small dry run of the script itself (tiny shapes)
   python benchmarks/resnet_lstm.py --order blutrain_eager --profile   # and blutrain's eager step op by op
+  python benchmarks/resnet_lstm.py --models resnet18 --channels-last   # images channels-last in every framework
 
 The models are written once against PyTorch's nn API (`resnet18(nn)`, `LSTMLM(nn)`) and built from `blutrain.nn` and
 `torch.nn`; the torch copy loads blutrain's initial state dict, so both start from the same weights.
@@ -115,9 +116,10 @@ def timed(step, data, warmup: int, sync) -> dict:
 
 
 def make_step(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str,
-              compiled: bool):
+              compiled: bool, channels_last: bool = False):
   """(the training step of `model` in `framework`, compiled or eager, from the weights `state`; the batches on the
-  device; the framework's synchronize; the eager step)."""
+  device, images `channels_last` when asked (then every activation is: outputs keep their inputs' memory format);
+  the framework's synchronize; the eager step)."""
   if framework == "blutrain":
     import blutrain as bt
     lib, nn, F, tensor = bt, bt.nn, bt.nn.functional, lambda a: bt.from_numpy(a).to(device)
@@ -146,13 +148,15 @@ def make_step(framework: str, model: str, s: dict, state: dict, data: list, prec
     opt.zero_grad(set_to_none=True)
     return loss
 
-  return compile_(step) if compiled else step, [(tensor(x), tensor(y)) for x, y in data], sync, step
+  fmt = lib.channels_last if channels_last and model == "resnet18" else lib.contiguous_format
+  batches_ = [(tensor(x).contiguous(memory_format=fmt), tensor(y)) for x, y in data]
+  return compile_(step) if compiled else step, batches_, sync, step
 
 
 def run(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str, warmup: int,
-        compiled: bool, profile: bool = False) -> dict:
+        compiled: bool, profile: bool = False, channels_last: bool = False) -> dict:
   """One (framework, compiled) run of `model`'s training step."""
-  step, dev, sync, eager = make_step(framework, model, s, state, data, precision, device, compiled)
+  step, dev, sync, eager = make_step(framework, model, s, state, data, precision, device, compiled, channels_last)
   out = timed(step, dev, warmup, sync)
   if profile and framework == "blutrain" and not compiled:  # one more eager step, op by op
     import blutrain as bt
@@ -174,11 +178,13 @@ def main() -> None:
   ap.add_argument("--order", default="torch_eager,blutrain_eager,blutrain_compile,torch_compile")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "resnet_lstm.json"))
   ap.add_argument("--profile", action="store_true", help="print blutrain's eager step op by op (bt.profiler)")
+  ap.add_argument("--channels-last", action="store_true", help="ResNet's images (so its activations) channels-last")
   args = ap.parse_args()
   require_gpu(args.device)
   steps = 2 if args.quick else args.steps
   warmup = 1 if args.quick else args.warmup
-  result = {**metadata("resnet_lstm", args.device), "steps": steps, "runs": {}, "ratios": {}}
+  result = {**metadata("resnet_lstm", args.device), "steps": steps, "channels_last": args.channels_last, "runs": {},
+            "ratios": {}}
   for model in args.models.split(","):
     import blutrain as bt
     s = SHAPES[model][args.device == "cpu" and args.quick]
@@ -191,7 +197,7 @@ def main() -> None:
         framework, mode = name.split("_")
         try:
           r = run(framework, model, s, state, data, precision, args.device, warmup, mode == "compile",
-                  args.profile)
+                  args.profile, args.channels_last)
           r["items_per_s"] = s["batch"] / r["step_s"]
         except Exception as e:  # a failed run is reported, not hidden
           r = {"error": f"{type(e).__name__}: {e}"}

@@ -7,6 +7,7 @@ import sys
 from blutrain.dtypes import (DType as dtype, bool_ as bool, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64,
                              promote_types, result_type)
 from blutrain.device import Device as device
+from blutrain.shapes import memory_format, contiguous_format, preserve_format, channels_last, channels_last_3d
 from blutrain.tensor import Tensor
 from blutrain.ops import (no_grad, enable_grad, set_grad_enabled, is_grad_enabled, full, zeros, ones, empty, full_like,
                           zeros_like, ones_like, empty_like, arange, linspace, eye, tensor, as_tensor, from_numpy,

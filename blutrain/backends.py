@@ -8,7 +8,13 @@ or "triton" (GEMM kernels synthesized per problem and scheduled by the Analytic 
 blutrain/backend/cuda/kernels/gemm/). float64 matmuls always run on cuBLASLt. The environment variable
 BLUTRAIN_MATMUL sets the starting value.
 
+`bt.backends.conv` picks who runs convolutions and their gradients on CUDA: "cudnn" (cuDNN's graph API, the default
+where nvidia-cudnn-frontend and libcudnn load: bfloat16, float16, and float32 under TF32) or "triton" (the
+implicit-GEMM kernels of blutrain/backend/cuda/kernels/conv.py, which also take every case cuDNN is not given).
+BLUTRAIN_CONV sets the starting value.
+
   bt.backends.matmul = "triton"
+  bt.backends.conv = "triton"
   bt.set_float32_matmul_precision("high")   # TF32 tensor cores for float32 matmuls and attention on CUDA
 """
 from __future__ import annotations
@@ -18,26 +24,34 @@ import sys
 import types
 
 MATMUL = ("cublas", "triton")
+CONV = ("cudnn", "triton")
 PRECISIONS = ("highest", "high", "medium")
 
 
-def _checked(value: str) -> str:
-  if value not in MATMUL:
-    raise ValueError(f"bt.backends.matmul: expected one of {', '.join(map(repr, MATMUL))}, got {value!r}")
+def _checked(name: str, value: str, choices: tuple[str, ...]) -> str:
+  if value not in choices:
+    raise ValueError(f"bt.backends.{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
   return value
 
 
 class _Backends(types.ModuleType):
-  """The module with a checked `matmul` attribute."""
+  """The module with checked `matmul` and `conv` attributes."""
 
   @property
   def matmul(self) -> str: return self.__dict__["_matmul"]
 
   @matmul.setter
-  def matmul(self, value: str) -> None: self.__dict__["_matmul"] = _checked(value)
+  def matmul(self, value: str) -> None: self.__dict__["_matmul"] = _checked("matmul", value, MATMUL)
+
+  @property
+  def conv(self) -> str: return self.__dict__["_conv"]
+
+  @conv.setter
+  def conv(self, value: str) -> None: self.__dict__["_conv"] = _checked("conv", value, CONV)
 
 
-_matmul = _checked(os.environ.get("BLUTRAIN_MATMUL", "cublas"))
+_matmul = _checked("matmul", os.environ.get("BLUTRAIN_MATMUL", "cublas"), MATMUL)
+_conv = _checked("conv", os.environ.get("BLUTRAIN_CONV", "cudnn"), CONV)
 _float32_matmul_precision = "highest"
 
 

@@ -34,6 +34,64 @@ def is_contiguous(shape: Shape, strides: Shape) -> bool:
   return math.prod(shape) == 0 or all(st == cs for n, st, cs in zip(shape, strides, contiguous_strides(shape)) if n != 1)
 
 
+def memory_order(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
+  """The dims of a dense layout from outermost to innermost in memory (channels-last (N, C, H, W): (0, 2, 3, 1)), or
+  None when the layout is contiguous or not dense (gaps, overlaps, broadcasts): the order a new array takes to follow
+  its input, as PyTorch's outputs keep their inputs' memory format."""
+  if is_contiguous(tuple(shape), tuple(strides)) or not is_dense(shape, strides): return None
+  return tuple(sorted(range(len(shape)), key=lambda d: -strides[d]))  # stable: size-1 dims keep their place
+
+
+class memory_format:
+  """How a tensor's dims lie in memory, as torch.memory_format: `bt.contiguous_format` (row-major),
+  `bt.channels_last` ((N, C, H, W) stored (N, H, W, C)), `bt.channels_last_3d` ((N, C, D, H, W) stored
+  (N, D, H, W, C)), `bt.preserve_format` (whatever the input has)."""
+  __slots__ = ("name", "ndim")
+
+  def __init__(self, name: str, ndim: int = 0):
+    self.name, self.ndim = name, ndim
+
+  def order(self, ndim: int) -> tuple[int, ...] | None:
+    """The memory order (`memory_order`) of a tensor of `ndim` dims in this format; None for row-major."""
+    if not self.ndim: return None
+    if ndim != self.ndim:
+      dims = "N, C, H, W" if self.ndim == 4 else "N, C, D, H, W"
+      raise RuntimeError(f"{self.name} needs a tensor of {self.ndim} dims ({dims}), got {ndim}")
+    return (0, *range(2, ndim), 1)
+
+  def __repr__(self) -> str: return f"blutrain.{self.name}"
+
+
+contiguous_format, preserve_format = memory_format("contiguous_format"), memory_format("preserve_format")
+channels_last, channels_last_3d = memory_format("channels_last", 4), memory_format("channels_last_3d", 5)
+
+
+def in_format(shape: Sequence[int], strides: Sequence[int], fmt: memory_format) -> bool:
+  """Whether (shape, strides) is dense in format `fmt` (size-1 dims may have any stride; preserve_format: always)."""
+  if fmt is preserve_format: return True
+  want = strides_in_order(shape, fmt.order(len(shape)))
+  return math.prod(shape) == 0 or all(a == b for n, a, b in zip(shape, strides, want) if n != 1)
+
+
+def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+  """Whether (shape, strides) is a permutation of a contiguous layout: its elements fill a span of as many once."""
+  expected = 1
+  for st, n in sorted((st, n) for n, st in zip(shape, strides) if n != 1):
+    if st != expected: return False
+    expected *= n
+  return True
+
+
+def strides_in_order(shape: Sequence[int], order: Sequence[int] | None) -> Shape:
+  """Dense strides of `shape` with its dims laid out in `order` (outermost first; None: row-major)."""
+  if order is None: return contiguous_strides(shape)
+  strides, acc = [0] * len(shape), 1
+  for d in reversed(order):
+    strides[d] = acc
+    acc *= max(shape[d], 1)
+  return tuple(strides)
+
+
 def broadcast_shapes(*shapes: Shape, op: str = "broadcast") -> Shape:
   """NumPy/PyTorch broadcasting; the error names the op and both shapes."""
   first = shapes[0]

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from blutrain import backend, dtypes
+from blutrain import backend, dtypes, shapes
 from blutrain.device import Device
 from blutrain.dtypes import DType
 from blutrain.shapes import Size, is_contiguous, normalize_dim
@@ -96,7 +96,10 @@ class Tensor:
   def stride(self, dim: int | None = None):
     return self._strides if dim is None else self._strides[normalize_dim(dim, self.ndim, "stride")]
   def storage_offset(self) -> int: return self._offset
-  def is_contiguous(self) -> bool: return is_contiguous(self.shape, self._strides)
+  def is_contiguous(self, memory_format: shapes.memory_format = shapes.contiguous_format) -> bool:
+    """Whether the tensor is dense in `memory_format` (row-major by default; `bt.channels_last`...)."""
+    if memory_format is shapes.contiguous_format: return is_contiguous(self.shape, self._strides)
+    return shapes.in_format(self.shape, self._strides, memory_format)
   def is_floating_point(self) -> bool: return self.dtype.is_floating_point
   @property
   def is_leaf(self) -> bool: return self._node is None

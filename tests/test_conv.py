@@ -1,8 +1,12 @@
 """The convolution primitives (`conv`, `conv_grad_input`, `conv_grad_weight` in ops/nn.py) against PyTorch CPU:
 N-d geometry (stride, padding, dilation, groups) on channels-last and transposed views, the gradient primitives'
 own VJPs against finite differences, bad
-shapes and dtypes raising RuntimeError with the op and shapes named, autocast lowering; the layers in
+shapes and dtypes raising RuntimeError with the op and shapes named, autocast lowering, the `bt.backends.conv` switch and the cuDNN engine's layout rules; the layers in
 test_nn_spatial.py cover F.conv*/nn.Conv* on top, and tests/cuda/test_conv.py the CUDA kernels."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -94,3 +98,27 @@ def test_autocast_runs_conv_and_conv_transpose_in_bfloat16():
   np.testing.assert_allclose(y.float().detach().numpy(), ref.numpy(), rtol=0.05, atol=0.1)
   z.float().sum().backward()
   assert bx.grad.dtype is bt.float32 and bw.grad.dtype is bt.float32
+
+
+# *** the engine switch (cuDNN itself runs in tests/cuda/test_conv.py) ***
+
+def test_backends_conv_switch():
+  assert bt.backends.conv in bt.backends.CONV
+  before = bt.backends.conv
+  try:
+    bt.backends.conv = "triton"
+    assert bt.backends.conv == "triton"
+    with pytest.raises(ValueError, match="bt.backends.conv: expected one of 'cudnn', 'triton'"):
+      bt.backends.conv = "winograd"
+  finally:
+    bt.backends.conv = before
+  env = dict(os.environ, BLUTRAIN_CONV="triton")
+  out = subprocess.run([sys.executable, "-c", "import blutrain as bt; print(bt.backends.conv)"], env=env,
+                       capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "triton"
+
+
+def test_cudnn_layout_rules():
+  from blutrain.backend.cuda.kernels import cudnn_conv
+  assert cudnn_conv._as4d((2, 16, 33), (528, 33, 1)) == ((2, 16, 1, 33), (528, 33, 33, 1))
+  assert cudnn_conv._as4d((2, 16, 5, 5), (400, 25, 5, 1)) == ((2, 16, 5, 5), (400, 25, 5, 1))

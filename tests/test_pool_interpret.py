@@ -1,7 +1,7 @@
 """The CUDA window search of max_pool2d (`max_pool2d_indices`) without a GPU: Triton's interpreter (TRITON_INTERPRET=1,
 in a subprocess, since it must be set before Triton is imported) runs the kernel as its host wrapper launches it, on
 torch CPU tensors (test-only), against the CPU backend's kernel and PyTorch's own indices: padding, dilation, strides,
-ceil_mode windows, channels-last input, ties, NaNs, integers."""
+ceil_mode windows, channels-last input (written channels-last), ties, NaNs, integers."""
 import numpy as np
 
 from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
@@ -28,8 +28,9 @@ def _run_case(shape, kernel, stride, padding, dilation, ceil_mode, dtype: str, c
   want_y, want = torch.nn.functional.max_pool2d(x.double(), kernel, stride, padding, dilation, ceil_mode,
                                                 return_indices=True)
   out_size = tuple(want.shape[2:])
-  out = torch.empty(want.shape, dtype=torch.int64)
-  s = pool.max_pool2d_indices_spec(getattr(dtypes, dtype), out.numel(), False)
+  out = torch.empty(want.shape, dtype=torch.int64)  # the kernel walks it as a flat array in its memory order
+  if channels_last: out = out.contiguous(memory_format=torch.channels_last)
+  s = pool.max_pool2d_indices_spec(getattr(dtypes, dtype), out.numel(), False, channels_last)
   s[0][(cdiv(out.numel(), s.constexprs["BLOCK"]),)](out, x, out.numel(), shape[1], *out_size, *shape[2:], *kernel,
                                                     *stride, *padding, *dilation, *x.stride(), **s.constexprs)
   host = cpu["max_pool2d_indices"](x.double().numpy(), kernel=kernel, stride=stride, padding=padding, dilation=dilation,

@@ -419,3 +419,26 @@ def test_result_type_three_tiers():
   assert bt.result_type(bt.ones((), dtype=bt.float64), bt.ones(2, dtype=bt.float16)) is bt.float16
   assert bt.result_type(bt.ones((), dtype=bt.int64), bt.ones(2, dtype=bt.int32)) is bt.int32
   assert bt.result_type(2, 2.5) is bt.float32 and bt.result_type(True, 2) is bt.int64
+
+
+def test_memory_formats_as_pytorch():
+  """`contiguous(memory_format=...)`, `to(memory_format=...)` and `is_contiguous(memory_format=...)` give PyTorch's
+  strides and answers, and the channels-last copy passes gradients back."""
+  import torch
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+  x, t = bt.tensor(a, requires_grad=True), torch.tensor(a)
+  y, ty = x.contiguous(memory_format=bt.channels_last), t.contiguous(memory_format=torch.channels_last)
+  assert y.stride() == ty.stride() and np.array_equal(y.detach().numpy(), ty.numpy())
+  for fmt, tfmt in ((bt.channels_last, torch.channels_last), (bt.contiguous_format, torch.contiguous_format)):
+    for u, tu in ((x, t), (y, ty), (x[:, :, :1, :1], t[:, :, :1, :1])):
+      assert u.is_contiguous(memory_format=fmt) == tu.is_contiguous(memory_format=tfmt), (fmt, u.stride())
+  assert x.to(memory_format=bt.channels_last).stride() == ty.stride()
+  assert y.contiguous().stride() == x.stride() and y.contiguous(memory_format=bt.channels_last) is y
+  v = bt.tensor(rng.standard_normal((2, 3, 4, 5, 6)).astype(np.float32))
+  assert v.contiguous(memory_format=bt.channels_last_3d).stride() == \
+    torch.zeros(2, 3, 4, 5, 6).contiguous(memory_format=torch.channels_last_3d).stride()
+  (y * bt.tensor(a)).sum().backward()
+  assert np.array_equal(x.grad.numpy(), a)
+  with pytest.raises(RuntimeError, match="channels_last needs a tensor of 4 dims"):
+    bt.zeros(2, 3, 4).contiguous(memory_format=bt.channels_last)

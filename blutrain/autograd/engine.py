@@ -9,6 +9,7 @@ import weakref
 from typing import Sequence
 
 from blutrain.autograd.tape import Node, autocast_suspended, hooks, no_grad
+from blutrain.shapes import is_dense
 from blutrain.tensor import Tensor
 
 
@@ -55,6 +56,13 @@ def _accumulate(grads: dict, key: int, g: Tensor, owned: set[int] | None = None,
   if owned is None: return
   if prev is not None: owned.discard(id(prev))
   if fresh or total is not g: owned.add(id(total))
+
+
+def _grad_layout(g: Tensor, leaf: Tensor) -> bool:
+  """Whether g may be a leaf's .grad as it is: contiguous, or dense in the leaf's own strides (a channels-last leaf
+  keeps a channels-last gradient, as PyTorch's gradient layout contract has it); else it is cloned contiguous."""
+  return g.is_contiguous() or (is_dense(g.shape, g._strides) and
+                               all(a == b for n, a, b in zip(g.shape, g._strides, leaf._strides) if n != 1))
 
 
 def _take(grads: dict, key: int, owned: set[int]):
@@ -159,7 +167,7 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | 
       g = _run_hooks(leaf._hooks, g).detach()
       if leaf.grad is not None: leaf.grad.add_(g)
       else:
-        if not g.is_contiguous() or g._offset or g._storage in fresh: g = g.clone()  # own, dense memory
+        if not _grad_layout(g, leaf) or g._offset or g._storage in fresh: g = g.clone()  # own, dense memory
         fresh.add(g._storage)
         leaf.grad = g
       for hook in leaf._post_hooks or (): hook(leaf)

@@ -170,11 +170,12 @@ class Executable:
     graph's replay (`replayed`) the write-backs are done and every returned tensor is copied out of the graph's
     buffers."""
     be = backend.get(self.device)
+    copy = _copy if self.device.type == "cuda" else be.kernels["copy"]  # (keeping a channels-last array's layout)
     owned, given = {_memory(a) for a in inputs}, {id(a) for a in inputs}
     returned = []
     for (kind, where), arr, dtype in zip(self.spec, outs, self.out_dtypes):
       if kind == "new":  # a created tensor gets memory of its own: never an input's, nor another output's
-        if _memory(arr) in owned: arr = be.kernels["copy"](arr)
+        if _memory(arr) in owned: arr = copy(arr)
         owned.add(_memory(arr))
         t = Tensor._wrap(arr, self.device, dtype)
         where._storage.data, where._view = t._storage.data, t._view
@@ -185,7 +186,7 @@ class Executable:
         if not replayed and id(arr) not in given: be.copy_into(t._array(), arr)
         t._storage.version += 1
         continue
-      if _memory(arr) in owned or replayed and kind == "return": arr = be.kernels["copy"](arr)  # never hand out views of inputs
+      if _memory(arr) in owned or replayed and kind == "return": arr = copy(arr)  # never hand out views of inputs
       if kind == "return":
         owned.add(_memory(arr))
         returned.append(Tensor._wrap(arr, self.device, dtype))
@@ -319,9 +320,11 @@ class GraphExecutable(Executable):
 
 
 def _copy(a):
-  """A contiguous device copy of a CudaArray (a call's tensor's own buffer in a graph)."""
+  """A device copy of a CudaArray in its dense layout (a call's tensor's own buffer in a graph: a channels-last batch
+  stays channels-last), contiguous when it is not dense."""
   from blutrain.backend.cuda import memory
-  out = memory.empty(a.shape, a.dtype, a.device)
+  from blutrain.backend.cuda.kernels import empty_like
+  out = empty_like(a)
   memory.copy_into(out, a)
   return out
 
@@ -397,11 +400,12 @@ class Compiled:
   def _guard(self, leaves: list, tree: Any) -> tuple:
     """The key of a captured graph: everything that changes what the eager step would compute or which tensors it
     reads (modules' training flags, and DistributedDataParallel's `require_sync`, which `no_sync()` clears). Global
-    state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul engine) is read here because a
-    capture bakes it into the graph's ops and attributes."""
+    state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul and convolution engines) is read
+    here because a capture bakes it into the graph's ops and attributes."""
     modules, optimizers = self._found
     params = _params(modules, optimizers)
     return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,
+            backends.conv,
             tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
             tuple((id(p), p.grad is None) for p in params),
             tuple((m.training, getattr(m, "require_sync", None)) for top in modules for m in top.modules()),

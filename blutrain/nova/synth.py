@@ -219,17 +219,22 @@ def spec(body: Body, variant: Variant, n: int):
 
 
 def plan(body: Body, shape: tuple[int, ...], layouts: list[tuple | None]) -> tuple:
-  """(spec, grid, the sizes and strides after the arrays) of a body writing new contiguous outputs of `shape`, for
-  inputs of the given layouts (`CudaArray.key()`, None for a host scalar)."""
+  """(spec, grid, the sizes and strides after the arrays, the outputs' memory order) of a body writing new outputs of
+  `shape` in the dense layout of its first input of that shape (`elementwise.output_order`: channels-last stays
+  channels-last), for inputs of the given layouts (`CudaArray.key()`, None for a host scalar)."""
   from blutrain.backend.cuda.array import CudaArray
-  from blutrain.backend.cuda.kernels import broadcast_strides, collapse, needs_i64
-  from blutrain.shapes import cdiv, contiguous_strides
+  from blutrain.backend.cuda.kernels import broadcast_strides, collapse, in_memory_order, needs_i64
+  from blutrain.backend.cuda.kernels.elementwise import output_order
+  from blutrain.shapes import cdiv, strides_in_order
   n = math.prod(shape)
-  if n == 0: return None, None, (0,)
-  out_strides = contiguous_strides(shape)
+  if n == 0: return None, None, (0,), None
+  order = output_order(shape, layouts)
+  out_strides = strides_in_order(shape, order)
   bstrides = [None if lay is None else broadcast_strides(CudaArray(0, lay[0], lay[1], lay[2], 0, None), shape)
               for lay in layouts]
-  cshape, (ost, *ists) = collapse(shape, out_strides, *[s for s in bstrides if s is not None])
+  # the dims in the outputs' memory order: the kernel writes them at its flat index, row-major over the collapsed dims
+  pshape, pstrides = in_memory_order(shape, out_strides, *[s for s in bstrides if s is not None])
+  cshape, (ost, *ists) = collapse(pshape, *pstrides)
   it = iter(ists)
   ists = [None if s is None else next(it) for s in bstrides]
   kinds = tuple("value" if s is None else "scalar" if not any(s) else "flat" if s == ost else
@@ -241,31 +246,34 @@ def plan(body: Body, shape: tuple[int, ...], layouts: list[tuple | None]) -> tup
   s = spec(body, variant, n)
   sizes = list(cshape[1:]) if is_strided else []
   strides = [x for s_, kind in zip(ists, kinds) if kind.startswith("strided") for x in s_ if x not in (0, 1)]
-  return s, (cdiv(n, s.constexprs["BLOCK"]),), (n, *sizes, *strides)
+  return s, (cdiv(n, s.constexprs["BLOCK"]),), (n, *sizes, *strides), order
 
 
 _plans: dict[tuple, tuple] = {}
 
 
 def fused(body: Body, shape: tuple[int, ...], *xs, out: tuple | None = None) -> tuple:
-  """The outputs of a fused group (contiguous CudaArrays of `shape`) from its inputs (CudaArrays broadcasting to
-  `shape`, or host scalars), on the current stream of the first input's device. `out` may give, per output, an array
-  to write it into (None: a new one): an input's own buffer, which the kernel reads at the flat index before it
-  writes there (a buffer that is not contiguous of `shape` gets a new array instead, which the caller copies)."""
+  """The outputs of a fused group (CudaArrays of `shape`, in the layout `plan` picks) from its inputs (CudaArrays
+  broadcasting to `shape`, or host scalars), on the current stream of the first input's device. `out` may give, per
+  output, an array to write it into (None: a new one): an input's own buffer, which the kernel reads at the flat
+  index before it writes there (a buffer not of that layout gets a new array instead, which the caller copies)."""
   from blutrain.backend.cuda.array import CudaArray
-  from blutrain.backend.cuda.kernels import empty
+  from blutrain.backend.cuda.kernels import empty_ordered
   from blutrain.backend.cuda.runtime import current_stream
+  from blutrain.shapes import strides_in_order
   arrays = [x.layout_key or x.key() if x.__class__ is CudaArray else None for x in xs]
   k = (body, shape, *arrays)
   hit = _plans.get(k)
   if hit is None:
     if len(_plans) > 4096: _plans.clear()
     hit = _plans[k] = plan(body, shape, arrays)
-  s, grid, scalars = hit
+  s, grid, scalars, order = hit
   device = next(x.device for x in xs if x.__class__ is CudaArray)
   stream = current_stream(device)
-  outs = tuple(o if o is not None and o.shape == shape and o.dtype is body.dtype(ref) and o.is_contiguous()
-               else empty(shape, body.dtype(ref), device, stream)
+  strides = strides_in_order(shape, order) if out else None
+  outs = tuple(o if o is not None and o.shape == shape and o.dtype is body.dtype(ref) and
+               all(a == b for n, a, b in zip(shape, o.strides, strides) if n != 1)
+               else empty_ordered(shape, body.dtype(ref), device, order, stream)
                for ref, o in zip(body.outputs, out or (None,) * len(body.outputs)))
   if scalars[0]:
     args = [x if x.__class__ is CudaArray else np.asarray(x).item() for x in xs]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import FunctionType
 
-from blutrain import dtypes
+from blutrain import dtypes, shapes
 from blutrain.device import Device, to_device
 from blutrain.dtypes import DType
 from blutrain.ops import creation, elementwise, linalg, movement, nn, ordering, random, reduce
@@ -48,6 +48,7 @@ class TensorMethods:
     if not kwargs and len(args) == 1 and type(args[0]) is DType:  # the common t.to(dtype), as autocast casts
       return self if args[0] is self.dtype else elementwise.cast(self, args[0])
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    fmt = kwargs.pop("memory_format", shapes.preserve_format)
     kwargs.pop("non_blocking", None); kwargs.pop("copy", None)
     if kwargs: raise TypeError(f"to(): unexpected arguments {sorted(kwargs)}")
     for a in args:
@@ -60,7 +61,7 @@ class TensorMethods:
     if dtype is not None and dtypes.to_dtype(dtype) is not self.dtype:
       out = elementwise.cast(out, dtypes.to_dtype(dtype))
     if device is not None and to_device(device) != self.device: out = creation.to_device(out, to_device(device))
-    return out
+    return out if fmt is shapes.preserve_format else out.contiguous(memory_format=fmt)
 
   def cpu(self) -> Tensor: return self.to("cpu")
   def cuda(self, device: int | None = None) -> Tensor: return self.to(f"cuda:{device or 0}")
@@ -86,7 +87,14 @@ class TensorMethods:
       if dtype is None: raise TypeError(f"type(): unknown tensor type {name!r}")
     return self.to(dtype)
   def clone(self) -> Tensor: return elementwise.copy(self)
-  def contiguous(self) -> Tensor: return self if self.is_contiguous() else elementwise.copy(self)
+  def contiguous(self, memory_format: shapes.memory_format = shapes.contiguous_format) -> Tensor:
+    """This tensor if it is dense in `memory_format`, else such a copy (`bt.channels_last`: (N, C, H, W) stored
+    (N, H, W, C), still indexed (N, C, H, W))."""
+    if self.is_contiguous(memory_format): return self
+    order = memory_format.order(self.ndim)
+    if order is None: return elementwise.copy(self)
+    back = tuple(order.index(d) for d in range(self.ndim))
+    return movement.permute(elementwise.copy(movement.permute(self, order)), back)
 
   # *** views ***
 

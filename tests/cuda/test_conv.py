@@ -1,5 +1,5 @@
-"""The CUDA convolution kernels (implicit GEMM, backend/cuda/kernels/conv.py) against PyTorch CUDA in float64 as the
-reference: forward, input and weight gradients through bt for 1-D, 2-D and 3-D geometry (stride, padding, dilation,
+"""The CUDA convolutions, on each engine of `bt.backends.conv` (cuDNN where it loads, and the implicit-GEMM kernels of
+backend/cuda/kernels/conv.py), against PyTorch CUDA in float64 as the reference: forward, input and weight gradients through bt for 1-D, 2-D and 3-D geometry (stride, padding, dilation,
 groups, 'same'), channels-last views, every dtype and float32 precision (the channels-last kernels where channel
 counts are multiples of 16), channels-last views that they must copy, the split-K weight gradient of a ResNet
 layer, conv_transpose, and a small CNN's training step under bf16 autocast."""
@@ -8,6 +8,7 @@ import pytest
 
 import blutrain as bt
 from blutrain import nn
+from blutrain.backend.cuda.kernels import cudnn_conv
 from blutrain.nn import functional as F
 
 pytestmark = pytest.mark.cuda
@@ -41,6 +42,15 @@ def _highest():
   bt.set_float32_matmul_precision("highest")
 
 
+@pytest.fixture(params=bt.backends.CONV)
+def engine(request):
+  """Each convolution engine in turn (cuDNN skipped where it does not load)."""
+  if request.param == "cudnn" and not cudnn_conv.available(): pytest.skip("cuDNN's frontend or library does not load")
+  before, bt.backends.conv = bt.backends.conv, request.param
+  yield request.param
+  bt.backends.conv = before
+
+
 def rel_err(got, want) -> float:
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   assert got.shape == want.shape and np.isfinite(got).all()
@@ -50,7 +60,7 @@ def rel_err(got, want) -> float:
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("prec", list(PRECISIONS))
 @pytest.mark.parametrize("geometry", GEOMETRY)
-def test_conv_and_gradients_match_torch_cuda(geometry, prec, layout, torch_cuda):
+def test_conv_and_gradients_match_torch_cuda(geometry, prec, layout, engine, torch_cuda):
   torch, (xs, ws, kw) = torch_cuda, geometry
   dtype, precision, tol = PRECISIONS[prec]
   bt.set_float32_matmul_precision(precision)
@@ -73,11 +83,30 @@ def test_conv_and_gradients_match_torch_cuda(geometry, prec, layout, torch_cuda)
   for name, got, want in (("out", y, ty), ("dx", bx.grad, tx.grad), ("dw", bw.grad, tw.grad), ("db", bb.grad, tb.grad)):
     err = rel_err(got.detach().float().cpu().numpy() if dtype is not bt.float64 else got.detach().cpu().numpy(),
                   want.detach().cpu().numpy())
-    assert err < tol, f"{name}: relative error {err:.2e} over {tol:.0e} ({prec}, {layout}, {xs}, {ws}, {kw})"
+    assert err < tol, f"{name}: relative error {err:.2e} over {tol:.0e} ({engine}, {prec}, {layout}, {xs}, {ws}, {kw})"
+
+
+def test_cudnn_takes_the_halves_and_tf32_of_one_group(engine):
+  """The cuDNN engine builds graphs for what it takes (bfloat16, TF32; 1-D as 2-D) and leaves float32 in full
+  precision and grouped convolutions to the Triton kernels; the Triton engine builds none."""
+  rng = np.random.default_rng(5)
+  cases = [((2, 16, 9, 9), (32, 16, 3, 3), 1, bt.bfloat16, "highest", True),
+           ((2, 16, 21), (8, 16, 3), 1, bt.float32, "high", True),
+           ((2, 16, 9, 9), (32, 16, 3, 3), 1, bt.float32, "highest", False),
+           ((2, 16, 9, 9), (32, 8, 3, 3), 2, bt.bfloat16, "highest", False)]
+  for xs, ws, groups, dtype, precision, cudnn in cases:
+    bt.set_float32_matmul_precision(precision)
+    x = bt.tensor(rng.standard_normal(xs).astype(np.float32), device="cuda").to(dtype).requires_grad_()
+    w = bt.tensor(rng.standard_normal(ws).astype(np.float32), device="cuda").to(dtype).requires_grad_()
+    before = cudnn_conv._graph.cache_info().misses + cudnn_conv._graph.cache_info().hits
+    y = (F.conv1d if len(xs) == 3 else F.conv2d)(x, w, padding=1, groups=groups)
+    y.float().sum().backward()
+    runs = cudnn_conv._graph.cache_info().misses + cudnn_conv._graph.cache_info().hits - before
+    assert runs == (3 if cudnn and engine == "cudnn" else 0), (xs, ws, groups, dtype, precision, engine)
 
 
 @pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float32])
-def test_resnet_layer_weight_gradient_splits_k(dtype, torch_cuda):
+def test_resnet_layer_weight_gradient_splits_k(dtype, engine, torch_cuda):
   """56x56x64 at batch 32: the weight gradient's K (N*OH*OW = 100352) is split over programs and summed."""
   torch = torch_cuda
   rng = np.random.default_rng(1)
@@ -94,7 +123,7 @@ def test_resnet_layer_weight_gradient_splits_k(dtype, torch_cuda):
   assert rel_err(bx.grad.float().cpu().numpy(), tx.grad.cpu().numpy()) < tol
 
 
-def test_channels_last_views_off_16_bytes_match_torch_cuda(torch_cuda):
+def test_channels_last_views_off_16_bytes_match_torch_cuda(engine, torch_cuda):
   """A channel slice of a channels-last tensor (pointer 2 bytes in, row strides of 34 channels): the host copies it
   for the channels-last kernels, whose promise of 16-byte alignment it breaks."""
   torch = torch_cuda
@@ -127,7 +156,7 @@ def test_conv_transpose_matches_torch_cuda(torch_cuda):
   assert rel_err(y.cpu().numpy(), ty.cpu().numpy()) < 1e-12
 
 
-def test_small_cnn_step_under_autocast_matches_cpu(torch_cuda):
+def test_small_cnn_step_under_autocast_matches_cpu(engine, torch_cuda):
   bt.manual_seed(0)
   model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=4),
                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))

@@ -9,6 +9,7 @@ import torch
 from blutrain import dtypes
 from blutrain.nova import ir, synth
 from blutrain.nova.dialect import FusedOp
+from blutrain.shapes import strides_in_order
 from blutrain.nova.passes.fuse_pointwise import fuse
 from tests.nova.graphs import Builder, evaluate
 
@@ -59,8 +60,9 @@ def run(case, dt, transposed, by_value):
   layouts = [None if i in by_value else (tuple(t.shape), tuple(t.stride()), v.dtype, t.data_ptr() % 16)
              for i, (t, v) in enumerate(zip(tensors, graph.inputs))]
   tensors = [t.float().item() if i in by_value else t for i, t in enumerate(tensors)]
-  s, grid, scalars = synth.plan(body, shape, layouts)
-  results = [torch.empty(shape, dtype=TORCH[body.dtype(r)]) for r in body.outputs]
+  s, grid, scalars, order = synth.plan(body, shape, layouts)  # the outputs follow the first input of their shape
+  results = [torch.empty_strided(shape, strides_in_order(shape, order), dtype=TORCH[body.dtype(r)])
+             for r in body.outputs]
   s[0][grid](*results, *tensors, *scalars, BLOCK=s[2]["BLOCK"])
   b64 = Builder()
   want = evaluate(b64.output(*case(b64, dtypes.float64)), arrays)

@@ -342,7 +342,7 @@ def test_host_scalar_transposed_and_64_bit_variants_compile_for_sm90():
   bf16 = dtypes.bfloat16
   plans = [synth.plan(body, (64, 48), [((64, 48), (48, 1), bf16, 0), None, ((64, 48), (1, 64), bf16, 0)]),
            synth.plan(body, (1 << 16, 1 << 15), [((1 << 16, 1 << 15), (1 << 15, 1), bf16, 0)] * 3)]
-  for (fn, sig, consts, opts), grid, args in plans:
+  for (fn, sig, consts, opts), grid, args, _ in plans:
     assert launch.cubin(fn, sig, consts, opts["num_warps"], opts["num_stages"])[:4] == b"\x7fELF"
   sig = plans[0][0][1]
   assert sig["i1"] == "fp32" and "s2_1" in sig and "s2_0" not in sig  # by value; t transposed: a unit stride in dim 0

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from blutrain import dtypes
+from blutrain import dtypes, shapes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.runtime import Event, Stream, check, current_stream
@@ -70,11 +70,7 @@ def overlaps(a: CudaArray, b: CudaArray) -> bool:
 
 def is_dense(a: CudaArray) -> bool:
   """True when `a` is a permutation of a contiguous array: its elements fill [ptr, ptr + nbytes) exactly once."""
-  expected = 1
-  for st, n in sorted((st, n) for n, st in zip(a.shape, a.strides) if n != 1):
-    if st != expected: return False
-    expected *= n
-  return True
+  return shapes.is_dense(a.shape, a.strides)
 
 
 def broadcast_to(a: CudaArray, shape: tuple[int, ...]) -> CudaArray:

@@ -27,6 +27,7 @@ from blutrain import dtypes
 from blutrain.backend.cuda import launch, memory
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.dtypes import DType
+from blutrain.shapes import memory_order, strides_in_order
 
 # element types in Triton signatures and as compile-time constants
 TY = {dtypes.bool_: "i1", dtypes.uint8: "u8", dtypes.int8: "i8", dtypes.int16: "i16", dtypes.int32: "i32", dtypes.int64: "i64", dtypes.float16: "fp16", dtypes.bfloat16: "bf16",
@@ -86,6 +87,22 @@ def run(s: Spec, grid: tuple[int, ...], *args) -> None:
 empty = memory.empty  # a new contiguous array from the caching allocator (device None: the current one)
 
 
+def empty_ordered(shape, dtype: DType, device: int | None, order: tuple[int, ...] | None,
+                  stream=None) -> CudaArray:
+  """A new dense array of `shape` whose dims lie in memory in `order` (outermost first, `shapes.memory_order`; None:
+  contiguous)."""
+  if order is None: return empty(shape, dtype, device, stream)
+  buf = empty((math.prod(shape),), dtype, device, stream)
+  return view(buf, shape, strides_in_order(shape, order))
+
+
+def empty_like(a: CudaArray, dtype: DType | None = None, shape=None) -> CudaArray:
+  """A new array in a's dense layout (channels-last stays channels-last; contiguous when a is not dense), of a's
+  shape or another one of as many dims laid out in a's order (a convolution's output)."""
+  return empty_ordered(a.shape if shape is None else tuple(shape), dtype or a.dtype, a.device,
+                       memory_order(a.shape, a.strides))
+
+
 def view(a: CudaArray, shape, strides, offset: int = 0, dtype: DType | None = None) -> CudaArray:
   """Another view of a's memory (offset in elements)."""
   return CudaArray(a.ptr + offset * a.dtype.itemsize, tuple(shape), tuple(strides), dtype or a.dtype, a.device, a.owner)
@@ -114,6 +131,15 @@ def collapse(shape, *strides) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
     else: dims.append((n, st))
   if not dims: return (1,), [(0,) for _ in strides]
   return tuple(n for n, _ in dims), [tuple(st[k] for _, st in dims) for k in range(len(strides))]
+
+
+def in_memory_order(shape, out_strides, *strides) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+  """shape and every operand's strides with the dims permuted into the memory order of a dense output (`out_strides`,
+  `shapes.memory_order`; unchanged when it is contiguous or not dense): a channels-last output then collapses as a
+  contiguous one does, and a kernel walking its flat index in row-major order writes it in memory order."""
+  order = memory_order(shape, out_strides)
+  if order is None: return tuple(shape), [tuple(out_strides), *map(tuple, strides)]
+  return tuple(shape[d] for d in order), [tuple(st[d] for d in order) for st in (out_strides, *strides)]
 
 
 def max_offset(shape, strides) -> int:

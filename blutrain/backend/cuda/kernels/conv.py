@@ -22,8 +22,10 @@ their tiles load as 16-byte cp.async copies pipelined over `num_stages` buffers.
 kw, c) with one kernel position per column tile. The host wrappers take them for bfloat16, float16 and float32 with
 channels per group of multiples of 16 (`vectorizes`), copying NCHW operands channels-last first (`_channels_last`:
 one transposing copy costs far less than the scalar loads), and the forward and dgrad pad a single group's few input
-channels (an image's 3) with zeros up to 16 (`padded_channels`); every other case runs the general kernels. Outputs stay
-new contiguous arrays of the op's layout.
+channels (an image's 3) with zeros up to 16 (`padded_channels`); every other case runs the general kernels. The output
+and the input gradient are new arrays in the dense layout of the input and of the output gradient (channels-last stays
+channels-last, as PyTorch's memory formats do), the weight gradient is contiguous. Where `cudnn_conv.takes` a problem,
+cuDNN runs it instead (cudnn_conv.py).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import triton.language as tl
 from blutrain import configurator, dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import TL, empty, needs_i64, ptr, run, spec, view
+from blutrain.backend.cuda.kernels import TL, cudnn_conv, empty, empty_like, needs_i64, ptr, run, spec, view
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.backend.cuda.kernels.reduce import reduce
@@ -471,14 +473,15 @@ def _first_channels(a: CudaArray, c: int) -> CudaArray:
 
 
 def conv(x: CudaArray, w: CudaArray, stride, padding, dilation, groups: int, tf32: bool = False) -> CudaArray:
-  """The convolution of x (N, C, *spatial) with w (C_out, C / groups, *kernel), a new contiguous array. With channel
+  """The convolution of x (N, C, *spatial) with w (C_out, C / groups, *kernel), a new array in x's layout. With channel
   counts that `vectorizes`, x and w are read channels-last (copied so unless they are); a few input channels are
-  padded with zeros to such a count (`padded_channels`)."""
-  c = padded_channels(x.dtype, w.shape, groups)
-  if c != w.shape[1] and x.size and w.size: x, w = _pad_channels(x, c), _pad_channels(w, c)
+  padded with zeros to such a count (`padded_channels`). cuDNN runs it instead where `cudnn_conv.takes` it."""
+  if cudnn_conv.takes(x.dtype, groups, tf32, x, w): return cudnn_conv.conv(x, w, stride, padding, dilation)
   out_sp = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding,
                                                                                dilation)]
-  out = empty((x.shape[0], w.shape[0], *out_sp), x.dtype, x.device)
+  out = empty_like(x, shape=(x.shape[0], w.shape[0], *out_sp))
+  c = padded_channels(x.dtype, w.shape, groups)
+  if c != w.shape[1] and x.size and w.size: x, w = _pad_channels(x, c), _pad_channels(w, c)
   if out.size == 0: return out
   if x.size == 0 or w.size == 0: return fill(out, 0)
   if vectorizes(x.dtype, w.shape, groups): x, w = _channels_last(x), _channels_last(w)
@@ -490,13 +493,15 @@ def conv(x: CudaArray, w: CudaArray, stride, padding, dilation, groups: int, tf3
 
 def conv_grad_input(g: CudaArray, w: CudaArray, shape, stride, padding, dilation, groups: int,
                     tf32: bool = False) -> CudaArray:
-  """conv's gradient for an input of `shape`: the transposed convolution of g (N, C_out, *out) with w, a new
-  contiguous array (g and w read channels-last as in `conv`)."""
+  """conv's gradient for an input of `shape`: the transposed convolution of g (N, C_out, *out) with w, a new array
+  in g's layout (g and w read channels-last as in `conv`; or cuDNN's, as there)."""
+  if cudnn_conv.takes(g.dtype, groups, tf32, g, w):
+    return cudnn_conv.conv_grad_input(g, w, shape, stride, padding, dilation)
   c = padded_channels(g.dtype, w.shape, groups)
   if c != w.shape[1] and g.size and w.size:
     dx = conv_grad_input(g, _pad_channels(w, c), (shape[0], c, *shape[2:]), stride, padding, dilation, groups, tf32)
     return _first_channels(dx, shape[1])
-  dx = empty(tuple(shape), g.dtype, g.device)
+  dx = empty_like(g, shape=shape)
   if dx.size == 0: return dx
   if g.size == 0 or w.size == 0: return fill(dx, 0)
   if vectorizes(g.dtype, w.shape, groups): g, w = _channels_last(g), _channels_last(w)
@@ -511,7 +516,9 @@ def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilatio
   """conv's gradient for a weight of `shape`: g (N, C_out, *out) correlated with x, summed over split parts (g and
   x read channels-last as in `conv`; unlike `conv`'s, a few input channels are not padded: the channels-last wgrad's
   column tiles stop at a kernel position, so a padded 7x7 stem reads g 49 times, 3.9 ms against the general kernel's
-  3.5 ms on the H200)."""
+  3.5 ms on the H200; or cuDNN's, as in `conv`)."""
+  if cudnn_conv.takes(g.dtype, groups, tf32, g, x):
+    return cudnn_conv.conv_grad_weight(g, x, shape, stride, padding, dilation)
   dw = empty(tuple(shape), g.dtype, g.device)
   if dw.size == 0: return dw
   if g.size == 0 or x.size == 0: return fill(dw, 0)

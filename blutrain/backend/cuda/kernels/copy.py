@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import empty, view
+from blutrain.backend.cuda.kernels import empty, empty_like, view
 from blutrain.backend.cuda.kernels.elementwise import flat_spec, launch, tiled_spec
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.memory import overlaps
@@ -49,7 +49,13 @@ def cat(*xs: CudaArray, dim: int) -> CudaArray:
   return out
 
 
-KERNELS = {"copy": copy, "cast": cast, "cat": cat}
+def to_dtype(x: CudaArray, dtype: DType) -> CudaArray:
+  """The `cast` op (`Tensor.to(dtype)`): x converted to dtype in x's dense layout (channels-last stays channels-last,
+  as PyTorch's `to` keeps the memory format); `cast` above, for the kernels' own use, is always contiguous."""
+  return launch("copy", empty_like(x, dtype), x)
+
+
+KERNELS = {"copy": copy, "cast": to_dtype, "cat": cat}
 
 _CASTS = (dtypes.bool_, dtypes.uint8, dtypes.int8, dtypes.int16, dtypes.int32, dtypes.int64, dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64)
 SPECS = [flat_spec("copy", b, (a,), (False,), 1 << 16, True, False) for a in _CASTS for b in _CASTS] + [

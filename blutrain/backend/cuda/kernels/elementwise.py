@@ -21,11 +21,11 @@ from triton.language.extra.cuda import libdevice
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.runtime import Stream, current_stream
-from blutrain.backend.cuda.kernels import (MAX_DIMS, broadcast_shape, broadcast_strides, collapse, empty, needs_i64,
-                                           pad, ptr, spec, sqrt_rn, strided, view)
+from blutrain.backend.cuda.kernels import (MAX_DIMS, broadcast_shape, broadcast_strides, collapse, empty, empty_ordered,
+                                           in_memory_order, needs_i64, pad, ptr, spec, sqrt_rn, strided, view)
 from blutrain.configurator import flat_schedule, tile_schedule
 from blutrain.dtypes import DType
-from blutrain.shapes import cdiv, contiguous_strides
+from blutrain.shapes import cdiv, is_dense, memory_order, strides_in_order
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor",
          "sign", "logical_not", "gelu", "gelu_tanh", "copy", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
@@ -472,7 +472,8 @@ def _plan(op: str, *layouts: Layout) -> tuple:
   which is all alignment needs."""
   out, *ins = arrays = [CudaArray(p, shape, strides, dt, 0, None) for shape, strides, dt, p in layouts]
   values = tuple(a.ptr == -1 for a in ins)
-  cshape, (ost, *ists) = collapse(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
+  shape, strides = in_memory_order(out.shape, out.strides, *(broadcast_strides(a, out.shape) for a in ins))
+  cshape, (ost, *ists) = collapse(shape, *strides)
   if len(cshape) > MAX_DIMS: return ()
   i64 = needs_i64(cshape, ost, *ists)
   dts = tuple(a.dtype for a in ins)
@@ -500,29 +501,40 @@ _new_outputs: dict[tuple, tuple] = {}  # (op, output dtype, input layouts) -> (o
 
 
 def elementwise(op: str, out_dtype: DType, *ins: CudaArray | Value) -> CudaArray:
-  """A new contiguous array of the broadcast shape holding op(*ins), on the device of the first array among ins and
-  its current stream. For where, ins is (c, x, y)."""
+  """A new array of the broadcast shape holding op(*ins), on the device of the first array among ins and its current
+  stream, in the dense layout of the first input of that shape (channels-last stays channels-last), else contiguous.
+  For where, ins is (c, x, y)."""
   if op == "where": ins = (ins[1], ins[2], ins[0])  # the kernels read the condition third
   key = (op, out_dtype, *[a.layout_key or a.key() for a in ins])
   hit = _new_outputs.get(key)
   if hit is None:
     if len(_new_outputs) > 4096: _new_outputs.clear()
     hit = _new_outputs[key] = _new_output(*key)
-  shape, plan = hit
+  shape, order, plan = hit
   a = ins[0]
   if a.__class__ is not CudaArray: a = next(x for x in ins if x.__class__ is CudaArray)
   s = current_stream(a.device)
-  out = empty(shape, out_dtype, a.device, s)
+  out = empty(shape, out_dtype, a.device, s) if order is None else empty_ordered(shape, out_dtype, a.device, order, s)
   if plan: _run(plan, out, ins, s)
   elif plan is not None: _launch(op, out, ins, s)
   return out
 
 
+def output_order(shape: tuple[int, ...], layouts) -> tuple[int, ...] | None:
+  """The memory order of a new output of `shape` (`shapes.memory_order`) computed from inputs of the given layouts
+  (shape, strides, ...; None for a host scalar): that of the first dense input of the output's shape (broadcast ones
+  have no order to give), else row-major."""
+  first = next((lay for lay in layouts if lay is not None and tuple(lay[0]) == shape and is_dense(shape, lay[1])), None)
+  return None if first is None else memory_order(shape, first[1])
+
+
 def _new_output(op: str, out_dtype: DType, *layouts: Layout) -> tuple:
-  """(shape, plan) of op writing a new contiguous array (512-byte aligned, as the allocator's blocks); the plan is
-  None when the array is empty, () when the host loops over dims."""
+  """(shape, memory order, plan) of op writing a new array (512-byte aligned, as the allocator's blocks) in the
+  order `output_order` gives; the plan is None when the array is empty, () when the host loops over dims."""
   shape = broadcast_shape(*(shape for shape, _, _, _ in layouts))
-  return shape, None if 0 in shape else _plan(op, (shape, contiguous_strides(shape), out_dtype, 0), *layouts)
+  order = output_order(shape, [lay if lay[3] != -1 else None for lay in layouts])
+  strides = strides_in_order(shape, order)
+  return shape, order, None if 0 in shape else _plan(op, (shape, strides, out_dtype, 0), *layouts)
 
 
 def _op(op: str, arg: int = 0):

@@ -31,7 +31,7 @@ from blutrain import dtypes
 from blutrain.backend.cuda import errors
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (HALF, MAX_DIMS, broadcast_shape, broadcast_strides, collapse, empty,
-                                           needs_i64, pad, ptr, run, spec, strided, view)
+                                           empty_like, needs_i64, pad, ptr, run, spec, strided, view)
 from blutrain.backend.cuda.kernels.copy import cast, copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.backend.cuda.kernels.elementwise import launch
@@ -273,7 +273,8 @@ def embedding_backward(g: CudaArray, idx: CudaArray, num: int) -> CudaArray:
 
 
 def gather(x: CudaArray, index: CudaArray, dim: int) -> CudaArray:
-  out = empty(index.shape, x.dtype, x.device)
+  """x's values at index along dim, a new array in index's dense layout."""
+  out = empty_like(index, x.dtype)
   tst = tuple(0 if d == dim else s for d, s in enumerate(x.strides))
   _launch_index("gather", "get", x, out, out.shape, out.strides, tst, [(index, index.strides)], [x.strides[dim]],
                 [x.shape[dim]])

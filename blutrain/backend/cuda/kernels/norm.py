@@ -21,10 +21,9 @@ from blutrain import dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (TL, aligned, axis_args, axis_offsets, axis_params, collapse, divisible, empty,
-                                           max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided, view)
+                                           empty_like, max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
-from blutrain.backend.cuda.memory import is_dense
 from blutrain.configurator import H200, norm_backward_rows, reduce_schedule, row_schedule, split_rule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, contiguous_strides
@@ -597,17 +596,6 @@ def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size
 FINALIZE_BLOCK_C = 128  # channels per program of the finalize kernel (a loop over the splits, one vector each)
 
 
-def _dense_like(x: CudaArray, dtype: DType) -> CudaArray:
-  """A new array of x's shape in x's dense layout (channels-last stays channels-last), contiguous when x is not
-  dense."""
-  if x.is_contiguous() or not is_dense(x): return empty(x.shape, dtype, x.device)
-  order = sorted(range(x.ndim), key=lambda d: -x.strides[d])
-  buf = empty(tuple(x.shape[d] for d in order), dtype, x.device)
-  strides = [0] * x.ndim
-  for i, d in enumerate(order): strides[d] = buf.strides[i]
-  return view(buf, x.shape, strides)
-
-
 def _channel_problem(shape, *strides):
   """Arrays of one shape (N, C, *) (x's strides first) as one (C, R) problem: the reduced dims (all but 1, by x's
   falling strides) collapsed for all of them, as (R's shape, each array's strides along R, each array's channel
@@ -739,7 +727,7 @@ def batch_norm(x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | Non
                training: bool) -> CudaArray:
   """(x - mean) / sqrt(var + eps) * w + b per channel of x (N, C, *), a new array in x's dense layout."""
   (x,) = _few_dims(x)
-  out = _dense_like(x, x.dtype)
+  out = empty_like(x)
   if out.size == 0: return out
   mean, var, w, b = _contiguous(mean, var, w, b)
   _channel_apply("forward", out, x, None, mean, var, w, b, None, eps)
@@ -757,7 +745,7 @@ def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaAr
   mean, var, w = _contiguous(mean, var, w)
   dw = empty((x.shape[1],), acc, x.device) if weight_grad else None
   db = empty((x.shape[1],), acc, x.device) if bias_grad else None
-  dx = _dense_like(x, x.dtype) if input_grad else None
+  dx = empty_like(x) if input_grad else None
   if x.size == 0:
     for p in (dw, db):
       if p is not None: fill(p, 0)
