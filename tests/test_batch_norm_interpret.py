@@ -1,7 +1,7 @@
 """The CUDA batch-norm kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since
 it must be set before Triton is imported) runs the statistics, forward and backward kernels, launched as
 `norm.reduce_plan` and `norm.apply_plan` say, on torch CPU tensors (test-only) in NCHW, channels-last and strided
-layouts, against the CPU backend's float64 kernels."""
+layouts, against the CPU backend's float64 kernels; and the finalize kernel alone over many splits."""
 import numpy as np
 
 from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
@@ -96,9 +96,34 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> 
   close("dx", dx, want_dx, tol if dtype != "fp32" else 1e-4)  # dx subtracts nearly equal terms
 
 
+def _run_finalize(S: int, C: int, grad: bool) -> None:
+  """The finalize kernel alone on S splits' partials (more than a step of its tile, the last split short): Welford
+  merges of (mean, M2) against the merge in float64, or plain sums with `grad`."""
+  import torch
+  from blutrain import dtypes
+  from blutrain.backend.cuda.kernels import norm as K
+  from blutrain.shapes import cdiv
+  rng = np.random.default_rng(S + C)
+  chunk, R = 100, 100 * (S - 1) + 37
+  n = np.minimum(chunk, R - np.arange(S) * chunk).astype(np.float64)[:, None]
+  p0, p1 = rng.standard_normal((S, C)) + 3, rng.uniform(0.5, 2, (S, C)) * n
+  part = torch.tensor(np.stack([p0, p1]), dtype=torch.float32)
+  out0, out1, sums = torch.empty(C), torch.empty(C), torch.empty((2, C))
+  f = K.batch_norm_finalize_spec(grad, dtypes.float32, dtypes.float32, dtypes.float32)
+  f[0][(cdiv(C, K.FINALIZE_BLOCK_C),)](out0, out1, sums, part[0], part[1], C, R, S, chunk, **f.constexprs)
+  p0, p1 = part[0].double().numpy(), part[1].double().numpy()
+  if grad: want = (p0.sum(0), p1.sum(0))
+  else:
+    mean = (n * p0).sum(0) / R
+    want = (mean, (p1.sum(0) + (n * (p0 - mean) ** 2).sum(0)) / R)
+  for got, w in zip((out0, out1), want):
+    assert np.allclose(got.double().numpy(), w, rtol=1e-5, atol=1e-6), (S, C, grad)
+
+
 def main() -> None:
   patch_interpreter_loop_bounds()
   for case in CASES: _run_case(*case)
+  for S, C, grad in ((70, 70, False), (70, 70, True), (1, 3, False)): _run_finalize(S, C, grad)
   print("ok")
 
 

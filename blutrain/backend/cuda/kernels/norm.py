@@ -498,9 +498,15 @@ def _batch_norm_reduce_kernel(part0, part1, x, g, mean, var, C, R, chunk, eps, r
       sg += gv
     a = tl.sum(sgx, axis=1) * invstd
     b = tl.sum(sg, axis=1)
-  else:  # per-lane Welford, as _row_moments, the lanes merged once at the end
-    lane_mean = tl.zeros([BLOCK_C, BLOCK_R], ACC)
-    lane_m2 = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+  else:  # per lane, sums of x - k and their squares, with k the chunk's first value of the channel (near the mean,
+    # so the squares' sum loses little to cancellation; 3 operations an element where Welford's update has a division);
+    # each lane's (mean, M2) then merged by Welford's rule, once
+    first = tl.zeros([1], tl.int32) + start
+    k = tl.load(x + _channel_offsets(cs, first, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0,
+                                     x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, False),
+                mask=c_mask[:, None], other=0).to(ACC)
+    s1 = tl.zeros([BLOCK_C, BLOCK_R], ACC)
+    s2 = tl.zeros([BLOCK_C, BLOCK_R], ACC)
     lane_n = tl.zeros([BLOCK_C, BLOCK_R], ACC)
     for r0 in range(start, end, BLOCK_R):
       rs = r0 + tl.arange(0, BLOCK_R)
@@ -508,36 +514,42 @@ def _batch_norm_reduce_kernel(part0, part1, x, g, mean, var, C, R, chunk, eps, r
       v = tl.load(x + _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0,
                                        x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT),
                   mask=mask, other=0).to(ACC)
-      n = lane_n + tl.where(mask, 1.0, 0.0)
-      d = tl.where(mask, v - lane_mean, 0.0)
-      lane_mean += d / tl.maximum(n, 1.0)
-      lane_m2 += d * tl.where(mask, v - lane_mean, 0.0)
-      lane_n = n
-    a, b, _ = tl.reduce((lane_mean, lane_m2, lane_n), 1, _welford_combine)
+      d = tl.where(mask, v - k, 0.0)
+      s1 += d
+      s2 += d * d
+      lane_n += tl.where(mask, 1.0, 0.0)
+    inv = 1.0 / tl.maximum(lane_n, 1.0)
+    lane_m2 = tl.maximum(s2 - s1 * s1 * inv, 0.0)
+    a, b, _ = tl.reduce((k + s1 * inv, lane_m2, lane_n), 1, _welford_combine)
   tl.store(part0 + pid_s * C + cs, a, mask=c_mask)
   tl.store(part1 + pid_s * C + cs, b, mask=c_mask)
 
 
 @triton.jit
 def _batch_norm_finalize_kernel(out0, out1, sums, part0, part1, C, R, S, chunk, GRAD: tl.constexpr,
-                                HAS0: tl.constexpr, HAS1: tl.constexpr, BLOCK_C: tl.constexpr):
+                                HAS0: tl.constexpr, HAS1: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
   """The S splits' partial results per channel merged: the mean and the biased variance into out0 and out1, or with
   GRAD the sums of g xhat and of g into sums[0] and sums[1] (the dx kernel reads them) and out0 (dweight) and out1
-  (dbias) in their dtypes, each when HAS0 / HAS1."""
+  (dbias) in their dtypes, each when HAS0 / HAS1. BLOCK_S splits at a time in lanes of their own, merged at the end
+  (a channels-last reduction has hundreds of splits: one at a time, the loop's loads were the kernel's time)."""
   cs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
   c_mask = cs < C
-  a = tl.zeros([BLOCK_C], part0.dtype.element_ty)
-  b = tl.zeros([BLOCK_C], part0.dtype.element_ty)
-  cnt = tl.zeros([BLOCK_C], part0.dtype.element_ty)
-  for s in range(0, S):
-    p0 = tl.load(part0 + s * C + cs, mask=c_mask, other=0)
-    p1 = tl.load(part1 + s * C + cs, mask=c_mask, other=0)
+  a = tl.zeros([BLOCK_S, BLOCK_C], part0.dtype.element_ty)
+  b = tl.zeros([BLOCK_S, BLOCK_C], part0.dtype.element_ty)
+  cnt = tl.zeros([BLOCK_S, BLOCK_C], part0.dtype.element_ty)
+  for s0 in range(0, S, BLOCK_S):
+    ss = s0 + tl.arange(0, BLOCK_S)
+    mask = (ss < S)[:, None] & c_mask[None, :]
+    p0 = tl.load(part0 + ss[:, None] * C + cs[None, :], mask=mask, other=0)
+    p1 = tl.load(part1 + ss[:, None] * C + cs[None, :], mask=mask, other=0)
     if GRAD:
       a += p0
       b += p1
     else:
-      a, b, cnt = _welford_combine(a, b, cnt, p0, p1, cnt * 0 + tl.minimum(chunk, R - s * chunk))
+      n = tl.where(mask, tl.minimum(chunk, R - ss * chunk)[:, None].to(cnt.dtype), 0.0)
+      a, b, cnt = _welford_combine(a, b, cnt, p0, p1, n)
   if GRAD:
+    a, b = tl.sum(a, 0), tl.sum(b, 0)
     tl.store(sums + cs, a, mask=c_mask)
     tl.store(sums + C + cs, b, mask=c_mask)
     if HAS0:
@@ -545,6 +557,7 @@ def _batch_norm_finalize_kernel(out0, out1, sums, part0, part1, C, R, S, chunk, 
     if HAS1:
       tl.store(out1 + cs, b.to(out1.dtype.element_ty), mask=c_mask)
   else:
+    a, b, _ = tl.reduce((a, b, cnt), 0, _welford_combine)
     tl.store(out0 + cs, a.to(out0.dtype.element_ty), mask=c_mask)
     tl.store(out1 + cs, (b / R).to(out1.dtype.element_ty), mask=c_mask)
 
@@ -593,7 +606,7 @@ def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size
            y.to(out.dtype.element_ty), mask=mask)
 
 
-FINALIZE_BLOCK_C = 128  # channels per program of the finalize kernel (a loop over the splits, one vector each)
+FINALIZE_BLOCK_C, FINALIZE_BLOCK_S = 64, 32  # the finalize kernel's tile: channels per program, splits per step
 
 
 def _channel_problem(shape, *strides):
@@ -634,7 +647,7 @@ def batch_norm_finalize_spec(grad: bool, acc: DType, out0: DType | None, out1: D
   sig = {"out0": ptr(out0 or acc), "out1": ptr(out1 or acc), "sums": ptr(acc), "part0": ptr(acc), "part1": ptr(acc),
          "C": "i32", "R": "i64", "S": "i32", "chunk": "i64"}
   return spec(_batch_norm_finalize_kernel, sig, dict(GRAD=grad, HAS0=out0 is not None, HAS1=out1 is not None,
-                                                     BLOCK_C=FINALIZE_BLOCK_C), num_warps=4)
+                                                     BLOCK_C=FINALIZE_BLOCK_C, BLOCK_S=FINALIZE_BLOCK_S), num_warps=4)
 
 
 @functools.lru_cache(maxsize=4096)
