@@ -609,6 +609,7 @@ def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size
 FINALIZE_BLOCK_C, FINALIZE_BLOCK_S = 64, 32  # the finalize kernel's tile: channels per program, splits per step
 
 
+@functools.lru_cache(maxsize=4096)  # asked three times per batch-norm op (its layouts' dims, the reduction, the apply)
 def _channel_problem(shape, *strides):
   """Arrays of one shape (N, C, *) (x's strides first) as one (C, R) problem: the reduced dims (all but 1, by x's
   falling strides) collapsed for all of them, as (R's shape, each array's strides along R, each array's channel
