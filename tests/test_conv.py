@@ -1,12 +1,8 @@
 """The convolution primitives (`conv`, `conv_grad_input`, `conv_grad_weight` in ops/nn.py) against PyTorch CPU:
 N-d geometry (stride, padding, dilation, groups) on channels-last and transposed views, the gradient primitives'
 own VJPs against finite differences, bad
-shapes and dtypes raising RuntimeError with the op and shapes named, autocast lowering, the `bt.backends.conv` switch and the cuDNN engine's layout rules; the layers in
+shapes and dtypes raising RuntimeError with the op and shapes named, autocast lowering and the cuDNN engine's layout rules; the layers in
 test_nn_spatial.py cover F.conv*/nn.Conv* on top, and tests/cuda/test_conv.py the CUDA kernels."""
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -100,23 +96,7 @@ def test_autocast_runs_conv_and_conv_transpose_in_bfloat16():
   assert bx.grad.dtype is bt.float32 and bw.grad.dtype is bt.float32
 
 
-# *** the engine switch (cuDNN itself runs in tests/cuda/test_conv.py) ***
-
-def test_backends_conv_switch():
-  assert bt.backends.conv in bt.backends.CONV
-  before = bt.backends.conv
-  try:
-    bt.backends.conv = "triton"
-    assert bt.backends.conv == "triton"
-    with pytest.raises(ValueError, match="bt.backends.conv: expected one of 'cudnn', 'triton'"):
-      bt.backends.conv = "winograd"
-  finally:
-    bt.backends.conv = before
-  env = dict(os.environ, BLUTRAIN_CONV="triton")
-  out = subprocess.run([sys.executable, "-c", "import blutrain as bt; print(bt.backends.conv)"], env=env,
-                       capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == "triton"
-
+# *** the cuDNN engine's host rules (cuDNN itself runs in tests/cuda/test_conv.py; its switch in test_gemm_synthesis.py) ***
 
 def test_cudnn_layout_rules():
   from blutrain.backend.cuda.kernels import cudnn_conv

@@ -1,8 +1,8 @@
 """Synthesized GEMMs (kernels/gemm/) on the CPU (no GPU: fake device addresses, nothing launched): the generated
 Triton source of each structure, its dump, the structure and arguments the host plans for each layout (persistent TMA vs pointer
 kernels, split-K, the TF32 K-major copy and swapped orientation, batch folding, host loops, int64 offsets, K = 0),
-the variants CI compiles, and the `bt.backends.matmul` switch. The kernels themselves run in tests/cuda/test_gemm.py;
-every variant compiles for sm_90 in tests/test_cuda_kernels_compile.py."""
+the variants CI compiles, and the `bt.backends.matmul` and `bt.backends.conv` switches. The kernels themselves run in
+tests/cuda/test_gemm.py; every variant compiles for sm_90 in tests/test_cuda_kernels_compile.py."""
 import importlib
 import os
 import subprocess
@@ -160,17 +160,20 @@ def test_ci_variants_cover_every_structure():
 
 # *** the switch ***
 
-def test_backends_matmul_switch():
-  assert bt.backends.matmul in bt.backends.MATMUL
-  before = bt.backends.matmul
+@pytest.mark.parametrize("name, bad", [("matmul", "magma"), ("conv", "winograd")])
+def test_backends_switches(name, bad):
+  """`bt.backends.matmul` and `bt.backends.conv` take their choices only, and their environment variables set them."""
+  choices = getattr(bt.backends, name.upper())
+  assert getattr(bt.backends, name) in choices
+  before = getattr(bt.backends, name)
   try:
-    bt.backends.matmul = "triton"
-    assert bt.backends.matmul == "triton"
-    with pytest.raises(ValueError, match="expected one of 'cublas', 'triton'"):
-      bt.backends.matmul = "magma"
+    setattr(bt.backends, name, "triton")
+    assert getattr(bt.backends, name) == "triton"
+    with pytest.raises(ValueError, match=f"bt.backends.{name}: expected one of {', '.join(map(repr, choices))}"):
+      setattr(bt.backends, name, bad)
   finally:
-    bt.backends.matmul = before
-  env = dict(os.environ, BLUTRAIN_MATMUL="triton")
-  out = subprocess.run([sys.executable, "-c", "import blutrain as bt; print(bt.backends.matmul)"], env=env,
+    setattr(bt.backends, name, before)
+  env = dict(os.environ, **{f"BLUTRAIN_{name.upper()}": "triton"})
+  out = subprocess.run([sys.executable, "-c", f"import blutrain as bt; print(bt.backends.{name})"], env=env,
                        capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "triton"
