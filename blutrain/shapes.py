@@ -34,11 +34,12 @@ def is_contiguous(shape: Shape, strides: Shape) -> bool:
   return math.prod(shape) == 0 or all(st == cs for n, st, cs in zip(shape, strides, contiguous_strides(shape)) if n != 1)
 
 
-def memory_order(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
+@functools.lru_cache(maxsize=4096)  # asked for each new array an op makes on the GPU
+def memory_order(shape: Shape, strides: Shape) -> tuple[int, ...] | None:
   """The dims of a dense layout from outermost to innermost in memory (channels-last (N, C, H, W): (0, 2, 3, 1)), or
   None when the layout is contiguous or not dense (gaps, overlaps, broadcasts): the order a new array takes to follow
   its input, as PyTorch's outputs keep their inputs' memory format."""
-  if is_contiguous(tuple(shape), tuple(strides)) or not is_dense(shape, strides): return None
+  if is_contiguous(shape, strides) or not is_dense(shape, strides): return None
   return tuple(sorted(range(len(shape)), key=lambda d: -strides[d]))  # stable: size-1 dims keep their place
 
 

@@ -137,7 +137,7 @@ def in_memory_order(shape, out_strides, *strides) -> tuple[tuple[int, ...], list
   """shape and every operand's strides with the dims permuted into the memory order of a dense output (`out_strides`,
   `shapes.memory_order`; unchanged when it is contiguous or not dense): a channels-last output then collapses as a
   contiguous one does, and a kernel walking its flat index in row-major order writes it in memory order."""
-  order = memory_order(shape, out_strides)
+  order = memory_order(tuple(shape), tuple(out_strides))
   if order is None: return tuple(shape), [tuple(out_strides), *map(tuple, strides)]
   return tuple(shape[d] for d in order), [tuple(st[d] for d in order) for st in (out_strides, *strides)]
 
