@@ -278,3 +278,14 @@ def test_small_cnn_matches_torch_and_compiled_equals_eager(tmp_path, monkeypatch
   for (name, p), q in zip(m1.state_dict().items(), m2.state_dict().values()):
     np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
   assert int(m2.bn1.num_batches_tracked.item()) == 4
+
+
+def test_max_pool2d_values_and_gradient_vjps_against_finite_differences():
+  """`max_pool2d_values` and `max_pool2d_backward` are each the other's VJP (so max pooling has a double backward):
+  both against finite differences, at fixed indices of overlapping, dilated windows."""
+  from blutrain.ops import nn as onn
+  geom = dict(kernel=(3, 2), stride=(2, 1), padding=(1, 1), dilation=(1, 2))
+  x = bt.tensor(np.random.default_rng(3).standard_normal((2, 3, 7, 8)))
+  idx = onn.max_pool2d_indices(x, out_size=(4, 8), **geom)
+  check_vjp(lambda x: onn.max_pool2d_values(x, idx, **geom), [(2, 3, 7, 8)])
+  check_vjp(lambda g: onn.max_pool2d_backward_op(g, idx, size=(7, 8), **geom), [(2, 3, 4, 8)])

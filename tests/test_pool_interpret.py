@@ -1,4 +1,4 @@
-"""The CUDA window search of max_pool2d (`max_pool2d_indices`) without a GPU: Triton's interpreter (TRITON_INTERPRET=1,
+"""The CUDA kernels of max_pool2d (`max_pool2d_indices`, `max_pool2d_values`, `max_pool2d_backward`) without a GPU: Triton's interpreter (TRITON_INTERPRET=1,
 in a subprocess, since it must be set before Triton is imported) runs the kernel as its host wrapper launches it, on
 torch CPU tensors (test-only), against the CPU backend's kernel and PyTorch's own indices: padding, dilation, strides,
 ceil_mode windows, channels-last input (written channels-last), ties, NaNs, integers."""
@@ -38,6 +38,23 @@ def _run_case(shape, kernel, stride, padding, dilation, ceil_mode, dtype: str, c
   case = (shape, kernel, stride, padding, dilation, ceil_mode, dtype, channels_last)
   assert np.array_equal(out.numpy(), want.numpy()), f"kernel against PyTorch: {case}"
   assert np.array_equal(host, want.numpy()), f"CPU kernel against PyTorch: {case}"
+  like = lambda t: t.contiguous(memory_format=torch.channels_last) if channels_last else t  # the kernels' layout
+  n, dt = out.numel(), getattr(dtypes, dtype)
+  values = like(torch.empty(want.shape, dtype=x.dtype))
+  v = pool.max_pool2d_values_spec(dt, n, False, channels_last)
+  v[0][(cdiv(n, v.constexprs["BLOCK"]),)](values, x, out, n, *out.shape[1:], shape[3], *x.stride(), **v.constexprs)
+  assert np.array_equal(values.double().numpy(), want_y.numpy(), equal_nan=True), f"values: {case}"
+  if dtype == "int64": return
+  g = like(torch.tensor(rng.standard_normal(want.shape)).to(x.dtype))
+  xr = x.double().requires_grad_()
+  torch.nn.functional.max_pool2d(xr, kernel, stride, padding, dilation, ceil_mode).backward(g.double())
+  dx = like(torch.empty(shape, dtype=x.dtype))
+  b = pool.max_pool2d_backward_spec(dt, dx.numel(), False, channels_last)
+  b[0][(cdiv(dx.numel(), b.constexprs["BLOCK"]),)](dx, g, out, dx.numel(), shape[1], *shape[2:], *out_size, *kernel,
+                                                   *stride, *padding, *dilation, *g.stride(), *out.stride(),
+                                                   **b.constexprs)
+  tol = 2e-3 if dtype == "float16" else 1e-6  # sums of up to 4 windows' gradients, rounded once
+  assert np.allclose(dx.double().numpy(), xr.grad.numpy(), rtol=tol, atol=tol), f"gradient: {case}"
 
 
 def main() -> None:

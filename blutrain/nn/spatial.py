@@ -216,10 +216,9 @@ def _max_pool(fn: str, nd: int, input: Tensor, kernel_size, stride, padding, dil
   x, unbatched = _batched(fn, input, nd)
   kernel, stride, padding, dilation, out, pads = _pool_geometry(fn, x, kernel_size, stride, padding, dilation,
                                                                  ceil_mode, nd)
-  if nd == 2:  # one kernel finds each window's maximum; the values are gathered there, the gradient scattered back
+  if nd == 2:  # one kernel finds each window's maximum, one reads the values there; the gradient sums back to them
     idx = ops.nn.max_pool2d_indices(x, kernel, stride, padding, dilation, out)
-    n, c = x.shape[:2]
-    y = x.reshape(n, c, -1).gather(2, idx.reshape(n, c, -1)).reshape(idx.shape)
+    y = ops.nn.max_pool2d_values(x, idx, kernel, stride, padding, dilation)
     if unbatched: y, idx = y.squeeze(0), idx.squeeze(0)
     return (y, idx) if return_indices else y
   lowest = -math.inf if x.dtype.is_floating_point else int(np.iinfo(x.dtype.np).min)

@@ -1148,6 +1148,33 @@ class MaxPool2dIndicesOp(NNOp):
 
 
 @irdl_op_definition
+class MaxPool2dValuesOp(NNOp):
+  """x (N, C, H, W) at the flat positions idx (N, C, OH, OW) in H * W that `max_pool2d_indices` found for windows of
+  this geometry."""
+  name = "nova.max_pool2d_values"
+  x = operand_def(TENSOR)
+  idx = operand_def(TENSOR)
+  kernel = prop_def(INTS)
+  stride = prop_def(INTS)
+  padding = prop_def(INTS)
+  dilation = prop_def(INTS)
+
+
+@irdl_op_definition
+class MaxPool2dBackwardOp(NNOp):
+  """The gradient of `max_pool2d_values` for an input of `size` (H, W): g summed at each position over the windows
+  whose maximum it is."""
+  name = "nova.max_pool2d_backward"
+  g = operand_def(TENSOR)
+  idx = operand_def(TENSOR)
+  size = prop_def(INTS)
+  kernel = prop_def(INTS)
+  stride = prop_def(INTS)
+  padding = prop_def(INTS)
+  dilation = prop_def(INTS)
+
+
+@irdl_op_definition
 class GatherOp(NNOp):
   """x read at `index` along `dim`."""
   name = "nova.gather"
@@ -1560,7 +1587,8 @@ Nova = Dialect("nova", [
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
   CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormOp,
-  BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, GatherOp, EmbeddingOp,
+  BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, MaxPool2dValuesOp,
+  MaxPool2dBackwardOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
   LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp,

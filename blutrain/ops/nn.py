@@ -449,6 +449,41 @@ def max_pool2d_indices(x: Tensor, kernel, stride, padding, dilation, out_size) -
                                dilation=tuple(dilation), out_size=tuple(out_size))
 
 
+_POOL = "kernel:ints stride:ints padding:ints dilation:ints"
+
+
+def _max_pool2d_values_rule(x, idx, kernel, stride, padding, dilation):
+  if x.ndim != 4 or idx.ndim != 4 or tuple(idx.shape[:2]) != tuple(x.shape[:2]) or idx.dtype is not dtypes.int64:
+    raise ShapeError(f"max_pool2d_values: expected an input (N, C, H, W) and int64 indices (N, C, OH, OW), got "
+                     f"{x.shape} and {idx.shape} {idx.dtype.name}")
+  return idx.shape, x.dtype
+
+
+def _max_pool2d_backward_rule(g, idx, size, kernel, stride, padding, dilation):
+  if g.shape != idx.shape or len(size) != 2:
+    raise ShapeError(f"max_pool2d_backward: expected a gradient of the indices' shape {idx.shape} and a 2-d input "
+                     f"size, got {g.shape} and {size}")
+  return (*g.shape[:2], *size), g.dtype
+
+
+# max_pool2d's values (x at the window search's indices) and its gradient, each the other's VJP: the gradient sums,
+# at each input position, g of the windows whose maximum it is (no atomics, no zero-filled buffer to scatter into)
+max_pool2d_values_op = op("max_pool2d_values", _max_pool2d_values_rule,
+                          lambda g, out, x, idx, kernel, stride, padding, dilation: (max_pool2d_backward_op(
+                            g, idx, size=tuple(x.shape[2:]), kernel=kernel, stride=stride, padding=padding,
+                            dilation=dilation), None), saves=(1,), inputs="x idx", attrs=_POOL)
+max_pool2d_backward_op = op("max_pool2d_backward", _max_pool2d_backward_rule,
+                            lambda gg, out, g, idx, size, kernel, stride, padding, dilation: (max_pool2d_values_op(
+                              gg, idx, kernel=kernel, stride=stride, padding=padding, dilation=dilation), None),
+                            saves=(1,), inputs="g idx", attrs="size:ints " + _POOL)
+
+
+def max_pool2d_values(x: Tensor, idx: Tensor, kernel, stride, padding, dilation) -> Tensor:
+  """x (N, C, H, W) at `max_pool2d_indices`' positions idx, for windows of that geometry (which its gradient needs)."""
+  return max_pool2d_values_op(x, idx, kernel=tuple(kernel), stride=tuple(stride), padding=tuple(padding),
+                              dilation=tuple(dilation))
+
+
 def conv_transpose(x: Tensor, weight: Tensor, shape, stride, padding, dilation, groups: int = 1) -> Tensor:
   """The transposed convolution of x (N, C_in, *spatial) with weight (C_in, C_out / groups, *kernel) to an output
   of size `shape`: conv's gradient with respect to its input."""

@@ -1,6 +1,6 @@
-"""max_pool2d on the GPU (the window search kernel, backend/cuda/kernels/pool.py, and the gather around it) against
-the CPU backend: values, indices and the input gradient, float32 and bf16, NCHW and channels-last, with ties and
-NaNs."""
+"""max_pool2d on the GPU (the window search, the values' read and the gradient's sums, backend/cuda/kernels/pool.py)
+against the CPU backend: values, indices and the input gradient for a random output gradient, float32 and bf16, NCHW
+and channels-last, overlapping and dilated windows, with ties and NaNs."""
 import numpy as np
 import pytest
 
@@ -13,7 +13,8 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("kw", [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=(3, 2), stride=(2, 1),
-                                                                               padding=(1, 0), ceil_mode=True)])
+                                                                               padding=(1, 0), ceil_mode=True),
+                                dict(kernel_size=2, stride=1, dilation=2)])
 def test_max_pool2d_matches_the_cpu(dtype, channels_last, kw):
   rng = np.random.default_rng(0)
   a = rng.standard_normal((4, 16, 17, 15)).round(1)  # ties
@@ -24,6 +25,10 @@ def test_max_pool2d_matches_the_cpu(dtype, channels_last, kw):
     if channels_last: x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     x.requires_grad_()
     y, idx = F.max_pool2d(x, return_indices=True, **kw)
-    y.float().sum().backward()
+    g = np.random.default_rng(1).standard_normal(tuple(y.shape)).round(2)
+    (y.float() * bt.tensor(g, device=device).float()).sum().backward()
     results.append([t.detach().float().cpu().numpy() for t in (y, idx, x.grad)])
-  for got, want in zip(*results[::-1]): np.testing.assert_array_equal(got, want)
+  (y, idx, dx), (y_cpu, idx_cpu, dx_cpu) = results[::-1]
+  np.testing.assert_array_equal(y, y_cpu)
+  np.testing.assert_array_equal(idx, idx_cpu)
+  np.testing.assert_allclose(dx, dx_cpu, rtol=1e-6, atol=1e-6)  # sums of overlapping windows: float32 vs float64

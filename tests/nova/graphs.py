@@ -220,8 +220,10 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   outs += [b("gru_cell", gates3, b("slice", pos, index=((0, 3, 1), (1, 4, 1))), cell),
            b("gru_cell_backward", cell, gates3, gates3, cell)]
   image = b("view", x, shape=(1, 1, 3, 4))
-  outs += [b("max_pool2d_indices", image, kernel=(2, 2), stride=(1, 2), padding=(1, 0), dilation=(1, 1),
-             out_size=(4, 2))]
+  pool = dict(kernel=(2, 2), stride=(1, 2), padding=(1, 0), dilation=(1, 1))
+  idx = b("max_pool2d_indices", image, out_size=(4, 2), **pool)
+  pooled = b("max_pool2d_values", image, idx, **pool)
+  outs += [idx, pooled, b("max_pool2d_backward", pooled, idx, size=(3, 4), **pool)]
   mean, var = b("batch_norm_stats", x)  # x as (N, C) = (3, 4)
   outs += [mean, var, b("batch_norm", x, mean, var, w, bias, eps=1e-5, training=True),
            b("batch_norm", x, y, b("exp", y), None, bias, eps=1e-3, training=False),

@@ -307,6 +307,20 @@ def _max_pool2d_indices(x, kernel, stride, padding, dilation, out_size):
   return np.ascontiguousarray(idx, dtype=np.int64)
 
 
+def _max_pool2d_values(x, idx, **geometry):
+  N, C = x.shape[:2]
+  return np.take_along_axis(x.reshape(N, C, -1), idx.reshape(N, C, -1), 2).reshape(idx.shape)
+
+
+def _max_pool2d_backward(g, idx, size, **geometry):
+  """g summed at each input position over the windows whose maximum it is."""
+  N, C = g.shape[:2]
+  dx = np.zeros((N, C, size[0] * size[1]), np.float64)
+  n, c = np.indices((N, C))
+  np.add.at(dx, (n[:, :, None], c[:, :, None], idx.reshape(N, C, -1)), g.reshape(N, C, -1))
+  return dx.reshape(N, C, *size)
+
+
 def _lstm_cell(gi, gh, c):
   i, f, g, o = _lstm_gates(gi, gh)
   c2 = f * c + i * g
@@ -605,7 +619,8 @@ kernels = {
   "argmax": lambda x, dim, keepdim: np.argmax(x, axis=dim, keepdims=keepdim),
   "argmin": lambda x, dim, keepdim: np.argmin(x, axis=dim, keepdims=keepdim),
   "cumsum": _cumsum, "cumprod": lambda x, dim: np.cumprod(x, dim), "argsort": _argsort,
-  "max_pool2d_indices": _max_pool2d_indices,
+  "max_pool2d_indices": _max_pool2d_indices, "max_pool2d_values": _max_pool2d_values,
+  "max_pool2d_backward": _max_pool2d_backward,
   # movement and indexing
   "slice_backward": _slice_backward, "cat": lambda *xs, dim: np.concatenate(xs, axis=dim),
   "index": lambda x, *idx, positions: x[_key(x, idx, positions)], "index_backward": _index_backward,
