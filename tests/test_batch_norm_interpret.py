@@ -1,7 +1,8 @@
 """The CUDA batch-norm kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since
 it must be set before Triton is imported) runs the statistics, forward and backward kernels, launched as
 `norm.reduce_plan` and `norm.apply_plan` say, on torch CPU tensors (test-only) in NCHW, channels-last and strided
-layouts, against the CPU backend's float64 kernels; and the finalize kernel alone over many splits."""
+layouts, against the CPU backend's float64 kernels; the finalize kernel alone over many splits; the running
+statistics' update against PyTorch's."""
 import numpy as np
 
 from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
@@ -120,10 +121,30 @@ def _run_finalize(S: int, C: int, grad: bool) -> None:
     assert np.allclose(got.double().numpy(), w, rtol=1e-5, atol=1e-6), (S, C, grad)
 
 
+def _run_running_stats() -> None:
+  """The running statistics' update in place (out = the running statistics) against PyTorch's BatchNorm2d's."""
+  import torch
+  from blutrain import dtypes
+  from blutrain.backend.cuda.kernels import norm as K
+  from blutrain.shapes import cdiv
+  x = torch.tensor(np.random.default_rng(5).standard_normal((6, 1500, 2, 2)), dtype=torch.float32) * 3 + 1
+  bn = torch.nn.BatchNorm2d(1500, momentum=0.3)
+  bn.running_mean.uniform_(-1, 1)
+  bn.running_var.uniform_(0.5, 2)
+  rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+  bn.train()(x)
+  mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+  s = K.batch_norm_running_stats_spec(dtypes.float32, dtypes.float32)
+  s[0][(cdiv(1500, K.RUNNING_BLOCK),)](rm, rv, rm, rv, mean, var, 1500, 0.3, 24 / 23, 1, 1, 1, 1, 1, 1,
+                                        **s.constexprs)
+  assert torch.allclose(rm, bn.running_mean, rtol=1e-6, atol=1e-6) and torch.allclose(rv, bn.running_var, rtol=1e-6)
+
+
 def main() -> None:
   patch_interpreter_loop_bounds()
   for case in CASES: _run_case(*case)
   for S, C, grad in ((70, 70, False), (70, 70, True), (1, 3, False)): _run_finalize(S, C, grad)
+  _run_running_stats()
   print("ok")
 
 

@@ -332,9 +332,11 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     mean, var = ops.nn.batch_norm_stats(input)
     if running_mean is not None and running_var is not None:
       with ops.no_grad():
-        m = momentum.to(running_mean.dtype) if isinstance(momentum, Tensor) else momentum
-        running_mean.mul_(1 - m).add_(mean.to(running_mean.dtype) * m)
-        running_var.mul_(1 - m).add_(var.to(running_var.dtype) * (m * count / (count - 1)))
+        if isinstance(momentum, Tensor):  # a cumulative average: the factor is a tensor
+          m = momentum.to(running_mean.dtype)
+          running_mean.mul_(1 - m).add_(mean.to(running_mean.dtype) * m)
+          running_var.mul_(1 - m).add_(var.to(running_var.dtype) * (m * count / (count - 1)))
+        else: ops.nn.batch_norm_running_stats_(running_mean, running_var, mean, var, momentum, count)
   else:
     if running_mean is None or running_var is None:
       raise RuntimeError("batch_norm: running_mean and running_var must be given when training=False")

@@ -1070,6 +1070,25 @@ class BatchNormStatsOp(MultiResultOp):
 
 
 @irdl_op_definition
+class BatchNormRunningStatsOp(MultiResultOp):
+  """Batch norm's running statistics moved toward a batch's: (1 - momentum) r + momentum s, with the unbiased variance
+  (var * count / (count - 1)). Results: the new running mean and variance, in their operands' types."""
+  name = "nova.batch_norm_running_stats"
+  running_mean = operand_def(TENSOR)
+  running_var = operand_def(TENSOR)
+  mean = operand_def(TENSOR)
+  var = operand_def(TENSOR)
+  new_mean = result_def(TENSOR)
+  new_var = result_def(TENSOR)
+  momentum = prop_def(FLOAT)
+  count = prop_def(INT)
+
+  def updated_operands(self) -> list[int]:
+    """The operand each result is the new value of: the running mean and variance."""
+    return [0, 1]
+
+
+@irdl_op_definition
 class BatchNormOp(NNOp):
   """(x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1) of x, in x's type; `training`: mean and var are
   x's own statistics (batch_norm_stats), which the gradient flows through."""
@@ -1586,7 +1605,8 @@ Nova = Dialect("nova", [
   EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp,
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
   CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
-  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormOp,
+  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormRunningStatsOp,
+  BatchNormOp,
   BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, MaxPool2dValuesOp,
   MaxPool2dBackwardOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,

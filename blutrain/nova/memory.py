@@ -30,8 +30,8 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Attribute, SSAValue
 
-from blutrain.nova.dialect import (AdamwOp, CatOp, CollectiveOp, CrossEntropyBackwardOp, ElementwiseOp, FusedOp,
-                                   LayoutOp, NovaOp, ScaleOp, SgdOp, ViewOp, aval)
+from blutrain.nova.dialect import (CatOp, CollectiveOp, CrossEntropyBackwardOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp,
+                                   ScaleOp, ViewOp, aval)
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
@@ -239,7 +239,7 @@ def _written_in_place(args, ops: list, written: dict[int, int], made: dict, last
     r, u = ret.operands[k], args[j]
     if r not in made: continue
     op = ops[made[r][0]]
-    if isinstance(op, (ElementwiseOp, AdamwOp, SgdOp, ScaleOp, FusedOp)) and u in op.operands \
+    if (isinstance(op, (ElementwiseOp, ScaleOp, FusedOp)) or hasattr(op, "updated_operands")) and u in op.operands \
        and last.get(u) == made[r][0] and (not isinstance(op, FusedOp) or u.type == r.type):
       found[r] = u
   return found

@@ -5,7 +5,7 @@ import math
 
 from blutrain import backends, dtypes
 from blutrain.autograd.tape import Aval
-from blutrain.ops.core import autocast_inputs, op
+from blutrain.ops.core import autocast_inputs, op, write
 from blutrain.ops.creation import arange, full, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
 from blutrain.ops.linalg import matmul
@@ -150,6 +150,32 @@ batch_norm_op = op("batch_norm", _batch_norm_rule, _batch_norm_vjp, saves=(0, 1,
 def batch_norm_stats(x: Tensor) -> tuple[Tensor, Tensor]:
   """The mean and biased variance of each channel (dim 1) of x (N, C, *), float32 (float64 for float64 x)."""
   return batch_norm_stats_op(x)
+
+
+def _running_stats_rule(running_mean, running_var, mean, var, momentum, count):
+  c = running_mean.shape
+  if len(c) != 1 or not running_var.shape == mean.shape == var.shape == c or count < 2 or \
+     not all(t.dtype.is_floating_point for t in (running_mean, running_var, mean, var)):
+    raise ShapeError(f"batch_norm_running_stats: expected floating (C,) running statistics and batch statistics of "
+                     f"more than one value per channel, got {running_mean.shape}, {running_var.shape}, {mean.shape}, "
+                     f"{var.shape} over {count}")
+  return [(c, running_mean.dtype), (c, running_var.dtype)]
+
+
+# batch norm's running statistics moved toward a batch's, in one kernel: r = (1 - momentum) r + momentum s, with the
+# unbiased variance (var * count / (count - 1)); the op returns the new statistics (in place through `into`)
+batch_norm_running_stats_op = op("batch_norm_running_stats", _running_stats_rule, multi=True,
+                                 inputs="running_mean running_var mean var", attrs="momentum:float count:int")
+
+
+def batch_norm_running_stats_(running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, momentum: float,
+                              count: int) -> None:
+  """Move the running statistics toward the batch's `mean` and biased `var` over `count` values, in place."""
+  into = [running_mean, running_var]
+  new = batch_norm_running_stats_op(running_mean, running_var, mean, var, into=into, momentum=float(momentum),
+                                    count=int(count))
+  if new is not into:
+    for t, v in zip(into, new): write(t, v)
 
 
 def batch_norm(x: Tensor, mean: Tensor, var: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,

@@ -225,6 +225,7 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   pooled = b("max_pool2d_values", image, idx, **pool)
   outs += [idx, pooled, b("max_pool2d_backward", pooled, idx, size=(3, 4), **pool)]
   mean, var = b("batch_norm_stats", x)  # x as (N, C) = (3, 4)
+  outs += [*b("batch_norm_running_stats", b("exp", mean), b("exp", var), mean, var, momentum=0.25, count=3)]
   outs += [mean, var, b("batch_norm", x, mean, var, w, bias, eps=1e-5, training=True),
            b("batch_norm", x, y, b("exp", y), None, bias, eps=1e-3, training=False),
            *b("batch_norm_backward", pos, x, mean, var, w, eps=1e-5, training=True, input_grad=True, weight_grad=True,

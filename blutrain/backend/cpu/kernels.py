@@ -307,6 +307,15 @@ def _max_pool2d_indices(x, kernel, stride, padding, dilation, out_size):
   return np.ascontiguousarray(idx, dtype=np.int64)
 
 
+def _batch_norm_running_stats(running_mean, running_var, mean, var, momentum, count, out=None):
+  """The new running statistics, in float32 math (float64 for float64 statistics) as the CUDA kernel's."""
+  acc = np.float64 if running_mean.dtype == np.float64 else np.float32
+  m = acc(momentum)
+  new_mean = (acc(1) - m) * running_mean.astype(acc) + m * mean.astype(acc)
+  new_var = (acc(1) - m) * running_var.astype(acc) + m * (var.astype(acc) * acc(count / (count - 1)))
+  return new_mean, new_var
+
+
 def _max_pool2d_values(x, idx, **geometry):
   N, C = x.shape[:2]
   return np.take_along_axis(x.reshape(N, C, -1), idx.reshape(N, C, -1), 2).reshape(idx.shape)
@@ -619,6 +628,7 @@ kernels = {
   "argmax": lambda x, dim, keepdim: np.argmax(x, axis=dim, keepdims=keepdim),
   "argmin": lambda x, dim, keepdim: np.argmin(x, axis=dim, keepdims=keepdim),
   "cumsum": _cumsum, "cumprod": lambda x, dim: np.cumprod(x, dim), "argsort": _argsort,
+  "batch_norm_running_stats": _batch_norm_running_stats,
   "max_pool2d_indices": _max_pool2d_indices, "max_pool2d_values": _max_pool2d_values,
   "max_pool2d_backward": _max_pool2d_backward,
   # movement and indexing

@@ -563,6 +563,22 @@ def _batch_norm_finalize_kernel(out0, out1, sums, part0, part1, C, R, S, chunk, 
 
 
 @triton.jit
+def _batch_norm_running_stats_kernel(out_mean, out_var, running_mean, running_var, mean, var, C, momentum, factor,
+                                     s0, s1, s2, s3, s4, s5, ACC: tl.constexpr, BLOCK: tl.constexpr):
+  """out_mean = (1 - momentum) running_mean + momentum mean and out_var likewise with var * factor (the unbiased
+  variance), each element read before it is written (out may be the running statistics themselves)."""
+  cs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  ok = cs < C
+  m = momentum  # of ACC's type, as factor
+  rm = tl.load(running_mean + cs * s2, mask=ok).to(ACC)
+  rv = tl.load(running_var + cs * s3, mask=ok).to(ACC)
+  mu = tl.load(mean + cs * s4, mask=ok).to(ACC)
+  v = tl.load(var + cs * s5, mask=ok).to(ACC)
+  tl.store(out_mean + cs * s0, ((1 - m) * rm + m * mu).to(out_mean.dtype.element_ty), mask=ok)
+  tl.store(out_var + cs * s1, ((1 - m) * rv + m * (v * factor)).to(out_var.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size1, r_size2, r_size3, r_size4,
                              x_r_stride0, x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4,
                              g_r_stride0, g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4,
@@ -771,6 +787,35 @@ def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaAr
   return dx, dw, db
 
 
+RUNNING_BLOCK = 1024  # channels per program of the running statistics' update
+
+
+@functools.lru_cache(maxsize=256)
+def batch_norm_running_stats_spec(running: DType, batch: DType):
+  """The running statistics' update for running statistics of `running` and batch statistics of `batch` dtype."""
+  wide = dtypes.float64 if dtypes.float64 in (running, batch) else dtypes.float32
+  num = "fp64" if wide is dtypes.float64 else "fp32"
+  sig = {"out_mean": ptr(running), "out_var": ptr(running), "running_mean": ptr(running), "running_var": ptr(running),
+         "mean": ptr(batch), "var": ptr(batch), "C": "i32", "momentum": num, "factor": num,
+         **dict.fromkeys((f"s{i}" for i in range(6)), "i32")}
+  return spec(_batch_norm_running_stats_kernel, sig, dict(ACC=TL[wide], BLOCK=RUNNING_BLOCK), num_warps=4)
+
+
+def batch_norm_running_stats(running_mean: CudaArray, running_var: CudaArray, mean: CudaArray, var: CudaArray, *,
+                             momentum: float, count: int, out=None) -> tuple[CudaArray, CudaArray]:
+  """The `batch_norm_running_stats` op: the new running mean and variance, new arrays or written into `out` (the
+  running statistics themselves, in place), in one launch."""
+  new_mean, new_var = out or (empty_like(running_mean), empty_like(running_var))
+  C = running_mean.shape[0]
+  if C:
+    run(batch_norm_running_stats_spec(running_mean.dtype, mean.dtype), (cdiv(C, RUNNING_BLOCK),), new_mean.ptr,
+        new_var.ptr, running_mean.ptr, running_var.ptr, mean.ptr, var.ptr, C, float(momentum), count / (count - 1),
+        *(a.strides[0] for a in (new_mean, new_var, running_mean, running_var, mean, var)))
+  return new_mean, new_var
+
+
+batch_norm_running_stats.writes_out = True
+
 KERNELS = {
   "softmax": lambda x, dim: _softmax(x, dim, False),
   "log_softmax": lambda x, dim: _softmax(x, dim, True),
@@ -780,6 +825,7 @@ KERNELS = {
   "batch_norm_stats": batch_norm_stats,
   "batch_norm": batch_norm,
   "batch_norm_backward": batch_norm_backward,
+  "batch_norm_running_stats": batch_norm_running_stats,
 }
 
 
@@ -821,6 +867,7 @@ def _specs() -> list:
   out += [batch_norm_reduce_spec(False, f64, None, None, None, 1, False, True, 3, 100, True),
           batch_norm_reduce_spec(True, f64, f64, f64, bf16, 1, True, False, 10, 64, False),
           batch_norm_finalize_spec(False, f32, f32, f32), batch_norm_finalize_spec(True, f32, f32, f32),
+          batch_norm_running_stats_spec(f32, f32), batch_norm_running_stats_spec(f64, f64),
           batch_norm_finalize_spec(True, f32, None, f32), batch_norm_finalize_spec(True, f64, f64, None)]
   for mode, x, g in (("forward", f32, None), ("forward", bf16, None), ("train", f32, f32), ("train", bf16, bf16),
                      ("eval", bf16, bf16)):
