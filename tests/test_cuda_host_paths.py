@@ -434,8 +434,11 @@ def test_sequences_launch_on_the_fake_gpu(tmp_path, kind, autocast):
   """nn.LSTM's and nn.GRU's time loops on the GPU: per time step, layer and direction one cell kernel forward (which
   also writes h in the GEMM's dtype, so nothing casts) and one backward (which adds the later step's gradients itself
   and writes the gates' gradient in the GEMM's dtype), besides cuBLASLt's GEMMs (not counted); float32 and bf16 under
-  autocast (a float32 state, bf16 GEMMs), both directions, given initial states, at two lengths."""
+  autocast (a float32 state, bf16 GEMMs), both directions, given initial states, at two lengths; kernel by kernel
+  (BLUTRAIN_CUDA_GRAPHS=0: the replayed loops are the next test's)."""
   out = _run_fake(f"""
+import os
+os.environ["BLUTRAIN_CUDA_GRAPHS"] = "0"
 import blutrain as bt
 lstm = {kind == "LSTM"}
 m = bt.nn.{kind}(8, 16, num_layers=2, bidirectional=True).to("cuda")
@@ -458,6 +461,46 @@ for L in (7, 9):
   (f7, b7), (f9, b9) = (map(int, line.split()[1:]) for line in out.splitlines() if line.startswith("launches"))
   sequences = 4  # layers x directions
   assert (f9 - f7, b9 - b7) == (2 * sequences, 2 * sequences), (f7, b7, f9, b9)  # two more steps: one kernel each way
+
+
+def test_recurrent_loops_replay_as_cuda_graphs_on_the_fake_gpu(tmp_path):
+  """An LSTM's time loops, forward and backward, run step by step the first time their shapes come, are captured the
+  second (here the second layer's, which has the first's shapes) and then replay as one graph launch each: a call's
+  launches stop growing with the length; BLUTRAIN_CUDA_GRAPHS=0 keeps them step by step; inside bt.compile the loops
+  are the compiled step's own (no graph within its graph)."""
+  _run_fake("""
+import os
+import fake_cuda
+import blutrain as bt
+from blutrain.backend.cuda import graphs
+def launches(L, calls=3):
+  bt.manual_seed(0)
+  m = bt.nn.LSTM(16, 16, num_layers=2).to("cuda")
+  x = bt.randn(L, 3, 16, device="cuda")
+  counts = []
+  for _ in range(calls):
+    before = fake_cuda.launches[0]
+    m(x)[0].sum().backward()
+    counts.append(fake_cuda.launches[0] - before)
+  return counts
+short, long = launches(6), launches(30)
+assert short[1] == short[2] == long[1] == long[2] and long[0] > short[0] > short[1], (short, long)
+assert [k[0] for k in graphs._replays][-2:] == ["lstm_sequence", "lstm_sequence_backward"]
+os.environ["BLUTRAIN_CUDA_GRAPHS"] = "0"
+plain = launches(30, 2)
+assert min(plain) > 4 * long[2], (plain, long)  # 30 steps each way, each a kernel (and a GEMM)
+del os.environ["BLUTRAIN_CUDA_GRAPHS"]
+m = bt.nn.LSTM(16, 16).to("cuda")
+opt = bt.optim.SGD(m.parameters(), lr=0.1)
+@bt.compile
+def step(x):
+  loss = m(x)[0].sum()
+  loss.backward(); opt.step(); opt.zero_grad()
+  return loss
+captured = len(graphs._replays)
+for _ in range(4): step(bt.randn(7, 3, 16, device="cuda"))
+assert len(graphs._replays) == captured and step.info["cuda_graph"] == "on"
+""", tmp_path)
 
 
 def test_max_pool2d_launches_on_the_fake_gpu(tmp_path):

@@ -91,25 +91,27 @@ def test_fused_cells_with_bfloat16_gates_match_the_cpu(cell):
 def test_sequences_match_the_cpu(kind, dtype, reverse):
   """A direction's whole loop on the GPU (a GEMM and a cell kernel per step; backward a cell kernel, adds and a GEMM
   per step) against the CPU kernels on the same inputs: bf16 gates and weights with float32 states (as under
-  autocast), or all float32; gi a non-contiguous view; every h (and the LSTM's last c), and every input's gradient."""
-  rng = np.random.default_rng(0)
+  autocast), or all float32; gi a non-contiguous view; every h (and the LSTM's last c), and every input's gradient.
+  Three draws of the same shapes: the second captures each loop as a CUDA graph, the third replays it."""
   (gates, n_states), (L, N, H) = (4, 2) if kind == "lstm" else (3, 1), (9, 5, 48)
   shapes = [(N, L, gates * H)] + [(N, H)] * n_states + [(gates * H, H), (gates * H,)]
-  arrays = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in shapes]
-  results = []
-  for dev in ("cpu", "cuda"):
-    leaves = [bt.tensor(a, device=dev).to(bt.float32 if 0 < i <= n_states else dtype).requires_grad_()
-              for i, a in enumerate(arrays)]
-    outs = getattr(bt.ops, f"{kind}_sequence")(leaves[0].transpose(0, 1), *leaves[1:], reverse=reverse)
-    outs = outs if kind == "lstm" else (outs,)
-    us = [bt.tensor(np.random.default_rng(1).standard_normal(tuple(o.shape)).astype(np.float32), device=dev)
-          for o in outs]
-    sum((o * u).sum() for o, u in zip(outs, us)).backward()
-    results.append((*outs, *(t.grad for t in leaves)))
-  tol = 2e-2 if dtype is bt.bfloat16 else 1e-3
-  for i, (c_, g_) in enumerate(zip(*results)):
-    assert g_.dtype is c_.dtype, f"result {i}"
-    _close(g_.float(), c_.float(), f"{kind} result {i}", tol=tol)
+  for draw in range(3):
+    rng = np.random.default_rng(draw)
+    arrays = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in shapes]
+    results = []
+    for dev in ("cpu", "cuda"):
+      leaves = [bt.tensor(a, device=dev).to(bt.float32 if 0 < i <= n_states else dtype).requires_grad_()
+                for i, a in enumerate(arrays)]
+      outs = getattr(bt.ops, f"{kind}_sequence")(leaves[0].transpose(0, 1), *leaves[1:], reverse=reverse)
+      outs = outs if kind == "lstm" else (outs,)
+      us = [bt.tensor(np.random.default_rng(10 + draw).standard_normal(tuple(o.shape)).astype(np.float32), device=dev)
+            for o in outs]
+      sum((o * u).sum() for o, u in zip(outs, us)).backward()
+      results.append((*outs, *(t.grad for t in leaves)))
+    tol = 2e-2 if dtype is bt.bfloat16 else 1e-3
+    for i, (c_, g_) in enumerate(zip(*results)):
+      assert g_.dtype is c_.dtype, f"result {i}"
+      _close(g_.float(), c_.float(), f"{kind} result {i}, draw {draw}", tol=tol)
 
 
 FUNCTIONS = [

@@ -8,6 +8,9 @@ keeps its segments even when an out-of-memory retry empties the caches. A step r
 capture leaves the pool holding what the capture needs. The pool lives as long as its graphs (and as long as any array
 cut from it).
 
+`replayed` applies the same to one host loop of the eager backend (a recurrent layer's time steps): captured the
+second time its shapes come, then replayed over buffers of its own that each call's inputs are copied into.
+
 Capture runs in relaxed mode, so that the pool may ask the driver for a segment while capturing. Work that needs the
 host (a device-to-host copy, a synchronization) cannot be captured: the driver's error ends the capture, and
 `Pool.capture` raises it as `GraphCaptureError`. `Graph.replay()` launches the whole graph on the current stream,
@@ -15,8 +18,10 @@ ordered with everything else queued there.
 """
 from __future__ import annotations
 
+import os
 import weakref
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, Hashable
 
 from blutrain.backend.cuda import errors, memory, runtime
 from blutrain.backend.cuda.allocator import Block, CachingAllocator, round_size
@@ -185,3 +190,58 @@ class Graph:
     drv = runtime.driver()
     if getattr(self, "_exe", None) is not None: drv.cuGraphExecDestroy(self._exe)
     if getattr(self, "_graph", None) is not None: drv.cuGraphDestroy(self._graph)
+
+
+def enabled() -> bool:
+  """Whether work may replay as CUDA graphs (`BLUTRAIN_CUDA_GRAPHS=0` runs everything kernel by kernel)."""
+  return os.environ.get("BLUTRAIN_CUDA_GRAPHS", "1") != "0"
+
+
+REPLAYS = 8  # loops kept captured (the least recently used is dropped): each holds its buffers and temporaries
+_replays: OrderedDict[Hashable, tuple] = OrderedDict()  # key -> (graph, input buffers, output arrays)
+_seen: set[Hashable] = set()
+
+
+def replayed(key: Hashable, fn: Callable[..., tuple], *arrays) -> tuple:
+  """fn(*arrays), a loop of device work over CudaArrays returning a tuple of CudaArrays (or None), run as a CUDA graph
+  from the second call with the same `key` (which must hold every shape, stride, dtype and setting fn depends on) on:
+  then the graph is captured in a pool of its own over input buffers of its own, and each call copies its inputs into
+  them, replays the graph and copies its outputs out into new arrays, all on the current stream. A loop of many small
+  launches (a recurrent layer's 256 steps, each a GEMM and a cell kernel) then costs the host one launch. The first
+  call, calls inside a capture or a pool's work (a compiled step's), and BLUTRAIN_CUDA_GRAPHS=0 run fn as it is."""
+  s = runtime.current_stream()
+  if not enabled() or s.handle in runtime.capture_holds or s.allocator is not runtime.state(s.device).allocator:
+    return fn(*arrays)
+  hit = _replays.get(key)
+  if hit is None:
+    if key not in _seen:  # a shape seen once (a last short batch) is not worth a graph's memory
+      if len(_seen) > 4096: _seen.clear()
+      _seen.add(key)
+      return fn(*arrays)
+    hit = _replays[key] = _capture(fn, arrays)
+    while len(_replays) > REPLAYS: _replays.popitem(last=False)
+  _replays.move_to_end(key)
+  graph, buffers, outs = hit
+  for buf, a in zip(buffers, arrays):
+    if buf is not None: memory.copy_into(buf, a)
+  graph.replay(s)
+  return tuple(None if o is None else _own_copy(o) for o in outs)
+
+
+def _own_copy(a):
+  """A new array (the device allocator's, in a's dense layout) holding a's values."""
+  from blutrain.backend.cuda.kernels import empty_like
+  out = empty_like(a)
+  memory.copy_into(out, a)
+  return out
+
+
+def _capture(fn: Callable[..., tuple], arrays) -> tuple:
+  """(graph, input buffers, outputs) of fn captured in a new pool, after one run there (which compiles its kernels
+  and leaves the pool the memory the capture needs)."""
+  pool = Pool(next(a.device for a in arrays if a is not None))
+  buffers = pool.run(lambda: [None if a is None else _own_copy(a) for a in arrays])
+  pool.run(lambda: fn(*buffers))
+  graph, outs = pool.capture(lambda: fn(*buffers))
+  return graph, buffers, outs
+

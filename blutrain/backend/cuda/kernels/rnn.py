@@ -1,6 +1,8 @@
 """Recurrent cells: one LSTM or GRU step after its matmuls (`lstm_cell`, `gru_cell`) and their backwards, each one
 pass over the (N, H) elements of the step, in float32 math; and a direction's whole time loop (`lstm_sequence`,
-`gru_sequence` and their backwards), host loops of the backend's GEMMs and these kernels on the current stream.
+`gru_sequence` and their backwards), host loops of the backend's GEMMs and these kernels on the current stream,
+which eager mode replays as one CUDA graph from the second call with the same shapes on (`graphs.replayed`: a loop of
+256 steps was ~1,000 launches of host work each way).
 
 An element (n, j) of an LSTM step reads its four gate pre-activations a_k = gi[n, k H + j] + gh[n, k H + j]
 (k = i, f, g, o) and c[n, j]; the forward writes h' and c' into out[n, j] and out[n, H + j]. The backward reads the
@@ -20,6 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from blutrain import dtypes
+from blutrain.backend.cuda import graphs
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import elementwise, empty, needs_i64, ptr, run, spec, view
 from blutrain.backend.cuda.kernels.copy import cast, copy
@@ -323,7 +326,7 @@ def _weight_grads(dw: CudaArray, dgh: CudaArray, h_prev: CudaArray, b_hh: CudaAr
   return dw, None if b_hh is None else reduce(dgh, (0,), False, "sum", b_hh.dtype)
 
 
-def lstm_sequence(gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *,
+def _lstm_sequence(gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *,
                   reverse: bool, tf32: bool = False) -> CudaArray:
   """Every step's [h, c] (L, N, 2H): per step one GEMM of the previous h into a (N, 4H) buffer that all steps reuse,
   then the cell kernel, which reads the step's slice of gi and writes its slice of the output (and, when the GEMM
@@ -343,7 +346,7 @@ def lstm_sequence(gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray, 
   return out
 
 
-def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray,
+def _lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray,
                            b_hh: CudaArray | None, out: CudaArray, *, reverse: bool, states: bool, weights: bool,
                            tf32: bool = False) -> tuple:
   """(d gi, d h0, d c0, d w_hh, d b_hh): every step's h before it (in w_hh's dtype) and one GEMM of them for every
@@ -383,7 +386,7 @@ def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaA
   return dgi, dh0, dc0, dw, db
 
 
-def gru_sequence(gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *, reverse: bool,
+def _gru_sequence(gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *, reverse: bool,
                  tf32: bool = False) -> CudaArray:
   """Every step's h (L, N, H), as lstm_sequence's loop: per step one GEMM into a reused (N, 3H) buffer and the cell
   kernel into the step's rows of the output (and h' in the GEMM's dtype, when it differs, into a reused buffer)."""
@@ -401,7 +404,7 @@ def gru_sequence(gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray 
   return out
 
 
-def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None,
+def _gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None,
                           out: CudaArray, *, reverse: bool, states: bool, weights: bool, tf32: bool = False) -> tuple:
   """(d gi, d h0, d w_hh, d b_hh), as lstm_sequence_backward's: gh of every step by one GEMM, then per step back the
   cell's backward kernel into the step's rows of a (L, N, 7H) buffer ([d gi, d gh, d h]; after the last step it adds
@@ -435,6 +438,43 @@ def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: Cuda
   db = None
   if weights: dw, db = _weight_grads(dw, view(dgh, (L * N, G), (dgh.strides[1], 1), at), h_prev, b_hh, tf32)
   return dgi, dh0, dw, db
+
+
+def _replayed(name: str, fn, *arrays: CudaArray | None, **attrs) -> tuple:
+  """fn(*arrays, **attrs) as `graphs.replayed` runs it (a CUDA graph of the whole loop from the second call with the
+  same layouts and settings on), keyed by the arrays' layouts, their device and the settings."""
+  key = (name, next(a.device for a in arrays if a is not None), tuple(None if a is None else a.key() for a in arrays),
+         tuple(sorted(attrs.items())))
+  return graphs.replayed(key, functools.partial(fn, **attrs), *arrays)
+
+
+def lstm_sequence(gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *,
+                  reverse: bool, tf32: bool = False) -> CudaArray:
+  """The `lstm_sequence` op: `_lstm_sequence`'s loop, replayed as one CUDA graph when its shapes come again."""
+  loop = lambda *xs, **kw: (_lstm_sequence(*xs, **kw),)
+  return _replayed("lstm_sequence", loop, gi, h0, c0, w_hh, b_hh, reverse=reverse, tf32=tf32)[0]
+
+
+def lstm_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, c0: CudaArray, w_hh: CudaArray,
+                           b_hh: CudaArray | None, out: CudaArray, *, reverse: bool, states: bool, weights: bool,
+                           tf32: bool = False) -> tuple:
+  """The `lstm_sequence_backward` op: `_lstm_sequence_backward`'s loop, replayed as `lstm_sequence`'s."""
+  return _replayed("lstm_sequence_backward", _lstm_sequence_backward, g, gi, h0, c0, w_hh, b_hh, out,
+                   reverse=reverse, states=states, weights=weights, tf32=tf32)
+
+
+def gru_sequence(gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None, *, reverse: bool,
+                 tf32: bool = False) -> CudaArray:
+  """The `gru_sequence` op: `_gru_sequence`'s loop, replayed as `lstm_sequence`'s."""
+  loop = lambda *xs, **kw: (_gru_sequence(*xs, **kw),)
+  return _replayed("gru_sequence", loop, gi, h0, w_hh, b_hh, reverse=reverse, tf32=tf32)[0]
+
+
+def gru_sequence_backward(g: CudaArray, gi: CudaArray, h0: CudaArray, w_hh: CudaArray, b_hh: CudaArray | None,
+                          out: CudaArray, *, reverse: bool, states: bool, weights: bool, tf32: bool = False) -> tuple:
+  """The `gru_sequence_backward` op: `_gru_sequence_backward`'s loop, replayed as `lstm_sequence`'s."""
+  return _replayed("gru_sequence_backward", _gru_sequence_backward, g, gi, h0, w_hh, b_hh, out, reverse=reverse,
+                   states=states, weights=weights, tf32=tf32)
 
 
 KERNELS = {"lstm_cell": lstm_cell, "lstm_cell_backward": lstm_cell_backward, "gru_cell": gru_cell,
