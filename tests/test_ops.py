@@ -893,6 +893,9 @@ def test_setitem_grad_through_nonleaf():
 
 _mv = ops.movement
 SCATTER_AT = bt.tensor([[0, 3], [1, 1], [2, 0]])  # src's last column is left out (src larger than index)
+_POOL = dict(kernel=(3, 3), stride=(2, 2), padding=(0, 0), dilation=(1, 1))
+_POOL_IDX = np.tile(np.array([[0, 12], [10, 24]]), (2, 3, 1, 1))  # a position inside each window (12 lies in all four)
+
 VJP_CASES = {
   "neg": (lambda x: -x, [(3, 4)], {}),
   "exp": (lambda x: x.exp(), [(3, 4)], {}),
@@ -963,6 +966,10 @@ VJP_CASES = {
   "scatter_reduce": (lambda x, s: bt.cat([x.scatter_reduce(1, SCATTER_AT, s, r, include_self=r != "mean") for r in
                                            REDUCTIONS]), [(3, 4), (3, 3)], {}),
   "gather": (lambda x, i: x.gather(0, i), [(3, 4), np.array([[0, 2, 2, 1], [1, 1, 0, 2]])], {}),
+  # max pooling's values at fixed indices (3x3 windows at stride 2 over 5x5) and their gradient, each the other's VJP
+  "max_pool2d_values": (lambda x, i: ops.nn.max_pool2d_values(x, i, **_POOL), [(2, 3, 5, 5), _POOL_IDX], {}),
+  "max_pool2d_backward": (lambda g, i: ops.nn.max_pool2d_backward_op(g, i, size=(5, 5), **_POOL),
+                          [(2, 3, 2, 2), _POOL_IDX], {}),
   "embedding": (lambda i, w: ops.embedding(i, w), [np.array([[1, 0], [3, 3]]), (4, 5)], {}),
   "cross_entropy": (lambda x, t: ops.cross_entropy(x, t, reduction="none"), [(4, 5), np.array([0, 4, -100, 2])], {}),
   "flash_attention": (lambda q, k, v: ops.nn.flash_attention_op(q, k, v, causal=True, scale=0.4),

@@ -1,5 +1,5 @@
-"""The CUDA backend's recurrent time loops (`lstm_sequence`, `gru_sequence` and their backwards in
-backend/cuda/kernels/rnn.py) without a GPU: their host code runs over numpy memory, with the GEMMs, copies, adds,
+"""The CUDA backend's recurrent time loops (`_lstm_sequence`, `_gru_sequence` and their backwards in
+backend/cuda/kernels/rnn.py, which the ops run or replay as CUDA graphs) without a GPU: their host code runs over numpy memory, with the GEMMs, copies, adds,
 sums and cell kernels they call replaced by numpy (the cells by the CPU backend's), against the CPU kernels. What this
 checks is the loops' bookkeeping: the step order, every view's offset and strides, what each step reads (a
 non-contiguous gi, a broadcast gradient) and where it writes. tests/cuda runs the real kernels."""
@@ -98,13 +98,13 @@ def test_sequence_host_loops_match_the_cpu_kernels(mem, kind, reverse, half, bia
           mem.put(rng.standard_normal((gates * H, H)) * 0.5, wd), mem.put(rng.standard_normal(gates * H), wd) if bias
           else None]
   host = [None if a is None else mem.read(a).astype(a.dtype.np) for a in args]
-  out = getattr(rnn, f"{kind}_sequence")(*args, reverse=reverse)
+  out = getattr(rnn, f"_{kind}_sequence")(*args, reverse=reverse)  # the loop itself (the op may replay it)
   want = cpu[f"{kind}_sequence"](*host, reverse=reverse)
   np.testing.assert_allclose(mem.read(out), want, rtol=1e-2 if half else 1e-5, atol=1e-2 if half else 1e-5)
   dense = mem.put(rng.standard_normal(out.shape), out.dtype)
   scalar = mem.put(np.array([1.5, 99.0]), out.dtype)  # read as a broadcast 1.5; 99 where a view runs past it
   for g in (dense, CudaArray(scalar.ptr, out.shape, (0, 0, 0), out.dtype, 0, None)):
-    got = getattr(rnn, f"{kind}_sequence_backward")(g, *args, out, reverse=reverse, states=True, weights=True)
+    got = getattr(rnn, f"_{kind}_sequence_backward")(g, *args, out, reverse=reverse, states=True, weights=True)
     expected = cpu[f"{kind}_sequence_backward"](mem.read(g), *host, mem.read(out), reverse=reverse,
                                                          states=True, weights=True)
     for i, (a, b) in enumerate(zip(got, expected)):
