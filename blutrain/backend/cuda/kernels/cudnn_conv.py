@@ -6,7 +6,9 @@ It takes bfloat16, float16, and float32 under TF32 (the op's `tf32` attribute), 
 non-zero; conv.py's implicit-GEMM kernels take the rest (float64, float32 in full precision, grouped convolutions,
 empty tensors) and everything when the frontend or libcudnn does not load. cuDNN reads the operands in their own
 layouts (NCHW, channels-last, any dense order); others are copied contiguous first, as are operands off 16 bytes.
-Outputs are new contiguous arrays, as the Triton kernels' are. 1-D convolutions run as 2-D ones of height 1.
+The output and the input gradient are new arrays in the layout of the input and of the output gradient (PyTorch's
+outputs keep their inputs' memory format; cuDNN's Hopper kernels are channels-last and reach any other layout by
+transposing kernels around them), the weight gradient contiguous. 1-D convolutions run as 2-D ones of height 1.
 Engines cuDNN marks nondeterministic are left out when any other engine takes the problem, so a step gives the same
 bits run after run (compiled and eager alike).
 """
