@@ -83,7 +83,8 @@ def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
   return True
 
 
-def strides_in_order(shape: Sequence[int], order: Sequence[int] | None) -> Shape:
+@functools.lru_cache(maxsize=4096)
+def strides_in_order(shape: Shape, order: tuple[int, ...] | None) -> Shape:
   """Dense strides of `shape` with its dims laid out in `order` (outermost first; None: row-major)."""
   if order is None: return contiguous_strides(shape)
   strides, acc = [0] * len(shape), 1

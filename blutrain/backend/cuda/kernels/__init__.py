@@ -93,7 +93,7 @@ def empty_ordered(shape, dtype: DType, device: int | None, order: tuple[int, ...
   contiguous)."""
   if order is None: return empty(shape, dtype, device, stream)
   buf = empty((math.prod(shape),), dtype, device, stream)
-  return view(buf, shape, strides_in_order(shape, order))
+  return view(buf, shape, strides_in_order(tuple(shape), tuple(order)))
 
 
 def empty_like(a: CudaArray, dtype: DType | None = None, shape=None) -> CudaArray:

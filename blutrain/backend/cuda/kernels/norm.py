@@ -681,6 +681,7 @@ def batch_norm_apply_spec(mode: str, x: DType, g: DType | None, out: DType, mean
                                                   IDX64=i64), num_warps=warps)
 
 
+@functools.lru_cache(maxsize=4096)  # a function of layouts only: asked by every batch-norm op
 def reduce_plan(grad: bool, x: DType, g: DType | None, mean: DType | None, var: DType | None, shape, x_strides,
                 g_strides, eps: float, hw=H200):
   """(spec, grid, scalar arguments after the pointers part0, part1, x, g, mean, var, splits S, chunk) of the
@@ -697,6 +698,7 @@ def reduce_plan(grad: bool, x: DType, g: DType | None, mean: DType | None, var: 
   return s, (cdiv(C, bc), S), (C, R, chunk, float(eps), *axis_args(rshape, *rst), *cst), S, chunk
 
 
+@functools.lru_cache(maxsize=4096)
 def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, var: DType, w: DType | None,
                b: DType | None, shape, x_strides, g_strides, out_strides, eps: float):
   """(spec, grid, scalar arguments after the pointers out, x, g, mean, var, w, b, sums) of the elementwise kernel
