@@ -467,7 +467,7 @@ def test_recurrent_loops_replay_as_cuda_graphs_on_the_fake_gpu(tmp_path):
   """An LSTM's time loops, forward and backward, run step by step the first time their shapes come, are captured the
   second (here the second layer's, which has the first's shapes) and then replay as one graph launch each: a call's
   launches stop growing with the length; BLUTRAIN_CUDA_GRAPHS=0 keeps them step by step; inside bt.compile the loops
-  are the compiled step's own (no graph within its graph)."""
+  are the compiled step's own (no graph within its graph); past REPLAYS keys the oldest are dropped."""
   _run_fake("""
 import os
 import fake_cuda
@@ -500,6 +500,9 @@ def step(x):
 captured = len(graphs._replays)
 for _ in range(4): step(bt.randn(7, 3, 16, device="cuda"))
 assert len(graphs._replays) == captured and step.info["cuda_graph"] == "on"
+for L in range(3, 14):  # many lengths: the least recently used loops are dropped
+  for _ in range(2): m(bt.randn(L, 2, 16, device="cuda"))[0].sum().backward()
+assert len(graphs._replays) == graphs.REPLAYS
 """, tmp_path)
 
 

@@ -219,7 +219,9 @@ def replayed(key: Hashable, fn: Callable[..., tuple], *arrays) -> tuple:
       _seen.add(key)
       return fn(*arrays)
     hit = _replays[key] = _capture(fn, arrays)
-    while len(_replays) > REPLAYS: _replays.popitem(last=False)
+    if len(_replays) > REPLAYS:
+      s.synchronize()  # the dropped graph may still be replaying (on this stream, where replays go)
+      while len(_replays) > REPLAYS: _replays.popitem(last=False)
   _replays.move_to_end(key)
   graph, buffers, outs = hit
   for buf, a in zip(buffers, arrays):
