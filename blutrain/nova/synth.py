@@ -229,7 +229,7 @@ def plan(body: Body, shape: tuple[int, ...], layouts: list[tuple | None]) -> tup
   n = math.prod(shape)
   if n == 0: return None, None, (0,), None
   order = output_order(shape, layouts)
-  out_strides = strides_in_order(shape, order)
+  out_strides = strides_in_order(tuple(shape), order)
   bstrides = [None if lay is None else broadcast_strides(CudaArray(0, lay[0], lay[1], lay[2], 0, None), shape)
               for lay in layouts]
   # the dims in the outputs' memory order: the kernel writes them at its flat index, row-major over the collapsed dims
@@ -270,7 +270,7 @@ def fused(body: Body, shape: tuple[int, ...], *xs, out: tuple | None = None) -> 
   s, grid, scalars, order = hit
   device = next(x.device for x in xs if x.__class__ is CudaArray)
   stream = current_stream(device)
-  strides = strides_in_order(shape, order) if out else None
+  strides = strides_in_order(tuple(shape), order) if out else None
   outs = tuple(o if o is not None and o.shape == shape and o.dtype is body.dtype(ref) and
                all(a == b for n, a, b in zip(shape, o.strides, strides) if n != 1)
                else empty_ordered(shape, body.dtype(ref), device, order, stream)

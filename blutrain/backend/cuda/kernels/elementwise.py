@@ -533,7 +533,7 @@ def _new_output(op: str, out_dtype: DType, *layouts: Layout) -> tuple:
   order `output_order` gives; the plan is None when the array is empty, () when the host loops over dims."""
   shape = broadcast_shape(*(shape for shape, _, _, _ in layouts))
   order = output_order(shape, [lay if lay[3] != -1 else None for lay in layouts])
-  strides = strides_in_order(shape, order)
+  strides = strides_in_order(tuple(shape), order)
   return shape, order, None if 0 in shape else _plan(op, (shape, strides, out_dtype, 0), *layouts)
 
 
