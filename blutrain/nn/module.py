@@ -5,7 +5,7 @@ import itertools
 from collections import OrderedDict, namedtuple
 from typing import Any, Callable, Iterator
 
-from blutrain import dtypes, ops
+from blutrain import dtypes, ops, shapes
 from blutrain.device import Device, to_device
 from blutrain.autograd import no_grad
 from blutrain.tensor import Tensor
@@ -324,8 +324,10 @@ class Module:
 
   def to(self, *args, **kwargs) -> Module:
     """`model.to(device)`, `model.to(dtype)` or both: parameters and buffers move in place; a dtype applies to
-    the floating-point ones only."""
+    the floating-point ones only. `memory_format=bt.channels_last` (or `channels_last_3d`) lays out the parameters
+    and buffers of as many dims (a convolution's weights) that way, as PyTorch's does."""
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    fmt = kwargs.pop("memory_format", shapes.preserve_format)
     kwargs.pop("non_blocking", None)
     if kwargs: raise TypeError(f"to(): unexpected arguments {sorted(kwargs)}")
     for a in args:
@@ -339,7 +341,8 @@ class Module:
 
     def convert(t: Tensor) -> Tensor:
       if dtype is not None and t.is_floating_point(): t = t.to(dtype)
-      return t.to(device) if device is not None else t
+      if device is not None: t = t.to(device)
+      return t.contiguous(memory_format=fmt) if fmt.ndim and t.ndim == fmt.ndim else t
     return self._apply(convert)
 
   def cpu(self) -> Module: return self.to("cpu")
