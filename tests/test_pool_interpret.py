@@ -1,7 +1,8 @@
 """The CUDA kernels of max_pool2d (`max_pool2d_indices`, `max_pool2d_values`, `max_pool2d_backward`) without a GPU: Triton's interpreter (TRITON_INTERPRET=1,
 in a subprocess, since it must be set before Triton is imported) runs the kernel as its host wrapper launches it, on
 torch CPU tensors (test-only), against the CPU backend's kernel and PyTorch's own indices: padding, dilation, strides,
-ceil_mode windows, channels-last input (written channels-last), ties, NaNs, integers."""
+ceil_mode windows, channels-last input (written channels-last; with unit channel strides the vector variants), ties,
+NaNs, integers."""
 import numpy as np
 
 from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
@@ -11,6 +12,7 @@ CASES = [  # (x shape, kernel, stride, padding, dilation, ceil_mode)
   ((2, 3, 9, 8), (3, 3), (2, 2), (1, 1), (1, 1), False),  # ResNet's stem pool
   ((1, 2, 7, 6), (3, 2), (2, 1), (1, 0), (1, 1), True),
   ((1, 2, 8, 7), (2, 2), (1, 2), (1, 1), (2, 2), False),
+  ((2, 48, 9, 8), (3, 3), (2, 2), (1, 1), (1, 1), False),  # channels-last: masked columns, several row tiles, vectors
 ]
 
 
@@ -30,9 +32,11 @@ def _run_case(shape, kernel, stride, padding, dilation, ceil_mode, dtype: str, c
   out_size = tuple(want.shape[2:])
   out = torch.empty(want.shape, dtype=torch.int64)  # the kernel walks it as a flat array in its memory order
   if channels_last: out = out.contiguous(memory_format=torch.channels_last)
-  s = pool.max_pool2d_indices_spec(getattr(dtypes, dtype), out.numel(), False, channels_last)
-  s[0][(cdiv(out.numel(), s.constexprs["BLOCK"]),)](out, x, out.numel(), shape[1], *out_size, *shape[2:], *kernel,
-                                                    *stride, *padding, *dilation, *x.stride(), **s.constexprs)
+  rows, cols = pool.tiles(tuple(out.shape), channels_last)
+  vectors = channels_last and shape[1] % 16 == 0  # the variant with unit channel strides (the interpreter's values)
+  s = pool.max_pool2d_indices_spec(getattr(dtypes, dtype), rows, cols, False, channels_last, vectors)
+  s[0][pool.grid(s, rows, cols)](out, x, rows, cols, shape[1], *out_size, *shape[2:], *kernel, *stride, *padding,
+                                 *dilation, *x.stride(), **s.constexprs)
   host = cpu["max_pool2d_indices"](x.double().numpy(), kernel=kernel, stride=stride, padding=padding, dilation=dilation,
                                    out_size=out_size)
   case = (shape, kernel, stride, padding, dilation, ceil_mode, dtype, channels_last)
@@ -49,10 +53,11 @@ def _run_case(shape, kernel, stride, padding, dilation, ceil_mode, dtype: str, c
   xr = x.double().requires_grad_()
   torch.nn.functional.max_pool2d(xr, kernel, stride, padding, dilation, ceil_mode).backward(g.double())
   dx = like(torch.empty(shape, dtype=x.dtype))
-  b = pool.max_pool2d_backward_spec(dt, dx.numel(), False, channels_last)
-  b[0][(cdiv(dx.numel(), b.constexprs["BLOCK"]),)](dx, g, out, dx.numel(), shape[1], *shape[2:], *out_size, *kernel,
-                                                   *stride, *padding, *dilation, *g.stride(), *out.stride(),
-                                                   **b.constexprs)
+  rows, cols = pool.tiles(shape, channels_last)
+  b = pool.max_pool2d_backward_spec(dt, rows, cols, False, channels_last, vectors)
+  b[0][pool.grid(b, rows, cols)](dx, g, out, rows, cols, shape[1], *shape[2:], *out_size,
+                                 *map(pool.windows_per_position, kernel, stride, dilation), *stride, *padding,
+                                 *g.stride(), *out.stride(), **b.constexprs)
   tol = 2e-3 if dtype == "float16" else 1e-6  # sums of up to 4 windows' gradients, rounded once
   assert np.allclose(dx.double().numpy(), xr.grad.numpy(), rtol=tol, atol=tol), f"gradient: {case}"
 

@@ -485,35 +485,36 @@ def _batch_norm_reduce_kernel(part0, part1, x, g, mean, var, C, R, chunk, eps, r
     invstd = 1.0 / sqrt_rn(tl.load(var + cs, mask=c_mask, other=1).to(ACC) + eps)
   else:  # per lane, sums of x - k and their squares, with k the chunk's first value of the channel (near the mean,
     # so the squares' sum loses little to cancellation; 3 operations an element where Welford's update has a division);
-    # each lane's (mean, M2) then merged by Welford's rule, once
+    # each lane's (mean, M2) then merged by Welford's rule, once. Positions past the chunk load k itself (d = 0).
     first = tl.zeros([1], tl.int32) + start
-    k = tl.load(x + _channel_offsets(cs, first, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0,
-                                     x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, False),
-                mask=c_mask[:, None], other=0).to(ACC)
+    k_x = tl.load(x + _channel_offsets(cs, first, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0,
+                                       x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, False),
+                  mask=c_mask[:, None], other=0)
+    k = k_x.to(ACC)
   s1 = tl.zeros([BLOCK_C, BLOCK_R], ACC)  # GRAD: sums of g xhat's numerator and of g; else of x - k and its square
   s2 = tl.zeros([BLOCK_C, BLOCK_R], ACC)
-  lane_n = tl.zeros([BLOCK_C, BLOCK_R], ACC)
   for r0 in range(start, end, BLOCK_R):
     rs = r0 + tl.arange(0, BLOCK_R)
     mask = c_mask[:, None] & (rs < end)[None, :]
-    xv = tl.load(x + _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0,
-                                      x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT),
-                 mask=mask, other=0).to(ACC)
+    x_at = x + _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0, x_r_stride1,
+                                x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT)
     if GRAD:
+      xv = tl.load(x_at, mask=mask, other=0).to(ACC)
       gv = tl.load(g + _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0,
                                         g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT),
                    mask=mask, other=0).to(ACC)
       s1 += gv * (xv - mu[:, None])
       s2 += gv
     else:
-      d = tl.where(mask, xv - k, 0.0)
+      d = tl.load(x_at, mask=mask, other=k_x).to(ACC) - k
       s1 += d
       s2 += d * d
-      lane_n += tl.where(mask, 1.0, 0.0)
   if GRAD:
     a = tl.sum(s1, axis=1) * invstd
     b = tl.sum(s2, axis=1)
-  else:
+  else:  # lane j took positions start + j, start + j + BLOCK_R, ... below end
+    taken = (tl.maximum(end - start - tl.arange(0, BLOCK_R) + BLOCK_R - 1, 0) // BLOCK_R).to(ACC)
+    lane_n = tl.broadcast_to(taken[None, :], [BLOCK_C, BLOCK_R])
     inv = 1.0 / tl.maximum(lane_n, 1.0)
     lane_m2 = tl.maximum(s2 - s1 * s1 * inv, 0.0)
     a, b, _ = tl.reduce((k + s1 * inv, lane_m2, lane_n), 1, _welford_combine)
