@@ -79,7 +79,7 @@ def torch_compile_step(precision: str):
 
 def resnet_lstm_steps(model: str, precision: str, channels_last: bool = False) -> dict:
   """blutrain's and torch.compile's compiled steps of benchmarks/resnet_lstm.py's `model`, same weights and batch
-  (images channels-last with `channels_last`)."""
+  (images and weights channels-last with `channels_last`)."""
   from benchmarks.resnet_lstm import SHAPES, batches, build, make_step
   s = SHAPES[model][0]
   bt.manual_seed(0)
@@ -98,7 +98,8 @@ def main() -> None:
   ap.add_argument("--model", choices=("gpt2", "resnet18", "lstm"), default="gpt2")
   ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16")
   ap.add_argument("--rows", type=int, default=25)
-  ap.add_argument("--channels-last", action="store_true", help="resnet18: images (so activations) channels-last")
+  ap.add_argument("--channels-last", action="store_true",
+                  help="resnet18: images (so activations) and weights channels-last")
   ap.add_argument("--out")
   args = ap.parse_args()
   bt.set_float32_matmul_precision("high")

@@ -7,7 +7,7 @@ PyTorch eager, compiled >= 1.0x torch.compile. Writes benchmarks/results/resnet_
                                    [--order torch_eager,blutrain_eager,blutrain_compile,torch_compile]
   python benchmarks/resnet_lstm.py --device cpu --quick   # a small dry run of the script itself (tiny shapes)
   python benchmarks/resnet_lstm.py --order blutrain_eager --profile   # and blutrain's eager step op by op
-  python benchmarks/resnet_lstm.py --models resnet18 --channels-last   # images channels-last in every framework
+  python benchmarks/resnet_lstm.py --models resnet18 --channels-last   # images and weights channels-last in every framework
 
 The models are written once against PyTorch's nn API (`resnet18(nn)`, `LSTMLM(nn)`) and built from `blutrain.nn` and
 `torch.nn`; the torch copy loads blutrain's initial state dict, so both start from the same weights.
@@ -118,7 +118,8 @@ def timed(step, data, warmup: int, sync) -> dict:
 def make_step(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str,
               compiled: bool, channels_last: bool = False):
   """(the training step of `model` in `framework`, compiled or eager, from the weights `state`; the batches on the
-  device, images `channels_last` when asked (then every activation is: outputs keep their inputs' memory format);
+  device, images and the model's 4-d weights `channels_last` when asked, as PyTorch's channels-last recipe has it
+  (then every activation is: outputs keep their inputs' memory format);
   the framework's synchronize; the eager step)."""
   if framework == "blutrain":
     import blutrain as bt
@@ -135,7 +136,8 @@ def make_step(framework: str, model: str, s: dict, state: dict, data: list, prec
     sync, compile_ = (torch.cuda.synchronize if device == "cuda" else lambda: None), torch.compile
   net = build(nn, model, s)
   net.load_state_dict({k: lib.from_numpy(v.copy()) for k, v in state.items()})
-  net.to(device).train()
+  fmt = lib.channels_last if channels_last and model == "resnet18" else lib.contiguous_format
+  net.to(device).to(memory_format=fmt).train()
   opt = (lib.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4) if model == "resnet18"
          else lib.optim.AdamW(net.parameters(), lr=1e-3))
 
@@ -148,7 +150,6 @@ def make_step(framework: str, model: str, s: dict, state: dict, data: list, prec
     opt.zero_grad(set_to_none=True)
     return loss
 
-  fmt = lib.channels_last if channels_last and model == "resnet18" else lib.contiguous_format
   batches_ = [(tensor(x).contiguous(memory_format=fmt), tensor(y)) for x, y in data]
   return compile_(step) if compiled else step, batches_, sync, step
 
@@ -178,7 +179,8 @@ def main() -> None:
   ap.add_argument("--order", default="torch_eager,blutrain_eager,blutrain_compile,torch_compile")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "resnet_lstm.json"))
   ap.add_argument("--profile", action="store_true", help="print blutrain's eager step op by op (bt.profiler)")
-  ap.add_argument("--channels-last", action="store_true", help="ResNet's images (so its activations) channels-last")
+  ap.add_argument("--channels-last", action="store_true",
+                  help="ResNet's images (so its activations) and weights channels-last")
   args = ap.parse_args()
   require_gpu(args.device)
   steps = 2 if args.quick else args.steps

@@ -67,6 +67,12 @@ contiguous_format, preserve_format = memory_format("contiguous_format"), memory_
 channels_last, channels_last_3d = memory_format("channels_last", 4), memory_format("channels_last_3d", 5)
 
 
+def same_layout(shape: Sequence[int], strides: Sequence[int], other: Sequence[int]) -> bool:
+  """Whether two arrays of `shape` lay their elements out alike (size-1 dims may have any stride): a kernel walking
+  one's memory flat meets the other's same elements."""
+  return all(a == b for n, a, b in zip(shape, strides, other) if n != 1)
+
+
 def in_format(shape: Sequence[int], strides: Sequence[int], fmt: memory_format) -> bool:
   """Whether (shape, strides) is dense in format `fmt` (size-1 dims may have any stride; preserve_format: always)."""
   if fmt is preserve_format: return True

@@ -116,21 +116,25 @@ print("ok")
 
 def test_sgd_is_one_launch_per_dtype_group_eager_and_compiled_on_the_fake_gpu(tmp_path):
   """SGD with momentum on the fake device: eagerly one launch a step per (param, grad) dtype pair once the buffers
-  exist (strided gradients copied first); compiled with clipping and a scheduled learning rate, the sgd op reads the
-  clip factor and the learning rate from device memory and the step replays as a CUDA graph."""
+  exist (a gradient laid out unlike its parameter copied first; a channels-last parameter with a channels-last
+  gradient and buffer joins the launch as is); compiled with clipping and a scheduled learning rate, the sgd op reads
+  the clip factor and the learning rate from device memory and the step replays as a CUDA graph."""
   code = """
 import blutrain as bt
 ps = [bt.randn(64, 32, device="cuda", requires_grad=True), bt.randn(7, device="cuda", requires_grad=True),
-      bt.randn(16, device="cuda").bfloat16().requires_grad_()]
+      bt.randn(16, device="cuda").bfloat16().requires_grad_(),
+      bt.randn(8, 4, 3, 3, device="cuda").contiguous(memory_format=bt.channels_last).requires_grad_()]
 opt = bt.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
 counts = []
 for _ in range(3):
   for p in ps: p.grad = bt.ones(p.shape, device="cuda", dtype=p.dtype)
   ps[0].grad = bt.ones(32, 64, device="cuda").t()
+  ps[3].grad = bt.ones(8, 3, 3, 4, device="cuda").permute(0, 3, 1, 2)
   before = fake_cuda.launches[0]
   opt.step()
   counts.append(fake_cuda.launches[0] - before)
-assert counts == [3 + 1 + 2, 1 + 2, 1 + 2], counts  # the new buffers' fills, the strided grad's copy, 2 dtype groups
+assert counts == [4 + 1 + 2, 1 + 2, 1 + 2], counts  # the new buffers' fills, the strided grad's copy, 2 dtype groups
+assert opt.state[ps[3]]["momentum_buffer"].stride() == ps[3].stride() == (36, 1, 12, 4)
 model = bt.nn.Sequential(bt.nn.Linear(8, 16), bt.nn.ReLU(), bt.nn.Linear(16, 4)).to("cuda")
 opt = bt.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 @bt.compile
@@ -147,6 +151,20 @@ for i in range(5):
 source = open(step.info["source"]).read()
 assert step.captures == 2 and step.info["cuda_graph"] == "on", (step.captures, step.info["cuda_graph"])
 assert source.count('kernels["sgd"](') == 1 and "clip=True" in source and 'kernels["scale"]' not in source
+cnn = bt.nn.Sequential(bt.nn.Conv2d(3, 8, 3, padding=1, bias=False), bt.nn.BatchNorm2d(8), bt.nn.ReLU(),
+                       bt.nn.Flatten(), bt.nn.Linear(200, 4)).to("cuda").to(memory_format=bt.channels_last)
+opt = bt.optim.SGD(cnn.parameters(), lr=0.1, momentum=0.9)
+@bt.compile
+def cnn_step(x, y):
+  loss = bt.nn.functional.cross_entropy(cnn(x), y)
+  loss.backward()
+  opt.step(); opt.zero_grad()
+  return loss
+x = bt.randn(2, 3, 5, 5, device="cuda").contiguous(memory_format=bt.channels_last)
+for _ in range(3): cnn_step(x, y[:2])
+w = cnn[0].weight  # its buffer, made in the first capture, keeps its layout through the plan's buffer
+assert opt.state[w]["momentum_buffer"].stride() == w.stride() == (27, 1, 9, 3)
+assert open(cnn_step.info["source"]).read().count('kernels["sgd"](') == 1
 print("ok")
 """
   assert "ok" in _run_fake(code, tmp_path)

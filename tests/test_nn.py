@@ -695,22 +695,31 @@ def test_gpt_ports_by_import():
 
 def test_module_to_channels_last_as_pytorch():
   """`model.to(memory_format=bt.channels_last)` lays out 4-d parameters (a convolution's weight) as PyTorch's does,
-  leaves the others, and two SGD steps from there match PyTorch's with the layout kept."""
-  bt.manual_seed(0)
-  m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(200, 4))
-  tm = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                           torch.nn.Flatten(), torch.nn.Linear(200, 4))
-  tm.load_state_dict({k: torch.tensor(v.detach().numpy()) for k, v in m.state_dict().items()})
-  assert m.to(memory_format=bt.channels_last) is m
-  tm.to(memory_format=torch.channels_last)
-  assert [p.stride() for p in m.parameters()] == [p.stride() for p in tm.parameters()]
+  leaves the others, and two SGD (momentum) or AdamW steps from there match PyTorch's with the layout kept: the states
+  take their parameter's layout and every parameter is updated by the one multi-tensor op (`sgd` / `adamw`)."""
   x, y = np.random.default_rng(0).standard_normal((2, 3, 5, 5)).astype(np.float32), np.array([1, 3])
-  for mod, lib in ((m, bt), (tm, torch)):
-    opt = lib.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
+  for name, kw in (("SGD", dict(lr=0.1, momentum=0.9)), ("AdamW", dict(lr=0.01, weight_decay=0.1))):
+    bt.manual_seed(0)
+    # no bias before the batch norm: its gradient is rounding noise, which Adam's normalization would amplify
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                      nn.Linear(200, 4))
+    tm = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                             torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(200, 4))
+    tm.load_state_dict({k: torch.tensor(v.detach().numpy()) for k, v in m.state_dict().items()})
+    assert m.to(memory_format=bt.channels_last) is m
+    tm.to(memory_format=torch.channels_last)
+    assert [p.stride() for p in m.parameters()] == [p.stride() for p in tm.parameters()]
+    opt, topt = getattr(bt.optim, name)(m.parameters(), **kw), getattr(torch.optim, name)(tm.parameters(), **kw)
     for _ in range(2):
-      lib.nn.functional.cross_entropy(mod(lib.tensor(x)), lib.tensor(y)).backward()
-      opt.step()
-      opt.zero_grad()
-  assert m[0].weight.is_contiguous(memory_format=bt.channels_last)
-  for a, b in zip(m.parameters(), tm.parameters()):
-    np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6)
+      for mod, lib in ((m, bt), (tm, torch)):
+        lib.nn.functional.cross_entropy(mod(lib.tensor(x)), lib.tensor(y)).backward()
+      with bt.profiler.profile() as prof: opt.step()
+      calls = {r.name: r.calls for r in prof.rows}
+      assert calls.get(name.lower()) == 1, (name, calls)
+      topt.step()
+      opt.zero_grad(), topt.zero_grad()
+    w = m[0].weight
+    assert w.is_contiguous(memory_format=bt.channels_last)
+    assert all(s.stride() == w.stride() for s in opt.state[w].values() if isinstance(s, bt.Tensor) and s.ndim == 4)
+    for a, b in zip(m.parameters(), tm.parameters()):
+      np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)

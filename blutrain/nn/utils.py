@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from blutrain import dtypes, ops
+from blutrain import dtypes, ops, shapes
 from blutrain.ops import no_grad
 from blutrain.tensor import Tensor
 
@@ -58,11 +58,11 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
 
 
 def _multi_tensor(grads: list[Tensor]) -> bool:
-  """Whether the multi-tensor ops (`ops.sum_squares`, `ops.scale_`) take the gradients: dense float32/16 on one
-  device."""
+  """Whether the multi-tensor ops (`ops.sum_squares`, `ops.scale_`) take the gradients: dense (any memory order)
+  float32/16 on one device."""
   d = grads[0].device
-  return all(g.device == d and g.dtype in (dtypes.float32, dtypes.bfloat16, dtypes.float16) and g.is_contiguous()
-             for g in grads)
+  return all(g.device == d and g.dtype in (dtypes.float32, dtypes.bfloat16, dtypes.float16)
+             and shapes.is_dense(g.shape, g.stride()) for g in grads)
 
 
 def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float, foreach: bool | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import dtypes, ops
-from blutrain.optim.optimizer import Optimizer, ParamsT, multi_tensor_ready
+from blutrain.optim.optimizer import Optimizer, ParamsT, laid_out_like, multi_tensor_ready, zeros_in_layout
 from blutrain.tensor import Tensor
 
 
@@ -51,15 +51,15 @@ class Adam(Optimizer):
   def _init_state(p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     if state: return
     state["step"] = ops.zeros((), dtype=dtypes.float64, device=p.device)
-    state["exp_avg"], state["exp_avg_sq"] = ops.zeros_like(p), ops.zeros_like(p)
-    if group["amsgrad"]: state["max_exp_avg_sq"] = ops.zeros_like(p)
+    state["exp_avg"], state["exp_avg_sq"] = zeros_in_layout(p), zeros_in_layout(p)
+    if group["amsgrad"]: state["max_exp_avg_sq"] = zeros_in_layout(p)
 
   def _step_group(self, group: dict[str, Any]) -> None:
     params = [p for p in group["params"] if p.grad is not None]
     if not self._fusable(group, params): return super()._step_group(group)
     states = [self.state[p] for p in params]
     for p, state in zip(params, states): self._init_state(p, state, group)
-    if not all(s["exp_avg"].is_contiguous() and s["exp_avg_sq"].is_contiguous() for s in states):
+    if not all(laid_out_like(s["exp_avg"], p) and laid_out_like(s["exp_avg_sq"], p) for p, s in zip(params, states)):
       return super()._step_group(group)
     (beta1, beta2), device = group["betas"], params[0].device
     ops.adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
@@ -72,7 +72,7 @@ class Adam(Optimizer):
     device."""
     return (group["fused"] is not False and not group["amsgrad"] and not group["maximize"]
             and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
-            and multi_tensor_ready(params) and all(p.grad.is_contiguous() for p in params))
+            and multi_tensor_ready(params))
 
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     (beta1, beta2), weight_decay = group["betas"], group["weight_decay"]

@@ -6,7 +6,7 @@ import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
-from blutrain import dtypes, ops
+from blutrain import dtypes, ops, shapes
 from blutrain.ops import enable_grad, no_grad
 from blutrain.tensor import Tensor
 
@@ -132,10 +132,26 @@ MULTI_TENSOR_DTYPES = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
 
 
 def multi_tensor_ready(params: list[Tensor]) -> bool:
-  """Whether a multi-tensor update (`ops.adamw_`, `ops.sgd_`) can take these parameters with their gradients:
-  contiguous float32/16 parameters on one device, with float32/16 gradients of their shapes."""
-  return bool(params) and all(p.device == params[0].device and p.dtype in MULTI_TENSOR_DTYPES and p.is_contiguous()
-                              and p.grad.dtype in MULTI_TENSOR_DTYPES and p.grad.shape == p.shape for p in params)
+  """Whether a multi-tensor update (`ops.adamw_`, `ops.sgd_`) can take these parameters with their gradients: dense
+  float32/16 parameters (contiguous, channels-last, any order without gaps) on one device, with float32/16 gradients
+  of their shapes (in any layout: one unlike its parameter's is read through a copy in the parameter's)."""
+  return bool(params) and all(p.device == params[0].device and p.dtype in MULTI_TENSOR_DTYPES
+                              and shapes.is_dense(p.shape, p.stride()) and p.grad.dtype in MULTI_TENSOR_DTYPES
+                              and p.grad.shape == p.shape for p in params)
+
+
+def laid_out_like(state: Tensor, p: Tensor) -> bool:
+  """Whether an optimizer state has p's shape, dtype and memory layout (what the multi-tensor updates walk)."""
+  return state.shape == p.shape and state.dtype is p.dtype and shapes.same_layout(p.shape, p.stride(), state.stride())
+
+
+def zeros_in_layout(p: Tensor) -> Tensor:
+  """Zeros of p's shape and dtype laid out as p is in memory (as PyTorch's zeros_like keeps a channels-last
+  parameter's format for its optimizer state)."""
+  order = shapes.memory_order(p.shape, p.stride())
+  if order is None: return ops.zeros_like(p)
+  back = tuple(order.index(d) for d in range(p.ndim))
+  return ops.zeros([p.shape[d] for d in order], dtype=p.dtype, device=p.device).permute(back)
 
 
 def _load_value(p: Tensor, key: str, value: Any) -> Any:

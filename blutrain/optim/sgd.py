@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import ops
-from blutrain.optim.optimizer import Optimizer, ParamsT, multi_tensor_ready
+from blutrain.optim.optimizer import Optimizer, ParamsT, laid_out_like, multi_tensor_ready, zeros_in_layout
 from blutrain.tensor import Tensor
 
 
@@ -49,8 +49,7 @@ class SGD(Optimizer):
     momentum = group["momentum"]
     states = [self.state[p] for p in params]
     bufs = [s.get("momentum_buffer") for s in states] if momentum != 0 else [None] * len(params)
-    if any(b is not None and not (b.is_contiguous() and b.dtype is p.dtype and b.shape == p.shape)
-           for p, b in zip(params, bufs)):
+    if any(b is not None and not laid_out_like(b, p) for p, b in zip(params, bufs)):
       return super()._step_group(group)
     lr = ops.dynamic_scalar(lambda: group["lr"], params[0].device)
     kw = {k: group[k] for k in ("momentum", "dampening", "weight_decay", "nesterov", "maximize")}
@@ -59,7 +58,7 @@ class SGD(Optimizer):
       todo = [i for i, b in enumerate(bufs) if (b is None) == first]
       if not todo: continue
       if first:  # PyTorch's first buffer is a copy of the gradient: the op writes it, reading nothing here
-        for i in todo: states[i]["momentum_buffer"] = ops.empty_like(params[i])
+        for i in todo: states[i]["momentum_buffer"] = zeros_in_layout(params[i])
       ops.sgd_([params[i] for i in todo], [params[i].grad for i in todo],
                [states[i]["momentum_buffer"] for i in todo], lr, **kw, is_first_step=first)
 

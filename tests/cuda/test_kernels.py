@@ -618,16 +618,28 @@ def test_clip_grad_norm_multi_tensor(max_norm):
 
 # *** fused AdamW ***
 
+def _channels_last_last(params: list, step: int) -> None:
+  """The last parameter (4-d) made channels-last, a leaf; its gradient channels-last on even steps, row-major on odd
+  ones (read through a copy in the parameter's layout by the multi-tensor kernels)."""
+  if step < 0:
+    params[-1] = params[-1].detach().contiguous(memory_format=bt.channels_last).requires_grad_()
+  elif step % 2 == 0:
+    params[-1].grad = params[-1].grad.contiguous(memory_format=bt.channels_last)
+
+
 def test_fused_adamw_matches_the_per_parameter_update():
-  shapes = [(768, 3072), (3072,), (50304, 64), (7,), ()]
+  """With a channels-last parameter among them: its moments take its layout and it joins the launch."""
+  shapes = [(768, 3072), (3072,), (50304, 64), (7,), (), (64, 32, 3, 3)]
   init = [rand(s, bt.float32, seed=i) for i, s in enumerate(shapes)]
   grads = [[rand(s, bt.float32, seed=100 * k + i) for i, s in enumerate(shapes)] for k in range(4)]
   runs = {}
   for name, device, fused in (("fused", "cuda", None), ("reference", "cuda", False), ("cpu", "cpu", False)):
     params = [bt.tensor(a, device=device, requires_grad=True) for a in init]
+    _channels_last_last(params, -1)
     opt = bt.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused)
-    for step in grads:
+    for k, step in enumerate(grads):
       for p, g in zip(params, step): p.grad = bt.tensor(g, device=device)
+      _channels_last_last(params, k)
       opt.step()
     runs[name] = (params, opt)
   # the same float32 arithmetic in another order: a few ulps of the parameters' scale (~1), not of each value
@@ -637,6 +649,7 @@ def test_fused_adamw_matches_the_per_parameter_update():
       for key in ("exp_avg", "exp_avg_sq"):
         check(f"fused AdamW {key} {i}", of.state[a][key], orf.state[b][key].cpu(), (5e-7, 1e-6))
       assert of.state[a]["step"].item() == orf.state[b]["step"].item() == len(grads)
+      assert of.state[a]["exp_avg"].stride() == a.stride()
   for i, (a, b) in enumerate(zip(runs["fused"][0], runs["cpu"][0])):
     check(f"fused AdamW vs CPU param {i}", a.detach(), b.detach(), (1e-6, 1e-5))
 
@@ -649,18 +662,20 @@ def test_fused_adamw_matches_the_per_parameter_update():
 def test_fused_sgd_matches_the_per_parameter_update_and_the_cpu(kwargs):
   """One launch per step (two while a parameter starts its buffer, as the second group here does at step 1) against
   the per-parameter update on the GPU and on the CPU; a strided gradient and bf16 parameters among them."""
-  shapes = [(768, 3072), (3072,), (50304, 64), (7,), (), (0, 3)]
+  shapes = [(768, 3072), (3072,), (50304, 64), (7,), (), (0, 3), (64, 32, 3, 3)]
   init = [rand(s, bt.float32, seed=i) for i, s in enumerate(shapes)]
   grads = [[rand(s, bt.float32, seed=100 * k + i) for i, s in enumerate(shapes)] for k in range(4)]
   runs = {}
   for name, device, fused in (("fused", "cuda", None), ("reference", "cuda", False), ("cpu", "cpu", False)):
     params = [bt.tensor(a, device=device, requires_grad=True) for a in init]
     params[3] = bt.tensor(init[3], device=device).bfloat16().requires_grad_()
+    _channels_last_last(params, -1)
     opt = bt.optim.SGD(params, lr=0.05, **kwargs, fused=fused)
     for k, step in enumerate(grads):
       for i, (p, g) in enumerate(zip(params, step)):
         p.grad = None if k == 0 and i == 1 else bt.tensor(g, device=device).to(p.dtype)
       params[0].grad = params[0].grad.t().contiguous().t()  # the same values, transposed strides
+      _channels_last_last(params, k)
       opt.step()
     runs[name] = (params, opt)
   (pf, of), (pr, orf), (pc, oc) = runs["fused"], runs["reference"], runs["cpu"]
@@ -670,3 +685,4 @@ def test_fused_sgd_matches_the_per_parameter_update_and_the_cpu(kwargs):
     check(f"fused SGD vs CPU param {i} {shapes[i]}", a.detach(), c.detach(), tol)
     if kwargs.get("momentum"):
       check(f"fused SGD buffer {i}", of.state[a]["momentum_buffer"], oc.state[c]["momentum_buffer"], tol)
+      assert of.state[a]["momentum_buffer"].stride() == a.stride(), i

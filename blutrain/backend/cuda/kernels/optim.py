@@ -31,10 +31,11 @@ from triton.language.extra.cuda import libdevice
 from blutrain import dtypes
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import TL, f64_bits, run, spec, sqrt_rn
+from blutrain.backend.cuda.kernels import TL, empty_like, f64_bits, run, spec, sqrt_rn
 from blutrain.backend.cuda.kernels.copy import cat, copy
 from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.configurator import MULTI_TENSOR_CHUNK, multi_tensor_schedule
+from blutrain.shapes import is_dense, same_layout
 
 CHUNK = MULTI_TENSOR_CHUNK  # elements per program
 
@@ -162,22 +163,36 @@ def _param_rows(params: list[CudaArray], grads: list[CudaArray], *state: list[Cu
   return groups
 
 
+def _walkable(p: CudaArray, *states: CudaArray) -> bool:
+  """Whether a kernel walking p's memory flat meets the same elements in each state: p dense, the states of its shape
+  and layout."""
+  return is_dense(p.shape, p.strides) and all(s.shape == p.shape and same_layout(p.shape, p.strides, s.strides)
+                                              for s in states)
+
+
+def _laid_out_as(g: CudaArray, p: CudaArray) -> CudaArray:
+  """g, or a copy of g in p's dense layout when they differ (a channels-last parameter's transposed gradient)."""
+  if g.shape == p.shape and same_layout(p.shape, p.strides, g.strides): return g
+  return copy(g, empty_like(p, g.dtype))
+
+
 def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[CudaArray], exp_avg_sqs: list[CudaArray],
                 steps: list[CudaArray], lr: float | CudaArray, beta1: float, beta2: float, eps: float,
                 weight_decay: float, clip: CudaArray | None = None) -> None:
   """AdamW on every (param, grad, exp_avg, exp_avg_sq, step) in place: steps (0-d float64) are incremented first.
-  Params and moments share a floating dtype and are contiguous; grads may have another floating dtype and any layout
-  (a strided one is read through a contiguous copy). One launch per (param dtype, grad dtype) group, plus one that
+  Params are dense (any memory order) and moments share their dtype and layout; grads may have another floating dtype
+  and any layout (one unlike its param's is read through a copy in the param's). One launch per (param dtype, grad
+  dtype) group, plus one that
   increments the steps. `lr` is a number, or a 0-d float64 device array read by the kernel (no host sync: a CUDA graph
   captures the read, not the value). `clip`, a float32 device array of one element, scales every gradient as it is
   read (clip_grad_norm_'s factor, folded by Nova)."""
-  grads = [g if g.is_contiguous() else copy(g) for g in grads]
+  grads = [_laid_out_as(g, p) for g, p in zip(grads, params, strict=True)]
   for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-    if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()) or \
-       not p.shape == g.shape == m.shape == v.shape or not (p.dtype is m.dtype is v.dtype) or s.dtype is not dtypes.float64:
-      raise ValueError(f"fused_adamw: needs contiguous param, grad and moments of one shape (moments in the param's "
-                       f"dtype) and a float64 step; got {p.shape} {p.dtype.name}, {g.shape} {g.dtype.name}, "
-                       f"{m.shape} {m.dtype.name}, {v.shape} {v.dtype.name}, step {s.dtype.name}")
+    if not (_walkable(p, m, v) and p.shape == g.shape and p.dtype is m.dtype is v.dtype) or s.dtype is not dtypes.float64:
+      raise ValueError(f"fused_adamw: needs a dense param, a grad of its shape and moments of its shape, dtype and "
+                       f"layout, and a float64 step; got {p.shape} {p.dtype.name} strides {p.strides}, {g.shape} "
+                       f"{g.dtype.name}, {m.shape} {m.dtype.name} strides {m.strides}, {v.shape} {v.dtype.name} "
+                       f"strides {v.strides}, step {s.dtype.name}")
   on_device = isinstance(lr, CudaArray)
   for (pd, gd, device), rows in _param_rows(params, grads, exp_avgs, exp_avg_sqs, steps).items():
     table, chunks = _tables_for(rows, device)
@@ -242,16 +257,16 @@ def fused_sgd(params: list[CudaArray], grads: list[CudaArray], momentum_buffers:
               momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
               is_first_step: bool, clip: CudaArray | None = None) -> None:
   """SGD on every (param, grad, momentum buffer) in place (no buffers when momentum is 0; with `is_first_step` they
-  are written, not read). Params and buffers share a floating dtype and are contiguous; grads may have another
-  floating dtype and any layout (a strided one is read through a contiguous copy). One launch per (param dtype, grad
-  dtype) group; `lr` and `clip` as `fused_adamw` takes them."""
-  grads = [g if g.is_contiguous() else copy(g) for g in grads]
+  are written, not read). Params are dense (any memory order) and buffers share their dtype and layout; grads as
+  `fused_adamw` takes them. One launch per (param dtype, grad dtype) group; `lr` and `clip` as `fused_adamw` takes
+  them."""
+  grads = [_laid_out_as(g, p) for g, p in zip(grads, params, strict=True)]
   bufs = momentum_buffers if momentum != 0 else params  # the rows' third pointer, never read without momentum
   for p, g, b in zip(params, grads, bufs, strict=True):
-    if not (p.is_contiguous() and b.is_contiguous()) or not p.shape == g.shape == b.shape or b.dtype is not p.dtype:
-      raise ValueError(f"fused_sgd: needs a contiguous param, grad and momentum buffer of one shape (the buffer in the "
-                       f"param's dtype); got {p.shape} {p.dtype.name}, {g.shape} {g.dtype.name}, {b.shape} "
-                       f"{b.dtype.name}")
+    if not (_walkable(p, b) and p.shape == g.shape) or b.dtype is not p.dtype:
+      raise ValueError(f"fused_sgd: needs a dense param, a grad of its shape and a momentum buffer of its shape, dtype "
+                       f"and layout; got {p.shape} {p.dtype.name} strides {p.strides}, {g.shape} {g.dtype.name}, "
+                       f"{b.shape} {b.dtype.name} strides {b.strides}")
   on_device = isinstance(lr, CudaArray)
   for (pd, gd, device), rows in _param_rows(params, grads, bufs).items():
     table, chunks = _tables_for(rows, device)
@@ -301,8 +316,8 @@ def multi_tensor_spec(kernel: str, dtype):
 def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[tuple[int, int]]]:
   groups: dict[tuple, list[tuple[int, int]]] = {}
   for x in tensors:
-    if not x.is_contiguous() or not x.dtype.is_floating_point or x.dtype is dtypes.float64:
-      raise ValueError(f"{op}: needs contiguous float32/float16/bfloat16 tensors, got {x.shape} {x.dtype.name} with "
+    if not is_dense(x.shape, x.strides) or not x.dtype.is_floating_point or x.dtype is dtypes.float64:
+      raise ValueError(f"{op}: needs dense float32/float16/bfloat16 tensors, got {x.shape} {x.dtype.name} with "
                        f"strides {x.strides}")
     if x.size: groups.setdefault((x.dtype, x.device), []).append((x.ptr, x.size))
   return groups
@@ -310,10 +325,10 @@ def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[tuple[int, in
 
 def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
   """Partial float32 sums of squares whose total is the squared 2-norm of all the tensors together, from one launch
-  per dtype: one partial per chunk of CHUNK elements (a 1-element zero when there are no elements). A strided tensor
-  is read through a contiguous copy."""
+  per dtype: one partial per chunk of CHUNK elements (a 1-element zero when there are no elements). A tensor with
+  gaps or overlaps is read through a contiguous copy."""
   parts = []
-  tensors = [x if x.is_contiguous() else copy(x) for x in tensors]
+  tensors = [x if is_dense(x.shape, x.strides) else copy(x) for x in tensors]
   for (dtype, dev), rows in _groups(tensors, "sum_squares").items():
     table, chunks = _tables_for(rows, dev)
     out = memory.empty((chunks.shape[0],), dtypes.float32, dev)
@@ -331,12 +346,26 @@ def scale_(tensors: list[CudaArray], scale: CudaArray) -> None:
     run(multi_tensor_spec("scale", dtype), (chunks.shape[0],), table, chunks, scale)
 
 
-def _into(xs, out) -> list[CudaArray]:
-  """Where a multi-tensor op updates in place: `out` (apply's `into`), holding the values of xs first, or copies of xs."""
-  if out is None: return [copy(x) for x in xs]
-  for x, o in zip(xs, out, strict=True):
-    if o.ptr != x.ptr: memory.copy_into(o, x)
-  return list(out)
+def _working(xs, out, like) -> tuple[list[CudaArray], list[tuple[CudaArray, CudaArray]]]:
+  """The arrays a multi-tensor op updates in place, each laid out as `like`'s (its parameter; the kernels walk both
+  flat): `out` (apply's `into`) holding the values of xs first, or new copies of xs. An out laid out otherwise (a
+  compiled step's planned buffer for a channels-last parameter's state) is updated through a copy: returns the
+  arrays and the (copy, out) pairs to write back after the update."""
+  work, back = [], []
+  for i, (x, target) in enumerate(zip(xs, like, strict=True)):
+    o = None if out is None else out[i]
+    if o is not None and same_layout(target.shape, target.strides, o.strides):
+      if o.ptr != x.ptr: memory.copy_into(o, x)
+      work.append(o)
+      continue
+    work.append(copy(x, empty_like(target, x.dtype)))
+    if o is not None: back.append((work[-1], o))
+  return work, back
+
+
+def _updated(work, back, out) -> tuple:
+  for w, o in back: memory.copy_into(o, w)
+  return tuple(work if out is None else out)
 
 
 def adamw(*xs, n: int, beta1: float, beta2: float, eps: float, weight_decay: float, clip: bool | None = None,
@@ -344,12 +373,12 @@ def adamw(*xs, n: int, beta1: float, beta2: float, eps: float, weight_decay: flo
   """The `adamw` op: xs = params, grads, exp_avgs, exp_avg_sqs, steps (n each), lr (and with `clip` the gradients'
   factor); returns (or updates in `out`) params, exp_avgs, exp_avg_sqs and steps, by `fused_adamw`."""
   params, grads, exp_avgs, exp_avg_sqs, steps = (xs[k * n:(k + 1) * n] for k in range(5))
-  updated = _into([*params, *exp_avgs, *exp_avg_sqs, *steps], out)
-  p, m, v, s = (updated[k * n:(k + 1) * n] for k in range(4))
+  work, back = _working([*params, *exp_avgs, *exp_avg_sqs, *steps], out, [*params * 3, *steps])
+  p, m, v, s = (work[k * n:(k + 1) * n] for k in range(4))
   lr = xs[5 * n]  # a CPU scalar by value, a device scalar (a learning-rate tensor) read by the kernel
   fused_adamw(p, list(grads), m, v, s, float(lr) if isinstance(lr, np.ndarray) else lr, beta1, beta2, eps, weight_decay,
               xs[-1] if clip else None)
-  return tuple(updated)
+  return _updated(work, back, out)
 
 
 def sgd(*xs, n: int, momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
@@ -357,11 +386,11 @@ def sgd(*xs, n: int, momentum: float, dampening: float, weight_decay: float, nes
   """The `sgd` op: xs = params, grads, momentum buffers (n each, none when momentum is 0), lr (and with `clip` the
   gradients' factor); returns (or updates in `out`) params and buffers, by `fused_sgd`."""
   k = 3 if momentum != 0 else 2
-  updated = _into([*xs[:n], *xs[2 * n:k * n]], out)
+  work, back = _working([*xs[:n], *xs[2 * n:k * n]], out, [*xs[:n]] * (k - 1))
   lr = xs[k * n]  # a CPU scalar by value, a device scalar (a learning-rate tensor) read by the kernel
-  fused_sgd(updated[:n], list(xs[n:2 * n]), updated[n:], float(lr) if isinstance(lr, np.ndarray) else lr, momentum,
+  fused_sgd(work[:n], list(xs[n:2 * n]), work[n:], float(lr) if isinstance(lr, np.ndarray) else lr, momentum,
             dampening, weight_decay, nesterov, maximize, is_first_step, xs[-1] if clip else None)
-  return tuple(updated)
+  return _updated(work, back, out)
 
 
 def sum_squares_op(*xs: CudaArray) -> CudaArray:
@@ -372,9 +401,9 @@ def sum_squares_op(*xs: CudaArray) -> CudaArray:
 
 def scale(*xs: CudaArray, out=None) -> tuple:
   """The `scale` op: xs[:-1] times the 0-d float32 xs[-1], each in its dtype (or updated in `out`)."""
-  updated = _into(xs[:-1], out)
-  scale_(updated, xs[-1])
-  return tuple(updated)
+  work, back = _working(xs[:-1], out, xs[:-1])
+  scale_(work, xs[-1])
+  return _updated(work, back, out)
 
 
 _F32, _BF16 = dtypes.float32, dtypes.bfloat16
