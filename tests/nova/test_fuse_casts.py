@@ -159,3 +159,43 @@ def test_layer_norm_output_used_in_float32_keeps_its_cast():
   module = ir.to_module(graph)
   FuseCastsPass().run(module)
   assert op_counts(module)["cast"] == 1
+
+
+@pytest.mark.parametrize("update", ["sgd", "adamw"])
+def test_widened_gradients_fold_into_the_update_and_compute_the_same_bits(update):
+  """Autocast's weight casts leave each weight's gradient widened from bf16 before the optimizer reads it: the update
+  reads the bf16 gradient itself (two parameters, one bf16 gradient widened, one float32)."""
+  b = Builder()
+  p, q, g, h = b.input((4, 8)), b.input((8,)), b.input((4, 8), dtypes.bfloat16), b.input((8,))
+  lr, wide = b.full((), 0.1, dtypes.float64), b("cast", g, dtype=dtypes.float32)
+  if update == "sgd":
+    outs = b("sgd", p, q, wide, h, b.input((4, 8)), b.input((8,)), lr, n=2, momentum=0.9, dampening=0.0,
+             weight_decay=0.01, nesterov=True, maximize=False, is_first_step=False)
+  else:
+    steps = [b.full((), 3.0, dtypes.float64) for _ in range(2)]
+    outs = b("adamw", p, q, wide, h, b.input((4, 8)), b.input((8,)), b.input((4, 8)), b.input((8,)), *steps, lr, n=2,
+             beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+  graph = b.output(*outs)
+  plain, fused = ir.to_module(graph), ir.to_module(graph)
+  for pass_ in (FuseCastsPass(), DCEPass()): pass_.run(fused)
+  assert "cast" in op_counts(plain) and "cast" not in op_counts(fused)
+  rng = np.random.default_rng(5)
+  args = [rng.standard_normal(v.shape).astype(v.dtype.np) for v in graph.inputs]
+  if update == "adamw": args[-2:] = [np.abs(a) for a in args[-2:]]  # second moments
+  for a, w in zip(codegen.load(codegen.generate(fused))(*args), codegen.load(codegen.generate(plain))(*args)):
+    assert a.dtype == w.dtype
+    np.testing.assert_array_equal(a, w)
+
+
+@pytest.mark.parametrize("case", ["clipped", "gradient_also_returned"])
+def test_widened_gradient_keeps_its_cast(case):
+  """A clipped update rounds the scaled gradient to its own dtype, and a returned gradient is read in float32."""
+  b = Builder()
+  p, g, buf = b.input((4, 8)), b.input((4, 8), dtypes.bfloat16), b.input((4, 8))
+  wide, lr = b("cast", g, dtype=dtypes.float32), b.full((), 0.1, dtypes.float64)
+  extra = [b.full((), 0.5)] if case == "clipped" else []
+  outs = b("sgd", p, wide, buf, lr, *extra, n=1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
+           maximize=False, is_first_step=False, clip=case == "clipped")
+  module = ir.to_module(b.output(*outs, *([wide] if case == "gradient_also_returned" else [])))
+  FuseCastsPass().run(module)
+  assert op_counts(module)["cast"] == 1

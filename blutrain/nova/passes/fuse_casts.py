@@ -21,6 +21,11 @@ and around the layer norms, which run in float32 between half matmuls:
   cast(layer_norm(x, w, b): f32 -> half)            ->  layer_norm(x, w, b, dtype=half)
   layer_norm_backward(cast(g: half -> f32), x, w)   ->  layer_norm_backward(g, x, w)
 
+and an optimizer update that reads a weight's gradient widened from autocast's half copy of the weight:
+
+  sgd(p, cast(g: half -> f32), b, lr)               ->  sgd(p, g, b, lr)             (adamw likewise; not with a
+                                                                                      clip factor)
+
 All are exact: the same float32 arithmetic on the same values, one rounding to the half dtype where there was one.
 The casts left without users are dce's.
 """
@@ -31,8 +36,9 @@ from dataclasses import dataclass
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddOp, BinaryOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp,
-                                   LayerNormBackwardOp, LayerNormOp, MaximumOp, MinimumOp, MulOp, SubOp, aval, decode)
+from blutrain.nova.dialect import (AddOp, AdamwOp, BinaryOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp,
+                                   LayerNormBackwardOp, LayerNormOp, MaximumOp, MinimumOp, MulOp, SgdOp, SubOp, aval,
+                                   decode)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _HALVES = (dtypes.float16, dtypes.bfloat16)
@@ -129,10 +135,34 @@ class LayerNormBackwardOfWidenedGradPattern(RewritePattern):
                                                   [None if r is None else r.type for r in op.graph_outputs()]))
 
 
+class UpdateOfWidenedGradPattern(RewritePattern):
+  """sgd(p, cast(g: bf16 -> f32), b, lr) -> sgd(p, g, b, lr), and adamw likewise, when the widened gradient is read by
+  updates alone, as a gradient, and none of them scales its gradients by a clip factor (the kernels round a clipped
+  gradient to its own dtype, as `scale` stores it). The update kernels read half gradients as float32 themselves:
+  autocast's weight casts leave one such widening per weight in the backward.
+
+    %g32 = nova.cast %g {dtype = f32} : (tensor<64x3x7x7xbf16>) -> tensor<64x3x7x7xf32>
+    %p2, %b2 = nova.sgd %p, %g32, %b, %lr {n = 1 : i64, ...} : (...) -> (...)
+      =>   %p2, %b2 = nova.sgd %p, %g, %b, %lr {n = 1 : i64, ...} : (...) -> (...)
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CastOp, rewriter: PatternRewriter):
+    if _widened_half(op.result) is None or not op.result.uses: return
+    users = []
+    for use in op.result.uses:
+      a = use.operation
+      n = a.attrs()["n"] if isinstance(a, (AdamwOp, SgdOp)) else 0
+      if not n <= use.index < 2 * n or a.attrs().get("clip"): return
+      if a not in users: users.append(a)
+    for a in users:
+      xs = [op.x if v is op.result else v for v in a.operands]
+      rewriter.replace(a, type(a).make(xs, a.attrs(), [r.type for r in a.results]))
+
+
 @dataclass(frozen=True)
 class FuseCastsPass(PatternPass):
-  """Autocast's casts folded into the kernels that read or write them: the cross-entropy's, the layer norm's and the
-  arithmetic ops'."""
+  """Autocast's casts folded into the kernels that read or write them: the cross-entropy's, the layer norm's, the
+  arithmetic ops' and the optimizer updates'."""
   name = "fuse-casts"
   PATTERNS = (CrossEntropyOfWidenedLogitsPattern(), NarrowedCrossEntropyBackwardPattern(), WidenedOperandPattern(),
-              NarrowedLayerNormPattern(), LayerNormBackwardOfWidenedGradPattern())
+              NarrowedLayerNormPattern(), LayerNormBackwardOfWidenedGradPattern(), UpdateOfWidenedGradPattern())
