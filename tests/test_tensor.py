@@ -442,3 +442,26 @@ def test_memory_formats_as_pytorch():
   assert np.array_equal(x.grad.numpy(), a)
   with pytest.raises(RuntimeError, match="channels_last needs a tensor of 4 dims"):
     bt.zeros(2, 3, 4).contiguous(memory_format=bt.channels_last)
+
+
+@pytest.mark.parametrize("fn", ["zeros_like", "ones_like", "empty_like", "full_like"])
+def test_like_functions_keep_a_dense_layout_as_pytorch(fn):
+  """`*_like` keep a dense input's strides (channels-last, transposed; PyTorch's preserve_format), lay out a non-dense
+  input row-major, and honour an explicit memory_format; values, dtype and requires_grad as asked."""
+  import torch
+  a = np.random.default_rng(1).standard_normal((2, 3, 4, 5)).astype(np.float32)
+  x, t = bt.tensor(a), torch.tensor(a)
+  args = (2.5,) if fn == "full_like" else ()
+  cases = [(x.contiguous(memory_format=bt.channels_last), t.contiguous(memory_format=torch.channels_last), {}, {}),
+           (x.transpose(1, 3), t.transpose(1, 3), {}, {}), (x[:, :, ::2], t[:, :, ::2], {}, {}),
+           (x, t, dict(memory_format=bt.channels_last), dict(memory_format=torch.channels_last)),
+           (x.contiguous(memory_format=bt.channels_last), t.contiguous(memory_format=torch.channels_last),
+            dict(memory_format=bt.contiguous_format), dict(memory_format=torch.contiguous_format))]
+  for u, tu, kw, tkw in cases:
+    got, want = getattr(bt, fn)(u, *args, **kw), getattr(torch, fn)(tu, *args, **tkw)
+    assert got.stride() == want.stride() and got.shape == tuple(want.shape), (fn, u.stride(), kw)
+    if fn != "empty_like": assert np.array_equal(got.numpy(), want.numpy())
+  g = getattr(bt, fn)(x.contiguous(memory_format=bt.channels_last), *args, dtype=bt.float64, requires_grad=True)
+  assert g.dtype is bt.float64 and g.requires_grad and g.is_leaf
+  (g * 2).sum().backward()
+  assert np.array_equal(g.grad.numpy(), np.full(a.shape, 2.0))

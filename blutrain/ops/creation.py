@@ -11,7 +11,7 @@ from blutrain.autograd.tape import hooks
 from blutrain.device import Device, to_device as parse_device
 from blutrain.dtypes import DType
 from blutrain.ops.core import op
-from blutrain.shapes import Shape, ShapeError
+from blutrain.shapes import Shape, ShapeError, memory_format, memory_order, preserve_format
 from blutrain.tensor import Storage, Tensor
 
 
@@ -81,20 +81,30 @@ def empty(*shape, size=None, dtype=None, device=None, requires_grad: bool = Fals
   return zeros(*shape, size=size, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
-def full_like(x: Tensor, fill_value, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-  return full(x.shape, fill_value, dtype=dtype or x.dtype, device=device or x.device, requires_grad=requires_grad)
+def full_like(x: Tensor, fill_value, *, dtype=None, device=None, requires_grad: bool = False,
+              memory_format: memory_format = preserve_format) -> Tensor:
+  """A tensor of x's shape filled with `fill_value`, laid out in memory as x when x is dense (`preserve_format`,
+  PyTorch's default: a channels-last x gives a channels-last result), else row-major; or in `memory_format`."""
+  order = memory_order(x.shape, x.stride()) if memory_format is preserve_format else memory_format.order(x.ndim)
+  kw = dict(dtype=dtype or x.dtype, device=device or x.device)
+  if order is None: return full(x.shape, fill_value, **kw, requires_grad=requires_grad)
+  t = full([x.shape[d] for d in order], fill_value, **kw).permute(tuple(order.index(d) for d in range(x.ndim)))
+  return t.requires_grad_(requires_grad) if requires_grad else t
 
 
-def zeros_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-  return full_like(x, 0, dtype=dtype, device=device, requires_grad=requires_grad)
+def zeros_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False,
+               memory_format: memory_format = preserve_format) -> Tensor:
+  return full_like(x, 0, dtype=dtype, device=device, requires_grad=requires_grad, memory_format=memory_format)
 
 
-def ones_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-  return full_like(x, 1, dtype=dtype, device=device, requires_grad=requires_grad)
+def ones_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False,
+              memory_format: memory_format = preserve_format) -> Tensor:
+  return full_like(x, 1, dtype=dtype, device=device, requires_grad=requires_grad, memory_format=memory_format)
 
 
-def empty_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-  return zeros_like(x, dtype=dtype, device=device, requires_grad=requires_grad)
+def empty_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False,
+               memory_format: memory_format = preserve_format) -> Tensor:
+  return zeros_like(x, dtype=dtype, device=device, requires_grad=requires_grad, memory_format=memory_format)
 
 
 def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import dtypes, ops
-from blutrain.optim.optimizer import Optimizer, ParamsT, laid_out_like, multi_tensor_ready, zeros_in_layout
+from blutrain.optim.optimizer import Optimizer, ParamsT, laid_out_like, multi_tensor_ready
 from blutrain.tensor import Tensor
 
 
@@ -51,8 +51,8 @@ class Adam(Optimizer):
   def _init_state(p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     if state: return
     state["step"] = ops.zeros((), dtype=dtypes.float64, device=p.device)
-    state["exp_avg"], state["exp_avg_sq"] = zeros_in_layout(p), zeros_in_layout(p)
-    if group["amsgrad"]: state["max_exp_avg_sq"] = zeros_in_layout(p)
+    state["exp_avg"], state["exp_avg_sq"] = ops.zeros_like(p), ops.zeros_like(p)
+    if group["amsgrad"]: state["max_exp_avg_sq"] = ops.zeros_like(p)
 
   def _step_group(self, group: dict[str, Any]) -> None:
     params = [p for p in group["params"] if p.grad is not None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import dtypes, ops
-from blutrain.optim.optimizer import Optimizer, ParamsT, zeros_in_layout
+from blutrain.optim.optimizer import Optimizer, ParamsT
 from blutrain.tensor import Tensor
 
 
@@ -47,9 +47,9 @@ class RMSprop(Optimizer):
     alpha, momentum = group["alpha"], group["momentum"]
     if not state:
       state["step"] = ops.zeros((), dtype=dtypes.float64, device=p.device)
-      state["square_avg"] = zeros_in_layout(p)
-      if momentum > 0: state["momentum_buffer"] = zeros_in_layout(p)
-      if group["centered"]: state["grad_avg"] = zeros_in_layout(p)
+      state["square_avg"] = ops.zeros_like(p)
+      if momentum > 0: state["momentum_buffer"] = ops.zeros_like(p)
+      if group["centered"]: state["grad_avg"] = ops.zeros_like(p)
     state["step"].add_(1)
     if group["maximize"]: grad = -grad
     if group["weight_decay"] != 0: grad = grad.add(p, alpha=group["weight_decay"])

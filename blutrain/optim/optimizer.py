@@ -145,15 +145,6 @@ def laid_out_like(state: Tensor, p: Tensor) -> bool:
   return state.shape == p.shape and state.dtype is p.dtype and shapes.same_layout(p.shape, p.stride(), state.stride())
 
 
-def zeros_in_layout(p: Tensor) -> Tensor:
-  """Zeros of p's shape and dtype laid out as p is in memory (as PyTorch's zeros_like keeps a channels-last
-  parameter's format for its optimizer state)."""
-  order = shapes.memory_order(p.shape, p.stride())
-  if order is None: return ops.zeros_like(p)
-  back = tuple(order.index(d) for d in range(p.ndim))
-  return ops.zeros([p.shape[d] for d in order], dtype=p.dtype, device=p.device).permute(back)
-
-
 def _load_value(p: Tensor, key: str, value: Any) -> Any:
   """A loaded state entry: `step` as a 0-d float64 tensor on p's device (PyTorch saves a float32 one), other
   tensors copied onto p's device (and to p's dtype when p is floating point), anything else as is."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import ops
-from blutrain.optim.optimizer import Optimizer, ParamsT, laid_out_like, multi_tensor_ready, zeros_in_layout
+from blutrain.optim.optimizer import Optimizer, ParamsT, laid_out_like, multi_tensor_ready
 from blutrain.tensor import Tensor
 
 
@@ -58,7 +58,7 @@ class SGD(Optimizer):
       todo = [i for i, b in enumerate(bufs) if (b is None) == first]
       if not todo: continue
       if first:  # PyTorch's first buffer is a copy of the gradient: the op writes it, reading nothing here
-        for i in todo: states[i]["momentum_buffer"] = zeros_in_layout(params[i])
+        for i in todo: states[i]["momentum_buffer"] = ops.zeros_like(params[i])
       ops.sgd_([params[i] for i in todo], [params[i].grad for i in todo],
                [states[i]["momentum_buffer"] for i in todo], lr, **kw, is_first_step=first)
 
