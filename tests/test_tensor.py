@@ -444,6 +444,24 @@ def test_memory_formats_as_pytorch():
     bt.zeros(2, 3, 4).contiguous(memory_format=bt.channels_last)
 
 
+def test_elementwise_results_keep_their_inputs_layout_as_pytorch():
+  """An elementwise op (unary, binary, with a scalar or a broadcast operand, a cast, where) on a channels-last or a
+  transposed input gives PyTorch's strides and values on the CPU too; `contiguous()` and `clone()` stay row-major."""
+  import torch
+  a = np.random.default_rng(2).standard_normal((2, 3, 4, 5)).astype(np.float32)
+  x, t = bt.tensor(a), torch.tensor(a)
+  ops = {"exp": lambda m, u: u.exp(), "add": lambda m, u: u + u * 2, "scalar": lambda m, u: 1.5 - u,
+         "broadcast": lambda m, u: u * m.arange(u.shape[-1]), "cast": lambda m, u: u.to(m.float64),
+         "where": lambda m, u: m.where(u > 0, u, 0.0), "relu": lambda m, u: m.nn.functional.relu(u),
+         "contiguous": lambda m, u: (u + 0).contiguous()}
+  for u, tu in ((x.contiguous(memory_format=bt.channels_last), t.contiguous(memory_format=torch.channels_last)),
+                (x.transpose(1, 3), t.transpose(1, 3))):
+    for name, f in ops.items():
+      got, want = f(bt, u), f(torch, tu)
+      assert got.stride() == want.stride(), (name, u.stride(), got.stride(), want.stride())
+      np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, err_msg=name)  # numpy's exp: an ulp off
+
+
 @pytest.mark.parametrize("fn", ["zeros_like", "ones_like", "empty_like", "full_like"])
 def test_like_functions_keep_a_dense_layout_as_pytorch(fn):
   """`*_like` keep a dense input's strides (channels-last, transposed; PyTorch's preserve_format), lay out a non-dense

@@ -8,7 +8,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from blutrain import backend
 from blutrain.backend.cpu.kernels import kernels
-from blutrain.shapes import contiguous_strides
+from blutrain.shapes import contiguous_strides, memory_order
 
 
 def view(data: np.ndarray, shape, strides, offset: int, dtype) -> np.ndarray:
@@ -20,10 +20,17 @@ def view(data: np.ndarray, shape, strides, offset: int, dtype) -> np.ndarray:
 
 
 def wrap(array, dtype) -> tuple:
-  """A kernel's result as (flat buffer, shape, strides, offset, view); shares memory when it is C-contiguous."""
+  """A kernel's result as (flat buffer, shape, strides, offset, view), sharing its memory when it is dense in any
+  order: numpy's ufuncs lay their output out as their inputs are (a channels-last input gives a channels-last result,
+  as PyTorch's kernels keep the memory format); other layouts (gaps, broadcasts, negative strides) are copied
+  row-major."""
   arr = np.asarray(array)
   if arr.dtype != dtype.np: arr = arr.astype(dtype.np)
-  if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
+  if arr.flags.c_contiguous: return arr.reshape(-1), arr.shape, contiguous_strides(arr.shape), 0, arr
+  strides = tuple(s // arr.itemsize for s in arr.strides)
+  if all(s % arr.itemsize == 0 for s in arr.strides) and (order := memory_order(arr.shape, strides)) is not None:
+    return arr.transpose(order).reshape(-1), arr.shape, strides, 0, arr
+  arr = np.ascontiguousarray(arr)
   return arr.reshape(-1), arr.shape, contiguous_strides(arr.shape), 0, arr
 
 
