@@ -446,14 +446,16 @@ def test_memory_formats_as_pytorch():
 
 def test_elementwise_results_keep_their_inputs_layout_as_pytorch():
   """An elementwise op (unary, binary, with a scalar or a broadcast operand, a cast, where) on a channels-last or a
-  transposed input gives PyTorch's strides and values on the CPU too; `contiguous()` and `clone()` stay row-major."""
+  transposed input gives PyTorch's strides and values on the CPU too, operands of two layouts the first one's;
+  `contiguous()` stays row-major."""
   import torch
   a = np.random.default_rng(2).standard_normal((2, 3, 4, 5)).astype(np.float32)
   x, t = bt.tensor(a), torch.tensor(a)
   ops = {"exp": lambda m, u: u.exp(), "add": lambda m, u: u + u * 2, "scalar": lambda m, u: 1.5 - u,
          "broadcast": lambda m, u: u * m.arange(u.shape[-1]), "cast": lambda m, u: u.to(m.float64),
          "where": lambda m, u: m.where(u > 0, u, 0.0), "relu": lambda m, u: m.nn.functional.relu(u),
-         "contiguous": lambda m, u: (u + 0).contiguous()}
+         "contiguous": lambda m, u: (u + 0).contiguous(), "first_laid_out": lambda m, u: u + u.contiguous(),
+         "first_row_major": lambda m, u: u.contiguous() * u, "compare": lambda m, u: u > u.contiguous()}
   for u, tu in ((x.contiguous(memory_format=bt.channels_last), t.contiguous(memory_format=torch.channels_last)),
                 (x.transpose(1, 3), t.transpose(1, 3))):
     for name, f in ops.items():
@@ -462,7 +464,7 @@ def test_elementwise_results_keep_their_inputs_layout_as_pytorch():
       np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, err_msg=name)  # numpy's exp: an ulp off
 
 
-@pytest.mark.parametrize("fn", ["zeros_like", "ones_like", "empty_like", "full_like"])
+@pytest.mark.parametrize("fn", ["zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"])
 def test_like_functions_keep_a_dense_layout_as_pytorch(fn):
   """`*_like` keep a dense input's strides (channels-last, transposed; PyTorch's preserve_format), lay out a non-dense
   input row-major, and honour an explicit memory_format; values, dtype and requires_grad as asked."""
@@ -478,7 +480,7 @@ def test_like_functions_keep_a_dense_layout_as_pytorch(fn):
   for u, tu, kw, tkw in cases:
     got, want = getattr(bt, fn)(u, *args, **kw), getattr(torch, fn)(tu, *args, **tkw)
     assert got.stride() == want.stride() and got.shape == tuple(want.shape), (fn, u.stride(), kw)
-    if fn != "empty_like": assert np.array_equal(got.numpy(), want.numpy())
+    if fn not in ("empty_like", "rand_like", "randn_like"): assert np.array_equal(got.numpy(), want.numpy())
   g = getattr(bt, fn)(x.contiguous(memory_format=bt.channels_last), *args, dtype=bt.float64, requires_grad=True)
   assert g.dtype is bt.float64 and g.requires_grad and g.is_leaf
   (g * 2).sum().backward()

@@ -81,14 +81,20 @@ def empty(*shape, size=None, dtype=None, device=None, requires_grad: bool = Fals
   return zeros(*shape, size=size, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
+def laid_out_like(x: Tensor, memory_format: memory_format, make) -> Tensor:
+  """make(shape), a new tensor of x's shape, laid out in memory as x when x is dense (`preserve_format`, PyTorch's
+  default for `*_like`: a channels-last x gives a channels-last result), else row-major; or in `memory_format`. It is
+  made with its dims in memory order (values written in memory order) and viewed back."""
+  order = memory_order(x.shape, x.stride()) if memory_format is preserve_format else memory_format.order(x.ndim)
+  if order is None: return make(x.shape)
+  return make([x.shape[d] for d in order]).permute(tuple(order.index(d) for d in range(x.ndim)))
+
+
 def full_like(x: Tensor, fill_value, *, dtype=None, device=None, requires_grad: bool = False,
               memory_format: memory_format = preserve_format) -> Tensor:
-  """A tensor of x's shape filled with `fill_value`, laid out in memory as x when x is dense (`preserve_format`,
-  PyTorch's default: a channels-last x gives a channels-last result), else row-major; or in `memory_format`."""
-  order = memory_order(x.shape, x.stride()) if memory_format is preserve_format else memory_format.order(x.ndim)
-  kw = dict(dtype=dtype or x.dtype, device=device or x.device)
-  if order is None: return full(x.shape, fill_value, **kw, requires_grad=requires_grad)
-  t = full([x.shape[d] for d in order], fill_value, **kw).permute(tuple(order.index(d) for d in range(x.ndim)))
+  """A tensor of x's shape filled with `fill_value`, in x's dense layout (`laid_out_like`)."""
+  t = laid_out_like(x, memory_format, lambda shape: full(shape, fill_value, dtype=dtype or x.dtype,
+                                                         device=device or x.device))
   return t.requires_grad_(requires_grad) if requires_grad else t
 
 

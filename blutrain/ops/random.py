@@ -6,9 +6,9 @@ import math
 from blutrain import dtypes
 from blutrain.device import to_device as parse_device
 from blutrain.ops.core import op
-from blutrain.ops.creation import shape_from, tensor
+from blutrain.ops.creation import laid_out_like, shape_from, tensor
 from blutrain.dtypes import DTypeError
-from blutrain.shapes import ShapeError, broadcast_shapes
+from blutrain.shapes import ShapeError, broadcast_shapes, memory_format, preserve_format
 from blutrain.tensor import Tensor
 
 
@@ -111,12 +111,22 @@ def bernoulli_mask(shape, p: float, *, device=None, generator: Generator | None 
   return _draw(bernoulli_op, tuple(shape), dtypes.bool_, device, generator, p=float(p))
 
 
-def rand_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
-  return rand(x.shape, dtype=dtype or x.dtype, device=x.device, generator=generator)
+def _drawn_like(draw, x: Tensor, dtype, device, generator, requires_grad: bool, memory_format) -> Tensor:
+  t = laid_out_like(x, memory_format, lambda shape: draw(shape, dtype=dtype or x.dtype, device=device or x.device,
+                                                         generator=generator))
+  return t.requires_grad_(requires_grad) if requires_grad else t
 
 
-def randn_like(x: Tensor, *, dtype=None, generator=None) -> Tensor:
-  return randn(x.shape, dtype=dtype or x.dtype, device=x.device, generator=generator)
+def rand_like(x: Tensor, *, dtype=None, device=None, generator=None, requires_grad: bool = False,
+              memory_format: memory_format = preserve_format) -> Tensor:
+  """Uniform [0, 1) samples of x's shape in x's dense layout (`laid_out_like`), drawn in memory order."""
+  return _drawn_like(rand, x, dtype, device, generator, requires_grad, memory_format)
+
+
+def randn_like(x: Tensor, *, dtype=None, device=None, generator=None, requires_grad: bool = False,
+               memory_format: memory_format = preserve_format) -> Tensor:
+  """Standard normal samples of x's shape in x's dense layout (`laid_out_like`), drawn in memory order."""
+  return _drawn_like(randn, x, dtype, device, generator, requires_grad, memory_format)
 
 
 def bernoulli(input: Tensor, p: float | None = None, *, generator: Generator | None = None) -> Tensor:

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from blutrain.backend import collective
-from blutrain.shapes import BoundsError
+from blutrain.shapes import BoundsError, memory_order
 
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
@@ -659,11 +659,27 @@ def _upcast_halves(fn):
   return kernel
 
 
+def _in_first_layout(result, arrays):
+  """result laid out as the first operand of its shape when that one is dense, as PyTorch's elementwise kernels (and
+  the CUDA backend's) choose; numpy's own choice differs only when the operands' layouts do (it then picks row-major)."""
+  if not isinstance(result, np.ndarray) or result.ndim < 2: return result
+  first = next((a for a in arrays if isinstance(a, np.ndarray) and a.shape == result.shape), None)
+  if first is None or (first.flags.c_contiguous and result.flags.c_contiguous): return result
+  order = tuple(range(first.ndim)) if first.flags.c_contiguous else \
+    memory_order(first.shape, tuple(st // first.itemsize for st in first.strides))
+  if order is None or memory_order(result.shape, tuple(st // result.itemsize for st in result.strides)) == order:
+    return result  # the first operand has gaps, or the result is laid out as it already
+  out = np.empty([result.shape[d] for d in order], result.dtype).transpose(np.argsort(order))
+  out[...] = result
+  return out
+
+
 def _writing(fn):
   """The kernel also stores its result into `out=` (a view of any layout; cast to out's dtype as astype does) through
-  the ufunc's own `out` (numpy buffers inputs that overlap it), and says so with `writes_out`."""
+  the ufunc's own `out` (numpy buffers inputs that overlap it), and says so with `writes_out`. A new result takes the
+  first operand's layout (`_in_first_layout`)."""
   def kernel(*arrays, out=None, **attrs):
-    if out is None: return fn(*arrays, **attrs)
+    if out is None: return _in_first_layout(fn(*arrays, **attrs), arrays)
     fn(*arrays, out=out, casting="unsafe", **attrs)
     return out
   kernel.writes_out = True
