@@ -548,8 +548,8 @@ for channels_last in (False, True):
 def test_channels_last_flows_through_a_resnet_block_on_the_fake_gpu(tmp_path):
   """New arrays keep their input's memory format, as PyTorch's do: a channels-last image stays channels-last through
   a convolution, batch norm, relu, a residual add and max pool, eager and compiled (Nova's fused kernels), and so do
-  the input gradients (a broadcast gradient gives no order); the weight gradients stay contiguous, like the
-  weights."""
+  the input gradients (a broadcast gradient gives no order); a weight gradient comes channels-last and takes its
+  weight's layout: contiguous for a contiguous weight, channels-last for a channels-last one."""
   _run_fake("""
 import blutrain as bt
 from blutrain import nn
@@ -564,6 +564,10 @@ assert cl(h) and cl(bn(h)) and cl(F.relu(h)) and cl(h + x) and cl(F.max_pool2d(h
 out = block(x)
 out.sum().backward()
 assert cl(out) and cl(x.grad) and conv.weight.grad.is_contiguous(), "eager backward"
+conv.weight.grad = None
+conv.to(memory_format=bt.channels_last)
+block(x).sum().backward()
+assert cl(conv.weight) and cl(conv.weight.grad), "a channels-last weight's gradient"
 step = bt.compile(lambda x: F.max_pool2d(block(x), 3, 2, 1))
 with bt.no_grad():
   for _ in range(2): assert cl(step(x.detach())), "compiled"

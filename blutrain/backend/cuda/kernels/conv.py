@@ -516,10 +516,10 @@ def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilatio
   """conv's gradient for a weight of `shape`: g (N, C_out, *out) correlated with x, summed over split parts (g and
   x read channels-last as in `conv`; unlike `conv`'s, a few input channels are not padded: the channels-last wgrad's
   column tiles stop at a kernel position, so a padded 7x7 stem reads g 49 times, 3.9 ms against the general kernel's
-  3.5 ms on the H200; or cuDNN's, as in `conv`)."""
+  3.5 ms on the H200; or cuDNN's, as in `conv`). A new array in x's dense layout, as cuDNN's."""
   if cudnn_conv.takes(g.dtype, groups, tf32, g, x):
     return cudnn_conv.conv_grad_weight(g, x, shape, stride, padding, dilation)
-  dw = empty(tuple(shape), g.dtype, g.device)
+  dw = empty_like(x, g.dtype, shape)  # x's layout, as cuDNN's (cudnn_conv.conv_grad_weight)
   if dw.size == 0: return dw
   if g.size == 0 or x.size == 0: return fill(dw, 0)
   if vectorizes(g.dtype, shape, groups): g, x = _channels_last(g), _channels_last(x)
@@ -530,7 +530,8 @@ def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilatio
   total = part if split == 1 else reduce(part, (0,), False, "sum", part.dtype)
   # the channels-last variant's columns are (*kernel, c): view them in w's (c, *kernel) order
   inner = contiguous_strides((*shape[2:], shape[1]))
-  copy(view(total, dw.shape, (dw.size // shape[0], 1, *inner[:-1]) if cl else dw.strides), out=dw)
+  rows = (dw.size // shape[0], 1, *inner[:-1]) if cl else contiguous_strides(tuple(shape))
+  copy(view(total, dw.shape, rows), out=dw)
   return dw
 
 

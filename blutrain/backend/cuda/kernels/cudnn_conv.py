@@ -142,5 +142,7 @@ def conv_grad_input(g: CudaArray, w: CudaArray, shape, stride, padding, dilation
 
 
 def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilation) -> CudaArray:
-  """conv's gradient for a weight of `shape`, a new contiguous array (the parameters' layout)."""
-  return _run("wgrad", x, g, empty(tuple(shape), g.dtype, g.device), stride, padding, dilation)
+  """conv's gradient for a weight of `shape`, a new array in x's dense layout: channels-last for a channels-last x,
+  as cuDNN's kernels write it (a row-major one cost a transpose) and PyTorch returns it; a leaf of another layout
+  takes it through autograd's copy into its own."""
+  return _run("wgrad", x, g, empty_like(x, g.dtype, shape), stride, padding, dilation)
