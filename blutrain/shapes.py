@@ -82,6 +82,11 @@ def in_format(shape: Sequence[int], strides: Sequence[int], fmt: memory_format) 
 
 def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
   """Whether (shape, strides) is a permutation of a contiguous layout: its elements fill a span of as many once."""
+  return _dense_permutation(tuple(shape), tuple(strides))
+
+
+@functools.lru_cache(maxsize=4096)  # asked per parameter and gradient by every optimizer step and clipping
+def _dense_permutation(shape: Shape, strides: Shape) -> bool:
   expected = 1
   for st, n in sorted((st, n) for n, st in zip(shape, strides) if n != 1):
     if st != expected: return False
