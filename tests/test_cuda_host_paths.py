@@ -549,7 +549,8 @@ def test_channels_last_flows_through_a_resnet_block_on_the_fake_gpu(tmp_path):
   """New arrays keep their input's memory format, as PyTorch's do: a channels-last image stays channels-last through
   a convolution, batch norm, relu, a residual add and max pool, eager and compiled (Nova's fused kernels), and so do
   the input gradients (a broadcast gradient gives no order); a weight gradient comes channels-last and takes its
-  weight's layout: contiguous for a contiguous weight, channels-last for a channels-last one."""
+  weight's layout: contiguous for a contiguous weight, channels-last for a channels-last one; an image in another
+  dense order gives a contiguous weight gradient (PyTorch's suggested format)."""
   _run_fake("""
 import blutrain as bt
 from blutrain import nn
@@ -568,6 +569,13 @@ conv.weight.grad = None
 conv.to(memory_format=bt.channels_last)
 block(x).sum().backward()
 assert cl(conv.weight) and cl(conv.weight.grad), "a channels-last weight's gradient"
+from blutrain.backend.cuda.kernels import conv as kernels
+xt = x.detach().permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0)  # dense, neither format
+assert not xt.is_contiguous() and not cl(xt)
+g, w = conv(x).detach(), conv.weight.detach()
+for image, want in ((x, w.stride()), (xt, w.contiguous().stride())):  # w is channels-last here
+  dw = kernels.conv_grad_weight(g._array(), image.detach()._array(), tuple(w.shape), (1, 1), (1, 1), (1, 1), 1)
+  assert dw.strides == want, (image.stride(), dw.strides)
 step = bt.compile(lambda x: F.max_pool2d(block(x), 3, 2, 1))
 with bt.no_grad():
   for _ in range(2): assert cl(step(x.detach())), "compiled"

@@ -103,6 +103,14 @@ def empty_like(a: CudaArray, dtype: DType | None = None, shape=None) -> CudaArra
                        memory_order(a.shape, a.strides))
 
 
+def empty_suggested(a: CudaArray, dtype: DType, shape) -> CudaArray:
+  """A new array of `shape`, channels-last (dims (0, 2, ..., 1)) when a is laid out so, else contiguous: PyTorch's
+  suggested memory format, for results that take only those two (a convolution's weight gradient: cuDNN's wgrad
+  wrote other dense orders wrong on the H200)."""
+  order = (0, *range(2, a.ndim), 1)
+  return empty_ordered(tuple(shape), dtype, a.device, order if memory_order(a.shape, a.strides) == order else None)
+
+
 def view(a: CudaArray, shape, strides, offset: int = 0, dtype: DType | None = None) -> CudaArray:
   """Another view of a's memory (offset in elements)."""
   return CudaArray(a.ptr + offset * a.dtype.itemsize, tuple(shape), tuple(strides), dtype or a.dtype, a.device, a.owner)

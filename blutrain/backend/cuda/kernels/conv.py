@@ -38,7 +38,7 @@ import triton.language as tl
 from blutrain import configurator, dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import TL, cudnn_conv, empty, empty_like, needs_i64, ptr, run, spec, view
+from blutrain.backend.cuda.kernels import TL, cudnn_conv, empty, empty_like, empty_suggested, needs_i64, ptr, run, spec, view
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.backend.cuda.kernels.reduce import reduce
@@ -516,10 +516,10 @@ def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilatio
   """conv's gradient for a weight of `shape`: g (N, C_out, *out) correlated with x, summed over split parts (g and
   x read channels-last as in `conv`; unlike `conv`'s, a few input channels are not padded: the channels-last wgrad's
   column tiles stop at a kernel position, so a padded 7x7 stem reads g 49 times, 3.9 ms against the general kernel's
-  3.5 ms on the H200; or cuDNN's, as in `conv`). A new array in x's dense layout, as cuDNN's."""
+  3.5 ms on the H200; or cuDNN's, as in `conv`). A new array, channels-last for a channels-last x, as cuDNN's."""
   if cudnn_conv.takes(g.dtype, groups, tf32, g, x):
     return cudnn_conv.conv_grad_weight(g, x, shape, stride, padding, dilation)
-  dw = empty_like(x, g.dtype, shape)  # x's layout, as cuDNN's (cudnn_conv.conv_grad_weight)
+  dw = empty_suggested(x, g.dtype, shape)  # as cuDNN's (cudnn_conv.conv_grad_weight)
   if dw.size == 0: return dw
   if g.size == 0 or x.size == 0: return fill(dw, 0)
   if vectorizes(g.dtype, shape, groups): g, x = _channels_last(g), _channels_last(x)

@@ -8,7 +8,8 @@ empty tensors) and everything when the frontend or libcudnn does not load. cuDNN
 layouts (NCHW, channels-last, any dense order); others are copied contiguous first, as are operands off 16 bytes.
 The output and the input gradient are new arrays in the layout of the input and of the output gradient (PyTorch's
 outputs keep their inputs' memory format; cuDNN's Hopper kernels are channels-last and reach any other layout by
-transposing kernels around them), the weight gradient contiguous. 1-D convolutions run as 2-D ones of height 1.
+transposing kernels around them), the weight gradient channels-last for a channels-last input and contiguous
+otherwise (PyTorch's rule; cuDNN's wgrad wrote other dense orders wrong). 1-D convolutions run as 2-D ones of height 1.
 Engines cuDNN marks nondeterministic are left out when any other engine takes the problem, so a step gives the same
 bits run after run (compiled and eager alike).
 """
@@ -21,7 +22,7 @@ from typing import Any
 from blutrain import backends, dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import empty, empty_like
+from blutrain.backend.cuda.kernels import empty, empty_like, empty_suggested
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.memory import is_dense
 from blutrain.dtypes import DType
@@ -142,7 +143,7 @@ def conv_grad_input(g: CudaArray, w: CudaArray, shape, stride, padding, dilation
 
 
 def conv_grad_weight(g: CudaArray, x: CudaArray, shape, stride, padding, dilation) -> CudaArray:
-  """conv's gradient for a weight of `shape`, a new array in x's dense layout: channels-last for a channels-last x,
-  as cuDNN's kernels write it (a row-major one cost a transpose) and PyTorch returns it; a leaf of another layout
-  takes it through autograd's copy into its own."""
-  return _run("wgrad", x, g, empty_like(x, g.dtype, shape), stride, padding, dilation)
+  """conv's gradient for a weight of `shape`, a new array channels-last for a channels-last x (as cuDNN's kernels
+  write it: a row-major one cost a transpose) and contiguous otherwise, as PyTorch returns it; a leaf of another
+  layout takes it through autograd's copy into its own."""
+  return _run("wgrad", x, g, empty_suggested(x, g.dtype, shape), stride, padding, dilation)
