@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from blutrain.shapes import cdiv, next_pow2
 
@@ -518,15 +519,33 @@ def row_schedule(M: int, N: int) -> tuple[int, int, int, bool]:
   return 1, 4096, 8, False
 
 
-NORM_BACKWARD_PROGRAMS_PER_SM = 4  # layer norm backward programs per SM; NOTE: not yet measured against others
+NORM_BACKWARD_PROGRAMS_PER_SM = 2  # measured: benchmarks/norm_backward.py (docs/configurator.md)
+NORM_BACKWARD_STAGES = 3  # row tiles in flight per program (cp.async into shared memory), measured likewise
+NORM_BACKWARD_ELEMENTS_PER_THREAD = 32  # of a one-pass row tile, measured likewise (row kernels' default: 16)
 
 
-def norm_backward_rows(M: int, block_m: int, sms: int) -> int:
-  """Rows per program of layer_norm's backward: the M rows split evenly, in whole tiles of block_m rows, over
-  NORM_BACKWARD_PROGRAMS_PER_SM programs per SM, so every SM keeps several in flight to hide the loads' latency while
-  the per-program partial sums of dw and db (programs x N floats, summed by a second kernel) stay a few percent of
-  the traffic. GPT-2's 16384 x 768 rows on 132 SMs: 32 rows (8 tiles of 4) in each of 512 programs."""
-  return cdiv(cdiv(M, block_m), NORM_BACKWARD_PROGRAMS_PER_SM * sms) * block_m
+class NormBackward(NamedTuple):
+  """layer_norm backward's schedule: its row tile and warps, rows per program, and how many row tiles a program's
+  loop keeps in flight (Triton's software pipeline; 1: none)."""
+  block_m: int
+  block_n: int
+  warps: int
+  one_pass: bool
+  rows: int
+  stages: int
+
+
+def norm_backward_schedule(M: int, N: int, sms: int) -> NormBackward:
+  """layer_norm backward's schedule: row_schedule's tile at 32 elements a thread; the M rows split evenly, in whole
+  tiles, over two programs per SM, and three tiles in flight in each. A program's loop over its tiles is serial
+  (loads, four row reductions, the store), so without the pipeline an SM waits on each tile's loads; with it, two
+  programs a SM keep enough bytes in flight and leave the per-program partial sums of dw and db (programs x N floats,
+  summed by a second kernel) under 1 % of the traffic. GPT-2's 16384 x 768 rows on 132 SMs: 64 rows (16 tiles of 4)
+  in each of 256 programs of 4 warps."""
+  bm, bn, warps, one = row_schedule(M, N)
+  if one: warps = max(1, min(8, bm * bn // NORM_BACKWARD_ELEMENTS_PER_THREAD // 32))
+  rows = cdiv(cdiv(M, bm), NORM_BACKWARD_PROGRAMS_PER_SM * sms) * bm
+  return NormBackward(bm, bn, warps, one, rows, NORM_BACKWARD_STAGES if one else 1)
 
 
 def index_schedule(n_rows: int, n_cols: int) -> tuple[int, int, int]:

@@ -196,6 +196,10 @@ def test_reduction_and_elementwise_schedules():
   assert C.split_rule(1, 10**7, 1024) == 2 * H200.sms and C.split_rule(1000, 10**7, 1024) == 1
   assert C.row_schedule(16384, 768) == (4, 1024, 8, True) and C.row_schedule(8, 50304) == (1, 4096, 8, False)
   assert C.index_schedule(16384, 768) == (4, 512, 4)
+  gpt2 = C.norm_backward_schedule(16384, 768, H200.sms)  # 256 programs of 64 rows (the rows' tiles split evenly)
+  assert gpt2 == (4, 1024, 4, True, 64, 3)
+  long_rows = C.norm_backward_schedule(8, 50304, H200.sms)
+  assert long_rows.rows == 1 and long_rows.stages == 1 and not long_rows.one_pass
   assert C.copy_schedule(16384, 768) == (64, 64, 4) and C.copy_schedule(5, 3) == (16, 16, 4)
   assert C.multi_tensor_schedule(4) == C.multi_tensor_schedule(1) == (4096, 8) and C.multi_tensor_schedule(6)[0] == 2048
 

@@ -404,6 +404,27 @@ def test_layer_norm_backward(dtype):
               got_part, want_part.to(dtype), (atol * 10 * math.sqrt(rows), rtol * 10))
 
 
+@pytest.mark.parametrize("stages", (1, 2, 3))
+def test_layer_norm_backward_schedules(stages):
+  """Every schedule computes the same backward: row tiles of 1 and 4 rows, several tiles per program and a last
+  program with fewer, `stages` tiles in flight (Triton's pipelined loads), a bf16 gradient and a residual gradient,
+  against float64 on the CPU."""
+  from blutrain.backend.cuda.kernels import norm
+  from blutrain.configurator import norm_backward_schedule
+  M, N = 1000, 768
+  (gc, g), (xc, x), (wc, w), (rc, r) = (pair(s, d, seed=k) for k, (s, d) in enumerate(
+    (((M, N), bt.bfloat16), ((M, N), bt.float32), ((N,), bt.float32), ((M, N), bt.float32))))
+  dx, dw, db = apply(P["layer_norm_backward"], gc.double(), xc.double(), wc.double(), n=1, eps=1e-5, has_bias=True)
+  base = norm_backward_schedule(M, N, 132)
+  for bm, warps, tiles in ((1, 2, 7), (4, 8, 3)):
+    s = base._replace(block_m=bm, warps=warps, rows=bm * tiles, stages=stages)
+    got = norm.layer_norm_backward(g._array(), x._array(), w._array(), r._array(), n=1, eps=1e-5, has_bias=True,
+                                   schedule=s)
+    for part, a, want in zip(("dx", "dw", "db"), got, (dx + rc.double(), dw, db)):
+      check(f"layer_norm_backward {part} under {s}", bt.Tensor._wrap(a, g.device, a.dtype), want.float(),
+            (2e-4 * math.sqrt(M), 2e-4))
+
+
 @pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64), ids=NAME)
 def test_cross_entropy(dtype):
   for (n, c), layout in zip(((64, 10), (128, 1000), (256, 50304), (33, 5000)), ("contiguous", "transposed", "contiguous",

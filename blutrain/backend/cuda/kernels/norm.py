@@ -7,7 +7,7 @@ mean and M2 for layer_norm) that are combined across lanes once at the end, the 
 are float32 (float64 for float64 inputs).
 
 layer_norm's backward leaves per-program column sums of dw and db (float32) that one small kernel sums into dw and db;
-how many rows a program takes is `configurator.norm_backward_rows`.
+how many rows a program takes and how many of its row tiles are in flight is `configurator.norm_backward_schedule`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from blutrain.backend.cuda.kernels import (TL, aligned, axis_args, axis_offsets,
                                            empty_like, max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
-from blutrain.configurator import H200, norm_backward_rows, reduce_schedule, row_schedule, split_rule
+from blutrain.configurator import H200, NormBackward, norm_backward_schedule, reduce_schedule, row_schedule, split_rule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, contiguous_strides
 
@@ -223,11 +223,12 @@ def _dx(dx, r, off, mask, v, ACC: tl.constexpr, HAS_R: tl.constexpr):
 @triton.jit
 def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, r, M, N, eps, ROWS, ACC: tl.constexpr,
                                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, IDX64: tl.constexpr):
+                                BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
+                                IDX64: tl.constexpr):
   """dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), gw = g w (plus the residual gradient r when HAS_R), over rows of
   N contiguous elements (g, x, r, dx), and this program's column sums of g xhat and g (dw's and db's partial sums)
-  into row pid of dw_part and db_part. Program pid takes rows [pid ROWS, (pid + 1) ROWS) in tiles of BLOCK_M rows;
-  the stats are recomputed from x."""
+  into row pid of dw_part and db_part. Program pid takes rows [pid ROWS, (pid + 1) ROWS) in tiles of BLOCK_M rows,
+  STAGES of them in flight; the stats are recomputed from x."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
@@ -239,7 +240,7 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, r, M, N, eps, ROW
       wv = tl.load(w + ns, mask=n_mask, other=0).to(ACC)
     dw_acc = tl.zeros([BLOCK_N], ACC)
     db_acc = tl.zeros([BLOCK_N], ACC)
-    for m0 in range(pid * ROWS, row_end, BLOCK_M):
+    for m0 in tl.range(pid * ROWS, row_end, BLOCK_M, num_stages=STAGES):
       ms = m0 + tl.arange(0, BLOCK_M)
       mask = (ms < row_end)[:, None] & n_mask[None, :]
       off = ms[:, None] * N + ns[None, :]
@@ -402,16 +403,17 @@ def add_layer_norm(x: CudaArray, y: CudaArray, w: CudaArray | None, b: CudaArray
 
 @functools.lru_cache(maxsize=4096)
 def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r: DType | None = None,
-                             vectors: bool = False):
+                             vectors: bool = False, schedule: NormBackward | None = None):
   """The layer-norm backward kernel's variant for M rows of N (r: the residual gradient's dtype, None without;
-  vectors: as `layer_norm_spec`'s)."""
-  bm, bn, warps, one = row_schedule(M, N)
+  vectors: as `layer_norm_spec`'s; schedule: the configurator's for H200 unless given)."""
+  bm, bn, warps, one, _, stages = schedule or norm_backward_schedule(M, N, H200.sms)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
   sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x),
          "r": ptr(r or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
   if vectors: sig = divisible(sig, ("dx", "dw_part", "db_part", "g", "x", "w", *("r",) * _same_vectors(r, g, x), "N"))
   return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[acc], HAS_W=w is not None, HAS_B=has_b, HAS_R=r is not None,
-                                                     BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, IDX64=i64), num_warps=warps)
+                                                     BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, STAGES=stages, IDX64=i64),
+              num_warps=warps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -423,10 +425,11 @@ def param_grads_spec(acc: DType, dw: DType | None, db: DType | None):
 
 
 def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residual: CudaArray | None = None, *, n: int,
-                        eps: float, has_bias: bool) -> tuple[CudaArray, ...]:
+                        eps: float, has_bias: bool, schedule: NormBackward | None = None) -> tuple[CudaArray, ...]:
   """(dx, dw, db) of layer_norm over x's last n dims (dw None without w, db None unless has_bias), new arrays; with
-  a residual gradient dx is residual + dx. Programs take equal runs of rows (`configurator.norm_backward_rows`) and
-  leave per-program column sums of dw and db, which a second kernel sums into dw and db."""
+  a residual gradient dx is residual + dx. Programs take equal runs of rows (`configurator.norm_backward_schedule`,
+  or `schedule` to try another) and leave per-program column sums of dw and db, which a second kernel sums into dw
+  and db."""
   lead = x.ndim - n
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   dx = empty(x.shape, x.dtype, x.device)
@@ -436,14 +439,14 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residua
     for p in params: fill(p, 0)
     return grads
   g, x, w, r = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w, residual))
-  rows = norm_backward_rows(M, row_schedule(M, N)[0], runtime.hardware(x.device).sms)
-  programs = cdiv(M, rows)
+  schedule = schedule or norm_backward_schedule(M, N, runtime.hardware(x.device).sms)
+  programs = cdiv(M, schedule.rows)
   parts = empty((2, programs, N), stats_dtype(x.dtype), x.device)
   vectors = aligned([a for a in (dx, parts, g, x, w, r) if a is not None], (N,))  # N | 16: db's part aligns as dw's
   s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides),
-                               r and r.dtype, vectors)
+                               r and r.dtype, vectors, schedule)
   run(s, (programs,), dx.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
-      (w or x).ptr, (r or x).ptr, M, N, float(eps), rows)
+      (w or x).ptr, (r or x).ptr, M, N, float(eps), schedule.rows)
   if params:
     dw, db = grads[1], grads[2]
     run(param_grads_spec(parts.dtype, dw and dw.dtype, db and db.dtype), (cdiv(N, PARAM_BLOCK_N),),
