@@ -497,6 +497,9 @@ def reduce_schedule(M: int, N: int, along_m: bool) -> tuple[int, int, int]:
   return bm, bn, 8 if bm * bn >= 4096 else 4
 
 
+REDUCE_STAGES = 1  # tiles in flight in a reduction's loop (Triton's pipelined loads; 1: none), measured: docs/configurator.md
+
+
 def split_rule(m_blocks: int, N: int, block_n: int, hw: Hardware = H200) -> int:
   """How many pieces a reduction's N is cut into: enough programs for two waves over the SMs, each piece at least 8
   tiles long (so partial results stay a small fraction of the traffic); 1 when M alone fills the GPU."""
@@ -519,7 +522,7 @@ def row_schedule(M: int, N: int) -> tuple[int, int, int, bool]:
   return 1, 4096, 8, False
 
 
-NORM_BACKWARD_PROGRAMS_PER_SM = 2  # measured: benchmarks/norm_backward.py (docs/configurator.md)
+NORM_BACKWARD_PROGRAMS_PER_SM = 2  # measured: benchmarks/row_kernels.py (docs/configurator.md)
 NORM_BACKWARD_STAGES = 3  # row tiles in flight per program (cp.async into shared memory), measured likewise
 NORM_BACKWARD_ELEMENTS_PER_THREAD = 32  # of a one-pass row tile, measured likewise (row kernels' default: 16)
 

@@ -351,11 +351,12 @@ def _same_vectors(extra: DType | None, *dtypes_: DType) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: int, N: int, i64: bool,
-                    out: DType | None = None, y: DType | None = None, vectors: bool = False):
+                    out: DType | None = None, y: DType | None = None, vectors: bool = False, schedule=None):
   """The layer-norm kernel's variant for M rows of N (w, b: the dtypes of the weight and bias, None when absent; out:
   the output's, default x's; y: the added operand's of add_layer_norm, None for a plain layer norm; vectors: every
-  pointer, N and the row strides are promised multiples of 16, so rows load and store as 16-byte vectors)."""
-  bm, bn, warps, one = row_schedule(M, N)
+  pointer, N and the row strides are promised multiples of 16, so rows load and store as 16-byte vectors; schedule:
+  `row_schedule`'s (BLOCK_M, BLOCK_N, warps, one_pass) unless given)."""
+  bm, bn, warps, one = schedule or row_schedule(M, N)
   it = "i64" if i64 else "i32"
   sig = {"out": ptr(out or x), "h": ptr(x), "x": ptr(x), "addend": ptr(y or x), "w": ptr(w or x), "b": ptr(b or x),
          "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", **{k: it for k in axis_params("m", "x")}}
@@ -367,7 +368,8 @@ def layer_norm_spec(x: DType, w: DType | None, b: DType | None, m_dims: int, M: 
                                             ONE_PASS=one, IDX64=i64), num_warps=warps)
 
 
-def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float, dtype=None) -> CudaArray:
+def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float, dtype=None,
+               schedule=None) -> CudaArray:
   out = empty(x.shape, dtype or x.dtype, x.device)
   if out.size == 0: return out
   lead = x.ndim - n
@@ -380,22 +382,24 @@ def layer_norm(x: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, e
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   i64 = needs_i64(x.shape, x.strides)
   vectors = aligned([a for a in (out, x, w, b) if a is not None], (N, *kst))
-  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64, out.dtype, None, vectors)
+  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, len(kshape), M, N, i64, out.dtype, None, vectors,
+                      schedule)
   run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, x.ptr, x.ptr, x.ptr, (w or x).ptr, (b or x).ptr, M, N,
       float(eps), *axis_args(kshape, kst))
   return out
 
 
 def add_layer_norm(x: CudaArray, y: CudaArray, w: CudaArray | None, b: CudaArray | None, n: int, eps: float,
-                   dtype=None) -> tuple[CudaArray, CudaArray]:
-  """(h, layer_norm(h)) with h = x + y (float32, y read as float32), new arrays, in one kernel."""
+                   dtype=None, schedule=None) -> tuple[CudaArray, CudaArray]:
+  """(h, layer_norm(h)) with h = x + y (float32, y read as float32), new arrays, in one kernel (schedule: as
+  `layer_norm_spec`'s)."""
   h, out = empty(x.shape, x.dtype, x.device), empty(x.shape, dtype or x.dtype, x.device)
   if out.size == 0: return h, out
   x, y, w, b = (p if p is None or p.is_contiguous() else copy(p) for p in (x, y, w, b))
   M, N = math.prod(x.shape[:x.ndim - n]), math.prod(x.shape[x.ndim - n:])
   i64 = needs_i64(x.shape, x.strides)
   vectors = aligned([a for a in (h, out, x, y, w, b) if a is not None], (N,))
-  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, 1, M, N, i64, out.dtype, y.dtype, vectors)
+  s = layer_norm_spec(x.dtype, w and w.dtype, b and b.dtype, 1, M, N, i64, out.dtype, y.dtype, vectors, schedule)
   run(s, (cdiv(M, s.constexprs["BLOCK_M"]),), out.ptr, h.ptr, x.ptr, y.ptr, (w or x).ptr, (b or x).ptr, M, N,
       float(eps), *axis_args((M,), (N,)))
   return h, out

@@ -27,7 +27,7 @@ from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_par
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.backend.cuda.kernels.elementwise import launch
-from blutrain.configurator import reduce_schedule, split_rule
+from blutrain.configurator import REDUCE_STAGES, reduce_schedule, split_rule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
 
@@ -38,8 +38,8 @@ def _reduce_kernel(out, x, M, N, chunk,
                    n_size1, n_size2, n_size3, n_size4, x_n_stride0, x_n_stride1, x_n_stride2, x_n_stride3, x_n_stride4,
                    OP: tl.constexpr, IDENT: tl.constexpr, ACC: tl.constexpr, M_DIMS: tl.constexpr,
                    N_DIMS: tl.constexpr, M_UNIT: tl.constexpr, N_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
-  """out[s * M + m] = OP over n in split s (= program_id(1), `chunk` wide) of x[m, n]."""
+                   BLOCK_N: tl.constexpr, STAGES: tl.constexpr, IDX64: tl.constexpr):
+  """out[s * M + m] = OP over n in split s (= program_id(1), `chunk` wide) of x[m, n], STAGES tiles in flight."""
   pid_m = tl.program_id(0)
   pid_s = tl.program_id(1)
   if IDX64:
@@ -52,7 +52,7 @@ def _reduce_kernel(out, x, M, N, chunk,
   start = pid_s * chunk
   end = tl.minimum(start + chunk, N)
   acc = tl.full([BLOCK_M, BLOCK_N], IDENT, ACC)
-  for n0 in range(start, end, BLOCK_N):
+  for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
     ns = n0 + tl.arange(0, BLOCK_N)
     n_off = axis_offsets(ns, n_size1, n_size2, n_size3, n_size4, x_n_stride0, x_n_stride1, x_n_stride2, x_n_stride3,
                          x_n_stride4, N_DIMS, N_UNIT)
@@ -204,10 +204,11 @@ def accumulation_dtype(op: str, x: DType, out: DType) -> DType:
 
 @functools.lru_cache(maxsize=4096)
 def reduce_spec(op: str, x: DType, out: DType, m_dims: int, n_dims: int, m_unit: bool, n_unit: bool, M: int, N: int,
-                i64: bool, vectors: bool = False):
+                i64: bool, vectors: bool = False, stages: int | None = None):
   """The reduction kernel's variant (m_dims, n_dims: the dims of the kept and reduced axes; *_unit: a single
   unit-stride dim; vectors: a 2-D problem whose pointers, M, N, chunk and non-unit stride are promised multiples of
-  16, so its tiles load 16-byte vectors along the unit-stride axis)."""
+  16, so its tiles load 16-byte vectors along the unit-stride axis; stages: tiles in flight, the configurator's
+  REDUCE_STAGES unless given)."""
   bm, bn, warps = reduce_schedule(M, N, m_unit and m_dims == 1 and not (n_unit and n_dims == 1))
   it = "i64" if i64 else "i32"
   sig = {"out": ptr(out), "x": ptr(x), "M": it, "N": it, "chunk": it,
@@ -217,13 +218,14 @@ def reduce_spec(op: str, x: DType, out: DType, m_dims: int, n_dims: int, m_unit:
     sig = divisible(sig, ("out", "x", "M", "N", "chunk", *strides))
   return spec(_reduce_kernel, sig, dict(OP=op, IDENT=_identity(op, x), ACC=TL[accumulation_dtype(op, x, out)],
                                         M_DIMS=m_dims, N_DIMS=n_dims, M_UNIT=m_unit, N_UNIT=n_unit, BLOCK_M=bm,
-                                        BLOCK_N=bn, IDX64=i64), num_warps=warps)
+                                        BLOCK_N=bn, STAGES=stages or REDUCE_STAGES, IDX64=i64), num_warps=warps)
 
 
-def reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType) -> CudaArray:
-  """op ("sum", "amax", "amin") of x over `dims` in out_dtype, a new contiguous array (see the module's docstring)."""
+def reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType, stages: int | None = None) -> CudaArray:
+  """op ("sum", "amax", "amin") of x over `dims` in out_dtype, a new contiguous array (see the module's docstring;
+  stages: the first pass's tiles in flight, to try other than the configurator's)."""
   out_shape, perm, passes = _reduce_plan(op, x.shape, x.strides, x.dtype, tuple(dims), keepdim, out_dtype,
-                                         x.ptr % 16 == 0)
+                                         x.ptr % 16 == 0, stages)
   s = current_stream(x.device)
   out = empty(out_shape, out_dtype, x.device, s)
   if not passes: return out if 0 in out_shape else fill(out, 0)
@@ -244,7 +246,7 @@ def _vectors(aligned: bool, kshape, kst, rshape, rst, chunk: int) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], keepdim: bool, out_dtype: DType,
-                 aligned: bool = False):
+                 aligned: bool = False, stages: int | None = None):
   """(output shape, the permutation of x to copy first or None, passes) of a reduction of x's layout (`aligned`: x
   starts on 16 bytes); each pass is (kernel, grid, scalar arguments after the out and x pointers, (shape, dtype) of a
   partial result or None for the output), and reads the previous pass's result. No passes: the output or x is
@@ -265,14 +267,14 @@ def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], k
     pieces = cdiv(N, chunk)
     acc = accumulation_dtype(op, dtype, out_dtype)
     s = reduce_spec(op, dtype, acc, len(kshape), len(rshape), *units, M, N, i64,
-                    _vectors(aligned, kshape, kst, rshape, rst, chunk))
+                    _vectors(aligned, kshape, kst, rshape, rst, chunk), stages)
     passes.append((s.kernel, (cdiv(M, bm), pieces), (M, N, chunk, *axis_args(kshape, kst), *axis_args(rshape, rst)),
                    ((pieces, M), acc)))
     kshape, kst, rshape, rst, N = (M,), (1,), (pieces,), (M,), pieces
     s = reduce_spec(op, acc, out_dtype, 1, 1, True, False, M, N, i64, _vectors(True, kshape, kst, rshape, rst, N))
   else:
     s = reduce_spec(op, dtype, out_dtype, len(kshape), len(rshape), *units, M, N, i64,
-                    _vectors(aligned, kshape, kst, rshape, rst, N))
+                    _vectors(aligned, kshape, kst, rshape, rst, N), stages)
   passes.append((s.kernel, (cdiv(M, s.constexprs["BLOCK_M"]), 1), (M, N, N, *axis_args(kshape, kst), *axis_args(rshape, rst)),
                  None))
   return out_shape, perm, passes
