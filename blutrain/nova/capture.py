@@ -30,6 +30,7 @@ class Arg:
   """The i-th tensor among the call's flattened arguments."""
   index: int
   def tensor(self, args: list) -> Tensor: return args[self.index]
+  def storage_of(self, args: list) -> Storage: return args[self.index]._storage
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,12 @@ class Ref:
   storage: weakref.ref
   layout: tuple
 
-  def tensor(self, args: list) -> Tensor:
+  def tensor(self, args: list) -> Tensor: return Tensor._make(self.storage_of(args), *self.layout)
+
+  def storage_of(self, args: list) -> Storage:
     storage = self.storage()
     if storage is None: raise StaleGraph("memory the compiled graph reads was freed")
-    return Tensor._make(storage, *self.layout)
+    return storage
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class GradOf:
     p = self.param()
     if p is None or p.grad is None: raise StaleGraph("a gradient the compiled graph reads is gone")
     return p.grad
+  def storage_of(self, args: list) -> Storage: return self.tensor(args)._storage
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from blutrain import amp, backend, backends
 from blutrain.backend import collective
 from blutrain.device import Device
 from blutrain.backend.cuda.allocator import OutOfMemoryError, format_size
-from blutrain.nova.capture import Arg, StaleGraph, Trace
+from blutrain.nova.capture import Arg, Ref, StaleGraph, Trace
 from blutrain.autograd.tape import grad_mode, hooks
 from blutrain.tensor import Tensor, Traced
 
@@ -116,13 +116,18 @@ class Persistent:
       else: del d[k]
 
 
-def _params(modules, optimizers) -> list[Tensor]:
-  seen, out = set(), []
-  for p in [p for m in modules for p in m.parameters()] + [p for o in optimizers for g in o.param_groups for p in g["params"]]:
-    if id(p) not in seen:
-      seen.add(id(p))
-      out.append(p)
-  return out
+def _tree(modules, optimizers) -> tuple[list, list[Tensor]]:
+  """(every module under the top ones, depth first; their parameters and the optimizers' after them, each once),
+  from one walk of each module tree: the guard asks for both at every call."""
+  mods = [m for top in modules for m in top.modules()]
+  seen, params = set(), []
+  for group in ([p for m in mods for p in m.parameters(recurse=False)],
+                [p for o in optimizers for g in o.param_groups for p in g["params"]]):
+    for p in group:
+      if id(p) not in seen:
+        seen.add(id(p))
+        params.append(p)
+  return mods, params
 
 
 def _hashable(v: Any) -> Any:
@@ -182,9 +187,8 @@ class Executable:
         where._strides, where._offset = t._strides, t._offset
         continue
       if kind == "write":  # an update the step made in the input's own memory needs no copy
-        t = where.tensor(leaves)
-        if not replayed and id(arr) not in given: be.copy_into(t._array(), arr)
-        t._storage.version += 1
+        if not replayed and id(arr) not in given: be.copy_into(where.tensor(leaves)._array(), arr)
+        where.storage_of(leaves).version += 1
         continue
       if _memory(arr) in owned or replayed and kind == "return": arr = copy(arr)  # never hand out views of inputs
       if kind == "return":
@@ -193,7 +197,8 @@ class Executable:
       else:
         p = where()
         if p is None: raise StaleGraph("a parameter the compiled graph updates was freed")
-        p.grad = Tensor._wrap(arr, self.device, dtype)
+        if p.grad is not None and p.grad._view is arr: p.grad._storage.version += 1  # a replay rewrote it in place
+        else: p.grad = Tensor._wrap(arr, self.device, dtype)
     for gen, n in self.rng_advance: gen.offset += n
     return unflatten(self.out_tree, returned)
 
@@ -227,10 +232,14 @@ class GraphExecutable(Executable):
       self.static = [memory.from_numpy(np.asarray(s.array(leaves))) if hasattr(s, "array") else
                      _copy(s.tensor(leaves)._array()) if isinstance(s, Arg) else s.tensor(leaves)._array()
                      for s in self.sources]
+      self.bound = [s.storage_of(leaves).data if isinstance(s, Ref) else None for s in self.sources]
       return self.static
     stream = runtime.current_stream(self.static[0].device if self.static else None)
-    for s, buf in zip(self.sources, self.static):
-      if hasattr(s, "array"):
+    for s, buf, data in zip(self.sources, self.static, self.bound):
+      if data is not None:  # memory living across calls: its layout is the source's own, so only the memory can move
+        if s.storage_of(leaves).data is not data:
+          raise StaleGraph("memory a CUDA graph reads moved (a parameter or optimizer state was replaced)")
+      elif hasattr(s, "array"):
         host = np.ascontiguousarray(s.array(leaves), buf.dtype.np)  # a scalar's float64, a generator's int64
         memory.copy_h2d(buf.ptr, host.ctypes.data, host.nbytes, stream)
       elif isinstance(s, Arg): memory.copy_into(buf, s.tensor(leaves)._array())
@@ -403,12 +412,12 @@ class Compiled:
     state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul and convolution engines) is read
     here because a capture bakes it into the graph's ops and attributes."""
     modules, optimizers = self._found
-    params = _params(modules, optimizers)
+    mods, params = _tree(modules, optimizers)
     return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,
             backends.conv,
             tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
             tuple((id(p), p.grad is None) for p in params),
-            tuple((m.training, getattr(m, "require_sync", None)) for top in modules for m in top.modules()),
+            tuple((m.training, getattr(m, "require_sync", None)) for m in mods),
             tuple((id(g),) + tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr")))
                   for o in optimizers for g in o.param_groups),
             tuple(id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)))
@@ -428,7 +437,7 @@ class Compiled:
     """Capture and compile the call; its executable is kept under the guard's `key` unless it runs once (it creates
     persistent tensors, which exist by the next call)."""
     modules, optimizers = self._found
-    params = _params(modules, optimizers)
+    params = _tree(modules, optimizers)[1]
     device = next((x.device for x in leaves if isinstance(x, Tensor)), None) or (params[0].device if params else Device("cpu"))
     saved_grads = [(p, p.grad) for p in params]
     persistent = Persistent(modules, optimizers)
