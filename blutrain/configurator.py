@@ -497,7 +497,7 @@ def reduce_schedule(M: int, N: int, along_m: bool) -> tuple[int, int, int]:
   return bm, bn, 8 if bm * bn >= 4096 else 4
 
 
-REDUCE_STAGES = 1  # tiles in flight in a reduction's loop (Triton's pipelined loads; 1: none), measured: docs/configurator.md
+REDUCE_STAGES = 3  # tiles in flight in a reduction's loop (Triton's pipelined loads), measured: docs/configurator.md
 
 
 def split_rule(m_blocks: int, N: int, block_n: int, hw: Hardware = H200) -> int:

@@ -33,7 +33,12 @@ ROW_SCALARS = {"cross-entropy forward": 3, "cross-entropy backward": 2, "cross-e
 
 
 def _accesses(code: str) -> Counter:
-  return Counter(m.group(2) or "scalar" for m in re.finditer(r"(ld|st)\.global(?:\.\w+)*?(\.v[24])?\.b\d+", code))
+  """Global loads and stores by width: ".v4"/".v2" vectors or "scalar"; a pipelined loop's asynchronous copies into
+  shared memory count as ".v4" when they move 16 bytes (`cp.async ..., 0x10`) and as scalars otherwise."""
+  moves = Counter(m.group(2) or "scalar" for m in re.finditer(r"(ld|st)\.global(?:\.\w+)*?(\.v[24])?\.b\d+", code))
+  moves.update(".v4" if m.group(1) == "0x10" else "scalar"
+               for m in re.finditer(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", code))
+  return moves
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
