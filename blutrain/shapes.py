@@ -70,7 +70,7 @@ channels_last, channels_last_3d = memory_format("channels_last", 4), memory_form
 def same_layout(shape: Sequence[int], strides: Sequence[int], other: Sequence[int]) -> bool:
   """Whether two arrays of `shape` lay their elements out alike (size-1 dims may have any stride): a kernel walking
   one's memory flat meets the other's same elements."""
-  return all(a == b for n, a, b in zip(shape, strides, other) if n != 1)
+  return tuple(strides) == tuple(other) or all(a == b for n, a, b in zip(shape, strides, other) if n != 1)
 
 
 def in_format(shape: Sequence[int], strides: Sequence[int], fmt: memory_format) -> bool:
