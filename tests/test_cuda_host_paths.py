@@ -580,3 +580,32 @@ step = bt.compile(lambda x: F.max_pool2d(block(x), 3, 2, 1))
 with bt.no_grad():
   for _ in range(2): assert cl(step(x.detach())), "compiled"
 """, tmp_path)
+
+
+def test_a_replayed_step_keeps_gradients_in_place_and_recaptures_when_a_parameter_moves_on_the_fake_gpu(tmp_path):
+  """A replay rewrites the gradients in the graph's buffers: each parameter keeps its `.grad` tensor, whose storage
+  version goes up (what autograd's in-place checks read); a parameter whose memory is replaced (`p.data = ...`) is
+  found by the binding's check of its storage and the step recaptures, reading the new values."""
+  _run_fake("""
+import blutrain as bt
+bt.manual_seed(0)
+model = bt.nn.Linear(8, 4).to("cuda")
+opt = bt.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+@bt.compile
+def step(x):
+  opt.zero_grad()  # the step makes new gradients, which it leaves in the parameters' .grad
+  loss = model(x).square().mean()
+  loss.backward()
+  opt.step()
+  return loss
+x = bt.randn(5, 8, device="cuda")
+for _ in range(3): step(x)
+assert step.captures == 2 and step.info["cuda_graph"] == "on", (step.captures, step.info)
+g = model.weight.grad
+version = g._storage.version
+step(x)
+assert model.weight.grad is g and g._storage.version > version and step.captures == 2
+model.weight.data = bt.randn(4, 8, device="cuda")
+step(x)
+assert step.captures == 3, step.captures
+""", tmp_path)
