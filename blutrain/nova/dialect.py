@@ -776,6 +776,14 @@ class GeluBackwardOp(ElementwiseOp):
   approximate = prop_def(STR)
 
 
+@irdl_op_definition
+class ReluBackwardOp(ElementwiseOp):
+  """relu's gradient: 0 where y (relu's output) <= 0, else g."""
+  name = "nova.relu_backward"
+  g = operand_def(TENSOR)
+  y = operand_def(TENSOR)
+
+
 # *** reductions and scans ***
 
 @irdl_op_definition
@@ -1602,7 +1610,8 @@ Nova = Dialect("nova", [
   AsinhOp, AcoshOp, AtanhOp, Exp2Op, Log2Op, Log10Op, Log1pOp, Expm1Op, CeilOp, TruncOp, RoundOp, BitwiseNotOp,
   LogicalNotOp, CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp,
   FloorDivideOp, BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp,
-  EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, SumOp, AmaxOp,
+  EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, ReluBackwardOp,
+  SumOp, AmaxOp,
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
   CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormRunningStatsOp,

@@ -32,8 +32,10 @@ sin_op = op("sin", _same, lambda g, out, x: (g * cos(x),), inputs="x")
 cos_op = op("cos", _same, lambda g, out, x: (-g * sin(x),), inputs="x")
 tanh_op = op("tanh", _same, lambda g, out, x: (g * (1 - out * out),), saves=(), saves_output=True, inputs="x")
 sigmoid_op = op("sigmoid", _same, lambda g, out, x: (g * out * (1 - out),), saves=(), saves_output=True, inputs="x")
-relu_op = op("relu", _same, lambda g, out, x: (where(out <= 0, 0.0, g),), saves=(), saves_output=True,
-          inputs="x")  # passes at NaN, as torch
+# relu's gradient in one op, PyTorch's threshold_backward at 0: 0 where y <= 0, else g (so a NaN y passes g)
+relu_backward_op = op("relu_backward", lambda g, y: (broadcast_shapes(g.shape, y.shape, op="relu_backward"), g.dtype),
+                      inputs="g y")
+relu_op = op("relu", _same, lambda g, out, x: (relu_backward_op(g, out),), saves=(), saves_output=True, inputs="x")
 erf_op = op("erf", _same, lambda g, out, x: (g * (2 / math.sqrt(math.pi)) * exp(-x * x),), inputs="x")
 sign_op = op("sign", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")
 floor_op = op("floor", _same, lambda g, out, x: (zeros_like_grad(g),), saves=(), inputs="x")

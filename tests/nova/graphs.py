@@ -154,6 +154,7 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   for name in ("log", "sqrt", "rsqrt", "log2", "log10", "log1p", "acosh"): outs.append(b(name, pos))
   outs += [b("gelu", x, approximate="none"), b("gelu", x, approximate="tanh"),
            b("gelu_backward", pos, x, approximate="none"), b("gelu_backward", pos, x, approximate="tanh"),
+           b("relu_backward", x, b("sub", pos, x)),
            b("logical_not", mask), b("cast", x, dtype=dtypes.float64), b("cast", x, dtype=dtypes.int32)]
   half, bhalf = b("cast", x, dtype=dtypes.float16), b("cast", x, dtype=dtypes.bfloat16)
   outs += [b("add", half, b("cast", y, dtype=dtypes.float16)), b("exp", bhalf), b("matmul", bhalf, b("permute", bhalf, dims=(1, 0)))]

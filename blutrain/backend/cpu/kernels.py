@@ -56,6 +56,10 @@ def _gelu(x, approximate):
   return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
 
 
+def _relu_backward(g, y):
+  return np.where(y <= 0, np.zeros((), g.dtype), g)
+
+
 def _gelu_backward(g, x, approximate):
   if approximate == "tanh":
     s = _gelu_tanh_gate(x)  # 1 - tanh(u)^2 = 4 s (1 - s)
@@ -609,7 +613,7 @@ kernels = {
   "tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh,
   "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh, "exp2": np.exp2, "log2": np.log2, "log10": np.log10,
   "log1p": np.log1p, "expm1": np.expm1, "ceil": np.ceil, "trunc": np.trunc, "round": np.rint,
-  "gelu": _gelu, "gelu_backward": _gelu_backward,
+  "gelu": _gelu, "gelu_backward": _gelu_backward, "relu_backward": _relu_backward,
   "logical_not": np.logical_not, "cast": lambda x, dtype: x.astype(dtype.np), "copy": lambda x: np.array(x, copy=True, order="C"),
   # binary
   "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": _pow,

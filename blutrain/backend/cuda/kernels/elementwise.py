@@ -31,8 +31,9 @@ UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "tanh", "sig
          "sign", "logical_not", "gelu", "gelu_tanh", "copy", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
          "acosh", "atanh", "exp2", "log2", "log10", "log1p", "expm1", "ceil", "trunc", "round", "bitwise_not")
 BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
-          "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh", "atan2", "copysign", "fmod", "remainder",
-          "floor_divide", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift")
+          "logical_or", "logical_xor", "gelu_backward", "gelu_backward_tanh", "relu_backward", "atan2", "copysign", "fmod",
+          "remainder", "floor_divide", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift",
+          "bitwise_right_shift")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "logical_not")
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _SQRT_2_PI = tl.constexpr(0.7978845608028654)
@@ -249,6 +250,8 @@ def _apply(a, b, c, OP: tl.constexpr):
     r = gelu_backward(a, b, False)
   elif OP == "gelu_backward_tanh":
     r = gelu_backward(a, b, True)
+  elif OP == "relu_backward":
+    r = tl.where(b <= 0, 0, a)
   else:
     tl.static_assert(OP == "where", "unknown elementwise op")
     r = tl.where(c, a, b)
