@@ -108,6 +108,7 @@ def run_blutrain(cfg, state, batches, precision: str, warmup: int, compiled: boo
     out["nova"] = {k: v for k, v in step.info.items()
                    if k in ("cuda_graph", "graph_nodes", "graph_arena_bytes", "total_s", "equations", "memory_budget",
                             "planned_peak", "gemms_path")}
+    out["host_ms_last_step"] = {k: v * 1e3 for k, v in step.info.get("host_s", {}).items()}
   del model, step, dev
   gc.collect()
   bt.cuda.empty_cache()
@@ -238,6 +239,9 @@ def main() -> None:
       print("| {} | {:,.0f} | {:,.0f} | {:.2f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |".format(
         precision, ours["tokens_per_s"], ref["tokens_per_s"], ours["tokens_per_s"] / ref["tokens_per_s"],
         _gib(ours), _gib(ref), ours["step_s"] * 1e3, ours["enqueue_s"] * 1e3, ours["first_step_s"]))
+      host = ours.get("host_ms_last_step", {})
+      print(f"  blutrain compiled {precision}, the last step's host ms: " +
+            ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
   print("| precision | JAX/XLA tok/s | JAX / torch.compile | blutrain compiled / JAX | JAX peak GiB | JAX step ms "
         "| JAX first step s (compile) | attention | max loss diff vs torch eager |")
   for precision in args.precisions.split(","):

@@ -605,6 +605,7 @@ g = model.weight.grad
 version = g._storage.version
 step(x)
 assert model.weight.grad is g and g._storage.version > version and step.captures == 2
+assert set(step.info["host_s"]) == {"guard", "bind", "run", "deliver"} and min(step.info["host_s"].values()) > 0
 model.weight.data = bt.randn(4, 8, device="cuda")
 step(x)
 assert step.captures == 3, step.captures

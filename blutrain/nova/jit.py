@@ -159,6 +159,9 @@ class Executable:
     self.rng_advance = trace.rng_advance
     self.out_dtypes = [v.dtype for v in trace.graph.outputs]
     self.collectives = dict(Counter(e.attrs["group"] for e in trace.graph.equations if e.op in collective.KERNELS))
+    # the last call's host seconds: the guard (and any capture), and on the GPU the binding, the run (a replay: the
+    # graph's launch) and the delivery of the outputs
+    self.host_s: dict[str, float] = info.setdefault("host_s", {})
 
   def _input(self, source, leaves) -> np.ndarray:
     return source.array(leaves) if hasattr(source, "array") else source.tensor(leaves)._array()
@@ -295,8 +298,10 @@ class GraphExecutable(Executable):
 
   def run(self, leaves: list) -> Any:
     from blutrain.backend.cuda import graphs, memory, runtime
+    t0 = time.perf_counter()
     collective.check(self.collectives)
     static = self._bind(leaves)
+    t1 = time.perf_counter()
     if self.once: outs = self._run_once()
     elif self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what it needs
       pool = None
@@ -317,12 +322,14 @@ class GraphExecutable(Executable):
       self.graph.replay()
       outs = self.outs
     collective.watch(self.collectives)
+    t2 = time.perf_counter()
     for kind, where in self.spec:  # a call's own tensor updated in place gets its buffer's new value
       if kind == "write" and isinstance(where, Arg):
         memory.copy_into(where.tensor(leaves)._array(), static[self.sources.index(where)])
     try:
       return self._deliver(leaves, static, outs, replayed=True)
     finally:
+      self.host_s.update(bind=t1 - t0, run=t2 - t1, deliver=time.perf_counter() - t2)
       if self.once:  # the copies out of the pool are queued: let them finish before its memory is given back
         runtime.current_stream(static[0].device if static else None).synchronize()
         self.pool.release()
@@ -393,7 +400,8 @@ def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, me
 
 
 class Compiled:
-  """The callable `bt.compile(fn)` returns. `.info` describes the last capture (timings, op counts, cache)."""
+  """The callable `bt.compile(fn)` returns. `.info` describes the last capture (timings, op counts, cache) and, in
+  `host_s`, the host seconds of its graph's last call (guard, and on the GPU bind, run, deliver)."""
 
   def __init__(self, fn: Callable, dump_ir: str | None = None, memory_budget: int | str | None = None):
     self.fn, self.dump_ir, self.memory_budget = fn, dump_ir, memory_budget
@@ -423,10 +431,12 @@ class Compiled:
             tuple(id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)))
 
   def __call__(self, *args, **kwargs):
+    t0 = time.perf_counter()
     leaves, tree = flatten((args, kwargs))
     if self._found is None: self._found = discover(self.fn, leaves)
     key = self._guard(leaves, tree)
     exe = self._entries.get(key) or self._capture(args, kwargs, leaves, key)
+    exe.host_s["guard"] = time.perf_counter() - t0
     try:
       return _run(exe, leaves)
     except StaleGraph:
