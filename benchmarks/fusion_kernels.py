@@ -126,7 +126,7 @@ def cases(S: Inputs) -> dict:
     return (dx + residual if residual is not None else dx), dw, db
 
   def unfused_backward():
-    dx, dw, db = apply(lnb, g, x, w, None, n=1, eps=EPS, has_bias=True)
+    dx, dw, db, _ = apply(lnb, g, x, w, None, n=1, eps=EPS, has_bias=True)
     return apply(add, r, dx), dw, db
   out["layer_norm_backward+residual"] = (f"({M}, {N}) bf16 g, f32 x, f32 r", M * N * (2 + 4 + 4 + 4),
                                          lambda: apply(lnb, g, x, w, r, n=1, eps=EPS, has_bias=True), unfused_backward,

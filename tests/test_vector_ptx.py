@@ -21,6 +21,8 @@ VARIANTS = {
   "backward from a bf16 gradient": lambda v: norm.layer_norm_backward_spec(f32, bf16, f32, True, M, N, False, None, v),
   "backward with a residual gradient": lambda v: norm.layer_norm_backward_spec(f32, bf16, f32, True, M, N, False, bf16,
                                                                                 v),
+  "backward with a residual gradient and a bf16 copy of dx": lambda v: norm.layer_norm_backward_spec(
+    f32, bf16, f32, True, M, N, False, f32, v, None, bf16),
   "cross-entropy forward": lambda v: loss.ce_spec(False, bf16, dtypes.int64, True, M, 50304, False, f32, v),
   "cross-entropy backward": lambda v: loss.ce_spec(True, bf16, dtypes.int64, True, M, 50304, False, f32, v),
   "cross-entropy backward from the logsumexp": lambda v: loss.ce_lse_spec(True, bf16, dtypes.int64, True, M, 50304,

@@ -51,23 +51,27 @@ def _layer_norm_rule(x, w, b, n, eps, dtype=None):
 
 
 def _layer_norm_vjp(g, out, x, w, b, n, eps, dtype=None):
-  dx, dw, db = layer_norm_backward_op(g, x, w, None, n=n, eps=eps, has_bias=b is not None)
+  dx, dw, db, _ = layer_norm_backward_op(g, x, w, None, n=n, eps=eps, has_bias=b is not None)
   return dx, dw if w is None else dw.to(w.dtype), db if b is None else db.to(b.dtype)
 
 
-def _layer_norm_backward_rule(g, x, w, residual=None, *, n, eps, has_bias):
+def _layer_norm_backward_rule(g, x, w, residual=None, *, n, eps, has_bias, cast=None):
   if residual is not None and residual.shape != x.shape:
     raise ShapeError(f"layer_norm_backward: residual gradient of shape {residual.shape} does not match input {x.shape}")
+  if cast is not None and not (cast.is_floating_point and x.dtype.is_floating_point):
+    raise DTypeError(f"layer_norm_backward: dx of {x.dtype.name} cast to {cast.name}: expected floating dtypes")
   params = x.shape[x.ndim - n:], x.dtype
-  return [(x.shape, x.dtype), params if w is not None else None, params if has_bias else None]
+  return [(x.shape, x.dtype), params if w is not None else None, params if has_bias else None,
+          (x.shape, cast) if cast is not None else None]
 
 
 # dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) with gw = g w, dw = sum(g xhat), db = sum(g) over the leading dims,
-# xhat = (x - mean) rstd. One kernel computes all three: the outputs are dx, dw (None without a weight) and db (None
-# unless has_bias), all in x's dtype. With a `residual` gradient (x's shape, read as float32) dx is residual + dx:
-# Nova folds the residual stream's gradient accumulation into the kernel (passes/fuse_norms.py).
+# xhat = (x - mean) rstd. One kernel computes all: the outputs are dx, dw (None without a weight) and db (None unless
+# has_bias), all in x's dtype, and dx cast to `cast` (None without). With a `residual` gradient (x's shape, read as
+# float32) dx is residual + dx. Nova folds the residual stream's gradient accumulation into the kernel, and autocast's
+# cast of that gradient for the next matmul (passes/fuse_norms.py).
 layer_norm_backward_op = op("layer_norm_backward", _layer_norm_backward_rule, multi=True,
-                            inputs="g x ?weight ?residual", attrs="n:int eps:float has_bias:bool")
+                            inputs="g x ?weight ?residual", attrs="n:int eps:float has_bias:bool cast:dtype?")
 # The output comes in `dtype` (absent: x's); the kernels compute in float32, so Nova folds autocast's cast of the
 # output down for the next matmul into the op (passes/fuse_casts.py).
 layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1),

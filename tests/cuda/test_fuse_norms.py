@@ -54,12 +54,28 @@ def test_norm_backward_with_a_residual_gradient_equals_the_backward_and_the_add(
     if a is not None: np.testing.assert_array_equal(a.cpu().numpy(), b.cpu().numpy())
 
 
+@pytest.mark.parametrize("shape", [(16384, 768), (5, 20000), (7, 33)])
+@pytest.mark.parametrize("cast", [bt.bfloat16, bt.float16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_half_copy_of_dx_is_dx_cast(shape, cast, residual):
+  """layer_norm_backward(..., cast=half)[3] is the cast of its dx, bit for bit (Nova's fuse-norms folds autocast's
+  cast of the residual stream's gradient into the kernel), and the other results are the plain op's."""
+  g, x, w = _randn(shape, bt.bfloat16), _randn(shape, scale=2, shift=-1), _randn(shape[-1:])
+  r = _randn(shape) if residual else None
+  attrs = dict(n=1, eps=1e-5, has_bias=True)
+  fused = apply(registry["layer_norm_backward"], g, x, w, r, cast=cast, **attrs)
+  plain = apply(registry["layer_norm_backward"], g, x, w, r, **attrs)
+  assert fused[3].dtype is cast and plain[3] is None
+  np.testing.assert_array_equal(fused[3].float().cpu().numpy(), plain[0].to(cast).float().cpu().numpy())
+  for a, b in zip(fused[:3], plain[:3]): np.testing.assert_array_equal(a.cpu().numpy(), b.cpu().numpy())
+
+
 def test_param_grads_against_float64():
   """dx, dw and db of GPT-2's rows (dw and db through the partial sums and their reduction kernel), against PyTorch's
   CPU backward in float64."""
   torch = pytest.importorskip("torch")
   g, x, w = _randn((16384, 768), bt.bfloat16), _randn((16384, 768), scale=2), _randn((768,))
-  dx, dw, db = apply(registry["layer_norm_backward"], g, x, w, None, n=1, eps=1e-5, has_bias=True)
+  dx, dw, db, _ = apply(registry["layer_norm_backward"], g, x, w, None, n=1, eps=1e-5, has_bias=True)
   tx = torch.from_numpy(x.cpu().numpy()).double().requires_grad_()
   tw = torch.from_numpy(w.cpu().numpy()).double().requires_grad_()
   tb = torch.zeros(768, dtype=torch.float64, requires_grad=True)

@@ -397,7 +397,7 @@ def test_layer_norm_backward(dtype):
       got = apply(P["layer_norm_backward"], *(a and a[1] for a in args), n=n, eps=1e-5, has_bias=has_bias)
       rows = max(1, math.prod(shape[:len(shape) - n]))  # dw and db sum over the rows
       atol, rtol = TOL[dtype]
-      assert [t is None for t in got] == [t is None for t in want] == [False, weight is None, not has_bias]
+      assert [t is None for t in got] == [t is None for t in want] == [False, weight is None, not has_bias, True]
       for part, got_part, want_part in zip(("dx", "dw", "db"), got, want):
         if got_part is None: continue
         check(f"layer_norm_backward {part}({describe(*(a[1] for a in args if a is not None))}; has_bias={has_bias})",
@@ -414,7 +414,7 @@ def test_layer_norm_backward_schedules(stages):
   M, N = 1000, 768
   (gc, g), (xc, x), (wc, w), (rc, r) = (pair(s, d, seed=k) for k, (s, d) in enumerate(
     (((M, N), bt.bfloat16), ((M, N), bt.float32), ((N,), bt.float32), ((M, N), bt.float32))))
-  dx, dw, db = apply(P["layer_norm_backward"], gc.double(), xc.double(), wc.double(), n=1, eps=1e-5, has_bias=True)
+  dx, dw, db, _ = apply(P["layer_norm_backward"], gc.double(), xc.double(), wc.double(), n=1, eps=1e-5, has_bias=True)
   base = norm_backward_schedule(M, N, 132)
   for bm, warps, tiles in ((1, 2, 7), (4, 8, 3)):
     s = base._replace(block_m=bm, warps=warps, rows=bm * tiles, stages=stages)

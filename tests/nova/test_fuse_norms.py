@@ -44,19 +44,19 @@ def test_residual_gradient_folds_into_the_norm_backward_ir(first):
   check((FuseNormsPass(),), before, after)
 
 
-def _residual_block(half=None, affine=True, reuse_h=True, later_residual=False):
+def _residual_block(half=None, affine=True, reuse_h=True, later_residual=False, cast=None):
   """A pre-norm block's pattern: h = x + y, n = layer_norm(h) (h read again, by the norm's backward, when reuse_h), and
   in the backward the residual gradient r plus the norm's input gradient (r made after the norm's backward when
-  later_residual)."""
+  later_residual), that sum also cast to `cast` (autocast's cast for the next matmul) when given."""
   b = Builder()
   x, y, g, r = b.input((6, 32)), b.input((6, 32), half or dtypes.float32), b.input((6, 32)), b.input((6, 32))
   w, bias = (b.input((32,)), b.input((32,))) if affine else (None, None)
   h = b("add", x, y)
   n = b("layer_norm", h, w, bias, n=1, eps=1e-5)
-  dx, dw, db = b("layer_norm_backward", g, h if reuse_h else x, w, None, n=1, eps=1e-5, has_bias=affine)
+  dx, dw, db, _ = b("layer_norm_backward", g, h if reuse_h else x, w, None, n=1, eps=1e-5, has_bias=affine)
   if later_residual: r = b("exp", r)
   s = b("add", r, dx)
-  return b.output(n, s, *(v for v in (dw, db) if v is not None))
+  return b.output(n, s, *(v for v in (dw, db) if v is not None), *([b("cast", s, dtype=cast)] if cast else []))
 
 
 def _same_bits(graph, args):
@@ -82,6 +82,27 @@ def _args(half=None, affine=True):
 def test_fused_graph_computes_the_same_bits(half, affine, later_residual):
   counts = _same_bits(_residual_block(half, affine, later_residual=later_residual), _args(half, affine))
   assert counts == {"add_layer_norm": 1, "layer_norm_backward": 1, **({"exp": 1} if later_residual else {})}
+
+
+@pytest.mark.parametrize("cast", [dtypes.bfloat16, dtypes.float16])
+def test_the_half_copy_of_the_residual_gradient_comes_out_of_the_norms_backward(cast):
+  graph = _residual_block(dtypes.bfloat16, cast=cast)
+  counts = _same_bits(graph, _args(dtypes.bfloat16))
+  assert counts == {"add_layer_norm": 1, "layer_norm_backward": 1}, counts  # no add, no cast
+  module = ir.to_module(graph)
+  FuseNormsPass().run(module)
+  (back,) = [op for op in ir.function(module).body.block.ops if op.name == "nova.layer_norm_backward"]
+  assert back.attrs()["cast"] is cast and back.residual is not None and back.dx_cast is not None
+
+
+def test_a_cast_to_float64_or_of_a_half_gradient_stays_a_cast():
+  for x_dtype, cast in ((dtypes.float32, dtypes.float64), (dtypes.bfloat16, dtypes.float32)):
+    b = Builder()
+    g, x = b.input((6, 32), x_dtype), b.input((6, 32), x_dtype)
+    dx = b("layer_norm_backward", g, x, None, None, n=1, eps=1e-5, has_bias=False)[0]
+    module = ir.to_module(b.output(b("cast", dx, dtype=cast)))
+    FuseNormsPass().run(module)
+    assert op_counts(module) == {"layer_norm_backward": 1, "cast": 1}
 
 
 def test_a_sum_used_by_the_norm_alone_keeps_its_add():
@@ -129,7 +150,8 @@ def test_eager_ops_equal_the_unfused_ones():
   plain = bt.ops.core.apply(registry["layer_norm_backward"], g, x, w, None, n=1, eps=1e-5, has_bias=True)
   fused = bt.ops.core.apply(registry["layer_norm_backward"], g, x, w, r, n=1, eps=1e-5, has_bias=True)
   np.testing.assert_array_equal(fused[0].numpy(), (r + plain[0]).numpy())
-  for a, c in zip(fused[1:], plain[1:]): np.testing.assert_array_equal(a.numpy(), c.numpy())
+  for a, c in zip(fused[1:3], plain[1:3]): np.testing.assert_array_equal(a.numpy(), c.numpy())
+  assert fused[3] is None and plain[3] is None  # no cast asked for
 
 
 def _clip_then_adamw(grad_dtype=dtypes.float32, return_grads=False, unscaled_grad=False):

@@ -185,7 +185,7 @@ def _add_layer_norm(x, y, w, b, n, eps, dtype=None):
   return h, _layer_norm(h, w, b, n, eps)
 
 
-def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias):
+def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias, cast=None):
   axes, batch = tuple(range(x.ndim - n, x.ndim)), tuple(range(x.ndim - n))
   xc = x - x.mean(axis=axes, keepdims=True)
   rstd = 1 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + eps)
@@ -194,7 +194,9 @@ def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias):
   dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
   if residual is not None: dx = residual + dx.astype(x.dtype, copy=False)
   dw = None if w is None else (g * xhat).sum(axis=batch).astype(x.dtype, copy=False)
-  return dx.astype(x.dtype, copy=False), dw, g.sum(axis=batch).astype(x.dtype, copy=False) if has_bias else None
+  dx = dx.astype(x.dtype, copy=False)
+  return (dx, dw, g.sum(axis=batch).astype(x.dtype, copy=False) if has_bias else None,
+          None if cast is None else dx.astype(cast.np))
 
 
 def _channel_axes(x):

@@ -13,6 +13,10 @@ reads the residual gradient and adds it before its one store:
   d = layer_norm_backward(g, x, w)[0];  s = add(r, d)   ->  s = layer_norm_backward(g, x, w, residual=r)[0]
                                                              (d used by the add alone; either operand order)
 
+and autocast's cast of that float32 gradient for the next matmul is the same kernel's second store:
+
+  c = cast(layer_norm_backward(...)[0]: f32 -> half)     ->  c = layer_norm_backward(..., cast=half)[3]
+
 clip_grad_norm_ scales every gradient by min(1, max_norm / (total + 1e-6)), a pass over all of them, and the update
 (AdamW's or SGD's multi-tensor op) reads them right after; when nothing else reads the scaled gradients (the step ends
 with zero_grad, so they are not written back to `.grad`), the update reads the factor from device memory and scales
@@ -43,11 +47,12 @@ from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, ExpandOp, LayerNormBackwardOp, LayerNormOp, ScaleOp,
-                                   SgdOp, aval)
+from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, CastOp, ExpandOp, LayerNormBackwardOp, LayerNormOp,
+                                   ScaleOp, SgdOp, aval)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
+_HALVES = (dtypes.bfloat16, dtypes.float16)
 
 
 def _before(v: SSAValue | None, op: Operation) -> bool:
@@ -114,6 +119,30 @@ class LayerNormBackwardResidualPattern(RewritePattern):
     rewriter.replace(back, [], list(fused.results))
 
 
+class CastOfNormGradientPattern(RewritePattern):
+  """cast(layer_norm_backward(...)[0]: f32 -> half) -> layer_norm_backward(..., cast=half)[3]: autocast's cast of the
+  residual stream's gradient for the next matmul comes out of the norm's backward kernel as a second store of dx,
+  rounded from dx as stored (the cast kernel read dx back from memory).
+
+    %s, %dw, %db = nova.layer_norm_backward %g, %x weight %w : tensor<32xf32> residual %r : tensor<4x32xf32> {...}
+                   : (...) -> tensor<4x32xf32> dweight tensor<32xf32> dbias tensor<32xf32>
+    %c = nova.cast %s {dtype = bf16} : (tensor<4x32xf32>) -> tensor<4x32xbf16>
+      =>   %s, %dw, %db, %c = nova.layer_norm_backward ... {..., cast = bf16} : (...) -> tensor<4x32xf32> dweight ...
+                              dbias tensor<32xf32> cast tensor<4x32xbf16>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CastOp, rewriter: PatternRewriter):
+    back = op.x.owner
+    if not isinstance(back, LayerNormBackwardOp) or op.x is not back.dx or back.attrs().get("cast") is not None: return
+    if aval(back.dx.type).dtype is not dtypes.float32 or op.attrs()["dtype"] not in _HALVES: return
+    outs = back.graph_outputs()
+    fused = LayerNormBackwardOp.make(back.graph_inputs(), {**back.attrs(), "cast": op.attrs()["dtype"]},
+                                     [None if v is None else v.type for v in outs[:3]] + [op.result.type])
+    rewriter.insert(fused, InsertPoint.before(back))
+    rewriter.replace(op, [], [fused.dx_cast])
+    rewriter.replace(back, [], list(fused.results[:len(back.results)]))
+
+
 _UPDATES = (AdamwOp, SgdOp)  # multi-tensor updates: n params, then n gradients, ...; a `clip` factor last
 
 
@@ -147,7 +176,8 @@ class ClipIntoUpdatePattern(RewritePattern):
 
 @dataclass(frozen=True)
 class FuseNormsPass(PatternPass):
-  """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation);
-  clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
+  """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation, and
+  the half copy of the gradient autocast casts); clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
   name = "fuse-norms"
-  PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), ClipIntoUpdatePattern())
+  PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), CastOfNormGradientPattern(),
+              ClipIntoUpdatePattern())

@@ -207,26 +207,31 @@ def _add_partial(ptr, value, mask, first):
 
 
 @triton.jit
-def _dx(dx, r, off, mask, v, ACC: tl.constexpr, HAS_R: tl.constexpr):
+def _dx(dx, dxc, r, off, mask, v, ACC: tl.constexpr, HAS_R: tl.constexpr, CAST: tl.constexpr):
   """Store dx = v, or r + v (r read as ACC) by PTX's add.rn: an add with its rounding mode given is never contracted
   with the multiply that made v into an FMA (libdevice's add_rn would flush subnormals), so the sum is the one the
-  separate add kernel computes."""
+  separate add kernel computes. With CAST, dxc also gets dx rounded to its dtype (from dx's own rounding, as a cast
+  of the stored dx would)."""
   if HAS_R:
     rv = tl.load(r + off, mask=mask, other=0).to(ACC)
     if ACC == tl.float64:
       v = tl.inline_asm_elementwise("add.rn.f64 $0, $1, $2;", "=d,d,d", [rv, v], dtype=tl.float64, is_pure=True, pack=1)
     else:
       v = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [rv, v], dtype=tl.float32, is_pure=True, pack=1)
-  tl.store(dx + off, v.to(dx.dtype.element_ty), mask=mask)
+  v = v.to(dx.dtype.element_ty)
+  tl.store(dx + off, v, mask=mask)
+  if CAST:
+    tl.store(dxc + off, v.to(dxc.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, r, M, N, eps, ROWS, ACC: tl.constexpr,
-                                HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
-                                IDX64: tl.constexpr):
+def _layer_norm_backward_kernel(dx, dxc, dw_part, db_part, g, x, w, r, M, N, eps, ROWS, ACC: tl.constexpr,
+                                HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, CAST: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                                STAGES: tl.constexpr, IDX64: tl.constexpr):
   """dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), gw = g w (plus the residual gradient r when HAS_R), over rows of
-  N contiguous elements (g, x, r, dx), and this program's column sums of g xhat and g (dw's and db's partial sums)
+  N contiguous elements (g, x, r, dx; with CAST dx also rounded into dxc), and this program's column sums of g xhat
+  and g (dw's and db's partial sums)
   into row pid of dw_part and db_part. Program pid takes rows [pid ROWS, (pid + 1) ROWS) in tiles of BLOCK_M rows,
   STAGES of them in flight; the stats are recomputed from x."""
   pid = tl.program_id(0)
@@ -252,7 +257,7 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, r, M, N, eps, ROW
       gw = gv * wv[None, :] if HAS_W else gv
       c1 = tl.sum(gw, axis=1) / N
       c2 = tl.sum(gw * xhat, axis=1) / N
-      _dx(dx, r, off, mask, (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None], ACC, HAS_R)
+      _dx(dx, dxc, r, off, mask, (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None], ACC, HAS_R, CAST)
       dw_acc += tl.sum(gv * xhat, axis=0)
       db_acc += tl.sum(gv, axis=0)
     if HAS_W:
@@ -274,7 +279,7 @@ def _layer_norm_backward_kernel(dx, dw_part, db_part, g, x, w, r, M, N, eps, ROW
       c2s = tl.sum(c2, axis=1) / N
       for n0 in range(0, N, BLOCK_N):
         ns, mask, off, xhat, gv, gw = _backward_tile(g, x, w, ms, m_mask, n0, N, mean, rstd, ACC, HAS_W, BLOCK_N)
-        _dx(dx, r, off, mask, (gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None], ACC, HAS_R)
+        _dx(dx, dxc, r, off, mask, (gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None], ACC, HAS_R, CAST)
         first = m0 == pid * ROWS  # the partial rows start at this program's first row, so nothing is read back
         tl.debug_barrier()  # the threads that read a partial sum back need not be the ones that stored it
         if HAS_W:
@@ -407,17 +412,21 @@ def add_layer_norm(x: CudaArray, y: CudaArray, w: CudaArray | None, b: CudaArray
 
 @functools.lru_cache(maxsize=4096)
 def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r: DType | None = None,
-                             vectors: bool = False, schedule: NormBackward | None = None):
+                             vectors: bool = False, schedule: NormBackward | None = None, cast: DType | None = None):
   """The layer-norm backward kernel's variant for M rows of N (r: the residual gradient's dtype, None without;
-  vectors: as `layer_norm_spec`'s; schedule: the configurator's for H200 unless given)."""
+  vectors: as `layer_norm_spec`'s; schedule: the configurator's for H200 unless given; cast: the dtype of dx's
+  second, rounded copy, None without)."""
   bm, bn, warps, one, _, stages = schedule or norm_backward_schedule(M, N, H200.sms)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
-  sig = {"dx": ptr(x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x), "w": ptr(w or x),
-         "r": ptr(r or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
-  if vectors: sig = divisible(sig, ("dx", "dw_part", "db_part", "g", "x", "w", *("r",) * _same_vectors(r, g, x), "N"))
+  sig = {"dx": ptr(x), "dxc": ptr(cast or x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x),
+         "w": ptr(w or x), "r": ptr(r or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
+         "ROWS": it}
+  if vectors:
+    extra = ("r",) * _same_vectors(r, g, x) + ("dxc",) * _same_vectors(cast, g, x)
+    sig = divisible(sig, ("dx", "dw_part", "db_part", "g", "x", "w", *extra, "N"))
   return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[acc], HAS_W=w is not None, HAS_B=has_b, HAS_R=r is not None,
-                                                     BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one, STAGES=stages, IDX64=i64),
-              num_warps=warps)
+                                                     CAST=cast is not None, BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one,
+                                                     STAGES=stages, IDX64=i64), num_warps=warps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -429,16 +438,18 @@ def param_grads_spec(acc: DType, dw: DType | None, db: DType | None):
 
 
 def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residual: CudaArray | None = None, *, n: int,
-                        eps: float, has_bias: bool, schedule: NormBackward | None = None) -> tuple[CudaArray, ...]:
-  """(dx, dw, db) of layer_norm over x's last n dims (dw None without w, db None unless has_bias), new arrays; with
-  a residual gradient dx is residual + dx. Programs take equal runs of rows (`configurator.norm_backward_schedule`,
-  or `schedule` to try another) and leave per-program column sums of dw and db, which a second kernel sums into dw
-  and db."""
+                        eps: float, has_bias: bool, cast: DType | None = None,
+                        schedule: NormBackward | None = None) -> tuple[CudaArray, ...]:
+  """(dx, dw, db, dx in `cast`) of layer_norm over x's last n dims (dw None without w, db None unless has_bias, the
+  last None without cast), new arrays; with a residual gradient dx is residual + dx. Programs take equal runs of rows
+  (`configurator.norm_backward_schedule`, or `schedule` to try another) and leave per-program column sums of dw and
+  db, which a second kernel sums into dw and db."""
   lead = x.ndim - n
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   dx = empty(x.shape, x.dtype, x.device)
+  dxc = None if cast is None else empty(x.shape, cast, x.device)
   params = [empty(x.shape[lead:], x.dtype, x.device) for _ in range((w is not None) + has_bias)]
-  grads = (dx, params[0] if w is not None else None, params[-1] if has_bias else None)
+  grads = (dx, params[0] if w is not None else None, params[-1] if has_bias else None, dxc)
   if M * N == 0:
     for p in params: fill(p, 0)
     return grads
@@ -446,11 +457,11 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residua
   schedule = schedule or norm_backward_schedule(M, N, runtime.hardware(x.device).sms)
   programs = cdiv(M, schedule.rows)
   parts = empty((2, programs, N), stats_dtype(x.dtype), x.device)
-  vectors = aligned([a for a in (dx, parts, g, x, w, r) if a is not None], (N,))  # N | 16: db's part aligns as dw's
+  vectors = aligned([a for a in (dx, dxc, parts, g, x, w, r) if a is not None], (N,))  # N | 16: db's part as dw's
   s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides),
-                               r and r.dtype, vectors, schedule)
-  run(s, (programs,), dx.ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr, x.ptr,
-      (w or x).ptr, (r or x).ptr, M, N, float(eps), schedule.rows)
+                               r and r.dtype, vectors, schedule, cast)
+  run(s, (programs,), dx.ptr, (dxc or dx).ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr,
+      x.ptr, (w or x).ptr, (r or x).ptr, M, N, float(eps), schedule.rows)
   if params:
     dw, db = grads[1], grads[2]
     run(param_grads_spec(parts.dtype, dw and dw.dtype, db and db.dtype), (cdiv(N, PARAM_BLOCK_N),),
@@ -862,6 +873,7 @@ def _specs() -> list:
           layer_norm_spec(f32, f32, f32, 1, 1 << 14, 768, False, bf16, bf16, True),
           layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, None, True),
           layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, bf16, True),
+          layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, f32, True, None, bf16),  # + a half dx
           layer_norm_backward_spec(bf16, bf16, bf16, False, 1000, 20000, False, None, True),
           param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64)]
   # batch norm: NCHW (C, then N and H W collapsed), channels-last (the channels unit-stride), (N, C) and 1-D runs
