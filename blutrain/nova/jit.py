@@ -228,6 +228,7 @@ class GraphExecutable(Executable):
     self.static: list | None = None
     self.pool = self.graph = None
     self.outs: tuple = ()
+    self.bound: list = []  # per source, the storage data a graph reads where it lives across calls (else None)
 
   def _bind(self, leaves: list) -> list:
     from blutrain.backend.cuda import memory, runtime
