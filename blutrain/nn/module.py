@@ -35,6 +35,49 @@ _IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_
 _hook_ids = itertools.count()
 
 
+class _Registry(OrderedDict):
+  """A module's parameters, buffers or children by name. Every change counts in `Module.registry_version`, which
+  tells a compiled step when a module tree may have changed (it walks the trees again only then)."""
+
+  def _changed(self) -> None: Module.registry_version += 1
+
+  def __setitem__(self, key, value) -> None:
+    self._changed()
+    super().__setitem__(key, value)
+
+  def __delitem__(self, key) -> None:
+    self._changed()
+    super().__delitem__(key)
+
+  def __ior__(self, other):
+    self.update(other)
+    return self
+
+  def update(self, *args, **kwargs) -> None:
+    self._changed()
+    super().update(*args, **kwargs)
+
+  def pop(self, *args):
+    self._changed()
+    return super().pop(*args)
+
+  def popitem(self, last: bool = True):
+    self._changed()
+    return super().popitem(last)
+
+  def setdefault(self, key, default=None):
+    self._changed()
+    return super().setdefault(key, default)
+
+  def clear(self) -> None:
+    self._changed()
+    super().clear()
+
+  def move_to_end(self, key, last: bool = True) -> None:
+    self._changed()
+    super().move_to_end(key, last)
+
+
 class _RemovableHandle:
   def __init__(self, hooks: dict, key: int): self.hooks, self.key = hooks, key
   def remove(self) -> None: self.hooks.pop(self.key, None)
@@ -54,11 +97,12 @@ class Module:
     ...   def forward(self, x): return F.gelu(self.fc(x))
   """
   training: bool
+  registry_version: int = 0  # counts the changes of every module's registries (`_Registry`)
 
   def __init__(self) -> None:
     d = self.__dict__
     d["training"] = True
-    d["_parameters"], d["_buffers"], d["_modules"] = OrderedDict(), OrderedDict(), OrderedDict()
+    d["_parameters"], d["_buffers"], d["_modules"] = _Registry(), _Registry(), _Registry()
     d["_non_persistent_buffers_set"] = set()
     d["_forward_pre_hooks"], d["_forward_hooks"] = OrderedDict(), OrderedDict()
 

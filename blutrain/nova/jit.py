@@ -228,7 +228,8 @@ class GraphExecutable(Executable):
     self.static: list | None = None
     self.pool = self.graph = None
     self.outs: tuple = ()
-    self.bound: list = []  # per source, the storage data a graph reads where it lives across calls (else None)
+    self.bound: list = []  # (the storage's weak reference, its data) of each source living across calls (a Ref)
+    self.fed: list = []    # (source, buffer) of each other source: what a call copies in or checks
 
   def _bind(self, leaves: list) -> list:
     from blutrain.backend.cuda import memory, runtime
@@ -236,14 +237,16 @@ class GraphExecutable(Executable):
       self.static = [memory.from_numpy(np.asarray(s.array(leaves))) if hasattr(s, "array") else
                      _copy(s.tensor(leaves)._array()) if isinstance(s, Arg) else s.tensor(leaves)._array()
                      for s in self.sources]
-      self.bound = [s.storage_of(leaves).data if isinstance(s, Ref) else None for s in self.sources]
+      self.bound = [(s.storage, s.storage_of(leaves).data) for s in self.sources if isinstance(s, Ref)]
+      self.fed = [(s, buf) for s, buf in zip(self.sources, self.static) if not isinstance(s, Ref)]
       return self.static
+    for ref, data in self.bound:  # memory living across calls: its layout is the source's own, so only it can move
+      storage = ref()
+      if storage is None or storage.data is not data:
+        raise StaleGraph("memory a CUDA graph reads moved or was freed (a parameter or optimizer state was replaced)")
     stream = runtime.current_stream(self.static[0].device if self.static else None)
-    for s, buf, data in zip(self.sources, self.static, self.bound):
-      if data is not None:  # memory living across calls: its layout is the source's own, so only the memory can move
-        if s.storage_of(leaves).data is not data:
-          raise StaleGraph("memory a CUDA graph reads moved (a parameter or optimizer state was replaced)")
-      elif hasattr(s, "array"):
+    for s, buf in self.fed:
+      if hasattr(s, "array"):
         host = np.ascontiguousarray(s.array(leaves), buf.dtype.np)  # a scalar's float64, a generator's int64
         memory.copy_h2d(buf.ptr, host.ctypes.data, host.nbytes, stream)
       elif isinstance(s, Arg): memory.copy_into(buf, s.tensor(leaves)._array())
@@ -411,6 +414,7 @@ class Compiled:
       parse_size(memory_budget)
     self._entries: dict = {}
     self._found: tuple[list, list] | None = None
+    self._walked: tuple | None = None  # (registry version, optimizers' parameter ids, modules, parameters)
     self.captures = 0
     self.info: dict = {}
     functools.update_wrapper(self, fn, updated=())
@@ -420,16 +424,27 @@ class Compiled:
     reads (modules' training flags, and DistributedDataParallel's `require_sync`, which `no_sync()` clears). Global
     state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul and convolution engines) is read
     here because a capture bakes it into the graph's ops and attributes."""
-    modules, optimizers = self._found
-    mods, params = _tree(modules, optimizers)
+    mods, params = self._tree()
+    optimizers = self._found[1]
     return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,
             backends.conv,
             tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
             tuple((id(p), p.grad is None) for p in params),
-            tuple((m.training, getattr(m, "require_sync", None)) for m in mods),
+            tuple((m.training, m.__dict__.get("require_sync")) for m in mods),
             tuple((id(g),) + tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr")))
                   for o in optimizers for g in o.param_groups),
             tuple(id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)))
+
+  def _tree(self) -> tuple[list, list[Tensor]]:
+    """`_tree` of the step's modules and optimizers, walked again only when a module registry changed since the last
+    walk (`Module.registry_version`) or an optimizer's groups hold other parameters."""
+    modules, optimizers = self._found
+    version = getattr(modules[0], "registry_version", None) if modules else 0
+    held = [id(p) for o in optimizers for g in o.param_groups for p in g["params"]]
+    cached = self._walked
+    if cached is None or version is None or cached[0] != version or cached[1] != held:
+      cached = self._walked = (version, held, *_tree(modules, optimizers))
+    return cached[2], cached[3]
 
   def __call__(self, *args, **kwargs):
     t0 = time.perf_counter()
@@ -448,7 +463,7 @@ class Compiled:
     """Capture and compile the call; its executable is kept under the guard's `key` unless it runs once (it creates
     persistent tensors, which exist by the next call)."""
     modules, optimizers = self._found
-    params = _tree(modules, optimizers)[1]
+    params = self._tree()[1]
     device = next((x.device for x in leaves if isinstance(x, Tensor)), None) or (params[0].device if params else Device("cpu"))
     saved_grads = [(p, p.grad) for p in params]
     persistent = Persistent(modules, optimizers)

@@ -145,6 +145,52 @@ def test_guard_recaptures_on_new_shape_and_hyperparameter():
   assert step.captures == 4
 
 
+def test_guard_sees_every_change_of_the_module_trees_and_the_optimizer():
+  """The guard walks the module trees again only when a registry changed: a replaced child, a parameter assigned
+  deep in the tree or through the registry itself, and an optimizer's new group each recapture, and the compiled
+  steps go on equal to eager ones; steps that change nothing replay."""
+  def make():
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    return model, bt.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  (m1, o1), (m2, o2) = _twins(make)
+  step1, step2 = _train_step(m1, o1, clip=False), bt.compile(_train_step(m2, o2, clip=False))
+  x, y = bt.randn(5, 4), bt.tensor([0, 2, 1, 1, 0])
+
+  def both(*changes):
+    for change in changes:
+      bt.manual_seed(len(changes))
+      change(m1, o1)
+      bt.manual_seed(len(changes))
+      change(m2, o2)
+    np.testing.assert_allclose(step2(x, y).numpy(), step1(x, y).detach().numpy(), rtol=1e-6)
+    _assert_same_params(m1, m2)
+
+  for _ in range(3): both()
+  assert step2.captures == 2
+
+  def new_head(m, o):
+    m[2] = nn.Linear(6, 3)
+    o.add_param_group({"params": list(m[2].parameters())})
+  both(new_head)
+  both()
+  assert step2.captures == 4, "a new child and its parameters' group: a new graph (first call creating momentum)"
+
+  def deep_parameter(m, o): m[0].weight = nn.Parameter(bt.randn(6, 4))
+  both(deep_parameter)
+  both()
+  both()
+  n = step2.captures
+  assert n > 4
+
+  def through_registry(m, o): m[0]._parameters["bias"] = nn.Parameter(bt.randn(6))
+  both(through_registry)
+  both()
+  assert step2.captures > n
+  n = step2.captures
+  for _ in range(3): both()
+  assert step2.captures == n, "nothing changed: the graph replays"
+
+
 def test_guard_holds_autocast_and_matmul_precision():
   """Global state that changes what a step computes is part of the guard: flipping it between calls recaptures, and
   each replay computes what eager mode computes under the state of its call."""
