@@ -368,6 +368,13 @@ STREAM_SHARE = 0.85     # share of the HBM bandwidth an elementwise kernel or an
 GEMM_TENSOR_STEPS = ("bias", "residual", "gelu_backward", "gelu_backward_tanh")  # epilogue steps that read a tensor
 
 
+def kernel_seconds(flops: int, moved: int, hw: Hardware = H200) -> float:
+  """A kernel's predicted time on its own, the roofline with a launch: max(FLOPs / the half tensor-core peak, bytes
+  read and written / the streaming bandwidth) + LAUNCH_S. Rough for GEMMs (no efficiency), right for the memory-bound
+  kernels it prices (what rematerialization recomputes) and for the share of a step they take."""
+  return max(flops / hw.half_flops, moved / (hw.hbm_bandwidth * STREAM_SHARE)) + LAUNCH_S
+
+
 @dataclass(frozen=True)
 class GemmChoice:
   """How a fused GEMM runs on the GPU (`path`: "cublas" or "nova") and why: the predicted seconds of cuBLASLt with

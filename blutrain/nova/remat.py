@@ -8,12 +8,15 @@ recomputation clones v's op, and the ops of its operands that are not alive at b
 graph inputs (parameters, the batch, the generator state), values read at or after b, and views of those. Every
 read of v, or of a view of v, from b on reads the clone.
 
-The cost model: a candidate saves `bytes(v)` at the peak and costs `flops` (the cloned ops' FLOPs, `op_flops`) and
-`moved` (the bytes they read and write). Candidates are tried in order of bytes saved per FLOP, and one is kept when
-the planned live peak (or, at a tie, the number of positions at the peak) goes down:
+The cost model: a candidate saves `bytes(v)` at the peak and costs `flops` (the cloned ops' FLOPs, `op_flops`),
+`moved` (the bytes they read and write) and `seconds`, the sum of the clones' predicted times
+(`configurator.kernel_seconds`: the roofline of their FLOPs and bytes, and a launch each; the ops recomputed are
+memory-bound, so bytes price them, not FLOPs). Candidates are tried in order of bytes saved per second, and one is
+kept when the planned live peak (or, at a tie, the number of positions at the peak) goes down:
 
   default          only O(elements) ops (elementwise, views, creation, random draws, layer_norm, batch_norm, softmax),
-                   while the FLOPs added stay within `DEFAULT_FLOPS_SHARE` of the step's;
+                   while the seconds added stay within `DEFAULT_TIME_SHARE` of the step's predicted time (the same
+                   model summed over its ops);
   memory_budget    then any single-result op, without a FLOPs cap, until inputs + live peak, then inputs + arena, fit
                    the budget, or no candidate is left (the report then says by how much the step stays above it).
 
@@ -34,6 +37,7 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
+from blutrain import configurator
 from blutrain.nova.dialect import (BatchNormOp, CollectiveOp, CreationOp, ElementwiseOp, FlashAttentionBackwardOp,
                                    FlashAttentionLseBackwardOp, FlashAttentionLseOp, FlashAttentionOp, GeluOp, GemmOp,
                                    GruSequenceBackwardOp, GruSequenceOp, LayerNormOp, LayoutOp, LogSoftmaxOp,
@@ -42,7 +46,7 @@ from blutrain.nova.dialect import (BatchNormOp, CollectiveOp, CreationOp, Elemen
 from blutrain.nova.ir import function
 from blutrain.nova.memory import live_bytes, nbytes, plan
 
-DEFAULT_FLOPS_SHARE = 0.03  # the default recomputes at most this share of the step's FLOPs
+DEFAULT_TIME_SHARE = 0.01  # the default recomputes at most this share of the step's predicted time
 MAX_DEPTH = 8  # ops one recomputation may clone in a chain, so a candidate never recomputes half the forward
 SEQUENCES = (LstmSequenceOp, LstmSequenceBackwardOp, GruSequenceOp, GruSequenceBackwardOp)
 CHEAP = (ElementwiseOp, LayoutOp, CreationOp, RandomOp, LayerNormOp, BatchNormOp, SoftmaxOp, LogSoftmaxOp)
@@ -70,6 +74,18 @@ def op_flops(op: Operation) -> int:
     L, N, G = aval(op.gi.type).shape
     return (2 if isinstance(op, (LstmSequenceOp, GruSequenceOp)) else 6) * L * N * G * aval(op.h0.type).shape[-1]
   return PER_ELEMENT.get(op.opname, 1) * sum(_numel(r) for r in op.results if r is not None)
+
+
+def op_moved(op: Operation) -> int:
+  """The bytes one nova op reads and writes (none for views)."""
+  if isinstance(op, LayoutOp) or not isinstance(op, NovaOp): return 0
+  return sum(nbytes(x) for x in (*op.operands, *op.results) if x is not None)
+
+
+def op_seconds(op: Operation) -> float:
+  """The predicted time of one nova op's kernel (`configurator.kernel_seconds`; none for views)."""
+  if isinstance(op, LayoutOp) or not isinstance(op, NovaOp): return 0.0
+  return configurator.kernel_seconds(op_flops(op), op_moved(op))
 
 
 def parse_size(size: int | str) -> int:
@@ -105,7 +121,7 @@ def step_budget(memory_budget: int | str | None, device, held: int = 0) -> int |
 @dataclass
 class Recomputed:
   """One decision: the value recomputed (its name in the IR after the pass, shape, dtype), the ops cloned to do it
-  (outermost first), the bytes its early death frees, and the FLOPs and bytes the clones add."""
+  (outermost first), the bytes its early death frees, and the FLOPs, bytes and predicted seconds the clones add."""
   value: str
   shape: tuple[int, ...]
   dtype: str
@@ -113,6 +129,7 @@ class Recomputed:
   nbytes: int
   flops: int
   moved: int
+  seconds: float
 
 
 @dataclass
@@ -128,6 +145,8 @@ class RematReport:
   inputs_bytes: int = 0
   flops_added: int = 0
   step_flops: int = 0
+  seconds_added: float = 0.0  # predicted, as the step's
+  step_seconds: float = 0.0
   budget: int | None = None
   over_budget: int = 0
   seconds: float = 0.0
@@ -136,7 +155,8 @@ class RematReport:
     """The summary `bt.compile(...).info["remat"]` holds."""
     return {"saved": [s[0] for s in self.saved], "recomputed": [r.value for r in self.recomputed],
             "bytes_saved": self.peak_before - self.peak_after, "flops_added": self.flops_added,
-            "flops_share": self.flops_added / max(self.step_flops, 1), "live_peak_before": self.peak_before,
+            "flops_share": self.flops_added / max(self.step_flops, 1), "seconds_added": self.seconds_added,
+            "time_share": self.seconds_added / max(self.step_seconds, 1e-12), "live_peak_before": self.peak_before,
             "live_peak_after": self.peak_after, "inputs_bytes": self.inputs_bytes, "budget": self.budget,
             "over_budget": self.over_budget, "seconds": self.seconds}
 
@@ -145,13 +165,14 @@ class RematReport:
     share = self.flops_added / max(self.step_flops, 1)
     lines = [f"live peak {self.peak_before} -> {self.peak_after} bytes (saved {self.peak_before - self.peak_after}); "
              f"arena {self.arena_after}; inputs {self.inputs_bytes}; FLOPs added {self.flops_added} of "
-             f"{self.step_flops} ({100 * share:.2f}%)"]
+             f"{self.step_flops} ({100 * share:.2f}%); predicted time added {self.seconds_added * 1e6:.1f} us of "
+             f"{self.step_seconds * 1e6:.1f} ({100 * self.seconds_added / max(self.step_seconds, 1e-12):.2f}%)"]
     if self.budget is not None:
       lines.append(f"budget {self.budget} bytes: " + ("fits" if not self.over_budget else
                                                         f"{self.over_budget} bytes above it"))
     lines.append(f"recomputed ({len(self.recomputed)}):")
     lines += [f"  {r.value} {r.dtype}{list(r.shape)} = {' < '.join(r.ops)}  frees {r.nbytes} bytes, {r.flops} FLOPs, "
-              f"{r.moved} bytes moved" for r in self.recomputed]
+              f"{r.moved} bytes moved, {r.seconds * 1e6:.1f} us" for r in self.recomputed]
     lines.append(f"kept across the peak ({len(self.saved)}):")
     lines += [f"  {name} {dtype}{list(shape)} = {op}" for name, shape, dtype, op in self.saved]
     return "\n".join(lines) + "\n"
@@ -196,6 +217,7 @@ class _Plan:
   chain: list[Operation]  # the ops to clone, operands first
   flops: int
   moved: int
+  seconds: float
   a: int = -1  # the position of its last read before the peak (where it now dies)
   clone: SSAValue | None = None
   stands_for: dict[Operation, SSAValue] = field(default_factory=dict)  # a template op -> the gemm output it remakes
@@ -239,10 +261,8 @@ def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
     return True
 
   if not need(v, True): return None
-  heavy = [op for op in chain if not isinstance(op, LayoutOp)]
-  flops = sum(op_flops(op) for op in heavy)
-  moved = sum(nbytes(x) for op in heavy for x in (*op.operands, op.result))
-  return _Plan(v, b, chain, flops, moved, stands_for=stands_for)
+  flops, moved, seconds = (sum(f(op) for op in chain) for f in (op_flops, op_moved, op_seconds))
+  return _Plan(v, b, chain, flops, moved, seconds, stands_for=stands_for)
 
 
 def _across(s: _Schedule, t: int):
@@ -254,7 +274,7 @@ def _across(s: _Schedule, t: int):
 
 
 def _candidates(s: _Schedule, cheap: bool) -> list[_Plan]:
-  """Recipes for the values alive across the first position at the peak, best (bytes per FLOP) first."""
+  """Recipes for the values alive across the first position at the peak, best (bytes per second) first."""
   t = s.live.index(s.peak)
   plans = []
   for v, reads in _across(s, t):
@@ -262,7 +282,7 @@ def _candidates(s: _Schedule, cheap: bool) -> list[_Plan]:
     if (p := _recipe(s, v, b, cheap)) is not None:
       p.a = max((i for i in reads if i < t), default=s.made(v))
       plans.append(p)
-  return sorted(plans, key=lambda p: (-nbytes(p.value) / max(p.flops, 1), p.moved))
+  return sorted(plans, key=lambda p: (-nbytes(p.value) / max(p.seconds, 1e-12), p.moved))
 
 
 def _apply(s: _Schedule, p: _Plan) -> tuple[list, list]:
@@ -338,6 +358,7 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
   t0 = time.perf_counter()
   block = function(module).body.block
   report = RematReport(budget=budget, step_flops=sum(op_flops(op) for op in block.ops),
+                       step_seconds=sum(op_seconds(op) for op in block.ops),
                        inputs_bytes=sum(nbytes(a) for a in block.args))
   s = _Schedule(module, written)
   report.peak_before = s.peak
@@ -352,10 +373,10 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
     waits for the next."""
     while target is None or s.peak > target:
       live = np.array(s.live, dtype=np.int64)
-      records, kept, touched, added = [], [], set(), report.flops_added
+      records, kept, touched, added = [], [], set(), report.seconds_added
       for p in _candidates(s, cheap):
         if target is not None and live.max() <= target: break
-        if cheap and added + p.flops > DEFAULT_FLOPS_SHARE * report.step_flops: continue
+        if cheap and added + p.seconds > DEFAULT_TIME_SHARE * report.step_seconds: continue
         reads = {s.root.get(o, o) for op in p.chain for o in op.operands}
         if p.value in touched or reads & touched: continue
         new = live.copy()
@@ -364,7 +385,7 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
         if (new.max(), int((new == new.max()).sum())) < (live.max(), int((live == live.max()).sum())):
           records.append(_apply(s, p))
           kept.append(p)
-          added += p.flops
+          added += p.seconds
           touched |= reads | {p.value}
           live = new
       for t in s.templates: t.erase(safe_erase=False)  # cloned where kept; they must not stay users of their operands
@@ -375,7 +396,8 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
         for record in reversed(records): _undo(s, record)
         return s
       plans.extend(kept)
-      report.flops_added = added
+      report.seconds_added = added
+      report.flops_added += sum(p.flops for p in kept)
       s = after
     return s
 
@@ -402,7 +424,8 @@ def rematerialize(module: ModuleOp, budget: int | None = None, written: dict[int
     a = aval(p.value.type)
     value = f"{names.get(p.value, '(dropped)')} -> {names.get(p.clone, '(dropped)')}"
     report.recomputed.append(Recomputed(value, a.shape, a.dtype.name,
-                                        [op.opname for op in reversed(p.chain)], nbytes(p.value), p.flops, p.moved))
+                                        [op.opname for op in reversed(p.chain)], nbytes(p.value), p.flops, p.moved,
+                                        p.seconds))
   for v, _ in _across(s, s.live.index(s.peak)):
     a = aval(v.type)
     report.saved.append((names[v], a.shape, a.dtype.name, v.owner.opname))
