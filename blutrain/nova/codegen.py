@@ -33,8 +33,9 @@ from xdsl.ir import SSAValue
 
 from blutrain import dtypes
 from blutrain.dtypes import DType
-from blutrain.nova.dialect import (DTYPES, CrossEntropyBackwardOp, ElementwiseOp, ExpandOp, FusedOp, GemmOp, LayoutOp,
-                                   MultiResultOp, NovaOp, PermuteOp, RandomOp, ViewOp, aval)
+from blutrain.nova.dialect import (DTYPES, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, ElementwiseOp,
+                                   ExpandOp, FusedOp, GemmOp, LayoutOp, MultiResultOp, NovaOp, PermuteOp, RandomOp,
+                                   ViewOp, aval)
 from blutrain.nova.graph import dtype_name, literal
 from blutrain.nova.ir import function
 from blutrain.nova.memory import MemoryPlan, joins
@@ -97,7 +98,7 @@ def _out(op: NovaOp, names: dict, in_place: dict, kernels: dict) -> str | None:
   """The `out=` argument that makes an op write its results into the inputs they update, where the memory plan puts
   them there (`memory.updated_in_place`) and the target's kernel writes into `out` arrays (its `writes_out`)."""
   if not in_place or not getattr(kernels.get(op.opname), "writes_out", False): return None
-  if isinstance(op, (ElementwiseOp, CrossEntropyBackwardOp)):
+  if isinstance(op, (ElementwiseOp, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp)):
     u = in_place.get(op.result)
     return None if u is None else names[u]
   if hasattr(op, "updated_operands"):

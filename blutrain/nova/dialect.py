@@ -1252,6 +1252,32 @@ class CrossEntropyBackwardOp(NNOp):
 
 
 @irdl_op_definition
+class CrossEntropyWithStatsOp(MultiResultOp):
+  """cross_entropy's loss, and the row statistics its backward reads (the max of each row of logits and the sum of
+  exp(x - max), float32; float64 for float64 logits)."""
+  name = "nova.cross_entropy_with_stats"
+  logits = operand_def(TENSOR)
+  target = operand_def(TENSOR)
+  ignore_index = prop_def(INT)
+  dtype = opt_prop_def(ELEMENT | NONE)
+  loss = result_def(TENSOR)
+  row_max = result_def(TENSOR)
+  sum_exp = result_def(TENSOR)
+
+
+@irdl_op_definition
+class CrossEntropyBackwardWithStatsOp(NNOp):
+  """cross_entropy_backward from the forward's row statistics (one read of the logits)."""
+  name = "nova.cross_entropy_backward_with_stats"
+  g = operand_def(TENSOR)
+  logits = operand_def(TENSOR)
+  target = operand_def(TENSOR)
+  row_max = operand_def(TENSOR)
+  sum_exp = operand_def(TENSOR)
+  ignore_index = prop_def(INT)
+
+
+@irdl_op_definition
 class CrossEntropyStatsOp(MultiResultOp):
   """Per row of logits (N, C), classes [start, start + C) of a vocabulary split over ranks: the max, the sum of
   exp(x - max) and the target's logit (0 where the target is outside that range), float32 (float64 for float64)."""
@@ -1621,7 +1647,8 @@ Nova = Dialect("nova", [
   BatchNormOp,
   BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, MaxPool2dValuesOp,
   MaxPool2dBackwardOp, GatherOp, EmbeddingOp,
-  EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
+  EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyWithStatsOp,
+  CrossEntropyBackwardWithStatsOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
   LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp,
   GruSequenceBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,

@@ -30,8 +30,8 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Attribute, SSAValue
 
-from blutrain.nova.dialect import (CatOp, CollectiveOp, CrossEntropyBackwardOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp,
-                                   ScaleOp, ViewOp, aval)
+from blutrain.nova.dialect import (CatOp, CollectiveOp, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp,
+                                   ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp, ViewOp, aval)
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
@@ -181,7 +181,7 @@ def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
   reused: dict[SSAValue, SSAValue] = {}
   roots: dict[SSAValue, SSAValue] = {}  # a reused result -> the value whose buffer it takes (at the chain's start)
   for i, op in enumerate(ops):
-    if isinstance(op, CrossEntropyBackwardOp):
+    if isinstance(op, (CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp)):
       x = op.operands[1]
       candidates = [x.owner.x if isinstance(x.owner, ViewOp) else x]
     elif isinstance(op, (ElementwiseOp, FusedOp)): candidates = list(op.operands)

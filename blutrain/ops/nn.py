@@ -708,6 +708,27 @@ cross_entropy_op = op("cross_entropy", _cross_entropy_rule, lambda g, out, logit
     inputs="logits target", attrs="ignore_index:int dtype:dtype?")
 
 
+def _stats_rule(logits):
+  return (logits.shape[0],), dtypes.float64 if logits.dtype is dtypes.float64 else dtypes.float32
+
+
+def _cross_entropy_backward_with_stats_rule(g, logits, target, row_max, sum_exp, ignore_index):
+  if row_max.shape != sum_exp.shape or row_max.shape != logits.shape[:1]:
+    raise ShapeError(f"cross_entropy_backward_with_stats: expected row statistics of shape {logits.shape[:1]}, got "
+                     f"{row_max.shape} and {sum_exp.shape}")
+  return logits.shape, logits.dtype
+
+
+# The same loss and gradient with the forward's row statistics kept for the backward, which then reads the logits once
+# (Nova pairs them, passes/fuse_norms.py): the max of each row and the sum of exp(x - max), float32 (float64 for
+# float64 logits), computed as the backward would have, so the gradient is the same to the bit.
+cross_entropy_with_stats_op = op("cross_entropy_with_stats", lambda logits, target, ignore_index, dtype=None: [
+  _cross_entropy_rule(logits, target, ignore_index, dtype), _stats_rule(logits), _stats_rule(logits)], multi=True,
+  inputs="logits target", attrs="ignore_index:int dtype:dtype?")
+cross_entropy_backward_with_stats_op = op("cross_entropy_backward_with_stats", _cross_entropy_backward_with_stats_rule,
+                                          inputs="g logits target row_max sum_exp", attrs="ignore_index:int")
+
+
 def _rows_rule(name, logits, target):
   if logits.ndim != 2 or target.shape != logits.shape[:1]:
     raise ValueError(f"{name}: expected logits (N, C) and target (N,), got {logits.shape} and {target.shape}")

@@ -198,6 +198,9 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
            b("cross_entropy_backward", b("exp", b("sum", x, dims=(1,), keepdim=False, dtype=f32)), x, target,
              ignore_index=-100),
            *b("cross_entropy_stats", bhalf, target, start=1),
+           *(ce := b("cross_entropy_with_stats", bhalf, target, ignore_index=-100, dtype=f32)),
+           b("cross_entropy_backward_with_stats", b("slice", y, index=((0, 3, 1),)), bhalf, target, ce[1], ce[2],
+             ignore_index=-100),
            b("cross_entropy_lse_backward", b("slice", y, index=((0, 3, 1),)), x, target,
              b("sum", pos, dims=(1,), keepdim=False, dtype=f32), start=1, ignore_index=-100)]
   cell = b("slice", pos, index=((0, 3, 1), (0, 1, 1)))  # (N, H) = (3, 1) beside gates (3, 4)

@@ -154,6 +154,44 @@ def test_eager_ops_equal_the_unfused_ones():
   assert fused[3] is None and plain[3] is None  # no cast asked for
 
 
+def _cross_entropy_pair(half=None):
+  """A loss and its gradient, as autograd records them: cross_entropy(x, t) and cross_entropy_backward(g, x, t)."""
+  b = Builder()
+  x, t, g = b.input((9, 40), half or dtypes.float32), b.input((9,), dtypes.int64), b.input((9,))
+  x = b("neg", x)  # made by the step, as logits are: the gradient may take their buffer
+  loss = b("cross_entropy", x, t, ignore_index=-100, dtype=dtypes.float32 if half else None)
+  return b.output(loss, b("cross_entropy_backward", g, x, t, ignore_index=-100))
+
+
+def _ce_args(half=None):
+  rng = np.random.default_rng(5)
+  t = rng.integers(0, 40, 9)
+  t[4] = -100
+  return [(rng.standard_normal((9, 40)) * 4).astype((half or dtypes.float32).np), t,
+          rng.standard_normal(9).astype(np.float32)]
+
+
+@pytest.mark.parametrize("half", [None, dtypes.bfloat16])
+def test_the_cross_entropy_keeps_its_row_statistics_for_its_backward(half):
+  counts = _same_bits(_cross_entropy_pair(half), _ce_args(half))
+  assert counts == {"neg": 1, "cross_entropy_with_stats": 1, "cross_entropy_backward_with_stats": 1}, counts
+  module = ir.to_module(_cross_entropy_pair(half))
+  FuseNormsPass().run(module)
+  from blutrain.nova.memory import reused_in_place
+  back = next(op for op in ir.function(module).body.block.ops if op.name == "nova.cross_entropy_backward_with_stats")
+  assert reused_in_place(module) == {back.result: back.logits}, "the gradient is still written over the logits"
+
+
+@pytest.mark.parametrize("case", ["another_target", "another_ignore_index"])
+def test_a_backward_of_another_loss_keeps_its_own_statistics(case):
+  b = Builder()
+  x, t, g = b.input((9, 40)), b.input((9,), dtypes.int64), b.input((9,))
+  loss = b("cross_entropy", x, t, ignore_index=-100)
+  target = b("neg", t) if case == "another_target" else t
+  graph = b.output(loss, b("cross_entropy_backward", g, x, target, ignore_index=-1 if case != "another_target" else -100))
+  assert not FuseNormsPass().run(ir.to_module(graph))
+
+
 def _clip_then_adamw(grad_dtype=dtypes.float32, return_grads=False, unscaled_grad=False):
   """clip_grad_norm_'s scale of two gradients, then one AdamW update of their parameters (a third, unscaled gradient
   and parameter in the same update when unscaled_grad)."""
@@ -245,3 +283,4 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, mo
   assert sum(", None, n=" not in line for line in backward) == 4
   # the step ends with zero_grad, so the clipped gradients are read by AdamW alone and it scales them as it reads them
   assert 'kernels["scale"]' not in source and source.count("clip=True") == (2 if clip else 0)
+  assert source.count('kernels["cross_entropy_with_stats"]') == source.count('kernels["cross_entropy_backward_with_stats"]') == 1

@@ -248,15 +248,30 @@ def _valid_targets(op, target, ignore_index, num_classes):
 
 
 def _cross_entropy(logits, target, ignore_index, dtype=None):
+  return _cross_entropy_with_stats(logits, target, ignore_index, dtype)[0]
+
+
+def _cross_entropy_with_stats(logits, target, ignore_index, dtype=None):
+  """The losses and the row statistics (max, sum of exp(x - max)) in the logits' own arithmetic, as the backward's
+  softmax computes them, stored in the statistics dtype (exactly: it is at least as wide)."""
   valid, t = _valid_targets("cross_entropy", target, ignore_index, logits.shape[1])
-  m = logits.max(axis=1)
-  lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
-  return np.where(valid, lse - logits[np.arange(len(t)), t], 0.0)
+  m = np.max(logits, axis=1, keepdims=True)
+  s = np.sum(np.exp(logits - m), axis=1, keepdims=True)
+  loss = np.where(valid, (m + np.log(s))[:, 0] - logits[np.arange(len(t)), t], 0.0)
+  stats = np.float64 if logits.dtype == np.float64 else np.float32
+  return loss, m[:, 0].astype(stats), s[:, 0].astype(stats)
 
 
 def _cross_entropy_backward(g, logits, target, ignore_index):
   valid, t = _valid_targets("cross_entropy", target, ignore_index, logits.shape[1])
   p = _softmax(logits, 1)
+  p[np.arange(len(t)), t] -= 1.0
+  return p * (g * valid)[:, None]
+
+
+def _cross_entropy_backward_with_stats(g, logits, target, row_max, sum_exp, ignore_index):
+  valid, t = _valid_targets("cross_entropy", target, ignore_index, logits.shape[1])
+  p = np.exp(logits - row_max.astype(logits.dtype)[:, None]) / sum_exp.astype(logits.dtype)[:, None]
   p[np.arange(len(t)), t] -= 1.0
   return p * (g * valid)[:, None]
 
@@ -648,6 +663,8 @@ kernels = {
   "layer_norm_backward": _layer_norm_backward, "batch_norm_stats": _batch_norm_stats, "batch_norm": _batch_norm,
   "batch_norm_backward": _batch_norm_backward,
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
+  "cross_entropy_with_stats": _cross_entropy_with_stats,
+  "cross_entropy_backward_with_stats": _cross_entropy_backward_with_stats,
   "cross_entropy_stats": _cross_entropy_stats, "cross_entropy_lse_backward": _cross_entropy_lse_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
   "flash_attention_lse": _flash_attention_lse, "flash_attention_lse_backward": _flash_attention_lse_backward,

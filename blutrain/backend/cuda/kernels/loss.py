@@ -38,15 +38,20 @@ def _target(target, rows, m_mask, target_stride, C, ignore_index):
 
 
 @triton.jit
-def _ce_forward(out, logits, target, N, C, row_stride, class_stride, target_stride, ignore_index, ACC: tl.constexpr,
-                C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
-  """out[n] = logsumexp(logits[n]) - logits[n, target[n]] (logits at n row_stride + c class_stride)."""
+def _ce_forward(out, logits, target, row_max_out, sum_out, N, C, row_stride, class_stride, target_stride, ignore_index,
+                ACC: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                IDX64: tl.constexpr, STATS: tl.constexpr):
+  """out[n] = logsumexp(logits[n]) - logits[n, target[n]] (logits at n row_stride + c class_stride); with STATS the
+  row's max and sum of exp(x - max) as well, for the backward."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
   rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = rows < N
   row_max, row_sum = row_stats(logits, rows * row_stride, m_mask, C, class_stride, ACC, C_UNIT, BLOCK_M, BLOCK_N)
+  if STATS:
+    tl.store(row_max_out + rows, row_max, mask=m_mask)
+    tl.store(sum_out + rows, row_sum, mask=m_mask)
   t, ignored, bad = _target(target, rows, m_mask, target_stride, C, ignore_index)
   picked = tl.load(logits + rows * row_stride + t * class_stride, mask=m_mask & ~ignored & ~bad, other=0).to(ACC)
   loss = tl.where(ignored, 0.0, row_max + tl.log(row_sum) - picked)
@@ -55,16 +60,21 @@ def _ce_forward(out, logits, target, N, C, row_stride, class_stride, target_stri
 
 
 @triton.jit
-def _ce_backward(out, g, logits, target, N, C, row_stride, class_stride, target_stride, g_stride, ignore_index,
-                 ACC: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 IDX64: tl.constexpr):
-  """out[n, c] = (softmax(logits[n])[c] - (c == target[n])) * g[n]; out is contiguous (N, C)."""
+def _ce_backward(out, g, logits, target, row_max_in, sum_in, N, C, row_stride, class_stride, target_stride, g_stride,
+                 ignore_index, ACC: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IDX64: tl.constexpr, STATS: tl.constexpr):
+  """out[n, c] = (softmax(logits[n])[c] - (c == target[n])) * g[n]; out is contiguous (N, C). With STATS the row's
+  max and sum of exp(x - max) are the forward's (one read of the logits), else computed here."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
   rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = rows < N
-  row_max, row_sum = row_stats(logits, rows * row_stride, m_mask, C, class_stride, ACC, C_UNIT, BLOCK_M, BLOCK_N)
+  if STATS:
+    row_max = tl.load(row_max_in + rows, mask=m_mask, other=0.0)
+    row_sum = tl.load(sum_in + rows, mask=m_mask, other=1.0)
+  else:
+    row_max, row_sum = row_stats(logits, rows * row_stride, m_mask, C, class_stride, ACC, C_UNIT, BLOCK_M, BLOCK_N)
   t, ignored, bad = _target(target, rows, m_mask, target_stride, C, ignore_index)
   gt = tl.load(g + rows * g_stride, mask=m_mask, other=0).to(ACC)
   gt = tl.where(ignored, 0.0, tl.where(bad, float("nan"), gt))
@@ -126,24 +136,27 @@ _ROWS = ("out", "logits", "C", "row_stride")  # what the `vectors` variants prom
 
 
 def _signature(logits, target, i64: bool, backward: bool, other) -> dict:
-  it = "i64" if i64 else "i32"
+  it, acc = ("i64" if i64 else "i32"), ptr(stats_dtype(logits))
   out, g = (logits, other) if backward else (other, None)
+  stats = {"row_max_in": acc, "sum_in": acc} if backward else {"row_max_out": acc, "sum_out": acc}
   return {"out": ptr(out), **({"g": ptr(g)} if backward else {}), "logits": ptr(logits), "target": ptr(target),
-          "N": it, "C": it, "row_stride": it, "class_stride": it, "target_stride": it,
+          **stats, "N": it, "C": it, "row_stride": it, "class_stride": it, "target_stride": it,
           **({"g_stride": it} if backward else {}), "ignore_index": "i64"}
 
 
 @functools.lru_cache(maxsize=4096)
 def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool, other=None,
-            vectors: bool = False):
+            vectors: bool = False, stats: bool = False):
   """The forward (losses in dtype `other`, default the logits') or the backward (the gradient in the logits' dtype,
   from g of dtype `other`, default the logits'). `vectors`: the rows' pointers, C and the row stride are promised
-  multiples of 16, so rows load (and the backward stores) as 16-byte vectors."""
+  multiples of 16, so rows load (and the backward stores) as 16-byte vectors. `stats`: the forward stores each row's
+  max and sum of exp(x - max), the backward reads them (the same schedule computes them the same way)."""
   bm, bn, warps, _ = row_schedule(N, C)
-  bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward reads the row twice anyway
+  bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward without stats reads the row twice
   sig = _signature(logits, target, i64, backward, other or logits)
   return spec(_ce_backward if backward else _ce_forward, divisible(sig, _ROWS) if vectors else sig,
-              dict(ACC=TL[stats_dtype(logits)], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64), num_warps=warps)
+              dict(ACC=TL[stats_dtype(logits)], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64, STATS=stats),
+              num_warps=warps)
 
 
 def _vectors(logits: CudaArray, *outs: CudaArray) -> bool:
@@ -152,27 +165,51 @@ def _vectors(logits: CudaArray, *outs: CudaArray) -> bool:
 
 
 def cross_entropy(logits: CudaArray, target: CudaArray, ignore_index: int, dtype=None) -> CudaArray:
+  return _forward(logits, target, ignore_index, dtype, False)[0]
+
+
+def cross_entropy_with_stats(logits: CudaArray, target: CudaArray, ignore_index: int,
+                             dtype=None) -> tuple[CudaArray, CudaArray, CudaArray]:
+  return _forward(logits, target, ignore_index, dtype, True)
+
+
+def _forward(logits: CudaArray, target: CudaArray, ignore_index: int, dtype, stats: bool) -> tuple:
   N, C = logits.shape
   out = empty((N,), dtype or logits.dtype, logits.device)
-  if N == 0: return out
-  i64 = needs_i64(logits.shape, logits.strides)
-  s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, out.dtype, _vectors(logits, out))
-  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, N, C, *logits.strides, target.strides[0],
-      ignore_index)
-  return out
+  row_max, sum_exp = (empty((N,), stats_dtype(logits.dtype), logits.device) for _ in range(2)) if stats else (out, out)
+  if N > 0:
+    i64 = needs_i64(logits.shape, logits.strides)
+    s = ce_spec(False, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, out.dtype, _vectors(logits, out),
+                stats)
+    run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, logits.ptr, target.ptr, row_max.ptr, sum_exp.ptr, N, C,
+        *logits.strides, target.strides[0], ignore_index)
+  return (out, row_max, sum_exp) if stats else (out,)
 
 
 def cross_entropy_backward(g: CudaArray, logits: CudaArray, target: CudaArray, ignore_index: int,
                            out: CudaArray | None = None) -> CudaArray:
   """The gradient of the logits, into `out` when given (contiguous (N, C) of the logits' dtype, which may be the
   logits themselves: each row is read whole before it is written)."""
+  return _backward(g, logits, target, None, ignore_index, out)
+
+
+def cross_entropy_backward_with_stats(g: CudaArray, logits: CudaArray, target: CudaArray, row_max: CudaArray,
+                                      sum_exp: CudaArray, ignore_index: int, out: CudaArray | None = None) -> CudaArray:
+  """cross_entropy_backward from the forward's row statistics: one read of the logits (`out` as there)."""
+  return _backward(g, logits, target, (row_max, sum_exp), ignore_index, out)
+
+
+def _backward(g: CudaArray, logits: CudaArray, target: CudaArray, stats: tuple | None, ignore_index: int,
+              out: CudaArray | None) -> CudaArray:
   N, C = logits.shape
   if out is None: out = empty((N, C), logits.dtype, logits.device)
   if out.size == 0: return out
   i64 = needs_i64(logits.shape, logits.strides, (C, 1))
-  s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype, _vectors(logits, out))
-  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, N, C, *logits.strides,
-      target.strides[0], g.strides[0] if g.ndim else 0, ignore_index)
+  s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype, _vectors(logits, out),
+              stats is not None)
+  row_max, sum_exp = stats or (out, out)
+  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, row_max.ptr, sum_exp.ptr, N, C,
+      *logits.strides, target.strides[0], g.strides[0] if g.ndim else 0, ignore_index)
   return out
 
 
@@ -218,12 +255,15 @@ def cross_entropy_lse_backward(g: CudaArray, logits: CudaArray, target: CudaArra
   return out
 
 
-cross_entropy_backward.writes_out = True
+cross_entropy_backward.writes_out = cross_entropy_backward_with_stats.writes_out = True
 KERNELS = {"cross_entropy": cross_entropy, "cross_entropy_backward": cross_entropy_backward,
+           "cross_entropy_with_stats": cross_entropy_with_stats,
+           "cross_entropy_backward_with_stats": cross_entropy_backward_with_stats,
            "cross_entropy_stats": cross_entropy_stats, "cross_entropy_lse_backward": cross_entropy_lse_backward}
 
-SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False, o) for b in (False, True)
-         for dt, o in ((dtypes.float32, None), (dtypes.bfloat16, None), (dtypes.bfloat16, dtypes.float32))] + \
+SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False, o, stats=st) for b in (False, True)
+         for dt, o in ((dtypes.float32, None), (dtypes.bfloat16, None), (dtypes.bfloat16, dtypes.float32))
+         for st in (False, True)] + \
         [ce_spec(b, dtypes.float64, dtypes.int32, False, 100, 10, True) for b in (False, True)] + \
         [ce_lse_spec(b, dt, dtypes.int64, True, 8192, 50304, False, dtypes.float32 if b else None)
          for b in (False, True) for dt in (dtypes.float32, dtypes.bfloat16)] + \
