@@ -441,6 +441,25 @@ def test_cross_entropy(dtype):
     run("cross_entropy_backward", g, logits, target, ignore_index=-100)
 
 
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64), ids=NAME)
+def test_cross_entropy_with_kept_statistics_is_the_same_to_the_bit(dtype):
+  """The forward's row statistics, read by the backward in place of its own: the same losses, and the same gradient
+  bits as the backward that computes them; a bad target's row is NaN either way."""
+  for (n, c), layout in zip(((64, 10), (256, 50304), (33, 5000)), ("contiguous", "contiguous", "strided")):
+    x = pair((n, c), dtype, layout, -8, 8)[1]
+    t = rand((n,), bt.int64, 0, c, seed=3)
+    t[::7], t[3] = -100, c + 5
+    target = bt.from_numpy(t).to("cuda")
+    g = bt.from_numpy(rand((n,), dtype, 0.5, 2, seed=4)).to("cuda")
+    loss = apply(P["cross_entropy"], x, target, ignore_index=-100)
+    kept, row_max, sum_exp = apply(P["cross_entropy_with_stats"], x, target, ignore_index=-100)
+    np.testing.assert_array_equal(kept.numpy(), loss.numpy())
+    want = apply(P["cross_entropy_backward"], g, x, target, ignore_index=-100).numpy()
+    got = apply(P["cross_entropy_backward_with_stats"], g, x, target, row_max, sum_exp, ignore_index=-100).numpy()
+    np.testing.assert_array_equal(got, want, err_msg=f"{(n, c)} {layout}")
+    assert np.isnan(got[3]).all() and not np.isnan(np.delete(got, 3, 0)).any()
+
+
 def test_cross_entropy_bad_target_is_nan():
   logits = bt.randn(3, 5, device="cuda")
   loss = apply(P["cross_entropy"], logits, bt.tensor([1, 7, -3], device="cuda"), ignore_index=-100).numpy()
