@@ -721,7 +721,8 @@ def _cross_entropy_backward_with_stats_rule(g, logits, target, row_max, sum_exp,
 
 # The same loss and gradient with the forward's row statistics kept for the backward, which then reads the logits once
 # (Nova pairs them, passes/fuse_norms.py): the max of each row and the sum of exp(x - max), float32 (float64 for
-# float64 logits), computed as the backward would have, so the gradient is the same to the bit.
+# float64 logits), computed as the backward would have: the same gradient (on the GPU to float32's rounding, as the
+# forward's kernel may add a row's terms in another order).
 cross_entropy_with_stats_op = op("cross_entropy_with_stats", lambda logits, target, ignore_index, dtype=None: [
   _cross_entropy_rule(logits, target, ignore_index, dtype), _stats_rule(logits), _stats_rule(logits)], multi=True,
   inputs="logits target", attrs="ignore_index:int dtype:dtype?")

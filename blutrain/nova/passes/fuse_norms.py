@@ -19,8 +19,8 @@ and autocast's cast of that float32 gradient for the next matmul is the same ker
   c = cast(layer_norm_backward(...)[0]: f32 -> half)     ->  c = layer_norm_backward(..., cast=half)[3]
 
 A cross-entropy's backward computes each row's max and sum of exp(x - max) again before its one pass of stores;
-the forward, which computes the same with the same schedule, keeps them (8 bytes a row) and the backward reads the
-logits once:
+the forward, which computes the same statistics with the same tiles, keeps them (8 bytes a row) and the backward
+reads the logits once:
 
   l = cross_entropy(x, t);  d = cross_entropy_backward(g, x, t)
     ->  l, m, s = cross_entropy_with_stats(x, t);  d = cross_entropy_backward_with_stats(g, x, t, m, s)
@@ -36,12 +36,14 @@ each gradient as it reads it:
 
 Where the gradients are read after the step they stay scaled in memory, as PyTorch's in-place clip leaves them.
 
-All are exact: the same float32 arithmetic on the same values (y and r may be halves, read as float32 as the add
+All are exact but the cross-entropy's: the same float32 arithmetic on the same values (y and r may be halves, read as float32 as the add
 reads them; float32 addition is commutative), one rounding where there was one (the fused backward adds with an
 explicitly rounded add and the update scales with an explicitly rounded multiply, rounded to the gradient's dtype as the
 scale stored it, so the compiler cannot contract either with the arithmetic next to it). Nothing changes where the
 pattern does not hold: a sum used by the norm alone, broadcast operands (shapes differ or an `expand` makes one),
-float64 or half residual streams.
+float64 or half residual streams. The cross-entropy's is exact on the CPU (the statistics in the logits' own
+arithmetic, as the backward's softmax computes them); on the GPU the forward's kernel may add a row's terms in
+another order than the backward's did, so the gradient agrees to float32's rounding (one rounding of its dtype).
 
 The pass runs after rematerialization (pipeline.py): remat recomputes a norm's output in the backward instead of
 keeping it, and clones single-result ops only, so fusing first would keep every norm's output alive across the peak.

@@ -150,7 +150,7 @@ def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: b
   """The forward (losses in dtype `other`, default the logits') or the backward (the gradient in the logits' dtype,
   from g of dtype `other`, default the logits'). `vectors`: the rows' pointers, C and the row stride are promised
   multiples of 16, so rows load (and the backward stores) as 16-byte vectors. `stats`: the forward stores each row's
-  max and sum of exp(x - max), the backward reads them (the same schedule computes them the same way)."""
+  max and sum of exp(x - max), the backward reads them (the same tiles, one more store or load)."""
   bm, bn, warps, _ = row_schedule(N, C)
   bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward without stats reads the row twice
   sig = _signature(logits, target, i64, backward, other or logits)
