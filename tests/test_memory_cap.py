@@ -59,7 +59,8 @@ assert exe.graph is not None and not outside, outside
 assert all(planned), planned
 print("ok", len(planned))
 """, tmp_path)
-  assert int(out.split("ok")[-1]) >= 2 * 4  # the 4 copies per block of the warm run and the capture, 2 blocks
+  # at least each block's copy after attention's transpose, in the warm run and the capture (remat may add clones)
+  assert int(out.split("ok")[-1]) >= 2 * 2
 
 
 def test_a_compiled_steps_first_call_allocates_what_its_plan_says_on_the_fake_gpu(tmp_path):

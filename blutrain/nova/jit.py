@@ -9,6 +9,7 @@ Nova compiles whole steps, so backward runs inside the compiled function.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import time
 from collections import Counter
@@ -206,6 +207,9 @@ class Executable:
     return unflatten(self.out_tree, returned)
 
 
+_DATA = operator.attrgetter("data")
+
+
 def cuda_graphs_enabled() -> bool:
   """Whether compiled GPU steps replay as CUDA graphs (`BLUTRAIN_CUDA_GRAPHS=0` runs them kernel by kernel)."""
   return os.environ.get("BLUTRAIN_CUDA_GRAPHS", "1") != "0"
@@ -228,7 +232,7 @@ class GraphExecutable(Executable):
     self.static: list | None = None
     self.pool = self.graph = None
     self.outs: tuple = ()
-    self.bound: list = []  # (the storage's weak reference, its data) of each source living across calls (a Ref)
+    self.bound: tuple = ([], [])  # the storages' weak references of the sources living across calls (Refs), their data
     self.fed: list = []    # (source, buffer) of each other source: what a call copies in or checks
 
   def _bind(self, leaves: list) -> list:
@@ -237,13 +241,16 @@ class GraphExecutable(Executable):
       self.static = [memory.from_numpy(np.asarray(s.array(leaves))) if hasattr(s, "array") else
                      _copy(s.tensor(leaves)._array()) if isinstance(s, Arg) else s.tensor(leaves)._array()
                      for s in self.sources]
-      self.bound = [(s.storage, s.storage_of(leaves).data) for s in self.sources if isinstance(s, Ref)]
+      refs = [s.storage for s in self.sources if isinstance(s, Ref)]
+      self.bound = (refs, [s.storage_of(leaves).data for s in self.sources if isinstance(s, Ref)])
       self.fed = [(s, buf) for s, buf in zip(self.sources, self.static) if not isinstance(s, Ref)]
       return self.static
-    for ref, data in self.bound:  # memory living across calls: its layout is the source's own, so only it can move
-      storage = ref()
-      if storage is None or storage.data is not data:
-        raise StaleGraph("memory a CUDA graph reads moved or was freed (a parameter or optimizer state was replaced)")
+    refs, datas = self.bound  # memory living across calls: its layout is the source's own, so only it can move
+    try:
+      moved = not all(map(operator.is_, map(_DATA, [ref() for ref in refs]), datas))
+    except AttributeError:  # a storage was freed (its tensor replaced, as `p.data = ...` does)
+      moved = True
+    if moved: raise StaleGraph("memory a CUDA graph reads moved or was freed (a parameter or optimizer state was replaced)")
     stream = runtime.current_stream(self.static[0].device if self.static else None)
     for s, buf in self.fed:
       if hasattr(s, "array"):
@@ -414,7 +421,7 @@ class Compiled:
       parse_size(memory_budget)
     self._entries: dict = {}
     self._found: tuple[list, list] | None = None
-    self._walked: tuple | None = None  # (registry version, optimizers' parameter ids, modules, parameters)
+    self._walked: tuple | None = None  # (registry version, optimizers' parameter ids, modules, parameters, ids)
     self.captures = 0
     self.info: dict = {}
     functools.update_wrapper(self, fn, updated=())
@@ -424,27 +431,29 @@ class Compiled:
     reads (modules' training flags, and DistributedDataParallel's `require_sync`, which `no_sync()` clears). Global
     state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul and convolution engines) is read
     here because a capture bakes it into the graph's ops and attributes."""
-    mods, params = self._tree()
+    mods, params, ids = self._tree()
     optimizers = self._found[1]
     return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,
             backends.conv,
-            tuple((x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x) for x in leaves),
-            tuple((id(p), p.grad is None) for p in params),
-            tuple((m.training, m.__dict__.get("require_sync")) for m in mods),
-            tuple((id(g),) + tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr")))
-                  for o in optimizers for g in o.param_groups),
-            tuple(id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)))
+            tuple([(x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x)
+                   for x in leaves]),
+            ids, tuple([p.grad is None for p in params]),
+            tuple([(m.training, m.__dict__.get("require_sync")) for m in mods]),
+            tuple([(id(g),) + tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr")))
+                   for o in optimizers for g in o.param_groups]),
+            tuple([id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)]))
 
-  def _tree(self) -> tuple[list, list[Tensor]]:
-    """`_tree` of the step's modules and optimizers, walked again only when a module registry changed since the last
-    walk (`Module.registry_version`) or an optimizer's groups hold other parameters."""
+  def _tree(self) -> tuple[list, list[Tensor], tuple[int, ...]]:
+    """`_tree` of the step's modules and optimizers, and the parameters' ids; walked again only when a module
+    registry changed since the last walk (`Module.registry_version`) or an optimizer's groups hold other parameters."""
     modules, optimizers = self._found
     version = getattr(modules[0], "registry_version", None) if modules else 0
     held = [id(p) for o in optimizers for g in o.param_groups for p in g["params"]]
     cached = self._walked
     if cached is None or version is None or cached[0] != version or cached[1] != held:
-      cached = self._walked = (version, held, *_tree(modules, optimizers))
-    return cached[2], cached[3]
+      mods, params = _tree(modules, optimizers)
+      cached = self._walked = (version, held, mods, params, tuple(map(id, params)))
+    return cached[2:]
 
   def __call__(self, *args, **kwargs):
     t0 = time.perf_counter()
