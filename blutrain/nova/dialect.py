@@ -1444,6 +1444,21 @@ class FlashAttentionOp(NNOp):
 
 
 @irdl_op_definition
+class FlashAttentionBackwardPackedOp(NNOp):
+  """flash_attention_backward's dq, dk and dv of a self-attention (q, k, v of one shape (B, H, L, E)) as one
+  (B, L, 3, H, E) tensor of q's type."""
+  name = "nova.flash_attention_backward_packed"
+  g = operand_def(TENSOR)
+  q = operand_def(TENSOR)
+  k = operand_def(TENSOR)
+  v = operand_def(TENSOR)
+  out = operand_def(TENSOR)
+  causal = prop_def(BOOL)
+  scale = prop_def(FLOAT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
 class FlashAttentionBackwardOp(MultiResultOp):
   """flash_attention's gradients dq, dk and dv, of q's, k's and v's types."""
   name = "nova.flash_attention_backward"
@@ -1649,8 +1664,8 @@ Nova = Dialect("nova", [
   MaxPool2dBackwardOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyWithStatsOp,
   CrossEntropyBackwardWithStatsOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
-  FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp,
-  LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp,
+  FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, FlashAttentionLseOp,
+  FlashAttentionLseBackwardOp, LstmCellOp, LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp,
   GruSequenceBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
   AllGatherOp, *COMPILER_OPS,
 ])

@@ -842,6 +842,21 @@ flash_attention_backward_op = op("flash_attention_backward", lambda g, q, k, v, 
                                  inputs="g q k v out", attrs="causal:bool scale:float tf32:bool?")
 flash_attention_op = op("flash_attention", _flash_attention_rule, _flash_attention_vjp, saves_output=True,
                      inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
+
+
+def _flash_attention_backward_packed_rule(g, q, k, v, out, causal, scale, tf32=False):
+  if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
+    raise ShapeError(f"flash_attention_backward_packed: expected q, k, v of one shape (B, H, L, E), got "
+                     f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+  B, H, L, E = q.shape
+  return (B, L, 3, H, E), q.dtype
+
+
+# flash_attention_backward's dq, dk and dv of a self-attention, packed along dim 2 of one (B, L, 3, H, E) tensor: the
+# gradient of the projection that q, k and v were split from, as the kernels write it (Nova's fuse-gemm makes it
+# where autograd would concatenate them)
+flash_attention_backward_packed_op = op("flash_attention_backward_packed", _flash_attention_backward_packed_rule,
+                                        inputs="g q k v out", attrs="causal:bool scale:float tf32:bool?")
 _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
 

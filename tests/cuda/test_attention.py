@@ -150,3 +150,19 @@ def test_peak_memory_linear_in_sequence_length():
   p1, p4 = peak(1024), peak(4096)
   assert p4 < 6 * p1, f"peak memory {p1} bytes at T=1024, {p4} at T=4096: not linear in T"
   assert p4 < 4096 * 4096 * 4, f"peak memory {p4} bytes at T=4096 is more than one head's float32 scores"
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp32"])
+@pytest.mark.parametrize("shape, causal", [((4, 12, 256, 64), True), ((2, 3, 100, 32), False)], ids=str)
+def test_packed_gradients_are_the_three_gradients_in_place(shape, causal, name):
+  """flash_attention_backward_packed writes dq, dk, dv into one (B, L, 3, H, D) array: the same bits as the three
+  arrays of flash_attention_backward, each at its place along dim 2."""
+  dtype, precision, _, _ = PRECISIONS[name]
+  bt.set_float32_matmul_precision(precision)
+  q, k, v, g = (memory.from_numpy(rounded(shape, dtype, seed).astype(dtype.np)) for seed in range(4))
+  out = att.flash_attention(q, k, v, causal, 0.25)
+  grads = att.flash_attention_backward(g, q, k, v, out, causal, 0.25)
+  packed = memory.to_numpy(att.flash_attention_backward_packed(g, q, k, v, out, causal, 0.25))
+  assert packed.shape == (shape[0], shape[2], 3, shape[1], shape[3])
+  for i, (what, a) in enumerate(zip(("dq", "dk", "dv"), grads)):
+    np.testing.assert_array_equal(packed[:, :, i], np.swapaxes(memory.to_numpy(a), 1, 2), err_msg=what)

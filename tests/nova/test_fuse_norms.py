@@ -192,6 +192,31 @@ def test_a_backward_of_another_loss_keeps_its_own_statistics(case):
   assert not FuseNormsPass().run(ir.to_module(graph))
 
 
+def _attention_gradient(dq_also_returned=False, order=(0, 1, 2)):
+  """A self-attention's backward as autograd records it: q, k, v's gradients permuted back to (B, L, H, E) and
+  concatenated (in `order`) into the projection's gradient (B, L, 3, H, E)."""
+  b = Builder()
+  q, k, v, g = (b.input((2, 3, 8, 4)) for _ in range(4))
+  o = b("flash_attention", q, k, v, causal=True, scale=0.5)
+  grads = b("flash_attention_backward", g, q, k, v, o, causal=True, scale=0.5)
+  parts = [b("view", b("permute", grads[i], dims=(0, 2, 1, 3)), shape=(2, 8, 1, 3, 4)) for i in order]
+  return b.output(o, b("cat", *parts, dim=2), *([grads[0]] if dq_also_returned else []))
+
+
+def test_attention_gradients_are_written_packed():
+  rng = np.random.default_rng(6)
+  args = [rng.standard_normal((2, 3, 8, 4)).astype(np.float32) for _ in range(4)]
+  counts = _same_bits(_attention_gradient(), args)
+  assert counts == {"flash_attention": 1, "flash_attention_backward_packed": 1}, counts
+
+
+@pytest.mark.parametrize("case", ["dq_also_returned", "another_order"])
+def test_attention_gradients_read_elsewhere_stay_apart(case):
+  graph = _attention_gradient(dq_also_returned=case == "dq_also_returned",
+                              order=(1, 0, 2) if case == "another_order" else (0, 1, 2))
+  assert not FuseNormsPass().run(ir.to_module(graph))
+
+
 def _clip_then_adamw(grad_dtype=dtypes.float32, return_grads=False, unscaled_grad=False):
   """clip_grad_norm_'s scale of two gradients, then one AdamW update of their parameters (a third, unscaled gradient
   and parameter in the same update when unscaled_grad)."""
@@ -284,3 +309,4 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, mo
   # the step ends with zero_grad, so the clipped gradients are read by AdamW alone and it scales them as it reads them
   assert 'kernels["scale"]' not in source and source.count("clip=True") == (2 if clip else 0)
   assert source.count('kernels["cross_entropy_with_stats"]') == source.count('kernels["cross_entropy_backward_with_stats"]') == 1
+  assert source.count('kernels["flash_attention_backward_packed"]') == 2 and 'kernels["cat"]' not in source

@@ -1,6 +1,6 @@
 """Norm fusion: a transformer's residual adds folded into the layer norms next to them, a cross-entropy's row
-statistics kept for its backward, and gradient-norm clipping's scale folded into the optimizer's update after it
-(AdamW's or SGD's).
+statistics kept for its backward, attention's q, k, v gradients written where their concatenation puts them, and
+gradient-norm clipping's scale folded into the optimizer's update after it (AdamW's or SGD's).
 
 Each block of a pre-norm transformer adds a branch into the residual stream and normalizes the sum for the next
 branch; the sum is used again later (the next residual add, the norm's backward), so it is written either way. One
@@ -24,6 +24,13 @@ reads the logits once:
 
   l = cross_entropy(x, t);  d = cross_entropy_backward(g, x, t)
     ->  l, m, s = cross_entropy_with_stats(x, t);  d = cross_entropy_backward_with_stats(g, x, t, m, s)
+
+A self-attention's q, k and v are views of one projection, so autograd concatenates their gradients (each permuted
+back from (B, H, L, E)) into the projection's gradient, a copy of all three; the backward's kernels take any output
+strides and write them into their places instead:
+
+  dq, dk, dv = flash_attention_backward(g, q, k, v, o);  c = cat(view(permute(d)) for d in (dq, dk, dv), dim=2)
+    ->  c = flash_attention_backward_packed(g, q, k, v, o)     (B, L, 3, H, E); each read by the cat alone
 
 clip_grad_norm_ scales every gradient by min(1, max_norm / (total + 1e-6)), a pass over all of them, and the update
 (AdamW's or SGD's multi-tensor op) reads them right after; when nothing else reads the scaled gradients (the step ends
@@ -57,9 +64,10 @@ from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, CastOp, CrossEntropyBackwardOp,
+from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, CastOp, CatOp, CrossEntropyBackwardOp,
                                    CrossEntropyBackwardWithStatsOp, CrossEntropyOp, CrossEntropyWithStatsOp, ExpandOp,
-                                   LayerNormBackwardOp, LayerNormOp, ScaleOp, SgdOp, aval, decode, tensor_type)
+                                   FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, LayerNormBackwardOp,
+                                   LayerNormOp, PermuteOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
@@ -181,6 +189,35 @@ class CrossEntropyStatsPattern(RewritePattern):
                                                                fused.sum_exp], op.attrs(), [op.result.type]))
 
 
+class PackedAttentionGradientPattern(RewritePattern):
+  """cat along dim 2 of dq, dk, dv of one self-attention's flash_attention_backward, each permuted back to (B, L, H, E)
+  and viewed as (B, L, 1, H, E), read by the cat alone -> flash_attention_backward_packed, whose kernels write the
+  three into their places in the projection's gradient (B, L, 3, H, E): the cat's copy of them goes.
+
+    %dq, %dk, %dv = nova.flash_attention_backward %g, %q, %k, %v, %o {...} : (...) -> (tensor<2x4x8x16xbf16>, ...)
+    %p = nova.permute %dq {dims = array<i64: 0, 2, 1, 3>} : (...) -> tensor<2x8x4x16xbf16>    (and %dk's, %dv's)
+    %u = nova.view %p {shape = array<i64: 2, 8, 1, 4, 16>} : (...) -> tensor<2x8x1x4x16xbf16>
+    %c = nova.cat %u, %u', %u'' {dim = 2 : i64} : (...) -> tensor<2x8x3x4x16xbf16>
+      =>   %c = nova.flash_attention_backward_packed %g, %q, %k, %v, %o {...} : (...) -> tensor<2x8x3x4x16xbf16>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CatOp, rewriter: PatternRewriter):
+    if decode(op.dim) != 2 or len(op.operands) != 3: return
+    back, chain = None, []
+    for i, u in enumerate(op.operands):
+      view = u.owner
+      if not isinstance(view, ViewOp) or not u.has_one_use() or not isinstance(p := view.x.owner, PermuteOp): return
+      if decode(p.dims) != (0, 2, 1, 3) or not view.x.has_one_use() or not p.x.has_one_use(): return
+      if not isinstance(b := p.x.owner, FlashAttentionBackwardOp) or p.x is not b.results[i] or back not in (None, b):
+        return
+      back = b
+      chain += [view, p]
+    if len(aval(back.q.type).shape) != 4 or not back.k.type == back.v.type == back.q.type: return
+    rewriter.replace(op, FlashAttentionBackwardPackedOp.make([back.g, back.q, back.k, back.v, back.out], back.attrs(),
+                                                             [op.result.type]))
+    for dead in (*chain, back): rewriter.erase(dead)  # read by the cat alone: nothing else runs them
+
+
 _UPDATES = (AdamwOp, SgdOp)  # multi-tensor updates: n params, then n gradients, ...; a `clip` factor last
 
 
@@ -216,7 +253,7 @@ class ClipIntoUpdatePattern(RewritePattern):
 class FuseNormsPass(PatternPass):
   """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation, and
   the half copy of the gradient autocast casts); the cross-entropy's row statistics kept for its backward;
-  clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
+  attention's gradients written packed; clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
   name = "fuse-norms"
   PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), CastOfNormGradientPattern(),
-              CrossEntropyStatsPattern(), ClipIntoUpdatePattern())
+              CrossEntropyStatsPattern(), PackedAttentionGradientPattern(), ClipIntoUpdatePattern())

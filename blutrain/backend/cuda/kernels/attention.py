@@ -28,7 +28,7 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import HALF, INT32_MAX, TY, Spec, aligned, empty, run, spec
+from blutrain.backend.cuda.kernels import HALF, INT32_MAX, TY, Spec, aligned, empty, run, spec, view
 from blutrain.configurator import attention_schedule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, next_pow2
@@ -395,7 +395,8 @@ def flash_attention_lse(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, 
 
 
 def _backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool, scale: float,
-              tf32: bool, glse: CudaArray | None) -> tuple[CudaArray, CudaArray, CudaArray]:
+              tf32: bool, glse: CudaArray | None, packed_into: CudaArray | None = None
+              ) -> tuple[CudaArray, CudaArray, CudaArray]:
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
   lse = (_recall(out, _lse_key(out, k, causal, scale)) if glse is None else
@@ -403,8 +404,12 @@ def _backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaA
   batch = q.shape[:-2]
   (q, sq), (k, sk), (v, sv), (out, so), (g, sg) = (_operand(a, nb) for a in (q, k, v, out, g))
   (Z, H), _ = _batch(q, nb)
-  dq, dk, dv = (empty(batch + (n, D), q.dtype, q.device) for n in (L, S, S))
-  sdq, sdk = (H * L * D, L * D, D), (H * S * D, S * D, D)
+  if packed_into is None:
+    dq, dk, dv = (empty(batch + (n, D), q.dtype, q.device) for n in (L, S, S))
+    sdq, sdk = (H * L * D, L * D, D), (H * S * D, S * D, D)
+  else:  # (B, L, 3, H, D): dq, dk, dv side by side in each row of the projection's gradient
+    sdq = sdk = (L * 3 * H * D, D, 3 * H * D)
+    dq, dk, dv = (view(packed_into, batch + (L, D), (*sdq, 1), i * H * D) for i in range(3))
   have_lse = lse is not None
   if not have_lse: lse = empty((Z * H * L,), dtypes.float32, q.device)
   delta = empty((Z * H * L,), dtypes.float32, q.device)
@@ -428,6 +433,16 @@ def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaAr
                              scale: float, tf32: bool = False) -> tuple[CudaArray, CudaArray, CudaArray]:
   """(dq, dk, dv): three new contiguous arrays, which the kernels write (dk and dv share one layout)."""
   return _backward(g, q, k, v, out, causal, scale, tf32, None)
+
+
+def flash_attention_backward_packed(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray,
+                                    causal: bool, scale: float, tf32: bool = False) -> CudaArray:
+  """The self-attention's (dq, dk, dv) as one new (B, L, 3, H, D) array, which the kernels write in place (the
+  projection's gradient, with no concatenation)."""
+  B, H, L, D = q.shape
+  packed = empty((B, L, 3, H, D), q.dtype, q.device)
+  _backward(g, q, k, v, out, causal, scale, tf32, None, packed)
+  return packed
 
 
 def flash_attention_lse_backward(g: CudaArray, glse: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray,
@@ -462,4 +477,5 @@ def _specs() -> list[Spec]:
 
 SPECS = _specs()
 KERNELS = {"flash_attention": flash_attention, "flash_attention_backward": flash_attention_backward,
+           "flash_attention_backward_packed": flash_attention_backward_packed,
            "flash_attention_lse": flash_attention_lse, "flash_attention_lse_backward": flash_attention_lse_backward}
