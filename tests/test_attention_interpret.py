@@ -1,8 +1,9 @@
-"""The CUDA flash-attention backward kernels without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess,
-since it must be set before Triton is imported) runs the dq and dk/dv kernels as the host wrapper launches them, on
-torch CPU tensors (test-only), once writing three (B, H, L, D) arrays and once writing dq, dk, dv into their places
-of one (B, L, 3, H, D) array (flash_attention_backward_packed's strides): the same values, in their places, and both
-equal to the CPU backend's float64 gradients."""
+"""The CUDA flash-attention kernels' output strides without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a
+subprocess, since it must be set before Triton is imported) runs them as the host wrappers launch them, on torch CPU
+tensors (test-only). The forward writes its output (B, H, L, D) or transposed (B, L, H, D)
+(flash_attention_transposed's strides); the dq and dk/dv kernels write three (B, H, L, D) arrays or dq, dk, dv in
+their places of one (B, L, 3, H, D) array (flash_attention_backward_packed's): the same values in their places, equal
+to the CPU backend's float64 kernels."""
 import numpy as np
 import pytest
 
@@ -37,6 +38,20 @@ def _gradients(q, k, v, o, g, packed: bool):
   return buf if packed else torch.stack([dq, dk, dv], 1).permute(0, 3, 1, 2, 4)
 
 
+def _forward(q, k, v, transposed: bool):
+  import torch
+  from blutrain import dtypes
+  from blutrain.backend.cuda.kernels import attention as att
+  from blutrain.shapes import cdiv
+  contiguous = (H * L * D, L * D, D)
+  out = torch.zeros(B, L, H, D) if transposed else torch.zeros(B, H, L, D)
+  so = (L * H * D, D, H * D) if transposed else contiguous
+  s = att.attention_spec("fwd", dtypes.float32, D, True, att._precision(dtypes.float32, False), False)
+  s[0][(cdiv(L, s.constexprs["BLOCK_M"]), H, B)](q, k, v, out, torch.zeros(B * H * L), SCALE * att._LOG2E, L, L, D,
+                                                 *contiguous * 3, *so, **s.constexprs)
+  return out.transpose(1, 2) if transposed else out
+
+
 def main() -> None:
   import torch
   from blutrain.backend.cpu.kernels import kernels as cpu
@@ -46,6 +61,9 @@ def main() -> None:
   o = cpu["flash_attention"](q, k, v, causal=True, scale=SCALE)
   want = cpu["flash_attention_backward_packed"](g, q, k, v, o, causal=True, scale=SCALE)
   args = [torch.tensor(a, dtype=torch.float32) for a in (q, k, v, o, g)]
+  plain, transposed = _forward(*args[:3], transposed=False), _forward(*args[:3], transposed=True)
+  assert torch.equal(plain, transposed), "the transposed output's strides moved values"
+  assert np.allclose(plain.double().numpy(), o, rtol=1e-4, atol=1e-5)
   plain, packed = _gradients(*args, packed=False), _gradients(*args, packed=True)
   assert torch.equal(plain, packed), "the packed strides moved values"
   assert np.allclose(packed.double().numpy(), want, rtol=1e-4, atol=1e-5), np.abs(packed.double().numpy() - want).max()

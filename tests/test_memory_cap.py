@@ -40,8 +40,9 @@ print("ok", step.info["planned_peak_bytes"])
 def test_a_compiled_gpt_step_makes_no_copy_outside_its_memory_plan_on_the_fake_gpu(tmp_path):
   """Capture gives a view the layout its rule gives, so `.contiguous()` after attention's transpose, and the reshapes
   of the backward, record their copies in the graph, where the plan places them: the generated code's views
-  (`cuda_view`) copy nothing at run time, and the step's copies are copy ops of the graph served from the arena."""
-  out = _run_fake(GPT_STEP + """
+  (`cuda_view`) copy nothing at run time, and the step's copies are copy ops of the graph served from the arena.
+  (Without the fusion passes: fuse-norms has the attention kernel write its output transposed, and no copy is left.)"""
+  out = _run_fake("import os\nos.environ['BLUTRAIN_NOVA_FUSE'] = '0'\n" + GPT_STEP + """
 import sys
 from blutrain.backend.cuda import graphs, kernels, runtime
 copy, outside, planned = kernels["copy"], [], []
@@ -59,7 +60,7 @@ assert exe.graph is not None and not outside, outside
 assert all(planned), planned
 print("ok", len(planned))
 """, tmp_path)
-  # at least each block's copy after attention's transpose, in the warm run and the capture (remat may add clones)
+  # each block's copy after attention's transpose, in the warm run and the capture (remat may add clones)
   assert int(out.split("ok")[-1]) >= 2 * 2
 
 

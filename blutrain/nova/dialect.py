@@ -1444,6 +1444,18 @@ class FlashAttentionOp(NNOp):
 
 
 @irdl_op_definition
+class FlashAttentionTransposedOp(NNOp):
+  """flash_attention of q, k, v (B, H, L, E) with its output's heads after its positions: (B, L, H, E), q's type."""
+  name = "nova.flash_attention_transposed"
+  q = operand_def(TENSOR)
+  k = operand_def(TENSOR)
+  v = operand_def(TENSOR)
+  causal = prop_def(BOOL)
+  scale = prop_def(FLOAT)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
 class FlashAttentionBackwardPackedOp(NNOp):
   """flash_attention_backward's dq, dk and dv of a self-attention (q, k, v of one shape (B, H, L, E)) as one
   (B, L, 3, H, E) tensor of q's type."""
@@ -1664,9 +1676,9 @@ Nova = Dialect("nova", [
   MaxPool2dBackwardOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyWithStatsOp,
   CrossEntropyBackwardWithStatsOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
-  FlashAttentionOp, FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, FlashAttentionLseOp,
-  FlashAttentionLseBackwardOp, LstmCellOp, LstmCellBackwardOp, LstmSequenceOp, LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp,
-  GruSequenceBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
+  FlashAttentionOp, FlashAttentionTransposedOp, FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp,
+  FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp, LstmCellBackwardOp, LstmSequenceOp,
+  LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp, GruSequenceBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,
   AllGatherOp, *COMPILER_OPS,
 ])
 

@@ -250,7 +250,8 @@ class GraphExecutable(Executable):
       moved = not all(map(operator.is_, map(_DATA, [ref() for ref in refs]), datas))
     except AttributeError:  # a storage was freed (its tensor replaced, as `p.data = ...` does)
       moved = True
-    if moved: raise StaleGraph("memory a CUDA graph reads moved or was freed (a parameter or optimizer state was replaced)")
+    if moved:
+      raise StaleGraph("memory a CUDA graph reads moved or was freed (a parameter or optimizer state was replaced)")
     stream = runtime.current_stream(self.static[0].device if self.static else None)
     for s, buf in self.fed:
       if hasattr(s, "array"):

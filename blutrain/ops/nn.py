@@ -844,6 +844,19 @@ flash_attention_op = op("flash_attention", _flash_attention_rule, _flash_attenti
                      inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
 
 
+def _flash_attention_transposed_rule(q, k, v, causal, scale, tf32=False):
+  _check_attention("flash_attention_transposed", q, k, v)
+  if q.ndim != 4: raise ShapeError(f"flash_attention_transposed: expected q of shape (B, H, L, E), got {tuple(q.shape)}")
+  B, H, L, E = q.shape
+  return (B, L, H, E), q.dtype
+
+
+# flash_attention's output with its heads after its positions, (B, L, H, E) contiguous: what a transformer's
+# `y.transpose(1, 2).contiguous()` makes of it, written so by the kernel (Nova's fuse-norms folds that copy)
+flash_attention_transposed_op = op("flash_attention_transposed", _flash_attention_transposed_rule,
+                                   inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
+
+
 def _flash_attention_backward_packed_rule(g, q, k, v, out, causal, scale, tf32=False):
   if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
     raise ShapeError(f"flash_attention_backward_packed: expected q, k, v of one shape (B, H, L, E), got "

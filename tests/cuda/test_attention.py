@@ -166,3 +166,23 @@ def test_packed_gradients_are_the_three_gradients_in_place(shape, causal, name):
   assert packed.shape == (shape[0], shape[2], 3, shape[1], shape[3])
   for i, (what, a) in enumerate(zip(("dq", "dk", "dv"), grads)):
     np.testing.assert_array_equal(packed[:, :, i], np.swapaxes(memory.to_numpy(a), 1, 2), err_msg=what)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp32"])
+@pytest.mark.parametrize("shape, causal", [((4, 12, 256, 64), True), ((2, 3, 100, 32), False)], ids=str)
+def test_the_transposed_output_is_the_output_and_keeps_its_logsumexp(shape, causal, name):
+  """flash_attention_transposed writes the output (B, L, H, D): the same bits as flash_attention's, transposed; the
+  backward given its (B, H, L, D) view finds the forward's logsumexp and gives the same gradients."""
+  dtype, precision, _, _ = PRECISIONS[name]
+  bt.set_float32_matmul_precision(precision)
+  q, k, v, g = (memory.from_numpy(rounded(shape, dtype, seed).astype(dtype.np)) for seed in range(4))
+  out = att.flash_attention(q, k, v, causal, 0.25)
+  t = att.flash_attention_transposed(q, k, v, causal, 0.25)
+  np.testing.assert_array_equal(memory.to_numpy(t), np.swapaxes(memory.to_numpy(out), 1, 2))
+  B, L, H, D = t.shape
+  heads_first = CudaArray(t.ptr, (B, H, L, D), (L * H * D, D, H * D, 1), t.dtype, t.device, t.owner)
+  assert att._recall(heads_first, att._lse_key(heads_first, k, causal, 0.25)) is not None, "the logsumexp is kept"
+  want = att.flash_attention_backward(g, q, k, v, out, causal, 0.25)
+  got = att.flash_attention_backward(g, q, k, v, heads_first, causal, 0.25)
+  for what, a, b in zip(("dq", "dk", "dv"), got, want):
+    np.testing.assert_array_equal(memory.to_numpy(a), memory.to_numpy(b), err_msg=what)

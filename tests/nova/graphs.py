@@ -242,6 +242,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
            *b("flash_attention_backward", q, q, k, k, att, causal=True, scale=0.5), b("sum_squares", x, pos, w),
            b("flash_attention_backward_packed", *(b("view", t, shape=(1, 1, 3, 4)) for t in (q, q, k, k, att)),
              causal=True, scale=0.5),
+           b("flash_attention_transposed", *(b("view", t, shape=(1, 1, 3, 4)) for t in (q, k, k)), causal=False,
+             scale=0.5),
            b("flash_attention_lse", q, k, k, causal=False, scale=0.5),
            *b("flash_attention_lse_backward", q, b("sum", q, dims=(2,), keepdim=False, dtype=f32), q, k, k, att,
               causal=True, scale=0.5)]

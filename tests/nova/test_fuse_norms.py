@@ -188,7 +188,8 @@ def test_a_backward_of_another_loss_keeps_its_own_statistics(case):
   x, t, g = b.input((9, 40)), b.input((9,), dtypes.int64), b.input((9,))
   loss = b("cross_entropy", x, t, ignore_index=-100)
   target = b("neg", t) if case == "another_target" else t
-  graph = b.output(loss, b("cross_entropy_backward", g, x, target, ignore_index=-1 if case != "another_target" else -100))
+  index = -100 if case == "another_target" else -1
+  graph = b.output(loss, b("cross_entropy_backward", g, x, target, ignore_index=index))
   assert not FuseNormsPass().run(ir.to_module(graph))
 
 
@@ -215,6 +216,31 @@ def test_attention_gradients_read_elsewhere_stay_apart(case):
   graph = _attention_gradient(dq_also_returned=case == "dq_also_returned",
                               order=(1, 0, 2) if case == "another_order" else (0, 1, 2))
   assert not FuseNormsPass().run(ir.to_module(graph))
+
+
+def _attention_output(other_reader=False):
+  """A transformer's attention output as autograd records it: y.transpose(1, 2).contiguous(), y read again by the
+  backward; with other_reader the transposed view is also read by another op than the copy."""
+  b = Builder()
+  q, k, v, g = (b.input((2, 3, 8, 4)) for _ in range(4))
+  o = b("flash_attention", q, k, v, causal=True, scale=0.5)
+  p = b("permute", o, dims=(0, 2, 1, 3))
+  y = b("view", b("copy", p), shape=(2, 8, 12))
+  grads = b("flash_attention_backward", g, q, k, v, o, causal=True, scale=0.5)
+  return b.output(b("exp", y), *grads, *([b("neg", p)] if other_reader else []))
+
+
+def test_the_attention_output_is_written_transposed():
+  rng = np.random.default_rng(7)
+  args = [rng.standard_normal((2, 3, 8, 4)).astype(np.float32) for _ in range(4)]
+  counts = _same_bits(_attention_output(), args)
+  # the permute is the backward's view of the new output (no copy left)
+  assert counts == {"flash_attention_transposed": 1, "permute": 1, "view": 1, "flash_attention_backward": 1,
+                    "exp": 1}, counts
+
+
+def test_an_attention_output_read_transposed_elsewhere_keeps_its_copy():
+  assert not FuseNormsPass().run(ir.to_module(_attention_output(other_reader=True)))
 
 
 def _clip_then_adamw(grad_dtype=dtypes.float32, return_grads=False, unscaled_grad=False):
@@ -308,5 +334,7 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, mo
   assert sum(", None, n=" not in line for line in backward) == 4
   # the step ends with zero_grad, so the clipped gradients are read by AdamW alone and it scales them as it reads them
   assert 'kernels["scale"]' not in source and source.count("clip=True") == (2 if clip else 0)
-  assert source.count('kernels["cross_entropy_with_stats"]') == source.count('kernels["cross_entropy_backward_with_stats"]') == 1
+  assert source.count('kernels["cross_entropy_with_stats"]') == 1
+  assert source.count('kernels["cross_entropy_backward_with_stats"]') == 1
   assert source.count('kernels["flash_attention_backward_packed"]') == 2 and 'kernels["cat"]' not in source
+  assert source.count('kernels["flash_attention_transposed"]') == 2 and 'kernels["copy"]' not in source

@@ -535,6 +535,10 @@ def _flash_attention_backward(g, q, k, v, out, causal, scale, tf32=False):
   return dq, dk, dv
 
 
+def _flash_attention_transposed(q, k, v, causal, scale, tf32=False):
+  return np.ascontiguousarray(np.swapaxes(_flash_attention(q, k, v, causal, scale), 1, 2))
+
+
 def _flash_attention_backward_packed(g, q, k, v, out, causal, scale, tf32=False):
   return np.ascontiguousarray(np.stack(_flash_attention_backward(g, q, k, v, out, causal, scale), 1)
                               .transpose(0, 3, 1, 2, 4))
@@ -673,6 +677,7 @@ kernels = {
   "cross_entropy_stats": _cross_entropy_stats, "cross_entropy_lse_backward": _cross_entropy_lse_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
   "flash_attention_backward_packed": _flash_attention_backward_packed,
+  "flash_attention_transposed": _flash_attention_transposed,
   "flash_attention_lse": _flash_attention_lse, "flash_attention_lse_backward": _flash_attention_lse_backward,
   "lstm_cell": _lstm_cell, "lstm_cell_backward": _lstm_cell_backward,
   "gru_cell": _gru_cell, "gru_cell_backward": _gru_cell_backward,

@@ -1,6 +1,6 @@
 """Norm fusion: a transformer's residual adds folded into the layer norms next to them, a cross-entropy's row
-statistics kept for its backward, attention's q, k, v gradients written where their concatenation puts them, and
-gradient-norm clipping's scale folded into the optimizer's update after it (AdamW's or SGD's).
+statistics kept for its backward, attention's output and its q, k, v gradients written where the copies after them
+put them, and gradient-norm clipping's scale folded into the optimizer's update after it (AdamW's or SGD's).
 
 Each block of a pre-norm transformer adds a branch into the residual stream and normalizes the sum for the next
 branch; the sum is used again later (the next residual add, the norm's backward), so it is written either way. One
@@ -32,6 +32,12 @@ strides and write them into their places instead:
   dq, dk, dv = flash_attention_backward(g, q, k, v, o);  c = cat(view(permute(d)) for d in (dq, dk, dv), dim=2)
     ->  c = flash_attention_backward_packed(g, q, k, v, o)     (B, L, 3, H, E); each read by the cat alone
 
+Its forward's output is copied the other way, `y.transpose(1, 2).contiguous()` before the output projection; the
+forward kernel writes it so instead, and the backward reads the output through the permuted view:
+
+  o = flash_attention(q, k, v);  c = copy(permute(o, (0, 2, 1, 3)))
+    ->  c = flash_attention_transposed(q, k, v) (B, L, H, E);  o = permute(c, (0, 2, 1, 3))   (a view)
+
 clip_grad_norm_ scales every gradient by min(1, max_norm / (total + 1e-6)), a pass over all of them, and the update
 (AdamW's or SGD's multi-tensor op) reads them right after; when nothing else reads the scaled gradients (the step ends
 with zero_grad, so they are not written back to `.grad`), the update reads the factor from device memory and scales
@@ -43,14 +49,15 @@ each gradient as it reads it:
 
 Where the gradients are read after the step they stay scaled in memory, as PyTorch's in-place clip leaves them.
 
-All are exact but the cross-entropy's: the same float32 arithmetic on the same values (y and r may be halves, read as float32 as the add
-reads them; float32 addition is commutative), one rounding where there was one (the fused backward adds with an
-explicitly rounded add and the update scales with an explicitly rounded multiply, rounded to the gradient's dtype as the
-scale stored it, so the compiler cannot contract either with the arithmetic next to it). Nothing changes where the
-pattern does not hold: a sum used by the norm alone, broadcast operands (shapes differ or an `expand` makes one),
-float64 or half residual streams. The cross-entropy's is exact on the CPU (the statistics in the logits' own
-arithmetic, as the backward's softmax computes them); on the GPU the forward's kernel may add a row's terms in
-another order than the backward's did, so the gradient agrees to float32's rounding (one rounding of its dtype).
+All are exact but the cross-entropy's: the same float32 arithmetic on the same values (y and r may be halves, read
+as float32 as the add reads them; float32 addition is commutative), one rounding where there was one (the fused
+backward adds with an explicitly rounded add and the update scales with an explicitly rounded multiply, rounded to
+the gradient's dtype as the scale stored it, so the compiler cannot contract either with the arithmetic next to it).
+Nothing changes where the pattern does not hold: a sum used by the norm alone, broadcast operands (shapes differ or
+an `expand` makes one), float64 or half residual streams. The cross-entropy's is exact on the CPU (the statistics in
+the logits' own arithmetic, as the backward's softmax computes them); on the GPU the forward's kernel may add a
+row's terms in another order than the backward's did, so the gradient agrees to float32's rounding (one rounding of
+its dtype).
 
 The pass runs after rematerialization (pipeline.py): remat recomputes a norm's output in the backward instead of
 keeping it, and clones single-result ops only, so fusing first would keep every norm's output alive across the peak.
@@ -64,10 +71,11 @@ from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, CastOp, CatOp, CrossEntropyBackwardOp,
+from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, CastOp, CatOp, CopyOp, CrossEntropyBackwardOp,
                                    CrossEntropyBackwardWithStatsOp, CrossEntropyOp, CrossEntropyWithStatsOp, ExpandOp,
-                                   FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, LayerNormBackwardOp,
-                                   LayerNormOp, PermuteOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
+                                   FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, FlashAttentionOp,
+                                   FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp, PermuteOp, ScaleOp,
+                                   SgdOp, ViewOp, aval, decode, tensor_type)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
@@ -218,6 +226,33 @@ class PackedAttentionGradientPattern(RewritePattern):
     for dead in (*chain, back): rewriter.erase(dead)  # read by the cat alone: nothing else runs them
 
 
+class TransposedAttentionOutputPattern(RewritePattern):
+  """copy(permute(flash_attention(q, k, v), (0, 2, 1, 3))) -> flash_attention_transposed(q, k, v): the kernel writes
+  the output with its heads after its positions, (B, L, H, E), which a transformer's `y.transpose(1, 2).contiguous()`
+  copied it into. Every copy of that permute becomes the new output (remat's clone of the copy too), and every other
+  reader of the output (the backward) reads a permuted view of it, the same values.
+
+    %o = nova.flash_attention %q, %k, %v {...} : (...) -> tensor<2x4x8x16xbf16>
+    %p = nova.permute %o {dims = array<i64: 0, 2, 1, 3>} : (...) -> tensor<2x8x4x16xbf16>
+    %c = nova.copy %p : (tensor<2x8x4x16xbf16>) -> tensor<2x8x4x16xbf16>
+      =>   %c = nova.flash_attention_transposed %q, %k, %v {...} : (...) -> tensor<2x8x4x16xbf16>
+           %o = nova.permute %c {dims = array<i64: 0, 2, 1, 3>}   (for the output's other readers)
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CopyOp, rewriter: PatternRewriter):
+    p = op.x.owner
+    if not isinstance(p, PermuteOp) or decode(p.dims) != (0, 2, 1, 3): return
+    if not isinstance(att := p.x.owner, FlashAttentionOp): return
+    if len(aval(att.q.type).shape) != 4 or not all(isinstance(u.operation, CopyOp) for u in p.result.uses): return
+    fused = FlashAttentionTransposedOp.make([att.q, att.k, att.v], att.attrs(), [op.result.type])
+    heads_first = PermuteOp.make([fused.result], {"dims": (0, 2, 1, 3)}, [att.result.type])
+    rewriter.insert(fused, InsertPoint.before(att))
+    rewriter.insert(heads_first, InsertPoint.before(att))
+    for u in list(p.result.uses): rewriter.replace(u.operation, [], [fused.result])
+    rewriter.erase(p)
+    rewriter.replace(att, [], [heads_first.result])
+
+
 _UPDATES = (AdamwOp, SgdOp)  # multi-tensor updates: n params, then n gradients, ...; a `clip` factor last
 
 
@@ -253,7 +288,9 @@ class ClipIntoUpdatePattern(RewritePattern):
 class FuseNormsPass(PatternPass):
   """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation, and
   the half copy of the gradient autocast casts); the cross-entropy's row statistics kept for its backward;
-  attention's gradients written packed; clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
+  attention's output written transposed and its gradients packed; clip_grad_norm_'s scale folded into the AdamW and
+  SGD updates."""
   name = "fuse-norms"
   PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), CastOfNormGradientPattern(),
-              CrossEntropyStatsPattern(), PackedAttentionGradientPattern(), ClipIntoUpdatePattern())
+              CrossEntropyStatsPattern(), PackedAttentionGradientPattern(), TransposedAttentionOutputPattern(),
+              ClipIntoUpdatePattern())

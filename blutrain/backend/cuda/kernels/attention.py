@@ -362,15 +362,20 @@ def _recall(anchor: CudaArray, key: tuple) -> CudaArray | None:
 
 
 def _forward(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float, tf32: bool,
-             packed: bool) -> tuple[CudaArray, CudaArray]:
-  """The output (packed: float32 (..., L, D + 1), the natural logsumexp in column D) and the base-2 logsumexp."""
+             packed: bool, transposed: bool = False) -> tuple[CudaArray, CudaArray]:
+  """The output (packed: float32 (..., L, D + 1), the natural logsumexp in column D; transposed: (B, L, H, D) for
+  q (B, H, L, D)) and the base-2 logsumexp."""
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
   (q, sq), (k, sk), (v, sv) = (_operand(a, nb) for a in (q, k, v))
   (Z, H), _ = _batch(q, nb)
   width = D + 1 if packed else D
-  out = empty(q.shape[:-1] + (width,), dtypes.float32 if packed else q.dtype, q.device)
-  so = (H * L * width, L * width, width)
+  if transposed:
+    out = empty((q.shape[0], L, H, D), q.dtype, q.device)
+    so = (L * H * D, D, H * D)
+  else:
+    out = empty(q.shape[:-1] + (width,), dtypes.float32 if packed else q.dtype, q.device)
+    so = (H * L * width, L * width, width)
   lse = empty((Z * H * L,), dtypes.float32, q.device)
   # the packed output's rows (D + 1 wide) are never aligned: the spec promises nothing of them, the inputs may be
   vectors = aligned((q, k, v, lse) + (() if packed else (out,)), sq + sk + sv + (() if packed else so))
@@ -383,6 +388,17 @@ def _forward(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: floa
 def flash_attention(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float, tf32: bool = False) -> CudaArray:
   out, lse = _forward(q, k, v, causal, scale, tf32, False)
   _remember(out, _lse_key(out, k, causal, scale), lse)
+  return out
+
+
+def flash_attention_transposed(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, scale: float,
+                               tf32: bool = False) -> CudaArray:
+  """flash_attention's output as a new (B, L, H, D) array for q (B, H, L, D); its logsumexp is kept for the backward
+  under the (B, H, L, D) view of it, which the backward reads as its `out`."""
+  out, lse = _forward(q, k, v, causal, scale, tf32, False, transposed=True)
+  B, L, H, D = out.shape
+  heads_first = view(out, (B, H, L, D), (L * H * D, D, H * D, 1))
+  _remember(out, _lse_key(heads_first, k, causal, scale), lse)
   return out
 
 
@@ -478,4 +494,5 @@ def _specs() -> list[Spec]:
 SPECS = _specs()
 KERNELS = {"flash_attention": flash_attention, "flash_attention_backward": flash_attention_backward,
            "flash_attention_backward_packed": flash_attention_backward_packed,
+           "flash_attention_transposed": flash_attention_transposed,
            "flash_attention_lse": flash_attention_lse, "flash_attention_lse_backward": flash_attention_lse_backward}
