@@ -261,8 +261,9 @@ def _recipe(s: _Schedule, v: SSAValue, b: int, cheap: bool) -> _Plan | None:
     return True
 
   if not need(v, True): return None
-  flops, moved, seconds = (sum(f(op) for op in chain) for f in (op_flops, op_moved, op_seconds))
-  return _Plan(v, b, chain, flops, moved, seconds, stands_for=stands_for)
+  costs = [(op_flops(op), op_moved(op)) for op in chain if not isinstance(op, LayoutOp)]
+  seconds = sum(configurator.kernel_seconds(f, m) for f, m in costs)
+  return _Plan(v, b, chain, sum(f for f, _ in costs), sum(m for _, m in costs), seconds, stands_for=stands_for)
 
 
 def _across(s: _Schedule, t: int):
