@@ -117,7 +117,7 @@ def test_bias_epilogue_row_vector():
   a, w, bias = rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)), rng.standard_normal(5)
   got, p, _ = _run(a, np.ascontiguousarray(w.T), "n", "t", bias)  # b = w.mT: nn.Linear's layout
   np.testing.assert_allclose(got, a @ w.T + bias, rtol=1e-12, atol=1e-12)
-  assert p.bias and not p.trans_b and p.trans_a  # cuBLAS's A is our w^T stored transposed
+  assert p.epilogue == "bias" and not p.trans_b and p.trans_a  # cuBLAS's A is our w^T stored transposed
 
 
 def test_layout_rules():

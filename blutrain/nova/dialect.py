@@ -996,6 +996,19 @@ class GemmOp(MultiResultOp):
 
 
 @irdl_op_definition
+class WeightGradOp(MultiResultOp):
+  """A weight gradient's GEMM (`ops.linalg.weight_grad_op`), which only fuse-gemm makes: a @ b stored in `dtype`, then
+  with `bias_grad` the sums of a's rows."""
+  name = "nova.weight_grad"
+  a = operand_def(TENSOR)
+  b = operand_def(TENSOR)
+  outs = var_result_def(TENSOR)
+  dtype = prop_def(ELEMENT)
+  bias_grad = prop_def(BOOL)
+  tf32 = opt_prop_def(BOOL | NONE)
+
+
+@irdl_op_definition
 class SoftmaxOp(NNOp):
   """exp(x) / sum(exp(x)) along `dim`."""
   name = "nova.softmax"
@@ -1669,7 +1682,7 @@ Nova = Dialect("nova", [
   EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, ReluBackwardOp,
   SumOp, AmaxOp,
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
-  CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
+  CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, WeightGradOp, ConvOp, ConvGradInputOp, ConvGradWeightOp, SoftmaxOp,
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormRunningStatsOp,
   BatchNormOp,
   BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, MaxPool2dValuesOp,

@@ -76,6 +76,24 @@ def _gemm_rule(a, b, *xs, epilogue, dtype, tf32=False):
 gemm_op = op("gemm", _gemm_rule, multi=True, inputs="a b *xs", attrs="epilogue:str dtype:dtype tf32:bool?")
 
 
+def _weight_grad_rule(a, b, *, dtype, bias_grad, tf32=False):
+  """weight_grad(a, b): a @ b of two matrices stored in `dtype` straight from the float32 accumulator, and with
+  `bias_grad` the sums of a's rows over K (shape (M,)) in `dtype` too."""
+  if a.ndim != 2 or b.ndim != 2:
+    raise ShapeError(f"weight_grad: expected two matrices, got {tuple(a.shape)} and {tuple(b.shape)}")
+  shape, t = _matmul_rule(a, b)
+  if not t.is_floating_point or not dtype.is_floating_point or dtype.itemsize < t.itemsize:
+    raise DTypeError(f"weight_grad: stores {t.name} products as the same or a wider float dtype, got {dtype.name}")
+  return [(shape, dtype)] + ([(shape[:1], dtype)] if bias_grad else [])
+
+
+# A linear layer's weight gradient as the GPU computes it best, made only by Nova on the GPU (fuse-gemm's
+# WeightGradientPattern): dW = g^T x written in float32 under autocast (one rounding to the half dtype fewer than
+# eager mode's matmul and widening cast), with the bias gradient, the column sums of g, in the same GEMM (cuBLASLt's
+# BGRAD epilogue) instead of a reduction that reads g again.
+weight_grad_op = op("weight_grad", _weight_grad_rule, multi=True, inputs="a b", attrs="dtype:dtype bias_grad:bool tf32:bool?")
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
   """a @ b. 1-D operands are promoted to a row (left) or a column (right) and that dim removed after;
   leading dims broadcast as batch dims. float32 operands may use TF32 on CUDA, as `bt.set_float32_matmul_precision`

@@ -51,6 +51,32 @@ def test_both_paths_compute_the_cpu_kernel(epilogue, shapes, out, dtype, path):
     assert np.abs(host(g) - e).max() <= BOUNDS[dtype] * np.abs(e).max(), (epilogue, path)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(2304, 768), (768, 3072), (96, 40)], ids=["qkv", "fc", "small"])
+def test_weight_grad_is_the_product_and_the_bias_gradient_from_one_gemm(shape, dtype):
+  """dW = g^T x in float32 from cuBLASLt's accumulator and db = the column sums of g from its BGRADB epilogue, for
+  g (tokens, out) read through its transposed view as Nova passes it; cuBLASLt must offer the epilogue for these
+  layouts (no fallback to a reduction)."""
+  from blutrain.backend.cuda.kernels import cublaslt
+  rs = np.random.default_rng(5)
+  n_out, n_in = shape
+  g, x = rs.standard_normal((1000, n_out)), rs.standard_normal((1000, n_in))
+  a, b = place(g.T, dtype, "t"), place(x, dtype, "n")
+  g64, x64 = host(a).T, host(b)  # the operands as stored (rounded to dtype)
+  out, db = memory.empty((n_out, n_in), F32, 0), memory.empty((n_out,), F32, 0)
+  cublaslt._matmul(a, b, db, True, out, "bgradb")  # raises NoAlgorithm where cuBLASLt has no such kernel
+  dw, db2 = cuda["weight_grad"](a, b, dtype=F32, bias_grad=True, tf32=True)
+  want_w, want_b = g64.T @ x64, g64.sum(0)
+  for got, want in ((out, want_w), (dw, want_w), (db, want_b), (db2, want_b)):
+    assert got.dtype is F32 and got.shape == want.shape
+    # float32 operands go through TF32 (the epilogue may sum them as rounded for the tensor cores); bf16 operands
+    # multiply exactly and accumulate in float32
+    tol = (2e-3 if dtype is F32 else 1e-5) * np.abs(want).max()
+    assert np.abs(host(got) - want).max() <= tol
+  (plain,) = cuda["weight_grad"](a, b, dtype=F32, bias_grad=False, tf32=True)
+  np.testing.assert_array_equal(host(plain), host(dw))
+
+
 def _train(make, compiled, autocast, steps=3):
   bt.manual_seed(0)
   model = make().to("cuda")

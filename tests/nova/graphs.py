@@ -183,6 +183,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
               dtype=f32),
            b("gemm", bhalf, b("permute", bhalf, dims=(1, 0)), b("slice", pos, index=((0, 3, 1), (0, 3, 1))),
              epilogue="residual", dtype=f32)[0],
+           *b("weight_grad", b("permute", bhalf, dims=(1, 0)), bhalf, dtype=f32, bias_grad=True),
+           b("weight_grad", b("permute", x, dims=(1, 0)), x, dtype=f32, bias_grad=False, tf32=True)[0],
            b("gemm", x, b("permute", x, dims=(1, 0)), b("slice", pos, index=((0, 3, 1), (0, 3, 1))),
              epilogue="gelu_backward_tanh", dtype=f32)[0],
            b("layer_norm", x, w, bias, n=1, eps=1e-5), b("layer_norm", x, None, None, n=2, eps=1e-6),

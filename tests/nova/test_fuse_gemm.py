@@ -11,8 +11,8 @@ from blutrain import dtypes, nn
 from blutrain.models import GPT, GPTConfig
 from blutrain.nn import functional as F
 from blutrain.nova import codegen, ir, remat
-from blutrain.nova.dialect import GemmOp
-from blutrain.nova.passes import DCEPass, FuseGemmPass
+from blutrain.nova.dialect import GemmOp, WeightGradOp
+from blutrain.nova.passes import DCEPass, FuseGemmPass, FuseWeightGradientsPass
 from blutrain.nova.passes.fuse_gemm import gemm_choice, gemm_report
 from blutrain.nova.pipeline import compile_graph, op_counts, optimize
 from blutrain.nova.remat import rematerialize
@@ -323,6 +323,7 @@ def test_a_gpt_step_under_autocast_has_its_five_gemms_per_block(tmp_path, monkey
   module = ir.parse_module(next((tmp_path / "ir").rglob("*-dce.mlir")).read_text())
   gemms = [(op.attrs()["epilogue"], op.attrs()["dtype"]) for op in ir.function(module).body.block.ops
            if isinstance(op, GemmOp)]
+  assert not list((tmp_path / "ir").rglob("*-fuse-wgrad.mlir")), "the CPU's compiled steps stay exact"
   block = [("bias", BF16), ("bias,residual", F32), ("bias,save,gelu", BF16), ("bias,residual", F32)]
   # and in the backward: GELU's backward twice, and the tied embedding's gradient: the output head's weight gradient
   # (a bias-free matmul) plus the embedding's backward
@@ -358,3 +359,81 @@ def test_under_the_cublas_path_a_residual_add_is_left_to_the_layer_norm(monkeypa
   assert epilogues == ["bias"] and op_counts(module)["add"] == 1
   monkeypatch.setenv("BLUTRAIN_GEMM_PATH", "auto")
   assert _fused(graph)[1] == ["bias,residual"]
+
+
+# *** fuse-wgrad: the GPU's weight gradients ***
+
+def _linear_grads(dtype=BF16, widen=True, bias=True, bias_keepdim=True):
+  """A linear layer's weight and bias gradients from its output gradient g (4, 16, 16) and input x (64, 8), as
+  autograd records them under autocast: dW = cast(g^T x), db = cast(sum(g over rows))."""
+  b = Builder()
+  g, x = b.input((4, 16, 16), dtype), b.input((4, 16, 8), dtype)
+  gt = b("permute", b("view", g, shape=(64, 16)), dims=(1, 0))
+  dw = b("matmul", gt, b("view", x, shape=(64, 8)))
+  outs = [b("cast", dw, dtype=F32) if widen else dw]
+  if bias:
+    s = b("sum", g, dims=(0, 1), keepdim=bias_keepdim, dtype=dtype)
+    s = b("view", s, shape=(16,)) if bias_keepdim else s
+    outs.append(b("cast", s, dtype=F32) if widen else s)
+  return b.output(*outs)
+
+
+def _wgrad(graph):
+  module = ir.to_module(graph)
+  plain = module.clone()
+  FuseWeightGradientsPass().run(module)
+  module.verify()
+  return plain, module, op_counts(module)
+
+
+@pytest.mark.parametrize("keepdim", [True, False])
+def test_a_weight_gradient_takes_its_widening_cast_and_the_bias_gradient(keepdim):
+  plain, module, counts = _wgrad(_linear_grads(bias_keepdim=keepdim))
+  assert counts["weight_grad"] == 1 and not {"matmul", "sum", "cast"} & set(counts), counts
+  wg = next(op for op in ir.function(module).body.block.ops if isinstance(op, WeightGradOp))
+  assert wg.attrs()["dtype"] is F32 and wg.attrs()["bias_grad"]
+  rs = np.random.default_rng(0)
+  args = [rs.standard_normal(s).astype(BF16.np) for s in ((4, 16, 16), (4, 16, 8))]
+  got = codegen.load(codegen.generate(module))(*args)
+  eager = codegen.load(codegen.generate(plain))(*args)
+  g64, x64 = (a.astype(np.float64).reshape(64, -1) for a in args)
+  for out, e, want in zip(got, eager, (g64.T @ x64, g64.sum(0))):
+    assert out.dtype == np.float32
+    # float32 straight from the accumulator: closer to the float64 truth than eager's bf16 rounding, and within one
+    # bf16 rounding of eager's value
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, e, rtol=2 ** -8, atol=1e-6)
+
+
+def test_without_autocast_only_the_bias_gradient_folds():
+  """float32 (TF32) training: no cast to take, the bias gradient still comes out of the GEMM."""
+  _, module, counts = _wgrad(_linear_grads(F32, widen=False))
+  assert counts == {**counts, "weight_grad": 1} and "sum" not in counts and "matmul" not in counts
+  wg = next(op for op in ir.function(module).body.block.ops if isinstance(op, WeightGradOp))
+  assert wg.attrs()["dtype"] is F32 and wg.attrs()["bias_grad"]
+
+
+def test_a_half_weight_gradient_without_a_cast_or_bias_is_left_alone():
+  _, _, counts = _wgrad(_linear_grads(widen=False, bias=False))
+  assert counts.get("weight_grad", 0) == 0 and counts["matmul"] == 1
+
+
+def test_a_bias_gradient_read_before_the_weight_gradient_is_not_folded():
+  """The weight_grad takes the matmul's place: a bias gradient read before it stays a sum."""
+  b = Builder()
+  g, x = b.input((64, 16), BF16), b.input((64, 8), BF16)
+  db = b("cast", b("sum", g, dims=(0,), keepdim=False, dtype=BF16), dtype=F32)
+  early = b("exp", db)
+  dw = b("cast", b("matmul", b("permute", g, dims=(1, 0)), x), dtype=F32)
+  _, module, counts = _wgrad(b.output(dw, db, early))
+  wg = next(op for op in ir.function(module).body.block.ops if isinstance(op, WeightGradOp))
+  assert not wg.attrs()["bias_grad"] and counts["sum"] == 1
+
+
+def test_a_sum_over_other_dims_is_no_bias_gradient():
+  b = Builder()
+  g, x = b.input((64, 16), BF16), b.input((64, 8), BF16)
+  dw = b("cast", b("matmul", b("permute", g, dims=(1, 0)), x), dtype=F32)
+  rows = b("cast", b("sum", g, dims=(1,), keepdim=False, dtype=BF16), dtype=F32)
+  _, module, counts = _wgrad(b.output(dw, rows))
+  assert counts["weight_grad"] == 1 and counts["sum"] == 1

@@ -828,5 +828,15 @@ def _gemm(a, b, *xs, epilogue, dtype, tf32=False):
   return (y.astype(dtype.np), *saved)
 
 
-kernels |= {"adamw": _adamw, "sgd": _sgd, "sum_squares": _sum_squares, "scale": _scale, "gemm": _gemm}
+def _weight_grad(a, b, *, dtype, bias_grad, tf32=False):
+  """Nova's weight-gradient GEMM (`ops.linalg.weight_grad_op`): a @ b accumulated in float32 (float64 for float64)
+  and stored in `dtype`, and with `bias_grad` the sums of a's rows, as the GPU's GEMM and its epilogue compute them."""
+  acc = np.float64 if a.dtype == np.float64 else np.float32
+  a32 = a.astype(acc)
+  y = kernels["matmul"](a32, b.astype(acc), tf32=tf32).astype(dtype.np)
+  return (y, np.sum(a32, axis=-1, dtype=acc).astype(dtype.np)) if bias_grad else (y,)
+
+
+kernels |= {"adamw": _adamw, "sgd": _sgd, "sum_squares": _sum_squares, "scale": _scale, "gemm": _gemm,
+            "weight_grad": _weight_grad}
 kernels |= collective.KERNELS  # the process group's own calls (backend/collective.py)

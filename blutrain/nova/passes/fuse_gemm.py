@@ -19,8 +19,19 @@ does not fuse, and why:
   batch): that is neither epilogue;
 - a bias or GELU that would change the dtype, or anything after a residual or GELU backward (they end an epilogue);
 - integer and float64 products (the GPU's synthesized GEMMs multiply float32, bfloat16 and float16).
-The bias gradient (cuBLASLt's BGRADA/BGRADB epilogues) is not folded yet: its sum reads the output gradient that the
-weight-gradient GEMM reads too, and neither gemm's result is the other's operand.
+
+On the GPU a second pass, fuse-wgrad (run after remat and fuse-norms), folds a linear layer's weight gradient
+dW = g^T x with what eager mode does around it: autocast's widening cast of the half product to the float32
+parameter's dtype, and the bias gradient, the column sums of g, which cuBLASLt's BGRADB epilogue computes in the same
+GEMM from the tiles of g it loads anyway (instead of a reduction reading g again):
+
+  c = cast(matmul(permute(view(g)), x): half -> f32);  d = cast(view(sum(g, all dims but the last)): half -> f32)
+    ->  c, d = weight_grad(permute(view(g)), x) {dtype = f32, bias_grad = true}
+
+This one is not exact: the product is stored in float32 straight from the accumulator, where eager mode rounds it to
+the half dtype first, and the bias gradient is summed in the GEMM's order, so both differ from eager mode by at most
+one rounding of the half dtype (they are the more accurate). That is why it runs on the GPU only: a compiled step on
+the CPU stays equal to eager mode.
 """
 from __future__ import annotations
 
@@ -35,7 +46,8 @@ from xdsl.rewriter import InsertPoint
 
 from blutrain import configurator as cfg
 from blutrain import dtypes
-from blutrain.nova.dialect import AddOp, GeluBackwardOp, GeluOp, GemmOp, MatmulOp, NovaOp, PermuteOp, aval
+from blutrain.nova.dialect import (AddOp, CastOp, GeluBackwardOp, GeluOp, GemmOp, MatmulOp, NovaOp, PermuteOp, SumOp,
+                                   ViewOp, WeightGradOp, aval)
 from blutrain.nova.ir import function
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 from blutrain.ops.linalg import gemm_steps
@@ -185,6 +197,91 @@ class FuseGemmPass(PatternPass):
   """Biases, GELUs, residual adds and GELU backwards folded into the GEMMs before them."""
   name = "fuse-gemm"
   PATTERNS = (BiasPattern(), GeluPattern(), ResidualPattern(), GeluBackwardPattern())
+
+
+# *** weight gradients (the GPU's) ***
+
+def _base(v: SSAValue) -> SSAValue:
+  """The value v is a view of (through `view` ops, which keep the row-major order), or v."""
+  while isinstance(v.owner, ViewOp): v = v.owner.x
+  return v
+
+
+def _widened(v: SSAValue) -> CastOp | None:
+  """The one live reader of v when it is a cast widening v (a half) to float32."""
+  readers = _reads(v)
+  if len(readers) == 1 and isinstance(readers[0], CastOp) and aval(v.type).dtype in _FLOATS[1:]:
+    if aval(readers[0].result.type).dtype is dtypes.float32: return readers[0]
+  return None
+
+
+def _chain(op, dtype) -> list | None:
+  """From a sum, the ops up to the bias gradient: the sum, then views and a widening cast, each the previous one's
+  only live reader, ending in a vector of `dtype`; None when they do not."""
+  chain = [op]
+  while True:
+    readers = _reads(chain[-1].results[0])
+    if len(readers) != 1 or not isinstance(readers[0], (ViewOp, CastOp)): break
+    if isinstance(readers[0], CastOp) and _widened(chain[-1].results[0]) is None: break
+    chain.append(readers[0])
+  end = aval(chain[-1].results[0].type)
+  return chain if len(end.shape) == 1 and end.dtype is dtype else None
+
+
+def _bias_gradient(a: SSAValue, dtype, at) -> list | None:
+  """The ops computing the sums of a's rows in `dtype` (a = permute(g), the bias gradient from g's columns, g a view
+  of the output gradient), read only after `at`."""
+  if not isinstance(a.owner, PermuteOp) or tuple(a.owner.attrs()["dims"]) != (1, 0): return None
+  rows, base = aval(a.type).shape[0], _base(a.owner.x)
+  views, found = [base], None
+  while views:
+    for op in _reads(views.pop()):
+      if isinstance(op, ViewOp): views.append(op.result)
+      elif isinstance(op, SumOp) and found is None:
+        x = aval(op.x.type)
+        if x.shape[-1:] == (rows,) and tuple(op.attrs()["dims"]) == tuple(range(len(x.shape) - 1)):
+          found = _chain(op, dtype)
+  if found is None: return None
+  block = at.parent_block()
+  return found if all(r.parent_block() is block and at.is_before_in_block(r) for r in _reads(found[-1].results[0])) \
+    else None
+
+
+class WeightGradientPattern(RewritePattern):
+  """A weight gradient's matmul, with the cast widening it and the bias gradient from the same output gradient, as one
+  weight_grad (module docstring).
+
+    %a = nova.permute %g2 {dims = array<i64: 1, 0>} : (tensor<64x16xbf16>) -> tensor<16x64xbf16>
+    %w = nova.matmul %a, %x : (tensor<16x64xbf16>, tensor<64x8xbf16>) -> tensor<16x8xbf16>
+    %c = nova.cast %w {dtype = f32} : (tensor<16x8xbf16>) -> tensor<16x8xf32>
+    %s = nova.sum %g {dims = array<i64: 0, 1>, keepdim = false, dtype = bf16} : (tensor<4x16x16xbf16>) -> tensor<16xbf16>
+    %d = nova.cast %s {dtype = f32} : (tensor<16xbf16>) -> tensor<16xf32>
+      =>   %c, %d = nova.weight_grad %a, %x {dtype = f32, bias_grad = true} : (...) -> (tensor<16x8xf32>, tensor<16xf32>)
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: MatmulOp, rewriter: PatternRewriter):
+    a, b, out = aval(op.a.type), aval(op.b.type), aval(op.result.type)
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.dtype not in _FLOATS or b.dtype is not a.dtype: return
+    cast = _widened(op.result)
+    dtype = dtypes.float32 if cast is not None else out.dtype
+    bias = _bias_gradient(op.a, dtype, op)
+    if cast is None and bias is None: return
+    attrs = {"dtype": dtype, "bias_grad": bias is not None}
+    if op.attrs().get("tf32") is not None: attrs["tf32"] = op.attrs()["tf32"]
+    ends = [cast or op] + ([bias[-1]] if bias else [])
+    new = WeightGradOp.make([op.a, op.b], attrs, [e.results[0].type for e in ends])
+    rewriter.insert(new, InsertPoint.before(op))
+    for end, r in zip(ends, new.results): rewriter.replace_all_uses_with(end.results[0], r)
+    for dead in reversed([op] + ([cast] if cast else []) + (bias or [])):
+      if all(not r.uses for r in dead.results): rewriter.erase(dead)
+
+
+@dataclass(frozen=True)
+class FuseWeightGradientsPass(PatternPass):
+  """Weight gradients stored in float32 from the GEMM's accumulator, with their bias gradients from its epilogue
+  (the GPU's; not exact: the module docstring)."""
+  name = "fuse-wgrad"
+  PATTERNS = (WeightGradientPattern(),)
 
 
 # *** the GPU's choice per gemm ***

@@ -34,6 +34,7 @@ from blutrain.backend.cuda.kernels import broadcast_shape, broadcast_strides, co
 from blutrain.backend.cuda.kernels.copy import cast
 from blutrain.backend.cuda.kernels.gemm import gemm
 from blutrain.backend.cuda.kernels.matrix import blas_layout, blas_operand
+from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.dtypes import DType
 
 WORKSPACE = 32 << 20  # bytes: what cuBLASLt's fastest Hopper kernels ask for (split-K, stream-K)
@@ -100,8 +101,12 @@ def workspace(device: int, stream: runtime.Stream) -> Any:
 
 # *** plans ***
 
+_EPILOGUES = ("", "bias", "bgradb")  # none, D += bias over columns, the bias gradient: B summed over K into `bias`
+
+
 class Problem(NamedTuple):
-  """One cuBLASLt matmul, column-major: D (m x n) = op_a(A) @ op_b(B) (+ bias), `batch` matrices apart by the strides."""
+  """One cuBLASLt matmul, column-major: D (m x n) = op_a(A) @ op_b(B) and its epilogue, `batch` matrices apart by the
+  strides."""
   m: int
   n: int
   k: int
@@ -114,9 +119,10 @@ class Problem(NamedTuple):
   stride_a: int
   stride_b: int
   stride_d: int
-  dtype: DType        # of A, B and D
+  dtype: DType        # of A and B
+  out_dtype: DType    # of D (and of the bias or bias gradient)
   compute: tuple[int, int]
-  bias: bool          # a bias epilogue: D[i, j] += bias[i]
+  epilogue: str       # of _EPILOGUES: "bias" adds bias[i] to D[i, j]; "bgradb" writes sum_k B[k, j] to bias[j]
   align: tuple[int, int, int, int]  # pointer alignments of A, B, D, bias in bytes (up to 256)
 
 
@@ -126,18 +132,18 @@ class Plan:
   def __init__(self, p: Problem, device: int):
     lt = _cublaslt()
     attr, lattr, pattr = lt.MatmulDescAttribute, lt.MatrixLayoutAttribute, lt.MatmulPreferenceAttribute
-    self.problem, dt = p, _data_type(p.dtype)
+    self.problem, dt, out = p, _data_type(p.dtype), _data_type(p.out_dtype)
     self.desc = lt.matmul_desc_create(*p.compute)
     self._set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSA, np.int32(int(p.trans_a)))
     self._set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSB, np.int32(int(p.trans_b)))
-    if p.bias:
-      self._set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE, np.uint32(int(lt.Epilogue.BIAS)))
-      self._set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_DATA_TYPE, np.int32(dt))
+    if p.epilogue:
+      self._set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE, np.uint32(int(lt.Epilogue[p.epilogue.upper()])))
+      self._set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_DATA_TYPE, np.int32(out))
     shapes = {"a": (p.k, p.m) if p.trans_a else (p.m, p.k), "b": (p.n, p.k) if p.trans_b else (p.k, p.n), "d": (p.m, p.n)}
     lds, strides = {"a": p.lda, "b": p.ldb, "d": p.ldd}, {"a": p.stride_a, "b": p.stride_b, "d": p.stride_d}
     self.layouts = {}
     for name, (rows, cols) in shapes.items():
-      lay = self.layouts[name] = lt.matrix_layout_create(dt, rows, cols, lds[name])
+      lay = self.layouts[name] = lt.matrix_layout_create(out if name == "d" else dt, rows, cols, lds[name])
       if p.batch > 1:
         self._set(lt.matrix_layout_set_attribute, lay, lattr.BATCH_COUNT, np.int32(p.batch))
         self._set(lt.matrix_layout_set_attribute, lay, lattr.STRIDED_BATCH_OFFSET, np.int64(strides[name]))
@@ -154,7 +160,7 @@ class Plan:
     finally:
       lt.matmul_preference_destroy(pref)
     if found[0] == 0:
-      raise RuntimeError(f"matmul: cuBLASLt has no algorithm for {p} on cuda:{device}")
+      raise NoAlgorithm(f"matmul: cuBLASLt has no algorithm for {p} on cuda:{device}")
     self.algo = self.heuristic.ptr  # the algorithm is the first field of the heuristic's result
     one = np.float64 if p.dtype is dtypes.float64 else np.float32
     self._scalars = np.ones(1, one), np.zeros(1, one)  # host alpha and beta, kept alive with the plan
@@ -164,6 +170,10 @@ class Plan:
   def _set(setter, obj: int, attr, value: np.generic) -> None:
     buf = np.array(value)
     setter(obj, int(attr), buf.ctypes.data, buf.itemsize)
+
+
+class NoAlgorithm(RuntimeError):
+  """cuBLASLt's heuristic found no kernel for a problem (an epilogue it does not offer for these layouts)."""
 
 
 _plans: dict[tuple[Problem, int], Plan] = {}
@@ -189,11 +199,12 @@ def alignment(ptr: int, byte_strides=()) -> int:
 
 
 def enqueue(pl: Plan, a: int, b: int, d: int, device: int, bias: int = 0) -> None:
-  """Queue D = op_a(A) @ op_b(B) (+ bias) of a plan on the current stream; a, b, d and bias are device addresses."""
+  """Queue D = op_a(A) @ op_b(B) and the epilogue of a plan on the current stream; a, b, d and bias (the bias or the
+  bias gradient) are device addresses."""
   lt = _lt
   s = runtime.current_stream(device)
   ws = _workspaces.get((device, s.handle)) or workspace(device, s)
-  if pl.problem.bias:
+  if pl.problem.epilogue:
     with _bias_lock:  # NOTE: the bias pointer lives in the shared descriptor; set and launch together
       Plan._set(lt.matmul_desc_set_attribute, pl.desc, lt.MatmulDescAttribute.BIAS_POINTER, np.int64(bias))
       lt.matmul(_handles[device], pl.desc, pl.alpha, a, pl.layouts["a"], b, pl.layouts["b"], pl.beta, d,
@@ -206,10 +217,11 @@ def enqueue(pl: Plan, a: int, b: int, d: int, device: int, bias: int = 0) -> Non
 # *** row-major tensors as column-major operands ***
 
 def gemm_calls(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | None,
-               compute: tuple[int, int]) -> tuple[Problem, list[tuple[int, int, int]]]:
-  """The cuBLASLt problem computing out = a @ b (+ bias) and, per host-loop step, the byte offsets of cuBLAS's A, B
-  and D from b's, a's and out's addresses; a and b have BLAS layouts (`blas_layout` is not None), out is contiguous,
-  k > 0. Pure: it depends on the layouts and the addresses' alignments only, so its result is cached."""
+               compute: tuple[int, int], epilogue: str = "") -> tuple[Problem, list[tuple[int, int, int]]]:
+  """The cuBLASLt problem computing out = a @ b and the epilogue ("bias": + bias; "bgradb": bias = the sums of a's
+  rows, cuBLAS's B being our a) and, per host-loop step, the byte offsets of cuBLAS's A, B and D from b's, a's and
+  out's addresses; a and b have BLAS layouts (`blas_layout` is not None), out is contiguous, k > 0. Pure: it depends
+  on the layouts and the addresses' alignments only, so its result is cached."""
   (m, k), n = a.shape[-2:], b.shape[-1]
   (trans_a, lda), (trans_b, ldb) = blas_layout(a), blas_layout(b)
   batch = out.shape[:-2]
@@ -223,15 +235,15 @@ def gemm_calls(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | Non
       rows, lda = shape[0], (st[0] if shape[0] > 1 else lda)
       batch, a_bs, b_bs, d_bs = (), (), (), ()
   dims, (a_st, b_st, d_st) = collapse(batch, a_bs, b_bs, d_bs) if batch else ((1,), [(0,), (0,), (0,)])
-  item = a.dtype.itemsize
-  align = [alignment(x.ptr, [s * item for s in st]) for x, st in ((a, a_st), (b, b_st), (out, d_st))]
+  align = [alignment(x.ptr, [s * x.dtype.itemsize for s in st]) for x, st in ((a, a_st), (b, b_st), (out, d_st))]
   if dims[-1] == 1: a_st, b_st, d_st = a_st[:-1] + (0,), b_st[:-1] + (0,), d_st[:-1] + (0,)  # one matrix: no stride
   # cuBLAS's first operand is our B, its second our A (C^T = B^T A^T)
-  p = Problem(n, rows, k, trans_b, trans_a, ldb, lda, n, dims[-1], b_st[-1], a_st[-1], d_st[-1], a.dtype, compute,
-              bias is not None, (align[1], align[0], align[2], 256 if bias is None else alignment(bias.ptr)))
+  p = Problem(n, rows, k, trans_b, trans_a, ldb, lda, n, dims[-1], b_st[-1], a_st[-1], d_st[-1], a.dtype, out.dtype,
+              compute, epilogue or ("bias" if bias is not None else ""),
+              (align[1], align[0], align[2], 256 if bias is None else alignment(bias.ptr)))
   calls = []
   for idx in itertools.product(*(range(d) for d in dims[:-1])):
-    off = [sum(i * s for i, s in zip(idx, st[:-1])) * item for st in (a_st, b_st, d_st)]
+    off = [sum(i * s for i, s in zip(idx, st[:-1])) * x.dtype.itemsize for x, st in ((a, a_st), (b, b_st), (out, d_st))]
     calls.append((off[1], off[0], off[2]))
   return p, calls
 
@@ -248,20 +260,23 @@ def _check(op: str, a: CudaArray, b: CudaArray) -> None:
 _calls: dict[tuple, tuple[Plan, list[tuple[int, int, int]]]] = {}  # layouts -> plan and offsets
 
 
-def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool, out: CudaArray | None = None) -> CudaArray:
-  """a @ b (+ bias) into a new array, or into `out` (contiguous, of the result's shape and a's dtype)."""
+def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool, out: CudaArray | None = None,
+            epilogue: str = "") -> CudaArray:
+  """a @ b (+ bias) into a new array, or into `out` (contiguous, of the result's shape and a's dtype or a wider one);
+  with epilogue "bgradb", `bias` receives the sums of a's rows instead."""
   if out is None: out = empty(broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), a.dtype, a.device)
   if out.size == 0: return out
   if a.shape[-1] == 0:  # an empty sum: zeros, or the bias
-    if bias is None: memory.zero(out)
+    if bias is None or epilogue == "bgradb": memory.zero(out)
     else: memory.copy_into(out, bias)
+    if epilogue == "bgradb": memory.zero(bias)
     return out
   a, b = blas_operand(a), blas_operand(b)
-  key = (a.shape, a.strides, b.shape, b.strides, a.dtype, tf32, a.ptr & 255,
+  key = (a.shape, a.strides, b.shape, b.strides, a.dtype, out.dtype, epilogue, tf32, a.ptr & 255,
          b.ptr & 255, out.ptr & 255, -1 if bias is None else bias.ptr & 255, out.device)
   hit = _calls.get(key)
   if hit is None:
-    p, offsets = gemm_calls(a, b, out, bias, compute_type(a.dtype, tf32))
+    p, offsets = gemm_calls(a, b, out, bias, compute_type(a.dtype, tf32), epilogue)
     hit = _calls[key] = (plan(p, out.device), offsets)
   pl, offsets = hit
   bias_ptr = 0 if bias is None else bias.ptr
@@ -289,6 +304,22 @@ def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False,
     raise ValueError(f"matmul_bias: bias of shape {bias.shape} for an output with {b.shape[-1]} columns")
   if bias.dtype is not a.dtype or bias.strides != (1,): bias = cast(bias, a.dtype)
   return _matmul(a, b, bias, tf32, out)
+
+
+def weight_grad(a: CudaArray, b: CudaArray, *, dtype: DType, bias_grad: bool, tf32: bool = False) -> tuple:
+  """Nova's weight-gradient GEMM (`ops.linalg.weight_grad_op`): a @ b stored in `dtype` from cuBLASLt's float32
+  accumulator and, with `bias_grad`, the sums of a's rows from its BGRADB epilogue, in the same kernel (or from a
+  reduction, where cuBLASLt offers no kernel with that epilogue for these layouts)."""
+  _check("weight_grad", a, b)
+  out = empty((a.shape[0], b.shape[1]), dtype, a.device)
+  if not bias_grad: return (_matmul(a, b, None, tf32, out),)
+  db = empty((a.shape[0],), dtype, a.device)
+  try:
+    _matmul(a, b, db, tf32, out, "bgradb")
+  except NoAlgorithm:
+    _matmul(a, b, None, tf32, out)
+    memory.copy_into(db, reduce(a, (1,), False, "sum", dtype))
+  return out, db
 
 
 _HALVES = (dtypes.bfloat16, dtypes.float16)
@@ -361,4 +392,4 @@ def fused_gemm(a: CudaArray, b: CudaArray, *xs: CudaArray, epilogue: str, dtype:
   return _separately(a, b, xs, steps, dtype, tf32)
 
 
-KERNELS = {"matmul": matmul, "gemm": fused_gemm}
+KERNELS = {"matmul": matmul, "gemm": fused_gemm, "weight_grad": weight_grad}
