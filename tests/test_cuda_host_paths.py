@@ -329,10 +329,11 @@ assert source.count("path=") == source.count(" us, nova ") == len(fn.info["gemms
 """, tmp_path)
 
 
-def test_weight_gradients_come_from_one_gemm_with_their_bias_gradients_on_the_fake_gpu(tmp_path):
+def test_weight_gradients_and_casts_of_the_weights_fold_on_the_fake_gpu(tmp_path):
   """The GPU's fuse-wgrad: a compiled GPT step under autocast computes each linear layer's weight and bias gradient
-  in one weight_grad (float32, cuBLASLt's BGRADB epilogue), with no bias-gradient reduction or widening cast left;
-  and the kernel's shapes and dtypes, with and without the bias gradient."""
+  in one weight_grad (float32, cuBLASLt's BGRADB epilogue), with no bias-gradient reduction or widening cast left,
+  and casts its weights in one cast_many; and both kernels' shapes and dtypes (weight_grad with and without the bias
+  gradient, cast_many of dense and strided tensors)."""
   _run_fake(f"""
 import pathlib
 import blutrain as bt
@@ -343,12 +344,16 @@ for dtype in (dtypes.float32, dtypes.bfloat16):
   for bias_grad in (True, False):
     got = kernels["weight_grad"](g, x, dtype=dtypes.float32, bias_grad=bias_grad, tf32=True)
     assert [(r.shape, r.dtype) for r in got] == [((96, 48), dtypes.float32)] + [((96,), dtypes.float32)] * bias_grad
+x, w = bt.randn(40, 30, device="cuda"), bt.randn(7, device="cuda")
+got = kernels["cast_many"](x._array(), x[:, ::3]._array(), w._array(), dtype=dtypes.bfloat16)
+assert [(r.shape, r.dtype) for r in got] == [((40, 30), dtypes.bfloat16), ((40, 10), dtypes.bfloat16), ((7,), dtypes.bfloat16)]
 {GPT_STEP.replace("@bt.compile", f"@bt.compile(dump_ir={str(tmp_path / 'ir')!r})").replace("_, loss = model(x, y)",
   "with bt.autocast(device_type='cuda', dtype=bt.bfloat16): _, loss = model(x, y)")}
 for _ in range(3): step(x, y)
-final = sorted(pathlib.Path({str(tmp_path / 'ir')!r}).rglob("*-fuse-wgrad.mlir"))[-1].read_text()
+final = sorted(pathlib.Path({str(tmp_path / 'ir')!r}).rglob("*-group-casts.mlir"))[-1].read_text()
 assert final.count("nova.weight_grad") == final.count("bias_grad = true") == 8, final
 assert "nova.sum" not in final.split("nova.weight_grad")[1], "no bias gradient is reduced apart"
+assert final.count("nova.cast_many") == 1 and "nova.cast %" not in final.split("nova.cast_many")[0], final
 """, tmp_path)
 
 

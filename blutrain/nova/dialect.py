@@ -603,6 +603,15 @@ class CastOp(UnaryOp):
 
 
 @irdl_op_definition
+class CastManyOp(MultiResultOp):
+  """Each operand converted to `dtype` (`ops.elementwise.cast_many_op`), which only fuse_casts.group_casts makes."""
+  name = "nova.cast_many"
+  xs = var_operand_def(TENSOR)
+  outs = var_result_def(TENSOR)
+  dtype = prop_def(ELEMENT)
+
+
+@irdl_op_definition
 class AddOp(BinaryOp):
   """x + y."""
   name = "nova.add"
@@ -1677,7 +1686,7 @@ Nova = Dialect("nova", [
   FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp, DropoutOp, NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp,
   SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp,
   AsinhOp, AcoshOp, AtanhOp, Exp2Op, Log2Op, Log10Op, Log1pOp, Expm1Op, CeilOp, TruncOp, RoundOp, BitwiseNotOp,
-  LogicalNotOp, CopyOp, GeluOp, CastOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp,
+  LogicalNotOp, CopyOp, GeluOp, CastOp, CastManyOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp, RemainderOp,
   FloorDivideOp, BitwiseAndOp, BitwiseOrOp, BitwiseXorOp, BitwiseLeftShiftOp, BitwiseRightShiftOp, MaximumOp, MinimumOp,
   EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, ReluBackwardOp,
   SumOp, AmaxOp,

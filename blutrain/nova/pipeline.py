@@ -33,6 +33,7 @@ from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.memory import MemoryPlan, plan as plan_memory, reused_in_place, updated_in_place
 from blutrain.nova.passes import (CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, FuseGemmPass,
                                   FuseNormsPass, FusePointwisePass, FuseWeightGradientsPass, NovaPass)
+from blutrain.nova.passes.fuse_casts import group_casts
 from blutrain.nova.passes.fuse_gemm import gemm_report
 from blutrain.nova.remat import RematReport, rematerialize
 
@@ -195,6 +196,9 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
       FuseWeightGradientsPass().run(module)
       if verify: module.verify()
       dump(FuseWeightGradientsPass.name, module)
+      module = group_casts(module, written)  # exact, but one launch instead of many only matters on the GPU
+      if verify: module.verify()
+      dump("group-casts", module)
     FusePointwisePass().run(module)
     if verify: module.verify()
     dump(FusePointwisePass.name, module)

@@ -351,6 +351,10 @@ def where(condition: Tensor, x, y, *, into: Tensor | None = None) -> Tensor:
 
 cast_op = op("cast", lambda x, dtype: (x.shape, dtype), lambda g, out, x, dtype: (g.to(x.dtype),), saves=(),
              inputs="x", attrs="dtype:dtype")
+# Many casts to one dtype at once, the same conversions, made only by Nova on the GPU (fuse_casts.group_casts): a
+# step's autocast casts of its weights in one launch instead of one each.
+cast_many_op = op("cast_many", lambda *xs, dtype: [(x.shape, dtype) for x in xs], multi=True, inputs="*xs",
+                  attrs="dtype:dtype")
 copy_op = op("copy", _same, lambda g, out, x: (g,), saves=(), inputs="x")
 
 

@@ -38,3 +38,20 @@ def test_gpt_step_under_cuda_autocast_matches_float32():
   with bt.autocast("cuda"):
     opt.step()
   assert all(p.dtype is bt.float32 for p in gpu.parameters()), "parameters stay float32 (master weights)"
+
+
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16])
+def test_cast_many_converts_as_cast_does(dtype):
+  """Nova's multi-tensor cast of autocast's weights: bit for bit the single cast's conversion, for sizes across
+  chunk boundaries, an empty tensor, a channels-last weight (its layout kept) and a strided view (copied apart)."""
+  from blutrain.backend.cuda import kernels, memory
+  rs = np.random.default_rng(0)
+  xs = [rs.standard_normal(s).astype(np.float32) * 300 for s in ((3,), (70_001,), (0, 5), (257, 129))]
+  arrays = [memory.from_numpy(x) for x in xs]
+  arrays.append(bt.randn(2, 8, 3, 3, device="cuda").contiguous(memory_format=bt.channels_last)._array())
+  arrays.append(bt.randn(40, 30, device="cuda")[:, ::3]._array())
+  got = kernels["cast_many"](*arrays, dtype=dtype)
+  for a, g in zip(arrays, got, strict=True):
+    want = kernels["cast"](a, dtype)
+    assert g.dtype is dtype and g.shape == a.shape and g.strides == want.strides
+    np.testing.assert_array_equal(memory.to_numpy(g).view(np.uint16), memory.to_numpy(want).view(np.uint16))

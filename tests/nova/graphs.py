@@ -183,6 +183,7 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
               dtype=f32),
            b("gemm", bhalf, b("permute", bhalf, dims=(1, 0)), b("slice", pos, index=((0, 3, 1), (0, 3, 1))),
              epilogue="residual", dtype=f32)[0],
+           *b("cast_many", x, pos, dtype=dtypes.bfloat16),
            *b("weight_grad", b("permute", bhalf, dims=(1, 0)), bhalf, dtype=f32, bias_grad=True),
            b("weight_grad", b("permute", x, dims=(1, 0)), x, dtype=f32, bias_grad=False, tf32=True)[0],
            b("gemm", x, b("permute", x, dims=(1, 0)), b("slice", pos, index=((0, 3, 1), (0, 3, 1))),

@@ -199,3 +199,43 @@ def test_widened_gradient_keeps_its_cast(case):
   module = ir.to_module(b.output(*outs, *([wide] if case == "gradient_also_returned" else [])))
   FuseCastsPass().run(module)
   assert op_counts(module)["cast"] == 1
+
+
+# *** group_casts: the GPU's casts of the weights in one launch ***
+
+def _weights_step():
+  """The input and three weights cast to bf16 for matmuls before the peak (a big product), and one weight cast after
+  it, which stays where it is."""
+  b = Builder()
+  x = b.input((64, 32))
+  w1, w2, w3, w4 = (b.input((32, 32)) for _ in range(4))
+  h = b("cast", x, dtype=dtypes.bfloat16)
+  for w in (w1, w2, w3): h = b("matmul", h, b("cast", w, dtype=dtypes.bfloat16))
+  big = b("tanh", b("cast", b("matmul", h, b("permute", h, dims=(1, 0))), dtype=dtypes.float32))  # the peak
+  late = b("matmul", h, b("cast", w4, dtype=dtypes.bfloat16))
+  return b.output(b("sum", big, dims=(0, 1), keepdim=False, dtype=dtypes.float32), late, h)
+
+
+def test_the_weights_casts_before_the_peak_become_one_cast_many():
+  from blutrain.nova.passes.fuse_casts import group_casts
+  module = ir.to_module(_weights_step())
+  grouped = group_casts(module)
+  counts = op_counts(grouped)
+  assert counts["cast_many"] == 1 and counts["cast"] == 2, counts  # the product's widening and w4's stay
+  ops = list(ir.function(grouped).body.block.ops)
+  many = next(op for op in ops if op.name == "nova.cast_many")
+  assert ops.index(many) == 0 and len(many.results) == 4
+  rng = np.random.default_rng(0)
+  args = [rng.standard_normal((64, 32)).astype(np.float32)] + [rng.standard_normal((32, 32)).astype(np.float32)
+                                                               for _ in range(4)]
+  for got, want in zip(codegen.load(codegen.generate(grouped))(*args), codegen.load(codegen.generate(module))(*args)):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_lone_cast_or_a_cast_of_an_intermediate_is_not_grouped():
+  from blutrain.nova.passes.fuse_casts import group_casts
+  b = Builder()
+  x, w = b.input((8, 8)), b.input((8, 8))
+  y = b("matmul", b("cast", b("exp", x), dtype=dtypes.bfloat16), b("cast", w, dtype=dtypes.bfloat16))
+  module = ir.to_module(b.output(y))
+  assert group_casts(module) is module

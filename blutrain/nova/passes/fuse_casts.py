@@ -28,17 +28,27 @@ and an optimizer update that reads a weight's gradient widened from autocast's h
 
 All are exact: the same float32 arithmetic on the same values, one rounding to the half dtype where there was one.
 The casts left without users are dce's.
+
+On the GPU, after remat and the other fusions, `group_casts` gathers autocast's casts of the step's inputs (the
+weights, cast to the half dtype in every forward) into one multi-tensor cast_many at the first of them, one launch
+instead of one per weight, the same conversions. The backward reads each cast weight again, so the casts before the
+memory peak live across it anyway: only positions before the peak hold them longer, and the grouping is dropped if
+the live peak grows.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import BlockArgument
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddOp, AdamwOp, BinaryOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp,
+from blutrain.nova.dialect import (AddOp, AdamwOp, BinaryOp, CastManyOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp,
                                    LayerNormBackwardOp, LayerNormOp, MaximumOp, MinimumOp, MulOp, SgdOp, SubOp, aval,
                                    decode)
+from blutrain.nova.ir import function
+from blutrain.nova.memory import live_bytes
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _HALVES = (dtypes.float16, dtypes.bfloat16)
@@ -166,3 +176,25 @@ class FuseCastsPass(PatternPass):
   name = "fuse-casts"
   PATTERNS = (CrossEntropyOfWidenedLogitsPattern(), NarrowedCrossEntropyBackwardPattern(), WidenedOperandPattern(),
               NarrowedLayerNormPattern(), LayerNormBackwardOfWidenedGradPattern(), UpdateOfWidenedGradPattern())
+
+
+def group_casts(module: ModuleOp, written: dict[int, int] | None = None) -> ModuleOp:
+  """The module with the casts of its function's arguments to a half dtype before the live peak gathered into one
+  cast_many per (source, target) dtype, at the first of them (module docstring); the module itself when there is
+  nothing to gather or the live peak would grow."""
+  live = live_bytes(module, written)
+  peak = live.index(max(live)) if live else 0
+  grouped = module.clone()
+  block = function(grouped).body.block
+  groups: dict[tuple, list[CastOp]] = {}
+  for op in list(block.ops)[:peak]:
+    if isinstance(op, CastOp) and isinstance(op.x, BlockArgument) and aval(op.result.type).dtype in _HALVES:
+      groups.setdefault((aval(op.x.type).dtype, aval(op.result.type).dtype), []).append(op)
+  groups = {k: casts for k, casts in groups.items() if len(casts) > 1}
+  for (_, dtype), casts in groups.items():
+    many = CastManyOp.make([c.x for c in casts], {"dtype": dtype}, [c.result.type for c in casts])
+    block.insert_op_before(many, casts[0])
+    for c, r in zip(casts, many.results):
+      c.result.replace_all_uses_with(r)
+      block.erase_op(c)
+  return grouped if groups and max(live_bytes(grouped, written)) <= max(live) else module

@@ -305,6 +305,38 @@ def _scale_kernel(table, chunks, scale, G: tl.constexpr, CHUNK: tl.constexpr, BL
     tl.store(x + i, (tl.load(x + i, mask=i < end).to(tl.float32) * s).to(G), mask=i < end)
 
 
+@triton.jit
+def _cast_kernel(table, chunks, S: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+  """y = x converted to D over chunk pid (table rows: x's pointer, y's, numel)."""
+  row, start, end = _row(table, chunks, 3, CHUNK)
+  x, y = tl.load(row).to(tl.pointer_type(S)), tl.load(row + 1).to(tl.pointer_type(D))
+  for off in range(start, end, BLOCK):
+    i = off + tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < end).to(D), mask=i < end)
+
+
+@functools.lru_cache(maxsize=64)
+def cast_spec(src, dst):
+  block, warps = multi_tensor_schedule(1)
+  return spec(_cast_kernel, {"table": "*i64", "chunks": "*i64"}, dict(S=TL[src], D=TL[dst], CHUNK=CHUNK, BLOCK=block),
+              num_warps=warps)
+
+
+def cast_many(*xs: CudaArray, dtype) -> tuple:
+  """The `cast_many` op: each x converted to dtype in its own dense layout (as `cast`), one launch per source dtype
+  and device; a tensor with gaps or overlaps goes through the copy kernel of its own. The results are allocated
+  first, in order (a compiled step's memory plan places them so)."""
+  outs = [empty_like(x, dtype) for x in xs]
+  groups: dict[tuple, list[tuple[int, int, int]]] = {}
+  for x, y in zip(xs, outs):
+    if not is_dense(x.shape, x.strides): copy(x, out=y)
+    elif x.size: groups.setdefault((x.dtype, x.device), []).append((x.ptr, y.ptr, x.size))
+  for (src, dev), rows in groups.items():
+    table, chunks = _tables_for(rows, dev)
+    run(cast_spec(src, dtype), (chunks.shape[0],), table, chunks)
+  return tuple(outs)
+
+
 @functools.lru_cache(maxsize=64)
 def multi_tensor_spec(kernel: str, dtype):
   fn, last = {"sum_squares": (_sum_squares_kernel, "out"), "scale": (_scale_kernel, "scale")}[kernel]
@@ -416,10 +448,11 @@ _SGD_VARIANTS = [(_F32, _F32, (True, False, False, False, False, True, False)),
                  (_BF16, _BF16, (True, False, True, False, True, False, False)),
                  (_F32, _BF16, (True, True, False, False, False, True, False, True))]
 adamw.writes_out = adamw.host_scalars = sgd.writes_out = sgd.host_scalars = scale.writes_out = True
-KERNELS = {"adamw": adamw, "sgd": sgd, "sum_squares": sum_squares_op, "scale": scale}
+KERNELS = {"adamw": adamw, "sgd": sgd, "sum_squares": sum_squares_op, "scale": scale, "cast_many": cast_many}
 SPECS = [_STEPS] + [adamw_spec(p, g, d, on) for p, g, d in ((dtypes.float32, dtypes.float32, True),
                                                             (dtypes.float32, dtypes.bfloat16, False),
                                                             (dtypes.bfloat16, dtypes.bfloat16, True)) for on in (False, True)] + \
         [adamw_spec(dtypes.float32, g, True, on, True) for g, on in ((dtypes.float32, True), (dtypes.bfloat16, False))] + \
         [multi_tensor_spec(k, d) for k in ("sum_squares", "scale") for d in (dtypes.float32, dtypes.bfloat16)] + \
+        [cast_spec(dtypes.float32, d) for d in (dtypes.bfloat16, dtypes.float16)] + \
         [sgd_spec(p, g, *flags) for p, g, flags in _SGD_VARIANTS]
