@@ -366,6 +366,13 @@ FP32_FLOPS = 67e12      # FLOP/s of the H200's CUDA cores in float32 (cuBLASLt's
 LAUNCH_S = 2e-6         # seconds a kernel adds in a CUDA graph beyond its work (launch, fill and drain)
 STREAM_SHARE = 0.85     # share of the HBM bandwidth an elementwise kernel or an epilogue's extra traffic reaches
 GEMM_TENSOR_STEPS = ("bias", "residual", "gelu_backward", "gelu_backward_tanh")  # epilogue steps that read a tensor
+# seconds per output element that a step adds to the synthesized GEMM beyond its traffic: the epilogue's arithmetic
+# on the accumulator tile (an exact GELU's erf, its backward's erf and exp), which the next tile's loads hide only in
+# part. Fitted to `benchmarks/matmul.py --fused` on the H200 (2026-12-02, BENCHMARKS.md, eleventh session): the
+# synthesized GEMM's measured time beyond its prediction on GPT-2's fused GEMMs, bf16 and TF32 alike (a GELU 1.9-2.7
+# ps an element, its backward 4.7-5.1, a residual 0.2-1.3 beyond its read)
+NOVA_STEP_S = {"gelu": 2.3e-12, "gelu_tanh": 2.3e-12, "gelu_backward": 4.9e-12, "gelu_backward_tanh": 4.9e-12,
+               "residual": 0.7e-12}
 
 
 def kernel_seconds(flops: int, moved: int, hw: Hardware = H200) -> float:
@@ -408,6 +415,7 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
                   + per step it cannot do: its kernel's E*(reads + write) bytes / (bandwidth * STREAM_SHARE) + LAUNCH_S
     synthesized = GEMM(that rate * NOVA_VS_CUBLAS[precision, layout class]; a third of it for 3xTF32) + LAUNCH_S
                   + the epilogue's extra traffic (tensors read, values saved) / (bandwidth * STREAM_SHARE)
+                  + E * NOVA_STEP_S[step] per step (its arithmetic, measured)
   cuBLASLt's epilogue does the bias (rounding once, with half operands, where eager mode rounds twice); its GELU
   epilogues are the tanh form and its bias gradients are not wired, so every other step is a kernel of its own. A saved pre-activation
   costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads. Float32 products
@@ -434,7 +442,7 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
     kernels += E * (reads + (out if s == separate[-1] else item)) / bw + LAUNCH_S
   epilogue = sum(E * sizes[s] for s in sizes if s != "bias") + E * item * steps.count("save")
   cublas = max(flops / cublas_rate, compulsory) + LAUNCH_S + kernels
-  nova = max(flops / nova_rate, compulsory) + LAUNCH_S + epilogue / bw
+  nova = max(flops / nova_rate, compulsory) + LAUNCH_S + epilogue / bw + E * sum(NOVA_STEP_S.get(s, 0.0) for s in steps)
   faster = "nova" if nova < cublas and kind != "fp32" else "cublas"  # float32 without TF32: eager's SGEMM arithmetic
   return GemmChoice(faster, cublas, nova, cublas_epi, separate)
 
