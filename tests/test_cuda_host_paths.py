@@ -612,8 +612,9 @@ with bt.no_grad():
 
 def test_a_replayed_step_keeps_gradients_in_place_and_recaptures_when_a_parameter_moves_on_the_fake_gpu(tmp_path):
   """A replay rewrites the gradients in the graph's buffers: each parameter keeps its `.grad` tensor, whose storage
-  version goes up (what autograd's in-place checks read); a parameter whose memory is replaced (`p.data = ...`) is
-  found by the binding's check of its storage and the step recaptures, reading the new values."""
+  version goes up (what autograd's in-place checks read), as do the versions of the parameters and optimizer state
+  it updates; a parameter whose memory is replaced (`p.data = ...`) is found by the binding's check of its storage
+  and the step recaptures, reading the new values."""
   _run_fake("""
 import blutrain as bt
 bt.manual_seed(0)
@@ -630,9 +631,12 @@ x = bt.randn(5, 8, device="cuda")
 for _ in range(3): step(x)
 assert step.captures == 2 and step.info["cuda_graph"] == "on", (step.captures, step.info)
 g = model.weight.grad
-version = g._storage.version
+version, updated = g._storage.version, [t._storage.version for t in (model.weight, model.bias,
+                                                                    opt.state[model.weight]["momentum_buffer"])]
 step(x)
 assert model.weight.grad is g and g._storage.version > version and step.captures == 2
+assert [t._storage.version for t in (model.weight, model.bias, opt.state[model.weight]["momentum_buffer"])] == \
+  [v + 1 for v in updated]
 assert set(step.info["host_s"]) == {"guard", "bind", "run", "deliver"} and min(step.info["host_s"].values()) > 0
 model.weight.data = bt.randn(4, 8, device="cuda")
 step(x)

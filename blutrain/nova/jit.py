@@ -174,16 +174,19 @@ class Executable:
     if self.device.type == "cuda": collective.watch(self.collectives)
     return self._deliver(leaves, inputs, outs)
 
-  def _deliver(self, leaves: list, inputs: list, outs, replayed: bool = False, owned: set | None = None) -> Any:
+  def _deliver(self, leaves: list, inputs: list, outs, replayed: bool = False, owned: set | None = None,
+               entries: list[int] | None = None) -> Any:
     """Hand the step's outputs over: returned tensors, gradients, and the write-backs of updated inputs. After a
     graph's replay (`replayed`) the write-backs are done and every returned tensor is copied out of the graph's
-    buffers. `owned`: the memories of `inputs` (`_memory`), when the caller keeps them; the set is added to."""
+    buffers. `owned`: the memories of `inputs` (`_memory`), when the caller keeps them; the set is added to.
+    `entries`: the outputs to hand over (default all), when the caller did the others' version bumps itself."""
     be = backend.get(self.device)
     copy = _copy if self.device.type == "cuda" else be.kernels["copy"]  # (keeping a channels-last array's layout)
     owned = {_memory(a) for a in inputs} if owned is None else owned
     given = () if replayed else {id(a) for a in inputs}
     returned = []
-    for (kind, where), arr, dtype in zip(self.spec, outs, self.out_dtypes):
+    for i in range(len(self.spec)) if entries is None else entries:
+      (kind, where), arr, dtype = self.spec[i], outs[i], self.out_dtypes[i]
       if kind == "new":  # a created tensor gets memory of its own: never an input's, nor another output's
         if _memory(arr) in owned: arr = copy(arr)
         owned.add(_memory(arr))
@@ -235,7 +238,9 @@ class GraphExecutable(Executable):
     self.outs: tuple = ()
     self.bound: tuple = ([], [])  # the storages' weak references of the sources living across calls (Refs), their data
     self.fed: list = []    # (source, buffer) of each other source: what a call copies in or checks
-    self.replay: tuple | None = None  # (the call's tensors written back and their buffers, the buffers' memories)
+    # found once (`run`): the call's tensors written back and their buffers, the buffers' memories, the storages
+    # living across calls that the step updates (weak references), the other outputs' positions in the spec
+    self.replay: tuple | None = None
 
   def _bind(self, leaves: list) -> list:
     from blutrain.backend.cuda import memory, runtime
@@ -339,13 +344,16 @@ class GraphExecutable(Executable):
     t2 = time.perf_counter()
     if self.replay is None:  # what every call after a replay does, found once: NOTE: walking the spec (an entry
       # per parameter and optimizer state) and the static buffers' memories each call took a third of the host path
+      kept = [i for i, (kind, where) in enumerate(self.spec) if kind == "write" and isinstance(where, Ref)]
       self.replay = ([(where, static[self.sources.index(where)]) for kind, where in self.spec
-                      if kind == "write" and isinstance(where, Arg)], frozenset(_memory(a) for a in static))
-    arg_writes, owned = self.replay
+                      if kind == "write" and isinstance(where, Arg)], frozenset(_memory(a) for a in static),
+                     [self.spec[i][1].storage for i in kept], sorted(set(range(len(self.spec))) - set(kept)))
+    arg_writes, owned, updated, entries = self.replay
     for where, buf in arg_writes:  # a call's own tensor updated in place gets its buffer's new value
       memory.copy_into(where.tensor(leaves)._array(), buf)
+    for ref in updated: ref().version += 1  # alive: `_bind` checked each of them
     try:
-      return self._deliver(leaves, static, outs, replayed=True, owned=set(owned))
+      return self._deliver(leaves, static, outs, replayed=True, owned=set(owned), entries=entries)
     finally:
       self.host_s.update(bind=t1 - t0, run=t2 - t1, deliver=time.perf_counter() - t2)
       if self.once:  # the copies out of the pool are queued: let them finish before its memory is given back
