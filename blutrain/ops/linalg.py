@@ -91,7 +91,8 @@ def _weight_grad_rule(a, b, *, dtype, bias_grad, tf32=False):
 # WeightGradientPattern): dW = g^T x written in float32 under autocast (one rounding to the half dtype fewer than
 # eager mode's matmul and widening cast), with the bias gradient, the column sums of g, in the same GEMM (cuBLASLt's
 # BGRAD epilogue) instead of a reduction that reads g again.
-weight_grad_op = op("weight_grad", _weight_grad_rule, multi=True, inputs="a b", attrs="dtype:dtype bias_grad:bool tf32:bool?")
+weight_grad_op = op("weight_grad", _weight_grad_rule, multi=True, inputs="a b",
+                    attrs="dtype:dtype bias_grad:bool tf32:bool?")
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:

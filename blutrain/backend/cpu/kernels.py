@@ -641,7 +641,8 @@ kernels = {
   "log1p": np.log1p, "expm1": np.expm1, "ceil": np.ceil, "trunc": np.trunc, "round": np.rint,
   "gelu": _gelu, "gelu_backward": _gelu_backward, "relu_backward": _relu_backward,
   "logical_not": np.logical_not, "cast": lambda x, dtype: x.astype(dtype.np),
-  "cast_many": lambda *xs, dtype: tuple(x.astype(dtype.np) for x in xs), "copy": lambda x: np.array(x, copy=True, order="C"),
+  "cast_many": lambda *xs, dtype: tuple(x.astype(dtype.np) for x in xs),
+  "copy": lambda x: np.array(x, copy=True, order="C"),
   # binary
   "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": _pow,
   "atan2": np.arctan2, "copysign": np.copysign, "fmod": _int_division("fmod", np.fmod),

@@ -44,9 +44,9 @@ from xdsl.ir import BlockArgument
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddOp, AdamwOp, BinaryOp, CastManyOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp, DivOp,
-                                   LayerNormBackwardOp, LayerNormOp, MaximumOp, MinimumOp, MulOp, SgdOp, SubOp, aval,
-                                   decode)
+from blutrain.nova.dialect import (AddOp, AdamwOp, BinaryOp, CastManyOp, CastOp, CrossEntropyBackwardOp, CrossEntropyOp,
+                                   DivOp, LayerNormBackwardOp, LayerNormOp, MaximumOp, MinimumOp, MulOp, SgdOp, SubOp,
+                                   aval, decode)
 from blutrain.nova.ir import function
 from blutrain.nova.memory import live_bytes
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
