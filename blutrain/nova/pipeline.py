@@ -196,7 +196,7 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
       FuseWeightGradientsPass().run(module)
       if verify: module.verify()
       dump(FuseWeightGradientsPass.name, module)
-      module = group_casts(module, written)  # exact, but one launch instead of many only matters on the GPU
+      group_casts(module, written)  # exact, but one launch instead of many only matters on the GPU
       if verify: module.verify()
       dump("group-casts", module)
     FusePointwisePass().run(module)

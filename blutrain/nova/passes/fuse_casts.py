@@ -32,11 +32,13 @@ The casts left without users are dce's.
 On the GPU, after remat and the other fusions, `group_casts` gathers autocast's casts of the step's inputs (the
 weights, cast to the half dtype in every forward) into one multi-tensor cast_many at the first of them, one launch
 instead of one per weight, the same conversions. The backward reads each cast weight again, so the casts before the
-memory peak live across it anyway: only positions before the peak hold them longer, and the grouping is dropped if
-the live peak grows.
+memory peak live across it anyway: only positions before the peak hold them longer, and the grouping is not made
+if the live peak would grow.
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 
 from xdsl.dialects.builtin import ModuleOp
@@ -48,7 +50,7 @@ from blutrain.nova.dialect import (AddOp, AdamwOp, BinaryOp, CastManyOp, CastOp,
                                    DivOp, LayerNormBackwardOp, LayerNormOp, MaximumOp, MinimumOp, MulOp, SgdOp, SubOp,
                                    aval, decode)
 from blutrain.nova.ir import function
-from blutrain.nova.memory import live_bytes
+from blutrain.nova.memory import live_bytes, nbytes
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _HALVES = (dtypes.float16, dtypes.bfloat16)
@@ -178,23 +180,29 @@ class FuseCastsPass(PatternPass):
               NarrowedLayerNormPattern(), LayerNormBackwardOfWidenedGradPattern(), UpdateOfWidenedGradPattern())
 
 
-def group_casts(module: ModuleOp, written: dict[int, int] | None = None) -> ModuleOp:
-  """The module with the casts of its function's arguments to a half dtype before the live peak gathered into one
-  cast_many per (source, target) dtype, at the first of them (module docstring); the module itself when there is
-  nothing to gather or the live peak would grow."""
+def group_casts(module: ModuleOp, written: dict[int, int] | None = None) -> bool:
+  """Gather the casts of the function's arguments to a half dtype before the live peak into one cast_many per
+  (source, target) dtype, at the first of them (module docstring), unless that would raise the live peak: a cast
+  moved up keeps its result alive from the group's first position on. Returns whether the module changed."""
   live = live_bytes(module, written)
-  peak = live.index(max(live)) if live else 0
-  grouped = module.clone()
-  block = function(grouped).body.block
+  block = function(module).body.block
+  before_peak = list(block.ops)[:live.index(max(live))] if live else []
   groups: dict[tuple, list[CastOp]] = {}
-  for op in list(block.ops)[:peak]:
+  for op in before_peak:
     if isinstance(op, CastOp) and isinstance(op.x, BlockArgument) and aval(op.result.type).dtype in _HALVES:
       groups.setdefault((aval(op.x.type).dtype, aval(op.result.type).dtype), []).append(op)
   groups = {k: casts for k, casts in groups.items() if len(casts) > 1}
+  pos = {op: i for i, op in enumerate(before_peak)}
+  longer = [0] * (len(live) + 1)  # bytes alive longer, as differences by position
+  for casts in groups.values():
+    for c in casts[1:]:
+      longer[pos[casts[0]]] += nbytes(c.result)
+      longer[pos[c]] -= nbytes(c.result)
+  if not groups or max(map(operator.add, live, itertools.accumulate(longer))) > max(live): return False
   for (_, dtype), casts in groups.items():
     many = CastManyOp.make([c.x for c in casts], {"dtype": dtype}, [c.result.type for c in casts])
     block.insert_op_before(many, casts[0])
     for c, r in zip(casts, many.results):
       c.result.replace_all_uses_with(r)
       block.erase_op(c)
-  return grouped if groups and max(live_bytes(grouped, written)) <= max(live) else module
+  return True
