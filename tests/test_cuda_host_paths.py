@@ -344,6 +344,20 @@ for dtype in (dtypes.float32, dtypes.bfloat16):
   for bias_grad in (True, False):
     got = kernels["weight_grad"](g, x, dtype=dtypes.float32, bias_grad=bias_grad, tf32=True)
     assert [(r.shape, r.dtype) for r in got] == [((96, 48), dtypes.float32)] + [((96,), dtypes.float32)] * bias_grad
+from blutrain.backend.cuda.kernels import cublaslt
+asked, real_plan = [], cublaslt.plan
+def plan(p, device):  # a cuBLASLt without BGRADB kernels: weight_grad falls back to a reduction, asking once
+  if p.epilogue == "bgradb":
+    asked.append(p)
+    raise cublaslt.NoAlgorithm("no BGRADB kernel")
+  return real_plan(p, device)
+cublaslt.plan = plan
+g, x = memory.empty((24, 80), dtypes.bfloat16, 0), memory.empty((80, 16), dtypes.bfloat16, 0)
+for _ in range(2):
+  got = kernels["weight_grad"](g, x, dtype=dtypes.float32, bias_grad=True)
+  assert [(r.shape, r.dtype) for r in got] == [((24, 16), dtypes.float32), ((24,), dtypes.float32)]
+assert len(asked) == 1, asked
+cublaslt.plan = real_plan
 x, w = bt.randn(40, 30, device="cuda"), bt.randn(7, device="cuda")
 got = kernels["cast_many"](x._array(), x[:, ::3]._array(), w._array(), dtype=dtypes.bfloat16)
 assert [(r.shape, r.dtype) for r in got] == [((40, 30), dtypes.bfloat16), ((40, 10), dtypes.bfloat16), ((7,), dtypes.bfloat16)]

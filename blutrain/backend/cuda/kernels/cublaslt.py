@@ -101,9 +101,6 @@ def workspace(device: int, stream: runtime.Stream) -> Any:
 
 # *** plans ***
 
-_EPILOGUES = ("", "bias", "bgradb")  # none, D += bias over columns, the bias gradient: B summed over K into `bias`
-
-
 class Problem(NamedTuple):
   """One cuBLASLt matmul, column-major: D (m x n) = op_a(A) @ op_b(B) and its epilogue, `batch` matrices apart by the
   strides."""
@@ -122,7 +119,7 @@ class Problem(NamedTuple):
   dtype: DType        # of A and B
   out_dtype: DType    # of D (and of the bias or bias gradient)
   compute: tuple[int, int]
-  epilogue: str       # of _EPILOGUES: "bias" adds bias[i] to D[i, j]; "bgradb" writes sum_k B[k, j] to bias[j]
+  epilogue: str       # "" none, "bias" adds bias[i] to D[i, j], "bgradb" writes sum_k B[k, j] to bias[j]
   align: tuple[int, int, int, int]  # pointer alignments of A, B, D, bias in bytes (up to 256)
 
 
@@ -306,19 +303,24 @@ def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False,
   return _matmul(a, b, bias, tf32, out)
 
 
+_without_bgradb: set[tuple] = set()  # weight_grad problems for which cuBLASLt offers no BGRADB kernel
+
+
 def weight_grad(a: CudaArray, b: CudaArray, *, dtype: DType, bias_grad: bool, tf32: bool = False) -> tuple:
   """Nova's weight-gradient GEMM (`ops.linalg.weight_grad_op`): a @ b stored in `dtype` from cuBLASLt's float32
-  accumulator and, with `bias_grad`, the sums of a's rows from its BGRADB epilogue, in the same kernel (or from a
-  reduction, where cuBLASLt offers no kernel with that epilogue for these layouts)."""
+  accumulator and, with `bias_grad`, the sums of a's rows from its BGRADB epilogue in the same cuBLASLt call (on the
+  H200 a second kernel of cuBLASLt's own), or from a reduction where cuBLASLt offers no such kernel for these
+  layouts."""
   _check("weight_grad", a, b)
   out = empty((a.shape[0], b.shape[1]), dtype, a.device)
   if not bias_grad: return (_matmul(a, b, None, tf32, out),)
   db = empty((a.shape[0],), dtype, a.device)
-  try:
-    _matmul(a, b, db, tf32, out, "bgradb")
-  except NoAlgorithm:
-    _matmul(a, b, None, tf32, out)
-    memory.copy_into(db, reduce(a, (1,), False, "sum", dtype))
+  problem = (a.shape, a.strides, b.shape, b.strides, a.dtype, dtype, tf32, a.device)
+  if problem not in _without_bgradb:
+    try: return _matmul(a, b, db, tf32, out, "bgradb"), db
+    except NoAlgorithm: _without_bgradb.add(problem)  # asked once: the heuristic's answer does not change
+  _matmul(a, b, None, tf32, out)
+  memory.copy_into(db, reduce(a, (1,), False, "sum", dtype))
   return out, db
 
 
