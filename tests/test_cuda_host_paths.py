@@ -330,8 +330,9 @@ assert source.count("path=") == source.count(" us, nova ") == len(fn.info["gemms
 
 
 def test_weight_gradients_and_casts_of_the_weights_fold_on_the_fake_gpu(tmp_path):
-  """The GPU's fuse-wgrad: a compiled GPT step under autocast computes each linear layer's weight and bias gradient
-  in one weight_grad (float32, cuBLASLt's BGRADB epilogue), with no bias-gradient reduction or widening cast left,
+  """The GPU's fuse-bias-grads and fuse-wgrad: a compiled GPT step under autocast computes each linear layer's weight
+  gradient in one weight_grad (float32) and its bias gradient there (cuBLASLt's BGRADB epilogue) or, for the layers
+  after a norm's backward, in that backward's kernel, with no bias-gradient reduction or widening cast left,
   and casts its weights in one cast_many; and both kernels' shapes and dtypes (weight_grad with and without the bias
   gradient, cast_many of dense and strided tensors)."""
   _run_fake(f"""
@@ -365,7 +366,12 @@ assert [(r.shape, r.dtype) for r in got] == [((40, 30), dtypes.bfloat16), ((40, 
   "with bt.autocast(device_type='cuda', dtype=bt.bfloat16): _, loss = model(x, y)")}
 for _ in range(3): step(x, y)
 final = sorted(pathlib.Path({str(tmp_path / 'ir')!r}).rglob("*-group-casts.mlir"))[-1].read_text()
-assert final.count("nova.weight_grad") == final.count("bias_grad = true") == 8, final
+lines = final.splitlines()
+# the projections' bias gradients come from the norms' backward kernels writing their output gradients (their weight
+# gradients stay bf16 matmuls: this AdamW reads half gradients), the others from the GEMMs
+assert sum("nova.weight_grad" in l and "bias_grad = true" in l for l in lines) == 4, final
+assert sum("nova.weight_grad" in l for l in lines) == 4, final
+assert sum("nova.layer_norm_backward" in l and "bias_grad = true" in l for l in lines) == 4, final
 assert "nova.sum" not in final.split("nova.weight_grad")[1], "no bias gradient is reduced apart"
 assert final.count("nova.cast_many") == 1 and "nova.cast %" not in final.split("nova.cast_many")[0], final
 """, tmp_path)

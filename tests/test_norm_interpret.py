@@ -1,8 +1,9 @@
 """The CUDA layer-norm backward kernel without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since
 it must be set before Triton is imported) runs the kernel and its partial sums' kernel as the host wrapper launches
 them, on torch CPU tensors (test-only), against the CPU backend's kernel in float64: a bf16 gradient, float32 rows,
-dx's bf16 copy (which must be dx as stored, rounded), row tiles of 1 and 4 rows, several tiles per program and a last
-program with fewer rows. (The residual gradient's add is PTX the interpreter cannot run: tests/cuda covers it.)"""
+dx's bf16 copy (which must be dx as stored, rounded) and that copy's column sums (a bias gradient: fuse-bias-grads),
+row tiles of 1 and 4 rows, several tiles per program and a last program with fewer rows, rows in one tile and in
+several. (The residual gradient's add is PTX the interpreter cannot run: tests/cuda covers it.)"""
 import numpy as np
 import pytest
 
@@ -22,7 +23,7 @@ def _rounded(out, a, n, BLOCK: tl.constexpr):
   tl.store(out + i, tl.load(a + i, mask=i < n).to(out.dtype.element_ty), mask=i < n)
 
 
-def _check(block_m: int, warps: int, tiles: int, stages: int) -> None:
+def _check(block_m: int, warps: int, tiles: int, stages: int, block_n: int) -> None:
   import torch
   from blutrain import dtypes
   from blutrain.backend.cpu.kernels import kernels as cpu
@@ -33,16 +34,17 @@ def _check(block_m: int, warps: int, tiles: int, stages: int) -> None:
   g = torch.tensor(rng.standard_normal((M, N))).to(torch.bfloat16)
   x = torch.tensor(rng.standard_normal((M, N)) * 2 + 1, dtype=torch.float32)
   w = torch.tensor(rng.standard_normal(N), dtype=torch.float32)
-  s = norm_backward_schedule(M, N, 132)._replace(block_m=block_m, warps=warps, rows=block_m * tiles, stages=stages)
+  s = norm_backward_schedule(M, N, 132)._replace(block_m=block_m, warps=warps, rows=block_m * tiles, stages=stages,
+                                                 block_n=block_n, one_pass=block_n >= N)
   spec = norm.layer_norm_backward_spec(dtypes.float32, dtypes.bfloat16, dtypes.float32, True, M, N, False, None,
-                                       False, s, dtypes.bfloat16)
+                                       False, s, dtypes.bfloat16, True)
   programs = cdiv(M, s.rows)
   dx, dxc = torch.empty(M, N), torch.empty(M, N, dtype=torch.bfloat16)
-  parts = torch.empty(2, programs, N)
-  spec[0][(programs,)](dx, dxc, parts[0], parts[1], g, x, w, x, M, N, EPS, s.rows, **spec.constexprs)
-  dw, db = torch.empty(N), torch.empty(N)
-  p = norm.param_grads_spec(dtypes.float32, dtypes.float32, dtypes.float32)
-  p[0][(cdiv(N, norm.PARAM_BLOCK_N),)](dw, db, parts, programs, N, **p.constexprs)
+  parts = torch.empty(3, programs, N)
+  spec[0][(programs,)](dx, dxc, parts[0], parts[1], parts[2], g, x, w, x, M, N, EPS, s.rows, **spec.constexprs)
+  dw, db, sums = torch.empty(N), torch.empty(N), torch.empty(N)
+  p = norm.param_grads_spec(dtypes.float32, dtypes.float32, dtypes.float32, True)
+  p[0][(cdiv(N, norm.PARAM_BLOCK_N),)](dw, db, sums, parts, programs, N, **p.constexprs)
   want = cpu["layer_norm_backward"](g.double().numpy(), x.double().numpy(), w.double().numpy(), n=1, eps=EPS,
                                     has_bias=True)
   case = (block_m, warps, tiles, stages)
@@ -51,12 +53,14 @@ def _check(block_m: int, warps: int, tiles: int, stages: int) -> None:
   rounded = torch.empty(M, N, dtype=torch.bfloat16)
   _rounded[(cdiv(M * N, 1024),)](rounded, dx, M * N, BLOCK=1024)
   assert torch.equal(dxc, rounded), ("dx's bf16 copy is not dx converted", case)
+  assert np.allclose(sums.double().numpy(), dxc.double().numpy().sum(axis=0), rtol=1e-5, atol=1e-4), case
 
 
 def main() -> None:
   patch_interpreter_loop_bounds()
-  for block_m, warps, tiles, stages in ((1, 1, 7, 1), (4, 4, 3, 3), (4, 2, 1, 2)):
-    _check(block_m, warps, tiles, stages)
+  for block_m, warps, tiles, stages, block_n in ((1, 1, 7, 1, 64), (4, 4, 3, 3, 64), (4, 2, 1, 2, 64),
+                                                 (4, 4, 3, 1, 16)):
+    _check(block_m, warps, tiles, stages, block_n)
   print("ok")
 
 

@@ -1071,8 +1071,9 @@ class AddLayerNormOp(MultiResultOp):
 @irdl_op_definition
 class LayerNormBackwardOp(MultiResultOp):
   """layer_norm's gradients: dx, then dweight when weight is given and dbias when `has_bias` (each absent otherwise),
-  all of x's type, and dx rounded to `cast` when that is given; with a `residual` gradient dx is residual + dx
-  (passes/fuse_norms.py)."""
+  all of x's type, dx rounded to `cast` when that is given, and with `bias_grad` the float32 column sums of dx as
+  stored (its `cast` copy when there is one); with a `residual` gradient dx is residual + dx (passes/fuse_norms.py,
+  passes/fuse_gemm.py)."""
   name = "nova.layer_norm_backward"
   g = operand_def(TENSOR)
   x = operand_def(TENSOR)
@@ -1082,15 +1083,17 @@ class LayerNormBackwardOp(MultiResultOp):
   eps = prop_def(FLOAT)
   has_bias = prop_def(BOOL)
   cast = opt_prop_def(ELEMENT | NONE)
+  bias_grad = opt_prop_def(BOOL | NONE)
   dx = result_def(TENSOR)
   dweight = opt_result_def(TENSOR)
   dbias = opt_result_def(TENSOR)
   dx_cast = opt_result_def(TENSOR)
+  dx_sum = opt_result_def(TENSOR)
   irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
                   ParsePropInAttrDict())
   assembly_format = ("$g `,` $x (`weight` $weight^ `:` type($weight))? (`residual` $residual^ `:` type($residual))? "
                      "attr-dict `:` type($g) `,` type($x) `->` type($dx) (`dweight` type($dweight)^)? "
-                     "(`dbias` type($dbias)^)? (`cast` type($dx_cast)^)?")
+                     "(`dbias` type($dbias)^)? (`cast` type($dx_cast)^)? (`sum` type($dx_sum)^)?")
 
 
 @irdl_op_definition

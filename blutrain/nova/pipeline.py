@@ -31,8 +31,8 @@ from blutrain.nova.dialect import NovaOp
 from blutrain.nova.graph import Graph
 from blutrain.nova.ir import function, print_module, to_module
 from blutrain.nova.memory import MemoryPlan, plan as plan_memory, reused_in_place, updated_in_place
-from blutrain.nova.passes import (CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseCastsPass, FuseGemmPass,
-                                  FuseNormsPass, FusePointwisePass, FuseWeightGradientsPass, NovaPass)
+from blutrain.nova.passes import (CanonicalizePass, CSEPass, DCEPass, FoldPass, FuseBiasGradientsPass, FuseCastsPass,
+                                  FuseGemmPass, FuseNormsPass, FusePointwisePass, FuseWeightGradientsPass, NovaPass)
 from blutrain.nova.passes.fuse_casts import group_casts
 from blutrain.nova.passes.fuse_gemm import gemm_report
 from blutrain.nova.remat import RematReport, rematerialize
@@ -193,6 +193,9 @@ def compile_graph(graph: Graph, dump_dir: str | os.PathLike | None = None, verif
     if verify: module.verify()
     dump("fuse-norms", module)
     if target == "cuda":  # not exact (fuse_gemm.py): the CPU's compiled steps stay equal to eager mode
+      FuseBiasGradientsPass().run(module)
+      if verify: module.verify()
+      dump(FuseBiasGradientsPass.name, module)
       FuseWeightGradientsPass().run(module)
       if verify: module.verify()
       dump(FuseWeightGradientsPass.name, module)

@@ -51,27 +51,31 @@ def _layer_norm_rule(x, w, b, n, eps, dtype=None):
 
 
 def _layer_norm_vjp(g, out, x, w, b, n, eps, dtype=None):
-  dx, dw, db, _ = layer_norm_backward_op(g, x, w, None, n=n, eps=eps, has_bias=b is not None)
+  dx, dw, db, _, _ = layer_norm_backward_op(g, x, w, None, n=n, eps=eps, has_bias=b is not None)
   return dx, dw if w is None else dw.to(w.dtype), db if b is None else db.to(b.dtype)
 
 
-def _layer_norm_backward_rule(g, x, w, residual=None, *, n, eps, has_bias, cast=None):
+def _layer_norm_backward_rule(g, x, w, residual=None, *, n, eps, has_bias, cast=None, bias_grad=False):
   if residual is not None and residual.shape != x.shape:
     raise ShapeError(f"layer_norm_backward: residual gradient of shape {residual.shape} does not match input {x.shape}")
   if cast is not None and not (cast.is_floating_point and x.dtype.is_floating_point):
     raise DTypeError(f"layer_norm_backward: dx of {x.dtype.name} cast to {cast.name}: expected floating dtypes")
   params = x.shape[x.ndim - n:], x.dtype
+  sums = x.shape[x.ndim - n:], dtypes.float64 if x.dtype is dtypes.float64 else dtypes.float32
   return [(x.shape, x.dtype), params if w is not None else None, params if has_bias else None,
-          (x.shape, cast) if cast is not None else None]
+          (x.shape, cast) if cast is not None else None, sums if bias_grad else None]
 
 
 # dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) with gw = g w, dw = sum(g xhat), db = sum(g) over the leading dims,
 # xhat = (x - mean) rstd. One kernel computes all: the outputs are dx, dw (None without a weight) and db (None unless
-# has_bias), all in x's dtype, and dx cast to `cast` (None without). With a `residual` gradient (x's shape, read as
-# float32) dx is residual + dx. Nova folds the residual stream's gradient accumulation into the kernel, and autocast's
-# cast of that gradient for the next matmul (passes/fuse_norms.py).
+# has_bias), all in x's dtype, dx cast to `cast` (None without), and with `bias_grad` the sums of dx as stored (its
+# `cast` copy when there is one) over the leading dims, in float32 (float64 for float64 x). With a `residual` gradient
+# (x's shape, read as float32) dx is residual + dx. Nova folds the residual stream's gradient accumulation into the
+# kernel, autocast's cast of that gradient for the next matmul (passes/fuse_norms.py), and the bias gradient of the
+# linear layer that gradient flows into (passes/fuse_gemm.py).
 layer_norm_backward_op = op("layer_norm_backward", _layer_norm_backward_rule, multi=True,
-                            inputs="g x ?weight ?residual", attrs="n:int eps:float has_bias:bool cast:dtype?")
+                            inputs="g x ?weight ?residual",
+                            attrs="n:int eps:float has_bias:bool cast:dtype? bias_grad:bool?")
 # The output comes in `dtype` (absent: x's); the kernels compute in float32, so Nova folds autocast's cast of the
 # output down for the next matmul into the op (passes/fuse_casts.py).
 layer_norm_op = op("layer_norm", _layer_norm_rule, _layer_norm_vjp, saves=(0, 1),

@@ -70,12 +70,29 @@ def test_the_half_copy_of_dx_is_dx_cast(shape, cast, residual):
   for a, b in zip(fused[:3], plain[:3]): np.testing.assert_array_equal(a.cpu().numpy(), b.cpu().numpy())
 
 
+@pytest.mark.parametrize("shape", [(16384, 768), (5, 20000), (7, 33)])
+@pytest.mark.parametrize("cast", [None, bt.bfloat16])
+def test_the_column_sums_of_dx_are_a_bias_gradient(shape, cast):
+  """layer_norm_backward(..., bias_grad=True)[4]: the float32 column sums of dx as stored (its half copy when there is
+  one; Nova's fuse-bias-grads takes the next linear layer's bias gradient from them) against float64 sums of the
+  stored values; the other results are the plain op's, bit for bit."""
+  g, x, w, r = _randn(shape, bt.bfloat16), _randn(shape, scale=2, shift=-1), _randn(shape[-1:]), _randn(shape)
+  attrs = dict(n=1, eps=1e-5, has_bias=True, cast=cast)
+  fused = apply(registry["layer_norm_backward"], g, x, w, r, bias_grad=True, **attrs)
+  plain = apply(registry["layer_norm_backward"], g, x, w, r, **attrs)
+  stored = (fused[3] if cast else fused[0]).cpu().numpy().astype(np.float64)
+  assert fused[4].dtype is bt.float32 and fused[4].shape == shape[-1:] and plain[4] is None
+  np.testing.assert_allclose(fused[4].cpu().numpy(), stored.sum(0), rtol=1e-5, atol=1e-5 * np.abs(stored).sum(0).max())
+  for a, b in zip(fused[:4], plain[:4]):
+    if a is not None: np.testing.assert_array_equal(a.float().cpu().numpy(), b.float().cpu().numpy())
+
+
 def test_param_grads_against_float64():
   """dx, dw and db of GPT-2's rows (dw and db through the partial sums and their reduction kernel), against PyTorch's
   CPU backward in float64."""
   torch = pytest.importorskip("torch")
   g, x, w = _randn((16384, 768), bt.bfloat16), _randn((16384, 768), scale=2), _randn((768,))
-  dx, dw, db, _ = apply(registry["layer_norm_backward"], g, x, w, None, n=1, eps=1e-5, has_bias=True)
+  dx, dw, db, _, _ = apply(registry["layer_norm_backward"], g, x, w, None, n=1, eps=1e-5, has_bias=True)
   tx = torch.from_numpy(x.cpu().numpy()).double().requires_grad_()
   tw = torch.from_numpy(w.cpu().numpy()).double().requires_grad_()
   tb = torch.zeros(768, dtype=torch.float64, requires_grad=True)

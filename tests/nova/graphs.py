@@ -192,6 +192,7 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
            b("layer_norm", x, w, None, n=1, eps=1e-5), b("layer_norm", x, None, bias, n=1, eps=1e-5),
            *b("layer_norm_backward", pos, x, w, None, n=1, eps=1e-5, has_bias=True)[:3],
            *b("layer_norm_backward", pos, x, w, pos, n=1, eps=1e-5, has_bias=False, cast=dtypes.bfloat16)[::3],
+           b("layer_norm_backward", pos, x, None, None, n=1, eps=1e-5, has_bias=False, bias_grad=True)[4],
            *b("add_layer_norm", x, pos, w, bias, n=1, eps=1e-5), b("add_layer_norm", x, pos, None, None, n=2, eps=1e-6)[1],
            b("layer_norm_backward", pos, x, None, None, n=2, eps=1e-6, has_bias=False)[0],
            b("scatter_add", x, rows, pos, dim=0),

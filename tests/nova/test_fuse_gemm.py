@@ -12,7 +12,7 @@ from blutrain.models import GPT, GPTConfig
 from blutrain.nn import functional as F
 from blutrain.nova import codegen, ir, remat
 from blutrain.nova.dialect import GemmOp, WeightGradOp
-from blutrain.nova.passes import DCEPass, FuseGemmPass, FuseWeightGradientsPass
+from blutrain.nova.passes import DCEPass, FuseBiasGradientsPass, FuseGemmPass, FuseWeightGradientsPass
 from blutrain.nova.passes.fuse_gemm import gemm_choice, gemm_report
 from blutrain.nova.pipeline import compile_graph, op_counts, optimize
 from blutrain.nova.remat import rematerialize
@@ -441,3 +441,86 @@ def test_a_sum_over_other_dims_is_no_bias_gradient():
   rows = b("cast", b("sum", g, dims=(1,), keepdim=False, dtype=BF16), dtype=F32)
   _, module, counts = _wgrad(b.output(dw, rows))
   assert counts["weight_grad"] == 1 and counts["sum"] == 1
+
+
+# *** fuse-bias-grads: bias gradients from the kernels writing the output gradients ***
+
+def _bias_grads(graph):
+  """The module after fuse-bias-grads, then fuse-wgrad (as the GPU's pipeline runs them), and the op counts."""
+  module = ir.to_module(graph)
+  plain = module.clone()
+  FuseBiasGradientsPass().run(module)
+  module.verify()
+  FuseWeightGradientsPass().run(module)
+  module.verify()
+  return plain, module, op_counts(module)
+
+
+def _norm_then_linear(cast=True, widen=True, dims=(0, 1), x_dtype=F32, sum_float=False):
+  """A layer norm's backward whose gradient (autocast's bf16 copy of it when `cast`) is a linear layer's output
+  gradient: its weight gradient and its bias gradient (a sum over `dims`, through a view, widened to float32; of the
+  float32 gradient with `sum_float`)."""
+  b = Builder()
+  g, x, w, h = b.input((4, 16, 32), BF16), b.input((4, 16, 32), x_dtype), b.input((32,), x_dtype), \
+    b.input((4, 16, 8), BF16 if cast else x_dtype)
+  back = b("layer_norm_backward", g, x, w, None, n=1, eps=1e-5, has_bias=True, cast=BF16 if cast else None)
+  d = back[3] if cast else back[0]
+  dw = b("matmul", b("permute", b("view", d, shape=(64, 32)), dims=(1, 0)), b("view", h, shape=(64, 8)))
+  summed = back[0] if sum_float else d
+  s = b("view", b("sum", summed, dims=dims, keepdim=True, dtype=summed.dtype),
+        shape=(32,) if dims == (0, 1) else (4, 32))
+  return b.output(back[0], back[1], back[2], b("cast", dw, dtype=F32) if cast else dw,
+                  b("cast", s, dtype=F32) if widen else s)
+
+
+def _run(module, graph_inputs):
+  return codegen.load(codegen.generate(module))(*graph_inputs)
+
+
+@pytest.mark.parametrize("cast", [True, False])
+def test_a_norm_backward_sums_the_bias_gradient_of_the_linear_layer_after_it(cast):
+  """The sum goes into the norm's backward (its float32 column sums of the gradient as stored), fuse-wgrad then
+  finds no bias gradient to take; the sums equal the float64 sums of the stored gradient, and eager's to one bf16
+  rounding (eager rounds its sum to bf16 before the widening cast)."""
+  plain, module, counts = _bias_grads(_norm_then_linear(cast))
+  assert "sum" not in counts and counts["layer_norm_backward"] == 1, counts
+  back = next(op for op in ir.function(module).body.block.ops if op.name == "nova.layer_norm_backward")
+  assert back.attrs()["bias_grad"] and back.dx_sum is not None
+  wgs = [op for op in ir.function(module).body.block.ops if isinstance(op, WeightGradOp)]
+  assert [op.attrs()["bias_grad"] for op in wgs] == ([False] if cast else []), "float32 leaves the matmul alone"
+  rs = np.random.default_rng(1)
+  args = [rs.standard_normal(s).astype(d.np) for s, d in (((4, 16, 32), BF16), ((4, 16, 32), F32), ((32,), F32),
+                                                          ((4, 16, 8), BF16 if cast else F32))]
+  got, eager = _run(module, args), _run(plain, args)
+  stored = eager[0].astype(BF16.np) if cast else eager[0]
+  assert got[-1].dtype == np.float32 and got[-1].shape == (32,)
+  np.testing.assert_allclose(got[-1], stored.astype(np.float64).sum((0, 1)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[-1], eager[-1], rtol=2 ** -7 if cast else 1e-5, atol=1e-4)
+  for a, e in zip(got[:3], eager[:3]): np.testing.assert_array_equal(a, e)
+
+
+def test_a_float64_norm_backward_sums_in_float64():
+  _, module, counts = _bias_grads(_norm_then_linear(cast=False, widen=False, x_dtype=dtypes.float64))
+  assert "sum" not in counts, counts
+
+
+def test_a_bias_gradient_left_in_bf16_is_rounded_from_the_sums():
+  """An update that reads bf16 gradients (fuse-casts took the widening cast): the norm's float32 sums, rounded once,
+  as eager's sum rounds its float32 accumulator."""
+  plain, module, counts = _bias_grads(_norm_then_linear(widen=False))
+  assert "sum" not in counts and counts["cast"] == 1, counts
+  rs = np.random.default_rng(2)
+  args = [rs.standard_normal(s).astype(d.np) for s, d in (((4, 16, 32), BF16), ((4, 16, 32), F32), ((32,), F32),
+                                                          ((4, 16, 8), BF16))]
+  got, eager = _run(module, args), _run(plain, args)
+  assert got[-1].dtype == BF16.np
+  np.testing.assert_allclose(got[-1].astype(np.float64), eager[-1].astype(np.float64), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("case", ["rows of another shape", "the float32 gradient beside its copy"])
+def test_a_sum_the_norm_backward_cannot_make_is_left_to_fuse_wgrad(case):
+  graph = {"rows of another shape": lambda: _norm_then_linear(dims=(1,)),
+           "the float32 gradient beside its copy": lambda: _norm_then_linear(sum_float=True)}[case]()
+  _, module, counts = _bias_grads(graph)
+  back = next(op for op in ir.function(module).body.block.ops if op.name == "nova.layer_norm_backward")
+  assert not back.attrs().get("bias_grad") and back.dx_sum is None

@@ -53,7 +53,7 @@ def _residual_block(half=None, affine=True, reuse_h=True, later_residual=False, 
   w, bias = (b.input((32,)), b.input((32,))) if affine else (None, None)
   h = b("add", x, y)
   n = b("layer_norm", h, w, bias, n=1, eps=1e-5)
-  dx, dw, db, _ = b("layer_norm_backward", g, h if reuse_h else x, w, None, n=1, eps=1e-5, has_bias=affine)
+  dx, dw, db, _, _ = b("layer_norm_backward", g, h if reuse_h else x, w, None, n=1, eps=1e-5, has_bias=affine)
   if later_residual: r = b("exp", r)
   s = b("add", r, dx)
   return b.output(n, s, *(v for v in (dw, db) if v is not None), *([b("cast", s, dtype=cast)] if cast else []))

@@ -185,7 +185,7 @@ def _add_layer_norm(x, y, w, b, n, eps, dtype=None):
   return h, _layer_norm(h, w, b, n, eps)
 
 
-def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias, cast=None):
+def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias, cast=None, bias_grad=False):
   axes, batch = tuple(range(x.ndim - n, x.ndim)), tuple(range(x.ndim - n))
   xc = x - x.mean(axis=axes, keepdims=True)
   rstd = 1 / np.sqrt((xc * xc).mean(axis=axes, keepdims=True) + eps)
@@ -195,8 +195,10 @@ def _layer_norm_backward(g, x, w, residual=None, *, n, eps, has_bias, cast=None)
   if residual is not None: dx = residual + dx.astype(x.dtype, copy=False)
   dw = None if w is None else (g * xhat).sum(axis=batch).astype(x.dtype, copy=False)
   dx = dx.astype(x.dtype, copy=False)
-  return (dx, dw, g.sum(axis=batch).astype(x.dtype, copy=False) if has_bias else None,
-          None if cast is None else dx.astype(cast.np))
+  dxc = None if cast is None else dx.astype(cast.np)
+  acc = np.float64 if x.dtype == np.float64 else np.float32
+  sums = (dx if dxc is None else dxc).astype(acc).sum(axis=batch) if bias_grad else None
+  return dx, dw, g.sum(axis=batch).astype(x.dtype, copy=False) if has_bias else None, dxc, sums
 
 
 def _channel_axes(x):

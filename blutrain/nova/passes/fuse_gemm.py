@@ -46,8 +46,8 @@ from xdsl.rewriter import InsertPoint
 
 from blutrain import configurator as cfg
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddOp, CastOp, GeluBackwardOp, GeluOp, GemmOp, MatmulOp, NovaOp, PermuteOp, SumOp,
-                                   ViewOp, WeightGradOp, aval)
+from blutrain.nova.dialect import (AddOp, CastOp, GeluBackwardOp, GeluOp, GemmOp, LayerNormBackwardOp, MatmulOp, NovaOp,
+                                   PermuteOp, SumOp, ViewOp, WeightGradOp, aval, tensor_type)
 from blutrain.nova.ir import function
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 from blutrain.ops.linalg import gemm_steps
@@ -245,6 +245,61 @@ def _bias_gradient(a: SSAValue, dtype, at) -> list | None:
   block = at.parent_block()
   return found if all(r.parent_block() is block and at.is_before_in_block(r) for r in _reads(found[-1].results[0])) \
     else None
+
+
+def _column_sums(op: SumOp, stored: SSAValue, dtypes_: tuple) -> list | None:
+  """The ops from sum `op` to a bias gradient in one of `dtypes_` (as `_chain`) when op sums the columns of `stored`
+  (through row-major views whose last dim is stored's rows), None otherwise."""
+  x, rows = aval(op.x.type), aval(stored.type).shape[-1]
+  if _base(op.x) is not stored or x.shape[-1:] != (rows,): return None
+  if tuple(op.attrs()["dims"]) != tuple(range(len(x.shape) - 1)): return None
+  return next((c for d in dtypes_ if (c := _chain(op, d)) is not None), None)
+
+
+def _sums_as(rewriter: PatternRewriter, sums: SSAValue, chain: list, at) -> None:
+  """The chain's bias gradient replaced by float32 `sums` (made by `at`), rounded after it when the chain ends in a
+  half dtype (eager mode's sum rounds once too), and the chain erased."""
+  end = chain[-1].results[0]
+  if aval(end.type).dtype is not aval(sums.type).dtype:
+    cast = CastOp.make([sums], {"dtype": aval(end.type).dtype}, [end.type])
+    rewriter.insert(cast, InsertPoint.after(at))
+    sums = cast.result
+  rewriter.replace_all_uses_with(end, sums)
+  for dead in reversed(chain): rewriter.erase(dead)
+
+
+class NormBiasGradientPattern(RewritePattern):
+  """The bias gradient of the linear layer whose output gradient a layer norm's backward writes (the residual stream's
+  gradient, or autocast's half copy of it), summed by that backward kernel from the values it stores.
+
+    %s, %dw, %db, %c = nova.layer_norm_backward %g, %x weight %w : ... {..., cast = bf16} : ... cast tensor<4x8x32xbf16>
+    %t = nova.sum %c {dims = array<i64: 0, 1>, keepdim = false, dtype = bf16} : (...) -> tensor<32xbf16>
+    %d = nova.cast %t {dtype = f32} : (tensor<32xbf16>) -> tensor<32xf32>
+      =>   %s, %dw, %db, %c, %d = nova.layer_norm_backward ... {..., cast = bf16, bias_grad = true}
+                                  : ... cast tensor<4x8x32xbf16> sum tensor<32xf32>
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: SumOp, rewriter: PatternRewriter):
+    back = _base(op.x).owner
+    if not isinstance(back, LayerNormBackwardOp) or back.dx_sum is not None or back.attrs()["n"] != 1: return
+    stored = back.dx_cast or back.dx
+    acc = dtypes.float64 if aval(back.x.type).dtype is dtypes.float64 else dtypes.float32
+    chain = _column_sums(op, stored, (acc, aval(stored.type).dtype))
+    if chain is None: return
+    types = [None if v is None else v.type for v in back.graph_outputs()[:4]]
+    new = LayerNormBackwardOp.make(back.graph_inputs(), {**back.attrs(), "bias_grad": True},
+                                   types + [tensor_type(aval(stored.type).shape[-1:], acc)])
+    rewriter.insert(new, InsertPoint.before(back))
+    rewriter.replace(back, [], list(new.results[:len(back.results)]))
+    _sums_as(rewriter, new.dx_sum, chain, new)
+
+
+@dataclass(frozen=True)
+class FuseBiasGradientsPass(PatternPass):
+  """Bias gradients summed by the kernels that write the output gradients they sum (the GPU's; before fuse-wgrad,
+  which would otherwise take them into cuBLASLt's BGRADB epilogue, a second pass over the gradient)."""
+  name = "fuse-bias-grads"
+  PATTERNS = (NormBiasGradientPattern(),)
 
 
 class WeightGradientPattern(RewritePattern):

@@ -164,7 +164,7 @@ class CastOfNormGradientPattern(RewritePattern):
     if aval(back.dx.type).dtype is not dtypes.float32 or op.attrs()["dtype"] not in _HALVES: return
     outs = back.graph_outputs()
     fused = LayerNormBackwardOp.make(back.graph_inputs(), {**back.attrs(), "cast": op.attrs()["dtype"]},
-                                     [None if v is None else v.type for v in outs[:3]] + [op.result.type])
+                                     [None if v is None else v.type for v in outs[:3]] + [op.result.type, None])
     rewriter.insert(fused, InsertPoint.before(back))
     rewriter.replace(op, [], [fused.dx_cast])
     rewriter.replace(back, [], list(fused.results[:len(back.results)]))

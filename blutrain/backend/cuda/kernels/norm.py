@@ -211,7 +211,7 @@ def _dx(dx, dxc, r, off, mask, v, ACC: tl.constexpr, HAS_R: tl.constexpr, CAST: 
   """Store dx = v, or r + v (r read as ACC) by PTX's add.rn: an add with its rounding mode given is never contracted
   with the multiply that made v into an FMA (libdevice's add_rn would flush subnormals), so the sum is the one the
   separate add kernel computes. With CAST, dxc also gets dx rounded to its dtype (from dx's own rounding, as a cast
-  of the stored dx would)."""
+  of the stored dx would). Returns the last value stored, as ACC, zero where masked."""
   if HAS_R:
     rv = tl.load(r + off, mask=mask, other=0).to(ACC)
     if ACC == tl.float64:
@@ -221,18 +221,20 @@ def _dx(dx, dxc, r, off, mask, v, ACC: tl.constexpr, HAS_R: tl.constexpr, CAST: 
   v = v.to(dx.dtype.element_ty)
   tl.store(dx + off, v, mask=mask)
   if CAST:
-    tl.store(dxc + off, v.to(dxc.dtype.element_ty), mask=mask)
+    v = v.to(dxc.dtype.element_ty)
+    tl.store(dxc + off, v, mask=mask)
+  return tl.where(mask, v.to(ACC), 0.0)
 
 
 @triton.jit
-def _layer_norm_backward_kernel(dx, dxc, dw_part, db_part, g, x, w, r, M, N, eps, ROWS, ACC: tl.constexpr,
+def _layer_norm_backward_kernel(dx, dxc, dw_part, db_part, ds_part, g, x, w, r, M, N, eps, ROWS, ACC: tl.constexpr,
                                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, CAST: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
-                                STAGES: tl.constexpr, IDX64: tl.constexpr):
+                                SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                ONE_PASS: tl.constexpr, STAGES: tl.constexpr, IDX64: tl.constexpr):
   """dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), gw = g w (plus the residual gradient r when HAS_R), over rows of
-  N contiguous elements (g, x, r, dx; with CAST dx also rounded into dxc), and this program's column sums of g xhat
-  and g (dw's and db's partial sums)
-  into row pid of dw_part and db_part. Program pid takes rows [pid ROWS, (pid + 1) ROWS) in tiles of BLOCK_M rows,
+  N contiguous elements (g, x, r, dx; with CAST dx also rounded into dxc), and this program's column sums of g xhat,
+  of g (dw's and db's partial sums) and with SUMS of dx as last stored (a bias gradient's) into row pid of dw_part,
+  db_part and ds_part. Program pid takes rows [pid ROWS, (pid + 1) ROWS) in tiles of BLOCK_M rows,
   STAGES of them in flight; the stats are recomputed from x."""
   pid = tl.program_id(0)
   if IDX64:
@@ -245,6 +247,7 @@ def _layer_norm_backward_kernel(dx, dxc, dw_part, db_part, g, x, w, r, M, N, eps
       wv = tl.load(w + ns, mask=n_mask, other=0).to(ACC)
     dw_acc = tl.zeros([BLOCK_N], ACC)
     db_acc = tl.zeros([BLOCK_N], ACC)
+    ds_acc = tl.zeros([BLOCK_N], ACC)
     for m0 in tl.range(pid * ROWS, row_end, BLOCK_M, num_stages=STAGES):
       ms = m0 + tl.arange(0, BLOCK_M)
       mask = (ms < row_end)[:, None] & n_mask[None, :]
@@ -257,13 +260,17 @@ def _layer_norm_backward_kernel(dx, dxc, dw_part, db_part, g, x, w, r, M, N, eps
       gw = gv * wv[None, :] if HAS_W else gv
       c1 = tl.sum(gw, axis=1) / N
       c2 = tl.sum(gw * xhat, axis=1) / N
-      _dx(dx, dxc, r, off, mask, (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None], ACC, HAS_R, CAST)
+      v = _dx(dx, dxc, r, off, mask, (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None], ACC, HAS_R, CAST)
       dw_acc += tl.sum(gv * xhat, axis=0)
       db_acc += tl.sum(gv, axis=0)
+      if SUMS:
+        ds_acc += tl.sum(v, axis=0)
     if HAS_W:
       tl.store(dw_part + pid * N + ns, dw_acc, mask=n_mask)
     if HAS_B:
       tl.store(db_part + pid * N + ns, db_acc, mask=n_mask)
+    if SUMS:
+      tl.store(ds_part + pid * N + ns, ds_acc, mask=n_mask)
   else:  # long rows, one at a time: stats, then the two row sums, then dx and the partial sums (kept in memory)
     for m0 in range(pid * ROWS, row_end, BLOCK_M):
       ms = m0 + tl.arange(0, BLOCK_M)
@@ -279,13 +286,15 @@ def _layer_norm_backward_kernel(dx, dxc, dw_part, db_part, g, x, w, r, M, N, eps
       c2s = tl.sum(c2, axis=1) / N
       for n0 in range(0, N, BLOCK_N):
         ns, mask, off, xhat, gv, gw = _backward_tile(g, x, w, ms, m_mask, n0, N, mean, rstd, ACC, HAS_W, BLOCK_N)
-        _dx(dx, dxc, r, off, mask, (gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None], ACC, HAS_R, CAST)
+        v = _dx(dx, dxc, r, off, mask, (gw - c1s[:, None] - xhat * c2s[:, None]) * rstd[:, None], ACC, HAS_R, CAST)
         first = m0 == pid * ROWS  # the partial rows start at this program's first row, so nothing is read back
         tl.debug_barrier()  # the threads that read a partial sum back need not be the ones that stored it
         if HAS_W:
           _add_partial(dw_part + pid * N + ns, tl.sum(gv * xhat, axis=0), ns < N, first)
         if HAS_B:
           _add_partial(db_part + pid * N + ns, tl.sum(gv, axis=0), ns < N, first)
+        if SUMS:
+          _add_partial(ds_part + pid * N + ns, tl.sum(v, axis=0), ns < N, first)
 
 
 @triton.jit
@@ -299,16 +308,18 @@ def _column_sums(out, part, P, N, ns, n_mask, BLOCK_P: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _param_grads_kernel(dw, db, parts, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-  """dw and db (in their dtypes) as the column sums of their P partial rows of N, dw's at parts and db's after them;
-  program pid takes columns [pid BLOCK_N, (pid + 1) BLOCK_N)."""
+def _param_grads_kernel(dw, db, ds, parts, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr, SUMS: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+  """dw, db and ds (in their dtypes) as the column sums of their P partial rows of N, dw's at parts, db's and ds's
+  after them; program pid takes columns [pid BLOCK_N, (pid + 1) BLOCK_N)."""
   ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
   n_mask = ns < N
   if HAS_W:
     _column_sums(dw, parts, P, N, ns, n_mask, BLOCK_P, BLOCK_N)
   if HAS_B:
     _column_sums(db, parts + P * N, P, N, ns, n_mask, BLOCK_P, BLOCK_N)
+  if SUMS:
+    _column_sums(ds, parts + 2 * P * N, P, N, ns, n_mask, BLOCK_P, BLOCK_N)
 
 
 PARAM_BLOCK_P, PARAM_BLOCK_N = 32, 64  # the partial sums' reduction: 2048-element tiles, 4 warps, N / 64 programs
@@ -412,60 +423,65 @@ def add_layer_norm(x: CudaArray, y: CudaArray, w: CudaArray | None, b: CudaArray
 
 @functools.lru_cache(maxsize=4096)
 def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r: DType | None = None,
-                             vectors: bool = False, schedule: NormBackward | None = None, cast: DType | None = None):
+                             vectors: bool = False, schedule: NormBackward | None = None, cast: DType | None = None,
+                             sums: bool = False):
   """The layer-norm backward kernel's variant for M rows of N (r: the residual gradient's dtype, None without;
   vectors: as `layer_norm_spec`'s; schedule: the configurator's for H200 unless given; cast: the dtype of dx's
-  second, rounded copy, None without)."""
+  second, rounded copy, None without; sums: whether it also sums dx's columns)."""
   bm, bn, warps, one, _, stages = schedule or norm_backward_schedule(M, N, H200.sms)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
-  sig = {"dx": ptr(x), "dxc": ptr(cast or x), "dw_part": ptr(acc), "db_part": ptr(acc), "g": ptr(g), "x": ptr(x),
-         "w": ptr(w or x), "r": ptr(r or x), "M": it, "N": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
-         "ROWS": it}
+  sig = {"dx": ptr(x), "dxc": ptr(cast or x), "dw_part": ptr(acc), "db_part": ptr(acc), "ds_part": ptr(acc),
+         "g": ptr(g), "x": ptr(x), "w": ptr(w or x), "r": ptr(r or x), "M": it, "N": it,
+         "eps": "fp64" if x is dtypes.float64 else "fp32", "ROWS": it}
   if vectors:
     extra = ("r",) * _same_vectors(r, g, x) + ("dxc",) * _same_vectors(cast, g, x)
-    sig = divisible(sig, ("dx", "dw_part", "db_part", "g", "x", "w", *extra, "N"))
+    sig = divisible(sig, ("dx", "dw_part", "db_part", "ds_part", "g", "x", "w", *extra, "N"))
   return spec(_layer_norm_backward_kernel, sig, dict(ACC=TL[acc], HAS_W=w is not None, HAS_B=has_b, HAS_R=r is not None,
-                                                     CAST=cast is not None, BLOCK_M=bm, BLOCK_N=bn, ONE_PASS=one,
-                                                     STAGES=stages, IDX64=i64), num_warps=warps)
+                                                     CAST=cast is not None, SUMS=sums, BLOCK_M=bm, BLOCK_N=bn,
+                                                     ONE_PASS=one, STAGES=stages, IDX64=i64), num_warps=warps)
 
 
 @functools.lru_cache(maxsize=256)
-def param_grads_spec(acc: DType, dw: DType | None, db: DType | None):
-  """The kernel summing the backward's partial rows into dw and db (their dtypes, None when absent)."""
-  sig = {"dw": ptr(dw or acc), "db": ptr(db or acc), "parts": ptr(acc), "P": "i32", "N": "i32"}
-  return spec(_param_grads_kernel, sig, dict(HAS_W=dw is not None, HAS_B=db is not None, BLOCK_P=PARAM_BLOCK_P,
-                                             BLOCK_N=PARAM_BLOCK_N), num_warps=4)
+def param_grads_spec(acc: DType, dw: DType | None, db: DType | None, sums: bool = False):
+  """The kernel summing the backward's partial rows into dw and db (their dtypes, None when absent) and, with `sums`,
+  dx's column sums (in acc)."""
+  sig = {"dw": ptr(dw or acc), "db": ptr(db or acc), "ds": ptr(acc), "parts": ptr(acc), "P": "i32", "N": "i32"}
+  return spec(_param_grads_kernel, sig, dict(HAS_W=dw is not None, HAS_B=db is not None, SUMS=sums,
+                                             BLOCK_P=PARAM_BLOCK_P, BLOCK_N=PARAM_BLOCK_N), num_warps=4)
 
 
 def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residual: CudaArray | None = None, *, n: int,
-                        eps: float, has_bias: bool, cast: DType | None = None,
+                        eps: float, has_bias: bool, cast: DType | None = None, bias_grad: bool = False,
                         schedule: NormBackward | None = None) -> tuple[CudaArray, ...]:
-  """(dx, dw, db, dx in `cast`) of layer_norm over x's last n dims (dw None without w, db None unless has_bias, the
-  last None without cast), new arrays; with a residual gradient dx is residual + dx. Programs take equal runs of rows
-  (`configurator.norm_backward_schedule`, or `schedule` to try another) and leave per-program column sums of dw and
-  db, which a second kernel sums into dw and db."""
+  """(dx, dw, db, dx in `cast`, dx's column sums) of layer_norm over x's last n dims (dw None without w, db None
+  unless has_bias, the fourth None without cast, the last None unless bias_grad), new arrays; with a residual
+  gradient dx is residual + dx; the column sums are of dx as stored (its cast copy when there is one), in float32
+  (float64 for float64 x). Programs take equal runs of rows (`configurator.norm_backward_schedule`, or `schedule` to
+  try another) and leave per-program column sums, which a second kernel sums into dw, db and the column sums."""
   lead = x.ndim - n
   M, N = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
   dx = empty(x.shape, x.dtype, x.device)
   dxc = None if cast is None else empty(x.shape, cast, x.device)
   params = [empty(x.shape[lead:], x.dtype, x.device) for _ in range((w is not None) + has_bias)]
-  grads = (dx, params[0] if w is not None else None, params[-1] if has_bias else None, dxc)
+  sums = empty(x.shape[lead:], stats_dtype(x.dtype), x.device) if bias_grad else None
+  grads = (dx, params[0] if w is not None else None, params[-1] if has_bias else None, dxc, sums)
   if M * N == 0:
-    for p in params: fill(p, 0)
+    for p in params + [sums] * bias_grad: fill(p, 0)
     return grads
   g, x, w, r = (a if a is None or a.is_contiguous() else copy(a) for a in (g, x, w, residual))
   schedule = schedule or norm_backward_schedule(M, N, runtime.hardware(x.device).sms)
   programs = cdiv(M, schedule.rows)
-  parts = empty((2, programs, N), stats_dtype(x.dtype), x.device)
+  parts = empty((3 if bias_grad else 2, programs, N), stats_dtype(x.dtype), x.device)
   vectors = aligned([a for a in (dx, dxc, parts, g, x, w, r) if a is not None], (N,))  # N | 16: db's part as dw's
   s = layer_norm_backward_spec(x.dtype, g.dtype, w and w.dtype, has_bias, M, N, needs_i64(x.shape, x.strides),
-                               r and r.dtype, vectors, schedule, cast)
-  run(s, (programs,), dx.ptr, (dxc or dx).ptr, parts.ptr, parts.ptr + programs * N * parts.dtype.itemsize, g.ptr,
+                               r and r.dtype, vectors, schedule, cast, bias_grad)
+  part = programs * N * parts.dtype.itemsize
+  run(s, (programs,), dx.ptr, (dxc or dx).ptr, parts.ptr, parts.ptr + part, parts.ptr + 2 * part * bias_grad, g.ptr,
       x.ptr, (w or x).ptr, (r or x).ptr, M, N, float(eps), schedule.rows)
-  if params:
+  if params or bias_grad:
     dw, db = grads[1], grads[2]
-    run(param_grads_spec(parts.dtype, dw and dw.dtype, db and db.dtype), (cdiv(N, PARAM_BLOCK_N),),
-        (dw or parts).ptr, (db or parts).ptr, parts.ptr, programs, N)
+    run(param_grads_spec(parts.dtype, dw and dw.dtype, db and db.dtype, bias_grad), (cdiv(N, PARAM_BLOCK_N),),
+        (dw or parts).ptr, (db or parts).ptr, (sums or parts).ptr, parts.ptr, programs, N)
   return grads
 
 
@@ -875,7 +891,11 @@ def _specs() -> list:
           layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, bf16, True),
           layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, f32, True, None, bf16),  # + a half dx
           layer_norm_backward_spec(bf16, bf16, bf16, False, 1000, 20000, False, None, True),
-          param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64)]
+          # fuse-bias-grads: the column sums of dx (GPT-2's half copy; two-pass rows)
+          layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, f32, True, None, bf16, True),
+          layer_norm_backward_spec(f32, f32, None, False, 10, 100000, False, f32, False, None, None, True),
+          param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64),
+          param_grads_spec(f32, f32, f32, True), param_grads_spec(f32, None, None, True)]
   # batch norm: NCHW (C, then N and H W collapsed), channels-last (the channels unit-stride), (N, C) and 1-D runs
   R = 256 * 56 * 56
   for grad, x, g, st in ((False, f32, None, None), (False, bf16, None, None), (True, f32, f32, f32),
