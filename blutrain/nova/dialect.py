@@ -1481,20 +1481,18 @@ class FlashAttentionTransposedOp(NNOp):
 
 
 @irdl_op_definition
-class FlashAttentionBackwardPackedOp(MultiResultOp):
+class FlashAttentionBackwardPackedOp(NNOp):
   """flash_attention_backward's dq, dk and dv of a self-attention (q, k, v of one shape (B, H, L, E)) as one
-  (B, L, 3, H, E) tensor of q's type, then with `bias_grad` its float32 sums over (B, L)."""
+  (B, L, 3, H, E) tensor of q's type."""
   name = "nova.flash_attention_backward_packed"
   g = operand_def(TENSOR)
   q = operand_def(TENSOR)
   k = operand_def(TENSOR)
   v = operand_def(TENSOR)
   out = operand_def(TENSOR)
-  outs = var_result_def(TENSOR)
   causal = prop_def(BOOL)
   scale = prop_def(FLOAT)
   tf32 = opt_prop_def(BOOL | NONE)
-  bias_grad = opt_prop_def(BOOL | NONE)
 
 
 @irdl_op_definition

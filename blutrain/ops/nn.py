@@ -861,22 +861,19 @@ flash_attention_transposed_op = op("flash_attention_transposed", _flash_attentio
                                    inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
 
 
-def _flash_attention_backward_packed_rule(g, q, k, v, out, causal, scale, tf32=False, bias_grad=False):
+def _flash_attention_backward_packed_rule(g, q, k, v, out, causal, scale, tf32=False):
   if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
     raise ShapeError(f"flash_attention_backward_packed: expected q, k, v of one shape (B, H, L, E), got "
                      f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
   B, H, L, E = q.shape
-  sums = (3 * H * E,), dtypes.float64 if q.dtype is dtypes.float64 else dtypes.float32
-  return [((B, L, 3, H, E), q.dtype)] + [sums] * bias_grad
+  return (B, L, 3, H, E), q.dtype
 
 
 # flash_attention_backward's dq, dk and dv of a self-attention, packed along dim 2 of one (B, L, 3, H, E) tensor: the
-# gradient of the projection that q, k and v were split from, as the kernels write it (Nova's fuse-norms makes it
-# where autograd would concatenate them), and with `bias_grad` its sums over (B, L) as stored, in float32 (float64
-# for float64): the projection's bias gradient (Nova's fuse-bias-grads)
+# gradient of the projection that q, k and v were split from, as the kernels write it (Nova's fuse-gemm makes it
+# where autograd would concatenate them)
 flash_attention_backward_packed_op = op("flash_attention_backward_packed", _flash_attention_backward_packed_rule,
-                                        multi=True, inputs="g q k v out",
-                                        attrs="causal:bool scale:float tf32:bool? bias_grad:bool?")
+                                        inputs="g q k v out", attrs="causal:bool scale:float tf32:bool?")
 _FLASH_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
 

@@ -162,16 +162,10 @@ def test_packed_gradients_are_the_three_gradients_in_place(shape, causal, name):
   q, k, v, g = (memory.from_numpy(rounded(shape, dtype, seed).astype(dtype.np)) for seed in range(4))
   out = att.flash_attention(q, k, v, causal, 0.25)
   grads = att.flash_attention_backward(g, q, k, v, out, causal, 0.25)
-  (packed,) = att.flash_attention_backward_packed(g, q, k, v, out, causal, 0.25)
-  packed = memory.to_numpy(packed)
+  packed = memory.to_numpy(att.flash_attention_backward_packed(g, q, k, v, out, causal, 0.25))
   assert packed.shape == (shape[0], shape[2], 3, shape[1], shape[3])
   for i, (what, a) in enumerate(zip(("dq", "dk", "dv"), grads)):
     np.testing.assert_array_equal(packed[:, :, i], np.swapaxes(memory.to_numpy(a), 1, 2), err_msg=what)
-  # with the bias gradient: the same bits, and the float32 sums over (B, L) of the gradient as stored
-  again, sums = att.flash_attention_backward_packed(g, q, k, v, out, causal, 0.25, bias_grad=True)
-  np.testing.assert_array_equal(memory.to_numpy(again), packed)
-  stored = packed.astype(np.float64).reshape(-1, packed[0, 0].size)
-  np.testing.assert_allclose(memory.to_numpy(sums), stored.sum(0), rtol=1e-5, atol=1e-5 * np.abs(stored).sum(0).max())
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp32"])

@@ -524,31 +524,3 @@ def test_a_sum_the_norm_backward_cannot_make_is_left_to_fuse_wgrad(case):
   _, module, counts = _bias_grads(graph)
   back = next(op for op in ir.function(module).body.block.ops if op.name == "nova.layer_norm_backward")
   assert not back.attrs().get("bias_grad") and back.dx_sum is None
-
-
-def _attention_then_linear(widen=True):
-  """A self-attention's packed backward (B, L, 3, H, E) as its q, k, v projection's output gradient: that layer's
-  weight gradient and bias gradient (a sum over (B, L) of its (B, L, 3 H E) view, widened to float32)."""
-  b = Builder()
-  q, k, v, o, g = (b.input((2, 2, 8, 4), BF16) for _ in range(5))
-  h = b.input((2, 8, 5), BF16)
-  (packed,) = b("flash_attention_backward_packed", g, q, k, v, o, causal=True, scale=0.5)
-  rows = b("view", packed, shape=(2, 8, 24))
-  dw = b("matmul", b("permute", b("view", packed, shape=(16, 24)), dims=(1, 0)), b("view", h, shape=(16, 5)))
-  s = b("view", b("sum", rows, dims=(0, 1), keepdim=True, dtype=BF16), shape=(24,))
-  return b.output(packed, b("cast", dw, dtype=F32), b("cast", s, dtype=F32) if widen else s)
-
-
-@pytest.mark.parametrize("widen", [True, False])
-def test_the_attention_backward_sums_the_bias_gradient_of_its_projection(widen):
-  plain, module, counts = _bias_grads(_attention_then_linear(widen))
-  assert "sum" not in counts and counts.get("cast", 0) == (not widen), counts
-  back = next(op for op in ir.function(module).body.block.ops if op.name == "nova.flash_attention_backward_packed")
-  assert back.attrs()["bias_grad"] and len(back.results) == 2
-  rs = np.random.default_rng(3)
-  args = [rs.standard_normal(s).astype(BF16.np) for s in [(2, 2, 8, 4)] * 5 + [(2, 8, 5)]]
-  got, eager = _run(module, args), _run(plain, args)
-  np.testing.assert_array_equal(got[0], eager[0])
-  np.testing.assert_allclose(got[-1].astype(np.float64), eager[0].astype(np.float64).sum((0, 1)).reshape(-1),
-                             rtol=2 ** -7 if not widen else 1e-5, atol=1e-3 if not widen else 1e-5)
-  np.testing.assert_allclose(got[-1].astype(np.float64), eager[-1].astype(np.float64), rtol=2 ** -7, atol=1e-3)

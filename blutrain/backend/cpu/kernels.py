@@ -541,6 +541,11 @@ def _flash_attention_transposed(q, k, v, causal, scale, tf32=False):
   return np.ascontiguousarray(np.swapaxes(_flash_attention(q, k, v, causal, scale), 1, 2))
 
 
+def _flash_attention_backward_packed(g, q, k, v, out, causal, scale, tf32=False):
+  return np.ascontiguousarray(np.stack(_flash_attention_backward(g, q, k, v, out, causal, scale), 1)
+                              .transpose(0, 3, 1, 2, 4))
+
+
 def _flash_attention_lse(q, k, v, causal, scale, tf32=False):
   """Attention and the logsumexp of the scaled scores, packed (..., L, E + 1), in float32 (float64 for float64)."""
   acc = np.float64 if q.dtype == np.float64 else np.float32
@@ -675,6 +680,7 @@ kernels = {
   "cross_entropy_backward_with_stats": _cross_entropy_backward_with_stats,
   "cross_entropy_stats": _cross_entropy_stats, "cross_entropy_lse_backward": _cross_entropy_lse_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
+  "flash_attention_backward_packed": _flash_attention_backward_packed,
   "flash_attention_transposed": _flash_attention_transposed,
   "flash_attention_lse": _flash_attention_lse, "flash_attention_lse_backward": _flash_attention_lse_backward,
   "lstm_cell": _lstm_cell, "lstm_cell_backward": _lstm_cell_backward,
@@ -826,15 +832,6 @@ def _gemm(a, b, *xs, epilogue, dtype, tf32=False):
   return (y.astype(dtype.np), *saved)
 
 
-def _flash_attention_backward_packed(g, q, k, v, out, causal, scale, tf32=False, bias_grad=False):
-  """(dq, dk, dv) packed (B, L, 3, H, E) in q's dtype, then with `bias_grad` the sums over (B, L) of those values as
-  stored, in float32 (float64 for float64). Not upcast as a whole: the sums read the rounded gradient."""
-  grads = kernels["flash_attention_backward"](g, q, k, v, out, causal=causal, scale=scale)
-  packed = np.ascontiguousarray(np.stack(grads, 1).transpose(0, 3, 1, 2, 4), dtype=q.dtype)
-  acc = np.float64 if q.dtype == np.float64 else np.float32
-  return (packed,) + ((packed.astype(acc).sum((0, 1)).reshape(-1),) if bias_grad else ())
-
-
 def _weight_grad(a, b, *, dtype, bias_grad, tf32=False):
   """Nova's weight-gradient GEMM (`ops.linalg.weight_grad_op`): a @ b accumulated in float32 (float64 for float64)
   and stored in `dtype`, and with `bias_grad` the sums of a's rows, as the GPU's GEMM and its epilogue compute them."""
@@ -845,5 +842,5 @@ def _weight_grad(a, b, *, dtype, bias_grad, tf32=False):
 
 
 kernels |= {"adamw": _adamw, "sgd": _sgd, "sum_squares": _sum_squares, "scale": _scale, "gemm": _gemm,
-            "weight_grad": _weight_grad, "flash_attention_backward_packed": _flash_attention_backward_packed}
+            "weight_grad": _weight_grad}
 kernels |= collective.KERNELS  # the process group's own calls (backend/collective.py)

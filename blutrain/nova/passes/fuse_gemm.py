@@ -46,9 +46,8 @@ from xdsl.rewriter import InsertPoint
 
 from blutrain import configurator as cfg
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddOp, CastOp, FlashAttentionBackwardPackedOp, GeluBackwardOp, GeluOp, GemmOp,
-                                   LayerNormBackwardOp, MatmulOp, NovaOp, PermuteOp, SumOp, ViewOp, WeightGradOp, aval,
-                                   tensor_type)
+from blutrain.nova.dialect import (AddOp, CastOp, GeluBackwardOp, GeluOp, GemmOp, LayerNormBackwardOp, MatmulOp, NovaOp,
+                                   PermuteOp, SumOp, ViewOp, WeightGradOp, aval, tensor_type)
 from blutrain.nova.ir import function
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 from blutrain.ops.linalg import gemm_steps
@@ -248,11 +247,11 @@ def _bias_gradient(a: SSAValue, dtype, at) -> list | None:
     else None
 
 
-def _column_sums(op: SumOp, stored: SSAValue, row: int, dtypes_: tuple) -> list | None:
+def _column_sums(op: SumOp, stored: SSAValue, dtypes_: tuple) -> list | None:
   """The ops from sum `op` to a bias gradient in one of `dtypes_` (as `_chain`) when op sums the columns of `stored`
-  seen as rows of `row` elements (through row-major views whose last dim is `row`), None otherwise."""
-  x = aval(op.x.type)
-  if _base(op.x) is not stored or x.shape[-1:] != (row,): return None
+  (through row-major views whose last dim is stored's rows), None otherwise."""
+  x, rows = aval(op.x.type), aval(stored.type).shape[-1]
+  if _base(op.x) is not stored or x.shape[-1:] != (rows,): return None
   if tuple(op.attrs()["dims"]) != tuple(range(len(x.shape) - 1)): return None
   return next((c for d in dtypes_ if (c := _chain(op, d)) is not None), None)
 
@@ -285,7 +284,7 @@ class NormBiasGradientPattern(RewritePattern):
     if not isinstance(back, LayerNormBackwardOp) or back.dx_sum is not None or back.attrs()["n"] != 1: return
     stored = back.dx_cast or back.dx
     acc = dtypes.float64 if aval(back.x.type).dtype is dtypes.float64 else dtypes.float32
-    chain = _column_sums(op, stored, aval(stored.type).shape[-1], (acc, aval(stored.type).dtype))
+    chain = _column_sums(op, stored, (acc, aval(stored.type).dtype))
     if chain is None: return
     types = [None if v is None else v.type for v in back.graph_outputs()[:4]]
     new = LayerNormBackwardOp.make(back.graph_inputs(), {**back.attrs(), "bias_grad": True},
@@ -295,37 +294,12 @@ class NormBiasGradientPattern(RewritePattern):
     _sums_as(rewriter, new.dx_sum, chain, new)
 
 
-class AttentionBiasGradientPattern(RewritePattern):
-  """The bias gradient of a self-attention's q, k, v projection, whose output gradient the attention's backward writes
-  packed (B, L, 3, H, E): its kernels sum the blocks they store, and a small kernel adds those sums up.
-
-    %p = nova.flash_attention_backward_packed %g, %q, %k, %v, %o {...} : (...) -> tensor<2x8x3x4x16xbf16>
-    %t = nova.sum %pv {dims = array<i64: 0, 1>, ...} : (tensor<2x8x192xbf16>) -> tensor<192xbf16>   (%pv a view of %p)
-    %d = nova.cast %t {dtype = f32} : (tensor<192xbf16>) -> tensor<192xf32>
-      =>   %p, %d = nova.flash_attention_backward_packed %g, %q, %k, %v, %o {..., bias_grad = true} : (...)
-                    -> (tensor<2x8x3x4x16xbf16>, tensor<192xf32>)
-  """
-  @op_type_rewrite_pattern
-  def match_and_rewrite(self, op: SumOp, rewriter: PatternRewriter):
-    back = _base(op.x).owner
-    if not isinstance(back, FlashAttentionBackwardPackedOp) or back.attrs().get("bias_grad"): return
-    packed = aval(back.results[0].type)
-    acc = dtypes.float64 if packed.dtype is dtypes.float64 else dtypes.float32
-    chain = _column_sums(op, back.results[0], math.prod(packed.shape[2:]), (acc, packed.dtype))
-    if chain is None: return
-    new = FlashAttentionBackwardPackedOp.make(back.graph_inputs(), {**back.attrs(), "bias_grad": True},
-                                              [back.results[0].type, tensor_type((math.prod(packed.shape[2:]),), acc)])
-    rewriter.insert(new, InsertPoint.before(back))
-    rewriter.replace(back, [], [new.results[0]])
-    _sums_as(rewriter, new.results[1], chain, new)
-
-
 @dataclass(frozen=True)
 class FuseBiasGradientsPass(PatternPass):
   """Bias gradients summed by the kernels that write the output gradients they sum (the GPU's; before fuse-wgrad,
   which would otherwise take them into cuBLASLt's BGRADB epilogue, a second pass over the gradient)."""
   name = "fuse-bias-grads"
-  PATTERNS = (NormBiasGradientPattern(), AttentionBiasGradientPattern())
+  PATTERNS = (NormBiasGradientPattern(),)
 
 
 class WeightGradientPattern(RewritePattern):

@@ -221,9 +221,8 @@ class PackedAttentionGradientPattern(RewritePattern):
       back = b
       chain += [view, p]
     if len(aval(back.q.type).shape) != 4 or not back.k.type == back.v.type == back.q.type: return
-    packed = FlashAttentionBackwardPackedOp.make([back.g, back.q, back.k, back.v, back.out], back.attrs(),
-                                                 [op.result.type])
-    rewriter.replace(op, packed)
+    rewriter.replace(op, FlashAttentionBackwardPackedOp.make([back.g, back.q, back.k, back.v, back.out], back.attrs(),
+                                                             [op.result.type]))
     for dead in (*chain, back): rewriter.erase(dead)  # read by the cat alone: nothing else runs them
 
 

@@ -172,11 +172,10 @@ def _lse_blocks(l_i, m_i, q, k_base, skn, offs_m, offs_d, S, D, qk_scale, lo, hi
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, DLSE, SUM, qk_scale, sm_scale, L, S, D,
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, DLSE, qk_scale, sm_scale, L, S, D,
                  sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som, sgz, sgh, sgm, sdz, sdh, sdm,
                  CAUSAL: tl.constexpr, HAVE_LSE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr,
-                 SUMS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr):
   start_m = _query_block(CAUSAL)
   h, z = tl.program_id(1), tl.program_id(2)
   H = tl.num_programs(1)
@@ -214,10 +213,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, DLSE, SUM, qk_scale, sm_scale, 
                   False, CAUSAL, EVEN_D, BLOCK_N, PRECISION)
   dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d, S, D, qk_scale, free, end,
                   True, CAUSAL, EVEN_D, BLOCK_N, PRECISION)
-  dq = (dq * sm_scale).to(DQ.dtype.element_ty)
-  _store(DQ + z64 * sdz + h64 * sdh + offs_m[:, None] * sdm + offs_d[None, :], dq, offs_m, L, offs_d, D, not EVEN_D)
-  if SUMS:  # this block's sums of dq as stored, row (z, block) of (Z, blocks, H, D)
-    _block_sums(SUM + ((z64 * tl.num_programs(0) + start_m) * H + h64) * D, dq, offs_m, L, offs_d, D)
+  _store(DQ + z64 * sdz + h64 * sdh + offs_m[:, None] * sdm + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+         offs_m, L, offs_d, D, not EVEN_D)
 
 
 @triton.jit
@@ -243,10 +240,10 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, LSE_row, DELTA_row, sqm, sgm, of
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, SUM, qk_scale, sm_scale, L, S, D,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, sm_scale, L, S, D,
                    sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sgz, sgh, sgm, sdz, sdh, sdn,
                    CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SUMS: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
   start_n = tl.program_id(0)
   h, z = tl.program_id(1), tl.program_id(2)
   H = tl.num_programs(1)
@@ -270,38 +267,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, SUM, qk_scale, sm_scale, L, 
   dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, LSE_row, DELTA_row, sqm, sgm, offs_n, offs_d, L, D, qk_scale,
                         free, L, False, EVEN_D, BLOCK_M, PRECISION)
   dkv_off = z64 * sdz + h64 * sdh + offs_n[:, None] * sdn + offs_d[None, :]
-  dk, dv = (dk * sm_scale).to(DK.dtype.element_ty), dv.to(DV.dtype.element_ty)
-  _store(DK + dkv_off, dk, offs_n, S, offs_d, D, not EVEN_D)
-  _store(DV + dkv_off, dv, offs_n, S, offs_d, D, not EVEN_D)
-  if SUMS:  # this block's sums of dk and dv as stored, row (z, block) of (Z, blocks, 2, H, D)
-    row = SUM + ((z64 * tl.num_programs(0) + start_n) * 2 * H + h64) * D
-    _block_sums(row, dk, offs_n, S, offs_d, D)
-    _block_sums(row + H * D, dv, offs_n, S, offs_d, D)
-
-
-@triton.jit
-def _block_sums(ptr, x, rows, n_rows, cols, n_cols):
-  """ptr[cols] = the float32 sums of x's rows that are below n_rows (columns below n_cols)."""
-  tl.store(ptr + cols, tl.sum(tl.where(rows[:, None] < n_rows, x.to(tl.float32), 0.0), 0), mask=cols < n_cols)
-
-
-@triton.jit
-def _packed_sums_kernel(out, q_parts, kv_parts, PQ, PKV, HD, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-  """out[c] for c in [0, 3 HD) = the sums over the rows of q_parts (PQ rows of HD) for c < HD, else of kv_parts (PKV
-  rows of 2 HD) at c - HD: the packed gradient's sums over (B, L), in the order q, k, v."""
-  cs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-  acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
-  if tl.program_id(0) * BLOCK_C < HD:
-    for p0 in range(0, PQ, BLOCK_P):
-      ps = p0 + tl.arange(0, BLOCK_P)
-      acc += tl.load(q_parts + ps[:, None] * HD + cs[None, :], mask=(ps < PQ)[:, None] & (cs < HD)[None, :], other=0)
-  if (tl.program_id(0) + 1) * BLOCK_C > HD:
-    kv = (cs >= HD) & (cs < 3 * HD)
-    for p0 in range(0, PKV, BLOCK_P):
-      ps = p0 + tl.arange(0, BLOCK_P)
-      acc += tl.load(kv_parts + ps[:, None] * 2 * HD + (cs - HD)[None, :], mask=(ps < PKV)[:, None] & kv[None, :],
-                     other=0)
-  tl.store(out + cs, tl.sum(acc, 0), mask=cs < 3 * HD)
+  _store(DK + dkv_off, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, S, offs_d, D, not EVEN_D)
+  _store(DV + dkv_off, dv.to(DV.dtype.element_ty), offs_n, S, offs_d, D, not EVEN_D)
 
 
 # *** configuration and variants ***
@@ -310,22 +277,21 @@ def _precision(dtype: DType, tf32: bool) -> str:
   return "tf32x3" if dtype is dtypes.float32 and not tf32 else "tf32"
 
 
-_PTRS = {"fwd": "Q K V O LSE", "dq": "Q K V O DO DQ LSE DELTA DLSE SUM", "dkdv": "Q K V DO DK DV LSE DELTA SUM"}
+_PTRS = {"fwd": "Q K V O LSE", "dq": "Q K V O DO DQ LSE DELTA DLSE", "dkdv": "Q K V DO DK DV LSE DELTA"}
 _FNS = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv}
 
 
 @functools.lru_cache(maxsize=None)
 def attention_spec(kernel: str, dtype: DType, head_dim: int, causal: bool, precision: str = "tf32",
-                   aligned: bool = True, have_lse: bool = True, packed: bool = False, sums: bool = False) -> Spec:
+                   aligned: bool = True, have_lse: bool = True, packed: bool = False) -> Spec:
   """The variant of `kernel` ("fwd", "dq", "dkdv"); `aligned` promises 16-divisible pointers and strides (but for the
   packed forward's output, of rows D + 1 wide: never promised); `packed`: flash_attention_lse's (the forward writes a
-  float32 output with the logsumexp in column D, dq takes dlse); `sums`: the backward's kernels also write each
-  block's column sums of what they store (a bias gradient's partial sums)."""
+  float32 output with the logsumexp in column D, dq takes dlse)."""
   block_d = max(16, next_pow2(head_dim))
   bm, bn, warps, stages = attention_schedule(kernel, dtype.itemsize, block_d)
   packed_out = packed and kernel == "fwd"
   div = lambda name: ":16" if aligned and not (packed_out and name in ("O", "soz", "soh", "som")) else ""
-  fp32 = ("LSE", "DELTA", "DLSE", "SUM") + (("O",) if packed_out else ())
+  fp32 = ("LSE", "DELTA", "DLSE") + (("O",) if packed_out else ())
   sig = {name: ("*fp32" if name in fp32 else "*" + TY[dtype]) + div(name) for name in _PTRS[kernel].split()}
   sig |= {"qk_scale": "fp32", "L": "i32", "S": "i32", "D": "i32"} | ({} if kernel == "fwd" else {"sm_scale": "fp32"})
   for name in _FNS[kernel].arg_names:
@@ -334,7 +300,6 @@ def attention_spec(kernel: str, dtype: DType, head_dim: int, causal: bool, preci
             "PRECISION": precision}
   if kernel == "dq": consts["HAVE_LSE"] = have_lse
   if kernel != "dkdv": consts["PACKED"] = packed
-  if kernel != "fwd": consts["SUMS"] = sums
   return spec(_FNS[kernel], sig, consts, num_warps=warps, num_stages=stages)
 
 
@@ -446,8 +411,8 @@ def flash_attention_lse(q: CudaArray, k: CudaArray, v: CudaArray, causal: bool, 
 
 
 def _backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray, causal: bool, scale: float,
-              tf32: bool, glse: CudaArray | None, packed_into: CudaArray | None = None,
-              sums: CudaArray | None = None) -> tuple[CudaArray, CudaArray, CudaArray]:
+              tf32: bool, glse: CudaArray | None, packed_into: CudaArray | None = None
+              ) -> tuple[CudaArray, CudaArray, CudaArray]:
   _check(q, k, v)
   nb, (L, D), S = q.ndim - 2, q.shape[-2:], k.shape[-2]
   lse = (_recall(out, _lse_key(out, k, causal, scale)) if glse is None else
@@ -471,17 +436,12 @@ def _backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaA
   prec = _precision(q.dtype, tf32)
   vectors = aligned((q, k, v, out, g, dq, dk, dv, lse, delta, *((glse,) if packed else ())),
                     sq + sk + sv + so + sg + sdq + sdk)
-  s_dq = attention_spec("dq", q.dtype, D, causal, prec, vectors, have_lse, packed, sums is not None)
-  s_kv = attention_spec("dkdv", q.dtype, D, causal, prec, vectors, sums=sums is not None)
-  blocks_q, blocks_kv = cdiv(L, s_dq[2]["BLOCK_M"]), cdiv(S, s_kv[2]["BLOCK_N"])
-  parts = [delta, delta]
-  if sums is not None: parts = [empty((Z * n * H * D,), dtypes.float32, q.device) for n in (blocks_q, 2 * blocks_kv)]
-  run(s_dq, (blocks_q, H, Z), q, k, v, out, g, dq, lse, delta, glse if packed else delta, parts[0], scale * _LOG2E,
+  s = attention_spec("dq", q.dtype, D, causal, prec, vectors, have_lse, packed)
+  run(s, (cdiv(L, s[2]["BLOCK_M"]), H, Z), q, k, v, out, g, dq, lse, delta, glse if packed else delta, scale * _LOG2E,
       scale, L, S, D, *sq, *sk, *sv, *so, *sg, *sdq)
-  run(s_kv, (blocks_kv, H, Z), q, k, v, g, dk, dv, lse, delta, parts[1], scale * _LOG2E, scale, L, S, D,
+  s = attention_spec("dkdv", q.dtype, D, causal, prec, vectors)
+  run(s, (cdiv(S, s[2]["BLOCK_N"]), H, Z), q, k, v, g, dk, dv, lse, delta, scale * _LOG2E, scale, L, S, D,
       *sq, *sk, *sv, *sg, *sdk)
-  if sums is not None:
-    run(packed_sums_spec(), (cdiv(3 * H * D, SUMS_BLOCK_C),), sums, *parts, Z * blocks_q, Z * blocks_kv, H * D)
   return dq, dk, dv
 
 
@@ -492,17 +452,13 @@ def flash_attention_backward(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaAr
 
 
 def flash_attention_backward_packed(g: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray, out: CudaArray,
-                                    causal: bool, scale: float, tf32: bool = False,
-                                    bias_grad: bool = False) -> tuple[CudaArray, ...]:
+                                    causal: bool, scale: float, tf32: bool = False) -> CudaArray:
   """The self-attention's (dq, dk, dv) as one new (B, L, 3, H, D) array, which the kernels write in place (the
-  projection's gradient, with no concatenation), and with `bias_grad` its float32 sums over (B, L) (the projection's
-  bias gradient): each program of the two kernels sums the block it stores, and a third kernel adds the blocks'
-  sums up (in a fixed order: the same bits on every run)."""
+  projection's gradient, with no concatenation)."""
   B, H, L, D = q.shape
   packed = empty((B, L, 3, H, D), q.dtype, q.device)
-  sums = empty((3 * H * D,), dtypes.float32, q.device) if bias_grad else None
-  _backward(g, q, k, v, out, causal, scale, tf32, None, packed, sums)
-  return (packed,) + ((sums,) if bias_grad else ())
+  _backward(g, q, k, v, out, causal, scale, tf32, None, packed)
+  return packed
 
 
 def flash_attention_lse_backward(g: CudaArray, glse: CudaArray, q: CudaArray, k: CudaArray, v: CudaArray,
@@ -512,16 +468,6 @@ def flash_attention_lse_backward(g: CudaArray, glse: CudaArray, q: CudaArray, k:
   output `out` in q's dtype; the logsumexp is the forward's (kept under q), else recomputed by the dq kernel (a cheap
   pass: no P V product)."""
   return _backward(g, q, k, v, out, causal, scale, tf32, glse)
-
-
-SUMS_BLOCK_P, SUMS_BLOCK_C = 32, 64  # the blocks' sums added up: 2048-element tiles, 4 warps, 3 H D / 64 programs
-
-
-@functools.lru_cache(maxsize=None)
-def packed_sums_spec() -> Spec:
-  """The kernel adding up the backward's per-block sums of the packed gradient."""
-  sig = {"out": "*fp32:16", "q_parts": "*fp32:16", "kv_parts": "*fp32:16", "PQ": "i32", "PKV": "i32", "HD": "i32"}
-  return spec(_packed_sums_kernel, sig, {"BLOCK_P": SUMS_BLOCK_P, "BLOCK_C": SUMS_BLOCK_C}, num_warps=4)
 
 
 def _specs() -> list[Spec]:
@@ -542,9 +488,6 @@ def _specs() -> list[Spec]:
           attention_spec("dq", dtypes.bfloat16, 64, True, have_lse=False, packed=True),
           attention_spec("dq", dtypes.bfloat16, 64, True, packed=True),
           attention_spec("dq", dtypes.float32, 64, False, "tf32x3", aligned=False, have_lse=False, packed=True)]
-  out += [attention_spec("dq", dtypes.bfloat16, 64, True, sums=True), attention_spec("dkdv", dtypes.bfloat16, 64, True, sums=True),
-          attention_spec("dq", dtypes.float32, 80, False, "tf32", aligned=False, sums=True),  # fuse-bias-grads
-          attention_spec("dkdv", dtypes.float32, 80, False, "tf32", aligned=False, sums=True), packed_sums_spec()]
   return out
 
 
