@@ -417,7 +417,9 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
                   + the epilogue's extra traffic (tensors read, values saved) / (bandwidth * STREAM_SHARE)
                   + E * NOVA_STEP_S[step] per step (its arithmetic, measured)
   cuBLASLt's epilogue does the bias (rounding once, with half operands, where eager mode rounds twice); its GELU
-  epilogues are the tanh form and its bias gradients are not wired, so every other step is a kernel of its own. A saved pre-activation
+  epilogues are the tanh form and its bias gradients are not wired, so every other step is a kernel of its own. A
+  final "bias_grad" (the output's column sums) costs a reduction over the output (E * out / bandwidth + a launch),
+  but on cuBLASLt's path after a GELU backward, whose kernel sums as it stores (a launch for its partial sums). A saved pre-activation
   costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads. Float32 products
   without TF32 stay on cuBLASLt whatever the times say: its SGEMM is eager mode's float32 arithmetic, which the
   synthesized 3xTF32 GEMM only approximates (to float32's error).
@@ -433,6 +435,8 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
   lay = layout_class(p.a_kmajor, p.b_kmajor)
   nova_rate = (hw.tf32_flops * CUBLAS_EFFICIENCY["tf32"] * NOVA_VS_CUBLAS["tf32", lay] / 3 if kind == "fp32" else
                cublas_rate * NOVA_VS_CUBLAS[kind, lay])
+  sums = steps[-1:] == ("bias_grad",)
+  steps = steps[:-1] if sums else steps
   cublas_epi = ("bias",) if steps[:1] == ("bias",) else ()
   separate = tuple(s for s in steps[len(cublas_epi):] if s != "save")
   sizes = dict(zip([s for s in steps if s in GEMM_TENSOR_STEPS], extra_itemsizes))
@@ -441,8 +445,11 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
     reads = item + (sizes.get(s, item) if s in ("residual", "gelu_backward", "gelu_backward_tanh") else 0)
     kernels += E * (reads + (out if s == separate[-1] else item)) / bw + LAUNCH_S
   epilogue = sum(E * sizes[s] for s in sizes if s != "bias") + E * item * steps.count("save")
-  cublas = max(flops / cublas_rate, compulsory) + LAUNCH_S + kernels
+  reduction = (E * out / bw + LAUNCH_S) * sums
+  summed = sums and separate[-1:] in (("gelu_backward",), ("gelu_backward_tanh",))
+  cublas = max(flops / cublas_rate, compulsory) + LAUNCH_S + kernels + (LAUNCH_S * sums if summed else reduction)
   nova = max(flops / nova_rate, compulsory) + LAUNCH_S + epilogue / bw + E * sum(NOVA_STEP_S.get(s, 0.0) for s in steps)
+  nova += reduction
   faster = "nova" if nova < cublas and kind != "fp32" else "cublas"  # float32 without TF32: eager's SGEMM arithmetic
   return GemmChoice(faster, cublas, nova, cublas_epi, separate)
 
@@ -520,6 +527,29 @@ def split_rule(m_blocks: int, N: int, block_n: int, hw: Hardware = H200) -> int:
   tiles long (so partial results stay a small fraction of the traffic); 1 when M alone fills the GPU."""
   if m_blocks >= hw.sms: return 1
   return max(1, min(cdiv(2 * hw.sms, m_blocks), N // (8 * block_n)))
+
+
+class ColumnSums(NamedTuple):
+  """A pointwise kernel that also sums its output's columns: its tile, warps, rows per program, tiles in flight."""
+  block_m: int
+  block_n: int
+  warps: int
+  rows: int
+  stages: int
+
+
+def column_sums_schedule(M: int, N: int, sms: int) -> ColumnSums:
+  """The schedule of a pointwise op over M rows of N that also writes the column sums of its result (GELU's backward
+  with a bias gradient): tiles of 4096 elements at 8 warps (16 a thread), up to 256 columns wide; each program walks
+  one column block down an equal run of rows, keeping a [BLOCK_M, BLOCK_N] float32 accumulator it reduces once at the
+  end (a cross-thread sum per tile would cost more than the tile's arithmetic), and writes one partial row. The rows
+  are split so that about four programs run per SM, which keeps the partial rows (programs x N floats, summed by a
+  reduction) under 1 % of the traffic. GPT-2's 16384 x 3072: 12 column blocks of 256, 44 runs of 384 rows."""
+  bn = min(next_pow2(N), 256)
+  bm = max(1, 4096 // bn)
+  runs = max(1, cdiv(4 * sms, cdiv(N, bn)))
+  rows = cdiv(cdiv(M, runs), bm) * bm
+  return ColumnSums(bm, bn, 8, rows, REDUCE_STAGES)
 
 
 ONE_PASS_MAX = 8192  # elements of a row held in registers at once (32 per thread at 8 warps)

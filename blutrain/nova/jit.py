@@ -219,6 +219,12 @@ def cuda_graphs_enabled() -> bool:
   return os.environ.get("BLUTRAIN_CUDA_GRAPHS", "1") != "0"
 
 
+def _position(sources: list, source) -> int:
+  """Where `source` is in `sources`, by identity: sources compare what they refer to (`list.index` would compare a
+  gradient's parameter with others elementwise)."""
+  return next(i for i, s in enumerate(sources) if s is source)
+
+
 class GraphExecutable(Executable):
   """A compiled GPU step replayed as one CUDA graph.
 
@@ -277,7 +283,7 @@ class GraphExecutable(Executable):
     outs = self.fn(*self.static)
     given = {id(a) for a in self.static}
     for (kind, where), arr in zip(self.spec, outs):
-      if kind == "write" and id(arr) not in given: memory.copy_into(self.static[self.sources.index(where)], arr)
+      if kind == "write" and id(arr) not in given: memory.copy_into(self.static[_position(self.sources, where)], arr)
     return outs
 
   def planned_peak(self) -> int:
@@ -345,7 +351,7 @@ class GraphExecutable(Executable):
     if self.replay is None:  # what every call after a replay does, found once: NOTE: walking the spec (an entry
       # per parameter and optimizer state) and the static buffers' memories each call took a third of the host path
       kept = [i for i, (kind, where) in enumerate(self.spec) if kind == "write" and isinstance(where, Ref)]
-      self.replay = ([(where, static[self.sources.index(where)]) for kind, where in self.spec
+      self.replay = ([(where, static[_position(self.sources, where)]) for kind, where in self.spec
                       if kind == "write" and isinstance(where, Arg)], frozenset(_memory(a) for a in static),
                      [self.spec[i][1].storage for i in kept], sorted(set(range(len(self.spec))) - set(kept)))
     arg_writes, owned, updated, entries = self.replay
@@ -519,8 +525,7 @@ class Compiled:
     for p, g in saved_grads:  # a gradient the capture replaced by a traced one (DDP's bucket views) is an output;
       if p.grad is not None and type(p.grad._storage.data) is Traced: p.grad = g  # the first run reads the old one
     capture_s = time.perf_counter() - t0
-    written = {k: next(j for j, s in enumerate(trace.sources) if s is where)
-               for k, (kind, where) in enumerate(spec) if kind == "write"}
+    written = {k: _position(trace.sources, where) for k, (kind, where) in enumerate(spec) if kind == "write"}
     from blutrain.nova.remat import step_budget
     # the tensors a graph creates are copied out of its arena at its end (on the GPU): the plan leaves room for them
     created_bytes = sum(t.numel() * t.dtype.itemsize for t in created)

@@ -38,7 +38,7 @@ matmul_op = op("matmul", _matmul_rule, _matmul_vjp, inputs="a b", attrs="tf32:bo
 
 # A GEMM with its epilogue, made only by Nova's fuse-gemm pass (nova/passes/fuse_gemm.py) out of a matmul and the ops
 # that follow it, never by user code: it computes exactly what those ops computed, rounding where they rounded.
-GEMM_STEPS = ("bias", "gelu", "gelu_tanh", "save", "residual", "gelu_backward", "gelu_backward_tanh")
+GEMM_STEPS = ("bias", "gelu", "gelu_tanh", "save", "residual", "gelu_backward", "gelu_backward_tanh", "bias_grad")
 GEMM_TENSORS = ("bias", "residual", "gelu_backward", "gelu_backward_tanh")  # steps reading a tensor, one each
 
 
@@ -52,7 +52,9 @@ def _gemm_rule(a, b, *xs, epilogue, dtype, tf32=False):
   replaces did: "bias" (+ xs[i] of shape (N,)), "gelu"/"gelu_tanh", "save" (y becomes the second output, in a's
   dtype; once, not last),
   and last "residual" (+ xs[i] of y's shape) or "gelu_backward"/"_tanh" (y * gelu'(xs[i]), xs[i] of y's shape), which
-  round to `dtype`, the output's. Outputs: the result, then the saved value if any."""
+  round to `dtype`, the output's; after all of them "bias_grad" (made by fuse-bias-grads, on the GPU) also sums the
+  output as stored over all dims but the last, in float32 (float64 for float64). Outputs: the result, then the saved
+  value if any, then the sums."""
   shape, t = _matmul_rule(a, b)
   steps = gemm_steps(epilogue)
   if bad := [s for s in steps if s not in GEMM_STEPS]:
@@ -66,11 +68,15 @@ def _gemm_rule(a, b, *xs, epilogue, dtype, tf32=False):
       raise ShapeError(f"gemm: the {s} step reads a floating tensor of shape {want}, got {x.dtype.name}{list(x.shape)}")
   if steps.count("save") > 1 or steps[-1:] == ("save",):
     raise ShapeError(f"gemm: an epilogue saves at most one value, before a step that follows it; got {epilogue!r}")
+  sums = steps[-1:] == ("bias_grad",)
+  if "bias_grad" in steps[:-1]: raise ShapeError(f"gemm: bias_grad may only end an epilogue, got {epilogue!r}")
+  steps = steps[:-1] if sums else steps
   if any(s in ("residual", "gelu_backward", "gelu_backward_tanh") for s in steps[:-1]):
     raise ShapeError(f"gemm: residual and gelu_backward may only end an epilogue, got {epilogue!r}")
   if dtype is not t and (not steps or steps[-1] not in ("residual", "gelu_backward", "gelu_backward_tanh")):
     raise ShapeError(f"gemm: only a final residual or gelu_backward step may change the dtype ({t.name} -> {dtype.name})")
-  return [(shape, dtype)] + [(shape, t)] * steps.count("save")
+  acc = dtypes.float64 if dtype is dtypes.float64 else dtypes.float32
+  return [(shape, dtype)] + [(shape, t)] * steps.count("save") + [(shape[-1:], acc)] * sums
 
 
 gemm_op = op("gemm", _gemm_rule, multi=True, inputs="a b *xs", attrs="epilogue:str dtype:dtype tf32:bool?")

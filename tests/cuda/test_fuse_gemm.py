@@ -28,7 +28,8 @@ def _cache(tmp_path, monkeypatch):
 
 CASES = [("bias", [(96,)], None), ("bias,gelu", [(96,)], None), ("bias,save,gelu_tanh", [(96,)], None),
          ("bias,residual", [(96,), (3, 40, 96)], F32), ("gelu", [], None), ("residual", [(3, 40, 96)], None),
-         ("gelu_backward", [(3, 40, 96)], None), ("gelu_backward_tanh", [(3, 40, 96)], None)]
+         ("gelu_backward", [(3, 40, 96)], None), ("gelu_backward_tanh", [(3, 40, 96)], None),
+         ("gelu_backward,bias_grad", [(3, 40, 96)], None), ("residual,bias_grad", [(3, 40, 96)], None)]
 
 
 @pytest.mark.parametrize("path", ["cublas", "nova"])
@@ -44,11 +45,34 @@ def test_both_paths_compute_the_cpu_kernel(epilogue, shapes, out, dtype, path):
                      tf32=True)
   got = cuda["gemm"](place(a, dtype, "n"), place(np.swapaxes(w, 0, 1), dtype, "t"),
                      *(memory.from_numpy(x) for x in xs), epilogue=epilogue, dtype=out, tf32=True, path=path)
-  assert len(got) == len(want) == 1 + epilogue.split(",").count("save")
-  for g, e in zip(got, want):
+  sums = epilogue.endswith("bias_grad")
+  assert len(got) == len(want) == 1 + epilogue.split(",").count("save") + sums
+  for g, e in zip(got[:len(got) - sums], want):
     assert g.dtype is (out if g is got[0] else dtype) and g.shape == e.shape
     e = e.astype(np.float64)
     assert np.abs(host(g) - e).max() <= BOUNDS[dtype] * np.abs(e).max(), (epilogue, path)
+  if sums:  # the output's column sums as stored, in float32 (the GELU backward's kernel or a reduction)
+    stored = host(got[0]).astype(np.float64).reshape(-1, 96)
+    assert got[-1].dtype is F32 and got[-1].shape == (96,)
+    np.testing.assert_allclose(host(got[-1]), stored.sum(0), rtol=1e-5, atol=1e-5 * np.abs(stored).sum(0).max())
+
+
+@pytest.mark.parametrize("shape", [(16384, 3072), (3, 100, 96), (7, 33)], ids=str)
+@pytest.mark.parametrize("dtype, approximate", [(BF16, "none"), (F32, "tanh"), (dtypes.float16, "none")], ids=str)
+def test_gelu_backward_with_column_sums_stores_the_elementwise_kernels_bits(shape, dtype, approximate):
+  """reduce.gelu_backward_sums (fuse-bias-grads' GELU backward): dx bit for bit the elementwise kernel's, and the
+  float32 sums of dx as stored over all dims but the last; strided operands take the elementwise kernel too."""
+  from blutrain.backend.cuda.kernels import reduce
+  rs = np.random.default_rng(5)
+  g, x = ((rs.standard_normal(shape) * 2).astype(dtype.np) for _ in range(2))
+  g = memory.from_numpy(g)
+  want = host(cuda["gelu_backward"](g, memory.from_numpy(x), approximate=approximate))
+  for mode in ("n", "t"):
+    dx, sums = reduce.gelu_backward_sums(g, place(x, dtype, mode), approximate)
+    np.testing.assert_array_equal(host(dx), want)
+    stored = want.astype(np.float64).reshape(-1, shape[-1])
+    assert sums.dtype is F32 and sums.shape == shape[-1:]
+    np.testing.assert_allclose(host(sums), stored.sum(0), rtol=1e-5, atol=1e-5 * np.abs(stored).sum(0).max())
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])

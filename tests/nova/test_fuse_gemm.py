@@ -12,6 +12,7 @@ from blutrain.models import GPT, GPTConfig
 from blutrain.nn import functional as F
 from blutrain.nova import codegen, ir, remat
 from blutrain.nova.dialect import GemmOp, WeightGradOp
+from blutrain.shapes import ShapeError
 from blutrain.nova.passes import DCEPass, FuseBiasGradientsPass, FuseGemmPass, FuseWeightGradientsPass
 from blutrain.nova.passes.fuse_gemm import gemm_choice, gemm_report
 from blutrain.nova.pipeline import compile_graph, op_counts, optimize
@@ -524,3 +525,55 @@ def test_a_sum_the_norm_backward_cannot_make_is_left_to_fuse_wgrad(case):
   _, module, counts = _bias_grads(graph)
   back = next(op for op in ir.function(module).body.block.ops if op.name == "nova.layer_norm_backward")
   assert not back.attrs().get("bias_grad") and back.dx_sum is None
+
+
+def _gelu_backward_then_sum(widen=True, epilogue="gelu_backward"):
+  """An MLP's backward through its GELU as fuse-gemm leaves it (the GELU backward in the next layer's data-gradient
+  gemm), and its first layer's bias gradient: a sum over (B, L) of the gemm's output."""
+  b = Builder()
+  g, w, h = b.input((4, 8, 16), BF16), b.input((16, 32), BF16), b.input((4, 8, 32), BF16)
+  (d,) = b("gemm", g, w, h, epilogue=epilogue, dtype=BF16)
+  s = b("sum", d, dims=(0, 1), keepdim=False, dtype=BF16)
+  return b.output(d, b("cast", s, dtype=F32) if widen else s)
+
+
+@pytest.mark.parametrize("widen", [True, False])
+def test_the_gelu_backward_gemm_sums_the_bias_gradient_of_the_layer_before(widen):
+  plain, module, counts = _bias_grads(_gelu_backward_then_sum(widen))
+  assert "sum" not in counts and counts.get("cast", 0) == (not widen), counts
+  (g,) = [op for op in ir.function(module).body.block.ops if isinstance(op, GemmOp)]
+  assert g.attrs()["epilogue"] == "gelu_backward,bias_grad" and len(g.results) == 2
+  rs = np.random.default_rng(4)
+  args = [rs.standard_normal(s).astype(BF16.np) for s in ((4, 8, 16), (16, 32), (4, 8, 32))]
+  got, eager = _run(module, args), _run(plain, args)
+  np.testing.assert_array_equal(got[0], eager[0])
+  np.testing.assert_allclose(got[-1].astype(np.float64), eager[0].astype(np.float64).sum((0, 1)),
+                             rtol=1e-5 if widen else 2 ** -7, atol=1e-5 if widen else 1e-3)
+  np.testing.assert_allclose(got[-1].astype(np.float64), eager[-1].astype(np.float64), rtol=2 ** -7, atol=1e-3)
+
+
+def test_a_gemm_without_a_gelu_backward_leaves_its_bias_gradient_to_fuse_wgrad():
+  _, module, counts = _bias_grads(_gelu_backward_then_sum(epilogue="residual"))
+  assert counts["sum"] == 1 and [op.attrs()["epilogue"] for op in ir.function(module).body.block.ops
+                                 if isinstance(op, GemmOp)] == ["residual"]
+
+
+def test_the_bias_grad_step_ends_an_epilogue():
+  b = Builder()
+  g, w, h = b.input((8, 16), BF16), b.input((16, 32), BF16), b.input((8, 32), BF16)
+  with pytest.raises(ShapeError, match="bias_grad may only end"):
+    b("gemm", g, w, h, epilogue="bias_grad,gelu_backward", dtype=BF16)
+  assert [(v.shape, v.dtype) for v in b("gemm", g, w, h, epilogue="gelu_backward,bias_grad", dtype=BF16)] == \
+         [((8, 32), BF16), ((32,), F32)]
+
+
+def test_the_configurator_prices_the_summed_gelu_backward_below_a_reduction():
+  """On cuBLASLt's path the GELU backward's kernel sums as it stores (a launch for its partial sums); after the
+  synthesized GEMM, or any other last step, the sums cost a reduction over the output."""
+  p = cfg.GemmProblem(16384, 3072, 768, 1, 2, 2, "", True, False)
+  plain = cfg.gemm_choice(p, ("gelu_backward",), [2])
+  summed = cfg.gemm_choice(p, ("gelu_backward", "bias_grad"), [2])
+  assert summed.cublas_s - plain.cublas_s == pytest.approx(cfg.LAUNCH_S)
+  reduction = 16384 * 3072 * 2 / (cfg.H200.hbm_bandwidth * cfg.STREAM_SHARE) + cfg.LAUNCH_S
+  assert summed.nova_s - plain.nova_s == pytest.approx(reduction)
+  assert cfg.gemm_choice(p, ("bias_grad",)).cublas_s - cfg.gemm_choice(p, ()).cublas_s == pytest.approx(reduction)

@@ -818,18 +818,22 @@ _adamw.writes_out = _sgd.writes_out = _scale.writes_out = True
 
 def _gemm(a, b, *xs, epilogue, dtype, tf32=False):
   """Nova's fused GEMM (`ops.linalg.gemm_op`): the kernels of the ops it replaces, one after another, each result
-  rounded to that op's dtype, so a compiled step equals eager mode exactly."""
-  t, xs = a.dtype, iter(xs)
+  rounded to that op's dtype, so a compiled step equals eager mode exactly; a final "bias_grad" also returns the
+  float32 (float64) sums of the output over all its dims but the last."""
+  t, xs, steps = a.dtype, iter(xs), epilogue.split(",") if epilogue else []
+  sums = steps[-1:] == ["bias_grad"]
   y = kernels["matmul"](a, b, tf32=tf32).astype(t)
   saved = []
-  for step in epilogue.split(",") if epilogue else ():
+  for step in steps[:-1] if sums else steps:
     if step == "save": saved.append(y)
     elif step == "bias": y = kernels["add"](y, next(xs)).astype(t)
     elif step.startswith("gelu_backward"):
       y = kernels["gelu_backward"](y, next(xs), approximate="tanh" if step.endswith("tanh") else "none")
     elif step.startswith("gelu"): y = kernels["gelu"](y, approximate="tanh" if step.endswith("tanh") else "none").astype(t)
     else: y = kernels["add"](y, next(xs))
-  return (y.astype(dtype.np), *saved)
+  y = y.astype(dtype.np)
+  if not sums: return (y, *saved)
+  return (y, *saved, y.astype(np.float64 if y.dtype == np.float64 else np.float32).sum(tuple(range(y.ndim - 1))))
 
 
 def _weight_grad(a, b, *, dtype, bias_grad, tf32=False):

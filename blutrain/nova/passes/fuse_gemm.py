@@ -249,9 +249,9 @@ def _bias_gradient(a: SSAValue, dtype, at) -> list | None:
 
 def _column_sums(op: SumOp, stored: SSAValue, dtypes_: tuple) -> list | None:
   """The ops from sum `op` to a bias gradient in one of `dtypes_` (as `_chain`) when op sums the columns of `stored`
-  (through row-major views whose last dim is stored's rows), None otherwise."""
-  x, rows = aval(op.x.type), aval(stored.type).shape[-1]
-  if _base(op.x) is not stored or x.shape[-1:] != (rows,): return None
+  (through row-major views whose last dim is stored's last), None otherwise."""
+  x, row = aval(op.x.type), aval(stored.type).shape[-1]
+  if _base(op.x) is not stored or x.shape[-1:] != (row,): return None
   if tuple(op.attrs()["dims"]) != tuple(range(len(x.shape) - 1)): return None
   return next((c for d in dtypes_ if (c := _chain(op, d)) is not None), None)
 
@@ -294,12 +294,38 @@ class NormBiasGradientPattern(RewritePattern):
     _sums_as(rewriter, new.dx_sum, chain, new)
 
 
+class GeluBackwardBiasGradientPattern(RewritePattern):
+  """The bias gradient of an MLP's first linear layer, whose output gradient the GELU backward in the next layer's
+  data-gradient GEMM writes: the gemm's epilogue gains a final "bias_grad" step (on cuBLASLt's path the GELU backward's
+  kernel sums the columns it stores; after the synthesized GEMM a reduction does).
+
+    %d = nova.gemm %g, %w, %h {epilogue = "gelu_backward", dtype = bf16} : (...) -> tensor<4x8x64xbf16>
+    %t = nova.sum %d {dims = array<i64: 0, 1>, keepdim = false, dtype = bf16} : (...) -> tensor<64xbf16>
+    %b = nova.cast %t {dtype = f32} : (tensor<64xbf16>) -> tensor<64xf32>
+      =>   %d, %b = nova.gemm %g, %w, %h {epilogue = "gelu_backward,bias_grad", dtype = bf16}
+                    : (...) -> (tensor<4x8x64xbf16>, tensor<64xf32>)
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: SumOp, rewriter: PatternRewriter):
+    g = _base(op.x).owner
+    if not isinstance(g, GemmOp) or not g.attrs()["epilogue"].endswith(("gelu_backward", "gelu_backward_tanh")): return
+    out = aval(g.results[0].type)
+    acc = dtypes.float64 if out.dtype is dtypes.float64 else dtypes.float32
+    chain = _column_sums(op, g.results[0], (acc, out.dtype))
+    if chain is None: return
+    attrs = {**g.attrs(), "epilogue": g.attrs()["epilogue"] + ",bias_grad"}
+    new = GemmOp.make([g.a, g.b, *g.xs], attrs, [r.type for r in g.results] + [tensor_type(out.shape[-1:], acc)])
+    rewriter.insert(new, InsertPoint.before(g))
+    rewriter.replace(g, [], list(new.results[:-1]))
+    _sums_as(rewriter, new.results[-1], chain, new)
+
+
 @dataclass(frozen=True)
 class FuseBiasGradientsPass(PatternPass):
   """Bias gradients summed by the kernels that write the output gradients they sum (the GPU's; before fuse-wgrad,
   which would otherwise take them into cuBLASLt's BGRADB epilogue, a second pass over the gradient)."""
   name = "fuse-bias-grads"
-  PATTERNS = (NormBiasGradientPattern(),)
+  PATTERNS = (NormBiasGradientPattern(), GeluBackwardBiasGradientPattern())
 
 
 class WeightGradientPattern(RewritePattern):

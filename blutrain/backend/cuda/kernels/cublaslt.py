@@ -34,7 +34,7 @@ from blutrain.backend.cuda.kernels import broadcast_shape, broadcast_strides, co
 from blutrain.backend.cuda.kernels.copy import cast
 from blutrain.backend.cuda.kernels.gemm import gemm
 from blutrain.backend.cuda.kernels.matrix import blas_layout, blas_operand
-from blutrain.backend.cuda.kernels.reduce import reduce
+from blutrain.backend.cuda.kernels.reduce import gelu_backward_sums, reduce
 from blutrain.dtypes import DType
 
 WORKSPACE = 32 << 20  # bytes: what cuBLASLt's fastest Hopper kernels ask for (split-K, stream-K)
@@ -335,11 +335,13 @@ def _results(a: CudaArray, b: CudaArray, steps: tuple[str, ...], dtype: DType) -
   return (empty(shape, dtype, a.device),) + tuple(empty(shape, a.dtype, a.device) for s in steps if s == "save")
 
 
-def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool) -> tuple:
+def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool,
+                sums: bool) -> tuple:
   """The gemm op through cuBLASLt, with its bias epilogue, and then the elementwise kernels of the other steps, as
   eager mode runs them; each stage writes the saved value or the output into its result array. With half operands
   the epilogue adds the bias to the float32 accumulator and rounds once, where eager mode rounds the product and then
-  the sum (within one half ulp of eager's; PyTorch's addmm rounds once too): one pass over the output fewer."""
+  the sum (within one half ulp of eager's; PyTorch's addmm rounds once too): one pass over the output fewer. With
+  `sums` a final GELU backward's kernel also sums the output's columns (else a reduction does)."""
   from blutrain.backend.cuda.kernels.elementwise import KERNELS as EW
   out, *saved = _results(a, b, steps, dtype)
   xs = iter(xs)
@@ -352,15 +354,23 @@ def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], d
   inner = out if out.dtype is a.dtype else None
   dests = [saved[0] if i == saved_stage else out if i == len(stages) else inner for i in range(len(stages) + 1)]
   y = _matmul(a, b, None, tf32, dests[0]) if bias is None else matmul_bias(a, b, bias, tf32, dests[0])
+  total = None
   for step, dest in zip(stages, dests[1:]):
     approximate = "tanh" if step.endswith("tanh") else "none"
     if step == "bias": y = EW["add"](y, next(xs), out=dest)
+    elif step.startswith("gelu_backward") and sums: y, total = gelu_backward_sums(y, next(xs), approximate, out=dest)
     elif step.startswith("gelu_backward"): y = EW["gelu_backward"](y, next(xs), approximate=approximate, out=dest)
     elif step.startswith("gelu"): y = EW["gelu"](y, approximate=approximate, out=dest)
     else:  # residual: add's result takes its first operand's dtype, and IEEE addition commutes
       r = next(xs)
       y = EW["add"](y, r, out=dest) if dtype is y.dtype else EW["add"](r, y, out=dest)
-  return (out, *saved)
+  return (out, *saved) + ((_column_sums(out) if total is None else total,) if sums else ())
+
+
+def _column_sums(out: CudaArray) -> CudaArray:
+  """The sums of `out` over all its dims but the last, in float32 (float64 for float64): a reduction reading it."""
+  return reduce(out, tuple(range(out.ndim - 1)), False, "sum",
+                dtypes.float64 if out.dtype is dtypes.float64 else dtypes.float32)
 
 
 def _synthesized(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool) -> tuple:
@@ -386,12 +396,18 @@ def fused_gemm(a: CudaArray, b: CudaArray, *xs: CudaArray, epilogue: str, dtype:
                path: str = "cublas") -> tuple:
   """Nova's gemm op (`ops.linalg.gemm_op`): a @ b and the epilogue steps, by `path`: "cublas" (cuBLASLt, then a
   kernel per step its epilogue cannot do) or "nova" (one synthesized GEMM); Nova's codegen passes the configurator's
-  choice (`configurator.gemm_choice`). Returns the output, then the saved values."""
+  choice (`configurator.gemm_choice`). Returns the output, then the saved values, then with a final "bias_grad" step
+  the output's column sums (from the GELU backward's kernel on the cuBLASLt path; a reduction after the synthesized
+  GEMM, whose epilogue does not sum yet)."""
   _check("gemm", a, b)
   steps = tuple(epilogue.split(",")) if epilogue else ()
-  if path == "nova" and a.dtype in _TRITON_DTYPES: return _synthesized(a, b, xs, steps, dtype, tf32)
+  sums = steps[-1:] == ("bias_grad",)
+  steps = steps[:-1] if sums else steps
+  if path == "nova" and a.dtype in _TRITON_DTYPES:
+    results = _synthesized(a, b, xs, steps, dtype, tf32)
+    return results + ((_column_sums(results[0]),) if sums else ())
   if path not in ("nova", "cublas"): raise ValueError(f"gemm: path must be 'cublas' or 'nova', got {path!r}")
-  return _separately(a, b, xs, steps, dtype, tf32)
+  return _separately(a, b, xs, steps, dtype, tf32, sums)
 
 
 KERNELS = {"matmul": matmul, "gemm": fused_gemm, "weight_grad": weight_grad}

@@ -21,13 +21,14 @@ import triton.language as tl
 
 from blutrain import dtypes
 from blutrain.backend.cuda.array import CudaArray
+from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.runtime import current_stream
 from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_params, collapse, divisible, empty,
                                            max_nan, min_nan, needs_i64, ptr, run, spec)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
-from blutrain.backend.cuda.kernels.elementwise import launch
-from blutrain.configurator import REDUCE_STAGES, reduce_schedule, split_rule
+from blutrain.backend.cuda.kernels.elementwise import gelu_backward, launch
+from blutrain.configurator import REDUCE_STAGES, ColumnSums, column_sums_schedule, reduce_schedule, split_rule
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
 
@@ -333,6 +334,72 @@ def cumsum(x: CudaArray, dim: int, reverse: bool = False, prod: bool = False) ->
   return out
 
 
+# *** a pointwise op with its column sums ***
+
+@triton.jit
+def _gelu_backward_sums_kernel(dx, part, g, x, M, N, ROWS, TANH: tl.constexpr, ACC: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                               IDX64: tl.constexpr):
+  """dx = g gelu'(x) over M rows of N contiguous elements, computed in ACC and rounded to dx's dtype as the elementwise
+  kernel rounds it, and the column sums of dx as stored over rows [p ROWS, (p + 1) ROWS), p = program_id(1), into row
+  p of part (ACC); program_id(0) picks the BLOCK_N columns."""
+  pid_n = tl.program_id(0)
+  pid_m = tl.program_id(1)
+  if IDX64:
+    pid_n = pid_n.to(tl.int64)
+    pid_m = pid_m.to(tl.int64)
+  ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+  n_mask = ns < N
+  end = tl.minimum(pid_m * ROWS + ROWS, M)
+  acc = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+  for m0 in tl.range(pid_m * ROWS, end, BLOCK_M, num_stages=STAGES):
+    ms = m0 + tl.arange(0, BLOCK_M)
+    mask = (ms < end)[:, None] & n_mask[None, :]
+    off = ms[:, None] * N + ns[None, :]
+    gv = tl.load(g + off, mask=mask, other=0).to(ACC)
+    v = gelu_backward(gv, tl.load(x + off, mask=mask, other=0).to(ACC), TANH).to(dx.dtype.element_ty)
+    tl.store(dx + off, v, mask=mask)
+    acc += tl.where(mask, v.to(ACC), 0.0)
+  tl.store(part + pid_m * N + ns, tl.sum(acc, axis=0), mask=n_mask)
+
+
+@functools.lru_cache(maxsize=1024)
+def gelu_backward_sums_spec(g: DType, x: DType, out: DType, tanh: bool, i64: bool, vectors: bool,
+                            schedule: ColumnSums):
+  """The variant of GELU's backward with column sums (vectors: pointers and N promised multiples of 16)."""
+  it, acc = "i64" if i64 else "i32", dtypes.float64 if dtypes.float64 in (g, x, out) else dtypes.float32
+  sig = {"dx": ptr(out), "part": ptr(acc), "g": ptr(g), "x": ptr(x), "M": it, "N": it, "ROWS": it}
+  if vectors: sig = divisible(sig, ("dx", "part", "g", "x", "N"))
+  return spec(_gelu_backward_sums_kernel, sig, dict(TANH=tanh, ACC=TL[acc], BLOCK_M=schedule.block_m,
+                                                     BLOCK_N=schedule.block_n, STAGES=schedule.stages, IDX64=i64),
+              num_warps=schedule.warps)
+
+
+def gelu_backward_sums(g: CudaArray, x: CudaArray, approximate: str, out: CudaArray | None = None,
+                       schedule: ColumnSums | None = None) -> tuple[CudaArray, CudaArray]:
+  """(dx, sums): GELU's backward g gelu'(x) (into `out` when given, else a new array of x's dtype), and the sums of dx
+  as stored over all its dims but the last, in float32 (float64 for float64): a bias gradient from the kernel that
+  writes the gradient it sums. Programs walk a column block down a run of rows (`configurator.column_sums_schedule`,
+  or `schedule` to try another) and leave one row of partial sums each, which a reduction adds up (in a fixed order:
+  the same bits on every run). Strided operands take the elementwise kernel and a reduction."""
+  dx = out if out is not None else empty(x.shape, x.dtype, x.device)
+  acc = dtypes.float64 if dtypes.float64 in (g.dtype, x.dtype, dx.dtype) else dtypes.float32
+  N = dx.shape[-1] if dx.ndim else 1
+  M = dx.size // N if N else 0
+  lead = tuple(range(dx.ndim - 1))
+  if M * N == 0 or not (g.is_contiguous() and x.is_contiguous() and dx.is_contiguous() and g.shape == x.shape == dx.shape):
+    launch("gelu_backward_tanh" if approximate == "tanh" else "gelu_backward", dx, g, x)
+    return dx, reduce(dx, lead, False, "sum", acc)
+  schedule = schedule or column_sums_schedule(M, N, runtime.hardware(dx.device).sms)
+  runs = cdiv(M, schedule.rows)
+  parts = empty((runs, N), acc, dx.device)
+  vectors = N % 16 == 0 and all(a.ptr % 16 == 0 for a in (dx, parts, g, x))
+  s = gelu_backward_sums_spec(g.dtype, x.dtype, dx.dtype, approximate == "tanh", needs_i64(dx.shape, dx.strides),
+                              vectors, schedule)
+  run(s, (cdiv(N, schedule.block_n), runs), dx.ptr, parts.ptr, g.ptr, x.ptr, M, N, schedule.rows)
+  return dx, reduce(parts, (0,), False, "sum", acc)
+
+
 KERNELS = {
   "sum": lambda x, dims, keepdim, dtype: reduce(x, dims, keepdim, "sum", dtype),
   "amax": lambda x, dims, keepdim: reduce(x, dims, keepdim, "amax", x.dtype),
@@ -367,6 +434,10 @@ def _specs() -> list:
   out += [cumsum_spec(f32, 1, True, False, 100, 1000, False), cumsum_spec(bf16, 1, True, True, 100, 1000, False),
           cumsum_spec(i64, 3, False, True, 1000, 10, True), cumsum_spec(f64, 1, False, False, 10, 10, False),
           cumsum_spec(f32, 1, True, False, 100, 1000, False, True), cumsum_spec(i64, 2, False, False, 10, 100, False, True)]
+  gpt2 = column_sums_schedule(1 << 14, 3072, 132)  # GELU's backward with the bias gradient (fuse-bias-grads)
+  out += [gelu_backward_sums_spec(bf16, bf16, bf16, False, False, True, gpt2),
+          gelu_backward_sums_spec(f32, f32, f32, True, False, False, column_sums_schedule(100, 30, 132)),
+          gelu_backward_sums_spec(f64, f64, f64, False, True, False, gpt2)]
   return out
 
 
