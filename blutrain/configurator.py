@@ -552,6 +552,16 @@ def column_sums_schedule(M: int, N: int, sms: int) -> ColumnSums:
   return ColumnSums(bm, bn, 8, rows, REDUCE_STAGES)
 
 
+def partial_sums_schedule(P: int, N: int, sms: int) -> tuple[int, int]:
+  """(BLOCK_P, BLOCK_N) of the kernel adding up P partial rows of N (the per-program sums that the norm backward and
+  the column-sum kernels leave): a tile of up to 2048 elements at 4 warps takes up to 256 rows at once, so a program
+  issues one load per array instead of a chain of dependent ones, and its columns are as narrow as it takes to give
+  about one program per SM. GPT-2's 256 x 768 partials of the norm backward: 96 programs of 256 x 8; the GELU
+  backward's 43 x 3072: 96 programs of 64 x 32."""
+  bp = min(next_pow2(P), 256)
+  return bp, max(1, min(64, 2048 // bp, next_pow2(cdiv(N, sms))))
+
+
 ONE_PASS_MAX = 8192  # elements of a row held in registers at once (32 per thread at 8 warps)
 
 

@@ -44,7 +44,7 @@ def _check(block_m: int, warps: int, tiles: int, stages: int, block_n: int) -> N
   spec[0][(programs,)](dx, dxc, parts[0], parts[1], parts[2], g, x, w, x, M, N, EPS, s.rows, **spec.constexprs)
   dw, db, sums = torch.empty(N), torch.empty(N), torch.empty(N)
   p = norm.param_grads_spec(dtypes.float32, dtypes.float32, dtypes.float32, True)
-  p[0][(cdiv(N, norm.PARAM_BLOCK_N),)](dw, db, sums, parts, programs, N, **p.constexprs)
+  p[0][(cdiv(N, p.constexprs["BLOCK_N"]),)](dw, db, sums, parts, programs, N, **p.constexprs)
   want = cpu["layer_norm_backward"](g.double().numpy(), x.double().numpy(), w.double().numpy(), n=1, eps=EPS,
                                     has_bias=True)
   case = (block_m, warps, tiles, stages)

@@ -24,7 +24,9 @@ from blutrain.backend.cuda.kernels import (TL, aligned, axis_args, axis_offsets,
                                            empty_like, max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
-from blutrain.configurator import H200, NormBackward, norm_backward_schedule, reduce_schedule, row_schedule, split_rule
+from blutrain.backend.cuda.kernels.reduce import _column_sums
+from blutrain.configurator import (H200, NormBackward, norm_backward_schedule, partial_sums_schedule, reduce_schedule,
+                                   row_schedule, split_rule)
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv, contiguous_strides
 
@@ -298,16 +300,6 @@ def _layer_norm_backward_kernel(dx, dxc, dw_part, db_part, ds_part, g, x, w, r, 
 
 
 @triton.jit
-def _column_sums(out, part, P, N, ns, n_mask, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-  """out[ns] = the sum of the P rows of N at part, columns ns, in out's dtype."""
-  acc = tl.zeros([BLOCK_P, BLOCK_N], part.dtype.element_ty)
-  for p0 in range(0, P, BLOCK_P):
-    ps = p0 + tl.arange(0, BLOCK_P)
-    acc += tl.load(part + ps[:, None] * N + ns[None, :], mask=(ps < P)[:, None] & n_mask[None, :], other=0)
-  tl.store(out + ns, tl.sum(acc, axis=0).to(out.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _param_grads_kernel(dw, db, ds, parts, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr, SUMS: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
   """dw, db and ds (in their dtypes) as the column sums of their P partial rows of N, dw's at parts, db's and ds's
@@ -320,9 +312,6 @@ def _param_grads_kernel(dw, db, ds, parts, P, N, HAS_W: tl.constexpr, HAS_B: tl.
     _column_sums(db, parts + P * N, P, N, ns, n_mask, BLOCK_P, BLOCK_N)
   if SUMS:
     _column_sums(ds, parts + 2 * P * N, P, N, ns, n_mask, BLOCK_P, BLOCK_N)
-
-
-PARAM_BLOCK_P, PARAM_BLOCK_N = 32, 64  # the partial sums' reduction: 2048-element tiles, 4 warps, N / 64 programs
 
 
 def stats_dtype(dtype: DType) -> DType:
@@ -442,12 +431,13 @@ def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r:
 
 
 @functools.lru_cache(maxsize=256)
-def param_grads_spec(acc: DType, dw: DType | None, db: DType | None, sums: bool = False):
+def param_grads_spec(acc: DType, dw: DType | None, db: DType | None, sums: bool = False,
+                     blocks: tuple[int, int] = (32, 64)):
   """The kernel summing the backward's partial rows into dw and db (their dtypes, None when absent) and, with `sums`,
-  dx's column sums (in acc)."""
+  dx's column sums (in acc); blocks: (BLOCK_P, BLOCK_N), `configurator.partial_sums_schedule`'s."""
   sig = {"dw": ptr(dw or acc), "db": ptr(db or acc), "ds": ptr(acc), "parts": ptr(acc), "P": "i32", "N": "i32"}
   return spec(_param_grads_kernel, sig, dict(HAS_W=dw is not None, HAS_B=db is not None, SUMS=sums,
-                                             BLOCK_P=PARAM_BLOCK_P, BLOCK_N=PARAM_BLOCK_N), num_warps=4)
+                                             BLOCK_P=blocks[0], BLOCK_N=blocks[1]), num_warps=4)
 
 
 def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residual: CudaArray | None = None, *, n: int,
@@ -480,7 +470,8 @@ def layer_norm_backward(g: CudaArray, x: CudaArray, w: CudaArray | None, residua
       x.ptr, (w or x).ptr, (r or x).ptr, M, N, float(eps), schedule.rows)
   if params or bias_grad:
     dw, db = grads[1], grads[2]
-    run(param_grads_spec(parts.dtype, dw and dw.dtype, db and db.dtype, bias_grad), (cdiv(N, PARAM_BLOCK_N),),
+    blocks = partial_sums_schedule(programs, N, runtime.hardware(x.device).sms)
+    run(param_grads_spec(parts.dtype, dw and dw.dtype, db and db.dtype, bias_grad, blocks), (cdiv(N, blocks[1]),),
         (dw or parts).ptr, (db or parts).ptr, (sums or parts).ptr, parts.ptr, programs, N)
   return grads
 
@@ -895,7 +886,8 @@ def _specs() -> list:
           layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, f32, True, None, bf16, True),
           layer_norm_backward_spec(f32, f32, None, False, 10, 100000, False, f32, False, None, None, True),
           param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64),
-          param_grads_spec(f32, f32, f32, True), param_grads_spec(f32, None, None, True)]
+          param_grads_spec(f32, f32, f32, True), param_grads_spec(f32, None, None, True),
+          param_grads_spec(f32, f32, f32, True, partial_sums_schedule(256, 768, 132))]
   # batch norm: NCHW (C, then N and H W collapsed), channels-last (the channels unit-stride), (N, C) and 1-D runs
   R = 256 * 56 * 56
   for grad, x, g, st in ((False, f32, None, None), (False, bf16, None, None), (True, f32, f32, f32),

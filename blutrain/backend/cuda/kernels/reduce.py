@@ -28,7 +28,8 @@ from blutrain.backend.cuda.kernels import (TL, axis_args, axis_offsets, axis_par
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.backend.cuda.kernels.elementwise import gelu_backward, launch
-from blutrain.configurator import REDUCE_STAGES, ColumnSums, column_sums_schedule, reduce_schedule, split_rule
+from blutrain.configurator import (REDUCE_STAGES, ColumnSums, column_sums_schedule, partial_sums_schedule,
+                                   reduce_schedule, split_rule)
 from blutrain.dtypes import DType
 from blutrain.shapes import cdiv
 
@@ -337,6 +338,29 @@ def cumsum(x: CudaArray, dim: int, reverse: bool = False, prod: bool = False) ->
 # *** a pointwise op with its column sums ***
 
 @triton.jit
+def _column_sums(out, part, P, N, ns, n_mask, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+  """out[ns] = the sum of the P rows of N at part, columns ns, in out's dtype."""
+  acc = tl.zeros([BLOCK_P, BLOCK_N], part.dtype.element_ty)
+  for p0 in range(0, P, BLOCK_P):
+    ps = p0 + tl.arange(0, BLOCK_P)
+    acc += tl.load(part + ps[:, None] * N + ns[None, :], mask=(ps < P)[:, None] & n_mask[None, :], other=0)
+  tl.store(out + ns, tl.sum(acc, axis=0).to(out.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _partial_sums_kernel(out, part, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+  """out = the column sums of the P rows of N at part; program pid takes columns [pid BLOCK_N, (pid + 1) BLOCK_N)."""
+  ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+  _column_sums(out, part, P, N, ns, ns < N, BLOCK_P, BLOCK_N)
+
+
+@functools.lru_cache(maxsize=256)
+def partial_sums_spec(acc: DType, blocks: tuple[int, int]):
+  """The kernel adding up partial rows (acc: their dtype and the output's; blocks: partial_sums_schedule's)."""
+  sig = {"out": ptr(acc), "part": ptr(acc), "P": "i32", "N": "i32"}
+  return spec(_partial_sums_kernel, sig, dict(BLOCK_P=blocks[0], BLOCK_N=blocks[1]), num_warps=4)
+
+@triton.jit
 def _gelu_backward_sums_kernel(dx, part, g, x, M, N, ROWS, TANH: tl.constexpr, ACC: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
                                IDX64: tl.constexpr):
@@ -397,7 +421,10 @@ def gelu_backward_sums(g: CudaArray, x: CudaArray, approximate: str, out: CudaAr
   s = gelu_backward_sums_spec(g.dtype, x.dtype, dx.dtype, approximate == "tanh", needs_i64(dx.shape, dx.strides),
                               vectors, schedule)
   run(s, (cdiv(N, schedule.block_n), runs), dx.ptr, parts.ptr, g.ptr, x.ptr, M, N, schedule.rows)
-  return dx, reduce(parts, (0,), False, "sum", acc)
+  sums = empty((N,), acc, dx.device)
+  blocks = partial_sums_schedule(runs, N, runtime.hardware(dx.device).sms)
+  run(partial_sums_spec(acc, blocks), (cdiv(N, blocks[1]),), sums.ptr, parts.ptr, runs, N)
+  return dx, sums
 
 
 KERNELS = {
@@ -437,7 +464,8 @@ def _specs() -> list:
   gpt2 = column_sums_schedule(1 << 14, 3072, 132)  # GELU's backward with the bias gradient (fuse-bias-grads)
   out += [gelu_backward_sums_spec(bf16, bf16, bf16, False, False, True, gpt2),
           gelu_backward_sums_spec(f32, f32, f32, True, False, False, column_sums_schedule(100, 30, 132)),
-          gelu_backward_sums_spec(f64, f64, f64, False, True, False, gpt2)]
+          gelu_backward_sums_spec(f64, f64, f64, False, True, False, gpt2),
+          partial_sums_spec(f32, partial_sums_schedule(43, 3072, 132)), partial_sums_spec(f64, (32, 64))]
   return out
 
 
