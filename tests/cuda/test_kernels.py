@@ -397,7 +397,7 @@ def test_layer_norm_backward(dtype):
       got = apply(P["layer_norm_backward"], *(a and a[1] for a in args), n=n, eps=1e-5, has_bias=has_bias)
       rows = max(1, math.prod(shape[:len(shape) - n]))  # dw and db sum over the rows
       atol, rtol = TOL[dtype]
-      assert [t is None for t in got] == [t is None for t in want] == [False, weight is None, not has_bias, True]
+      assert [t is None for t in got] == [t is None for t in want] == [False, weight is None, not has_bias, True, True]
       for part, got_part, want_part in zip(("dx", "dw", "db"), got, want):
         if got_part is None: continue
         check(f"layer_norm_backward {part}({describe(*(a[1] for a in args if a is not None))}; has_bias={has_bias})",
@@ -414,13 +414,17 @@ def test_layer_norm_backward_schedules(stages):
   M, N = 1000, 768
   (gc, g), (xc, x), (wc, w), (rc, r) = (pair(s, d, seed=k) for k, (s, d) in enumerate(
     (((M, N), bt.bfloat16), ((M, N), bt.float32), ((N,), bt.float32), ((M, N), bt.float32))))
-  dx, dw, db, _ = apply(P["layer_norm_backward"], gc.double(), xc.double(), wc.double(), n=1, eps=1e-5, has_bias=True)
+  dx, dw, db, _, _ = apply(P["layer_norm_backward"], gc.double(), xc.double(), wc.double(), n=1, eps=1e-5,
+                           has_bias=True)
   base = norm_backward_schedule(M, N, 132)
   for bm, warps, tiles in ((1, 2, 7), (4, 8, 3)):
     s = base._replace(block_m=bm, warps=warps, rows=bm * tiles, stages=stages)
     got = norm.layer_norm_backward(g._array(), x._array(), w._array(), r._array(), n=1, eps=1e-5, has_bias=True,
-                                   schedule=s)
-    for part, a, want in zip(("dx", "dw", "db"), got, (dx + rc.double(), dw, db)):
+                                   bias_grad=True, schedule=s)
+    stored = bt.Tensor._wrap(got[0], g.device, got[0].dtype).cpu().double()
+    for part, a, want in zip(("dx", "dw", "db", "", "dx's column sums"), got, (dx + rc.double(), dw, db, None,
+                                                                            stored.sum(0))):
+      if want is None: continue
       check(f"layer_norm_backward {part} under {s}", bt.Tensor._wrap(a, g.device, a.dtype), want.float(),
             (2e-4 * math.sqrt(M), 2e-4))
 
