@@ -28,7 +28,7 @@ def _check(block_m: int, warps: int, tiles: int, stages: int, block_n: int) -> N
   from blutrain import dtypes
   from blutrain.backend.cpu.kernels import kernels as cpu
   from blutrain.backend.cuda.kernels import norm
-  from blutrain.configurator import norm_backward_schedule
+  from blutrain.configurator import norm_backward_schedule, partial_sums_schedule
   from blutrain.shapes import cdiv
   rng = np.random.default_rng(block_m + tiles)
   g = torch.tensor(rng.standard_normal((M, N))).to(torch.bfloat16)
@@ -43,7 +43,8 @@ def _check(block_m: int, warps: int, tiles: int, stages: int, block_n: int) -> N
   parts = torch.empty(3, programs, N)
   spec[0][(programs,)](dx, dxc, parts[0], parts[1], parts[2], g, x, w, x, M, N, EPS, s.rows, **spec.constexprs)
   dw, db, sums = torch.empty(N), torch.empty(N), torch.empty(N)
-  p = norm.param_grads_spec(dtypes.float32, dtypes.float32, dtypes.float32, True)
+  blocks = partial_sums_schedule(programs, N, 132)
+  p = norm.param_grads_spec(dtypes.float32, dtypes.float32, dtypes.float32, True, blocks)
   p[0][(cdiv(N, p.constexprs["BLOCK_N"]),)](dw, db, sums, parts, programs, N, **p.constexprs)
   want = cpu["layer_norm_backward"](g.double().numpy(), x.double().numpy(), w.double().numpy(), n=1, eps=EPS,
                                     has_bias=True)

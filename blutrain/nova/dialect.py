@@ -1071,9 +1071,9 @@ class AddLayerNormOp(MultiResultOp):
 @irdl_op_definition
 class LayerNormBackwardOp(MultiResultOp):
   """layer_norm's gradients: dx, then dweight when weight is given and dbias when `has_bias` (each absent otherwise),
-  all of x's type, dx rounded to `cast` when that is given, and with `bias_grad` the float32 column sums of dx as
-  stored (its `cast` copy when there is one); with a `residual` gradient dx is residual + dx (passes/fuse_norms.py,
-  passes/fuse_gemm.py)."""
+  all of x's type, dx rounded to `cast` when that is given, and with `bias_grad` the column sums of dx as stored (its
+  `cast` copy when there is one) in float32 (float64 for float64 x); with a `residual` gradient dx is residual + dx
+  (passes/fuse_norms.py, passes/fuse_gemm.py)."""
   name = "nova.layer_norm_backward"
   g = operand_def(TENSOR)
   x = operand_def(TENSOR)

@@ -162,9 +162,9 @@ class CastOfNormGradientPattern(RewritePattern):
     back = op.x.owner
     if not isinstance(back, LayerNormBackwardOp) or op.x is not back.dx or back.attrs().get("cast") is not None: return
     if aval(back.dx.type).dtype is not dtypes.float32 or op.attrs()["dtype"] not in _HALVES: return
-    outs = back.graph_outputs()
-    fused = LayerNormBackwardOp.make(back.graph_inputs(), {**back.attrs(), "cast": op.attrs()["dtype"]},
-                                     [None if v is None else v.type for v in outs[:3]] + [op.result.type, None])
+    types = [None if v is None else v.type for v in back.graph_outputs()]
+    types[3] = op.result.type
+    fused = LayerNormBackwardOp.make(back.graph_inputs(), {**back.attrs(), "cast": op.attrs()["dtype"]}, types)
     rewriter.insert(fused, InsertPoint.before(back))
     rewriter.replace(op, [], [fused.dx_cast])
     rewriter.replace(back, [], list(fused.results[:len(back.results)]))

@@ -431,8 +431,7 @@ def layer_norm_backward_spec(x, g, w, has_b: bool, M: int, N: int, i64: bool, r:
 
 
 @functools.lru_cache(maxsize=256)
-def param_grads_spec(acc: DType, dw: DType | None, db: DType | None, sums: bool = False,
-                     blocks: tuple[int, int] = (32, 64)):
+def param_grads_spec(acc: DType, dw: DType | None, db: DType | None, sums: bool, blocks: tuple[int, int]):
   """The kernel summing the backward's partial rows into dw and db (their dtypes, None when absent) and, with `sums`,
   dx's column sums (in acc); blocks: (BLOCK_P, BLOCK_N), `configurator.partial_sums_schedule`'s."""
   sig = {"dw": ptr(dw or acc), "db": ptr(db or acc), "ds": ptr(acc), "parts": ptr(acc), "P": "i32", "N": "i32"}
@@ -885,9 +884,10 @@ def _specs() -> list:
           # fuse-bias-grads: the column sums of dx (GPT-2's half copy; two-pass rows)
           layer_norm_backward_spec(f32, bf16, f32, True, 1 << 14, 768, False, f32, True, None, bf16, True),
           layer_norm_backward_spec(f32, f32, None, False, 10, 100000, False, f32, False, None, None, True),
-          param_grads_spec(f32, f32, f32), param_grads_spec(f32, bf16, None), param_grads_spec(f64, None, f64),
-          param_grads_spec(f32, f32, f32, True), param_grads_spec(f32, None, None, True),
-          param_grads_spec(f32, f32, f32, True, partial_sums_schedule(256, 768, 132))]
+          *(param_grads_spec(acc, dw, db, sums, partial_sums_schedule(P, N, 132))
+            for acc, dw, db, sums, P, N in ((f32, f32, f32, False, 256, 768), (f32, bf16, None, False, 100, 20000),
+                                            (f64, None, f64, False, 3, 64), (f32, f32, f32, True, 256, 768),
+                                            (f32, None, None, True, 1, 100000)))]
   # batch norm: NCHW (C, then N and H W collapsed), channels-last (the channels unit-stride), (N, C) and 1-D runs
   R = 256 * 56 * 56
   for grad, x, g, st in ((False, f32, None, None), (False, bf16, None, None), (True, f32, f32, f32),
