@@ -419,10 +419,10 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
   cuBLASLt's epilogue does the bias (rounding once, with half operands, where eager mode rounds twice); its GELU
   epilogues are the tanh form and its bias gradients are not wired, so every other step is a kernel of its own. A
   final "bias_grad" (the output's column sums) costs a reduction over the output (E * out / bandwidth + a launch),
-  but on cuBLASLt's path after a GELU backward, whose kernel sums as it stores (a launch for its partial sums). A saved pre-activation
-  costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads. Float32 products
-  without TF32 stay on cuBLASLt whatever the times say: its SGEMM is eager mode's float32 arithmetic, which the
-  synthesized 3xTF32 GEMM only approximates (to float32's error).
+  but on cuBLASLt's path after a GELU backward, whose kernel sums as it stores (a launch for its partial sums). A
+  saved pre-activation costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads.
+  Float32 products without TF32 stay on cuBLASLt whatever the times say: its SGEMM is eager mode's float32
+  arithmetic, which the synthesized 3xTF32 GEMM only approximates (to float32's error).
   """
   E = p.batch * p.M * p.N
   out, item = p.out_itemsize, p.itemsize

@@ -447,8 +447,8 @@ def test_optimize_folds_into_identities_and_dumps(tmp_path):
 
 
 def test_passes_are_named_module_passes():
-  assert set(PASSES) == {"canonicalize", "fold", "fuse-casts", "fuse-gemm", "cse", "dce", "fuse-norms", "fuse-bias-grads",
-                         "fuse-wgrad", "fuse-pointwise"}
+  assert set(PASSES) == {"canonicalize", "fold", "fuse-casts", "fuse-gemm", "cse", "dce", "fuse-norms",
+                         "fuse-bias-grads", "fuse-wgrad", "fuse-pointwise"}
   module = ir.parse_module(func(X4, "tensor<4xf32>", """
     %a = nova.neg %x : (tensor<4xf32>) -> tensor<4xf32>
     %b = nova.neg %a : (tensor<4xf32>) -> tensor<4xf32>

@@ -411,7 +411,8 @@ def gelu_backward_sums(g: CudaArray, x: CudaArray, approximate: str, out: CudaAr
   N = dx.shape[-1] if dx.ndim else 1
   M = dx.size // N if N else 0
   lead = tuple(range(dx.ndim - 1))
-  if M * N == 0 or not (g.is_contiguous() and x.is_contiguous() and dx.is_contiguous() and g.shape == x.shape == dx.shape):
+  dense = g.is_contiguous() and x.is_contiguous() and dx.is_contiguous() and g.shape == x.shape == dx.shape
+  if M * N == 0 or not dense:
     launch("gelu_backward_tanh" if approximate == "tanh" else "gelu_backward", dx, g, x)
     return dx, reduce(dx, lead, False, "sum", acc)
   schedule = schedule or column_sums_schedule(M, N, runtime.hardware(dx.device).sms)
