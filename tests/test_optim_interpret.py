@@ -3,12 +3,14 @@ since it must be set before Triton is imported) runs `_sgd_kernel` on torch CPU 
 `fused_sgd` builds (`_param_rows`, `host_tables`), for every branch but the clip factor (inline PTX, which the
 interpreter cannot run; sm_90's compile covers it), against the CPU backend's numpy kernel: bit for bit in float32
 (the interpreter contracts no multiply-add).
-Tensor sizes straddle the kernel's chunks and blocks."""
+Tensor sizes straddle the kernel's chunks and blocks; a set of sizes that are all multiples of 4 takes the kernel's
+16-byte-vector variant (`optim._vectors`), the others the plain one."""
 import numpy as np
 
 from tests.helpers import run_under_triton_interpreter
 
 SIZES = [(70000,), (3, 5), (), (0, 4), (4097,)]
+ALIGNED_SIZES = [(70000,), (4, 4), (0, 4), (4096,)]  # every size a multiple of 4: the VECTORS variant
 CASES = [  # momentum, dampening, nesterov, weight_decay, maximize, is_first_step, lr on device, param / grad dtypes
   (0.9, 0.0, False, 0.01, False, False, False, "fp32"), (0.9, 0.0, False, 0.01, False, True, True, "fp32"),
   (0.9, 0.3, False, 0.0, True, False, False, "fp32"), (0.8, 0.0, True, 0.05, False, False, True, "fp32"),
@@ -16,7 +18,7 @@ CASES = [  # momentum, dampening, nesterov, weight_decay, maximize, is_first_ste
   (0.9, 0.1, False, 0.01, False, False, False, "bf16"), (0.9, 0.0, True, 0.0, False, False, True, "fp32/bf16")]
 
 
-def _run_case(momentum, dampening, nesterov, weight_decay, maximize, first, lr_on_device, dtypes_) -> None:
+def _run_case(momentum, dampening, nesterov, weight_decay, maximize, first, lr_on_device, dtypes_, sizes=SIZES) -> None:
   import torch
   from blutrain import dtypes
   from blutrain.backend.cpu.kernels import kernels as cpu
@@ -25,11 +27,11 @@ def _run_case(momentum, dampening, nesterov, weight_decay, maximize, first, lr_o
   pdt, gdt = (dtypes_.split("/") * 2)[:2]
   ty = {"fp32": (torch.float32, dtypes.float32), "bf16": (torch.bfloat16, dtypes.bfloat16)}
   rng = np.random.default_rng(len(dtypes_) + int(100 * momentum))
-  make = lambda dt: [torch.tensor(rng.standard_normal(s)).to(ty[dt][0]) for s in SIZES]
+  make = lambda dt: [torch.tensor(rng.standard_normal(s)).to(ty[dt][0]) for s in sizes]
   params, grads, bufs = make(pdt), make(gdt), make(pdt)
   lr, state = 0.05, bufs if momentum else []
   host = lambda t: t.view(torch.int16).numpy().view(dtypes.bfloat16.np) if t.dtype == torch.bfloat16 else t.numpy()
-  want = cpu["sgd"](*(host(t).copy() for t in (*params, *grads, *state)), np.float64(lr), n=len(SIZES),
+  want = cpu["sgd"](*(host(t).copy() for t in (*params, *grads, *state)), np.float64(lr), n=len(sizes),
                     momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                     maximize=maximize, is_first_step=first)
   arrays = lambda ts, dt: [CudaArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), ty[dt][1], 0, t) for t in ts]
@@ -37,8 +39,10 @@ def _run_case(momentum, dampening, nesterov, weight_decay, maximize, first, lr_o
   ((p_dt, g_dt, _), group), = rows.items()
   table, chunks = (torch.from_numpy(a) for a in optim.host_tables(group))
   lr_dev, clip = torch.tensor([lr], dtype=torch.float64), torch.ones(1)
+  vectors = optim._vectors(group, 3)
+  assert vectors == (sizes is ALIGNED_SIZES)
   s = optim.sgd_spec(p_dt, g_dt, momentum != 0, first, dampening != 0, nesterov, maximize, weight_decay != 0,
-                     lr_on_device)
+                     lr_on_device, False, vectors)
   s[0][(chunks.shape[0],)](table, chunks, 0 if lr_on_device else optim.f64_bits(lr), lr_dev, clip,
                            float(np.float32(weight_decay)), float(np.float32(momentum)),
                            float(np.float32(1 - dampening)), **s.constexprs)
@@ -67,7 +71,15 @@ def _patch_interpreter_index():
 def main() -> None:
   _patch_interpreter_index()
   for case in CASES: _run_case(*case)
+  for case in CASES[:2]: _run_case(*case, sizes=ALIGNED_SIZES)
   print("ok")
+
+
+def test_vectors_need_every_walked_pointer_aligned_and_every_size_a_multiple_of_four():
+  from blutrain.backend.cuda.kernels import optim
+  assert optim._vectors([(4096, 8192, 12, 64), (16, 32, 99, 4)], 2)  # the third pointer is not walked
+  assert not optim._vectors([(4096, 8200, 64)], 2)
+  assert not optim._vectors([(4096, 8192, 66)], 2)
 
 
 def test_sgd_kernel_under_triton_interpreter():

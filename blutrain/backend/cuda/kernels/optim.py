@@ -16,7 +16,9 @@ SGD (g negated first when maximizing; the buffer b rounded to its dtype before t
 A table on the device holds each tensor's pointers (param, grad, state...) and size; a second one cuts the tensors
 into chunks of CHUNK elements, one program each, so a launch covers any mix of sizes. The tables
 are uploaded once per set of pointers and reused while the pointers stay the same (the caching allocator usually
-hands gradients the same memory every step).
+hands gradients the same memory every step). Pointers read from a table promise Triton nothing, so its loads and
+stores would move 4 bytes at a time; when every pointer a kernel walks is 16-byte aligned and every size a multiple
+of 4 (`_vectors`, checked on the host), the VECTORS variant says so (`_at`) and they move 16-byte vectors.
 """
 from __future__ import annotations
 
@@ -41,14 +43,28 @@ CHUNK = MULTI_TENSOR_CHUNK  # elements per program
 
 
 @triton.jit
-def _row(table, chunks, WIDTH: tl.constexpr, CHUNK: tl.constexpr):
+def _row(table, chunks, WIDTH: tl.constexpr, CHUNK: tl.constexpr, VECTORS: tl.constexpr):
   """This program's chunk: its tensor's row of the table (WIDTH entries, pointers then the tensor's size) and the
-  chunk's [start, end)."""
+  chunk's [start, end); with VECTORS the sizes are multiples of 4 (start is one of CHUNK)."""
   pid = tl.program_id(0)
   t = tl.load(chunks + 2 * pid)
   start = tl.load(chunks + 2 * pid + 1)
   row = table + t * WIDTH
-  return row, start, tl.minimum(start + CHUNK, tl.load(row + WIDTH - 1))
+  end = tl.minimum(start + CHUNK, tl.load(row + WIDTH - 1))
+  if VECTORS:
+    start = tl.multiple_of(start, 16)
+    end = tl.multiple_of(end, 4)
+  return row, start, end
+
+
+@triton.jit
+def _at(ptr, i, VECTORS: tl.constexpr, BLOCK: tl.constexpr):
+  """ptr + i for a tile i of BLOCK consecutive indices from a multiple of 16; with VECTORS promised 16-byte aligned
+  (the host checked the tensor's pointer), so the tile's loads and stores move 16-byte vectors."""
+  p = ptr + i
+  if VECTORS:
+    p = tl.max_contiguous(tl.multiple_of(p, 16), BLOCK)
+  return p
 
 
 @triton.jit
@@ -73,11 +89,11 @@ def _learning_rate(lr_bits, lr_ptr, LR_PTR: tl.constexpr):
 
 
 @triton.jit
-def _gradient(g_ptr, i, mask, clip, G: tl.constexpr, CLIP: tl.constexpr):
-  """The gradient at g_ptr + i as float32; with CLIP multiplied by the float32 clip as it is read and rounded to G, as
+def _gradient(g_ptrs, mask, clip, G: tl.constexpr, CLIP: tl.constexpr):
+  """The gradient at g_ptrs as float32; with CLIP multiplied by the float32 clip as it is read and rounded to G, as
   the scale kernel stores it: by PTX's mul.rn, which is never contracted with the subtraction after it into an FMA
   (libdevice's mul_rn would flush subnormals)."""
-  g = tl.load(g_ptr + i, mask=mask).to(tl.float32)
+  g = tl.load(g_ptrs, mask=mask).to(tl.float32)
   if CLIP:
     g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, tl.broadcast_to(clip, g.shape)],
                                   dtype=tl.float32, is_pure=True, pack=1).to(G).to(tl.float32)
@@ -87,10 +103,10 @@ def _gradient(g_ptr, i, mask, clip, G: tl.constexpr, CLIP: tl.constexpr):
 @triton.jit
 def _adamw_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, beta1_bits, beta2_bits, wd_bits, one_minus_beta1, beta2,
                   one_minus_beta2, eps, P: tl.constexpr, G: tl.constexpr, DECAY: tl.constexpr, LR_PTR: tl.constexpr,
-                  CLIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  CLIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VECTORS: tl.constexpr):
   """AdamW over one chunk; the learning rate and, with CLIP, the gradients' factor at clip_ptr as `_learning_rate` and
   `_gradient` read them."""
-  row, start, end = _row(table, chunks, 6, CHUNK)
+  row, start, end = _row(table, chunks, 6, CHUNK, VECTORS)
   p_ptr = tl.load(row).to(tl.pointer_type(P))
   g_ptr = tl.load(row + 1).to(tl.pointer_type(G))
   m_ptr = tl.load(row + 2).to(tl.pointer_type(P))
@@ -106,29 +122,30 @@ def _adamw_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, beta1_bits, beta2_bi
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
     mask = i < end
-    p = tl.load(p_ptr + i, mask=mask).to(tl.float32)
-    g = _gradient(g_ptr, i, mask, clip, G, CLIP)
-    m = tl.load(m_ptr + i, mask=mask).to(tl.float32)
-    v = tl.load(v_ptr + i, mask=mask).to(tl.float32)
+    ps, ms, vs = _at(p_ptr, i, VECTORS, BLOCK), _at(m_ptr, i, VECTORS, BLOCK), _at(v_ptr, i, VECTORS, BLOCK)
+    p = tl.load(ps, mask=mask).to(tl.float32)
+    g = _gradient(_at(g_ptr, i, VECTORS, BLOCK), mask, clip, G, CLIP)
+    m = tl.load(ms, mask=mask).to(tl.float32)
+    v = tl.load(vs, mask=mask).to(tl.float32)
     if DECAY:
       p = p * decay
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + (one_minus_beta2 * g) * g
     denom = tl.div_rn(sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(step_size * m, denom)
-    tl.store(p_ptr + i, p.to(P), mask=mask)
-    tl.store(m_ptr + i, m.to(P), mask=mask)
-    tl.store(v_ptr + i, v.to(P), mask=mask)
+    tl.store(ps, p.to(P), mask=mask)
+    tl.store(ms, m.to(P), mask=mask)
+    tl.store(vs, v.to(P), mask=mask)
 
 
 @functools.lru_cache(maxsize=4096)
-def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False, clip: bool = False):
+def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False, clip: bool = False, vectors: bool = False):
   sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "clip_ptr": "*fp32",
          "beta1_bits": "i64", "beta2_bits": "i64", "wd_bits": "i64", "one_minus_beta1": "fp32", "beta2": "fp32",
          "one_minus_beta2": "fp32", "eps": "fp32"}
   block, warps = multi_tensor_schedule(4)  # param, grad, moments
   return spec(_adamw_kernel, sig, dict(P=TL[param], G=TL[grad], DECAY=decay, LR_PTR=lr_on_device, CLIP=clip,
-                                       CHUNK=CHUNK, BLOCK=block), num_warps=warps)
+                                       CHUNK=CHUNK, BLOCK=block, VECTORS=vectors), num_warps=warps)
 
 
 _STEPS = spec(_steps_kernel, {"table": "*i64", "T": "i32"}, dict(BLOCK=256))
@@ -139,6 +156,12 @@ def host_tables(rows: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
   """The int64 table of rows (pointers ending in the tensor's size) and that of (tensor, start) chunks, on the host."""
   chunks = [(t, s) for t, r in enumerate(rows) for s in range(0, r[-1], CHUNK)]
   return np.array(rows, np.int64).reshape(len(rows), -1), np.array(chunks, np.int64).reshape(-1, 2)
+
+
+def _vectors(rows: list[tuple[int, ...]], walked: int) -> bool:
+  """Whether the kernels may take the rows' tensors in 16-byte vectors: the first `walked` pointers of every row (those
+  a kernel walks) 16-byte aligned and every size (a row's last entry) a multiple of 4 elements."""
+  return all(r[-1] % 4 == 0 and all(p % 16 == 0 for p in r[:walked]) for r in rows)
 
 
 def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, CudaArray]:
@@ -197,7 +220,8 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
   for (pd, gd, device), rows in _param_rows(params, grads, exp_avgs, exp_avg_sqs, steps).items():
     table, chunks = _tables_for(rows, device)
     run(_STEPS, (1,), table, len(rows))
-    run(adamw_spec(pd, gd, weight_decay != 0, on_device, clip is not None), (chunks.shape[0],), table, chunks,
+    run(adamw_spec(pd, gd, weight_decay != 0, on_device, clip is not None, _vectors(rows, 4)), (chunks.shape[0],),
+        table, chunks,
         0 if on_device else f64_bits(lr), lr.ptr if on_device else 0, 0 if clip is None else clip.ptr,
         f64_bits(beta1), f64_bits(beta2),
         f64_bits(weight_decay), float(np.float32(1 - beta1)), float(np.float32(beta2)), float(np.float32(1 - beta2)),
@@ -208,10 +232,10 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
 def _sgd_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, weight_decay, momentum, one_minus_dampening,
                 P: tl.constexpr, G: tl.constexpr, MOMENTUM: tl.constexpr, FIRST: tl.constexpr, DAMPENING: tl.constexpr,
                 NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, DECAY: tl.constexpr, LR_PTR: tl.constexpr,
-                CLIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                CLIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VECTORS: tl.constexpr):
   """SGD over one chunk (table rows: param, grad, momentum buffer, size); the learning rate as AdamW's kernel takes
   it, the gradient scaled by clip_ptr's factor as AdamW's scales it. FIRST: the buffer starts as the gradient."""
-  row, start, end = _row(table, chunks, 4, CHUNK)
+  row, start, end = _row(table, chunks, 4, CHUNK, VECTORS)
   p_ptr = tl.load(row).to(tl.pointer_type(P))
   g_ptr = tl.load(row + 1).to(tl.pointer_type(G))
   b_ptr = tl.load(row + 2).to(tl.pointer_type(P))
@@ -221,8 +245,9 @@ def _sgd_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, weight_decay, momentum
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
     mask = i < end
-    p = tl.load(p_ptr + i, mask=mask).to(tl.float32)
-    g = _gradient(g_ptr, i, mask, clip, G, CLIP)
+    ps, bs = _at(p_ptr, i, VECTORS, BLOCK), _at(b_ptr, i, VECTORS, BLOCK)
+    p = tl.load(ps, mask=mask).to(tl.float32)
+    g = _gradient(_at(g_ptr, i, VECTORS, BLOCK), mask, clip, G, CLIP)
     if MAXIMIZE:
       g = -g
     if DECAY:
@@ -231,26 +256,26 @@ def _sgd_kernel(table, chunks, lr_bits, lr_ptr, clip_ptr, weight_decay, momentum
       if FIRST:
         b = g.to(P)
       elif DAMPENING:
-        b = (tl.load(b_ptr + i, mask=mask).to(tl.float32) * momentum + g * one_minus_dampening).to(P)
+        b = (tl.load(bs, mask=mask).to(tl.float32) * momentum + g * one_minus_dampening).to(P)
       else:
-        b = (tl.load(b_ptr + i, mask=mask).to(tl.float32) * momentum + g).to(P)
-      tl.store(b_ptr + i, b, mask=mask)
+        b = (tl.load(bs, mask=mask).to(tl.float32) * momentum + g).to(P)
+      tl.store(bs, b, mask=mask)
       if NESTEROV:
         g = g + b.to(tl.float32) * momentum
       else:
         g = b.to(tl.float32)
-    tl.store(p_ptr + i, (p + g * neg_lr).to(P), mask=mask)
+    tl.store(ps, (p + g * neg_lr).to(P), mask=mask)
 
 
 @functools.lru_cache(maxsize=4096)
 def sgd_spec(param, grad, momentum: bool, first: bool, dampening: bool, nesterov: bool, maximize: bool, decay: bool,
-             lr_on_device: bool = False, clip: bool = False):
+             lr_on_device: bool = False, clip: bool = False, vectors: bool = False):
   sig = {"table": "*i64", "chunks": "*i64", "lr_bits": "i64", "lr_ptr": "*fp64", "clip_ptr": "*fp32",
          "weight_decay": "fp32", "momentum": "fp32", "one_minus_dampening": "fp32"}
   block, warps = multi_tensor_schedule(3)  # param, grad, buffer
   return spec(_sgd_kernel, sig, dict(P=TL[param], G=TL[grad], MOMENTUM=momentum, FIRST=first, DAMPENING=dampening,
                                      NESTEROV=nesterov, MAXIMIZE=maximize, DECAY=decay, LR_PTR=lr_on_device, CLIP=clip,
-                                     CHUNK=CHUNK, BLOCK=block), num_warps=warps)
+                                     CHUNK=CHUNK, BLOCK=block, VECTORS=vectors), num_warps=warps)
 
 
 def fused_sgd(params: list[CudaArray], grads: list[CudaArray], momentum_buffers: list[CudaArray], lr: float | CudaArray,
@@ -271,55 +296,60 @@ def fused_sgd(params: list[CudaArray], grads: list[CudaArray], momentum_buffers:
   for (pd, gd, device), rows in _param_rows(params, grads, bufs).items():
     table, chunks = _tables_for(rows, device)
     run(sgd_spec(pd, gd, momentum != 0, is_first_step, dampening != 0, nesterov, maximize, weight_decay != 0,
-                 on_device, clip is not None), (chunks.shape[0],), table, chunks, 0 if on_device else f64_bits(lr),
+                 on_device, clip is not None, _vectors(rows, 3)), (chunks.shape[0],), table, chunks,
+        0 if on_device else f64_bits(lr),
         lr.ptr if on_device else 0, 0 if clip is None else clip.ptr, float(np.float32(weight_decay)),
         float(np.float32(momentum)), float(np.float32(1 - dampening)))
 
 
 @triton.jit
-def _chunk(table, chunks, G: tl.constexpr, CHUNK: tl.constexpr):
+def _chunk(table, chunks, G: tl.constexpr, CHUNK: tl.constexpr, VECTORS: tl.constexpr):
   """(pointer, start, end) of this program's chunk of a (pointer, numel) table."""
-  row, start, end = _row(table, chunks, 2, CHUNK)
+  row, start, end = _row(table, chunks, 2, CHUNK, VECTORS)
   return tl.load(row).to(tl.pointer_type(G)), start, end
 
 
 @triton.jit
-def _sum_squares_kernel(table, chunks, out, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_squares_kernel(table, chunks, out, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        VECTORS: tl.constexpr):
   """out[pid] = the float32 sum of squares of chunk pid (table rows: pointer, numel)."""
-  x, start, end = _chunk(table, chunks, G, CHUNK)
+  x, start, end = _chunk(table, chunks, G, CHUNK, VECTORS)
   acc = tl.zeros([BLOCK], tl.float32)
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
-    v = tl.load(x + i, mask=i < end, other=0).to(tl.float32)
+    v = tl.load(_at(x, i, VECTORS, BLOCK), mask=i < end, other=0).to(tl.float32)
     acc += v * v
   tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 @triton.jit
-def _scale_kernel(table, chunks, scale, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_kernel(table, chunks, scale, G: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                  VECTORS: tl.constexpr):
   """x *= scale[0] (float32) over chunk pid, in place."""
-  x, start, end = _chunk(table, chunks, G, CHUNK)
+  x, start, end = _chunk(table, chunks, G, CHUNK, VECTORS)
   s = tl.load(scale)
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
-    tl.store(x + i, (tl.load(x + i, mask=i < end).to(tl.float32) * s).to(G), mask=i < end)
+    xs = _at(x, i, VECTORS, BLOCK)
+    tl.store(xs, (tl.load(xs, mask=i < end).to(tl.float32) * s).to(G), mask=i < end)
 
 
 @triton.jit
-def _cast_kernel(table, chunks, S: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _cast_kernel(table, chunks, S: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 VECTORS: tl.constexpr):
   """y = x converted to D over chunk pid (table rows: x's pointer, y's, numel)."""
-  row, start, end = _row(table, chunks, 3, CHUNK)
+  row, start, end = _row(table, chunks, 3, CHUNK, VECTORS)
   x, y = tl.load(row).to(tl.pointer_type(S)), tl.load(row + 1).to(tl.pointer_type(D))
   for off in range(start, end, BLOCK):
     i = off + tl.arange(0, BLOCK)
-    tl.store(y + i, tl.load(x + i, mask=i < end).to(D), mask=i < end)
+    tl.store(_at(y, i, VECTORS, BLOCK), tl.load(_at(x, i, VECTORS, BLOCK), mask=i < end).to(D), mask=i < end)
 
 
 @functools.lru_cache(maxsize=64)
-def cast_spec(src, dst):
+def cast_spec(src, dst, vectors: bool = False):
   block, warps = multi_tensor_schedule(1)
-  return spec(_cast_kernel, {"table": "*i64", "chunks": "*i64"}, dict(S=TL[src], D=TL[dst], CHUNK=CHUNK, BLOCK=block),
-              num_warps=warps)
+  return spec(_cast_kernel, {"table": "*i64", "chunks": "*i64"},
+              dict(S=TL[src], D=TL[dst], CHUNK=CHUNK, BLOCK=block, VECTORS=vectors), num_warps=warps)
 
 
 def cast_many(*xs: CudaArray, dtype) -> tuple:
@@ -333,16 +363,16 @@ def cast_many(*xs: CudaArray, dtype) -> tuple:
     elif x.size: groups.setdefault((x.dtype, x.device), []).append((x.ptr, y.ptr, x.size))
   for (src, dev), rows in groups.items():
     table, chunks = _tables_for(rows, dev)
-    run(cast_spec(src, dtype), (chunks.shape[0],), table, chunks)
+    run(cast_spec(src, dtype, _vectors(rows, 2)), (chunks.shape[0],), table, chunks)
   return tuple(outs)
 
 
 @functools.lru_cache(maxsize=64)
-def multi_tensor_spec(kernel: str, dtype):
+def multi_tensor_spec(kernel: str, dtype, vectors: bool = False):
   fn, last = {"sum_squares": (_sum_squares_kernel, "out"), "scale": (_scale_kernel, "scale")}[kernel]
   block, warps = multi_tensor_schedule(1)
-  return spec(fn, {"table": "*i64", "chunks": "*i64", last: "*fp32"}, dict(G=TL[dtype], CHUNK=CHUNK, BLOCK=block),
-              num_warps=warps)
+  return spec(fn, {"table": "*i64", "chunks": "*i64", last: "*fp32"},
+              dict(G=TL[dtype], CHUNK=CHUNK, BLOCK=block, VECTORS=vectors), num_warps=warps)
 
 
 def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[tuple[int, int]]]:
@@ -364,7 +394,7 @@ def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
   for (dtype, dev), rows in _groups(tensors, "sum_squares").items():
     table, chunks = _tables_for(rows, dev)
     out = memory.empty((chunks.shape[0],), dtypes.float32, dev)
-    run(multi_tensor_spec("sum_squares", dtype), (chunks.shape[0],), table, chunks, out)
+    run(multi_tensor_spec("sum_squares", dtype, _vectors(rows, 1)), (chunks.shape[0],), table, chunks, out)
     parts.append(out)
   if not parts: return memory.from_numpy(np.zeros(1, np.float32), device)
   if len(parts) == 1: return parts[0]
@@ -375,7 +405,7 @@ def scale_(tensors: list[CudaArray], scale: CudaArray) -> None:
   """tensors[i] *= scale (a float32 array of one element on their device) in place, one launch per dtype."""
   for (dtype, dev), rows in _groups(tensors, "scale_").items():
     table, chunks = _tables_for(rows, dev)
-    run(multi_tensor_spec("scale", dtype), (chunks.shape[0],), table, chunks, scale)
+    run(multi_tensor_spec("scale", dtype, _vectors(rows, 1)), (chunks.shape[0],), table, chunks, scale)
 
 
 def _working(xs, out, like) -> tuple[list[CudaArray], list[tuple[CudaArray, CudaArray]]]:
@@ -455,4 +485,8 @@ SPECS = [_STEPS] + [adamw_spec(p, g, d, on) for p, g, d in ((dtypes.float32, dty
         [adamw_spec(dtypes.float32, g, True, on, True) for g, on in ((dtypes.float32, True), (dtypes.bfloat16, False))] + \
         [multi_tensor_spec(k, d) for k in ("sum_squares", "scale") for d in (dtypes.float32, dtypes.bfloat16)] + \
         [cast_spec(dtypes.float32, d) for d in (dtypes.bfloat16, dtypes.float16)] + \
-        [sgd_spec(p, g, *flags) for p, g, flags in _SGD_VARIANTS]
+        [sgd_spec(p, g, *flags) for p, g, flags in _SGD_VARIANTS] + \
+        [adamw_spec(dtypes.float32, g, True, True, c, True) for g, c in ((dtypes.float32, True), (dtypes.bfloat16, False))] + \
+        [multi_tensor_spec(k, dtypes.float32, True) for k in ("sum_squares", "scale")] + \
+        [cast_spec(dtypes.float32, dtypes.bfloat16, True), sgd_spec(_F32, _F32, True, False, False, False, False, True, True,
+                                                              False, True)]  # 16-byte vectors
