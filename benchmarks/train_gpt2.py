@@ -8,7 +8,9 @@ autocast. Reports tokens/s, peak memory, first-step time and ratios; writes benc
 
 The JAX run (jax_xla) runs in a process of its own (jax is imported there only): its allocator keeps the memory it
 took until the process ends and its peak (`memory_stats()["peak_bytes_in_use"]`) cannot be reset, so it covers the
-first step too.
+first step too. With `--isolate` every run does (one after another, on the same machine): a framework's host work
+then shares its process with nothing of the other's (PyTorch loaded, torch.compile's compile workers, the other's
+caches and garbage), which a step that synchronizes each time (`loss.item()`) feels.
 
 A compiled run's peak is measured over its timed steps (after the warm-up, which for blutrain holds the first call's
 graph, which creates the optimizer's state, and the capture of the steady one): the caching allocator's peak (which holds the CUDA graph's arena) plus the memory of the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -163,6 +166,25 @@ def run_jax(cfg, state, batches, precision: str, warmup: int, device: str = "cud
     return json.loads(out.read_text())
 
 
+def _isolated(name: str, precision: str, args) -> dict:
+  """The run `name` in `precision` by this script in a process of its own; its result dict."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp) / "result.json"
+    cmd = [sys.executable, __file__, "--precisions", precision, "--order", name, "--out", str(out)]
+    for flag in ("batch", "block", "steps", "warmup", "device"): cmd += [f"--{flag}", str(getattr(args, flag))]
+    proc = subprocess.run(cmd + ["--quick"] * args.quick, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode:
+      raise RuntimeError(f"the {name} run exited with {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())["runs"][f"{name}/{precision}"]
+
+
+def _version(package: str) -> str | None:
+  """An installed package's version, without importing it."""
+  from importlib import metadata
+  try: return metadata.version(package)
+  except metadata.PackageNotFoundError: return None
+
+
 def _gib(r: dict) -> float:
   return (r.get("peak_bytes") or float("nan")) / 2**30  # nan where not measured (the CPU)
 
@@ -178,6 +200,7 @@ def main() -> None:
   ap.add_argument("--order", default="torch_eager,blutrain_eager", help="which runs, in which order (of "
                   "torch_eager, blutrain_eager, blutrain_compile, torch_compile, jax_xla)")
   ap.add_argument("--device", default="cuda")
+  ap.add_argument("--isolate", action="store_true", help="each run in a process of its own (see the docstring)")
   ap.add_argument("--quick", action="store_true", help="1 warm-up and 2 timed steps (with --device cpu: a 2-layer GPT "
                   "of width 64, B=2, T=32)")
   ap.add_argument("--out", help="the results file (default: benchmarks/results/train_gpt2.json on a GPU, "
@@ -189,7 +212,6 @@ def main() -> None:
   tiny = args.quick and args.device == "cpu"
   if tiny: args.batch, args.block = 2, 32
 
-  import torch
   import blutrain as bt
   from blutrain.models import GPT, GPTConfig
   cfg = GPTConfig(block_size=args.block, **(dict(n_layer=2, n_head=2, n_embd=64) if tiny else {}))
@@ -199,10 +221,11 @@ def main() -> None:
   batches = [(rng.integers(0, 50257, (args.batch, args.block)), rng.integers(0, 50257, (args.batch, args.block)))
              for _ in range(args.warmup + args.steps)]
   tokens = args.batch * args.block
-  gpu = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+  gpu = bt.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
   rows, result = [], {"benchmark": "train_gpt2", "date": date.today().isoformat(), "gpu": gpu, "device": args.device,
                       "batch": args.batch, "block": args.block, "steps": args.steps, "config": cfg.to_dict(),
-                      "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                      "isolated": args.isolate,
+                      "versions": {"python": platform.python_version(), "torch": _version("torch"),
                                    "blutrain": bt.__version__, "numpy": np.__version__}, "runs": {}}
   for precision in args.precisions.split(","):
     runs = {"torch_eager": lambda: run_torch(cfg, state, batches, precision, args.warmup, False, args.device),
@@ -212,6 +235,7 @@ def main() -> None:
             "jax_xla": lambda: run_jax(cfg, state, batches, precision, args.warmup, args.device)}
     order = args.order.split(",") + (["torch_compile"] if args.torch_compile else [])
     for name, fn in ((n, runs[n]) for n in order):
+      if args.isolate and name != "jax_xla": fn = functools.partial(_isolated, name, precision, args)
       try:
         r = fn()
         r["tokens_per_s"] = tokens / r["step_s"]
