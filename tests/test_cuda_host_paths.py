@@ -664,3 +664,50 @@ model.weight.data = bt.randn(4, 8, device="cuda")
 step(x)
 assert step.captures == 3, step.captures
 """, tmp_path)
+
+
+def test_a_compiled_step_compiles_its_kernels_ahead_on_threads_on_the_fake_gpu(tmp_path):
+  """Before its first run a compiled step dry-runs on scratch copies of its inputs: the Triton kernels it meets
+  through `kernels.run` compile on threads instead of launching (cold caches: both blutrain's and Triton's), and no
+  variant compiled there compiles again on the main thread; the calls after the first compile nothing."""
+  _run_fake(f"""
+import os, threading
+os.environ["BLUTRAIN_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = {str(tmp_path / "bt")!r}, {str(tmp_path / "tr")!r}
+from blutrain.backend.cuda import launch
+compiles, real = [], launch._compile
+def counted(fn, sig, constexprs, *a):
+  key = (fn.__name__, repr(sorted(sig.items())), repr(sorted(constexprs.items())), repr(a))
+  compiles.append((key, threading.current_thread().name.startswith("blutrain-compile")))
+  return real(fn, sig, constexprs, *a)
+launch._compile = counted
+{GPT_STEP}
+step(x, y)
+ahead = [key for key, threaded in compiles if threaded]
+assert step.info["compile_ahead"].startswith(f"{{len(ahead)}} kernels on"), (step.info["compile_ahead"], compiles)
+names = {{key[0] for key in ahead}}
+assert len(ahead) >= 8 and {{"_attn_fwd", "_adamw_kernel", "_layer_norm_backward_kernel"}} <= names, names
+assert not set(ahead) & {{key for key, threaded in compiles if not threaded}}, "compiled twice"
+n = len(compiles)
+for _ in range(2): step(x, y)
+assert len(compiles) == n, compiles[n:]
+""", tmp_path)
+
+
+def test_a_failed_compile_ahead_leaves_the_compiling_to_the_first_run_on_the_fake_gpu(tmp_path):
+  """A compile that fails on a thread ends the dry run (said in info["compile_ahead"]); the first run compiles what is
+  left, one variant after another, and the step runs."""
+  _run_fake(f"""
+import os, threading
+os.environ["BLUTRAIN_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = {str(tmp_path / "bt")!r}, {str(tmp_path / "tr")!r}
+from blutrain.backend.cuda import launch
+real = launch._compile
+def flaky(fn, *a):
+  if threading.current_thread().name.startswith("blutrain-compile") and fn.__name__ == "_attn_fwd":
+    raise RuntimeError("no compiler today")
+  return real(fn, *a)
+launch._compile = flaky
+{GPT_STEP}
+step(x, y)
+assert step.info["compile_ahead"] == "skipped: RuntimeError: no compiler today", step.info["compile_ahead"]
+for _ in range(2): step(x, y)
+""", tmp_path)

@@ -219,6 +219,9 @@ def cuda_graphs_enabled() -> bool:
   return os.environ.get("BLUTRAIN_CUDA_GRAPHS", "1") != "0"
 
 
+COMPILE_THREADS = max(2, min(16, os.cpu_count() or 1))  # Triton compiles side by side (`_compile_ahead`)
+
+
 def _position(sources: list, source) -> int:
   """Where `source` is in `sources`, by identity: sources compare what they refer to (`list.index` would compare a
   gradient's parameter with others elementwise)."""
@@ -321,12 +324,36 @@ class GraphExecutable(Executable):
       if self.pool is not None: self.pool.release()
       raise self._oom(e, "running it once, kernel by kernel, to create its persistent state") from e
 
+  def _compile_ahead(self) -> None:
+    """Before the first run: a dry run of the step on scratch copies of its inputs, in a pool of its own, in which no
+    Triton kernel launches and each one not compiled yet compiles on one of COMPILE_THREADS threads (`kernels.
+    compiling_ahead`), so the first run finds them compiled instead of compiling one after another (GPT-2's first step
+    met 40 variants, 10-11 s of compiling on one core). The other work it meets runs, on the scratch memory: GEMMs,
+    copies and the kernels that do not go through `kernels.run` (compiled there as before). Skipped for steps with
+    collectives (the ranks' dry runs could disagree); a failure (the scratch copies not fitting, say) only leaves the
+    compiling to the first run, and says why in `info["compile_ahead"]`."""
+    from blutrain.backend.cuda import graphs
+    from blutrain.backend.cuda.kernels import compiling_ahead, empty_like
+    if self.collectives: return
+    pool = None
+    try:
+      scratch = [empty_like(a) for a in self.static]
+      pool = graphs.Pool(scratch[0].device if scratch else None, getattr(self.fn, "arena_bytes", 0))
+      with compiling_ahead(COMPILE_THREADS) as compiled:
+        pool.run(lambda: self.fn(*scratch))
+      self.info["compile_ahead"] = f"{len(compiled)} kernels on {COMPILE_THREADS} threads"
+    except Exception as e:  # noqa: BLE001 (an optimization: the first run compiles what is left)
+      self.info["compile_ahead"] = f"skipped: {type(e).__name__}: {e}"
+    finally:
+      if pool is not None: pool.release()
+
   def run(self, leaves: list) -> Any:
     from blutrain.backend.cuda import graphs, memory, runtime
     t0 = time.perf_counter()
     collective.check(self.collectives)
     static = self._bind(leaves)
     t1 = time.perf_counter()
+    if self.pool is None and "compile_ahead" not in self.info: self._compile_ahead()
     if self.once: outs = self._run_once()
     elif self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what it needs
       pool = None

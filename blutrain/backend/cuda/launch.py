@@ -131,12 +131,12 @@ def compiled(fn, signature: dict[str, str], constexprs: dict[str, Any] | None = 
   sig, attrs = _parse_signature(fn, signature, constexprs)
   key = _disk_key(fn, sig, constexprs, attrs, num_warps, num_stages)
   path = cache_dir() / key
-  with _lock:
-    c = _read(path)
-    if c is None:
-      c = _compile(fn, sig, constexprs, attrs, num_warps, num_stages)
-      _write(path, c)
-    if mem_key is not None: _memory[mem_key] = c
+  c = _read(path)
+  if c is None:  # outside the lock: threads compile side by side (Triton's compile releases the GIL for most of it)
+    c = _compile(fn, sig, constexprs, attrs, num_warps, num_stages)
+    _write(path, c)
+  if mem_key is not None:
+    with _lock: c = _memory.setdefault(mem_key, c)
   return c
 
 
@@ -169,7 +169,7 @@ def _write(path: Path, c: Compiled) -> None:
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     for suffix, data in ((".cubin", c.cubin), (".json", json.dumps(meta).encode())):
-      tmp = path.with_suffix(f"{suffix}.tmp{os.getpid()}")
+      tmp = path.with_suffix(f"{suffix}.tmp{os.getpid()}.{threading.get_ident()}")
       tmp.write_bytes(data)
       os.replace(tmp, path.with_suffix(suffix))
   except OSError:
