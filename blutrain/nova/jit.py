@@ -318,34 +318,32 @@ class GraphExecutable(Executable):
     try:
       self.pool = graphs.Pool(self.static[0].device if self.static else None, getattr(self.fn, "arena_bytes", 0))
       self.info["planned_peak_bytes"] = self.planned_peak()
+      self._compile_ahead(self.pool)
       outs = self.pool.run(self._step)
       return tuple(_copy(a) if kind in ("new", "grad") else a for (kind, _), a in zip(self.spec, outs))
     except OutOfMemoryError as e:
       if self.pool is not None: self.pool.release()
       raise self._oom(e, "running it once, kernel by kernel, to create its persistent state") from e
 
-  def _compile_ahead(self) -> None:
-    """Before the first run: a dry run of the step on scratch copies of its inputs, in a pool of its own, in which no
-    Triton kernel launches and each one not compiled yet compiles on one of COMPILE_THREADS threads (`kernels.
+  def _compile_ahead(self, pool) -> None:
+    """Before the first run, in its pool: a dry run of the step on scratch arrays (`_scratch`), in which no Triton
+    kernel launches and each one not compiled yet compiles on one of COMPILE_THREADS threads (`kernels.
     compiling_ahead`), so the first run finds them compiled instead of compiling one after another (GPT-2's first step
-    met 40 variants, 10-11 s of compiling on one core). The other work it meets runs, on the scratch memory: GEMMs,
-    copies and the kernels that do not go through `kernels.run` (compiled there as before). Skipped for steps with
-    collectives (the ranks' dry runs could disagree); a failure (the scratch copies not fitting, say) only leaves the
-    compiling to the first run, and says why in `info["compile_ahead"]`."""
-    from blutrain.backend.cuda import graphs
-    from blutrain.backend.cuda.kernels import compiling_ahead, empty_like
-    if self.collectives: return
-    pool = None
+    met 40 variants, 10-11 s of compiling on one core). The other work it meets runs, on the scratch memory and the
+    pool's arena (which the first run then reuses): GEMMs, copies and the kernels that do not go through
+    `kernels.run` (compiled there as before). Skipped for steps with collectives (the ranks' dry runs could disagree);
+    a failure (the scratch not fitting, say) only leaves the compiling to the first run, and says why in
+    `info["compile_ahead"]`."""
+    from blutrain.backend.cuda.kernels import compiling_ahead
+    if self.collectives or not self.static or "compile_ahead" in self.info: return
     try:
-      scratch = [empty_like(a) for a in self.static]
-      pool = graphs.Pool(scratch[0].device if scratch else None, getattr(self.fn, "arena_bytes", 0))
+      scratch = _scratch(self.static)
       with compiling_ahead(COMPILE_THREADS) as compiled:
         pool.run(lambda: self.fn(*scratch))
+      pool.stream.synchronize()  # the dry run's GEMMs and copies still read and write the scratch memory
       self.info["compile_ahead"] = f"{len(compiled)} kernels on {COMPILE_THREADS} threads"
     except Exception as e:  # noqa: BLE001 (an optimization: the first run compiles what is left)
       self.info["compile_ahead"] = f"skipped: {type(e).__name__}: {e}"
-    finally:
-      if pool is not None: pool.release()
 
   def run(self, leaves: list) -> Any:
     from blutrain.backend.cuda import graphs, memory, runtime
@@ -353,12 +351,12 @@ class GraphExecutable(Executable):
     collective.check(self.collectives)
     static = self._bind(leaves)
     t1 = time.perf_counter()
-    if self.pool is None and "compile_ahead" not in self.info: self._compile_ahead()
     if self.once: outs = self._run_once()
     elif self.pool is None:  # kernel by kernel, warming every kernel and cache up, and the pool with what it needs
       pool = None
       try:
         pool = graphs.Pool(static[0].device if static else None, getattr(self.fn, "arena_bytes", 0))
+        self._compile_ahead(pool)
         outs = pool.run(self._step)
       except OutOfMemoryError as e:
         if pool is not None: pool.release()
@@ -392,6 +390,18 @@ class GraphExecutable(Executable):
       if self.once:  # the copies out of the pool are queued: let them finish before its memory is given back
         runtime.current_stream(static[0].device if static else None).synchronize()
         self.pool.release()
+
+
+def _scratch(arrays: list) -> list:
+  """Arrays of the layouts of `arrays` (shapes, strides, dtypes, 16-byte alignment), all over one buffer the size of
+  the largest: what a dry run reads and writes instead of the step's real inputs, for the memory of one."""
+  from blutrain import dtypes
+  from blutrain.backend.cuda import memory
+  from blutrain.backend.cuda.array import CudaArray
+  spans = [(1 + sum((n - 1) * st for n, st in zip(a.shape, a.strides))) * a.dtype.itemsize if a.size else 0
+           for a in arrays]
+  buf = memory.empty((max(spans, default=0) or 1,), dtypes.uint8, arrays[0].device)
+  return [CudaArray(buf.ptr, a.shape, a.strides, a.dtype, a.device, buf) for a in arrays]
 
 
 def _copy(a):

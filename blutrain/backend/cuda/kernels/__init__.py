@@ -96,6 +96,11 @@ def run(s: Spec, grid: tuple[int, ...], *args) -> None:
   if "kernel" not in s.__dict__ and (key := _compile_args(s)) not in futures: futures[key] = pool.submit(_compiled, *key)
 
 
+def dry() -> bool:
+  """Whether a dry run is compiling ahead (`compiling_ahead`): nothing it makes is worth caching."""
+  return _ahead is not None
+
+
 @contextlib.contextmanager
 def compiling_ahead(workers: int):
   """A dry run's kernels compiled side by side: within the block `run` launches nothing and hands each variant it has

@@ -33,7 +33,7 @@ from triton.language.extra.cuda import libdevice
 from blutrain import dtypes
 from blutrain.backend.cuda import memory
 from blutrain.backend.cuda.array import CudaArray
-from blutrain.backend.cuda.kernels import TL, empty_like, f64_bits, run, spec, sqrt_rn
+from blutrain.backend.cuda.kernels import TL, dry, empty_like, f64_bits, run, spec, sqrt_rn
 from blutrain.backend.cuda.kernels.copy import cat, copy
 from blutrain.backend.cuda.kernels.reduce import reduce
 from blutrain.configurator import MULTI_TENSOR_CHUNK, multi_tensor_schedule
@@ -165,7 +165,9 @@ def _vectors(rows: list[tuple[int, ...]], walked: int) -> bool:
 
 
 def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, CudaArray]:
-  """The device tables of rows of pointers ending in the tensor's size, and of its (tensor, start) chunks."""
+  """The device tables of rows of pointers ending in the tensor's size, and of its (tensor, start) chunks (not cached
+  in a dry run: its pointers are scratch, and the tables would hold its pool's memory)."""
+  if dry(): return tuple(memory.from_numpy(a, device) for a in host_tables(rows))
   key = (device, tuple(rows))
   hit = _tables.get(key)
   if hit is not None:
