@@ -258,7 +258,7 @@ def fused(body: Body, shape: tuple[int, ...], *xs, out: tuple | None = None) -> 
   output, an array to write it into (None: a new one): an input's own buffer, which the kernel reads at the flat
   index before it writes there (a buffer not of that layout gets a new array instead, which the caller copies)."""
   from blutrain.backend.cuda.array import CudaArray
-  from blutrain.backend.cuda.kernels import empty_ordered
+  from blutrain.backend.cuda.kernels import empty_ordered, run
   from blutrain.backend.cuda.runtime import current_stream
   from blutrain.shapes import strides_in_order
   arrays = [x.layout_key or x.key() if x.__class__ is CudaArray else None for x in xs]
@@ -277,7 +277,7 @@ def fused(body: Body, shape: tuple[int, ...], *xs, out: tuple | None = None) -> 
                for ref, o in zip(body.outputs, out or (None,) * len(body.outputs)))
   if scalars[0]:
     args = [x if x.__class__ is CudaArray else np.asarray(x).item() for x in xs]
-    s.kernel(grid, *outs, *args, *scalars)
+    run(s, grid, *outs, *args, *scalars)
   return outs
 
 
