@@ -711,3 +711,22 @@ step(x, y)
 assert step.info["compile_ahead"] == "skipped: RuntimeError: no compiler today", step.info["compile_ahead"]
 for _ in range(2): step(x, y)
 """, tmp_path)
+
+
+def test_a_dry_runs_scratch_arrays_share_one_buffer_within_its_bounds_on_the_fake_gpu(tmp_path):
+  """`jit._scratch`: every input's layout over one buffer the size of the largest span, a flipped view's elements
+  inside it too (its first element at the span's end)."""
+  _run_fake("""
+import importlib
+from blutrain import dtypes
+from blutrain.backend.cuda import memory
+from blutrain.backend.cuda.array import CudaArray
+jit = importlib.import_module("blutrain.nova.jit")
+a = memory.empty((4, 6), dtypes.float32, 0)
+flipped = CudaArray(a.ptr + 5 * 4, (4, 6), (6, -1), dtypes.float32, 0, a)
+b = memory.empty((10,), dtypes.bfloat16, 0)
+out = jit._scratch([a, flipped, b, memory.empty((0, 3), dtypes.bfloat16, 0)])
+buf = out[0].owner
+assert all(o.owner is buf for o in out) and buf.nbytes == 96, buf
+assert [o.ptr - out[0].ptr for o in out] == [0, 20, 0, 0] and [o.strides for o in out[:2]] == [(6, 1), (6, -1)]
+""", tmp_path)

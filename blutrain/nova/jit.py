@@ -393,15 +393,17 @@ class GraphExecutable(Executable):
 
 
 def _scratch(arrays: list) -> list:
-  """Arrays of the layouts of `arrays` (shapes, strides, dtypes, 16-byte alignment), all over one buffer the size of
-  the largest: what a dry run reads and writes instead of the step's real inputs, for the memory of one."""
+  """Arrays of the shapes, strides and dtypes of `arrays` (aligned as the allocator aligns), all over one buffer the
+  size of the largest span (negative strides included): what a dry run reads and writes instead of the step's real
+  inputs, for the memory of one."""
   from blutrain import dtypes
   from blutrain.backend.cuda import memory
   from blutrain.backend.cuda.array import CudaArray
-  spans = [(1 + sum((n - 1) * st for n, st in zip(a.shape, a.strides))) * a.dtype.itemsize if a.size else 0
-           for a in arrays]
-  buf = memory.empty((max(spans, default=0) or 1,), dtypes.uint8, arrays[0].device)
-  return [CudaArray(buf.ptr, a.shape, a.strides, a.dtype, a.device, buf) for a in arrays]
+  spans = [memory.span(a.shape, a.strides) if a.size else (0, 0) for a in arrays]
+  buf = memory.empty((max([(hi - lo) * a.dtype.itemsize for a, (lo, hi) in zip(arrays, spans)], default=0) or 1,),
+                     dtypes.uint8, arrays[0].device)
+  return [CudaArray(buf.ptr - lo * a.dtype.itemsize, a.shape, a.strides, a.dtype, a.device, buf)
+          for a, (lo, _) in zip(arrays, spans)]
 
 
 def _copy(a):
