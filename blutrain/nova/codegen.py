@@ -21,9 +21,7 @@ For example, on the CPU:
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
-import linecache
 from typing import Any, Callable
 
 import numpy as np
@@ -38,8 +36,11 @@ from blutrain.nova.dialect import (DTYPES, CrossEntropyBackwardOp, CrossEntropyB
                                    ViewOp, aval)
 from blutrain.nova.graph import dtype_name, literal
 from blutrain.nova.ir import function
+from blutrain.nova.loader import load  # noqa: F401  (generate and load are this module's pair)
 from blutrain.nova.memory import MemoryPlan, joins
 from blutrain.nova.passes.fuse_gemm import gemm_choice
+from blutrain.nova.synth import Body, plan
+from blutrain.shapes import contiguous_strides
 
 
 def _slice(index) -> str:
@@ -56,26 +57,6 @@ def _view(op: LayoutOp, x: str, target: str) -> str:
   if isinstance(op, PermuteOp): return f"{x}.transpose({literal(a['dims'])})"
   if isinstance(op, ExpandOp): return f"np.broadcast_to({x}, {literal(a['shape'])})"
   return f"{x}[{_slice(a['index'])}]"
-
-
-class _Layout:
-  """What an op's layout rule reads of a tensor (shape, strides, offset, dtype, ndim), for a CudaArray."""
-  __slots__ = ("shape", "_strides", "_offset", "dtype", "ndim")
-
-  def __init__(self, x):
-    self.shape, self._strides, self._offset, self.dtype, self.ndim = x.shape, x.strides, 0, x.dtype, len(x.shape)
-
-
-def cuda_view(x, opname: str, attrs: dict):
-  """The view that layout op `opname` makes of CudaArray x, by the op's own layout rule (`Op.view`), as eager mode
-  makes it; a reshape whose layout cannot view x's memory reads a contiguous copy, as `reshape` does."""
-  from blutrain.backend.cuda import kernels
-  from blutrain.ops import registry
-  shape, strides, offset = registry[opname].view(_Layout(x), **attrs)
-  if strides is None:
-    x = kernels["copy"](x)
-    shape, strides, offset = registry[opname].view(_Layout(x), **attrs)
-  return type(x)(x.ptr + offset * x.dtype.itemsize, tuple(shape), tuple(strides), x.dtype, x.device, x.owner)
 
 
 def _call(op: NovaOp, args: list[str], out: str | None, target: str, path: str | None = None) -> str:
@@ -129,7 +110,6 @@ def _fused(op: FusedOp, names: dict, target: str, bodies: dict, used: set, in_pl
   """The lines of a fused group: on the GPU one call of its synthesized kernel (`synth.fused`, the body a
   module-level literal; results the plan puts in an operand's buffer are written there, `out=`), on the CPU its
   body's ops one by one with the numpy kernels, as eager mode runs them."""
-  from blutrain.nova.synth import body_of
   out = [in_place.get(r) for r in op.results]
   for r in op.results: names[r] = f"v{len(names)}"
   outs = ", ".join(names[r] for r in op.results) + ("," if len(op.results) == 1 else "")
@@ -215,7 +195,7 @@ def generate(module: ModuleOp, name: str = "step", target: str = "cpu",
             "from blutrain import dtypes", f"from blutrain.backend.{target} import kernels"]
   if target == "cuda":
     header += ["from blutrain.backend.cuda.graphs import expect, join, overlapped",
-               "from blutrain.nova.codegen import cuda_view as view"]
+               "from blutrain.nova.loader import cuda_view as view"]
     if bodies: header += ["from blutrain.nova.synth import Body, fused", "",
                           *(f"{n} = {b.literal()}" for b, n in bodies.items())]
     header += ["", ""]
@@ -223,11 +203,29 @@ def generate(module: ModuleOp, name: str = "step", target: str = "cpu",
   return "\n".join(header + lines) + "\n"
 
 
-def load(source: str, name: str = "step") -> Callable[..., tuple[np.ndarray, ...]]:
-  """Execute generated source (it imports numpy, dtypes and the kernels itself) and return its function. The source
-  is registered with `linecache`, so tracebacks through the compiled step show the generated lines."""
-  filename = f"<nova {hashlib.blake2b(source.encode(), digest_size=6).hexdigest()}>"
-  linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-  namespace: dict[str, Any] = {}
-  exec(compile(source, filename, "exec"), namespace)
-  return namespace[name]
+# *** fused groups as data ***
+
+def body_of(op: FusedOp) -> Body:
+  """The body of a fused op as data."""
+  block = op.body.block
+  ref = {a: i for i, a in enumerate(block.args)}
+  ops = []
+  *members, end = block.ops
+  for m in members:
+    attrs = tuple(sorted(m.attrs().items()))
+    ops.append((m.opname, tuple(ref[v] for v in m.operands), attrs, DTYPES[m.result.type.element_type]))
+    ref[m.result] = len(ref)
+  return Body(tuple(aval(a.type).dtype for a in block.args), tuple(ops), tuple(ref[v] for v in end.operands))
+
+
+def specs(module) -> list:
+  """The compiled variants (`kernels.Spec`) the fused ops of an optimized module use when their inputs are
+  contiguous arrays, each distinct one once: what CI compiles without a GPU."""
+  found = {}
+  for op in function(module).body.block.ops:
+    if not isinstance(op, FusedOp): continue
+    shape = aval(op.outs[0].type).shape
+    layouts = [(a.shape, contiguous_strides(a.shape), a.dtype, 0) for a in (aval(v.type) for v in op.xs)]
+    s = plan(body_of(op), shape, layouts)[0]
+    if s is not None: found.setdefault((s[0], tuple(s[1].items()), tuple(s[2].items()), tuple(s[3].items())), s)
+  return list(found.values())

@@ -331,11 +331,15 @@ class GraphExecutable(Executable):
     compiling_ahead`), so the first run finds them compiled instead of compiling one after another (GPT-2's first step
     met 40 variants, 10-11 s of compiling on one core). The other work it meets runs, on the scratch memory and the
     pool's arena (which the first run then reuses): GEMMs, copies and the kernels that do not go through
-    `kernels.run` (compiled there as before). Skipped for steps with collectives (the ranks' dry runs could disagree);
-    a failure (the scratch not fitting, say) only leaves the compiling to the first run, and says why in
-    `info["compile_ahead"]`."""
+    `kernels.run` (compiled there as before). Skipped for steps with collectives (the ranks' dry runs could disagree)
+    and for a step whose code came from the disk cache: its kernels were compiled with it, into the same cache, and
+    loading them one by one costs less than the dry run. A failure (the scratch not fitting, say) only leaves the
+    compiling to the first run; `info["compile_ahead"]` says what happened."""
     from blutrain.backend.cuda.kernels import compiling_ahead
     if self.collectives or not self.static or "compile_ahead" in self.info: return
+    if self.info.get("cache") == "hit":
+      self.info["compile_ahead"] = "not needed: the step's code and its kernels came from the disk cache"
+      return
     try:
       scratch = _scratch(self.static)
       with compiling_ahead(COMPILE_THREADS) as compiled:
@@ -439,7 +443,7 @@ def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, me
   """Compile a captured graph to a function of the target's arrays, reusing the generated code cached under its
   structural hash and the target (and the memory budget and the remat and fusion switches, which change the code). A
   cache entry that cannot be read or loaded is ignored and rebuilt."""
-  from blutrain.nova import codegen, hashing, pipeline
+  from blutrain.nova import hashing, loader
   t0 = time.perf_counter()
   key = hashing.graph_key(graph)
   if os.environ.get("BLUTRAIN_NOVA_REMAT") == "0": key += "-noremat"
@@ -450,11 +454,12 @@ def build(graph, dump_dir: str | None, written: dict[int, int] | None = None, me
   info: dict = {"key": key, "hash_s": time.perf_counter() - t0}
   if path.is_file() and not dump_dir:
     try:
-      fn = codegen.load(path.read_text())
+      fn = loader.load(path.read_text())
       info.update(cache="hit", source=str(path))
       return fn, info
     except Exception:  # NOTE: any damage to a cache file (truncated, edited) just means a rebuild
       path.unlink(missing_ok=True)
+  from blutrain.nova import pipeline  # the compiler (xDSL, the passes) loads only on a cache miss
   compiled = pipeline.compile_graph(graph, dump_dir=Path(dump_dir) / key if dump_dir else None, written=written,
                                     memory_budget=memory_budget, target=target)
   info.update(cache="miss", source=str(path), counts_before=compiled.counts_before, counts_after=compiled.counts_after,
@@ -477,7 +482,7 @@ class Compiled:
   def __init__(self, fn: Callable, dump_ir: str | None = None, memory_budget: int | str | None = None):
     self.fn, self.dump_ir, self.memory_budget = fn, dump_ir, memory_budget
     if memory_budget is not None:  # a bad size fails here, not at the second call
-      from blutrain.nova.remat import parse_size
+      from blutrain.nova.budget import parse_size
       parse_size(memory_budget)
     self._entries: dict = {}
     self._found: tuple[list, list] | None = None
@@ -565,7 +570,7 @@ class Compiled:
       if p.grad is not None and type(p.grad._storage.data) is Traced: p.grad = g  # the first run reads the old one
     capture_s = time.perf_counter() - t0
     written = {k: _position(trace.sources, where) for k, (kind, where) in enumerate(spec) if kind == "write"}
-    from blutrain.nova.remat import step_budget
+    from blutrain.nova.budget import step_budget
     # the tensors a graph creates are copied out of its arena at its end (on the GPU): the plan leaves room for them
     created_bytes = sum(t.numel() * t.dtype.itemsize for t in created)
     budget = step_budget(self.memory_budget, device, held_outside(trace, leaves) if device.type == "cuda" else 0)

@@ -1,7 +1,7 @@
 """Kernel synthesis: a fused pointwise group (`nova.fused`, made by `passes/fuse_pointwise.py`) becomes one Triton
 kernel generated from its body, for the GPU target.
 
-A group is data (`Body`: input dtypes, ops over references, outputs), taken from the IR by `body_of`; the generated
+A group is data (`Body`: input dtypes, ops over references, outputs), taken from the IR by `codegen.body_of`; the generated
 step holds it as a literal and calls `fused(body, shape, *arrays)`. On the first call for a layout of the inputs the
 host collapses dims (`kernels.collapse` over the output's contiguous strides and each input's broadcast strides) and
 sorts each input into a kind: `flat` (the output's own layout, read at the flat index), `scalar` (one element),
@@ -35,7 +35,6 @@ import numpy as np
 from blutrain import dtypes
 from blutrain.configurator import fused_schedule
 from blutrain.dtypes import DType
-from blutrain.nova.dialect import DTYPES, FusedOp, aval
 from blutrain.nova.graph import literal
 
 HALF = (dtypes.float16, dtypes.bfloat16)
@@ -64,19 +63,6 @@ class Body:
   def literal(self) -> str:
     """Python source that evaluates to this body (with `Body` and `dtypes` in scope)."""
     return f"Body({literal(self.inputs)}, {literal(self.ops)}, {literal(self.outputs)})"
-
-
-def body_of(op: FusedOp) -> Body:
-  """The body of a fused op as data."""
-  block = op.body.block
-  ref = {a: i for i, a in enumerate(block.args)}
-  ops = []
-  *members, end = block.ops
-  for m in members:
-    attrs = tuple(sorted(m.attrs().items()))
-    ops.append((m.opname, tuple(ref[v] for v in m.operands), attrs, DTYPES[m.result.type.element_type]))
-    ref[m.result] = len(ref)
-  return Body(tuple(aval(a.type).dtype for a in block.args), tuple(ops), tuple(ref[v] for v in end.operands))
 
 
 @dataclass(frozen=True)
@@ -279,18 +265,3 @@ def fused(body: Body, shape: tuple[int, ...], *xs, out: tuple | None = None) -> 
     args = [x if x.__class__ is CudaArray else np.asarray(x).item() for x in xs]
     run(s, grid, *outs, *args, *scalars)
   return outs
-
-
-def specs(module) -> list:
-  """The compiled variants (`kernels.Spec`) the fused ops of an optimized module use when their inputs are
-  contiguous arrays, each distinct one once: what CI compiles without a GPU."""
-  from blutrain.nova.ir import function
-  from blutrain.shapes import contiguous_strides
-  found = {}
-  for op in function(module).body.block.ops:
-    if not isinstance(op, FusedOp): continue
-    shape = aval(op.outs[0].type).shape
-    layouts = [(a.shape, contiguous_strides(a.shape), a.dtype, 0) for a in (aval(v.type) for v in op.xs)]
-    s = plan(body_of(op), shape, layouts)[0]
-    if s is not None: found.setdefault((s[0], tuple(s[1].items()), tuple(s[2].items()), tuple(s[3].items())), s)
-  return list(found.values())

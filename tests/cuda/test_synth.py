@@ -8,7 +8,7 @@ import blutrain as bt
 from blutrain import dtypes
 from blutrain.backend import cuda
 from blutrain.models import GPT, GPTConfig
-from blutrain.nova import ir, synth
+from blutrain.nova import codegen, ir, synth
 from blutrain.nova.dialect import FusedOp
 from blutrain.nova.passes.fuse_pointwise import fuse
 from tests.nova.graphs import Builder, evaluate
@@ -47,7 +47,7 @@ def test_fused_kernel_equals_float64(dt, layout):
       xs.append(type(t)(t.ptr, a.shape, t.strides[::-1], t.dtype, t.device, t.owner))  # a's values, strided
     elif layout == "host_scalar" and i == 2: xs.append(a)
     else: xs.append(cuda.from_numpy(a))
-  outs = synth.fused(synth.body_of(op), (6, 40), *xs)
+  outs = synth.fused(codegen.body_of(op), (6, 40), *xs)
   want = evaluate(_group(dtypes.float64), [np.asarray(np.asarray(a, dt.np), np.float64) for a in arrays])
   tol = 2e-2 if dt is dtypes.bfloat16 else 2e-6
   returned = list(list(ir.function(module).body.block.ops)[-1].operands)
@@ -65,7 +65,7 @@ def test_identical_groups_share_one_kernel():
   b.output(*[b("mul", b("tanh", x), b("exp", x)) for x in xs])
   module = ir.to_module(b.graph)
   assert fuse(module) == 3
-  assert len(synth.specs(module)) == 1
+  assert len(codegen.specs(module)) == 1
 
 
 @pytest.mark.parametrize("autocast", [False, True])

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from blutrain import dtypes
-from blutrain.nova import ir, synth
+from blutrain.nova import codegen, ir, synth
 from blutrain.nova.dialect import FusedOp
 from blutrain.shapes import strides_in_order
 from blutrain.nova.passes.fuse_pointwise import fuse
@@ -55,7 +55,7 @@ def run(case, dt, transposed, by_value):
     t = torch.tensor(a).to(TORCH[v.dtype])
     if i in transposed: t = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, column-major
     tensors.append(t)
-  body = synth.body_of(op)
+  body = codegen.body_of(op)
   shape = tuple(op.outs[0].type.get_shape())
   layouts = [None if i in by_value else (tuple(t.shape), tuple(t.stride()), v.dtype, t.data_ptr() % 16)
              for i, (t, v) in enumerate(zip(tensors, graph.inputs))]

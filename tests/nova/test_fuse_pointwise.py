@@ -16,7 +16,7 @@ from xdsl.utils.exceptions import VerifyException
 import blutrain as bt
 from blutrain import dtypes
 from blutrain.backend.cuda import launch
-from blutrain.nova import ir, synth
+from blutrain.nova import codegen, ir, synth
 from blutrain.nova.dialect import FullOp, FusedOp, NovaOp
 from blutrain.nova.passes.fuse_pointwise import MAX_INPUTS, MAX_MEMBERS, fuse
 from blutrain.nova.pipeline import compile_graph
@@ -178,13 +178,13 @@ def test_sources_are_deterministic_and_identical_groups_share_a_kernel():
   module, ops = _fused(b)
   fused = [op for op in ops if isinstance(op, FusedOp)]
   assert len(fused) == 3
-  bodies = {synth.body_of(op) for op in fused}
-  assert len(bodies) == 1 and len(synth.specs(module)) == 1
+  bodies = {codegen.body_of(op) for op in fused}
+  assert len(bodies) == 1 and len(codegen.specs(module)) == 1
   body = bodies.pop()
   variant = synth.Variant(2, ("strided:01",), False, True)
-  assert synth.source(body, variant) == synth.source(synth.body_of(fused[0]), variant)
+  assert synth.source(body, variant) == synth.source(codegen.body_of(fused[0]), variant)
   assert synth.key(body, variant) != synth.key(body, synth.Variant(1, ("flat",), False, True))
-  assert synth.jit_function(body, variant) is synth.jit_function(synth.body_of(fused[1]), variant)
+  assert synth.jit_function(body, variant) is synth.jit_function(codegen.body_of(fused[1]), variant)
 
 
 def _gpt_step_modules(tmp_path, monkeypatch):
@@ -214,7 +214,7 @@ def test_every_kernel_of_a_gpt_and_a_gated_mlp_step_compiles_for_sm90(tmp_path, 
   specs, shared = {}, False
   for m in modules:
     n_fused = sum(isinstance(op, FusedOp) for op in ir.function(m).body.block.ops)
-    found = synth.specs(m)
+    found = codegen.specs(m)
     assert 0 < len(found) <= n_fused
     shared |= len(found) < n_fused  # identical groups (one per block) share one kernel
     specs.update(((s[0], tuple(s[1].items()), tuple(s[2].items())), s) for s in found)
@@ -266,6 +266,41 @@ print("launches", launches("1"), launches("0"))
   fused, plain = map(int, _run_fake(code, tmp_path).split("launches")[1].split())
   assert fused < plain, (fused, plain)
   assert list((tmp_path / "dump").glob("fused_*.py")), "BLUTRAIN_DUMP_IR holds the synthesized sources"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu", "fake-gpu"])  # an id "cuda" would mark it a GPU test
+def test_a_step_served_from_the_disk_cache_never_loads_the_compiler(device, tmp_path):
+  """A second process whose step's code is cached runs it without importing xDSL, the dialect or the passes (their
+  import is most of a warm first call); the first process compiles and fills the cache. "cuda" runs on the fake GPU
+  and includes synthesized kernels."""
+  pytest.importorskip("cuda.core")
+  from tests.test_cuda_host_paths import _run_fake
+  code = f"""
+import os, sys
+os.environ["BLUTRAIN_CACHE_DIR"] = {str(tmp_path / "cache")!r}
+import blutrain as bt
+from blutrain.models import GPT, GPTConfig
+assert "xdsl" not in sys.modules
+bt.manual_seed(0)
+model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32)).to({device!r})
+opt = bt.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+@bt.compile
+def step(x, y):
+  with bt.autocast({device!r}, dtype=bt.bfloat16):
+    _, loss = model(x, y)
+  loss.backward()
+  opt.step(); opt.zero_grad()
+  return loss
+x, y = (bt.randint(32, (2, 16)).to({device!r}) for _ in range(2))
+for _ in range(3): step(x, y)
+print("cache", step.info["cache"], "compiler", sorted({{m.split(".")[0] for m in sys.modules if m.startswith("xdsl")}}),
+      "fused", "Body(" in open(step.info["source"]).read())
+"""
+  first = _run_fake(code, tmp_path).split("cache")[-1].split()
+  second = _run_fake(code, tmp_path).split("cache")[-1].split()
+  assert first[:3] == ["miss", "compiler", "['xdsl']"], first
+  assert second[:3] == ["hit", "compiler", "[]"], second
+  if device == "cuda": assert second[-1] == "True", "the cached step calls synthesized kernels"
 
 
 def test_fused_results_take_the_buffers_of_inputs_read_for_the_last_time():
@@ -338,7 +373,7 @@ def test_host_scalar_transposed_and_64_bit_variants_compile_for_sm90():
   x, s, t = b.input((64, 48), dtypes.bfloat16), b.input((), dtypes.bfloat16), b.input((64, 48), dtypes.bfloat16)
   b.output(b("gt", b("add", b("mul", x, s), t), b.full((), 0.0, dtypes.bfloat16)))
   module, ops = _fused(b)
-  body = synth.body_of(ops[0])
+  body = codegen.body_of(ops[0])
   bf16 = dtypes.bfloat16
   plans = [synth.plan(body, (64, 48), [((64, 48), (48, 1), bf16, 0), None, ((64, 48), (1, 64), bf16, 0)]),
            synth.plan(body, (1 << 16, 1 << 15), [((1 << 16, 1 << 15), (1 << 15, 1), bf16, 0)] * 3)]

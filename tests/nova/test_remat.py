@@ -15,7 +15,8 @@ from blutrain.nova import ir
 from blutrain.nova.memory import plan
 from blutrain.nova.pipeline import compile_graph
 from blutrain.nova import remat
-from blutrain.nova.remat import parse_size, rematerialize
+from blutrain.nova.budget import parse_size
+from blutrain.nova.remat import rematerialize
 from tests.loopback import LOOPBACK
 from tests.nova.graphs import Builder
 from tests.nova.test_memory import _check
@@ -199,7 +200,7 @@ def test_memory_budget_sizes():
 def test_the_allocator_limit_is_a_budget_on_cuda_only(monkeypatch):
   from types import SimpleNamespace
   from blutrain.backend.cuda import runtime
-  from blutrain.nova.remat import step_budget
+  from blutrain.nova.budget import step_budget
   limits = {0: 3 * 2**30, 1: None}
   monkeypatch.setattr(runtime, "state",
                       lambda index=None: SimpleNamespace(allocator=SimpleNamespace(limit=limits[index])))
