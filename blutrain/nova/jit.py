@@ -13,6 +13,7 @@ import operator
 import os
 import time
 from collections import Counter
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -129,6 +130,17 @@ def _tree(modules, optimizers) -> tuple[list, list[Tensor]]:
         seen.add(id(p))
         params.append(p)
   return mods, params
+
+
+_GRAD, _TRAINING, _STATE = operator.attrgetter("grad"), operator.attrgetter("training"), operator.attrgetter("state")
+_REQUIRE_SYNC, _PARAMS, _GROUPS = operator.attrgetter("require_sync"), operator.itemgetter("params"), operator.attrgetter("param_groups")
+_IS_TENSOR = functools.partial(type.__instancecheck__, Tensor)
+
+
+def _state_tensors(optimizers: list):
+  """The tensors in the optimizers' states, in order (an iterator)."""
+  per_parameter = chain.from_iterable(map(dict.values, map(_STATE, optimizers)))
+  return filter(_IS_TENSOR, chain.from_iterable(map(dict.values, per_parameter)))
 
 
 def _hashable(v: Any) -> Any:
@@ -486,7 +498,7 @@ class Compiled:
       parse_size(memory_budget)
     self._entries: dict = {}
     self._found: tuple[list, list] | None = None
-    self._walked: tuple | None = None  # (registry version, optimizers' parameter ids, modules, parameters, ids)
+    self._walked: tuple | None = None  # (registry version, optimizers' parameter ids, modules, synced, parameters, ids)
     self.captures = 0
     self.info: dict = {}
     functools.update_wrapper(self, fn, updated=())
@@ -495,29 +507,32 @@ class Compiled:
     """The key of a captured graph: everything that changes what the eager step would compute or which tensors it
     reads (modules' training flags, and DistributedDataParallel's `require_sync`, which `no_sync()` clears). Global
     state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul and convolution engines) is read
-    here because a capture bakes it into the graph's ops and attributes."""
-    mods, params, ids = self._tree()
+    here because a capture bakes it into the graph's ops and attributes. NOTE: the per-parameter and per-state parts
+    are built by C-level `map`s: the guard runs before every replay's launch, while the GPU waits."""
+    mods, synced, params, ids = self._tree()
     optimizers = self._found[1]
     return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,
             backends.conv,
             tuple([(x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else _hashable(x)
                    for x in leaves]),
-            ids, tuple([p.grad is None for p in params]),
-            tuple([(m.training, m.__dict__.get("require_sync")) for m in mods]),
+            ids, tuple(map(operator.is_, map(_GRAD, params), repeat(None))),
+            tuple(map(_TRAINING, mods)), tuple(map(_REQUIRE_SYNC, synced)),
             tuple([(id(g),) + tuple(sorted((k, _hashable(v)) for k, v in g.items() if k not in ("params", "lr")))
                    for o in optimizers for g in o.param_groups]),
-            tuple([id(v) for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)]))
+            tuple(map(id, _state_tensors(optimizers))))
 
-  def _tree(self) -> tuple[list, list[Tensor], tuple[int, ...]]:
-    """`_tree` of the step's modules and optimizers, and the parameters' ids; walked again only when a module
-    registry changed since the last walk (`Module.registry_version`) or an optimizer's groups hold other parameters."""
+  def _tree(self) -> tuple[list, list, list[Tensor], tuple[int, ...]]:
+    """`_tree` of the step's modules and optimizers (and the modules among them with a `require_sync` flag), and the
+    parameters' ids; walked again only when a module registry changed since the last walk
+    (`Module.registry_version`) or an optimizer's groups hold other parameters."""
     modules, optimizers = self._found
     version = getattr(modules[0], "registry_version", None) if modules else 0
-    held = [id(p) for o in optimizers for g in o.param_groups for p in g["params"]]
+    held = list(map(id, chain.from_iterable(map(_PARAMS, chain.from_iterable(map(_GROUPS, optimizers))))))
     cached = self._walked
     if cached is None or version is None or cached[0] != version or cached[1] != held:
       mods, params = _tree(modules, optimizers)
-      cached = self._walked = (version, held, mods, params, tuple(map(id, params)))
+      synced = [m for m in mods if "require_sync" in m.__dict__]
+      cached = self._walked = (version, held, mods, synced, params, tuple(map(id, params)))
     return cached[2:]
 
   def __call__(self, *args, **kwargs):
@@ -537,7 +552,7 @@ class Compiled:
     """Capture and compile the call; its executable is kept under the guard's `key` unless it runs once (it creates
     persistent tensors, which exist by the next call)."""
     modules, optimizers = self._found
-    params = self._tree()[1]
+    params = self._tree()[2]
     device = next((x.device for x in leaves if isinstance(x, Tensor)), None) or (params[0].device if params else Device("cpu"))
     saved_grads = [(p, p.grad) for p in params]
     persistent = Persistent(modules, optimizers)
