@@ -21,7 +21,17 @@ def mpirun(n: int, *args: str, timeout: float = 60, clean_exit: bool = True, wor
   proc = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n), sys.executable, str(worker),
                          *args], env=env, capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0 or not clean_exit, f"mpiexec -n {n} worker.py {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
-  return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+  return [obj for line in proc.stdout.splitlines() if line.startswith("{") for obj in _objects(line)]
+
+
+def _objects(line: str) -> list[dict]:
+  """The JSON objects on a line: mpiexec may join two ranks' lines that arrive at once ('{...}{...}')."""
+  decoder, found, i = json.JSONDecoder(), [], 0
+  while i < len(line):
+    obj, i = decoder.raw_decode(line, i)
+    found.append(obj)
+    while i < len(line) and line[i] != "{": i += 1
+  return found
 
 
 def test_every_collective_matches_numpy():
