@@ -1,7 +1,8 @@
 """The CUDA cross-entropy kernels without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since it
 must be set before Triton is imported) runs the forward that keeps each row's statistics and the backward that reads
 them, on torch CPU tensors (test-only): the backward from the statistics is the backward that computes them itself, to
-the bit, also written over its logits; both equal the CPU backend's float64 kernels, with an ignored row, a target out
+the bit, also written over its logits, and so is the one kernel of cross_entropy_with_grad (with the forward's losses,
+to the bit); all equal the CPU backend's float64 kernels, with an ignored row, a target out
 of range (a row of NaN) and a class count that is no multiple of the tile."""
 import numpy as np
 import pytest
@@ -33,11 +34,12 @@ def _check(dtype_name: str) -> None:
                                               **s.constexprs)
     return out, row_max, sum_exp
 
-  def backward(stats, out, source):
-    s = loss.ce_spec(True, dtype, dtypes.int64, True, N, C, False, dtypes.float32, False, stats is not None)
+  def backward(stats, out, source, losses=None):
+    s = loss.ce_spec(True, dtype, dtypes.int64, True, N, C, False, dtypes.float32, False, stats is not None,
+                     None if losses is None else dtypes.float32)
     row_max, sum_exp = stats or (g, g)
-    s[0][(cdiv(N, s.constexprs["BLOCK_M"]),)](out, g, source, target, row_max, sum_exp, N, C, C, 1, 1, 1, IGNORE,
-                                              **s.constexprs)
+    s[0][(cdiv(N, s.constexprs["BLOCK_M"]),)](out, out if losses is None else losses, g, source, target, row_max,
+                                              sum_exp, N, C, C, 1, 1, 1, IGNORE, **s.constexprs)
 
   plain, kept = forward(False), forward(True)
   assert torch.equal(plain[0].nan_to_num(7.0), kept[0].nan_to_num(7.0)), dtype_name
@@ -47,6 +49,10 @@ def _check(dtype_name: str) -> None:
   backward(kept[1:], from_stats, from_stats)
   assert torch.equal(recomputed.nan_to_num(7.0), from_stats.nan_to_num(7.0)), dtype_name
   assert from_stats[5].isnan().all() and not from_stats[np.r_[0:5, 6:N]].isnan().any(), dtype_name
+  with_grad, losses = logits.clone(), torch.empty(N)  # cross_entropy_with_grad: the loss and the gradient, in place
+  backward(None, with_grad, with_grad, losses)
+  assert torch.equal(with_grad.nan_to_num(7.0), recomputed.nan_to_num(7.0)), dtype_name
+  assert torch.equal(losses.nan_to_num(7.0), kept[0].nan_to_num(7.0)), dtype_name
 
   valid = np.r_[0:5, 6:N]  # the CPU kernel raises on the row out of range
   x, t = logits.double().numpy()[valid], target.numpy()[valid]

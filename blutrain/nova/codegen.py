@@ -31,9 +31,9 @@ from xdsl.ir import SSAValue
 
 from blutrain import dtypes
 from blutrain.dtypes import DType
-from blutrain.nova.dialect import (DTYPES, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, ElementwiseOp,
-                                   ExpandOp, FusedOp, GemmOp, LayoutOp, MultiResultOp, NovaOp, PermuteOp, RandomOp,
-                                   ViewOp, aval)
+from blutrain.nova.dialect import (DTYPES, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp,
+                                   CrossEntropyWithGradOp, ElementwiseOp, ExpandOp, FusedOp, GemmOp, LayoutOp,
+                                   MultiResultOp, NovaOp, PermuteOp, RandomOp, ViewOp, aval)
 from blutrain.nova.graph import dtype_name, literal
 from blutrain.nova.ir import function
 from blutrain.nova.loader import load  # noqa: F401  (generate and load are this module's pair)
@@ -79,8 +79,8 @@ def _out(op: NovaOp, names: dict, in_place: dict, kernels: dict) -> str | None:
   """The `out=` argument that makes an op write its results into the inputs they update, where the memory plan puts
   them there (`memory.updated_in_place`) and the target's kernel writes into `out` arrays (its `writes_out`)."""
   if not in_place or not getattr(kernels.get(op.opname), "writes_out", False): return None
-  if isinstance(op, (ElementwiseOp, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp)):
-    u = in_place.get(op.result)
+  if isinstance(op, (ElementwiseOp, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, CrossEntropyWithGradOp)):
+    u = in_place.get(op.results[-1])  # (the gradient, the cross-entropy's last result)
     return None if u is None else names[u]
   if hasattr(op, "updated_operands"):
     updated = [op.operands[j] for j in op.updated_operands()]

@@ -1303,6 +1303,20 @@ class CrossEntropyBackwardWithStatsOp(NNOp):
 
 
 @irdl_op_definition
+class CrossEntropyWithGradOp(MultiResultOp):
+  """cross_entropy's loss (in `dtype`, absent: the logits') and cross_entropy_backward's gradient from g, in one
+  op: each row's statistics are computed once, for both."""
+  name = "nova.cross_entropy_with_grad"
+  g = operand_def(TENSOR)
+  logits = operand_def(TENSOR)
+  target = operand_def(TENSOR)
+  ignore_index = prop_def(INT)
+  dtype = opt_prop_def(ELEMENT | NONE)
+  loss = result_def(TENSOR)
+  dlogits = result_def(TENSOR)
+
+
+@irdl_op_definition
 class CrossEntropyStatsOp(MultiResultOp):
   """Per row of logits (N, C), classes [start, start + C) of a vocabulary split over ranks: the max, the sum of
   exp(x - max) and the target's logit (0 where the target is outside that range), float32 (float64 for float64)."""
@@ -1702,7 +1716,7 @@ Nova = Dialect("nova", [
   BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, MaxPool2dValuesOp,
   MaxPool2dBackwardOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyWithStatsOp,
-  CrossEntropyBackwardWithStatsOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
+  CrossEntropyBackwardWithStatsOp, CrossEntropyWithGradOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionTransposedOp, FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp,
   FlashAttentionLseOp, FlashAttentionLseBackwardOp, LstmCellOp, LstmCellBackwardOp, LstmSequenceOp,
   LstmSequenceBackwardOp, GruCellOp, GruCellBackwardOp, GruSequenceOp, GruSequenceBackwardOp, AdamwOp, SgdOp, SumSquaresOp, ScaleOp, AllReduceOp, ReduceScatterOp,

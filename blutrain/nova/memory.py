@@ -31,7 +31,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Attribute, SSAValue
 
 from blutrain.nova.dialect import (CatOp, CollectiveOp, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp,
-                                   ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp, ViewOp, aval)
+                                   CrossEntropyWithGradOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp, ViewOp, aval)
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want
@@ -181,13 +181,15 @@ def _reused(ops: list, made: dict, last: dict) -> dict[SSAValue, SSAValue]:
   reused: dict[SSAValue, SSAValue] = {}
   roots: dict[SSAValue, SSAValue] = {}  # a reused result -> the value whose buffer it takes (at the chain's start)
   for i, op in enumerate(ops):
-    if isinstance(op, (CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp)):
+    results = op.results
+    if isinstance(op, (CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, CrossEntropyWithGradOp)):
       x = op.operands[1]
       candidates = [x.owner.x if isinstance(x.owner, ViewOp) else x]
+      results = op.results[-1:]  # the gradient; cross_entropy_with_grad's loss is stored before the rows are read again
     elif isinstance(op, (ElementwiseOp, FusedOp)): candidates = list(op.operands)
     else: continue
     taken: set[SSAValue] = set()  # a fused op's results take distinct buffers
-    for r in op.results:
+    for r in results:
       for u in candidates:
         root = roots.get(u, u)
         if last.get(root) == i and root not in taken and u in made and nbytes(u) == nbytes(r):

@@ -469,6 +469,33 @@ def test_cross_entropy_with_kept_statistics_equals_the_plain_kernels(dtype):
                                err_msg=f"{(n, c)} {layout}: {(got != want).sum()} of {got.size} differ")
 
 
+@pytest.mark.parametrize("dtype", (bt.float32, bt.bfloat16, bt.float64), ids=NAME)
+def test_cross_entropy_with_grad_is_the_plain_loss_and_gradient(dtype):
+  """Nova's one-kernel loss and gradient: the backward's gradient to the bit (the same kernel, which also stores the
+  losses), written over its logits or not, and the forward's losses to float32's rounding (the forward's kernel may
+  add a row's terms in another order); a bad target's row is NaN, an ignored one 0."""
+  from blutrain.backend.cuda.kernels.loss import cross_entropy_with_grad
+  rtol = {bt.float64: 1e-13, bt.float32: 1e-6, bt.bfloat16: 1e-6}[dtype]
+  for (n, c), layout in zip(((64, 10), (256, 50304), (33, 5000)), ("contiguous", "contiguous", "strided")):
+    x = pair((n, c), dtype, layout, -8, 8)[1]
+    t = rand((n,), bt.int64, 0, c, seed=3)
+    t[::7], t[3] = -100, c + 5
+    target = bt.from_numpy(t).to("cuda")
+    g = bt.full((), 0.25, device="cuda").expand(n)  # a mean's 1/count, broadcast
+    want_loss = apply(P["cross_entropy"], x, target, ignore_index=-100, dtype=bt.float32).numpy()
+    want = apply(P["cross_entropy_backward"], g, x, target, ignore_index=-100).float().numpy()
+    for over_logits in (False, True):
+      logits = x.clone() if over_logits else x  # (clone: contiguous)
+      out = logits._array() if over_logits else None
+      losses, grad = cross_entropy_with_grad(g._array(), logits._array(), target._array(), -100, dtypes.float32,
+                                             out=out)
+      grad = bt.Tensor._wrap(grad, x.device, x.dtype).float().numpy()
+      np.testing.assert_array_equal(np.nan_to_num(grad, nan=7.0), np.nan_to_num(want, nan=7.0))
+      got_loss = bt.Tensor._wrap(losses, x.device, bt.float32).numpy()
+      assert np.isnan(got_loss[3]) and (got_loss[::7] == 0).all()
+      np.testing.assert_allclose(np.delete(got_loss, 3), np.delete(want_loss, 3), rtol=rtol, atol=rtol * 1e-3)
+
+
 def test_cross_entropy_bad_target_is_nan():
   logits = bt.randn(3, 5, device="cuda")
   loss = apply(P["cross_entropy"], logits, bt.tensor([1, 7, -3], device="cuda"), ignore_index=-100).numpy()

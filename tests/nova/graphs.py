@@ -205,6 +205,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
            *(ce := b("cross_entropy_with_stats", bhalf, target, ignore_index=-100, dtype=f32)),
            b("cross_entropy_backward_with_stats", b("slice", y, index=((0, 3, 1),)), bhalf, target, ce[1], ce[2],
              ignore_index=-100),
+           *b("cross_entropy_with_grad", b("slice", y, index=((0, 3, 1),)), bhalf, target, ignore_index=-100,
+              dtype=f32),
            b("cross_entropy_lse_backward", b("slice", y, index=((0, 3, 1),)), x, target,
              b("sum", pos, dims=(1,), keepdim=False, dtype=f32), start=1, ignore_index=-100)]
   cell = b("slice", pos, index=((0, 3, 1), (0, 1, 1)))  # (N, H) = (3, 1) beside gates (3, 4)

@@ -154,12 +154,20 @@ def test_eager_ops_equal_the_unfused_ones():
   assert fused[3] is None and plain[3] is None  # no cast asked for
 
 
-def _cross_entropy_pair(half=None):
-  """A loss and its gradient, as autograd records them: cross_entropy(x, t) and cross_entropy_backward(g, x, t)."""
+def _cross_entropy_pair(half=None, g_from=None):
+  """A loss and its gradient, as autograd records them: cross_entropy(x, t) and cross_entropy_backward(g, x, t). g is
+  an input, or computed after the loss: from the loss itself (`g_from="loss"`, a loss of the loss), or from the
+  targets as a mean's 1/count (`g_from="targets"`)."""
   b = Builder()
   x, t, g = b.input((9, 40), half or dtypes.float32), b.input((9,), dtypes.int64), b.input((9,))
   x = b("neg", x)  # made by the step, as logits are: the gradient may take their buffer
   loss = b("cross_entropy", x, t, ignore_index=-100, dtype=dtypes.float32 if half else None)
+  if g_from == "loss": g = b("mul", g, b("exp", loss))
+  if g_from == "targets":
+    count = b("cast", b("sum", b("ne", t, b("full", shape=(), value=-100, dtype=dtypes.int64)), dims=(0,),
+                        keepdim=False, dtype=dtypes.int64), dtype=dtypes.float32)
+    g = b("expand", b("view", b("div", b("full", shape=(), value=1.0, dtype=dtypes.float32), count), shape=(1,)),
+          shape=(9,))
   return b.output(loss, b("cross_entropy_backward", g, x, t, ignore_index=-100))
 
 
@@ -171,15 +179,38 @@ def _ce_args(half=None):
           rng.standard_normal(9).astype(np.float32)]
 
 
-@pytest.mark.parametrize("half", [None, dtypes.bfloat16])
-def test_the_cross_entropy_keeps_its_row_statistics_for_its_backward(half):
-  counts = _same_bits(_cross_entropy_pair(half), _ce_args(half))
-  assert counts == {"neg": 1, "cross_entropy_with_stats": 1, "cross_entropy_backward_with_stats": 1}, counts
-  module = ir.to_module(_cross_entropy_pair(half))
+def _fused_module(graph):
+  module = ir.to_module(graph)
   FuseNormsPass().run(module)
+  DCEPass().run(module)
+  return module, list(ir.function(module).body.block.ops)
+
+
+@pytest.mark.parametrize("half", [None, dtypes.bfloat16])
+def test_the_cross_entropy_keeps_its_row_statistics_for_a_backward_that_needs_its_loss(half):
+  counts = _same_bits(_cross_entropy_pair(half, "loss"), _ce_args(half))
+  assert counts == {"neg": 1, "cross_entropy_with_stats": 1, "cross_entropy_backward_with_stats": 1, "exp": 1,
+                    "mul": 1}, counts
+  module, ops = _fused_module(_cross_entropy_pair(half, "loss"))
   from blutrain.nova.memory import reused_in_place
-  back = next(op for op in ir.function(module).body.block.ops if op.name == "nova.cross_entropy_backward_with_stats")
-  assert reused_in_place(module) == {back.result: back.logits}, "the gradient is still written over the logits"
+  back = next(op for op in ops if op.name == "nova.cross_entropy_backward_with_stats")
+  assert reused_in_place(module)[back.result] is back.logits, "the gradient is still written over the logits"
+
+
+@pytest.mark.parametrize("half", [None, dtypes.bfloat16])
+@pytest.mark.parametrize("g_from", [None, "targets"])
+def test_a_cross_entropy_whose_gradient_is_known_ahead_becomes_one_op(half, g_from):
+  """g from an input, or from the targets after the loss (the ops computing it move ahead): one
+  cross_entropy_with_grad at the loss's place, the same bits, its gradient written over the logits."""
+  counts = _same_bits(_cross_entropy_pair(half, g_from), _ce_args(half))
+  assert counts["cross_entropy_with_grad"] == 1 and not {"cross_entropy", "cross_entropy_with_stats",
+                                                         "cross_entropy_backward_with_stats"} & set(counts), counts
+  module, ops = _fused_module(_cross_entropy_pair(half, g_from))
+  from blutrain.nova.memory import reused_in_place
+  fused = next(op for op in ops if op.name == "nova.cross_entropy_with_grad")
+  assert reused_in_place(module)[fused.dlogits] is fused.logits
+  if g_from == "targets":  # the ops computing g moved ahead of it (the generated code above ran them in order)
+    assert ops.index(fused.g.owner) < ops.index(fused) and counts["div"] == 1 and counts["expand"] == 1
 
 
 @pytest.mark.parametrize("case", ["another_target", "another_ignore_index"])
@@ -334,7 +365,7 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, mo
   assert sum(", None, n=" not in line for line in backward) == 4
   # the step ends with zero_grad, so the clipped gradients are read by AdamW alone and it scales them as it reads them
   assert 'kernels["scale"]' not in source and source.count("clip=True") == (2 if clip else 0)
-  assert source.count('kernels["cross_entropy_with_stats"]') == 1
-  assert source.count('kernels["cross_entropy_backward_with_stats"]') == 1
+  assert source.count('kernels["cross_entropy_with_grad"]') == 1 and 'kernels["cross_entropy' not in source.replace(
+    'kernels["cross_entropy_with_grad"]', "")  # the mean's 1/count moved ahead of the loss: one kernel for both
   assert source.count('kernels["flash_attention_backward_packed"]') == 2 and 'kernels["cat"]' not in source
   assert source.count('kernels["flash_attention_transposed"]') == 2 and 'kernels["copy"]' not in source

@@ -278,6 +278,11 @@ def _cross_entropy_backward_with_stats(g, logits, target, row_max, sum_exp, igno
   return p * (g * valid)[:, None]
 
 
+def _cross_entropy_with_grad(g, logits, target, ignore_index, dtype=None):
+  loss, row_max, sum_exp = _cross_entropy_with_stats(logits, target, ignore_index, dtype)
+  return loss, _cross_entropy_backward_with_stats(g, logits, target, row_max, sum_exp, ignore_index)
+
+
 def _rows(logits):
   """Half and float32 logits as float32 (statistics dtype), float64 as they are."""
   return logits.astype(np.float64 if logits.dtype == np.float64 else np.float32, copy=False)
@@ -678,6 +683,7 @@ kernels = {
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "cross_entropy_with_stats": _cross_entropy_with_stats,
   "cross_entropy_backward_with_stats": _cross_entropy_backward_with_stats,
+  "cross_entropy_with_grad": _cross_entropy_with_grad,
   "cross_entropy_stats": _cross_entropy_stats, "cross_entropy_lse_backward": _cross_entropy_lse_backward,
   "flash_attention": _flash_attention, "flash_attention_backward": _flash_attention_backward,
   "flash_attention_backward_packed": _flash_attention_backward_packed,

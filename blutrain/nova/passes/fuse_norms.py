@@ -25,6 +25,13 @@ reads the logits once:
   l = cross_entropy(x, t);  d = cross_entropy_backward(g, x, t)
     ->  l, m, s = cross_entropy_with_stats(x, t);  d = cross_entropy_backward_with_stats(g, x, t, m, s)
 
+and when g can be computed at the forward's place (a training step's g is the mean's 1/count, from the targets: the
+few ops computing it move ahead), one kernel stores the loss and, reading each row again while it is in L2, the
+gradient:
+
+  l, m, s = cross_entropy_with_stats(x, t);  d = cross_entropy_backward_with_stats(g, x, t, m, s)
+    ->  l, d = cross_entropy_with_grad(g, x, t)
+
 A self-attention's q, k and v are views of one projection, so autograd concatenates their gradients (each permuted
 back from (B, H, L, E)) into the projection's gradient, a copy of all three; the backward's kernels take any output
 strides and write them into their places instead:
@@ -66,16 +73,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xdsl.ir import BlockArgument, Operation, SSAValue
+from xdsl.ir import Block, BlockArgument, Operation, SSAValue
 from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, CastOp, CatOp, CopyOp, CrossEntropyBackwardOp,
-                                   CrossEntropyBackwardWithStatsOp, CrossEntropyOp, CrossEntropyWithStatsOp, ExpandOp,
+from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, CastOp, CatOp, CopyOp, CreationOp,
+                                   CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, CrossEntropyOp,
+                                   CrossEntropyWithGradOp, CrossEntropyWithStatsOp, ElementwiseOp, ExpandOp,
                                    FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, FlashAttentionOp,
-                                   FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp, PermuteOp, ScaleOp,
-                                   SgdOp, ViewOp, aval, decode, tensor_type)
+                                   FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp, LayoutOp, PermuteOp,
+                                   ReduceOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
@@ -197,6 +205,58 @@ class CrossEntropyStatsPattern(RewritePattern):
                                                                fused.sum_exp], op.attrs(), [op.result.type]))
 
 
+MOVABLE = (ElementwiseOp, LayoutOp, CreationOp, ReduceOp)  # ops moved ahead to compute a gradient's g earlier
+MAX_MOVED = 32
+
+
+def _computed_after(v: SSAValue, op: Operation) -> list[Operation] | None:
+  """The ops after `op` in its block that compute `v` (in block order), when they are all MAX_MOVED or fewer pure
+  ops (`MOVABLE`) and none reads a result of `op`: moved before `op`, they compute `v` there. Else None."""
+  found: dict[Operation, None] = {}
+  todo = [v]
+  while todo:
+    owner = todo.pop().owner
+    if isinstance(owner, Block) or owner in found or owner.is_before_in_block(op): continue
+    if owner is op or not isinstance(owner, MOVABLE) or len(found) == MAX_MOVED: return None
+    found[owner] = None
+    todo.extend(owner.operands)
+  block = op.parent_block()
+  order = {o: i for i, o in enumerate(block.ops)} if found else {}
+  return sorted(found, key=order.__getitem__)
+
+
+class CrossEntropyWithGradientPattern(RewritePattern):
+  """cross_entropy_with_stats(x, t) and its cross_entropy_backward_with_stats(g, x, t, max, sum) -> one
+  cross_entropy_with_grad(g, x, t) at the forward's place, when g can be computed there (the mean's 1/count, from the
+  targets alone: the few ops computing it move ahead): one kernel computes each row's statistics, stores its loss
+  and, reading the row again while it is in L2, its gradient, where the forward read the logits from memory and the
+  backward read them again (GPT-2's logits are 1.6 GB in bf16). The same arithmetic on the same tiles: exact.
+
+    %l, %m, %s = nova.cross_entropy_with_stats %x, %t {ignore_index = -100 : i64, dtype = f32} : (...) -> (...)
+    ...
+    %d = nova.cross_entropy_backward_with_stats %g, %x, %t, %m, %s {ignore_index = -100 : i64} : (...) -> (...)
+      =>   (the ops computing %g)
+           %l, %d = nova.cross_entropy_with_grad %g, %x, %t {ignore_index = -100 : i64, dtype = f32} : (...) -> (...)
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: CrossEntropyBackwardWithStatsOp, rewriter: PatternRewriter):
+    forward = op.row_max.owner
+    if not isinstance(forward, CrossEntropyWithStatsOp) or op.sum_exp is not forward.sum_exp: return
+    if op.logits is not forward.logits or op.target is not forward.target: return
+    if decode(op.ignore_index) != decode(forward.ignore_index): return
+    if not forward.row_max.has_one_use() or not forward.sum_exp.has_one_use(): return
+    moved = _computed_after(op.g, forward)
+    if moved is None: return
+    for m in moved:
+      m.detach()
+      rewriter.insert(m, InsertPoint.before(forward))
+    fused = CrossEntropyWithGradOp.make([op.g, forward.logits, forward.target], forward.attrs(),
+                                        [forward.loss.type, op.result.type])
+    rewriter.insert(fused, InsertPoint.before(forward))
+    rewriter.replace(op, [], [fused.dlogits])
+    rewriter.replace(forward, [], [fused.loss, None, None])
+
+
 class PackedAttentionGradientPattern(RewritePattern):
   """cat along dim 2 of dq, dk, dv of one self-attention's flash_attention_backward, each permuted back to (B, L, H, E)
   and viewed as (B, L, 1, H, E), read by the cat alone -> flash_attention_backward_packed, whose kernels write the
@@ -292,5 +352,5 @@ class FuseNormsPass(PatternPass):
   SGD updates."""
   name = "fuse-norms"
   PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), CastOfNormGradientPattern(),
-              CrossEntropyStatsPattern(), PackedAttentionGradientPattern(), TransposedAttentionOutputPattern(),
-              ClipIntoUpdatePattern())
+              CrossEntropyStatsPattern(), CrossEntropyWithGradientPattern(), PackedAttentionGradientPattern(),
+              TransposedAttentionOutputPattern(), ClipIntoUpdatePattern())

@@ -53,6 +53,14 @@ def _ce_forward(out, logits, target, row_max_out, sum_out, N, C, row_stride, cla
     tl.store(row_max_out + rows, row_max, mask=m_mask)
     tl.store(sum_out + rows, row_sum, mask=m_mask)
   t, ignored, bad = _target(target, rows, m_mask, target_stride, C, ignore_index)
+  _store_loss(out, logits, rows, m_mask, row_stride, class_stride, t, ignored, bad, row_max, row_sum, ACC)
+
+
+@triton.jit
+def _store_loss(out, logits, rows, m_mask, row_stride, class_stride, t, ignored, bad, row_max, row_sum,
+                ACC: tl.constexpr):
+  """out[n] = logsumexp(logits[n]) - logits[n, t[n]] from the row's max and sum of exp(x - max); 0 where ignored,
+  NaN where the target is out of range."""
   picked = tl.load(logits + rows * row_stride + t * class_stride, mask=m_mask & ~ignored & ~bad, other=0).to(ACC)
   loss = tl.where(ignored, 0.0, row_max + tl.log(row_sum) - picked)
   loss = tl.where(bad, float("nan"), loss)
@@ -60,11 +68,13 @@ def _ce_forward(out, logits, target, row_max_out, sum_out, N, C, row_stride, cla
 
 
 @triton.jit
-def _ce_backward(out, g, logits, target, row_max_in, sum_in, N, C, row_stride, class_stride, target_stride, g_stride,
-                 ignore_index, ACC: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 IDX64: tl.constexpr, STATS: tl.constexpr):
+def _ce_backward(out, loss_out, g, logits, target, row_max_in, sum_in, N, C, row_stride, class_stride, target_stride,
+                 g_stride, ignore_index, ACC: tl.constexpr, C_UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, IDX64: tl.constexpr, STATS: tl.constexpr, LOSS: tl.constexpr):
   """out[n, c] = (softmax(logits[n])[c] - (c == target[n])) * g[n]; out is contiguous (N, C). With STATS the row's
-  max and sum of exp(x - max) are the forward's (one read of the logits), else computed here."""
+  max and sum of exp(x - max) are the forward's (one read of the logits), else computed here; with LOSS (and not
+  STATS) the forward's loss is stored too, from the same statistics, before the row is read again (from L2: a
+  program's rows were just read) for its gradient."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)
@@ -76,6 +86,8 @@ def _ce_backward(out, g, logits, target, row_max_in, sum_in, N, C, row_stride, c
   else:
     row_max, row_sum = row_stats(logits, rows * row_stride, m_mask, C, class_stride, ACC, C_UNIT, BLOCK_M, BLOCK_N)
   t, ignored, bad = _target(target, rows, m_mask, target_stride, C, ignore_index)
+  if LOSS:
+    _store_loss(loss_out, logits, rows, m_mask, row_stride, class_stride, t, ignored, bad, row_max, row_sum, ACC)
   gt = tl.load(g + rows * g_stride, mask=m_mask, other=0).to(ACC)
   gt = tl.where(ignored, 0.0, tl.where(bad, float("nan"), gt))
   scale = gt / row_sum
@@ -135,27 +147,30 @@ def _ce_lse_backward(out, g, logits, target, lse, N, C, row_stride, class_stride
 _ROWS = ("out", "logits", "C", "row_stride")  # what the `vectors` variants promise multiples of 16
 
 
-def _signature(logits, target, i64: bool, backward: bool, other) -> dict:
+def _signature(logits, target, i64: bool, backward: bool, other, loss) -> dict:
   it, acc = ("i64" if i64 else "i32"), ptr(stats_dtype(logits))
   out, g = (logits, other) if backward else (other, None)
   stats = {"row_max_in": acc, "sum_in": acc} if backward else {"row_max_out": acc, "sum_out": acc}
-  return {"out": ptr(out), **({"g": ptr(g)} if backward else {}), "logits": ptr(logits), "target": ptr(target),
+  grads = {"loss_out": ptr(loss or logits), "g": ptr(g)} if backward else {}
+  return {"out": ptr(out), **grads, "logits": ptr(logits), "target": ptr(target),
           **stats, "N": it, "C": it, "row_stride": it, "class_stride": it, "target_stride": it,
           **({"g_stride": it} if backward else {}), "ignore_index": "i64"}
 
 
 @functools.lru_cache(maxsize=4096)
 def ce_spec(backward: bool, logits, target, c_unit: bool, N: int, C: int, i64: bool, other=None,
-            vectors: bool = False, stats: bool = False):
+            vectors: bool = False, stats: bool = False, loss=None):
   """The forward (losses in dtype `other`, default the logits') or the backward (the gradient in the logits' dtype,
   from g of dtype `other`, default the logits'). `vectors`: the rows' pointers, C and the row stride are promised
   multiples of 16, so rows load (and the backward stores) as 16-byte vectors. `stats`: the forward stores each row's
-  max and sum of exp(x - max), the backward reads them (the same tiles, one more store or load)."""
+  max and sum of exp(x - max), the backward reads them (the same tiles, one more store or load). `loss`: the backward
+  (without `stats`) stores the forward's losses too, in this dtype (`cross_entropy_with_grad`)."""
   bm, bn, warps, _ = row_schedule(N, C)
   bn = min(bn, 4096)  # NOTE: a streaming loop (no one-pass path): the backward without stats reads the row twice
-  sig = _signature(logits, target, i64, backward, other or logits)
-  return spec(_ce_backward if backward else _ce_forward, divisible(sig, _ROWS) if vectors else sig,
-              dict(ACC=TL[stats_dtype(logits)], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64, STATS=stats),
+  sig = _signature(logits, target, i64, backward, other or logits, loss)
+  constexprs = dict(ACC=TL[stats_dtype(logits)], C_UNIT=c_unit, BLOCK_M=bm, BLOCK_N=bn, IDX64=i64, STATS=stats)
+  if backward: constexprs["LOSS"] = loss is not None
+  return spec(_ce_backward if backward else _ce_forward, divisible(sig, _ROWS) if vectors else sig, constexprs,
               num_warps=warps)
 
 
@@ -199,17 +214,28 @@ def cross_entropy_backward_with_stats(g: CudaArray, logits: CudaArray, target: C
   return _backward(g, logits, target, (row_max, sum_exp), ignore_index, out)
 
 
+def cross_entropy_with_grad(g: CudaArray, logits: CudaArray, target: CudaArray, ignore_index: int, dtype=None,
+                            out: CudaArray | None = None) -> tuple[CudaArray, CudaArray]:
+  """The losses (in `dtype`, default the logits') and the logits' gradient from g, by one kernel that computes each
+  row's statistics once for both (`out` as cross_entropy_backward's)."""
+  if 0 in logits.shape:  # no row to read twice (the losses of empty rows come from the forward's kernel)
+    return cross_entropy(logits, target, ignore_index, dtype), _backward(g, logits, target, None, ignore_index, out)
+  loss = empty((logits.shape[0],), dtype or logits.dtype, logits.device)
+  return loss, _backward(g, logits, target, None, ignore_index, out, loss)
+
+
 def _backward(g: CudaArray, logits: CudaArray, target: CudaArray, stats: tuple | None, ignore_index: int,
-              out: CudaArray | None) -> CudaArray:
+              out: CudaArray | None, loss: CudaArray | None = None) -> CudaArray:
   N, C = logits.shape
   if out is None: out = empty((N, C), logits.dtype, logits.device)
   if out.size == 0: return out
   i64 = needs_i64(logits.shape, logits.strides, (C, 1))
   s = ce_spec(True, logits.dtype, target.dtype, logits.strides[1] == 1, N, C, i64, g.dtype, _vectors(logits, out),
-              stats is not None)
+              stats is not None, None if loss is None else loss.dtype)
   row_max, sum_exp = stats or (out, out)
-  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, g.ptr, logits.ptr, target.ptr, row_max.ptr, sum_exp.ptr, N, C,
-      *logits.strides, target.strides[0], g.strides[0] if g.ndim else 0, ignore_index)
+  run(s, (cdiv(N, s.constexprs["BLOCK_M"]),), out.ptr, out.ptr if loss is None else loss.ptr, g.ptr, logits.ptr,
+      target.ptr, row_max.ptr, sum_exp.ptr, N, C, *logits.strides, target.strides[0], g.strides[0] if g.ndim else 0,
+      ignore_index)
   return out
 
 
@@ -256,9 +282,11 @@ def cross_entropy_lse_backward(g: CudaArray, logits: CudaArray, target: CudaArra
 
 
 cross_entropy_backward.writes_out = cross_entropy_backward_with_stats.writes_out = True
+cross_entropy_with_grad.writes_out = True
 KERNELS = {"cross_entropy": cross_entropy, "cross_entropy_backward": cross_entropy_backward,
            "cross_entropy_with_stats": cross_entropy_with_stats,
            "cross_entropy_backward_with_stats": cross_entropy_backward_with_stats,
+           "cross_entropy_with_grad": cross_entropy_with_grad,
            "cross_entropy_stats": cross_entropy_stats, "cross_entropy_lse_backward": cross_entropy_lse_backward}
 
 SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False, o, stats=st) for b in (False, True)
@@ -271,4 +299,7 @@ SPECS = [ce_spec(b, dt, dtypes.int64, True, 16384, 50304, False, o, stats=st) fo
          for b in (False, True)] + \
         [ce_spec(b, dtypes.bfloat16, dtypes.int64, True, 16384, 50304, False, dtypes.float32, True) for b in (False, True)] + \
         [ce_lse_spec(b, dtypes.bfloat16, dtypes.int64, True, 8192, 50304, False, dtypes.float32 if b else None, True)
-         for b in (False, True)]
+         for b in (False, True)] + \
+        [ce_spec(True, dt, dtypes.int64, True, 16384, 50304, False, dtypes.float32, True, loss=dtypes.float32)
+         for dt in (dtypes.bfloat16, dtypes.float32)] + \
+        [ce_spec(True, dtypes.float64, dtypes.int32, False, 100, 10, True, loss=dtypes.float64)]
