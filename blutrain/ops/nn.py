@@ -733,8 +733,8 @@ cross_entropy_with_stats_op = op("cross_entropy_with_stats", lambda logits, targ
 cross_entropy_backward_with_stats_op = op("cross_entropy_backward_with_stats", _cross_entropy_backward_with_stats_rule,
                                           inputs="g logits target row_max sum_exp", attrs="ignore_index:int")
 # The loss and the logits' gradient in one op, when the gradient's g is known before the loss (Nova moves what computes
-# it ahead, passes/fuse_norms.py): one kernel reads each row for its statistics and its loss, then again (from L2) for
-# its gradient, instead of a forward's read and a backward's. The same values as the pair above.
+# it ahead, passes/fuse_norms.py): one kernel computes each row's statistics, stores its loss, then reads the row
+# again for its gradient. The same values as the pair above.
 cross_entropy_with_grad_op = op("cross_entropy_with_grad", lambda g, logits, target, ignore_index, dtype=None: [
   _cross_entropy_rule(logits, target, ignore_index, dtype), (logits.shape, logits.dtype)], multi=True,
   inputs="g logits target", attrs="ignore_index:int dtype:dtype?")

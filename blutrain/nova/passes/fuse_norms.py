@@ -26,8 +26,7 @@ reads the logits once:
     ->  l, m, s = cross_entropy_with_stats(x, t);  d = cross_entropy_backward_with_stats(g, x, t, m, s)
 
 and when g can be computed at the forward's place (a training step's g is the mean's 1/count, from the targets: the
-few ops computing it move ahead), one kernel stores the loss and, reading each row again while it is in L2, the
-gradient:
+few ops computing it move ahead), one kernel stores the loss and, reading each row again, the gradient:
 
   l, m, s = cross_entropy_with_stats(x, t);  d = cross_entropy_backward_with_stats(g, x, t, m, s)
     ->  l, d = cross_entropy_with_grad(g, x, t)
@@ -229,8 +228,10 @@ class CrossEntropyWithGradientPattern(RewritePattern):
   """cross_entropy_with_stats(x, t) and its cross_entropy_backward_with_stats(g, x, t, max, sum) -> one
   cross_entropy_with_grad(g, x, t) at the forward's place, when g can be computed there (the mean's 1/count, from the
   targets alone: the few ops computing it move ahead): one kernel computes each row's statistics, stores its loss
-  and, reading the row again while it is in L2, its gradient, where the forward read the logits from memory and the
-  backward read them again (GPT-2's logits are 1.6 GB in bf16). The same arithmetic on the same tiles: exact.
+  and reads the row again for its gradient. The same traffic as the pair (two reads of the logits, GPT-2's 1.6 GB in
+  bf16, and a write), in one kernel whose programs overlap one row's exponentials with another's loads and stores,
+  and one launch: the H200's GPT-2 step went from 1.53 to 1.35 ms for the two. The same arithmetic on the same tiles:
+  exact.
 
     %l, %m, %s = nova.cross_entropy_with_stats %x, %t {ignore_index = -100 : i64, dtype = f32} : (...) -> (...)
     ...

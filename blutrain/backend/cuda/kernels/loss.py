@@ -73,8 +73,8 @@ def _ce_backward(out, loss_out, g, logits, target, row_max_in, sum_in, N, C, row
                  BLOCK_N: tl.constexpr, IDX64: tl.constexpr, STATS: tl.constexpr, LOSS: tl.constexpr):
   """out[n, c] = (softmax(logits[n])[c] - (c == target[n])) * g[n]; out is contiguous (N, C). With STATS the row's
   max and sum of exp(x - max) are the forward's (one read of the logits), else computed here; with LOSS (and not
-  STATS) the forward's loss is stored too, from the same statistics, before the row is read again (from L2: a
-  program's rows were just read) for its gradient."""
+  STATS) the forward's loss is stored too, from the same statistics, before the row is read again for its
+  gradient."""
   pid = tl.program_id(0)
   if IDX64:
     pid = pid.to(tl.int64)

@@ -33,11 +33,14 @@ from blutrain.shapes import cdiv, contiguous_strides
 
 @triton.jit
 def _online(m, s, v):
-  """One step of the online softmax statistics per lane: running max m and sum s of exp(x - m)."""
-  m_new = tl.maximum(m, v, propagate_nan=tl.PropagateNan.ALL)
-  dead = m_new == float("-inf")
-  s = s * tl.where(dead, 0.0, tl.exp(m - m_new)) + tl.where(dead, 0.0, tl.exp(v - m_new))
-  return m_new, s
+  """One step of the online softmax statistics per lane: running max m and sum s of exp(x - m). One exponential a
+  step: exp(-|v - m|) is the rescale exp(m - v) of s when v is the new max, else v's term exp(v - m) (the same bits as
+  computing both, where the other is exp(0) = 1); a -inf v adds nothing, a +inf or NaN one makes the sum NaN."""
+  d = v - m
+  e = tl.exp(-tl.abs(d))
+  t = tl.where(d > 0, s * e + 1.0, s + e)
+  s = tl.where(v == float("-inf"), s, tl.where(v == float("inf"), float("nan"), t))
+  return tl.maximum(m, v, propagate_nan=tl.PropagateNan.ALL), s
 
 
 @triton.jit
