@@ -133,7 +133,8 @@ def _tree(modules, optimizers) -> tuple[list, list[Tensor]]:
 
 
 _GRAD, _TRAINING, _STATE = operator.attrgetter("grad"), operator.attrgetter("training"), operator.attrgetter("state")
-_REQUIRE_SYNC, _PARAMS, _GROUPS = operator.attrgetter("require_sync"), operator.itemgetter("params"), operator.attrgetter("param_groups")
+_REQUIRE_SYNC, _GROUPS = operator.attrgetter("require_sync"), operator.attrgetter("param_groups")
+_PARAMS = operator.itemgetter("params")
 _IS_TENSOR = functools.partial(type.__instancecheck__, Tensor)
 
 
@@ -508,7 +509,7 @@ class Compiled:
     reads (modules' training flags, and DistributedDataParallel's `require_sync`, which `no_sync()` clears). Global
     state among it (grad mode, autocast, float32 matmul precision, the CUDA matmul and convolution engines) is read
     here because a capture bakes it into the graph's ops and attributes. NOTE: the per-parameter and per-state parts
-    are built by C-level `map`s: the guard runs before every replay's launch, while the GPU waits."""
+    are built by C-level `map`s: the guard runs at every call, and a step shorter than its host work waits on it."""
     mods, synced, params, ids = self._tree()
     optimizers = self._found[1]
     return (tree, grad_mode.enabled, amp.state(), backends.get_float32_matmul_precision(), backends.matmul,

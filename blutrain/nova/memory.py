@@ -31,7 +31,8 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Attribute, SSAValue
 
 from blutrain.nova.dialect import (CatOp, CollectiveOp, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp,
-                                   CrossEntropyWithGradOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp, ViewOp, aval)
+                                   CrossEntropyWithGradOp, ElementwiseOp, FusedOp, LayoutOp, NovaOp, ScaleOp, ViewOp,
+                                   aval)
 from blutrain.nova.ir import function
 
 ALIGN = 512  # bytes: the CUDA caching allocator's rounding, and what vectorized kernels want

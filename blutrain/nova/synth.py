@@ -1,9 +1,10 @@
 """Kernel synthesis: a fused pointwise group (`nova.fused`, made by `passes/fuse_pointwise.py`) becomes one Triton
 kernel generated from its body, for the GPU target.
 
-A group is data (`Body`: input dtypes, ops over references, outputs), taken from the IR by `codegen.body_of`; the generated
-step holds it as a literal and calls `fused(body, shape, *arrays)`. On the first call for a layout of the inputs the
-host collapses dims (`kernels.collapse` over the output's contiguous strides and each input's broadcast strides) and
+A group is data (`Body`: input dtypes, ops over references, outputs), taken from the IR by `codegen.body_of`; the
+generated step holds it as a literal and calls `fused(body, shape, *arrays)`. This module imports no xDSL: a step
+served from the disk cache runs it without the compiler. On the first call for a layout of the inputs the host
+collapses dims (`kernels.collapse` over the output's contiguous strides and each input's broadcast strides) and
 sorts each input into a kind: `flat` (the output's own layout, read at the flat index), `scalar` (one element),
 `strided:<pattern>` (read through the collapsed dims' indices; the pattern has one letter per dim: `0` broadcast,
 `1` unit stride, `s` a stride passed at run time, so a bias over rows is `strided:01` and reads `j1`) or `value` (a
