@@ -343,8 +343,8 @@ class GraphExecutable(Executable):
     kernel launches and each one not compiled yet compiles on one of COMPILE_THREADS threads (`kernels.
     compiling_ahead`), so the first run finds them compiled instead of compiling one after another (GPT-2's first step
     met 40 variants, 10-11 s of compiling on one core). The other work it meets runs, on the scratch memory and the
-    pool's arena (which the first run then reuses): GEMMs, copies and the kernels that do not go through
-    `kernels.run` (compiled there as before). Skipped for steps with collectives (the ranks' dry runs could disagree)
+    pool's arena (which the first run then reuses): GEMMs, copies, and the elementwise, reduction and fill kernels
+    compiled before (see `kernels.Spec.kernel`). Skipped for steps with collectives (the ranks' dry runs could disagree)
     and for a step whose code came from the disk cache: its kernels were compiled with it, into the same cache, and
     loading them one by one costs less than the dry run. A failure (the scratch not fitting, say) only leaves the
     compiling to the first run; `info["compile_ahead"]` says what happened."""

@@ -176,9 +176,9 @@ def test_a_compiled_step_that_never_completes_times_out_and_the_next_call_raises
   out = _run('''
 from blutrain.nn.parallel import DistributedDataParallel
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, secret="s", timeout=5)
-dist.init_process_group("nccl", timeout=0.3, store=store)
-net = bt.nn.Sequential(bt.nn.Linear(16, 16), bt.nn.Linear(16, 16)).to("cuda")
-ddp = DistributedDataParallel(net)
+dist.init_process_group("nccl", timeout=30, store=store)  # short only for the step that never completes, below: a
+net = bt.nn.Sequential(bt.nn.Linear(16, 16), bt.nn.Linear(16, 16)).to("cuda")  # loaded machine may take longer for
+ddp = DistributedDataParallel(net)  # the wrapper's broadcast and the first steps' collectives
 opt = bt.optim.AdamW(ddp.parameters(), lr=1e-3)
 @bt.compile
 def step(x):
@@ -189,6 +189,7 @@ x = bt.randn(4, 16, device="cuda")
 for _ in range(3): step(x)  # the first call's graph, warm, captured and replayed: every run completes
 assert step.info["cuda_graph"] == "on" and ("abort",) not in log
 fake_cuda.FakeEvent.is_done = False  # the next replay never completes
+dist._world.timeout = 0.3
 step(x)
 start = time.monotonic()
 while dist._world.error is None and time.monotonic() - start < 10: time.sleep(0.05)

@@ -54,19 +54,37 @@ def divisible(signature: dict[str, str], names) -> dict[str, str]:
   return {k: t + ":16" if k in names else t for k, t in signature.items()}
 
 
+class _Kernel:
+  """`Spec.kernel`: the variant's `launch.Kernel`, compiled (or read from the disk cache) on first use and then kept
+  on the Spec, where it shadows this descriptor: later lookups are a plain attribute's. Inside `compiling_ahead` a
+  variant not compiled yet is handed to a thread instead, and what this returns launches nothing (and is not kept).
+  The host wrappers that launch `s.kernel` themselves (the elementwise plans, the reductions' passes, fill: kernels
+  safe on any data) so launch a variant compiled before for real in a dry run, on its scratch memory; `run`
+  launches nothing there."""
+
+  def __get__(self, s, owner=None):
+    if s is None: return self
+    key = _compile_args(s)
+    if _ahead is not None:
+      _defer(key)
+      return _not_launched
+    k = s.__dict__["kernel"] = _compiled(*key)
+    return k
+
+
+def _not_launched(grid, *args, stream=None) -> None: return None
+
+
 class Spec(tuple):
-  """One compiled variant: (fn, signature, constexprs, options). Its `kernel` is looked up once and kept on it, so
-  the specs that host wrappers cache launch with no lookup at all."""
+  """One compiled variant: (fn, signature, constexprs, options). Its `kernel` is compiled once and kept on it
+  (`_Kernel`), so the specs that host wrappers cache launch with no lookup at all."""
 
   @property
   def constexprs(self) -> dict[str, Any]:
     """The compile-time constants of the variant (block sizes a host wrapper sizes its grid by)."""
     return self[2]
 
-  @functools.cached_property
-  def kernel(self) -> launch.Kernel:
-    fn, signature, constexprs, options = self
-    return _compiled(fn, tuple(signature.items()), tuple(constexprs.items()), options["num_warps"], options["num_stages"])
+  kernel = _Kernel()
 
 
 def spec(fn, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4, num_stages: int = 1) -> Spec:
@@ -88,12 +106,18 @@ def _compile_args(s: Spec) -> tuple:
   return fn, tuple(signature.items()), tuple(constexprs.items()), options["num_warps"], options["num_stages"]
 
 
-def run(s: Spec, grid: tuple[int, ...], *args) -> None:
-  """Launch a variant on the current stream (compiled once per process, and cached on disk by `launch`); while
-  `compiling_ahead`, compile it on a thread instead and launch nothing."""
-  if _ahead is None: return s.kernel(grid, *args)
+def run(s: Spec, grid: tuple[int, ...], *args, stream=None) -> None:
+  """Launch a variant on `stream` (default: the current one; compiled once per process, and cached on disk by
+  `launch`); while `compiling_ahead`, compile it on a thread instead (if it is not compiled yet) and launch nothing:
+  a dry run's data (indices among it) is scratch."""
+  if _ahead is None: return s.kernel(grid, *args, stream=stream)
+  if "kernel" not in s.__dict__: _defer(_compile_args(s))
+
+
+def _defer(key: tuple) -> None:
+  """Hand a variant's compile (`_compile_args`) to `compiling_ahead`'s threads, once."""
   pool, futures = _ahead
-  if "kernel" not in s.__dict__ and (key := _compile_args(s)) not in futures: futures[key] = pool.submit(_compiled, *key)
+  if key not in futures: futures[key] = pool.submit(_compiled, *key)
 
 
 def dry() -> bool:
@@ -103,8 +127,8 @@ def dry() -> bool:
 
 @contextlib.contextmanager
 def compiling_ahead(workers: int):
-  """A dry run's kernels compiled side by side: within the block `run` launches nothing and hands each variant it has
-  not compiled yet to one of `workers` threads (Triton's compile releases the GIL for most of its work: 60 variants
+  """A dry run's kernels compiled side by side: within the block each variant not compiled yet is handed to one of
+  `workers` threads (`Spec.kernel`) and launches nothing (Triton's compile releases the GIL for most of its work: 60 variants
   took 72.6 s one after another and 38.6 s on 4 threads of a 2-core machine, the same cubins); leaving the block waits
   for them (a failed compile raises here). Yields the dict of the variants handed over. What the block runs besides
   Triton kernels (cuBLASLt, copies) runs for real."""

@@ -462,14 +462,15 @@ def _launch(op: str, out: CudaArray, ins: tuple[CudaArray | Value, ...], stream:
 
 
 def _run(plan: tuple, out: CudaArray, ins: tuple[CudaArray | Value, ...], stream: Stream | None) -> None:
-  """Launch a plan; absent operands repeat the last one (the kernel does not read them)."""
-  kernel, grid, scalars, by_value = plan
+  """Launch a plan; absent operands repeat the last one (the kernel does not read them). The plan keeps the variant,
+  not its kernel: a plan made in a dry run must not have compiled it there (`Spec.kernel`)."""
+  s, grid, scalars, by_value = plan
   if by_value: ins = [a.value if a.__class__ is Value else a for a in ins]
-  kernel(grid, out, ins[0], ins[1] if len(ins) > 1 else ins[0], ins[-1], *scalars, stream=stream)
+  s.kernel(grid, out, ins[0], ins[1] if len(ins) > 1 else ins[0], ins[-1], *scalars, stream=stream)
 
 
 def _plan(op: str, *layouts: Layout) -> tuple:
-  """(kernel, grid, scalar arguments after the four operands, whether some operand goes by value) of op on the
+  """(variant, grid, scalar arguments after the four operands, whether some operand goes by value) of op on the
   layouts of out and its inputs, or () when they have more than MAX_DIMS dims after collapsing. A function of the
   layouts only, so callers cache it: the arrays it reads are stand-ins with their layout and their address modulo 16,
   which is all alignment needs."""
@@ -485,7 +486,7 @@ def _plan(op: str, *layouts: Layout) -> tuple:
     scalars = tuple(s[0] == 0 or cshape[0] == 1 for s in ists)
     aligned = all(a.ptr % 16 == 0 for a, sc in zip(arrays, (False,) + scalars) if not sc)
     s = flat_spec(op, out.dtype, dts, scalars, cshape[0], aligned, i64, values if any(values) else ())
-    return s.kernel, (cdiv(cshape[0], s.constexprs["BLOCK"]),), (cshape[0],), any(values)
+    return s, (cdiv(cshape[0], s.constexprs["BLOCK"]),), (cshape[0],), any(values)
   nd = len(cshape) - 1
   n_rows, n_cols = math.prod(cshape[:-1]), cshape[-1]
   units = tuple(st[-1] == 1 for st in (ost, *ists))
@@ -496,7 +497,7 @@ def _plan(op: str, *layouts: Layout) -> tuple:
   s = tiled_spec(op, out.dtype, dts, nd, units, n_rows, n_cols, aligned, i64, values if any(values) else ())
   col_blocks = cdiv(n_cols, bc)
   strides = [pad(st, 6, 0) for st in (ost, *ists)] + [pad(ists[-1], 6, 0)] * (3 - len(ins))
-  return (s.kernel, (cdiv(n_rows, br) * col_blocks,),
+  return (s, (cdiv(n_rows, br) * col_blocks,),
           (n_rows, n_cols, col_blocks, *pad(cshape[:-1], 5, 1)[1:], *(x for st in strides for x in st)), any(values))
 
 

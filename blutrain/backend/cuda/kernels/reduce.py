@@ -232,9 +232,9 @@ def reduce(x: CudaArray, dims, keepdim: bool, op: str, out_dtype: DType, stages:
   out = empty(out_shape, out_dtype, x.device, s)
   if not passes: return out if 0 in out_shape else fill(out, 0)
   if perm is not None: x = copy(_permuted(x, perm))
-  for kernel, grid, scalars, partial in passes:
+  for variant, grid, scalars, partial in passes:
     dst = out if partial is None else empty(*partial, x.device, s)
-    kernel(grid, dst, x, *scalars, stream=s)
+    variant.kernel(grid, dst, x, *scalars, stream=s)
     x = dst
   return out
 
@@ -250,7 +250,7 @@ def _vectors(aligned: bool, kshape, kst, rshape, rst, chunk: int) -> bool:
 def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], keepdim: bool, out_dtype: DType,
                  aligned: bool = False, stages: int | None = None):
   """(output shape, the permutation of x to copy first or None, passes) of a reduction of x's layout (`aligned`: x
-  starts on 16 bytes); each pass is (kernel, grid, scalar arguments after the out and x pointers, (shape, dtype) of a
+  starts on 16 bytes); each pass is (variant, grid, scalar arguments after the out and x pointers, (shape, dtype) of a
   partial result or None for the output), and reads the previous pass's result. No passes: the output or x is
   empty."""
   out_shape = (tuple(1 if d in dims else n for d, n in enumerate(shape)) if keepdim else
@@ -270,14 +270,14 @@ def _reduce_plan(op: str, shape, strides, dtype: DType, dims: tuple[int, ...], k
     acc = accumulation_dtype(op, dtype, out_dtype)
     s = reduce_spec(op, dtype, acc, len(kshape), len(rshape), *units, M, N, i64,
                     _vectors(aligned, kshape, kst, rshape, rst, chunk), stages)
-    passes.append((s.kernel, (cdiv(M, bm), pieces), (M, N, chunk, *axis_args(kshape, kst), *axis_args(rshape, rst)),
+    passes.append((s, (cdiv(M, bm), pieces), (M, N, chunk, *axis_args(kshape, kst), *axis_args(rshape, rst)),
                    ((pieces, M), acc)))
     kshape, kst, rshape, rst, N = (M,), (1,), (pieces,), (M,), pieces
     s = reduce_spec(op, acc, out_dtype, 1, 1, True, False, M, N, i64, _vectors(True, kshape, kst, rshape, rst, N))
   else:
     s = reduce_spec(op, dtype, out_dtype, len(kshape), len(rshape), *units, M, N, i64,
                     _vectors(aligned, kshape, kst, rshape, rst, N), stages)
-  passes.append((s.kernel, (cdiv(M, s.constexprs["BLOCK_M"]), 1), (M, N, N, *axis_args(kshape, kst), *axis_args(rshape, rst)),
+  passes.append((s, (cdiv(M, s.constexprs["BLOCK_M"]), 1), (M, N, N, *axis_args(kshape, kst), *axis_args(rshape, rst)),
                  None))
   return out_shape, perm, passes
 
