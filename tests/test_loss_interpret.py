@@ -3,7 +3,7 @@ must be set before Triton is imported) runs the forward that keeps each row's st
 them, on torch CPU tensors (test-only): the backward from the statistics is the backward that computes them itself, to
 the bit, also written over its logits, and so is the one kernel of cross_entropy_with_grad (with the forward's losses,
 to the bit); all equal the CPU backend's float64 kernels, with an ignored row, a target out
-of range (a row of NaN) and a class count that is no multiple of the tile."""
+of range (a row of NaN) and class counts that are no multiple of the tile, in one tile and in two."""
 import numpy as np
 import pytest
 
@@ -11,10 +11,10 @@ from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interp
 
 triton = pytest.importorskip("triton")
 
-N, C, IGNORE = 37, 300, -100
+IGNORE = -100
 
 
-def _check(dtype_name: str) -> None:
+def _check(dtype_name: str, N: int, C: int) -> None:
   import torch
   from blutrain import dtypes
   from blutrain.backend.cpu.kernels import kernels as cpu
@@ -68,7 +68,8 @@ def _check(dtype_name: str) -> None:
 def main() -> None:
   patch_interpreter_loop_bounds()
   for name in ("float32", "bfloat16"):
-    _check(name)
+    for N, C in ((37, 300), (8, 4200)):  # one tile, and two of 4096 (the online statistics' rescales; a masked tail)
+      _check(name, N, C)
   print("ok")
 
 
