@@ -4,8 +4,9 @@ costs (B=16, T=1024, fused AdamW, as benchmarks/train_gpt2.py builds the step).
   python benchmarks/step_gaps.py gaps [--out FILE]     per step, medians: a step with its loss read (`.item()`),
       steps back to back, the graph replayed back to back (no host work between), a replay and a synchronize, the
       replay's launch call alone, the step's host enqueue and its parts (guard, bind, run, deliver)
-  python benchmarks/step_gaps.py first [--profile]     the first call's seconds (run it twice: the second process
-      finds the disk cache warm), the second's and the third's; with --profile, cProfile of the first
+  python benchmarks/step_gaps.py first [--cold] [--profile]    the first call's seconds, the second's and the
+      third's: --cold in fresh, empty cache directories (blutrain's and Triton's), else with the caches as they are
+      (run it twice for the warm figure: the second process finds the first's); with --profile, cProfile of the first
 
 When the graph's back-to-back replays take as long as a step with its host work, the host is not what the step waits
 for: the gap between the graph and the sum of its kernels (benchmarks/kernel_profile.py) is the GPU's own.
@@ -15,9 +16,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,8 +117,12 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("mode", choices=("gaps", "first"))
   ap.add_argument("--profile", action="store_true", help="first: cProfile the first call")
+  ap.add_argument("--cold", action="store_true", help="first: fresh, empty cache directories")
   ap.add_argument("--out", help="gaps: write the figures as JSON here")
   args = ap.parse_args()
+  if args.cold:  # set before blutrain's first compile reads them (Triton reads its own when it first compiles)
+    root = tempfile.mkdtemp(prefix="step_gaps_cold_")
+    os.environ["BLUTRAIN_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = f"{root}/blutrain", f"{root}/triton"
   if args.mode == "first": first(args.profile)
   else: gaps(args.out)
 
