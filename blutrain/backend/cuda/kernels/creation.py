@@ -54,7 +54,7 @@ def fill(out: CudaArray, value) -> CudaArray:
   s = fill_spec(out.dtype.itemsize, n, needs_i64(out.shape, out.strides))
   with np.errstate(all="ignore"):
     bits = int(np.array(value).astype(out.dtype.np).reshape(1).view(f"i{out.dtype.itemsize}")[0])
-  run(s, (cdiv(n, s.constexprs["BLOCK"]),), out, n, bits)
+  s.kernel((cdiv(n, s.constexprs["BLOCK"]),), out, n, bits)
   return out
 
 
