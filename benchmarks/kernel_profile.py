@@ -5,6 +5,8 @@ device milliseconds and launches per step, averaged over 3 steps after 4 warm-up
   python benchmarks/kernel_profile.py --against torch_compile [--precision bf16|tf32] [--model gpt2|resnet18|lstm]
       blutrain compiled against torch.compile, same model, batch and optimizer (ResNet-18 and the LSTM LM as
       benchmarks/resnet_lstm.py builds and feeds them)
+  python benchmarks/kernel_profile.py --against torch_eager [--precision bf16|tf32]
+      GPT-2's eager step, blutrain against PyTorch eager (where an eager step's GPU time differs)
   NCCL_NVLS_ENABLE=0 python benchmarks/kernel_profile.py --against ddp [--precision tf32]
       the plain compiled step against the same step under DistributedDataParallel at world size 1 (NCCL), sorted by
       the difference: what the wrapper costs, kernel by kernel
@@ -47,7 +49,7 @@ def kernels(fn, sync) -> dict[str, tuple[float, float]]:
   return {k: (ms[k], n[k]) for k in ms}
 
 
-def blutrain_step(precision: str, ddp: bool):
+def blutrain_step(precision: str, ddp: bool, compiled: bool = True):
   from blutrain.nn.parallel import DistributedDataParallel
   bt.manual_seed(0)
   model = GPT(CFG).to("cuda")
@@ -55,7 +57,6 @@ def blutrain_step(precision: str, ddp: bool):
   net = DistributedDataParallel(model) if ddp else model
   ctx = (lambda: bt.autocast(device_type="cuda", dtype=bt.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 
-  @bt.compile
   def step(x, y):
     with ctx(): loss = net(x, y)[1]
     loss.backward()
@@ -63,16 +64,17 @@ def blutrain_step(precision: str, ddp: bool):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
+  if compiled: step = bt.compile(step)
   x = bt.from_numpy(np.random.default_rng(0).integers(0, CFG.vocab_size, (16, 1024))).to("cuda")
   return lambda: step(x, x)
 
 
-def torch_compile_step(precision: str):
+def torch_step(precision: str, compiled: bool = True):
   from benchmarks.torch_gpt import GPT as TorchGPT, training_step
   torch.backends.cuda.matmul.allow_tf32 = True
   model = TorchGPT(CFG).cuda()
-  step = torch.compile(training_step(model, model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True),
-                                     precision))
+  step = training_step(model, model.configure_optimizers(0.1, 6e-4, betas=(0.9, 0.95), fused=True), precision)
+  if compiled: step = torch.compile(step)
   x = torch.from_numpy(np.random.default_rng(0).integers(0, CFG.vocab_size, (16, 1024))).cuda()
   return lambda: step(x, x)
 
@@ -94,7 +96,7 @@ def resnet_lstm_steps(model: str, precision: str, channels_last: bool = False) -
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--against", choices=("torch_compile", "ddp"), default="torch_compile")
+  ap.add_argument("--against", choices=("torch_compile", "torch_eager", "ddp"), default="torch_compile")
   ap.add_argument("--model", choices=("gpt2", "resnet18", "lstm"), default="gpt2")
   ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16")
   ap.add_argument("--rows", type=int, default=25)
@@ -112,9 +114,10 @@ def main() -> None:
     for name, (fn, sync) in resnet_lstm_steps(args.model, args.precision, args.channels_last).items():
       runs[name] = kernels(fn, sync)
   for name in ("blutrain", args.against) if args.model == "gpt2" else ():
-    fn = torch_compile_step(args.precision) if name == "torch_compile" else \
-      blutrain_step(args.precision, ddp=name == "ddp")
-    runs[name] = kernels(fn, torch.cuda.synchronize if name == "torch_compile" else bt.cuda.synchronize)
+    eager = args.against == "torch_eager"
+    fn = torch_step(args.precision, compiled=not eager) if name.startswith("torch") else \
+      blutrain_step(args.precision, ddp=name == "ddp", compiled=not eager)
+    runs[name] = kernels(fn, torch.cuda.synchronize if name.startswith("torch") else bt.cuda.synchronize)
     del fn
     gc.collect()
   a, b = runs["blutrain"], runs[args.against]
