@@ -27,7 +27,7 @@ __all__ = ["autocast", "is_autocast_enabled", "get_autocast_dtype", "POLICY"]
 
 LOWER, FP32 = "lower", "fp32"
 _MATMULS = dict.fromkeys(("matmul", "linear", "conv", "conv_grad_input", "flash_attention", "flash_attention_lse",
-                           "scaled_dot_product_attention"),
+                           "flash_attention_transposed", "scaled_dot_product_attention"),
                          LOWER)
 POLICY: dict[str, dict[str, str]] = {
   "cuda": {**_MATMULS, **dict.fromkeys(("exp", "log", "rsqrt", "pow", "sum", "cumsum", "cumprod", "softmax", "log_softmax",

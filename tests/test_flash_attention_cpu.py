@@ -114,3 +114,39 @@ def test_lse_op_bad_inputs():
     ops.nn.flash_attention_lse(q, bt.randn(2, 5, 8), bt.randn(2, 4, 8))
   with pytest.raises(TypeError, match="flash_attention_lse: expected floating q, k, v, got int64"):
     ops.nn.flash_attention_lse(*(bt.ones(2, 4, 8, dtype=bt.int64),) * 3)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("packed", [True, False], ids=["one-projection", "separate"])
+def test_queries_with_heads_inside_positions_keep_their_layout(packed, dtype):
+  """q, k, v laid out (B, L, H, E) in memory (a transformer's heads views): the output keeps that layout, so its
+  `transpose(1, 2)` is contiguous with no copy, and values and gradients equal torch's. Split from one projection
+  (B, L, 3 H E), their gradients arrive as one tensor that the views take apart without a copy."""
+  B, L, H, E = 2, 7, 3, 8
+  rng = np.random.default_rng(5)
+  shape = (B, L, 3 * H * E) if packed else (3, B, L, H * E)
+  x, g = rng.standard_normal(shape), rng.standard_normal((B, L, H * E))
+  bx = bt.tensor(x, dtype=bt.float32).to(dtype).requires_grad_()
+  tx = torch.tensor(x, dtype=torch.float32).to(TORCH_DTYPES[dtype]).requires_grad_()
+
+  def attention(x, sdpa):
+    parts = x.split(H * E, dim=2) if packed else (x[0], x[1], x[2])
+    q, k, v = (t.view(B, L, H, E).transpose(1, 2) for t in parts)
+    return sdpa(q, k, v, is_causal=True)
+  out, ref = attention(bx, F.scaled_dot_product_attention), attention(tx, TF.scaled_dot_product_attention)
+  assert out._base.grad_fn.op.name == "flash_attention_transposed" and out.transpose(1, 2).is_contiguous()
+  (out.transpose(1, 2).reshape(B, L, H * E) * bt.tensor(g, dtype=bt.float32).to(dtype)).sum().backward()
+  (ref.transpose(1, 2).reshape(B, L, H * E) * torch.tensor(g, dtype=torch.float32).to(TORCH_DTYPES[dtype])).sum().backward()
+  assert_close(out, ref, what="attention")
+  assert_close(bx.grad, tx.grad, what="the projection's gradient")
+
+
+def test_transposed_backward_packs_gradients_only_for_one_projection():
+  """The packed backward runs for q, k, v side by side in one tensor; any other layout (here k and v swapped) takes
+  the three-array backward, with the same values."""
+  B, L, H, E = 1, 5, 2, 4
+  x = bt.tensor(np.random.default_rng(6).standard_normal((B, L, 3 * H * E)), dtype=bt.float64)
+  q, k, v = (t.view(B, L, H, E).transpose(1, 2) for t in x.split(H * E, dim=2))
+  assert ops.nn._split_from_one_projection(q, k, v)
+  assert not ops.nn._split_from_one_projection(q, v, k)
+  assert not ops.nn._split_from_one_projection(q, k, v.contiguous())

@@ -861,9 +861,30 @@ def _flash_attention_transposed_rule(q, k, v, causal, scale, tf32=False):
   return (B, L, H, E), q.dtype
 
 
+def _flash_attention_transposed_vjp(g, out, q, k, v, causal, scale, tf32=False):
+  g, out = g.permute(0, 2, 1, 3), out.permute(0, 2, 1, 3)
+  if _split_from_one_projection(q, k, v):
+    packed = flash_attention_backward_packed_op(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
+    return tuple(packed[:, :, i].permute(0, 2, 1, 3) for i in range(3))
+  return flash_attention_backward_op(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
+
+
+def _split_from_one_projection(q, k, v) -> bool:
+  """Whether q, k, v (B, H, L, E) are the three column blocks of one (B, L, 3 H E) tensor, side by side (a self-
+  attention's `qkv.split(C, dim=2)`): their gradients are then written as one (B, L, 3, H, E) tensor, whose blocks
+  the split's and the heads' views take back without a copy."""
+  B, H, L, E = q.shape
+  return (q._storage is k._storage is v._storage and q.shape == k.shape == v.shape
+          and q._strides == k._strides == v._strides == (L * 3 * H * E, E, 3 * H * E, 1)
+          and k._offset - q._offset == v._offset - k._offset == H * E)
+
+
 # flash_attention's output with its heads after its positions, (B, L, H, E) contiguous: what a transformer's
-# `y.transpose(1, 2).contiguous()` makes of it, written so by the kernel (Nova's fuse-norms folds that copy)
+# `y.transpose(1, 2).contiguous()` makes of it, written so by the kernel. scaled_dot_product_attention returns it
+# (as the (B, H, L, E) view) for queries laid out so, as PyTorch's attention keeps q's layout; Nova's fuse-norms folds
+# the copy of a captured flash_attention into it
 flash_attention_transposed_op = op("flash_attention_transposed", _flash_attention_transposed_rule,
+                                   _flash_attention_transposed_vjp, saves_output=True,
                                    inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
 
 
@@ -944,8 +965,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
   if (attn_mask is None and dropout_p == 0.0 and query.dtype in _FLASH_DTYPES and query.dtype is key.dtype is value.dtype
       and key.shape == value.shape and query.shape[:-2] == key.shape[:-2] and query.shape[-1] <= 256
       and query.shape[-2] > 0 and key.shape[-2] > 0):
-    return flash_attention_op(query, key, value, causal=bool(is_causal), scale=float(scale),
-                           tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
+    attrs = dict(causal=bool(is_causal), scale=float(scale), tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
+    if query.ndim == 4 and query._strides[1] < query._strides[2]:  # heads inside positions: keep that layout
+      return flash_attention_transposed_op(query, key, value, **attrs).permute(0, 2, 1, 3)
+    return flash_attention_op(query, key, value, **attrs)
   scores = matmul(query, key.mT) * scale
   if is_causal:
     L, S = query.shape[-2], key.shape[-2]
