@@ -976,6 +976,10 @@ VJP_CASES = {
     [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
   "flash_attention_lse": (lambda q, k, v: ops.nn.flash_attention_lse_op(q, k, v, causal=True, scale=0.4),
     [(2, 3, 4), (2, 5, 4), (2, 5, 4)], {}),
+  # heads (B, H, L, E) split from one (B, L, 3 H E): q, k, v side by side (the packed backward), and v, k, q
+  "flash_attention_transposed": (lambda x: bt.cat([ops.nn.flash_attention_transposed_op(
+    *(q, k, v)[::1 - 2 * swap], causal=True, scale=0.4).flatten() for q, k, v in [_heads(x)] for swap in (0, 1)]),
+    [(2, 3, 12)], {}),
   "conv": (lambda x, w: ops.conv(x, w, (2, 1), (1, 0), (1, 2), 2), [(2, 4, 5, 6), (4, 2, 3, 2)], {}),
   "conv_grad_input": (lambda g, w: ops.conv_transpose(g, w, (2, 4, 5, 6), (2, 1), (1, 0), (1, 2), 2),
     [(2, 4, 3, 4), (4, 2, 3, 2)], {}),
@@ -1008,6 +1012,12 @@ def test_vjp_finite_differences(name):
 
 def test_vjp_cast():
   check_vjp(lambda x: x.to(bt.float32).to(bt.float64) * 3, [(3, 4)], eps=1e-2, rtol=1e-5, atol=1e-5)
+
+
+def _heads(x):
+  """q, k, v of 2 heads, each (B, H, L, E), as views of the three column blocks of x (B, L, 3 H E)."""
+  B, L, C3 = x.shape
+  return tuple(t.view(B, L, 2, C3 // 6).transpose(1, 2) for t in x.split(C3 // 3, dim=2))
 
 
 def test_every_primitive_with_a_vjp_is_checked():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from blutrain import backends, dtypes
-from blutrain.autograd.tape import Aval
+from blutrain.autograd.tape import Aval, hooks
 from blutrain.ops.core import autocast_inputs, op, write
 from blutrain.ops.creation import arange, full, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
@@ -880,9 +880,9 @@ def _split_from_one_projection(q, k, v) -> bool:
 
 
 # flash_attention's output with its heads after its positions, (B, L, H, E) contiguous: what a transformer's
-# `y.transpose(1, 2).contiguous()` makes of it, written so by the kernel. scaled_dot_product_attention returns it
-# (as the (B, H, L, E) view) for queries laid out so, as PyTorch's attention keeps q's layout; Nova's fuse-norms folds
-# the copy of a captured flash_attention into it
+# `y.transpose(1, 2).contiguous()` makes of it, written so by the kernel. Eager scaled_dot_product_attention returns
+# it (as the (B, H, L, E) view) for queries laid out so, as PyTorch's attention keeps q's layout; Nova's fuse-norms
+# folds the copy of a captured flash_attention into it
 flash_attention_transposed_op = op("flash_attention_transposed", _flash_attention_transposed_rule,
                                    _flash_attention_transposed_vjp, saves_output=True,
                                    inputs="q k v", attrs="causal:bool scale:float tf32:bool?")
@@ -966,7 +966,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       and key.shape == value.shape and query.shape[:-2] == key.shape[:-2] and query.shape[-1] <= 256
       and query.shape[-2] > 0 and key.shape[-2] > 0):
     attrs = dict(causal=bool(is_causal), scale=float(scale), tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
-    if query.ndim == 4 and query._strides[1] < query._strides[2]:  # heads inside positions: keep that layout
+    # heads inside positions: keep that layout. NOTE: not under a capture, whose values have no layout: Nova's
+    # fuse-norms picks the transposed kernel from the graph (the copy after the attention)
+    if query.ndim == 4 and query._strides[1] < query._strides[2] and hooks.trace is None:
       return flash_attention_transposed_op(query, key, value, **attrs).permute(0, 2, 1, 3)
     return flash_attention_op(query, key, value, **attrs)
   scores = matmul(query, key.mT) * scale
