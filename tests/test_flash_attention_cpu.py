@@ -135,8 +135,9 @@ def test_queries_with_heads_inside_positions_keep_their_layout(packed, dtype):
     return sdpa(q, k, v, is_causal=True)
   out, ref = attention(bx, F.scaled_dot_product_attention), attention(tx, TF.scaled_dot_product_attention)
   assert out._base.grad_fn.op.name == "flash_attention_transposed" and out.transpose(1, 2).is_contiguous()
-  (out.transpose(1, 2).reshape(B, L, H * E) * bt.tensor(g, dtype=bt.float32).to(dtype)).sum().backward()
-  (ref.transpose(1, 2).reshape(B, L, H * E) * torch.tensor(g, dtype=torch.float32).to(TORCH_DTYPES[dtype])).sum().backward()
+  bg, tg = bt.tensor(g, dtype=bt.float32).to(dtype), torch.tensor(g, dtype=torch.float32).to(TORCH_DTYPES[dtype])
+  (out.transpose(1, 2).reshape(B, L, H * E) * bg).sum().backward()
+  (ref.transpose(1, 2).reshape(B, L, H * E) * tg).sum().backward()
   assert_close(out, ref, what="attention")
   assert_close(bx.grad, tx.grad, what="the projection's gradient")
 

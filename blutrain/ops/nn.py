@@ -965,7 +965,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
   if (attn_mask is None and dropout_p == 0.0 and query.dtype in _FLASH_DTYPES and query.dtype is key.dtype is value.dtype
       and key.shape == value.shape and query.shape[:-2] == key.shape[:-2] and query.shape[-1] <= 256
       and query.shape[-2] > 0 and key.shape[-2] > 0):
-    attrs = dict(causal=bool(is_causal), scale=float(scale), tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
+    attrs = dict(causal=bool(is_causal), scale=float(scale),
+                 tf32=query.dtype is dtypes.float32 and backends.allow_tf32())
     # heads inside positions: keep that layout. NOTE: not under a capture, whose values have no layout: Nova's
     # fuse-norms picks the transposed kernel from the graph (the copy after the attention)
     if query.ndim == 4 and query._strides[1] < query._strides[2] and hooks.trace is None:
