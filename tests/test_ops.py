@@ -959,6 +959,7 @@ VJP_CASES = {
   "index_backward": (lambda g, i: _mv.index_backward_op(g, i, shape=(5, 3), positions=(0,)),
     [(4, 3), np.array([0, 4, 4, 2])], {}),
   "matmul": (lambda a, b: a @ b, [(2, 3, 4), (4, 5)], {}),
+  "linear": (lambda x, w, b: ops.nn.linear_op(x, w, b) * ops.nn.linear_op(x, w), [(2, 3, 4), (5, 4), (5,)], {}),
   "softmax": (lambda x: x.softmax(-1), [(3, 4)], {}),
   "log_softmax": (lambda x: x.log_softmax(0), [(3, 4)], {}),
   "layer_norm": (lambda x, w, b: ops.layer_norm(x, (4,), w, b), [(3, 4), (4,), (4,)], {}),

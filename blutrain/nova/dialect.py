@@ -949,6 +949,19 @@ class MatmulOp(NNOp):
 
 
 @irdl_op_definition
+class LinearOp(NNOp):
+  """x @ weight^T + bias (`ops.nn.linear_op`, eager mode's linear layer; a capture records it as matmul and add)."""
+  name = "nova.linear"
+  x = operand_def(TENSOR)
+  weight = operand_def(TENSOR)
+  bias = opt_operand_def(TENSOR)
+  tf32 = opt_prop_def(BOOL | NONE)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$x `,` $weight (`bias` $bias^ `:` type($bias))? attr-dict `:` type($x) `,` type($weight) "
+                     "`->` type($result)")
+
+
+@irdl_op_definition
 class ConvOp(NNOp):
   """Cross-correlation of x (N, C, *spatial) with weight (C_out, C / groups, *kernel), zero-padded by `padding` on
   both sides; float32 multiplies in TF32 when `tf32`."""
@@ -1709,7 +1722,7 @@ Nova = Dialect("nova", [
   EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, ReluBackwardOp,
   SumOp, AmaxOp,
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
-  CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, GemmOp, WeightGradOp, ConvOp, ConvGradInputOp, ConvGradWeightOp,
+  CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, LinearOp, GemmOp, WeightGradOp, ConvOp, ConvGradInputOp, ConvGradWeightOp,
   SoftmaxOp,
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormRunningStatsOp,
   BatchNormOp,

@@ -8,7 +8,7 @@ from blutrain.autograd.tape import Aval, hooks
 from blutrain.ops.core import autocast_inputs, op, write
 from blutrain.ops.creation import arange, full, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
-from blutrain.ops.linalg import matmul
+from blutrain.ops.linalg import matmul, matmul_op, weight_grad_op
 from blutrain.ops.movement import put
 from blutrain.ops.random import dropout
 from blutrain.dtypes import DTypeError
@@ -821,9 +821,39 @@ def triu(x: Tensor, diagonal: int = 0) -> Tensor:
   return _band(x, diagonal, lower=False)
 
 
+def _linear_rule(x, weight, bias=None, tf32=False):
+  n, k = weight.shape if weight.ndim == 2 else (None, None)
+  if x.ndim < 2 or k != x.shape[-1] or bias is not None and bias.shape != (n,):
+    raise ShapeError(f"linear: expected x (..., K), weight (N, K) and bias (N,), got {tuple(x.shape)}, "
+                     f"{tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
+  if not x.dtype is weight.dtype is (weight.dtype if bias is None else bias.dtype) or not x.dtype.is_floating_point:
+    raise DTypeError(f"linear: expected x, weight and bias of one floating dtype, got {x.dtype.name}, "
+                     f"{weight.dtype.name} and {None if bias is None else bias.dtype.name}")
+  return x.shape[:-1] + (n,), x.dtype
+
+
+def _linear_vjp(g, out, x, weight, bias=None, tf32=False, needs=(True, True, True)):
+  """dx = g W; dW = g^T x and db = the column sums of g from one GEMM (`weight_grad`, whose epilogue sums)."""
+  dx = matmul_op(g, weight, tf32=tf32) if needs[0] else None
+  g2 = g.reshape(-1, g.shape[-1])
+  bias_grad, dw, db = len(needs) > 2 and needs[2], None, []  # `needs` has no place for an absent bias
+  if needs[1]:
+    dw, *db = weight_grad_op(g2.mT, x.reshape(-1, x.shape[-1]), dtype=weight.dtype, bias_grad=bias_grad, tf32=tf32)
+  if bias_grad and not db: db = [g2.sum(0)]
+  return (dx, dw, db[0] if db else None)[:len(needs)]
+
+
+# x @ weight^T + bias as one op in eager mode: on CUDA one GEMM whose epilogue adds the bias to the float32
+# accumulator (rounding halves once, as PyTorch's addmm and Nova's fused GEMM), on the CPU rounded as the matmul and
+# add it stands for. A capture records those two ops, which Nova fuses itself (passes/fuse_gemm.py).
+linear_op = op("linear", _linear_rule, _linear_vjp, saves=(0, 1), inputs="x weight ?bias", attrs="tf32:bool?")
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
   """x @ weight.T + bias, as nn.Linear."""
   x, weight, bias = autocast_inputs("linear", x, weight, bias)
+  if hooks.trace is None and x.ndim >= 2 and weight.ndim == 2 and x.dtype.is_floating_point:
+    return linear_op(x, weight, bias, tf32=x.dtype is dtypes.float32 and backends.allow_tf32())
   out = matmul(x, weight.mT)
   return out + bias if bias is not None else out
 

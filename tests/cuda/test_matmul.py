@@ -132,3 +132,24 @@ def test_through_the_op_library_with_gradients(precision):
   bound = 1e-5 if precision == "highest" else 3e-3
   for name, got, want in zip(("y", "dx", "dw"), results["cuda"], results["cpu"]):
     assert rel_err(got, want) < bound, f"{name} on CUDA vs CPU ({precision})"
+
+
+@pytest.mark.parametrize("name", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("matmul", ["cublas", "triton"])
+def test_linear_op_with_bias_and_its_gradients(name, matmul, monkeypatch):
+  """Eager linear (one GEMM whose epilogue adds the bias) and its VJP (dW and db from one GEMM) against float64, with
+  x a transposed view; bf16 through autocast, as a model runs it."""
+  dtype, precision, bound = PRECISIONS[name]
+  monkeypatch.setattr(bt.backends, "matmul", matmul)
+  bt.set_float32_matmul_precision(precision)
+  x, w, b, g = (rounded(s, dtype, seed) for s, seed in (((3, 40, 64), 20), ((48, 64), 21), ((48,), 22), ((3, 64, 48), 23)))
+  xt = bt.tensor(np.ascontiguousarray(x.swapaxes(1, 2)).astype(np.float32)).to("cuda").requires_grad_()
+  wt, bias = (bt.tensor(a.astype(np.float32)).to("cuda").requires_grad_() for a in (w, b))
+  with bt.autocast("cuda", dtype=bt.bfloat16, enabled=name == "bf16"):
+    y = bt.nn.functional.linear(xt.transpose(1, 2), wt, bias)
+  assert y._node.op.name == "linear" and y.dtype is dtype
+  (y.float() * bt.tensor(g.astype(np.float32)).to("cuda")).sum().backward()
+  want = {"y": x @ w.T + b, "dx": np.swapaxes(g @ w, 1, 2), "dw": np.einsum("bto,bti->oi", g, x), "db": g.sum((0, 1))}
+  for what, t in zip(want, (y, xt.grad, wt.grad, bias.grad)):
+    err = rel_err(t.detach().float().cpu().numpy().astype(np.float64), want[what])
+    assert err < bound, f"linear {name} ({matmul}) {what}: relative error {err:.2e} >= {bound:.0e}"

@@ -842,6 +842,13 @@ def _gemm(a, b, *xs, epilogue, dtype, tf32=False):
   return (y, *saved, y.astype(np.float64 if y.dtype == np.float64 else np.float32).sum(tuple(range(y.ndim - 1))))
 
 
+def _linear(x, weight, bias=None, tf32=False):
+  """x @ weight^T + bias (`ops.nn.linear_op`) rounded as the matmul and the add it stands for, each to x's dtype, so
+  eager mode equals a compiled step, which captures those two ops."""
+  y = kernels["matmul"](x, weight.T, tf32=tf32).astype(x.dtype)
+  return y if bias is None else kernels["add"](y, bias).astype(x.dtype)
+
+
 def _weight_grad(a, b, *, dtype, bias_grad, tf32=False):
   """Nova's weight-gradient GEMM (`ops.linalg.weight_grad_op`): a @ b accumulated in float32 (float64 for float64)
   and stored in `dtype`, and with `bias_grad` the sums of a's rows, as the GPU's GEMM and its epilogue compute them."""
@@ -852,5 +859,5 @@ def _weight_grad(a, b, *, dtype, bias_grad, tf32=False):
 
 
 kernels |= {"adamw": _adamw, "sgd": _sgd, "sum_squares": _sum_squares, "scale": _scale, "gemm": _gemm,
-            "weight_grad": _weight_grad}
+            "linear": _linear, "weight_grad": _weight_grad}
 kernels |= collective.KERNELS  # the process group's own calls (backend/collective.py)

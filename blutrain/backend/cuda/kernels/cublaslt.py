@@ -303,6 +303,16 @@ def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False,
   return _matmul(a, b, bias, tf32, out)
 
 
+def linear(x: CudaArray, weight: CudaArray, bias: CudaArray | None = None, tf32: bool = False) -> CudaArray:
+  """x @ weight^T (+ bias) as nn.Linear (`ops.nn.linear_op`): one GEMM, whose epilogue adds the bias: cuBLASLt's
+  (rounding once), or the synthesized GEMM's with `bt.backends.matmul = "triton"` (rounding as matmul and add)."""
+  wt = CudaArray(weight.ptr, weight.shape[::-1], weight.strides[::-1], weight.dtype, weight.device, weight.owner)
+  if bias is None: return matmul(x, wt, tf32)
+  if backends.matmul == "triton" and x.dtype in _TRITON_DTYPES:
+    return fused_gemm(x, wt, bias, epilogue="bias", dtype=x.dtype, tf32=tf32, path="nova")[0]
+  return matmul_bias(x, wt, bias, tf32)
+
+
 _without_bgradb: set[tuple] = set()  # weight_grad problems for which cuBLASLt offers no BGRADB kernel
 
 
@@ -410,4 +420,4 @@ def fused_gemm(a: CudaArray, b: CudaArray, *xs: CudaArray, epilogue: str, dtype:
   return _separately(a, b, xs, steps, dtype, tf32, sums)
 
 
-KERNELS = {"matmul": matmul, "gemm": fused_gemm, "weight_grad": weight_grad}
+KERNELS = {"matmul": matmul, "linear": linear, "gemm": fused_gemm, "weight_grad": weight_grad}
