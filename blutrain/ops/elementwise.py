@@ -5,6 +5,7 @@ import math
 from typing import Callable
 
 from blutrain import dtypes
+from blutrain.autograd.tape import hooks
 from blutrain.dtypes import DType, DTypeError, UnsupportedDType
 from blutrain.ops.core import op
 from blutrain.shapes import ShapeError, broadcast_shapes
@@ -228,9 +229,22 @@ def _scaled(y, alpha):
 # `into`, here and below: a tensor that may receive the result in place of a new one (in-place methods pass theirs,
 # see `ops.inplace` and `ops.core.apply`); the tensor returned holds the result either way
 
+def _mixed_floats(x, y) -> tuple[Tensor, Tensor] | None:
+  """(the operand of the promoted dtype, the other) when x and y are float tensors of two dtypes one of which is their
+  promotion (float32 and bfloat16), neither 0-d, in eager mode: a kernel reading each operand in its own dtype then
+  computes in the promoted one exactly as after a cast, with no cast op or kernel (under a capture Nova's own passes
+  fold the casts)."""
+  if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or x.dtype is y.dtype or hooks.trace is not None: return None
+  if not (x.dtype.is_floating_point and y.dtype.is_floating_point and x.shape and y.shape): return None
+  dt = dtypes.result_type(x, y)
+  return (x, y) if dt is x.dtype else (y, x) if dt is y.dtype else None
+
+
 def add(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
   """x + alpha * y, broadcasting."""
-  return add_op(*operands("add", x, y if alpha.__class__ is int and alpha == 1 else _scaled(y, alpha)), into=into)
+  if alpha.__class__ is not int or alpha != 1: return add_op(*operands("add", x, _scaled(y, alpha)), into=into)
+  if into is None and (pair := _mixed_floats(x, y)): return add_op(*pair)  # IEEE addition commutes
+  return add_op(*operands("add", x, y), into=into)
 
 
 def sub(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
