@@ -297,9 +297,11 @@ def test_driver_out_of_memory_waits_for_pending_frees_then_raises():
     alloc.malloc(20 * MiB, "s1")
 
 
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 24 * MiB), st.sampled_from(["s1", "s2"]), st.integers(0, 9)),
-                min_size=1, max_size=60))
-def test_random_sequences_keep_the_invariants(ops):
+OPS = st.lists(st.tuples(st.booleans(), st.integers(1, 24 * MiB), st.sampled_from(["s1", "s2"]), st.integers(0, 9)),
+               min_size=1, max_size=60)
+
+
+def _run_sequence(ops, stats_every_step: bool) -> None:
   drv = FakeDriver(total=1 << 30)
   alloc = CachingAllocator(drv)
   live = []
@@ -313,6 +315,8 @@ def test_random_sequences_keep_the_invariants(ops):
     assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:])), "allocated blocks overlap"
     for s, e in spans:
       assert any(p <= s and e <= p + n for p, n in drv.live.items()), "a block lies outside every segment"
+    assert alloc._kept_keys == sorted(alloc._kept), "the index of kept sizes is out of step"
+    if not stats_every_step: continue  # (statistics pool the kept blocks: without them best fit meets kept sizes)
     stats = alloc.memory_stats()
     assert stats["allocated_bytes.all.current"] >= sum(round_size(b.nbytes) for b in live)
     assert stats["reserved_bytes.all.current"] == sum(drv.live.values())
@@ -320,3 +324,24 @@ def test_random_sequences_keep_the_invariants(ops):
   for b in live: b.free()
   alloc.empty_cache()
   assert not drv.live and alloc.memory_stats()["active.all.current"] == 0
+
+
+@given(OPS)
+def test_random_sequences_keep_the_invariants(ops):
+  _run_sequence(ops, stats_every_step=True)
+
+
+@given(OPS)
+def test_random_sequences_reusing_kept_blocks_keep_the_invariants(ops):
+  _run_sequence(ops, stats_every_step=False)
+
+
+def test_best_fit_takes_the_smallest_kept_size_and_skips_emptied_ones(alloc, drv):
+  small, mid, big = (alloc.malloc(n, "s") for n in (4 * KiB, 16 * KiB, 64 * KiB))
+  seps = [alloc.malloc(512, "s") for _ in range(3)]  # noqa: F841 (keep the freed blocks apart)
+  ptrs = {n: b.ptr for n, b in ((4, small), (16, mid), (64, big))}
+  for b in (small, mid, big): b.free()
+  taken = [alloc.malloc(16 * KiB, "s")]  # its own size, which empties that list
+  taken.append(alloc.malloc(10 * KiB, "s"))  # the emptied 16 KiB list is passed over
+  taken.append(alloc.malloc(3 * KiB, "s"))
+  assert [b.ptr for b in taken] == [ptrs[16], ptrs[64], ptrs[4]]

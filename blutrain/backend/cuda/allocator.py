@@ -147,6 +147,7 @@ class CachingAllocator:
     self._pools: dict[bool, list[int]] = {True: [], False: []}  # small? -> sorted keys of its free blocks
     self._free: dict[int, _Block] = {}
     self._kept: dict[int, list[_Block]] = {}   # _key(stream id, size, 0) -> freed blocks of that size, not pooled yet
+    self._kept_keys: list[int] = []            # the keys of _kept in order (best fit bisects them)
     self._pending: list[_Block] = []            # freed, waiting for events on other streams
     self._sids: dict[Any, int] = {}
     self._lock = threading.Lock()
@@ -216,8 +217,12 @@ class CachingAllocator:
     i = bisect.bisect_left(pool, lo)
     pooled = pool[i] if i < len(pool) and pool[i] < end else end
     hi = min(pooled, _key(sid, SMALL_SIZE + 1, 0)) if small else pooled  # kept under <= 1 MiB: small pool
-    kept = min((k for k, blocks in self._kept.items() if blocks and lo <= k < hi), default=None)
-    if kept is not None: return self._kept[kept].pop()
+    keys = self._kept_keys
+    j = bisect.bisect_left(keys, lo)
+    while j < len(keys) and keys[j] < hi:  # the smallest kept size that fits; emptied lists go on the way
+      kept = self._kept[keys[j]]
+      if kept: return kept.pop()
+      del self._kept[keys[j]], keys[j]
     if pooled == end: return None
     b = self._free.pop(pool.pop(i))
     b.pooled = False
@@ -253,7 +258,9 @@ class CachingAllocator:
       else:  # _keep(b), inline: the hot path
         self._active.current -= 1
         kept = self._kept.get(b.kept_as)
-        if kept is None: self._kept[b.kept_as] = [b]
+        if kept is None:
+          self._kept[b.kept_as] = [b]
+          bisect.insort(self._kept_keys, b.kept_as)
         else: kept.append(b)
     finally: self._lock.release()
 
@@ -274,7 +281,9 @@ class CachingAllocator:
     request: a block larger than that, whose rest was not worth a split, serves it again) and stream."""
     self._active.current -= 1
     kept = self._kept.get(b.kept_as)
-    if kept is None: self._kept[b.kept_as] = [b]
+    if kept is None:
+      self._kept[b.kept_as] = [b]
+      bisect.insort(self._kept_keys, b.kept_as)
     else: kept.append(b)
 
   def _return(self, b: _Block) -> None:
@@ -295,6 +304,7 @@ class CachingAllocator:
       if small is None or not kept or kept[0].small == small:
         del self._kept[key]
         for b in kept: self._return(b)
+    self._kept_keys = sorted(self._kept)
 
   def _process_events(self) -> None:
     still = []
