@@ -121,6 +121,58 @@ def test_parameter_updated_inside_context_is_cast_again():
   np.testing.assert_allclose(to_numpy(after), 2 * to_numpy(before), rtol=2e-2, atol=1e-2)
 
 
+def _steps_with_cache(cache_enabled: bool, steps: int = 3):
+  """Steps of a 3-layer MLP under autocast whose second layer is skipped in the last step, with SGD updates between:
+  the losses and the parameters' gradients of each step."""
+  bt.manual_seed(0)
+  layers = [bt.nn.Linear(8, 8) for _ in range(3)]
+  x = bt.randn(4, 8)
+  losses, grads = [], []
+  for step in range(steps):
+    with bt.autocast("cpu", cache_enabled=cache_enabled):
+      h = x
+      for m in layers if step < steps - 1 else layers[::2]: h = m(h).relu()
+      loss = h.float().square().mean()
+    loss.backward()
+    losses.append(loss.item())
+    grads.append([None if p.grad is None else p.grad.numpy().copy() for m in layers for p in m.parameters()])
+    with bt.no_grad():
+      for p in (p for m in layers for p in m.parameters() if p.grad is not None): p.sub_(0.1 * p.grad)
+    for m in layers: m.zero_grad(set_to_none=True)
+  return losses, grads
+
+
+def test_parameters_cast_again_give_the_same_results():
+  """From the second context on, the parameters the previous context cast are cast at its first cast by one
+  multi-tensor op; losses and gradients equal those of casts one by one (no cache), bit for bit, also after each
+  update and when a layer is skipped (its copies, cast ahead, get no gradient)."""
+  (la, ga), (lb, gb) = _steps_with_cache(True), _steps_with_cache(False)
+  assert la == lb
+  for step_a, step_b in zip(ga, gb):
+    for a, b in zip(step_a, step_b):
+      assert (a is None) == (b is None)
+      if a is not None: np.testing.assert_array_equal(a, b)
+  assert ga[-1][2] is None and ga[-1][3] is None  # the skipped layer's weight and bias
+
+
+def test_second_context_casts_its_parameters_in_one_op(monkeypatch):
+  from blutrain.backend.cpu.kernels import kernels
+  from blutrain.ops.elementwise import cast_many_op, cast_op
+  calls = []
+  for o in (cast_op, cast_many_op):
+    monkeypatch.setitem(o.kernels, "cpu", lambda *xs, _k=kernels[o.name], _n=o.name, **kw: calls.append(_n) or _k(*xs, **kw))
+  layers, x = [bt.nn.Linear(4, 4) for _ in range(3)], bt.randn(2, 4)
+  for context in range(2):
+    calls.clear()
+    with bt.autocast("cpu"):
+      h = x
+      for m in layers: h = m(h)
+      assert all(amp._state.cache[k][2]._node.op.name == "cast" for k in amp._state.cache)
+    assert calls == (["cast"] * 7 if context == 0 else ["cast", "cast_many"])  # x, then the 6 parameters
+    h.float().sum().backward()
+  assert all(p.grad is not None and p.grad.dtype is bt.float32 for m in layers for p in m.parameters())
+
+
 def test_nesting_disable_and_device_type():
   x, _ = _pair((2, 3))
   with bt.autocast("cpu"):

@@ -5,7 +5,7 @@ import math
 from typing import Callable
 
 from blutrain import dtypes
-from blutrain.autograd.tape import hooks
+from blutrain.autograd.tape import grad_mode, hooks, record as tape_record
 from blutrain.dtypes import DType, DTypeError, UnsupportedDType
 from blutrain.ops.core import op
 from blutrain.shapes import ShapeError, broadcast_shapes
@@ -201,15 +201,17 @@ bitwise_not_op = op("bitwise_not", _same, differentiable=False, inputs="x")
 logical_not_op = op("logical_not", lambda x: (x.shape, dtypes.bool_), differentiable=False, inputs="x")
 
 
-def operands(op_name: str, *xs, dtype: DType | None = None) -> list[Tensor] | tuple:
+def operands(op_name: str, *xs, dtype: DType | None = None, commutes: bool = False) -> list[Tensor] | tuple:
   """Bring tensors and Python numbers to one dtype (PyTorch's promotion) and one device; numbers become CPU scalars
-  that kernels take by value (`scalar_operand`)."""
+  that kernels take by value (`scalar_operand`). For an op that `commutes`, two float tensors of which one has the
+  promoted dtype stay as they are, that one first (`_mixed_floats`)."""
   if dtype is None and len(xs) == 2:  # the common cases first: two tensors of one dtype, a float tensor and a number
     x, y = xs
     if isinstance(x, Tensor):
       if isinstance(y, Tensor):
         if x.dtype is y.dtype: return xs
       elif y.__class__ in (int, float) and x.dtype.category == 2: return x, scalar_operand(y, x.dtype, x.device)
+  if commutes and (pair := _mixed_floats(*xs)): return pair
   dt = dtype or dtypes.result_type(*xs)
   like = next((x for x in xs if isinstance(x, Tensor)), None)
   if like is None: raise TypeError(f"{op_name}: expected at least one tensor, got {[type(x).__name__ for x in xs]}")
@@ -243,8 +245,7 @@ def _mixed_floats(x, y) -> tuple[Tensor, Tensor] | None:
 def add(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
   """x + alpha * y, broadcasting."""
   if alpha.__class__ is not int or alpha != 1: return add_op(*operands("add", x, _scaled(y, alpha)), into=into)
-  if into is None and (pair := _mixed_floats(x, y)): return add_op(*pair)  # IEEE addition commutes
-  return add_op(*operands("add", x, y), into=into)
+  return add_op(*operands("add", x, y, commutes=into is None), into=into)  # IEEE addition commutes
 
 
 def sub(x, y, *, alpha=1, into: Tensor | None = None) -> Tensor:
@@ -382,6 +383,16 @@ def cast(x: Tensor, dtype: DType) -> Tensor:
   out = cast_op(x, dtype=dtype)
   if not dtype.is_floating_point and out.requires_grad: out.requires_grad, out._node = False, None
   return out
+
+
+def cast_each(xs: list[Tensor], dtype: DType) -> tuple[Tensor, ...]:
+  """Each x (of one device) converted to the floating `dtype` by one multi-tensor op (`cast_many`: a launch per source
+  dtype on CUDA), each result taped as its own `cast`, so that gradients flow back as from `x.to(dtype)`."""
+  outs = cast_many_op(*xs, dtype=dtype)
+  if grad_mode.enabled:
+    for x, out in zip(xs, outs):
+      if x.requires_grad: tape_record(cast_op, (x,), {"dtype": dtype}, out)
+  return outs
 
 
 # *** composites ***
