@@ -723,3 +723,20 @@ def test_module_to_channels_last_as_pytorch():
     assert all(s.stride() == w.stride() for s in opt.state[w].values() if isinstance(s, bt.Tensor) and s.ndim == 4)
     for a, b in zip(m.parameters(), tm.parameters()):
       np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_parameters_follow_every_change_of_the_module_tree():
+  """named_parameters() keeps its walk between calls; any change of a registry anywhere makes it walk again."""
+  net = bt.nn.Sequential(bt.nn.Linear(3, 4), bt.nn.ReLU(), bt.nn.Linear(4, 2))
+  names = lambda: [n for n, _ in net.named_parameters()]
+  assert names() == names() == ["0.weight", "0.bias", "2.weight", "2.bias"]
+  net[2] = bt.nn.Linear(4, 5, bias=False)
+  assert names() == ["0.weight", "0.bias", "2.weight"] and next(iter(net[2].parameters())).shape == (5, 4)
+  net[0].extra = bt.nn.Parameter(bt.ones(2))
+  assert names() == ["0.weight", "0.bias", "0.extra", "2.weight"] and list(net.parameters())[2] is net[0].extra
+  net[0]._parameters["bias"] = None
+  assert names() == ["0.weight", "0.extra", "2.weight"]
+  del net[0].extra
+  assert names() == ["0.weight", "2.weight"]
+  net[0].weight = bt.nn.Parameter(bt.zeros(4, 3))
+  assert next(net.parameters()) is net[0].weight

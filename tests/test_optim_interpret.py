@@ -39,7 +39,7 @@ def _run_case(momentum, dampening, nesterov, weight_decay, maximize, first, lr_o
   ((p_dt, g_dt, _), group), = rows.items()
   table, chunks = (torch.from_numpy(a) for a in optim.host_tables(group))
   lr_dev, clip = torch.tensor([lr], dtype=torch.float64), torch.ones(1)
-  vectors = optim._vectors(group, 3)
+  vectors = optim._vectors(np.array(group), 3)
   assert vectors == (sizes is ALIGNED_SIZES)
   s = optim.sgd_spec(p_dt, g_dt, momentum != 0, first, dampening != 0, nesterov, maximize, weight_decay != 0,
                      lr_on_device, False, vectors)
@@ -77,9 +77,9 @@ def main() -> None:
 
 def test_vectors_need_every_walked_pointer_aligned_and_every_size_a_multiple_of_four():
   from blutrain.backend.cuda.kernels import optim
-  assert optim._vectors([(4096, 8192, 12, 64), (16, 32, 99, 4)], 2)  # the third pointer is not walked
-  assert not optim._vectors([(4096, 8200, 64)], 2)
-  assert not optim._vectors([(4096, 8192, 66)], 2)
+  assert optim._vectors(np.array([(4096, 8192, 12, 64), (16, 32, 99, 4)]), 2)  # the third pointer is not walked
+  assert not optim._vectors(np.array([(4096, 8200, 64)]), 2)
+  assert not optim._vectors(np.array([(4096, 8192, 66)]), 2)
 
 
 def test_sgd_kernel_under_triton_interpreter():
@@ -88,3 +88,13 @@ def test_sgd_kernel_under_triton_interpreter():
 
 if __name__ == "__main__":
   main()
+
+
+def test_chunks_cut_every_tensor_from_its_sizes_alone():
+  from blutrain.backend.cuda.kernels import optim
+  rng = np.random.default_rng(0)
+  c = optim.CHUNK
+  for sizes in [(1,), (c,), (c + 1, 1, 3 * c, 5), tuple(int(n) for n in rng.integers(1, 4 * c, 40))]:
+    want = [(t, s) for t, n in enumerate(sizes) for s in range(0, n, c)]
+    got = optim.host_tables([(0, n) for n in sizes])[1]
+    assert got.dtype == np.int64 and got.tolist() == [list(w) for w in want]

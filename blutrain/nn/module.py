@@ -257,7 +257,15 @@ class Module:
   def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                        ) -> Iterator[tuple[str, Parameter]]:
     """(name, parameter) pairs, names dotted like "transformer.h.0.attn.c_attn.weight"; a tied parameter once."""
-    return self._named_members("_parameters", prefix, recurse, remove_duplicate)
+    if prefix or not recurse or not remove_duplicate:
+      return self._named_members("_parameters", prefix, recurse, remove_duplicate)
+    # NOTE: a training step asks every step (clip_grad_norm_(model.parameters())): the walk is kept until a registry
+    # of any module changes
+    cached = self.__dict__.get("_named_parameters")
+    if cached is None or cached[0] != Module.registry_version:
+      cached = self.__dict__["_named_parameters"] = (Module.registry_version,
+                                                     list(self._named_members("_parameters", "", True, True)))
+    return iter(cached[1])
 
   def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
     for _, p in self.named_parameters(recurse=recurse): yield p

@@ -14,9 +14,9 @@ SGD (g negated first when maximizing; the buffer b rounded to its dtype before t
   p = p + g * (-lr)
 
 A table on the device holds each tensor's pointers (param, grad, state...) and size; a second one cuts the tensors
-into chunks of CHUNK elements, one program each, so a launch covers any mix of sizes. The tables
-are uploaded once per set of pointers and reused while the pointers stay the same (the caching allocator usually
-hands gradients the same memory every step). Pointers read from a table promise Triton nothing, so its loads and
+into chunks of CHUNK elements, one program each, so a launch covers any mix of sizes. The chunks' table is uploaded
+once per set of sizes, the pointers' once per set of pointers (a step's new gradients often come in other blocks of
+the caching allocator than the last step's). Pointers read from a table promise Triton nothing, so its loads and
 stores would move 4 bytes at a time; when every pointer a kernel walks is 16-byte aligned and every size a multiple
 of 4 (`_vectors`, checked on the host), the VECTORS variant says so (`_at`) and they move 16-byte vectors.
 """
@@ -149,33 +149,52 @@ def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False, clip: bool 
 
 
 _STEPS = spec(_steps_kernel, {"table": "*i64", "T": "i32"}, dict(BLOCK=256))
-_tables: OrderedDict = OrderedDict()  # (pointers, sizes) -> (table, chunks) on the device, the most recent last
+_tables: OrderedDict = OrderedDict()  # (device, rows) -> the rows' table on the device, the most recent last
+_chunk_tables: OrderedDict = OrderedDict()  # (device, sizes) -> the chunks' table on the device, likewise
 
 
 def host_tables(rows: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
   """The int64 table of rows (pointers ending in the tensor's size) and that of (tensor, start) chunks, on the host."""
-  chunks = [(t, s) for t, r in enumerate(rows) for s in range(0, r[-1], CHUNK)]
-  return np.array(rows, np.int64).reshape(len(rows), -1), np.array(chunks, np.int64).reshape(-1, 2)
+  return np.array(rows, np.int64).reshape(len(rows), -1), _host_chunks(tuple(r[-1] for r in rows))
 
 
-def _vectors(rows: list[tuple[int, ...]], walked: int) -> bool:
-  """Whether the kernels may take the rows' tensors in 16-byte vectors: the first `walked` pointers of every row (those
+@functools.lru_cache(maxsize=64)
+def _host_chunks(sizes: tuple[int, ...]) -> np.ndarray:
+  counts = -(-np.array(sizes, np.int64) // CHUNK)
+  first = np.repeat(np.cumsum(counts) - counts, counts)
+  return np.stack([np.repeat(np.arange(len(sizes)), counts), (np.arange(int(counts.sum())) - first) * CHUNK], axis=1)
+
+
+def _tables_for(rows: list[tuple[int, ...]], device: int, walked: int) -> tuple[CudaArray, CudaArray, bool]:
+  """The device tables of rows of pointers ending in the tensor's size and of its (tensor, start) chunks, and whether
+  the kernels may take the tensors in 16-byte vectors (`_vectors`). The tables are cached (not in a dry run: its pointers are
+  scratch, and the tables would hold its pool's memory); the chunks depend on the sizes only and are kept apart: a
+  step's new gradients change the rows, never the chunks (~2,000 for GPT-2 124M)."""
+  if dry():
+    host, chunks = host_tables(rows)
+    table, chunks = memory.from_numpy(host, device), memory.from_numpy(chunks, device)
+  else:
+    table, host = _cached(_tables, (device, tuple(rows)), lambda rows: np.array(rows, np.int64).reshape(len(rows), -1))
+    chunks = _cached(_chunk_tables, (device, tuple(r[-1] for r in rows)), _host_chunks)[0]
+  return table, chunks, _vectors(host, walked)
+
+
+def _vectors(table: np.ndarray, walked: int) -> bool:
+  """Whether the kernels may take a table's tensors in 16-byte vectors: the first `walked` pointers of every row (those
   a kernel walks) 16-byte aligned and every size (a row's last entry) a multiple of 4 elements."""
-  return all(r[-1] % 4 == 0 and all(p % 16 == 0 for p in r[:walked]) for r in rows)
+  return bool((table[:, -1] % 4 == 0).all() and (table[:, :walked] % 16 == 0).all())
 
 
-def _tables_for(rows: list[tuple[int, ...]], device: int) -> tuple[CudaArray, CudaArray]:
-  """The device tables of rows of pointers ending in the tensor's size, and of its (tensor, start) chunks (not cached
-  in a dry run: its pointers are scratch, and the tables would hold its pool's memory)."""
-  if dry(): return tuple(memory.from_numpy(a, device) for a in host_tables(rows))
-  key = (device, tuple(rows))
-  hit = _tables.get(key)
+def _cached(cache: OrderedDict, key: tuple, host) -> tuple[CudaArray, np.ndarray]:
+  """cache[key]: the host array `host(key[1])` and its copy on the device key[0], kept (the 16 newest)."""
+  hit = cache.get(key)
   if hit is not None:
-    _tables.move_to_end(key)
+    cache.move_to_end(key)
     return hit
+  a = host(key[1])
   with memory.kept():
-    hit = _tables[key] = tuple(memory.from_numpy(a, device) for a in host_tables(rows))
-  if len(_tables) > 16: _tables.popitem(last=False)
+    hit = cache[key] = (memory.from_numpy(a, key[0]), a)
+  if len(cache) > 16: cache.popitem(last=False)
   return hit
 
 
@@ -220,9 +239,9 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
                        f"strides {v.strides}, step {s.dtype.name}")
   on_device = isinstance(lr, CudaArray)
   for (pd, gd, device), rows in _param_rows(params, grads, exp_avgs, exp_avg_sqs, steps).items():
-    table, chunks = _tables_for(rows, device)
+    table, chunks, vectors = _tables_for(rows, device, 4)
     run(_STEPS, (1,), table, len(rows))
-    run(adamw_spec(pd, gd, weight_decay != 0, on_device, clip is not None, _vectors(rows, 4)), (chunks.shape[0],),
+    run(adamw_spec(pd, gd, weight_decay != 0, on_device, clip is not None, vectors), (chunks.shape[0],),
         table, chunks,
         0 if on_device else f64_bits(lr), lr.ptr if on_device else 0, 0 if clip is None else clip.ptr,
         f64_bits(beta1), f64_bits(beta2),
@@ -296,9 +315,9 @@ def fused_sgd(params: list[CudaArray], grads: list[CudaArray], momentum_buffers:
                        f"{b.shape} {b.dtype.name} strides {b.strides}")
   on_device = isinstance(lr, CudaArray)
   for (pd, gd, device), rows in _param_rows(params, grads, bufs).items():
-    table, chunks = _tables_for(rows, device)
+    table, chunks, vectors = _tables_for(rows, device, 3)
     run(sgd_spec(pd, gd, momentum != 0, is_first_step, dampening != 0, nesterov, maximize, weight_decay != 0,
-                 on_device, clip is not None, _vectors(rows, 3)), (chunks.shape[0],), table, chunks,
+                 on_device, clip is not None, vectors), (chunks.shape[0],), table, chunks,
         0 if on_device else f64_bits(lr),
         lr.ptr if on_device else 0, 0 if clip is None else clip.ptr, float(np.float32(weight_decay)),
         float(np.float32(momentum)), float(np.float32(1 - dampening)))
@@ -364,8 +383,8 @@ def cast_many(*xs: CudaArray, dtype) -> tuple:
     if not is_dense(x.shape, x.strides): copy(x, out=y)
     elif x.size: groups.setdefault((x.dtype, x.device), []).append((x.ptr, y.ptr, x.size))
   for (src, dev), rows in groups.items():
-    table, chunks = _tables_for(rows, dev)
-    run(cast_spec(src, dtype, _vectors(rows, 2)), (chunks.shape[0],), table, chunks)
+    table, chunks, vectors = _tables_for(rows, dev, 2)
+    run(cast_spec(src, dtype, vectors), (chunks.shape[0],), table, chunks)
   return tuple(outs)
 
 
@@ -394,9 +413,9 @@ def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
   parts = []
   tensors = [x if is_dense(x.shape, x.strides) else copy(x) for x in tensors]
   for (dtype, dev), rows in _groups(tensors, "sum_squares").items():
-    table, chunks = _tables_for(rows, dev)
+    table, chunks, vectors = _tables_for(rows, dev, 1)
     out = memory.empty((chunks.shape[0],), dtypes.float32, dev)
-    run(multi_tensor_spec("sum_squares", dtype, _vectors(rows, 1)), (chunks.shape[0],), table, chunks, out)
+    run(multi_tensor_spec("sum_squares", dtype, vectors), (chunks.shape[0],), table, chunks, out)
     parts.append(out)
   if not parts: return memory.from_numpy(np.zeros(1, np.float32), device)
   if len(parts) == 1: return parts[0]
@@ -406,8 +425,8 @@ def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
 def scale_(tensors: list[CudaArray], scale: CudaArray) -> None:
   """tensors[i] *= scale (a float32 array of one element on their device) in place, one launch per dtype."""
   for (dtype, dev), rows in _groups(tensors, "scale_").items():
-    table, chunks = _tables_for(rows, dev)
-    run(multi_tensor_spec("scale", dtype, _vectors(rows, 1)), (chunks.shape[0],), table, chunks, scale)
+    table, chunks, vectors = _tables_for(rows, dev, 1)
+    run(multi_tensor_spec("scale", dtype, vectors), (chunks.shape[0],), table, chunks, scale)
 
 
 def _working(xs, out, like) -> tuple[list[CudaArray], list[tuple[CudaArray, CudaArray]]]:
