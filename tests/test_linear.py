@@ -83,3 +83,19 @@ def test_dtype_error():
   with pytest.raises(TypeError, match="linear: expected x, weight and bias of one floating dtype, got float32, "
                                       "float32 and float64"):
     bt.nn.functional.linear(bt.randn(2, 4), bt.randn(5, 4), bt.randn(5, dtype=bt.float64))
+
+
+@pytest.mark.parametrize("trained", ["x and bias", "bias", "weight"])
+def test_backward_computes_only_the_gradients_asked(trained):
+  """linear_backward's outputs follow `needs`: each asked gradient equals the composite's, the others are not made."""
+  rng = np.random.default_rng(5)
+  x, w, b = _inputs(rng)
+  leaves = {name: bt.tensor(a, requires_grad=name in trained) for name, a in (("x", x), ("weight", w), ("bias", b))}
+  y = bt.nn.functional.linear(leaves["x"], leaves["weight"], leaves["bias"])
+  (y * y).sum().backward()
+  got = {k: None if t.grad is None else t.grad.numpy() for k, t in leaves.items()}
+  ref = {k: torch.tensor(a, requires_grad=k in trained) for k, a in (("x", x), ("weight", w), ("bias", b))}
+  (torch.nn.functional.linear(ref["x"], ref["weight"], ref["bias"]) ** 2).sum().backward()
+  for k, t in ref.items():
+    assert (got[k] is None) == (t.grad is None), k
+    if t.grad is not None: np.testing.assert_allclose(got[k], t.grad.numpy(), rtol=1e-5, atol=1e-5)

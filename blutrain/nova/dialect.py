@@ -962,6 +962,26 @@ class LinearOp(NNOp):
 
 
 @irdl_op_definition
+class LinearBackwardOp(MultiResultOp):
+  """linear's gradients (`ops.nn.linear_backward_op`, eager mode's): dx when `input_grad`, dweight when `weight_grad`,
+  dbias when `bias`, each absent otherwise."""
+  name = "nova.linear_backward"
+  g = operand_def(TENSOR)
+  x = operand_def(TENSOR)
+  weight = operand_def(TENSOR)
+  bias = prop_def(BOOL)
+  input_grad = prop_def(BOOL)
+  weight_grad = prop_def(BOOL)
+  tf32 = opt_prop_def(BOOL | NONE)
+  dx = opt_result_def(TENSOR)
+  dweight = opt_result_def(TENSOR)
+  dbias = opt_result_def(TENSOR)
+  irdl_options = (AttrSizedResultSegments(as_property=True), ParsePropInAttrDict())
+  assembly_format = ("$g `,` $x `,` $weight attr-dict `:` type($g) `,` type($x) `,` type($weight) `->` "
+                     "(`dx` type($dx)^)? (`dweight` type($dweight)^)? (`dbias` type($dbias)^)?")
+
+
+@irdl_op_definition
 class ConvOp(NNOp):
   """Cross-correlation of x (N, C, *spatial) with weight (C_out, C / groups, *kernel), zero-padded by `padding` on
   both sides; float32 multiplies in TF32 when `tf32`."""
@@ -1722,7 +1742,7 @@ Nova = Dialect("nova", [
   EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, LogicalAndOp, LogicalOrOp, LogicalXorOp, WhereOp, GeluBackwardOp, ReluBackwardOp,
   SumOp, AmaxOp,
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
-  CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, LinearOp, GemmOp, WeightGradOp, ConvOp, ConvGradInputOp, ConvGradWeightOp,
+  CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, LinearOp, LinearBackwardOp, GemmOp, WeightGradOp, ConvOp, ConvGradInputOp, ConvGradWeightOp,
   SoftmaxOp,
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormRunningStatsOp,
   BatchNormOp,

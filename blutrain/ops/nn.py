@@ -8,7 +8,7 @@ from blutrain.autograd.tape import Aval, hooks
 from blutrain.ops.core import autocast_inputs, op, write
 from blutrain.ops.creation import arange, full, ones, zeros
 from blutrain.ops.elementwise import exp, floating, rsqrt, where
-from blutrain.ops.linalg import matmul, matmul_op, weight_grad_op
+from blutrain.ops.linalg import matmul
 from blutrain.ops.movement import put
 from blutrain.ops.random import dropout
 from blutrain.dtypes import DTypeError
@@ -833,14 +833,25 @@ def _linear_rule(x, weight, bias=None, tf32=False):
 
 
 def _linear_vjp(g, out, x, weight, bias=None, tf32=False, needs=(True, True, True)):
-  """dx = g W; dW = g^T x and db = the column sums of g from one GEMM (`weight_grad`, whose epilogue sums)."""
-  dx = matmul_op(g, weight, tf32=tf32) if needs[0] else None
-  g2 = g.reshape(-1, g.shape[-1])
-  bias_grad, dw, db = len(needs) > 2 and needs[2], None, []  # `needs` has no place for an absent bias
-  if needs[1]:
-    dw, *db = weight_grad_op(g2.mT, x.reshape(-1, x.shape[-1]), dtype=weight.dtype, bias_grad=bias_grad, tf32=tf32)
-  if bias_grad and not db: db = [g2.sum(0)]
-  return (dx, dw, db[0] if db else None)[:len(needs)]
+  bias_grad = len(needs) > 2 and needs[2]  # `needs` has no place for an absent bias
+  return linear_backward_op(g, x, weight, bias=bias_grad, input_grad=needs[0], weight_grad=needs[1],
+                            tf32=tf32)[:len(needs)]
+
+
+def _linear_backward_rule(g, x, weight, *, bias, input_grad, weight_grad, tf32=False):
+  n = weight.shape[0]
+  if tuple(g.shape) != tuple(x.shape[:-1]) + (n,):
+    raise ShapeError(f"linear_backward: a gradient of shape {tuple(x.shape[:-1]) + (n,)} for x {tuple(x.shape)} and "
+                     f"weight {tuple(weight.shape)}, got {tuple(g.shape)}")
+  return [(x.shape, x.dtype) if input_grad else None, (weight.shape, weight.dtype) if weight_grad else None,
+          ((n,), weight.dtype) if bias else None]
+
+
+# linear's gradients, as asked: dx = g W, dW = g^T x (in the weight's dtype from the float32 accumulator) and the bias
+# gradient, the column sums of g, from dW's GEMM when both are asked (cuBLASLt's BGRADB epilogue); the kernels view
+# g and x as matrices themselves, so a linear layer's backward is one op on the tape's walk, not five
+linear_backward_op = op("linear_backward", _linear_backward_rule, multi=True, inputs="g x weight",
+                        attrs="bias:bool input_grad:bool weight_grad:bool tf32:bool?")
 
 
 # x @ weight^T + bias as one op in eager mode: on CUDA one GEMM whose epilogue adds the bias to the float32

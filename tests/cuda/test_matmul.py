@@ -136,20 +136,25 @@ def test_through_the_op_library_with_gradients(precision):
 
 @pytest.mark.parametrize("name", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("matmul", ["cublas", "triton"])
-def test_linear_op_with_bias_and_its_gradients(name, matmul, monkeypatch):
-  """Eager linear (one GEMM whose epilogue adds the bias) and its VJP (dW and db from one GEMM) against float64, with
-  x a transposed view; bf16 through autocast, as a model runs it."""
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained weight", "frozen weight"])
+def test_linear_op_with_bias_and_its_gradients(name, matmul, frozen, monkeypatch):
+  """Eager linear (one GEMM whose epilogue adds the bias) and its VJP (`linear_backward`: dW and db from one GEMM, or
+  db alone from a reduction when the weight is frozen) against float64, with x a transposed view (read through a
+  copy); bf16 through autocast, as a model runs it."""
   dtype, precision, bound = PRECISIONS[name]
   monkeypatch.setattr(bt.backends, "matmul", matmul)
   bt.set_float32_matmul_precision(precision)
   x, w, b, g = (rounded(s, dtype, seed) for s, seed in (((3, 40, 64), 20), ((48, 64), 21), ((48,), 22), ((3, 40, 48), 23)))
   xt = bt.tensor(np.ascontiguousarray(x.swapaxes(1, 2)).astype(np.float32)).to("cuda").requires_grad_()
   wt, bias = (bt.tensor(a.astype(np.float32)).to("cuda").requires_grad_() for a in (w, b))
+  if frozen: wt.requires_grad_(False)
   with bt.autocast("cuda", dtype=bt.bfloat16, enabled=name == "bf16"):
     y = bt.nn.functional.linear(xt.transpose(1, 2), wt, bias)
   assert y._node.op.name == "linear" and y.dtype is dtype
   (y.float() * bt.tensor(g.astype(np.float32)).to("cuda")).sum().backward()
   want = {"y": x @ w.T + b, "dx": np.swapaxes(g @ w, 1, 2), "dw": np.einsum("bto,bti->oi", g, x), "db": g.sum((0, 1))}
+  assert (wt.grad is None) == frozen
   for what, t in zip(want, (y, xt.grad, wt.grad, bias.grad)):
+    if t is None: continue
     err = rel_err(t.detach().float().cpu().numpy().astype(np.float64), want[what])
     assert err < bound, f"linear {name} ({matmul}) {what}: relative error {err:.2e} >= {bound:.0e}"

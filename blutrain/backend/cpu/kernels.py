@@ -12,6 +12,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from blutrain import dtypes
 from blutrain.backend import collective
 from blutrain.shapes import BoundsError, memory_order
 
@@ -849,6 +850,18 @@ def _linear(x, weight, bias=None, tf32=False):
   return y if bias is None else kernels["add"](y, bias).astype(x.dtype)
 
 
+def _linear_backward(g, x, weight, *, bias, input_grad, weight_grad, tf32=False):
+  """linear's gradients (`ops.nn.linear_backward_op`): dx as the matmul kernel, dW and db as `weight_grad`, db alone
+  as the sum of g's rows in float32, each rounded to its output's dtype."""
+  g2 = g.reshape(-1, g.shape[-1])
+  dx = kernels["matmul"](g, weight, tf32=tf32) if input_grad else None
+  if weight_grad:
+    dw, *db = _weight_grad(g2.T, x.reshape(-1, x.shape[-1]), dtype=dtypes.to_dtype(weight.dtype), bias_grad=bias,
+                           tf32=tf32)
+    return dx, dw, db[0] if db else None
+  return dx, None, g2.astype(np.float64 if g2.dtype == np.float64 else np.float32).sum(0) if bias else None
+
+
 def _weight_grad(a, b, *, dtype, bias_grad, tf32=False):
   """Nova's weight-gradient GEMM (`ops.linalg.weight_grad_op`): a @ b accumulated in float32 (float64 for float64)
   and stored in `dtype`, and with `bias_grad` the sums of a's rows, as the GPU's GEMM and its epilogue compute them."""
@@ -859,5 +872,5 @@ def _weight_grad(a, b, *, dtype, bias_grad, tf32=False):
 
 
 kernels |= {"adamw": _adamw, "sgd": _sgd, "sum_squares": _sum_squares, "scale": _scale, "gemm": _gemm,
-            "linear": _linear, "weight_grad": _weight_grad}
+            "linear": _linear, "linear_backward": _linear_backward, "weight_grad": _weight_grad}
 kernels |= collective.KERNELS  # the process group's own calls (backend/collective.py)

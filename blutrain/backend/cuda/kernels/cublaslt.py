@@ -22,6 +22,7 @@ and a kernel per step its epilogue cannot do, or one synthesized GEMM with the w
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from typing import Any, NamedTuple
 
@@ -31,7 +32,7 @@ from blutrain import backends, dtypes
 from blutrain.backend.cuda import memory, runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import broadcast_shape, broadcast_strides, collapse, empty
-from blutrain.backend.cuda.kernels.copy import cast
+from blutrain.backend.cuda.kernels.copy import cast, copy
 from blutrain.backend.cuda.kernels.gemm import gemm
 from blutrain.backend.cuda.kernels.matrix import blas_layout, blas_operand
 from blutrain.backend.cuda.kernels.reduce import gelu_backward_sums, reduce
@@ -303,14 +304,41 @@ def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False,
   return _matmul(a, b, bias, tf32, out)
 
 
+def _transposed(a: CudaArray) -> CudaArray:
+  """The transposed view of a matrix."""
+  return CudaArray(a.ptr, a.shape[::-1], a.strides[::-1], a.dtype, a.device, a.owner)
+
+
+def _rows(a: CudaArray) -> CudaArray:
+  """a (..., K) as a (rows, K) matrix: a view when its leading dims collapse to one stride, else a copy's."""
+  if a.ndim == 2: return a
+  shape, (st,) = collapse(a.shape[:-1], a.strides[:-1])
+  if len(shape) != 1:
+    a = copy(a)
+    shape, st = (math.prod(a.shape[:-1]),), (a.shape[-1],)
+  return CudaArray(a.ptr, (shape[0], a.shape[-1]), (st[0], a.strides[-1]), a.dtype, a.device, a.owner)
+
+
 def linear(x: CudaArray, weight: CudaArray, bias: CudaArray | None = None, tf32: bool = False) -> CudaArray:
   """x @ weight^T (+ bias) as nn.Linear (`ops.nn.linear_op`): one GEMM, whose epilogue adds the bias: cuBLASLt's
   (rounding once), or the synthesized GEMM's with `bt.backends.matmul = "triton"` (rounding as matmul and add)."""
-  wt = CudaArray(weight.ptr, weight.shape[::-1], weight.strides[::-1], weight.dtype, weight.device, weight.owner)
+  wt = _transposed(weight)
   if bias is None: return matmul(x, wt, tf32)
   if backends.matmul == "triton" and x.dtype in _TRITON_DTYPES:
     return fused_gemm(x, wt, bias, epilogue="bias", dtype=x.dtype, tf32=tf32, path="nova")[0]
   return matmul_bias(x, wt, bias, tf32)
+
+
+def linear_backward(g: CudaArray, x: CudaArray, weight: CudaArray, *, bias: bool, input_grad: bool, weight_grad: bool,
+                    tf32: bool = False) -> tuple:
+  """linear's gradients (`ops.nn.linear_backward_op`): dx = g W, dW = g^T x and db from one GEMM with its BGRADB
+  epilogue (the `weight_grad` op's kernel), db alone from a reduction of g's rows."""
+  dx = matmul(g, weight, tf32) if input_grad else None
+  g2 = _rows(g)
+  if weight_grad:
+    dw, *db = KERNELS["weight_grad"](_transposed(g2), _rows(x), dtype=weight.dtype, bias_grad=bias, tf32=tf32)
+    return dx, dw, db[0] if db else None
+  return dx, None, reduce(g2, (0,), False, "sum", weight.dtype) if bias else None
 
 
 _without_bgradb: set[tuple] = set()  # weight_grad problems for which cuBLASLt offers no BGRADB kernel
@@ -420,4 +448,5 @@ def fused_gemm(a: CudaArray, b: CudaArray, *xs: CudaArray, epilogue: str, dtype:
   return _separately(a, b, xs, steps, dtype, tf32, sums)
 
 
-KERNELS = {"matmul": matmul, "linear": linear, "gemm": fused_gemm, "weight_grad": weight_grad}
+KERNELS = {"matmul": matmul, "linear": linear, "linear_backward": linear_backward, "gemm": fused_gemm,
+           "weight_grad": weight_grad}
