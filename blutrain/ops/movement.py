@@ -160,14 +160,24 @@ def expand(x: Tensor, shape) -> Tensor:
   return x if shape == x.shape else expand_op(x, shape=shape)
 
 
-def _slice_rule(x, index):
-  return tuple(max(0, -(-(stop - start) // step)) for start, stop, step in index), x.dtype
+@functools.lru_cache(maxsize=4096)  # a step slices a few layouts many times (a projection's split, every step)
+def _slice_shape(index: tuple) -> tuple[int, ...]:
+  return tuple(max(0, -(-(stop - start) // step)) for start, stop, step in index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _slice_strides(strides: tuple, index: tuple) -> tuple[tuple[int, ...], int]:
+  """The view's strides and the offset it adds."""
+  return (tuple(st * step for st, (_, _, step) in zip(strides, index)),
+          sum(st * start for st, (start, _, _) in zip(strides, index) if start))
+
+
+def _slice_rule(x, index): return _slice_shape(index), x.dtype
 
 
 def _slice_layout(x, index):
-  shape, _ = _slice_rule(x, index)
-  strides = tuple(st * step for st, (_, _, step) in zip(x._strides, index))
-  return shape, strides, x._offset + sum(st * start for st, (start, _, _) in zip(x._strides, index) if start)
+  strides, offset = _slice_strides(x._strides, index)
+  return _slice_shape(index), strides, x._offset + offset
 
 
 slice_backward_op = op("slice_backward", lambda g, shape, index: (shape, g.dtype),
