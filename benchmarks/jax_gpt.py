@@ -43,7 +43,7 @@ def _layer_norm(p: dict, name: str, x):
   return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p[name + ".weight"] + p[name + ".bias"]
 
 
-def loss_fn(p: dict, idx, targets, *, n_head: int, dtype, attention: str):
+def loss_fn(p: dict, idx, targets, *, n_head: int, dtype, attention: str, tanh: bool = False):
   """The mean cross-entropy of the next token: blutrain's GPT.forward(idx, targets)[1]."""
   B, T = idx.shape
   C = p["transformer.wte.weight"].shape[1]
@@ -57,17 +57,17 @@ def loss_fn(p: dict, idx, targets, *, n_head: int, dtype, attention: str):
     y = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True, implementation=attention)
     x = x + linear(y.reshape(B, T, C), h + "attn.c_proj")
     u = linear(_layer_norm(p, h + "ln_2", x), h + "mlp.c_fc")
-    x = x + linear(jax.nn.gelu(u.astype(jnp.float32), approximate=False).astype(dtype), h + "mlp.c_proj")
+    x = x + linear(jax.nn.gelu(u.astype(jnp.float32), approximate=tanh).astype(dtype), h + "mlp.c_proj")
   logits = _layer_norm(p, "transformer.ln_f", x).astype(dtype) @ p["transformer.wte.weight"].astype(dtype).T
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 
 
-def train_step(p: dict, opt: dict, x, y, lr, *, n_head: int, dtype, attention: str, weight_decay: float = 0.1,
-               betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_norm: float = 1.0):
+def train_step(p: dict, opt: dict, x, y, lr, *, n_head: int, dtype, attention: str, tanh: bool = False,
+               weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_norm: float = 1.0):
   """One step: loss and gradients, clipping to `max_norm`, AdamW (torch.optim.AdamW's update, decay on matrices).
   Returns (parameters, optimizer state, loss)."""
-  loss, g = jax.value_and_grad(loss_fn)(p, x, y, n_head=n_head, dtype=dtype, attention=attention)
+  loss, g = jax.value_and_grad(loss_fn)(p, x, y, n_head=n_head, dtype=dtype, attention=attention, tanh=tanh)
   norm = jnp.sqrt(sum(jnp.sum(jnp.square(t)) for t in jax.tree.leaves(g)))
   scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
   (b1, b2), step = betas, opt["step"] + 1
@@ -83,7 +83,7 @@ def train_step(p: dict, opt: dict, x, y, lr, *, n_head: int, dtype, attention: s
   return new_p, {"m": new_m, "v": new_v, "step": step}, loss
 
 
-def make_step(state: dict[str, np.ndarray], n_head: int, precision: str):
+def make_step(state: dict[str, np.ndarray], n_head: int, precision: str, gelu: str = "none"):
   """A training run from blutrain's initial state dict (name -> numpy array): `step(x, y, lr)` trains on one batch
   and returns the loss (a device scalar); the parameters and optimizer state live in the closure, donated to each
   step. The first call compiles. Also returns `info`, which holds the attention implementation used."""
@@ -96,7 +96,8 @@ def make_step(state: dict[str, np.ndarray], n_head: int, precision: str):
   info = {"attention": "cudnn" if precision == "bf16" and gpu else "xla"}
 
   def compile_(args):
-    fn = jax.jit(functools.partial(train_step, n_head=n_head, dtype=dtype, attention=info["attention"]),
+    fn = jax.jit(functools.partial(train_step, n_head=n_head, dtype=dtype, attention=info["attention"],
+                                   tanh=gelu == "tanh"),
                  donate_argnums=(0, 1))
     with jax.default_matmul_precision(MATMUL_PRECISION[precision]): return fn.lower(*args).compile()
 
@@ -121,12 +122,13 @@ def main() -> None:
   ap.add_argument("--inputs", required=True, help="an .npz of the state dict's arrays, x and y (N, B, T), lr (N,)")
   ap.add_argument("--n-head", type=int, required=True)
   ap.add_argument("--precision", default="bf16")
+  ap.add_argument("--gelu", choices=("none", "tanh"), default="none")
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   z = np.load(args.inputs)
   state = {k: z[k] for k in z.files if k not in ("x", "y", "lr")}
-  step, info = make_step(state, args.n_head, args.precision)
+  step, info = make_step(state, args.n_head, args.precision, args.gelu)
   lrs = iter(z["lr"].tolist())
   batches = [(jnp.asarray(x.astype(np.int32)), jnp.asarray(y.astype(np.int32))) for x, y in zip(z["x"], z["y"])]
   out = _timed(lambda x, y: step(x, y, next(lrs)), batches, args.warmup, lambda: None)

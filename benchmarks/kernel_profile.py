@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import gc
 import json
 import sys
@@ -102,8 +103,11 @@ def main() -> None:
   ap.add_argument("--rows", type=int, default=25)
   ap.add_argument("--channels-last", action="store_true",
                   help="resnet18: images (so activations) and weights channels-last")
+  ap.add_argument("--gelu", choices=("none", "tanh"), default="none", help="gpt2: the MLP's GELU (train_gpt2.py's)")
   ap.add_argument("--out")
   args = ap.parse_args()
+  global CFG
+  CFG = dataclasses.replace(CFG, gelu=args.gelu)
   bt.set_float32_matmul_precision("high")
   if args.against == "ddp":
     import blutrain.distributed as dist

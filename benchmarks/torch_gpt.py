@@ -30,7 +30,7 @@ class MLP(nn.Module):
   def __init__(self, cfg):
     super().__init__()
     self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-    self.gelu = nn.GELU()
+    self.gelu = nn.GELU(approximate=getattr(cfg, "gelu", "none"))
     self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
     self.dropout = nn.Dropout(cfg.dropout)
 

@@ -5,6 +5,7 @@ autocast. Reports tokens/s, peak memory, first-step time and ratios; writes benc
   python benchmarks/train_gpt2.py [--batch 16] [--block 1024] [--steps 10] [--precisions fp32,tf32,bf16]
                                   [--order torch_eager,blutrain_eager,blutrain_compile,torch_compile,jax_xla]
   python benchmarks/train_gpt2.py --device cpu --quick   # a small dry run of the script itself (a 2-layer GPT)
+  python benchmarks/train_gpt2.py --gelu tanh ...         # GPT-2's own tanh GELU in every framework (default: erf)
 
 The JAX run (jax_xla) runs in a process of its own (jax is imported there only): its allocator keeps the memory it
 took until the process ends and its peak (`memory_stats()["peak_bytes_in_use"]`) cannot be reset, so it covers the
@@ -158,7 +159,7 @@ def run_jax(cfg, state, batches, precision: str, warmup: int, device: str = "cud
              lr=np.asarray(lrs if lrs is not None else [6e-4] * len(batches), np.float32), **state)
     env = {**os.environ, "JAX_PLATFORMS": "cuda" if device == "cuda" else "cpu"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "jax_gpt.py"), "--inputs", str(inputs),
-                           "--n-head", str(cfg.n_head), "--precision", precision, "--warmup", str(warmup),
+                           "--n-head", str(cfg.n_head), "--gelu", cfg.gelu, "--precision", precision, "--warmup", str(warmup),
                            "--out", str(out)], env=env, stderr=subprocess.PIPE, text=True)
     if proc.returncode:
       raise RuntimeError(f"benchmarks/jax_gpt.py exited with {proc.returncode}: {proc.stderr[-2000:]}")
@@ -171,7 +172,7 @@ def _isolated(name: str, precision: str, args) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp) / "result.json"
     cmd = [sys.executable, __file__, "--precisions", precision, "--order", name, "--out", str(out)]
-    for flag in ("batch", "block", "steps", "warmup", "device"): cmd += [f"--{flag}", str(getattr(args, flag))]
+    for flag in ("batch", "block", "steps", "warmup", "device", "gelu"): cmd += [f"--{flag}", str(getattr(args, flag))]
     proc = subprocess.run(cmd + ["--quick"] * args.quick, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode:
       raise RuntimeError(f"the {name} run exited with {proc.returncode}: {proc.stderr[-2000:]}")
@@ -200,6 +201,8 @@ def main() -> None:
   ap.add_argument("--order", default="torch_eager,blutrain_eager", help="which runs, in which order (of "
                   "torch_eager, blutrain_eager, blutrain_compile, torch_compile, jax_xla)")
   ap.add_argument("--device", default="cuda")
+  ap.add_argument("--gelu", choices=("none", "tanh"), default="none",
+                  help="the MLP's GELU: exact (erf, as nanoGPT) or GPT-2's own tanh approximation")
   ap.add_argument("--isolate", action="store_true", help="each run in a process of its own (see the docstring)")
   ap.add_argument("--quick", action="store_true", help="1 warm-up and 2 timed steps (with --device cpu: a 2-layer GPT "
                   "of width 64, B=2, T=32)")
@@ -214,7 +217,7 @@ def main() -> None:
 
   import blutrain as bt
   from blutrain.models import GPT, GPTConfig
-  cfg = GPTConfig(block_size=args.block, **(dict(n_layer=2, n_head=2, n_embd=64) if tiny else {}))
+  cfg = GPTConfig(block_size=args.block, gelu=args.gelu, **(dict(n_layer=2, n_head=2, n_embd=64) if tiny else {}))
   bt.manual_seed(0)
   state = {k: v.detach().numpy().copy() for k, v in GPT(cfg).state_dict().items()}
   rng = np.random.default_rng(0)

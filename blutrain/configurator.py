@@ -371,6 +371,12 @@ GEMM_TENSOR_STEPS = ("bias", "residual", "gelu_backward", "gelu_backward_tanh") 
 # part. Fitted to `benchmarks/matmul.py --fused` on the H200 (2026-12-02, BENCHMARKS.md, eleventh session): the
 # synthesized GEMM's measured time beyond its prediction on GPT-2's fused GEMMs, bf16 and TF32 alike (a GELU 1.9-2.7
 # ps an element, its backward 4.7-5.1, a residual 0.2-1.3 beyond its read)
+CUBLAS_GELU_EPILOGUES = {  # epilogue steps (half operands and output) -> the cuBLASLt epilogue doing them all; GELU's
+  ("gelu_tanh",): "gelu", ("save", "gelu_tanh"): "gelu_aux",  # tanh form only, its input saved as the aux matrix
+  ("bias", "gelu_tanh"): "gelu_bias", ("bias", "save", "gelu_tanh"): "gelu_aux_bias",
+  ("gelu_backward_tanh",): "dgelu"}  # reads the aux matrix. Not with a final "bias_grad": DGELU_BGRAD took 462-526
+# us for GPT-2's MLP backward on the H200 (16384 x 3072 x 768, bf16, its bias gradient in bf16; float32 refused)
+# against 203 for the GEMM and the GELU backward's summing kernel (BENCHMARKS.md, sixteenth session)
 NOVA_STEP_S = {"gelu": 2.3e-12, "gelu_tanh": 2.3e-12, "gelu_backward": 4.9e-12, "gelu_backward_tanh": 4.9e-12,
                "residual": 0.7e-12}
 
@@ -416,11 +422,13 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
     synthesized = GEMM(that rate * NOVA_VS_CUBLAS[precision, layout class]; a third of it for 3xTF32) + LAUNCH_S
                   + the epilogue's extra traffic (tensors read, values saved) / (bandwidth * STREAM_SHARE)
                   + E * NOVA_STEP_S[step] per step (its arithmetic, measured)
-  cuBLASLt's epilogue does the bias (rounding once, with half operands, where eager mode rounds twice); its GELU
-  epilogues are the tanh form and its bias gradients are not wired, so every other step is a kernel of its own. A
-  final "bias_grad" (the output's column sums) costs a reduction over the output (E * out / bandwidth + a launch),
-  but on cuBLASLt's path after a GELU backward, whose kernel sums as it stores (a launch for its partial sums). A
-  saved pre-activation costs cuBLASLt nothing extra: it is the GEMM's own output, which the GELU kernel then reads.
+  cuBLASLt's epilogue does the bias (rounding once, with half operands, where eager mode rounds twice) and, on half
+  operands and output, a tanh GELU after it with its input saved, or a tanh GELU's backward without its bias
+  gradient (`CUBLAS_GELU_EPILOGUES`: the aux matrix written or read is the epilogue's only extra traffic); every
+  other step is a kernel of its own. A final "bias_grad" (the output's column sums) costs a reduction over the output
+  (E * out / bandwidth + a launch), but on cuBLASLt's path after a GELU backward, whose kernel sums as it stores (a
+  launch for its partial sums). A saved pre-activation costs cuBLASLt's separate path nothing extra: it is the GEMM's
+  own output, which the GELU kernel then reads.
   Float32 products without TF32 stay on cuBLASLt whatever the times say: its SGEMM is eager mode's float32
   arithmetic, which the synthesized 3xTF32 GEMM only approximates (to float32's error).
   """
@@ -437,7 +445,8 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
                cublas_rate * NOVA_VS_CUBLAS[kind, lay])
   sums = steps[-1:] == ("bias_grad",)
   steps = steps[:-1] if sums else steps
-  cublas_epi = ("bias",) if steps[:1] == ("bias",) else ()
+  gelu_epi = steps in CUBLAS_GELU_EPILOGUES and kind == "" and out == item and not sums
+  cublas_epi = steps if gelu_epi else ("bias",) if steps[:1] == ("bias",) else ()
   separate = tuple(s for s in steps[len(cublas_epi):] if s != "save")
   sizes = dict(zip([s for s in steps if s in GEMM_TENSOR_STEPS], extra_itemsizes))
   kernels = 0.0
@@ -447,7 +456,10 @@ def gemm_choice(p: GemmProblem, steps: tuple[str, ...], extra_itemsizes: list[in
   epilogue = sum(E * sizes[s] for s in sizes if s != "bias") + E * item * steps.count("save")
   reduction = (E * out / bw + LAUNCH_S) * sums
   summed = sums and separate[-1:] in (("gelu_backward",), ("gelu_backward_tanh",))
-  cublas = max(flops / cublas_rate, compulsory) + LAUNCH_S + kernels + (LAUNCH_S * sums if summed else reduction)
+  if gelu_epi:  # one kernel: the aux matrix is its extra traffic
+    cublas = max(flops / cublas_rate, compulsory + E * item / hw.hbm_bandwidth) + LAUNCH_S
+  else:
+    cublas = max(flops / cublas_rate, compulsory) + LAUNCH_S + kernels + (LAUNCH_S * sums if summed else reduction)
   nova = max(flops / nova_rate, compulsory) + LAUNCH_S + epilogue / bw + E * sum(NOVA_STEP_S.get(s, 0.0) for s in steps)
   nova += reduction
   faster = "nova" if nova < cublas and kind != "fp32" else "cublas"  # float32 without TF32: eager's SGEMM arithmetic

@@ -13,7 +13,9 @@ from blutrain.nn import functional as F
 
 @dataclass
 class GPTConfig:
-  """Model shape. `bias` adds biases to Linear and LayerNorm layers, as GPT-2 has."""
+  """Model shape. `bias` adds biases to Linear and LayerNorm layers, as GPT-2 has; `gelu` is the MLP's GELU: "none"
+  the exact (erf) form, as nanoGPT writes it, or "tanh", the approximation GPT-2 itself was trained with (whose
+  forward and backward a compiled step runs in cuBLASLt's GEMM epilogues)."""
   block_size: int = 1024
   vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64
   n_layer: int = 12
@@ -21,6 +23,7 @@ class GPTConfig:
   n_embd: int = 768
   dropout: float = 0.0
   bias: bool = True
+  gelu: str = "none"
 
   def to_dict(self) -> dict: return asdict(self)
 
@@ -58,7 +61,7 @@ class MLP(nn.Module):
   def __init__(self, config: GPTConfig):
     super().__init__()
     self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-    self.gelu = nn.GELU()
+    self.gelu = nn.GELU(approximate=config.gelu)
     self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
     self.dropout = nn.Dropout(config.dropout)
 

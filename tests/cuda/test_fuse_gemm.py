@@ -27,9 +27,11 @@ def _cache(tmp_path, monkeypatch):
 
 
 CASES = [("bias", [(96,)], None), ("bias,gelu", [(96,)], None), ("bias,save,gelu_tanh", [(96,)], None),
+         ("bias,gelu_tanh", [(96,)], None), ("save,gelu_tanh", [], None), ("gelu_tanh", [], None),
          ("bias,residual", [(96,), (3, 40, 96)], F32), ("gelu", [], None), ("residual", [(3, 40, 96)], None),
          ("gelu_backward", [(3, 40, 96)], None), ("gelu_backward_tanh", [(3, 40, 96)], None),
-         ("gelu_backward,bias_grad", [(3, 40, 96)], None), ("residual,bias_grad", [(3, 40, 96)], None)]
+         ("gelu_backward,bias_grad", [(3, 40, 96)], None), ("gelu_backward_tanh,bias_grad", [(3, 40, 96)], None),
+         ("residual,bias_grad", [(3, 40, 96)], None)]
 
 
 @pytest.mark.parametrize("path", ["cublas", "nova"])
@@ -55,6 +57,42 @@ def test_both_paths_compute_the_cpu_kernel(epilogue, shapes, out, dtype, path):
     stored = host(got[0]).astype(np.float64).reshape(-1, 96)
     assert got[-1].dtype is F32 and got[-1].shape == (96,)
     np.testing.assert_allclose(host(got[-1]), stored.sum(0), rtol=1e-5, atol=1e-5 * np.abs(stored).sum(0).max())
+
+
+def _gelu_tanh(h):
+  return 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))
+
+
+def _gelu_tanh_grad(h):
+  t = np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3))
+  return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * h * h)
+
+
+@pytest.mark.parametrize("dtype", [BF16, dtypes.float16], ids=str)
+@pytest.mark.parametrize("rows", [16384, 200], ids=str)
+def test_a_tanh_gelu_and_its_backward_run_in_cublaslts_epilogue(rows, dtype):
+  """GPT-2's MLP GEMMs with a tanh GELU: the forward (bias, GELU, its input saved) and the backward (GELU's
+  derivative at the saved input) each one cuBLASLt call with its own epilogue (no fallback to separate kernels),
+  within a rounding of the float64 result of the operands as stored; with the bias gradient, the backward keeps
+  the separate kernels (cuBLASLt's DGELU_BGRAD measured slower)."""
+  from blutrain.backend.cuda.kernels import cublaslt
+  rs = np.random.default_rng(7)
+  x, w, b = rs.standard_normal((rows, 768)), rs.standard_normal((3072, 768)) / 28, rs.standard_normal(3072) / 10
+  a, wt, bias = place(x, dtype, "n"), place(w.T, dtype, "t"), place(b, dtype, "n")
+  fwd = cublaslt._gelu_epilogue(a, wt, (bias,), ("bias", "save", "gelu_tanh"), dtype, False, False)
+  assert fwd is not None, "cuBLASLt offers GELU_AUX_BIAS for GPT-2's forward"
+  y, h = fwd
+  h64 = host(a) @ host(wt) + host(bias)
+  for got, want in ((h, h64), (y, _gelu_tanh(h64))):
+    assert got.dtype is dtype and got.shape == want.shape
+    assert np.abs(host(got) - want).max() <= 1e-2 * np.abs(want).max()
+  g, w2 = place(rs.standard_normal((rows, 768)), dtype, "n"), place(rs.standard_normal((768, 3072)) / 28, dtype, "n")
+  bwd = cublaslt._gelu_epilogue(g, w2, (h,), ("gelu_backward_tanh",), dtype, False, False)
+  assert bwd is not None, "cuBLASLt offers DGELU for GPT-2's backward"
+  (dx,) = bwd
+  want = (host(g) @ host(w2)) * _gelu_tanh_grad(host(h))
+  assert dx.dtype is dtype and np.abs(host(dx) - want).max() <= 1e-2 * np.abs(want).max()
+  assert cublaslt._gelu_epilogue(g, w2, (h,), ("gelu_backward_tanh",), dtype, False, True) is None
 
 
 @pytest.mark.parametrize("shape", [(16384, 3072), (3, 100, 96), (7, 33)], ids=str)
@@ -125,8 +163,8 @@ def _train(make, compiled, autocast, steps=3):
   return losses, {n: p.detach().float().cpu().numpy() for n, p in model.named_parameters()}, getattr(fn, "info", None)
 
 
-def _gpt(bias):
-  return lambda: GPT(GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=64, bias=bias))
+def _gpt(bias, gelu="none"):
+  return lambda: GPT(GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=64, bias=bias, gelu=gelu))
 
 
 def _mlp(bias, approximate):
@@ -134,8 +172,9 @@ def _mlp(bias, approximate):
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["f32", "bf16-autocast"])
-@pytest.mark.parametrize("make", [_gpt(True), _gpt(False), _mlp(True, "none"), _mlp(True, "tanh"), _mlp(False, "none")],
-                         ids=["gpt", "gpt-nobias", "mlp", "mlp-tanh", "mlp-nobias"])
+@pytest.mark.parametrize("make", [_gpt(True), _gpt(False), _gpt(True, "tanh"), _mlp(True, "none"), _mlp(True, "tanh"),
+                                  _mlp(False, "none"), _mlp(False, "tanh")],
+                         ids=["gpt", "gpt-nobias", "gpt-tanh", "mlp", "mlp-tanh", "mlp-nobias", "mlp-nobias-tanh"])
 def test_models_compiled_equal_eager(make, autocast):
   eager_losses, eager_params, _ = _train(make, False, autocast)
   losses, params, info = _train(make, True, autocast)

@@ -247,6 +247,20 @@ def test_the_choice_is_the_faster_prediction_and_cublas_keeps_what_its_epilogue_
       assert (extra["gelu",][0] < extra["gelu",][1]) == (M * N >= 1 << 22)
 
 
+def test_cublas_does_a_tanh_gelu_and_its_backward_in_its_epilogue_on_half_operands():
+  fwd, dx = cfg.GemmProblem(16384, 3072, 768), cfg.GemmProblem(16384, 3072, 768, b_kmajor=False)
+  for steps in cfg.CUBLAS_GELU_EPILOGUES:
+    c = cfg.gemm_choice(dx if steps[0].startswith("gelu_backward") else fwd, steps,
+                        [2] * sum(s in cfg.GEMM_TENSOR_STEPS for s in steps))
+    assert c.cublas_epilogue == steps and c.separate == () and c.path == "cublas", (steps, c)
+  tanh, exact = (cfg.gemm_choice(fwd, ("bias", "save", g), [2]) for g in ("gelu_tanh", "gelu"))
+  assert tanh.cublas_s < exact.cublas_s and exact.separate == ("gelu",)
+  summed = cfg.gemm_choice(dx, ("gelu_backward_tanh", "bias_grad"), [2])  # DGELU_BGRAD measured slower
+  assert summed.cublas_epilogue == () and summed.separate == ("gelu_backward_tanh",)
+  tf32 = cfg.GemmProblem(16384, 3072, 768, 1, 4, 4, "tf32")  # float32 operands: a GELU kernel of its own
+  assert cfg.gemm_choice(tf32, ("bias", "save", "gelu_tanh"), [4]).separate == ("gelu_tanh",)
+
+
 def test_codegen_for_the_gpu_passes_the_choice_and_the_report_names_it():
   pytest.importorskip("blutrain.backend.cuda", reason="the CUDA backend's packages are not installed")
   module = ir.to_module(_mlp(BF16, read_pre=True, residual=True))

@@ -36,6 +36,7 @@ from blutrain.backend.cuda.kernels.copy import cast, copy
 from blutrain.backend.cuda.kernels.gemm import gemm
 from blutrain.backend.cuda.kernels.matrix import blas_layout, blas_operand
 from blutrain.backend.cuda.kernels.reduce import gelu_backward_sums, reduce
+from blutrain.configurator import CUBLAS_GELU_EPILOGUES
 from blutrain.dtypes import DType
 
 WORKSPACE = 32 << 20  # bytes: what cuBLASLt's fastest Hopper kernels ask for (split-K, stream-K)
@@ -120,8 +121,14 @@ class Problem(NamedTuple):
   dtype: DType        # of A and B
   out_dtype: DType    # of D (and of the bias or bias gradient)
   compute: tuple[int, int]
-  epilogue: str       # "" none, "bias" adds bias[i] to D[i, j], "bgradb" writes sum_k B[k, j] to bias[j]
+  epilogue: str       # "" none, "bias" adds bias[i] to D[i, j], "bgradb" writes sum_k B[k, j] to bias[j]; GELU's
+                      # (tanh form): "gelu[_aux][_bias]" D = GELU(AB [+ bias]), the aux matrix AB [+ bias];
+                      # "dgelu[_bgrad]" D = AB GELU'(aux) [, bias[i] = sum_j D[i, j]]
   align: tuple[int, int, int, int]  # pointer alignments of A, B, D, bias in bytes (up to 256)
+  bias_dtype: DType | None = None   # of the bias or its gradient when not D's
+
+
+AUX_EPILOGUES = ("gelu_aux", "gelu_aux_bias", "dgelu", "dgelu_bgrad")  # read or write an aux matrix laid out as D
 
 
 class Plan:
@@ -136,7 +143,13 @@ class Plan:
     self._set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSB, np.int32(int(p.trans_b)))
     if p.epilogue:
       self._set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE, np.uint32(int(lt.Epilogue[p.epilogue.upper()])))
-      self._set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_DATA_TYPE, np.int32(out))
+      if p.epilogue in ("bias", "bgradb") or p.epilogue.endswith(("_bias", "_bgrad")):
+        self._set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_DATA_TYPE,
+                  np.int32(_data_type(p.bias_dtype or p.out_dtype)))
+      if p.epilogue in AUX_EPILOGUES:
+        self._set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE_AUX_LD, np.int64(p.ldd))
+        if p.batch > 1:
+          self._set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE_AUX_BATCH_STRIDE, np.int64(p.stride_d))
     shapes = {"a": (p.k, p.m) if p.trans_a else (p.m, p.k), "b": (p.n, p.k) if p.trans_b else (p.k, p.n), "d": (p.m, p.n)}
     lds, strides = {"a": p.lda, "b": p.ldb, "d": p.ldd}, {"a": p.stride_a, "b": p.stride_b, "d": p.stride_d}
     self.layouts = {}
@@ -153,8 +166,11 @@ class Plan:
       self.heuristic = lt.MatmulHeuristicResult(1)
       found = np.zeros(1, np.int32)
       lay = self.layouts
-      lt.matmul_algo_get_heuristic(handle(device), self.desc, lay["a"], lay["b"], lay["d"], lay["d"], pref, 1,
-                                   self.heuristic.ptr, found.ctypes.data)
+      try:
+        lt.matmul_algo_get_heuristic(handle(device), self.desc, lay["a"], lay["b"], lay["d"], lay["d"], pref, 1,
+                                     self.heuristic.ptr, found.ctypes.data)
+      except lt.cuBLASLtError as e:  # an epilogue or type it does not take with the others (INVALID_VALUE)
+        raise NoAlgorithm(f"matmul: cuBLASLt takes no {p} on cuda:{device}: {e}") from e
     finally:
       lt.matmul_preference_destroy(pref)
     if found[0] == 0:
@@ -178,13 +194,22 @@ _plans: dict[tuple[Problem, int], Plan] = {}
 _bias_lock = threading.Lock()
 
 
+_refused: dict[tuple[Problem, int], NoAlgorithm] = {}
+
+
 def plan(p: Problem, device: int) -> Plan:
-  """The Plan of a problem (created once; it also creates the device's handle)."""
+  """The Plan of a problem (created once; it also creates the device's handle); NoAlgorithm, remembered, where
+  cuBLASLt has none."""
   pl = _plans.get((p, device))
   if pl is None:
     with _lock:
       pl = _plans.get((p, device))
-      if pl is None: pl = _plans[(p, device)] = Plan(p, device)
+      if pl is None:
+        if (p, device) in _refused: raise _refused[p, device]
+        try: pl = _plans[(p, device)] = Plan(p, device)
+        except NoAlgorithm as e:
+          _refused[p, device] = e
+          raise
   return pl
 
 
@@ -196,15 +221,16 @@ def alignment(ptr: int, byte_strides=()) -> int:
   return min(256, bits & -bits) if bits else 256
 
 
-def enqueue(pl: Plan, a: int, b: int, d: int, device: int, bias: int = 0) -> None:
-  """Queue D = op_a(A) @ op_b(B) and the epilogue of a plan on the current stream; a, b, d and bias (the bias or the
-  bias gradient) are device addresses."""
+def enqueue(pl: Plan, a: int, b: int, d: int, device: int, bias: int = 0, aux: int = 0) -> None:
+  """Queue D = op_a(A) @ op_b(B) and the epilogue of a plan on the current stream; a, b, d, bias (the bias or the
+  bias gradient) and aux (GELU's input, `AUX_EPILOGUES`) are device addresses."""
   lt = _lt
   s = runtime.current_stream(device)
   ws = _workspaces.get((device, s.handle)) or workspace(device, s)
   if pl.problem.epilogue:
-    with _bias_lock:  # NOTE: the bias pointer lives in the shared descriptor; set and launch together
+    with _bias_lock:  # NOTE: the bias and aux pointers live in the shared descriptor; set and launch together
       Plan._set(lt.matmul_desc_set_attribute, pl.desc, lt.MatmulDescAttribute.BIAS_POINTER, np.int64(bias))
+      if aux: Plan._set(lt.matmul_desc_set_attribute, pl.desc, lt.MatmulDescAttribute.EPILOGUE_AUX_POINTER, np.int64(aux))
       lt.matmul(_handles[device], pl.desc, pl.alpha, a, pl.layouts["a"], b, pl.layouts["b"], pl.beta, d,
                 pl.layouts["d"], d, pl.layouts["d"], pl.algo, ws.ptr, WORKSPACE, s.handle)
     return
@@ -238,7 +264,8 @@ def gemm_calls(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | Non
   # cuBLAS's first operand is our B, its second our A (C^T = B^T A^T)
   p = Problem(n, rows, k, trans_b, trans_a, ldb, lda, n, dims[-1], b_st[-1], a_st[-1], d_st[-1], a.dtype, out.dtype,
               compute, epilogue or ("bias" if bias is not None else ""),
-              (align[1], align[0], align[2], 256 if bias is None else alignment(bias.ptr)))
+              (align[1], align[0], align[2], 256 if bias is None else alignment(bias.ptr)),
+              None if bias is None or bias.dtype is out.dtype else bias.dtype)
   calls = []
   for idx in itertools.product(*(range(d) for d in dims[:-1])):
     off = [sum(i * s for i, s in zip(idx, st[:-1])) * x.dtype.itemsize for x, st in ((a, a_st), (b, b_st), (out, d_st))]
@@ -259,9 +286,10 @@ _calls: dict[tuple, tuple[Plan, list[tuple[int, int, int]]]] = {}  # layouts -> 
 
 
 def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool, out: CudaArray | None = None,
-            epilogue: str = "") -> CudaArray:
+            epilogue: str = "", aux: CudaArray | None = None) -> CudaArray:
   """a @ b (+ bias) into a new array, or into `out` (contiguous, of the result's shape and a's dtype or a wider one);
-  with epilogue "bgradb", `bias` receives the sums of a's rows instead."""
+  with epilogue "bgradb", `bias` receives the sums of a's rows instead; with a GELU epilogue (`Problem.epilogue`)
+  `aux` (contiguous, out's shape and dtype) is GELU's input, written or read."""
   if out is None: out = empty(broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), a.dtype, a.device)
   if out.size == 0: return out
   if a.shape[-1] == 0:  # an empty sum: zeros, or the bias
@@ -271,14 +299,15 @@ def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool, out:
     return out
   a, b = blas_operand(a), blas_operand(b)
   key = (a.shape, a.strides, b.shape, b.strides, a.dtype, out.dtype, epilogue, tf32, a.ptr & 255,
-         b.ptr & 255, out.ptr & 255, -1 if bias is None else bias.ptr & 255, out.device)
+         b.ptr & 255, out.ptr & 255, -1 if bias is None else bias.ptr & 255, None if bias is None else bias.dtype, out.device)
   hit = _calls.get(key)
   if hit is None:
     p, offsets = gemm_calls(a, b, out, bias, compute_type(a.dtype, tf32), epilogue)
     hit = _calls[key] = (plan(p, out.device), offsets)
   pl, offsets = hit
-  bias_ptr = 0 if bias is None else bias.ptr
-  for oa, ob, od in offsets: enqueue(pl, b.ptr + oa, a.ptr + ob, out.ptr + od, out.device, bias_ptr)
+  bias_ptr, aux_ptr = 0 if bias is None else bias.ptr, 0 if aux is None else aux.ptr
+  for oa, ob, od in offsets: enqueue(pl, b.ptr + oa, a.ptr + ob, out.ptr + od, out.device, bias_ptr,
+                                        aux_ptr and aux_ptr + od)
   return out
 
 
@@ -381,6 +410,8 @@ def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], d
   the sum (within one half ulp of eager's; PyTorch's addmm rounds once too): one pass over the output fewer. With
   `sums` a final GELU backward's kernel also sums the output's columns (else a reduction does)."""
   from blutrain.backend.cuda.kernels.elementwise import KERNELS as EW
+  fused = _gelu_epilogue(a, b, xs, steps, dtype, tf32, sums)
+  if fused is not None: return fused
   out, *saved = _results(a, b, steps, dtype)
   xs = iter(xs)
   bias = next(xs) if steps[:1] == ("bias",) else None
@@ -403,6 +434,32 @@ def _separately(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], d
       r = next(xs)
       y = EW["add"](y, r, out=dest) if dtype is y.dtype else EW["add"](r, y, out=dest)
   return (out, *saved) + ((_column_sums(out) if total is None else total,) if sums else ())
+
+
+_without_gelu: set[tuple] = set()  # problems for which cuBLASLt offers no kernel with that GELU epilogue
+
+
+def _gelu_epilogue(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...], dtype: DType, tf32: bool,
+                   sums: bool) -> tuple | None:
+  """The gemm op in one cuBLASLt call when its steps are a tanh GELU (after the bias, its input saved) or a tanh
+  GELU's backward without column sums (`configurator.CUBLAS_GELU_EPILOGUES`), on half operands and output; None
+  otherwise or where cuBLASLt has no such kernel. GELU is applied to the float32 accumulator (plus the bias) and
+  rounded once, its saved input rounded apart; the backward multiplies the float32 product by GELU'(saved input):
+  one rounding fewer than the separate kernels, which round the product first."""
+  name = CUBLAS_GELU_EPILOGUES.get(steps)
+  if name is None or sums or a.dtype not in _HALVES or dtype is not a.dtype or a.shape[-1] == 0: return None
+  shape = broadcast_shape(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+  x = xs[0] if xs else None
+  if name == "dgelu" and (x.dtype is not dtype or x.shape != shape or not x.is_contiguous() or x.ptr % 16): return None
+  key = (a.shape, a.strides, b.shape, b.strides, a.dtype, name, tf32, a.device)
+  if key in _without_gelu or 0 in shape: return None
+  out, *saved = _results(a, b, steps, dtype)
+  bias = None if x is None or name == "dgelu" else x if x.dtype is a.dtype and x.strides == (1,) else cast(x, a.dtype)
+  try: _matmul(a, b, bias, tf32, out, name, x if name == "dgelu" else saved[0] if saved else None)
+  except NoAlgorithm:  # asked once: the heuristic's answer does not change
+    _without_gelu.add(key)
+    return None
+  return (out, *saved)
 
 
 def _column_sums(out: CudaArray) -> CudaArray:
