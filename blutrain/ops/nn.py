@@ -1,6 +1,7 @@
 """Neural-network primitives (softmax, layer/batch norm, embedding, gather/scatter, cross_entropy) and composites."""
 from __future__ import annotations
 
+import functools
 import math
 
 from blutrain import backends, dtypes
@@ -383,28 +384,41 @@ def conv_out_size(n: int, k: int, stride: int, padding: int, dilation: int) -> i
 
 
 def _conv_check(name, x, w, stride, padding, dilation, groups):
-  nd = x.ndim - 2
-  if nd < 1 or w.ndim != x.ndim or not len(stride) == len(padding) == len(dilation) == nd:
+  _checked(name, tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, tuple(stride), tuple(padding), tuple(dilation),
+           groups)
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked(name: str, x: tuple, w: tuple, x_dtype, w_dtype, stride: tuple, padding: tuple, dilation: tuple,
+             groups: int) -> None:
+  """`_conv_check` of one problem, remembered once it passed (a training step asks the same ones every step)."""
+  nd = len(x) - 2
+  if nd < 1 or len(w) != len(x) or not len(stride) == len(padding) == len(dilation) == nd:
     raise ShapeError(f"{name}: expected input (N, C, *spatial) and weight (C_out, C_in / groups, *kernel) of the same "
-                     f"rank with {x.ndim - 2} strides, paddings and dilations, got input {x.shape}, weight {w.shape}, "
+                     f"rank with {nd} strides, paddings and dilations, got input {x}, weight {w}, "
                      f"stride {stride}, padding {padding}, dilation {dilation}")
-  if groups < 1 or w.shape[0] % groups or x.shape[1] != w.shape[1] * groups:
-    raise ShapeError(f"{name}: given groups={groups}, weight of size {list(w.shape)} needs out channels divisible by "
-                     f"groups and an input of {w.shape[1] * groups} channels, got input of size {list(x.shape)}")
+  if groups < 1 or w[0] % groups or x[1] != w[1] * groups:
+    raise ShapeError(f"{name}: given groups={groups}, weight of size {list(w)} needs out channels divisible by "
+                     f"groups and an input of {w[1] * groups} channels, got input of size {list(x)}")
   if any(s < 1 for s in stride) or any(d < 1 for d in dilation) or any(p < 0 for p in padding):
     raise ShapeError(f"{name}: strides and dilations must be positive and paddings non-negative, got stride {stride}, "
                      f"padding {padding}, dilation {dilation}")
-  if x.dtype is not w.dtype:
-    raise DTypeError(f"{name}: input type ({x.dtype.name}) and weight type ({w.dtype.name}) should be the same")
+  if x_dtype is not w_dtype:
+    raise DTypeError(f"{name}: input type ({x_dtype.name}) and weight type ({w_dtype.name}) should be the same")
 
 
 def _conv_rule(x, weight, stride, padding, dilation, groups, tf32=False):
   _conv_check("conv", x, weight, stride, padding, dilation, groups)
-  out = tuple(conv_out_size(*a) for a in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation))
+  return _conv_shape(tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), tuple(dilation)), x.dtype
+
+
+@functools.lru_cache(maxsize=4096)
+def _conv_shape(x: tuple, w: tuple, stride: tuple, padding: tuple, dilation: tuple) -> tuple[int, ...]:
+  out = tuple(conv_out_size(*a) for a in zip(x[2:], w[2:], stride, padding, dilation))
   if any(o < 1 for o in out):
-    raise ShapeError(f"conv: input of size {list(x.shape)} padded by {list(padding)} is smaller than the dilated kernel "
-                     f"of weight {list(weight.shape)} (dilation {list(dilation)}): calculated output size {list(out)}")
-  return (x.shape[0], weight.shape[0]) + out, x.dtype
+    raise ShapeError(f"conv: input of size {list(x)} padded by {list(padding)} is smaller than the dilated kernel "
+                     f"of weight {list(w)} (dilation {list(dilation)}): calculated output size {list(out)}")
+  return (x[0], w[0]) + out
 
 
 def _conv_vjp(g, out, x, weight, stride, padding, dilation, groups, tf32=False, needs=(True, True)):
