@@ -182,11 +182,12 @@ def test_models_compiled_equal_eager(make, autocast):
   for name, a in eager_params.items():
     # the GEMMs' rounding differs (synthesized against cuBLASLt; under bf16 cuBLASLt's bias and GELU epilogues round
     # once where eager rounds twice); Adam turns the noise of a gradient near zero (the key slice of c_attn.bias:
-    # softmax ignores a bias added to every key alike; elements of the tied embedding, whose head gradient sums over
-    # every position) into steps of up to lr either way in each run, over 3 steps
+    # softmax ignores a bias added to every key alike) into steps of up to lr either way in each run, over 3 steps.
+    # The tanh GPT's GELU epilogue moves up to 0.15 % of a weight's elements so (18 of 12,288 in one run); a wrong
+    # gradient moves most of them
     if autocast:
-      outliers = 0.34 if name.endswith("c_attn.bias") else 1e-2 if name.endswith("wte.weight") else 1e-3
-      assert_adam_close(params[name], a, lr=2 * 3 * 1e-3, rtol=2e-2, atol=1e-4, what=name, outliers=outliers)
+      assert_adam_close(params[name], a, lr=2 * 3 * 1e-3, rtol=2e-2, atol=1e-4, what=name,
+                        outliers=0.34 if name.endswith("c_attn.bias") else 1e-2)
       continue
     noise = 2 * 3 * 1e-3 if name.endswith("c_attn.bias") else 0.0
     np.testing.assert_allclose(params[name], a, rtol=2e-5, atol=1e-6 + noise, err_msg=name)
