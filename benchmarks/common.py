@@ -77,6 +77,25 @@ def copy_ceiling(repeats: int) -> tuple[float, object]:
   return 2 * src.numel() * src.element_size() / copy["ms"] / 1e6, pad
 
 
+def _two(a, b): return a
+
+
+def host_speed_us(calls: int = 100, reps: int = 200, trials: int = 5) -> float:
+  """Microseconds this host takes now for `calls` calls of a two-argument Python function (the best of `trials`
+  timings of `reps` rounds): the speed of its Python, which a host-bound eager step moves with. Lent machines differ
+  by 2-3x and have slow stretches of minutes, so a benchmark records it beside each run to tell a slow host from a
+  slow change (2.0-2.1 us on the 2-core development machine, 2026-12-03)."""
+  best = math.inf
+  for _ in range(trials):
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      for _ in range(calls // 10):
+        _two(1, 2); _two(1, 2); _two(1, 2); _two(1, 2); _two(1, 2); _two(1, 2); _two(1, 2); _two(1, 2); _two(1, 2)
+        _two(1, 2)
+    best = min(best, (time.perf_counter() - t0) / reps * 1e6)
+  return best
+
+
 def metadata(benchmark: str, device: str) -> dict:
   """Date, device name and versions, the head of every results file."""
   import numpy as np

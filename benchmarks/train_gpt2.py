@@ -6,6 +6,7 @@ autocast. Reports tokens/s, peak memory, first-step time and ratios; writes benc
                                   [--order torch_eager,blutrain_eager,blutrain_compile,torch_compile,jax_xla]
   python benchmarks/train_gpt2.py --device cpu --quick   # a small dry run of the script itself (a 2-layer GPT)
   python benchmarks/train_gpt2.py --gelu tanh ...         # GPT-2's own tanh GELU in every framework (default: erf)
+  python benchmarks/train_gpt2.py --repeat 3 ...          # the order three times, interleaved: each ratio's spread
 
 The JAX run (jax_xla) runs in a process of its own (jax is imported there only): its allocator keeps the memory it
 took until the process ends and its peak (`memory_stats()["peak_bytes_in_use"]`) cannot be reset, so it covers the
@@ -39,6 +40,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import host_speed_us  # noqa: E402
+
 
 def _timed(step, batches, warmup: int, sync, after_warmup=lambda: None) -> dict:
   """Run `step` (returning the loss as a device scalar) over the batches. Per step: the wall time until the loss is
@@ -52,6 +55,7 @@ def _timed(step, batches, warmup: int, sync, after_warmup=lambda: None) -> dict:
   for b in batches[1:warmup]: step(*b).item()
   sync()
   after_warmup()
+  host_us = host_speed_us()
   times, enqueue, losses = [], [], [first_loss]
   for b in batches[warmup:]:
     t0 = time.perf_counter()
@@ -63,7 +67,8 @@ def _timed(step, batches, warmup: int, sync, after_warmup=lambda: None) -> dict:
     enqueue.append(t1 - t0)
   gc.unfreeze()
   return {"first_step_s": first, "step_s": statistics.median(times), "step_times_s": times,
-          "enqueue_s": statistics.median(enqueue), "enqueue_times_s": enqueue, "losses": losses}
+          "enqueue_s": statistics.median(enqueue), "enqueue_times_s": enqueue, "losses": losses,
+          "host_us": [host_us, host_speed_us()]}  # the host's Python speed before and after the timed steps
 
 
 def _scheduled(opt, lrs):
@@ -167,6 +172,21 @@ def run_jax(cfg, state, batches, precision: str, warmup: int, device: str = "cud
     return json.loads(out.read_text())
 
 
+def _spread(repeats: dict) -> None:
+  """Each pair's ratio round by round (repeated runs interleave), with the host's Python speed measured before each
+  of our runs (`host_speed_us`): a host-bound step's ratio moves with it."""
+  for ours, ref in (("blutrain_eager", "torch_eager"), ("blutrain_compile", "torch_compile")):
+    for key in [k for k in repeats if k.startswith(ours + "/")]:
+      a, b = repeats[key], repeats.get(ref + key[len(ours):], [])
+      pairs = [(x["tokens_per_s"] / y["tokens_per_s"], x["host_us"][0]) for x, y in zip(a, b)
+               if "tokens_per_s" in x and "tokens_per_s" in y]
+      if not pairs: continue
+      ratios = sorted(r for r, _ in pairs)
+      print(f"{key} / {ref}: ratio median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f} "
+            f"over {len(ratios)} rounds; per round (ratio, host us): " +
+            ", ".join(f"({r:.2f}, {h:.1f})" for r, h in pairs))
+
+
 def _isolated(name: str, precision: str, args) -> dict:
   """The run `name` in `precision` by this script in a process of its own; its result dict."""
   with tempfile.TemporaryDirectory() as tmp:
@@ -204,6 +224,8 @@ def main() -> None:
   ap.add_argument("--gelu", choices=("none", "tanh"), default="none",
                   help="the MLP's GELU: exact (erf, as nanoGPT) or GPT-2's own tanh approximation")
   ap.add_argument("--isolate", action="store_true", help="each run in a process of its own (see the docstring)")
+  ap.add_argument("--repeat", type=int, default=1, help="run the order this many times, interleaved, and report the "
+                  "spread of each pair's ratio with the host's Python speed (`runs` holds the first round)")
   ap.add_argument("--quick", action="store_true", help="1 warm-up and 2 timed steps (with --device cpu: a 2-layer GPT "
                   "of width 64, B=2, T=32)")
   ap.add_argument("--out", help="the results file (default: benchmarks/results/train_gpt2.json on a GPU, "
@@ -227,7 +249,7 @@ def main() -> None:
   gpu = bt.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
   rows, result = [], {"benchmark": "train_gpt2", "date": date.today().isoformat(), "gpu": gpu, "device": args.device,
                       "batch": args.batch, "block": args.block, "steps": args.steps, "config": cfg.to_dict(),
-                      "isolated": args.isolate,
+                      "isolated": args.isolate, "repeat": args.repeat, "repeats": {},
                       "versions": {"python": platform.python_version(), "torch": _version("torch"),
                                    "blutrain": bt.__version__, "numpy": np.__version__}, "runs": {}}
   for precision in args.precisions.split(","):
@@ -237,22 +259,26 @@ def main() -> None:
             "torch_compile": lambda: run_torch(cfg, state, batches, precision, args.warmup, True, args.device),
             "jax_xla": lambda: run_jax(cfg, state, batches, precision, args.warmup, args.device)}
     order = args.order.split(",") + (["torch_compile"] if args.torch_compile else [])
-    for name, fn in ((n, runs[n]) for n in order):
-      if args.isolate and name != "jax_xla": fn = functools.partial(_isolated, name, precision, args)
-      try:
-        r = fn()
-        r["tokens_per_s"] = tokens / r["step_s"]
-      except Exception as e:  # a failed run is reported, not hidden
-        r = {"error": f"{type(e).__name__}: {e}"}
-      result["runs"][f"{name}/{precision}"] = r
-      print(name, precision, {k: [round(t * 1e3, 1) for t in v] if k.endswith("times_s") else v for k, v in r.items()
-                              if k != "losses"}, flush=True)
+    for rep in range(args.repeat):
+      for name, fn in ((n, runs[n]) for n in order):
+        if args.isolate and name != "jax_xla": fn = functools.partial(_isolated, name, precision, args)
+        try:
+          r = fn()
+          r["tokens_per_s"] = tokens / r["step_s"]
+        except Exception as e:  # a failed run is reported, not hidden
+          r = {"error": f"{type(e).__name__}: {e}"}
+        if rep == 0: result["runs"][f"{name}/{precision}"] = r
+        result["repeats"].setdefault(f"{name}/{precision}", []).append(
+          {k: r[k] for k in ("tokens_per_s", "step_s", "enqueue_s", "host_us") if k in r})
+        print(name, precision, {k: [round(t * 1e3, 1) for t in v] if k.endswith("times_s") else v
+                                for k, v in r.items() if k != "losses"}, flush=True)
     ref, ours = result["runs"].get(f"torch_eager/{precision}", {}), result["runs"].get(f"blutrain_eager/{precision}", {})
     if ref and ours and "error" not in ref and "error" not in ours:
       rows.append((precision, ours["tokens_per_s"], ref["tokens_per_s"], ours["tokens_per_s"] / ref["tokens_per_s"],
                    _gib(ours), _gib(ref), ours["step_s"] * 1e3,
                    ours["enqueue_s"] * 1e3, ours["first_step_s"],
                    max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))))
+  if args.repeat > 1: _spread(result["repeats"])
   Path(args.out).parent.mkdir(exist_ok=True)
   Path(args.out).write_text(json.dumps(result, indent=1))
   print("| precision | blutrain tok/s | torch eager tok/s | ratio | blutrain peak GiB | torch peak GiB "

@@ -19,9 +19,9 @@ def _pair(cfg=CFG, seed=0):
   return model, ref
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_logits_loss_and_grads_match_torch(bias):
-  cfg = GPTConfig(**{**CFG.to_dict(), "bias": bias})
+@pytest.mark.parametrize("bias, gelu", [(True, "none"), (False, "none"), (True, "tanh")])
+def test_logits_loss_and_grads_match_torch(bias, gelu):
+  cfg = GPTConfig(**{**CFG.to_dict(), "bias": bias, "gelu": gelu})
   model, ref = _pair(cfg)
   rng = np.random.default_rng(1)
   idx, tgt = rng.integers(0, cfg.vocab_size, (3, 12)), rng.integers(0, cfg.vocab_size, (3, 12))
