@@ -366,17 +366,17 @@ FP32_FLOPS = 67e12      # FLOP/s of the H200's CUDA cores in float32 (cuBLASLt's
 LAUNCH_S = 2e-6         # seconds a kernel adds in a CUDA graph beyond its work (launch, fill and drain)
 STREAM_SHARE = 0.85     # share of the HBM bandwidth an elementwise kernel or an epilogue's extra traffic reaches
 GEMM_TENSOR_STEPS = ("bias", "residual", "gelu_backward", "gelu_backward_tanh")  # epilogue steps that read a tensor
-# seconds per output element that a step adds to the synthesized GEMM beyond its traffic: the epilogue's arithmetic
-# on the accumulator tile (an exact GELU's erf, its backward's erf and exp), which the next tile's loads hide only in
-# part. Fitted to `benchmarks/matmul.py --fused` on the H200 (2026-12-02, BENCHMARKS.md, eleventh session): the
-# synthesized GEMM's measured time beyond its prediction on GPT-2's fused GEMMs, bf16 and TF32 alike (a GELU 1.9-2.7
-# ps an element, its backward 4.7-5.1, a residual 0.2-1.3 beyond its read)
 CUBLAS_GELU_EPILOGUES = {  # epilogue steps (half operands and output) -> the cuBLASLt epilogue doing them all; GELU's
   ("gelu_tanh",): "gelu", ("save", "gelu_tanh"): "gelu_aux",  # tanh form only, its input saved as the aux matrix
   ("bias", "gelu_tanh"): "gelu_bias", ("bias", "save", "gelu_tanh"): "gelu_aux_bias",
   ("gelu_backward_tanh",): "dgelu"}  # reads the aux matrix. Not with a final "bias_grad": DGELU_BGRAD took 462-526
 # us for GPT-2's MLP backward on the H200 (16384 x 3072 x 768, bf16, its bias gradient in bf16; float32 refused)
 # against 203 for the GEMM and the GELU backward's summing kernel (BENCHMARKS.md, sixteenth session)
+# seconds per output element that a step adds to the synthesized GEMM beyond its traffic: the epilogue's arithmetic
+# on the accumulator tile (an exact GELU's erf, its backward's erf and exp), which the next tile's loads hide only in
+# part. Fitted to `benchmarks/matmul.py --fused` on the H200 (2026-12-02, BENCHMARKS.md, eleventh session): the
+# synthesized GEMM's measured time beyond its prediction on GPT-2's fused GEMMs, bf16 and TF32 alike (a GELU 1.9-2.7
+# ps an element, its backward 4.7-5.1, a residual 0.2-1.3 beyond its read)
 NOVA_STEP_S = {"gelu": 2.3e-12, "gelu_tanh": 2.3e-12, "gelu_backward": 4.9e-12, "gelu_backward_tanh": 4.9e-12,
                "residual": 0.7e-12}
 

@@ -123,12 +123,11 @@ class Problem(NamedTuple):
   compute: tuple[int, int]
   epilogue: str       # "" none, "bias" adds bias[i] to D[i, j], "bgradb" writes sum_k B[k, j] to bias[j]; GELU's
                       # (tanh form): "gelu[_aux][_bias]" D = GELU(AB [+ bias]), the aux matrix AB [+ bias];
-                      # "dgelu[_bgrad]" D = AB GELU'(aux) [, bias[i] = sum_j D[i, j]]
+                      # "dgelu" D = AB GELU'(aux)
   align: tuple[int, int, int, int]  # pointer alignments of A, B, D, bias in bytes (up to 256)
-  bias_dtype: DType | None = None   # of the bias or its gradient when not D's
 
 
-AUX_EPILOGUES = ("gelu_aux", "gelu_aux_bias", "dgelu", "dgelu_bgrad")  # read or write an aux matrix laid out as D
+AUX_EPILOGUES = ("gelu_aux", "gelu_aux_bias", "dgelu")  # write or read an aux matrix laid out as D
 
 
 class Plan:
@@ -143,9 +142,8 @@ class Plan:
     self._set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSB, np.int32(int(p.trans_b)))
     if p.epilogue:
       self._set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE, np.uint32(int(lt.Epilogue[p.epilogue.upper()])))
-      if p.epilogue in ("bias", "bgradb") or p.epilogue.endswith(("_bias", "_bgrad")):
-        self._set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_DATA_TYPE,
-                  np.int32(_data_type(p.bias_dtype or p.out_dtype)))
+      if p.epilogue in ("bias", "bgradb") or p.epilogue.endswith("_bias"):
+        self._set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_DATA_TYPE, np.int32(out))
       if p.epilogue in AUX_EPILOGUES:
         self._set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE_AUX_LD, np.int64(p.ldd))
         if p.batch > 1:
@@ -194,22 +192,13 @@ _plans: dict[tuple[Problem, int], Plan] = {}
 _bias_lock = threading.Lock()
 
 
-_refused: dict[tuple[Problem, int], NoAlgorithm] = {}
-
-
 def plan(p: Problem, device: int) -> Plan:
-  """The Plan of a problem (created once; it also creates the device's handle); NoAlgorithm, remembered, where
-  cuBLASLt has none."""
+  """The Plan of a problem (created once; it also creates the device's handle)."""
   pl = _plans.get((p, device))
   if pl is None:
     with _lock:
       pl = _plans.get((p, device))
-      if pl is None:
-        if (p, device) in _refused: raise _refused[p, device]
-        try: pl = _plans[(p, device)] = Plan(p, device)
-        except NoAlgorithm as e:
-          _refused[p, device] = e
-          raise
+      if pl is None: pl = _plans[(p, device)] = Plan(p, device)
   return pl
 
 
@@ -264,8 +253,7 @@ def gemm_calls(a: CudaArray, b: CudaArray, out: CudaArray, bias: CudaArray | Non
   # cuBLAS's first operand is our B, its second our A (C^T = B^T A^T)
   p = Problem(n, rows, k, trans_b, trans_a, ldb, lda, n, dims[-1], b_st[-1], a_st[-1], d_st[-1], a.dtype, out.dtype,
               compute, epilogue or ("bias" if bias is not None else ""),
-              (align[1], align[0], align[2], 256 if bias is None else alignment(bias.ptr)),
-              None if bias is None or bias.dtype is out.dtype else bias.dtype)
+              (align[1], align[0], align[2], 256 if bias is None else alignment(bias.ptr)))
   calls = []
   for idx in itertools.product(*(range(d) for d in dims[:-1])):
     off = [sum(i * s for i, s in zip(idx, st[:-1])) * x.dtype.itemsize for x, st in ((a, a_st), (b, b_st), (out, d_st))]
@@ -299,7 +287,7 @@ def _matmul(a: CudaArray, b: CudaArray, bias: CudaArray | None, tf32: bool, out:
     return out
   a, b = blas_operand(a), blas_operand(b)
   key = (a.shape, a.strides, b.shape, b.strides, a.dtype, out.dtype, epilogue, tf32, a.ptr & 255,
-         b.ptr & 255, out.ptr & 255, -1 if bias is None else bias.ptr & 255, None if bias is None else bias.dtype, out.device)
+         b.ptr & 255, out.ptr & 255, -1 if bias is None else bias.ptr & 255, out.device)
   hit = _calls.get(key)
   if hit is None:
     p, offsets = gemm_calls(a, b, out, bias, compute_type(a.dtype, tf32), epilogue)
