@@ -173,6 +173,41 @@ def test_second_context_casts_its_parameters_in_one_op(monkeypatch):
   assert all(p.grad is not None and p.grad.dtype is bt.float32 for m in layers for p in m.parameters())
 
 
+def test_parameter_gradients_are_cast_back_in_one_op_with_the_same_bits(monkeypatch):
+  """Under autocast the parameters' gradients come back through their casts; the engine casts them back at the end
+  of the walk, all in one op, except a parameter with a hook (cast when ready, which the hook sees) and one that
+  also gets a float32 gradient (cast before that is added). Gradients equal one cast each, bit for bit."""
+  from blutrain.autograd import engine
+  from blutrain.backend.cpu.kernels import kernels
+  from blutrain.ops.elementwise import cast_many_op
+  batched = []
+  monkeypatch.setitem(cast_many_op.kernels, "cpu", lambda *xs, **kw: batched.append(len(xs)) or
+                      kernels["cast_many"](*xs, **kw))
+
+  def grads(cast_each):
+    monkeypatch.setattr(engine, "cast_each", cast_each)
+    bt.manual_seed(0)
+    layers = [bt.nn.Linear(8, 8) for _ in range(3)]
+    seen = []
+    layers[0].weight.register_hook(lambda g: seen.append(g.dtype))
+    layers[2].bias.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.dtype))
+    h = bt.randn(4, 8)
+    with bt.autocast("cpu", dtype=bt.bfloat16):
+      for m in layers: h = bt.nn.functional.gelu(m(h))
+    (h.float().square().mean() + layers[1].weight.sum() / 7).backward()  # layers[1].weight also in float32
+    assert seen == [bt.float32, bt.float32]
+    return [p.grad.numpy() for m in layers for p in m.parameters()]
+
+  cast_each = engine.cast_each
+  one_by_one = grads(None)
+  assert batched == []
+  at_once = grads(cast_each)
+  assert batched == [3], "layers[0].bias, layers[1].bias, layers[2].weight in one cast"
+  for a, b in zip(at_once, one_by_one):
+    assert a.dtype == np.float32
+    np.testing.assert_array_equal(a, b)
+
+
 def test_nesting_disable_and_device_type():
   x, _ = _pair((2, 3))
   with bt.autocast("cpu"):

@@ -6,11 +6,15 @@ and calls each node's VJP, which the op library wrote with its own ops: this mod
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 from blutrain.autograd.tape import Node, autocast_suspended, hooks, no_grad
 from blutrain.shapes import is_dense
 from blutrain.tensor import Tensor
+
+# the op library's multi-tensor cast (`ops.elementwise.cast_each`), which `ops.methods.attach` fills: the casts of
+# leaves' gradients back to their dtype (autocast's parameters) wait for the walk's end and run as one op
+cast_each: Callable | None = None
 
 
 def _toposort(roots: Sequence[Node]) -> list[Node]:
@@ -81,32 +85,59 @@ def _add_into_slice(node: Node, g: Tensor, store: dict, owned: set[int]) -> bool
   return True
 
 
+def _cast_deferred(leaf_grads: dict, leaves: dict, deferred: set) -> None:
+  """Cast the gradients that wait for it (`deferred` ids) to their leaves' dtypes, one multi-tensor op per device and
+  dtype: the same conversions as one `.to` each."""
+  groups: dict[tuple, list[int]] = {}
+  for key in deferred: groups.setdefault((leaves[key].device, leaves[key].dtype), []).append(key)
+  for (_, dtype), keys in groups.items():
+    for key, g in zip(keys, cast_each([leaf_grads[k] for k in keys], dtype)): leaf_grads[key] = g
+  deferred.clear()
+
+
 def _walk(roots: list[Node], root_grads: dict, retain_graph: bool, capture=frozenset(), ready=None):
   """Propagate gradients from the roots through every VJP. Returns the gradients reaching leaves (by id),
   the leaves themselves, and the total gradients of the nodes whose ids are in `capture`. With `ready`, a leaf's
   gradient is handed to `ready(leaf, g)` (and left out of the result) as soon as the last node that feeds it has run,
-  so DDP can start reducing it while the rest of the backward runs."""
+  so DDP can start reducing it while the rest of the backward runs; a leaf without hooks whose gradient waits for its
+  cast (`_visit`) is handed over at the end, after the one cast of them all."""
   if hooks.trace is not None: hooks.trace.ran_backward = True  # the graph differentiates itself
   node_grads, leaf_grads, leaves, captured, owned = dict(root_grads), {}, {}, {}, set()
-  order, pending = list(reversed(_toposort(roots))), {}
+  deferred: set[int] | None = set() if cast_each is not None and hooks.trace is None else None
+  order, pending, waiting = list(reversed(_toposort(roots))), {}, []
   if ready is not None:
     for node in order:
       for p in node.parents:
         if isinstance(p, Tensor): pending[id(p)] = pending.get(id(p), 0) + 1
   for node in order:
     try:
-      _visit(node, node_grads, leaf_grads, leaves, captured, owned, retain_graph, capture)
+      _visit(node, node_grads, leaf_grads, leaves, captured, owned, retain_graph, capture, deferred)
     finally:
       for p in node.parents if ready is not None else ():
         if isinstance(p, Tensor):
           pending[id(p)] -= 1
-          if not pending[id(p)] and id(p) in leaf_grads: ready(leaves.pop(id(p)), _take(leaf_grads, id(p), owned))
+          if not pending[id(p)] and id(p) in leaf_grads:
+            if deferred and id(p) in deferred and not (p._hooks or p._post_hooks): waiting.append(p)
+            else:
+              _settle(leaf_grads, deferred, p)
+              ready(leaves.pop(id(p)), _take(leaf_grads, id(p), owned))
+  if deferred: _cast_deferred(leaf_grads, leaves, deferred)
+  for p in waiting: ready(leaves.pop(id(p)), _take(leaf_grads, id(p), owned))
   return leaf_grads, leaves, captured
 
 
+def _settle(leaf_grads: dict, deferred: set | None, leaf: Tensor) -> None:
+  """Cast leaf's gradient now if it waits for its cast (another gradient is to be added to it, or a hook reads it)."""
+  if deferred and id(leaf) in deferred:
+    deferred.discard(id(leaf))
+    leaf_grads[id(leaf)] = leaf_grads[id(leaf)].to(leaf.dtype)
+
+
 def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, captured: dict, owned: set,
-           retain_graph: bool, capture) -> None:
-  """Run one node of the reverse walk: its hooks, its VJP, and the accumulation of its inputs' gradients."""
+           retain_graph: bool, capture, deferred: set | None = None) -> None:
+  """Run one node of the reverse walk: its hooks, its VJP, and the accumulation of its inputs' gradients. The first
+  gradient of a leaf through a cast (autocast's parameter casts) is kept uncast, its id in `deferred`: `_walk` casts
+  them all at once."""
   g = _take(node_grads, id(node), owned)
   if g is None: return
   if node.hooks: g = _run_hooks(node.hooks, g)
@@ -116,6 +147,12 @@ def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, capture
   _check_saved(node)
   is_slice = node.op.name == "slice" and node.parents[0] is not None
   if is_slice and _add_into_slice(node, g, node_grads if isinstance(node.parents[0], Node) else leaf_grads, owned):
+    if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+    return
+  leaf = node.parents[0] if node.op.name == "cast" else None
+  if deferred is not None and isinstance(leaf, Tensor) and id(leaf) not in leaf_grads:
+    leaf_grads[id(leaf)], leaves[id(leaf)] = g, leaf  # the cast VJP, g.to(leaf.dtype), waits
+    deferred.add(id(leaf))
     if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
     return
   attrs = {**node.attrs, "needs": tuple(p is not None for p in node.parents)} if node.op.vjp_needs else node.attrs
@@ -128,7 +165,10 @@ def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, capture
       raise RuntimeError(f"VJP of {node.op.name}: gradient of shape {ig.shape} for an input of shape {tuple(inp.shape)}")
     if ig.dtype is not inp.dtype: ig = ig.to(inp.dtype)
     if isinstance(parent, Node): _accumulate(node_grads, id(parent), ig, owned, is_slice)
-    else: _accumulate(leaf_grads, id(parent), ig, owned, is_slice); leaves[id(parent)] = parent
+    else:
+      _settle(leaf_grads, deferred, parent)
+      _accumulate(leaf_grads, id(parent), ig, owned, is_slice)
+      leaves[id(parent)] = parent
   if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import FunctionType
 
 from blutrain import dtypes, shapes
+from blutrain.autograd import engine
 from blutrain.device import Device, to_device
 from blutrain.dtypes import DType
 from blutrain.ops import creation, elementwise, linalg, movement, nn, ordering, random, reduce
@@ -246,7 +247,9 @@ def _op_named(name: str):
 
 
 def attach() -> None:
-  """Give Tensor its methods: TensorMethods' body and the FORWARDED ops."""
+  """Give Tensor its methods: TensorMethods' body and the FORWARDED ops; and the autograd engine its multi-tensor
+  cast (the leaves' gradients cast back as one op)."""
   for name, fn in vars(TensorMethods).items():
     if isinstance(fn, FunctionType): setattr(Tensor, name, fn)
   for name in FORWARDED: setattr(Tensor, name, _op_named(name))
+  engine.cast_each = elementwise.cast_each
