@@ -185,7 +185,12 @@ def _fits(into, avals, dev, inputs, op_: Op) -> bool:
   sharing: dict[int, list] = {}  # NOTE: a multi-tensor op has hundreds of outputs: check each against its own storage's
   for t in inputs:
     if t is not None: sharing.setdefault(id(t._storage), []).append(t)
-  return all(can_write_into(t, s, d, dev, sharing.get(id(t._storage), ())) for t, (s, d) in zip(into, avals))
+  for t, (s, d) in zip(into, avals):
+    users = sharing.get(id(t._storage), ())
+    if len(users) == 1 and users[0] is t and t.dtype is d and t.shape == s and (t._storage.device is dev) and \
+       0 not in t._strides: continue  # an input updated in place, element for element (can_write_into's answer)
+    if not can_write_into(t, s, d, dev, users): return False
+  return True
 
 
 def _out_arrays(into, op_: Op):
