@@ -17,9 +17,10 @@ _FLOATS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
 
 
 def _dense_floats(name: str, xs: Sequence) -> None:
-  dev = xs[0]._storage.device if xs else None
-  for x in xs:
-    if x.dtype not in _FLOATS or x._storage.device is not dev and x._storage.device != dev:
+  dev = xs[0].device if xs else None
+  for x in xs:  # tensors or, under a capture, Avals
+    d = x.device
+    if x.dtype not in _FLOATS or d is not dev and d != dev:
       raise TypeError(f"{name}: expected float32, bfloat16 or float16 tensors on one device, got {x.dtype.name} on "
                       f"{x.device} (first: {xs[0].dtype.name} on {xs[0].device})")
 
