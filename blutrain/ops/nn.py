@@ -920,7 +920,7 @@ def _flash_attention_transposed_vjp(g, out, q, k, v, causal, scale, tf32=False):
   g, out = g.permute(0, 2, 1, 3), out.permute(0, 2, 1, 3)
   if _split_from_one_projection(q, k, v):
     packed = flash_attention_backward_packed_op(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
-    return tuple(packed[:, :, i].permute(0, 2, 1, 3) for i in range(3))
+    return tuple(t.permute(0, 2, 1, 3) for t in packed.unbind(2))
   return flash_attention_backward_op(g, q, k, v, out, causal=causal, scale=scale, tf32=tf32)
 
 
