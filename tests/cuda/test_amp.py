@@ -55,3 +55,31 @@ def test_cast_many_converts_as_cast_does(dtype):
     want = kernels["cast"](a, dtype)
     assert g.dtype is dtype and g.shape == a.shape and g.strides == want.strides
     np.testing.assert_array_equal(memory.to_numpy(g).view(np.uint16), memory.to_numpy(want).view(np.uint16))
+
+
+def test_parameter_gradients_cast_back_at_once_equal_one_cast_each(monkeypatch):
+  """The engine casts the bf16 gradients of autocast's parameter casts back to float32 as one multi-tensor op at the
+  end of the backward: the GPT's gradients are bit for bit those of one cast each, with fewer launches."""
+  from blutrain.autograd import engine
+  from blutrain.backend.cuda import kernels
+  from blutrain.ops.elementwise import cast_many_op
+  cast_each, calls = engine.cast_each, []
+  monkeypatch.setitem(cast_many_op.kernels, "cuda", lambda *xs, **kw: calls.append(len(xs)) or
+                      kernels["cast_many"](*xs, **kw))
+  rng = np.random.default_rng(1)
+  idx, tgt = (bt.tensor(rng.integers(0, 97, (4, 32))).cuda() for _ in range(2))
+
+  def grads(batched):
+    monkeypatch.setattr(engine, "cast_each", cast_each if batched else None)
+    _, gpu = _models()
+    with bt.autocast("cuda", dtype=bt.bfloat16): _, loss = gpu(idx, tgt)
+    calls.clear()
+    loss.backward()
+    return [p.grad.cpu().numpy() for p in gpu.parameters()], list(calls)
+
+  (one_by_one, none), (at_once, batched) = grads(False), grads(True)
+  # the two blocks' 8 linear weights and biases; the tied embedding, which also gets a float32 gradient, apart
+  assert none == [] and batched == [16], batched
+  for a, b in zip(at_once, one_by_one, strict=True):
+    assert a.dtype == np.float32
+    np.testing.assert_array_equal(a, b)
