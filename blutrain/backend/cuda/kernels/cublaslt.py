@@ -317,8 +317,12 @@ def matmul_bias(a: CudaArray, b: CudaArray, bias: CudaArray, tf32: bool = False,
   _check("matmul_bias", a, b)
   if bias.shape != (b.shape[-1],):
     raise ValueError(f"matmul_bias: bias of shape {bias.shape} for an output with {b.shape[-1]} columns")
-  if bias.dtype is not a.dtype or bias.strides != (1,): bias = cast(bias, a.dtype)
-  return _matmul(a, b, bias, tf32, out)
+  return _matmul(a, b, _bias_operand(bias, a.dtype), tf32, out)
+
+
+def _bias_operand(bias: CudaArray, dtype: DType) -> CudaArray:
+  """A bias as cuBLASLt's epilogue reads it: in the operands' dtype, one unit stride (else a cast copy)."""
+  return bias if bias.dtype is dtype and bias.strides == (1,) else cast(bias, dtype)
 
 
 def _transposed(a: CudaArray) -> CudaArray:
@@ -442,7 +446,7 @@ def _gelu_epilogue(a: CudaArray, b: CudaArray, xs: tuple, steps: tuple[str, ...]
   key = (a.shape, a.strides, b.shape, b.strides, a.dtype, name, tf32, a.device)
   if key in _without_gelu or 0 in shape: return None
   out, *saved = _results(a, b, steps, dtype)
-  bias = None if x is None or name == "dgelu" else x if x.dtype is a.dtype and x.strides == (1,) else cast(x, a.dtype)
+  bias = None if x is None or name == "dgelu" else _bias_operand(x, a.dtype)
   try: _matmul(a, b, bias, tf32, out, name, x if name == "dgelu" else saved[0] if saved else None)
   except NoAlgorithm:  # asked once: the heuristic's answer does not change
     _without_gelu.add(key)
