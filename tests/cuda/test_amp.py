@@ -75,11 +75,14 @@ def test_parameter_gradients_cast_back_at_once_equal_one_cast_each(monkeypatch):
     with bt.autocast("cuda", dtype=bt.bfloat16): _, loss = gpu(idx, tgt)
     calls.clear()
     loss.backward()
-    return [p.grad.cpu().numpy() for p in gpu.parameters()], list(calls)
+    return {name: p.grad.cpu().numpy() for name, p in gpu.named_parameters()}, list(calls)
 
   (one_by_one, none), (at_once, batched) = grads(False), grads(True)
   # the two blocks' 8 linear weights and biases; the tied embedding, which also gets a float32 gradient, apart
   assert none == [] and batched == [16], batched
-  for a, b in zip(at_once, one_by_one, strict=True):
-    assert a.dtype == np.float32
-    np.testing.assert_array_equal(a, b)
+  for name, a in at_once.items():
+    assert a.dtype == np.float32, name
+    if ".wte." in name or ".wpe." in name:  # the embeddings' backward adds by atomics, in no fixed order
+      np.testing.assert_allclose(a, one_by_one[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    else:
+      np.testing.assert_array_equal(a, one_by_one[name], err_msg=name)
