@@ -68,6 +68,19 @@ assert bt.cuda.memory_allocated() > 0
 """, tmp_path)
 
 
+def test_empty_launches_no_kernel_on_the_fake_gpu(tmp_path):
+  _run_fake("""
+import blutrain as bt
+x = bt.randn(64, 32, device="cuda")
+before = fake_cuda.launches[0]
+a, b = bt.empty(64, 32, device="cuda"), bt.empty_like(x)
+assert fake_cuda.launches[0] == before, "no fill kernel"
+assert a.device.type == b.device.type == "cuda" and a.shape == b.shape == (64, 32)
+b.add_(1)
+assert fake_cuda.launches[0] == before + 1
+""", tmp_path)
+
+
 def test_compiled_gpt_step_replays_as_one_cuda_graph_on_the_fake_gpu(tmp_path):
   """Nova's GPU target on the fake device: the first call runs the graph that creates AdamW's state once, the second
   runs the steady graph kernel by kernel on bound buffers, the next captures it into a CUDA graph, and a replay is one

@@ -84,6 +84,18 @@ def test_like_functions():
   assert bt.ones_like(f, requires_grad=True).requires_grad
 
 
+def test_empty_takes_pytorchs_arguments_and_is_writable():
+  assert bt.empty(2, 3).shape == (2, 3) and bt.empty((2, 3)).dtype is bt.float32
+  assert bt.empty(size=(4,), dtype=bt.bfloat16).dtype is bt.bfloat16 and bt.empty(0, 5).numel() == 0
+  assert bt.empty(3, requires_grad=True).requires_grad
+  x = bt.randn(2, 3, 4, 5).contiguous(memory_format=bt.channels_last)
+  like = bt.empty_like(x)
+  assert like.shape == x.shape and like.stride() == x.stride(), "empty_like keeps x's dense layout"
+  like.copy_(x)
+  np.testing.assert_array_equal(like.numpy(), x.numpy())
+  with pytest.raises(ValueError, match="negative dimension"): bt.empty(2, -1)
+
+
 def test_rand_randn_statistics():
   u = bt.rand(200_000).numpy()
   assert u.dtype == np.float32 and 0 <= u.min() and u.max() < 1

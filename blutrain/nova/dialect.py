@@ -251,7 +251,7 @@ class MultiResultOp(NovaOp):
 
 
 class CreationOp(SingleResultOp):
-  """A tensor made from attributes alone (full, arange)."""
+  """A tensor made from attributes alone (full, empty, arange)."""
   assembly_format = "attr-dict `:` type($result)"
 
 
@@ -318,6 +318,14 @@ class FullOp(CreationOp):
   name = "nova.full"
   shape = prop_def(INTS)
   value = prop_def(NUM)
+  dtype = prop_def(ELEMENT)
+
+
+@irdl_op_definition
+class EmptyOp(CreationOp):
+  """A tensor whose values are undefined: a buffer no kernel writes (its readers must not run before its writers)."""
+  name = "nova.empty"
+  shape = prop_def(INTS)
   dtype = prop_def(ELEMENT)
 
 
@@ -1733,7 +1741,8 @@ class YieldOp(IRDLOperation):
 COMPILER_OPS = (FusedOp, YieldOp)  # not primitives of the op library: the dialect test leaves them out
 
 Nova = Dialect("nova", [
-  FullOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp, DropoutOp, NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp,
+  FullOp, EmptyOp, ArangeOp, RandOp, RandnOp, RandintOp, BernoulliOp, DropoutOp,
+  NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, AbsOp,
   SinOp, CosOp, TanhOp, SigmoidOp, ReluOp, ErfOp, FloorOp, SignOp, TanOp, AsinOp, AcosOp, AtanOp, SinhOp, CoshOp,
   AsinhOp, AcoshOp, AtanhOp, Exp2Op, Log2Op, Log10Op, Log1pOp, Expm1Op, CeilOp, TruncOp, RoundOp, BitwiseNotOp,
   LogicalNotOp, CopyOp, GeluOp, CastOp, CastManyOp, AddOp, SubOp, MulOp, DivOp, PowOp, Atan2Op, CopysignOp, FmodOp,

@@ -35,6 +35,7 @@ def _creation_rule(*, shape, dtype, **_): return shape, dtype
 
 full_op = op("full", _creation_rule, inputs="", attrs="shape:ints value:num dtype:dtype")
 arange_op = op("arange", _creation_rule, inputs="", attrs="start:num step:num shape:ints dtype:dtype")
+empty_op = op("empty", _creation_rule, inputs="", attrs="shape:ints dtype:dtype")
 
 
 def full(size: Sequence[int], fill_value, *, dtype=None, device=None, requires_grad: bool = False,
@@ -77,8 +78,11 @@ def ones(*shape, size=None, dtype=None, device=None, requires_grad: bool = False
 
 
 def empty(*shape, size=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-  """A tensor whose values are not to be relied on (zeros here)."""
-  return zeros(*shape, size=size, dtype=dtype, device=device, requires_grad=requires_grad)
+  """A new tensor whose values are undefined (whatever its memory held): no kernel writes it, so write it before
+  reading it, as with `torch.empty`."""
+  t = empty_op(device=parse_device(device), shape=shape_from(shape, size),
+               dtype=dtypes.to_dtype(dtype) if dtype is not None else dtypes.default_float)
+  return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def laid_out_like(x: Tensor, memory_format: memory_format, make) -> Tensor:
@@ -110,7 +114,9 @@ def ones_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False
 
 def empty_like(x: Tensor, *, dtype=None, device=None, requires_grad: bool = False,
                memory_format: memory_format = preserve_format) -> Tensor:
-  return zeros_like(x, dtype=dtype, device=device, requires_grad=requires_grad, memory_format=memory_format)
+  """An `empty` tensor of x's shape, in x's dense layout (`laid_out_like`)."""
+  t = laid_out_like(x, memory_format, lambda shape: empty(shape, dtype=dtype or x.dtype, device=device or x.device))
+  return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def arange(start, end=None, step=1, *, dtype=None, device=None, requires_grad: bool = False) -> Tensor:

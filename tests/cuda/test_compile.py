@@ -159,3 +159,17 @@ def test_cat_whose_inputs_the_plan_computes_in_place_equals_eager(monkeypatch):
     if graphs == "1":
       planned = copies[4:] if copies[:4] == [(128,)] * 3 + [(3,)] else copies
       assert planned and planned == [(128,), (3,)] * (len(planned) // 2), copies
+
+
+def test_empty_buffers_filled_in_a_replayed_step_equal_eager():
+  """bt.empty on the GPU is memory no kernel writes, eager and in a replayed graph (where the plan places it): what
+  the step writes into it is what eager mode computes."""
+  def fill(x):
+    buf = bt.empty(64, 48, device="cuda")
+    buf.copy_(x * 2)
+    other = bt.empty_like(x.T)
+    other.copy_(x.T.exp())
+    return buf + other.T
+  compiled, x = bt.compile(fill), bt.randn(64, 48, device="cuda")
+  for _ in range(3): np.testing.assert_array_equal(compiled(x).cpu().numpy(), fill(x).cpu().numpy())
+  assert compiled.info["counts_before"]["empty"] == 2

@@ -148,7 +148,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
           b("arange", start=0.5, step=0.25, shape=(4,), dtype=f32),
           b("rand", rng, shape=(3, 4), dtype=f32, offset=0), b("randn", rng, shape=(3, 4), dtype=f32, offset=12),
           b("randint", rng, shape=(5,), dtype=dtypes.int64, offset=24, low=-3, high=10),
-          b("bernoulli", rng, shape=(3, 4), dtype=dtypes.bool_, offset=29, p=0.3), b("dropout", x, rng, p=0.25, offset=41)]
+          b("bernoulli", rng, shape=(3, 4), dtype=dtypes.bool_, offset=29, p=0.3), b("dropout", x, rng, p=0.25, offset=41),
+          b("where", mask, x, b("where", mask, b("empty", shape=(3, 4), dtype=f32), x))]  # selects no undefined value
   for name in ("neg", "exp", "sin", "cos", "tanh", "sigmoid", "relu", "erf", "floor", "sign", "abs", "copy", "tan", "asin",
                "acos", "atan", "sinh", "cosh", "asinh", "atanh", "exp2", "expm1", "ceil", "trunc", "round"): outs.append(b(name, x))
   for name in ("log", "sqrt", "rsqrt", "log2", "log10", "log1p", "acosh"): outs.append(b(name, pos))

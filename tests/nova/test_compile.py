@@ -127,6 +127,24 @@ def test_inference_function_and_module():
   np.testing.assert_allclose(out["parts"][1].numpy(), (a @ b.T).relu().numpy(), rtol=1e-6)
 
 
+def test_a_step_that_fills_an_empty_tensor_equals_eager():
+  """bt.empty is captured as nova.empty (a buffer no kernel writes); what the step writes into it comes out as eager
+  mode's (a capture takes whole-tensor writes into an intermediate, not writes into its views)."""
+  def fill(x):
+    buf = bt.empty(4, 6)
+    buf.copy_(x * 2)
+    other = bt.empty_like(x.T)
+    other.copy_(x.T.exp())
+    return buf + other.T, bt.empty(0, 3, dtype=bt.int64)
+  compiled = bt.compile(fill)
+  x = bt.randn(4, 6)
+  for _ in range(3):
+    (got, nothing), (want, _) = compiled(x), fill(x)
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert nothing.shape == (0, 3) and nothing.dtype is bt.int64
+  assert compiled.info["counts_before"]["empty"] == 3
+
+
 def test_guard_recaptures_on_new_shape_and_hyperparameter():
   bt.manual_seed(0)
   model = nn.Linear(4, 2)

@@ -737,19 +737,23 @@ def _fill(*, shape, value, dtype, out=None):
   return out
 
 
+def _empty(*, shape, dtype, out=None):
+  return np.empty(shape, dtype.np) if out is None else out
+
+
 def _where(c, x, y, out=None):
   if out is None: return np.where(c, x, y)
   np.copyto(out, np.where(c, x, y), casting="unsafe")
   return out
 
 
-_fill.writes_out = _where.writes_out = True
+_fill.writes_out = _empty.writes_out = _where.writes_out = True
 _UFUNCS = ("neg exp log sqrt abs sin cos tanh floor logical_not add sub mul div maximum minimum eq ne lt le gt ge "
            "logical_and logical_or logical_xor tan asin acos atan sinh cosh asinh acosh atanh exp2 log2 log10 log1p "
            "expm1 ceil trunc round atan2 copysign fmod remainder floor_divide bitwise_and bitwise_or bitwise_xor "
            "bitwise_not").split()
 kernels = {name: _writing(_upcast_halves(fn)) if name in _UFUNCS else _upcast_halves(fn) for name, fn in kernels.items()}
-kernels["full"], kernels["where"] = _fill, _where
+kernels["full"], kernels["empty"], kernels["where"] = _fill, _empty, _where
 # NOTE: the recurrent loops take their inputs in their own dtypes: they round each step's values as the ops they stand
 # for would store them
 kernels |= {"lstm_sequence": _lstm_sequence, "lstm_sequence_backward": _lstm_sequence_backward,

@@ -69,6 +69,15 @@ def full(*, shape, value, dtype: DType, out: CudaArray | None = None) -> CudaArr
 full.writes_out = True
 
 
+def empty_array(*, shape, dtype: DType, out: CudaArray | None = None) -> CudaArray:
+  """A new array of dtype on the current device, its values whatever the memory held (no kernel), or `out` as it
+  is."""
+  return empty(shape, dtype) if out is None else out
+
+
+empty_array.writes_out = True
+
+
 def arange(*, start, step, shape, dtype: DType) -> CudaArray:
   """start + step * i for i in [0, prod(shape)), in dtype on the current device (computed in float64 when any of
   dtype, start and step is floating)."""
@@ -82,7 +91,7 @@ def arange(*, start, step, shape, dtype: DType) -> CudaArray:
   return out
 
 
-KERNELS = {"full": full, "arange": arange}
+KERNELS = {"full": full, "empty": empty_array, "arange": arange}
 
 SPECS = [spec(_fill_kernel, {"out": f"*i{bits}", "n": "i32", "bits": "i64"}, dict(BLOCK=1024, IDX64=False))
          for bits in (8, 16, 32, 64)] + \
