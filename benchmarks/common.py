@@ -123,3 +123,19 @@ def table(header: list[str], rows: list[list]) -> None:
   print("| " + " | ".join(header) + " |")
   print("|" + "---|" * len(header))
   for r in rows: print("| " + " | ".join(cell(v) for v in r) + " |")
+
+
+def spread(repeats: dict, pairs: tuple, ratio) -> None:
+  """Print each pair's ratio round by round (repeated runs interleave), with the host's Python speed measured before
+  each of our runs (`host_speed_us`): a host-bound step's ratio moves with it. `repeats` maps "run/rest of the key"
+  to a list of per-round results (dicts with "host_us"), `pairs` are (ours, reference) run names, `ratio(ours, ref)`
+  a round's ratio (higher: ours faster)."""
+  for ours, ref in pairs:
+    for key in [k for k in repeats if k.startswith(ours + "/")]:
+      a, b = repeats[key], repeats.get(ref + key[len(ours):], [])
+      rounds = [(ratio(x, y), x["host_us"][0]) for x, y in zip(a, b) if "host_us" in x and "host_us" in y]
+      if not rounds: continue
+      ratios = sorted(r for r, _ in rounds)
+      print(f"{key} / {ref}: ratio median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f} "
+            f"over {len(ratios)} rounds; per round (ratio, host us): " +
+            ", ".join(f"({r:.2f}, {h:.1f})" for r, h in rounds))

@@ -8,6 +8,7 @@ PyTorch eager, compiled >= 1.0x torch.compile. Writes benchmarks/results/resnet_
   python benchmarks/resnet_lstm.py --device cpu --quick   # a small dry run of the script itself (tiny shapes)
   python benchmarks/resnet_lstm.py --order blutrain_eager --profile   # and blutrain's eager step op by op
   python benchmarks/resnet_lstm.py --models resnet18 --channels-last   # images and weights channels-last in every framework
+  python benchmarks/resnet_lstm.py --repeat 3 ...   # the order three times, interleaved: each round's ratio and host speed
 
 The models are written once against PyTorch's nn API (`resnet18(nn)`, `LSTMLM(nn)`) and built from `blutrain.nn` and
 `torch.nn`; the torch copy loads blutrain's initial state dict, so both start from the same weights.
@@ -28,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import metadata, require_gpu  # noqa: E402
+from benchmarks.common import host_speed_us, metadata, require_gpu, spread  # noqa: E402
 
 
 # *** the models, written against PyTorch's nn API ***
@@ -179,6 +180,8 @@ def main() -> None:
   ap.add_argument("--order", default="torch_eager,blutrain_eager,blutrain_compile,torch_compile")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "resnet_lstm.json"))
   ap.add_argument("--profile", action="store_true", help="print blutrain's eager step op by op (bt.profiler)")
+  ap.add_argument("--repeat", type=int, default=1, help="run the order this many times, interleaved, and report the "
+                  "ratio of every round with the host's Python speed (the first round's results are the runs')")
   ap.add_argument("--channels-last", action="store_true",
                   help="ResNet's images (so its activations) and weights channels-last")
   args = ap.parse_args()
@@ -186,7 +189,7 @@ def main() -> None:
   steps = 2 if args.quick else args.steps
   warmup = 1 if args.quick else args.warmup
   result = {**metadata("resnet_lstm", args.device), "steps": steps, "channels_last": args.channels_last, "runs": {},
-            "ratios": {}}
+            "ratios": {}, "repeat": args.repeat, "repeats": {}}
   for model in args.models.split(","):
     import blutrain as bt
     s = SHAPES[model][args.device == "cpu" and args.quick]
@@ -195,21 +198,27 @@ def main() -> None:
     data = batches(model, s, warmup + steps)
     result[model] = s
     for precision in args.precisions.split(","):
-      for name in args.order.split(","):
+      for rep, name in ((rep, name) for rep in range(args.repeat) for name in args.order.split(",")):
         framework, mode = name.split("_")
         try:
+          host_us = host_speed_us()
           r = run(framework, model, s, state, data, precision, args.device, warmup, mode == "compile",
-                  args.profile, args.channels_last)
-          r["items_per_s"] = s["batch"] / r["step_s"]
+                  args.profile and rep == 0, args.channels_last)
+          r["items_per_s"], r["host_us"] = s["batch"] / r["step_s"], [host_us, host_speed_us()]
         except Exception as e:  # a failed run is reported, not hidden
           r = {"error": f"{type(e).__name__}: {e}"}
-        result["runs"][f"{model}/{precision}/{name}"] = r
+        if rep == 0: result["runs"][f"{model}/{precision}/{name}"] = r
+        result["repeats"].setdefault(f"{name}/{model}/{precision}", []).append(
+          {k: r[k] for k in ("step_s", "items_per_s", "host_us") if k in r})
         print(model, precision, name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()
                                        if k not in ("losses", "step_times_s")}, flush=True)
       for ours, ref in (("blutrain_eager", "torch_eager"), ("blutrain_compile", "torch_compile")):
         a, b = (result["runs"].get(f"{model}/{precision}/{n}", {}) for n in (ours, ref))
         if "step_s" in a and "step_s" in b:
           result["ratios"][f"{model}/{precision}/{ours}"] = b["step_s"] / a["step_s"]
+  if args.repeat > 1:
+    spread(result["repeats"], (("blutrain_eager", "torch_eager"), ("blutrain_compile", "torch_compile")),
+           lambda ours, ref: ref["step_s"] / ours["step_s"])
   Path(args.out).parent.mkdir(exist_ok=True)
   Path(args.out).write_text(json.dumps(result, indent=1))
   print("| run | speed vs PyTorch (target: eager >= 0.9, compiled >= 1.0) |")

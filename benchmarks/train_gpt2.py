@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import host_speed_us  # noqa: E402
+from benchmarks.common import host_speed_us, spread  # noqa: E402
 
 
 def _timed(step, batches, warmup: int, sync, after_warmup=lambda: None) -> dict:
@@ -172,21 +172,6 @@ def run_jax(cfg, state, batches, precision: str, warmup: int, device: str = "cud
     return json.loads(out.read_text())
 
 
-def _spread(repeats: dict) -> None:
-  """Each pair's ratio round by round (repeated runs interleave), with the host's Python speed measured before each
-  of our runs (`host_speed_us`): a host-bound step's ratio moves with it."""
-  for ours, ref in (("blutrain_eager", "torch_eager"), ("blutrain_compile", "torch_compile")):
-    for key in [k for k in repeats if k.startswith(ours + "/")]:
-      a, b = repeats[key], repeats.get(ref + key[len(ours):], [])
-      pairs = [(x["tokens_per_s"] / y["tokens_per_s"], x["host_us"][0]) for x, y in zip(a, b)
-               if "tokens_per_s" in x and "tokens_per_s" in y]
-      if not pairs: continue
-      ratios = sorted(r for r, _ in pairs)
-      print(f"{key} / {ref}: ratio median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f} "
-            f"over {len(ratios)} rounds; per round (ratio, host us): " +
-            ", ".join(f"({r:.2f}, {h:.1f})" for r, h in pairs))
-
-
 def _isolated(name: str, precision: str, args) -> dict:
   """The run `name` in `precision` by this script in a process of its own; its result dict."""
   with tempfile.TemporaryDirectory() as tmp:
@@ -278,7 +263,9 @@ def main() -> None:
                    _gib(ours), _gib(ref), ours["step_s"] * 1e3,
                    ours["enqueue_s"] * 1e3, ours["first_step_s"],
                    max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))))
-  if args.repeat > 1: _spread(result["repeats"])
+  if args.repeat > 1:
+    spread(result["repeats"], (("blutrain_eager", "torch_eager"), ("blutrain_compile", "torch_compile")),
+           lambda ours, ref: ours["tokens_per_s"] / ref["tokens_per_s"])
   Path(args.out).parent.mkdir(exist_ok=True)
   Path(args.out).write_text(json.dumps(result, indent=1))
   print("| precision | blutrain tok/s | torch eager tok/s | ratio | blutrain peak GiB | torch peak GiB "
