@@ -133,6 +133,11 @@ def _settle(leaf_grads: dict, deferred: set | None, leaf: Tensor) -> None:
     leaf_grads[id(leaf)] = leaf_grads[id(leaf)].to(leaf.dtype)
 
 
+def _free(node: Node) -> None:
+  """Drop what a node kept for its VJP once the VJP has run (a second backward through it then raises)."""
+  node.saved, node.out, node.versions, node.freed = None, None, (), True
+
+
 def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, captured: dict, owned: set,
            retain_graph: bool, capture, deferred: set | None = None) -> None:
   """Run one node of the reverse walk: its hooks, its VJP, and the accumulation of its inputs' gradients. The first
@@ -147,13 +152,13 @@ def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, capture
   _check_saved(node)
   is_slice = node.op.name == "slice" and node.parents[0] is not None
   if is_slice and _add_into_slice(node, g, node_grads if isinstance(node.parents[0], Node) else leaf_grads, owned):
-    if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+    if not retain_graph: _free(node)
     return
   leaf = node.parents[0] if node.op.name == "cast" else None
   if deferred is not None and isinstance(leaf, Tensor) and id(leaf) not in leaf_grads:
     leaf_grads[id(leaf)], leaves[id(leaf)] = g, leaf  # the cast VJP, g.to(leaf.dtype), waits
     deferred.add(id(leaf))
-    if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+    if not retain_graph: _free(node)
     return
   attrs = {**node.attrs, "needs": tuple(p is not None for p in node.parents)} if node.op.vjp_needs else node.attrs
   in_grads = node.op.vjp(g, node.out, *node.saved, **attrs)
@@ -169,7 +174,7 @@ def _visit(node: Node, node_grads: dict, leaf_grads: dict, leaves: dict, capture
       _settle(leaf_grads, deferred, parent)
       _accumulate(leaf_grads, id(parent), ig, owned, is_slice)
       leaves[id(parent)] = parent
-  if not retain_graph: node.saved, node.out, node.versions, node.freed = None, None, (), True
+  if not retain_graph: _free(node)
 
 
 def _seed(outputs, grad_outputs, op_name: str):
