@@ -1,7 +1,7 @@
 """Launch overhead on the GPU: microseconds per call of a tiny elementwise op (x.add_(1) and x + y on 1 and 4096 float32
 elements) through blutrain's whole eager dispatch, through a raw launch of the same compiled Triton kernel
-(`launch.compile(...)`, then `Kernel(grid, *args)`), through the driver's cuLaunchKernel alone (its ctypes call with
-the arguments packed once), and through PyTorch's eager ops. Per variant and trial: host time
+(`launch.compile(...)`, then `Kernel(grid, *args)`), through the driver's cuLaunchKernel alone with the arguments
+packed once (by the C launcher that launches use, and through ctypes), and through PyTorch's eager ops. Per variant and trial: host time
 per call to issue `--calls` back-to-back calls, the same until synchronized, and GPU time per call (500 calls queued
 behind long copies, so that they run back to back). Medians of the trials; writes
 benchmarks/results/launch_overhead.json and prints a markdown table.
@@ -24,26 +24,30 @@ from benchmarks.common import ROOT, copy_pad, metadata, require_gpu, table, writ
 
 GPU_CALLS = 500  # calls timed on the GPU side: fewer than CUDA's launch queue holds, so the host never waits
 RAW = "blutrain raw kernel launch (x + y)"
-DRIVER = "cuLaunchKernel alone (ctypes, arguments packed once)"
+DRIVER = "cuLaunchKernel alone (the C launcher, arguments packed once)"
+CTYPES = "cuLaunchKernel alone (ctypes, arguments packed once)"
 
 
-def raw_add(x: bt.Tensor, y: bt.Tensor, out: bt.Tensor, driver_only: bool = False):
+def raw_add(x: bt.Tensor, y: bt.Tensor, out: bt.Tensor, via: str = ""):
   """out = x + y by the elementwise kernel the op library picks for contiguous float32 operands, launched directly
-  (`Kernel.__call__`), or with `driver_only` by the bare ctypes call of cuLaunchKernel with the arguments that call
-  packed (what a launch costs below blutrain's Python)."""
-  from blutrain.backend.cuda import launch, runtime
+  (`Kernel.__call__`), or by the bare call of cuLaunchKernel with the arguments that call packed (what a launch costs
+  below blutrain's Python), `via` the C launcher ("launcher") or ctypes ("ctypes")."""
+  import ctypes
+  from blutrain.backend.cuda import launch, launcher, runtime
   from blutrain.shapes import cdiv
   from blutrain.backend.cuda.kernels.elementwise import flat_spec
   n = x.numel()
   fn, signature, constexprs, options = flat_spec("add", x.dtype, (x.dtype, y.dtype), (False, False), n, True, False)
   kernel = launch.compile(fn, signature, constexprs, **options)
   grid, a, b, o = (cdiv(n, constexprs["BLOCK"]),), x._array(), y._array(), out._array()
-  if not driver_only: return lambda: kernel(grid, o, a, b, b, n)
+  if not via: return lambda: kernel(grid, o, a, b, b, n)
   kernel(grid, o, a, b, b, n)
   _, _, head = kernel._launches[grid]
-  slots, stream, cu_launch = kernel._parameters(), runtime.launch_stream(None).c_handle, runtime.launch_function()
+  cu_launch = runtime.launch_function() if via == "launcher" else \
+    launcher.ctypes_launch(ctypes.PyDLL("libcuda.so.1").cuLaunchKernel)
+  slots, stream = kernel._parameters(), runtime.launch_stream(None).handle
   kernel._pack(slots.slots, o, a, b, b, n)
-  return lambda: cu_launch(*head, stream, slots.addresses, None)
+  return lambda: cu_launch(head, stream, slots.address)
 
 
 def measure(fn, calls: int, trials: int, event=None, sync=None, pad=None) -> dict:
@@ -94,11 +98,13 @@ def main() -> None:
                 "blutrain eager x + y": (lambda: x + y, ours_clock, ours_pad),
                 "torch x.add_(1)": (lambda: tx.add_(1), torch_clock, torch_pad),
                 "torch x + y": (lambda: tx + ty, torch_clock, torch_pad)}
-    if gpu: variants[RAW] = variants[DRIVER] = (None, ours_clock, ours_pad)  # made below, where a failure is caught
+    if gpu:  # made below, where a failure is caught
+      variants[RAW] = variants[DRIVER] = variants[CTYPES] = (None, ours_clock, ours_pad)
     for name, (fn, clock, pad) in variants.items():
       try:
-        r = measure(fn or raw_add(x, y, out, name == DRIVER), args.calls, args.trials, *clock, pad)
-        if name in (RAW, DRIVER):  # x is no longer changed: out must hold the last x + y
+        via = {DRIVER: "launcher", CTYPES: "ctypes"}.get(name, "")
+        r = measure(fn or raw_add(x, y, out, via), args.calls, args.trials, *clock, pad)
+        if name in (RAW, DRIVER, CTYPES):  # x is no longer changed: out must hold the last x + y
           bt.cuda.synchronize()
           r["correct"] = torch.equal(torch.from_dlpack(out), torch.from_dlpack(x) + torch.from_dlpack(y))
       except Exception as e:  # a failed variant is reported, not hidden

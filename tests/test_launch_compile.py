@@ -160,8 +160,8 @@ def _stubbed(k: launch.Kernel, monkeypatch, grid, streams: dict) -> list:
 
 def test_a_launch_on_another_stream_records_its_arrays_there(monkeypatch):
   k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
-  compute = types.SimpleNamespace(device=0, is_default=True, c_handle="compute")
-  side = types.SimpleNamespace(device=0, is_default=False, c_handle="side")
+  compute = types.SimpleNamespace(device=0, is_default=True, handle="compute")
+  side = types.SimpleNamespace(device=0, is_default=False, handle="side")
   launched = _stubbed(k, monkeypatch, (4,), {0: compute})
 
   class Owner:
@@ -171,17 +171,17 @@ def test_a_launch_on_another_stream_records_its_arrays_there(monkeypatch):
   a, b = Owner(), Owner()
   x, out = array(1 << 40, 10, a), array(2 << 40, 10, b)
   k((4,), x, 3 << 40, out, 10, 2.5)
-  assert a.uses == b.uses == [] and launched[-1][:8] == ("function", 4, 1, 1, 128, 1, 1, 0)
-  assert launched[-1][8] == "compute" and launched[-1][10] is None
-  params = ctypes.cast(launched[-1][9], ctypes.POINTER(ctypes.c_void_p))
+  assert a.uses == b.uses == [] and launched[-1][0] == ("function", 4, 1, 1, 128, 1, 1, 0)
+  assert launched[-1][1] == "compute"
+  params = ctypes.cast(launched[-1][2], ctypes.POINTER(ctypes.c_void_p))
   assert [ctypes.c_uint64.from_address(params[i]).value for i in range(3)] == [1 << 40, 3 << 40, 2 << 40]
   k((4,), x, 3 << 40, out, 10, 2.5, stream=side)
-  assert a.uses == b.uses == [side] and launched[-1][8] == "side"
+  assert a.uses == b.uses == [side] and launched[-1][1] == "side"
 
 
 def test_threads_pack_into_buffers_of_their_own(monkeypatch):
   k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
-  compute = types.SimpleNamespace(device=0, is_default=True, c_handle="compute")
+  compute = types.SimpleNamespace(device=0, is_default=True, handle="compute")
   launched = _stubbed(k, monkeypatch, (4,), {0: compute})
   k((4,), 1 << 40, 2 << 40, 3 << 40, 10, 2.5)
 
@@ -192,7 +192,7 @@ def test_threads_pack_into_buffers_of_their_own(monkeypatch):
   t = threading.Thread(target=other_thread)
   t.start()
   t.join()
-  assert len(launched) == 2 and len(k._buffers) == 2 and launched[0][9] is not launched[1][9]
+  assert len(launched) == 2 and len(k._buffers) == 2 and launched[0][2] != launched[1][2]
 
 
 def test_per_launch_host_overhead(monkeypatch):
@@ -200,7 +200,7 @@ def test_per_launch_host_overhead(monkeypatch):
   call stubbed out. Printed for the record (benchmarks/launch_overhead.py measures whole launches on the GPU)."""
   k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
   x, y, out = array(1 << 40, 10), array(2 << 40, 10), array(3 << 40, 10)
-  stream = types.SimpleNamespace(device=0, is_default=True, c_handle="stream")
+  stream = types.SimpleNamespace(device=0, is_default=True, handle="stream")
   _stubbed(k, monkeypatch, (4,), {0: stream})
   k._launch = lambda *args: 0
   buf = launch._Parameters(7)

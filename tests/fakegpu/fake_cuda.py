@@ -110,13 +110,12 @@ class FakeLt:
   def matmul(self, *a): pass
 
 
-def fake_launch_kernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
-  """cuLaunchKernel's contract, checked: ctypes arguments, a grid and block in range, a stream and the parameters'
-  addresses."""
+def fake_launch_kernel(head, stream, params) -> int:
+  """The launcher's contract (`blutrain.backend.cuda.launcher`), checked: ints, a grid and block in range, a stream
+  and the address of the parameters' addresses."""
   launches[0] += 1
-  dims = [v.value for v in (gx, gy, gz, bx, by, bz)]
-  assert all(n > 0 for n in dims) and dims[3] <= 1024 and shared.value <= 227 << 10, dims
-  assert isinstance(f, ctypes.c_void_p) and stream.value and ctypes.addressof(params) and extra is None
+  assert type(head) is tuple and len(head) == 8 and set(map(type, (*head, stream, params))) == {int}, head
+  assert min(head[1:7]) > 0 and head[4] <= 1024 and head[7] <= 227 << 10 and stream and params, head
   return 0
 
 

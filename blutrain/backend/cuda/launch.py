@@ -12,9 +12,9 @@ Launch: Triton 3.6 kernels take two more pointers after the signature's argument
 profiler scratch buffer, each `grid size * size` bytes when the metadata's size is non-zero (else NULL); all of
 Triton's shared memory is dynamic, and above 48 KiB the kernel must opt in to it. Each Kernel generates one packing
 function at creation, so a launch writes its arguments into 8-byte parameter slots with a single `struct` call (no
-per-argument dispatch), and calls the driver's cuLaunchKernel through ctypes with arguments made once per grid and
-stream (`runtime.launch_function`). A thread packs into a buffer of its own, so threads may launch one kernel at
-once. On the H200 machine the driver's own work is most of a launch (about 5 us).
+per-argument dispatch), and calls the driver's cuLaunchKernel with the rest of its arguments made once per grid
+(`runtime.launch_function`: a small C extension, see `launcher`). A thread packs into a buffer of its own, so threads
+may launch one kernel at once. On the H200 machine the driver's own work is most of a launch (3.8 us of 5.5).
 """
 from __future__ import annotations
 
@@ -201,13 +201,14 @@ def _pointer(v: Any, kernel: str, name: str) -> int:
 
 class _Parameters:
   """One thread's parameter buffer of a kernel: an 8-byte slot per parameter (the two scratch pointers last) and the
-  array of the slots' addresses, which cuLaunchKernel reads them through (a ctypes array passes as its address)."""
-  __slots__ = ("slots", "addresses")
+  array of the slots' addresses, which cuLaunchKernel reads them through (`address`: that array's)."""
+  __slots__ = ("slots", "addresses", "address")
 
   def __init__(self, n: int):
     self.slots = (ctypes.c_uint64 * n)()
     base = ctypes.addressof(self.slots)
     self.addresses = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+    self.address = ctypes.addressof(self.addresses)
 
 
 class Kernel:
@@ -226,8 +227,8 @@ class Kernel:
       raise RuntimeError(f"{c.name}: scratch alignment above the allocator's 512 B")
     self.compiled, self.name, self.num_warps, self.shared = c, c.name, c.num_warps, c.shared
     self._loaded: dict[int, Any] = {}       # device -> cuda.core Kernel, kept alive with its library
-    self._launches: dict[Any, tuple] = {}   # grid -> (device, number of programs, cuLaunchKernel's arguments up to
-    # the stream, as ctypes objects: the kernel's CUfunction in the device's context, grid, block and shared memory)
+    self._launches: dict[Any, tuple] = {}   # grid -> (device, number of programs, the launch's head: the kernel's
+    # CUfunction in the device's context, grid, block and shared memory, as ints)
     self._buffers: dict[int, _Parameters] = {}  # thread id -> its parameter buffer
     self._scratch = c.global_scratch_size > 0 or c.profile_scratch_size > 0
     self._n_params = len(c.params)
@@ -305,14 +306,14 @@ class Kernel:
     return g
 
   def _prepare(self, grid: Any, device: int) -> tuple:
-    """The launch entry of `grid` on `device`: (device, number of programs, cuLaunchKernel's arguments up to the
-    stream: the kernel's handle, grid, block and shared memory); no programs: nothing to launch."""
+    """The launch entry of `grid` on `device`: (device, number of programs, the launch's head: the kernel's handle,
+    grid, block and shared memory); no programs: nothing to launch."""
     g = self._grid_dims(grid)
     drv = runtime.driver()
     self._launch = runtime.launch_function()
     fn = runtime.check(drv.cuKernelGetFunction(drv.CUkernel(int(self._load(device).handle))),
                        f"{self.name}: cuKernelGetFunction on cuda:{device}")
-    head = (ctypes.c_void_p(int(fn)), *(ctypes.c_uint(n) for n in (*g, 32 * self.num_warps, 1, 1, self.shared)))
+    head = (int(fn), *g, 32 * self.num_warps, 1, 1, self.shared)
     if len(self._launches) > 4096: self._launches.clear()
     entry = self._launches[grid] = (device, math.prod(g), head)
     return entry
@@ -337,7 +338,7 @@ class Kernel:
       c = self.compiled
       scratch = [s.allocator.malloc(programs * size, s) for size in (c.global_scratch_size, c.profile_scratch_size)]
       _SCRATCH.pack_into(buf.slots, 8 * self._n_params, scratch[0].ptr, scratch[1].ptr)
-    err = self._launch(*head, s.c_handle, buf.addresses, None)
+    err = self._launch(head, s.handle, buf.address)
     if err: runtime.check((err,), f"launching {self.name} on cuda:{s.device}")
 
   def __repr__(self) -> str:

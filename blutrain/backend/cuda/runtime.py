@@ -10,13 +10,13 @@ current stream only.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from blutrain.backend.cuda import launcher
 from blutrain.backend.cuda.allocator import CachingAllocator
 from blutrain.configurator import H200, Hardware
 
@@ -73,14 +73,9 @@ def unavailable_reason() -> str:
 
 
 @functools.cache
-def launch_function() -> Any:
-  """The driver's cuLaunchKernel, called through ctypes with arguments that are ctypes objects made once (so no
-  Python int is converted per call). NOTE: through PyDLL, which keeps the GIL during the call: releasing and taking
-  it back cost 0.7 us of a 6 us launch on the H200 machine (2026-12-01; cuda.bindings' cuLaunchKernel, which
-  releases it, took 5.8 us, this 5.3), and a launch only waits when CUDA's launch queue is full."""
-  f = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
-  f.restype = ctypes.c_int
-  return f
+def launch_function() -> launcher.Launch:
+  """The driver's cuLaunchKernel as `launch(head, stream, params)` (see `launcher`), made once."""
+  return launcher.driver_launch()
 
 
 def device_count() -> int:
@@ -227,10 +222,9 @@ class Stream:
   current device. Lower `priority` numbers run first (None: the lowest priority). Each Stream object owns its CUDA
   stream, so streams compare (and hash) by identity.
 
-  What launches need is kept on it: the device's `allocator`, the handle as a ctypes argument (`c_handle`) and
-  whether it is the device's default (compute) stream, on which a launch records no cross-stream uses; and the `side`
+  What launches need is kept on it: the device's `allocator`, the raw `handle` and whether it is the device's default (compute) stream, on which a launch records no cross-stream uses; and the `side`
   stream that `graphs.overlapped` work queued from this one runs on (a graph pool's own), else None."""
-  __slots__ = ("_s", "device", "handle", "c_handle", "allocator", "is_default", "side", "__weakref__")
+  __slots__ = ("_s", "device", "handle", "allocator", "is_default", "side", "__weakref__")
 
   def __init__(self, device: int | None = None, priority: int | None = None):
     self._create(state(device), priority, False)
@@ -240,7 +234,6 @@ class Stream:
     self._s = st.device.create_stream(options=StreamOptions(nonblocking=True, priority=priority))
     self.device, self.handle, self.allocator, self.is_default = st.index, int(self._s.handle), st.allocator, default
     self.side = None
-    self.c_handle = ctypes.c_void_p(self.handle)
 
   @property
   def cuda_stream(self) -> int:
