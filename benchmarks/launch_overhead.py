@@ -1,5 +1,5 @@
-"""Launch overhead on the GPU: microseconds per call of a tiny elementwise op (x.add_(1) and x + y on 1 and 4096 float32
-elements) through blutrain's whole eager dispatch, through a raw launch of the same compiled Triton kernel
+"""Launch overhead on the GPU: microseconds per call of a tiny op (x.add_(1), x + y and x.sum(-1) on 1 and 4096
+float32 elements) through blutrain's whole eager dispatch, through a raw launch of the same compiled Triton kernel
 (`launch.compile(...)`, then `Kernel(grid, *args)`), through the driver's cuLaunchKernel alone with the arguments
 packed once (by the C launcher that launches use, and through ctypes), and through PyTorch's eager ops. Per variant and trial: host time
 per call to issue `--calls` back-to-back calls, the same until synchronized, and GPU time per call (500 calls queued
@@ -96,8 +96,10 @@ def main() -> None:
     x, y, out = bt.from_dlpack(tx).clone(), bt.from_dlpack(ty).clone(), bt.empty(n, device=dev)
     variants = {"blutrain eager x.add_(1)": (lambda: x.add_(1), ours_clock, ours_pad),
                 "blutrain eager x + y": (lambda: x + y, ours_clock, ours_pad),
+                "blutrain eager x.sum(-1)": (lambda: x.sum(-1), ours_clock, ours_pad),
                 "torch x.add_(1)": (lambda: tx.add_(1), torch_clock, torch_pad),
-                "torch x + y": (lambda: tx + ty, torch_clock, torch_pad)}
+                "torch x + y": (lambda: tx + ty, torch_clock, torch_pad),
+                "torch x.sum(-1)": (lambda: tx.sum(-1), torch_clock, torch_pad)}
     if gpu:  # made below, where a failure is caught
       variants[RAW] = variants[DRIVER] = variants[CTYPES] = (None, ours_clock, ours_pad)
     for name, (fn, clock, pad) in variants.items():
