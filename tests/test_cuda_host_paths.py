@@ -183,6 +183,47 @@ print("ok")
   assert "ok" in _run_fake(code, tmp_path)
 
 
+def test_a_compiled_cnn_step_binds_its_nchw_images_channels_last_on_the_fake_gpu(tmp_path):
+  """A compiled step whose NCHW argument reaches a convolution (through autocast's cast) binds it channels-last, so
+  the convolutions run on channels-last operands; an argument that reaches none, and a step that returns a 4-D tensor
+  (whose strides the caller would see), keep the argument's own layout."""
+  code = """
+import blutrain as bt
+from blutrain.backend import cuda
+seen = []
+def spy(x, w, *a, _conv=cuda.kernels["conv"], **k):
+  seen.append(x.strides)
+  return _conv(x, w, *a, **k)
+cuda.kernels["conv"] = spy
+cnn = bt.nn.Sequential(bt.nn.Conv2d(3, 8, 3, padding=1, bias=False), bt.nn.BatchNorm2d(8), bt.nn.ReLU(),
+                       bt.nn.Conv2d(8, 8, 3, padding=1), bt.nn.Flatten(), bt.nn.Linear(200, 4)).to("cuda")
+opt = bt.optim.SGD(cnn.parameters(), lr=0.1, momentum=0.9)
+@bt.compile
+def step(x, y, z):
+  with bt.autocast(device_type="cuda", dtype=bt.bfloat16):
+    loss = bt.nn.functional.cross_entropy(cnn(x), y) + z.sum()
+  loss.backward()
+  opt.step(); opt.zero_grad()
+  return loss
+x, y, z = bt.randn(2, 3, 5, 5, device="cuda"), bt.randint(4, (2,)).to("cuda"), bt.randn(2, 3, 5, 5, device="cuda")
+step(x, y, z)  # the capture, on the call's own tensors
+seen.clear()
+for _ in range(2): step(x, y, z)
+exe = next(iter(step._entries.values()))
+assert [b.strides for b in exe.static if b.shape == (2, 3, 5, 5)] == [(75, 1, 15, 3), (75, 25, 5, 1)]
+assert len(seen) == 4 and all(s[1] == 1 for s in seen), seen  # every convolution's input channels-last
+assert x.stride() == (75, 25, 5, 1)
+@bt.compile
+def features(x): return cnn[0](x)
+with bt.no_grad():
+  for _ in range(3): out = features(x)
+exe = next(iter(features._entries.values()))
+assert exe.channels_last == frozenset() and out.stride() == (200, 25, 5, 1)
+print("ok")
+"""
+  assert "ok" in _run_fake(code, tmp_path)
+
+
 def test_compiled_step_places_its_buffers_by_the_memory_plan_on_the_fake_gpu(tmp_path):
   """The graph's pool cuts one arena of the plan's size; the results the plan places come from it at their offsets
   (announced by `expect`), and only temporaries the plan does not see (kernels' scratch, a view that needs a copy)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from blutrain import amp, backend, backends
+from blutrain import amp, backend, backends, shapes
 from blutrain.backend import collective
 from blutrain.device import Device
 from blutrain.backend.cuda.allocator import OutOfMemoryError, format_size
@@ -256,6 +256,7 @@ class GraphExecutable(Executable):
   def __init__(self, *args):
     super().__init__(*args)
     self.static: list | None = None
+    self.channels_last = _conv_images(args[1], args[2])  # positions of the batch's images, bound channels-last
     self.pool = self.graph = None
     self.outs: tuple = ()
     self.bound: tuple = ([], [])  # the storages' weak references of the sources living across calls (Refs), their data
@@ -268,8 +269,8 @@ class GraphExecutable(Executable):
     from blutrain.backend.cuda import memory, runtime
     if self.static is None:
       self.static = [memory.from_numpy(np.asarray(s.array(leaves))) if hasattr(s, "array") else
-                     _copy(s.tensor(leaves)._array()) if isinstance(s, Arg) else s.tensor(leaves)._array()
-                     for s in self.sources]
+                     _copy(s.tensor(leaves)._array(), i in self.channels_last) if isinstance(s, Arg) else
+                     s.tensor(leaves)._array() for i, s in enumerate(self.sources)]
       refs = [s.storage for s in self.sources if isinstance(s, Ref)]
       self.bound = (refs, [s.storage_of(leaves).data for s in self.sources if isinstance(s, Ref)])
       self.fed = [(s, buf) for s, buf in zip(self.sources, self.static) if not isinstance(s, Ref)]
@@ -423,14 +424,32 @@ def _scratch(arrays: list) -> list:
           for a, (lo, _) in zip(arrays, spans)]
 
 
-def _copy(a):
+def _copy(a, channels_last: bool = False):
   """A device copy of a CudaArray in its dense layout (a call's tensor's own buffer in a graph: a channels-last batch
-  stays channels-last), contiguous when it is not dense."""
+  stays channels-last), contiguous when it is not dense; channels-last when asked (`_conv_images`)."""
   from blutrain.backend.cuda import memory
-  from blutrain.backend.cuda.kernels import empty_like
-  out = empty_like(a)
+  from blutrain.backend.cuda.kernels import empty_like, empty_ordered
+  out = empty_ordered(a.shape, a.dtype, a.device, shapes.channels_last.order(4)) if channels_last else empty_like(a)
   memory.copy_into(out, a)
   return out
+
+
+def _conv_images(trace: Trace, spec: list) -> frozenset[int]:
+  """The positions of a step's 4-D arguments that reach a 2-D convolution's input (through casts), which a GPU step
+  binds channels-last: each kernel writes its output in its input's dense layout, so the whole network then runs
+  channels-last, the layout cuDNN's Hopper kernels compute in (NCHW operands cost a transpose before and after each
+  convolution). Values are the same in any layout; none when a returned tensor or a gradient has 4 dims, whose
+  strides the caller would see change."""
+  g = trace.graph
+  if any(kind in ("return", "grad", "new") and len(v.shape) == 4 for (kind, _), v in zip(spec, g.outputs)): return frozenset()
+  casts = {e.outs[0]: e.inputs[0] for e in g.equations if e.op == "cast"}
+  images = set()
+  for e in g.equations:
+    if e.op == "conv" and len(e.inputs[0].shape) == 4:
+      x = e.inputs[0]
+      while x in casts: x = casts[x]
+      images.add(x)
+  return frozenset(i for i, (s, v) in enumerate(zip(trace.sources, g.inputs)) if isinstance(s, Arg) and v in images)
 
 
 def held_outside(trace: Trace, leaves: list) -> int:
