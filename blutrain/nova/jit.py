@@ -441,7 +441,8 @@ def _conv_images(trace: Trace, spec: list) -> frozenset[int]:
   convolution). Values are the same in any layout; none when a returned tensor or a gradient has 4 dims, whose
   strides the caller would see change."""
   g = trace.graph
-  if any(kind in ("return", "grad", "new") and len(v.shape) == 4 for (kind, _), v in zip(spec, g.outputs)): return frozenset()
+  if any(kind in ("return", "grad", "new") and len(v.shape) == 4 for (kind, _), v in zip(spec, g.outputs)):
+    return frozenset()
   casts = {e.outs[0]: e.inputs[0] for e in g.equations if e.op == "cast"}
   images = set()
   for e in g.equations:
