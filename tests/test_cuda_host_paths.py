@@ -211,7 +211,8 @@ seen.clear()
 for _ in range(2): step(x, y, z)
 exe = next(iter(step._entries.values()))
 assert [b.strides for b in exe.static if b.shape == (2, 3, 5, 5)] == [(75, 1, 15, 3), (75, 25, 5, 1)]
-assert len(seen) == 4 and all(s[1] == 1 for s in seen), seen  # every convolution's input channels-last
+# every convolution's input channels-last (how many calls: the compile-ahead dry run runs only on a disk-cache miss)
+assert len(seen) >= 2 and all(s[1] == 1 for s in seen), seen
 assert x.stride() == (75, 25, 5, 1)
 @bt.compile
 def features(x): return cnn[0](x)
