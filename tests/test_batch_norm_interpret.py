@@ -1,8 +1,8 @@
 """The CUDA batch-norm kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since
 it must be set before Triton is imported) runs the statistics, forward and backward kernels, launched as
 `norm.reduce_plan` and `norm.apply_plan` say, on torch CPU tensors (test-only) in NCHW, channels-last and strided
-layouts, against the CPU backend's float64 kernels; the finalize kernel alone over many splits; the running
-statistics' update against PyTorch's."""
+layouts, against the CPU backend's float64 kernels; the forward with Nova's epilogue (a residual added, relu) against
+the CPU kernel's; the finalize kernel alone over many splits; the running statistics' update against PyTorch's."""
 import numpy as np
 
 from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
@@ -97,6 +97,45 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> 
   close("dx", dx, want_dx, tol if dtype != "fp32" else 1e-4)  # dx subtracts nearly equal terms
 
 
+EPILOGUES = [  # (shape, layout of x, layout of the residual (None: no residual), dtype, relu)
+  ((4, 6, 5, 7), "channels_last", "nchw", "bf16", True),
+  ((8, 3, 4, 4), "nchw", "nchw", "fp32", False),
+  ((3, 4, 2, 3, 5), "strided", None, "fp32", True),
+  ((9, 5), "nchw", "nchw", "fp64", True),
+]
+
+
+def _run_epilogue(shape, x_layout, r_layout, dtype, relu) -> None:
+  """relu(batch_norm(x) + residual) in one kernel against the CPU kernel, which rounds as the separate ops do."""
+  import ml_dtypes
+  import torch
+  from blutrain import dtypes
+  from blutrain.backend.cpu.kernels import kernels as cpu
+  from blutrain.backend.cuda.kernels import norm as K
+  dt = {"fp32": dtypes.float32, "bf16": dtypes.bfloat16, "fp64": dtypes.float64}[dtype]
+  tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[dtype]
+  acc, tacc = (dtypes.float64, torch.float64) if dtype == "fp64" else (dtypes.float32, torch.float32)
+  rng = np.random.default_rng(len(shape) + shape[0])
+  C, eps = shape[1], 1e-5
+  x = _layout(torch.tensor(rng.standard_normal(shape) * 3 - 1).to(tdt), x_layout)
+  r = None if r_layout is None else _layout(torch.tensor(rng.standard_normal(shape)).to(tdt), r_layout)
+  mean, var = (torch.tensor(v, dtype=tacc) for v in (rng.standard_normal(C) - 1, rng.uniform(4, 12, C)))
+  w, b = (torch.tensor(rng.standard_normal(C), dtype=tacc) for _ in range(2))
+  out = torch.empty_like(x)
+  s, grid, scalars = K.apply_plan("forward", dt, None if r is None else dt, dt, acc, acc, acc, acc, shape, x.stride(),
+                                  (x if r is None else r).stride(), out.stride(), eps, relu)
+  s[0][grid](out, x, x if r is None else r, mean, var, w, b, mean, *scalars, **s.constexprs)
+
+  def host(t):  # the array in its own dtype, as the CPU backend holds it
+    if t is None: return None
+    return t.float().numpy().astype(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+  want = cpu["batch_norm"](host(x), *(host(t) for t in (mean, var, w, b, r)), eps=eps, training=True, relu=relu)
+  got = out.double().numpy()
+  err = np.abs(got - want.astype(np.float64)).max() / np.abs(want.astype(np.float64)).max()
+  assert err < {"fp32": 1e-6, "bf16": 2e-2, "fp64": 1e-12}[dtype], (shape, x_layout, r_layout, dtype, relu, err)
+  if relu: assert (got >= 0).all() and (got == 0).mean() > 0.2, (shape, dtype)
+
+
 def _run_finalize(S: int, C: int, grad: bool) -> None:
   """The finalize kernel alone on S splits' partials (more than a step of its tile, the last split short): Welford
   merges of (mean, M2) against the merge in float64, or plain sums with `grad`."""
@@ -143,6 +182,7 @@ def _run_running_stats() -> None:
 def main() -> None:
   patch_interpreter_loop_bounds()
   for case in CASES: _run_case(*case)
+  for case in EPILOGUES: _run_epilogue(*case)
   for S, C, grad in ((70, 70, False), (70, 70, True), (1, 3, False)): _run_finalize(S, C, grad)
   _run_running_stats()
   print("ok")

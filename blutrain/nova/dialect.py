@@ -143,7 +143,8 @@ def _spec(name: str, definition: Any) -> str:
 
 def _grouped(specs: tuple[str, ...], values: list) -> list:
   """A flat list of operands or result types (None for an absent optional one) grouped per definition, as `build`
-  takes them; a variadic definition takes what the others leave."""
+  takes them; a variadic definition takes what the others leave, and trailing optional ones not given are absent."""
+  if not any(spec[0] == "*" for spec in specs): values = [*values, *[None] * (len(specs) - len(values))]
   rest, groups, i = len(values) - len(specs) + 1, [], 0
   for spec in specs:
     if spec[0] == "*":
@@ -1168,18 +1169,22 @@ class BatchNormRunningStatsOp(MultiResultOp):
 @irdl_op_definition
 class BatchNormOp(NNOp):
   """(x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1) of x, in x's type; `training`: mean and var are
-  x's own statistics (batch_norm_stats), which the gradient flows through."""
+  x's own statistics (batch_norm_stats), which the gradient flows through. With a `residual` (x's type) it is added to
+  that value as stored, and with `relu` the result is relu's (passes/fuse_norms.py)."""
   name = "nova.batch_norm"
   x = operand_def(TENSOR)
   mean = operand_def(TENSOR)
   var = operand_def(TENSOR)
   weight = opt_operand_def(TENSOR)
   bias = opt_operand_def(TENSOR)
+  residual = opt_operand_def(TENSOR)
   eps = prop_def(FLOAT)
   training = prop_def(BOOL)
+  relu = opt_prop_def(BOOL | NONE)
   irdl_options = (AttrSizedOperandSegments(as_property=True), ParsePropInAttrDict())
   assembly_format = ("$x `,` $mean `,` $var (`weight` $weight^ `:` type($weight))? (`bias` $bias^ `:` type($bias))? "
-                     "attr-dict `:` type($x) `,` type($mean) `,` type($var) `->` type($result)")
+                     "(`residual` $residual^ `:` type($residual))? attr-dict `:` type($x) `,` type($mean) `,` "
+                     "type($var) `->` type($result)")
 
 
 @irdl_op_definition

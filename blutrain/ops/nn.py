@@ -118,16 +118,21 @@ def _channels(name: str, x) -> tuple[int]:
   return (x.shape[1],)
 
 
-def _batch_norm_rule(x, mean, var, w, b, eps, training):
+def _batch_norm_rule(x, mean, var, w, b, residual=None, *, eps, training, relu=False):
   c = _channels("batch_norm", x)
   for name, t in (("mean", mean), ("var", var), ("weight", w), ("bias", b)):
     if t is not None and (t.shape != c or not t.dtype.is_floating_point):
       raise ShapeError(f"batch_norm: {name} should be a floating tensor of {c[0]} elements (the channels of input "
                        f"{x.shape}), got shape {t.shape} of {t.dtype.name}")
+  if residual is not None and (residual.shape, residual.dtype) != (x.shape, x.dtype):
+    raise ShapeError(f"batch_norm: the residual {residual.dtype.name}{list(residual.shape)} should have the input's "
+                     f"shape and dtype, {x.dtype.name}{list(x.shape)}")
   return x.shape, x.dtype
 
 
-def _batch_norm_vjp(g, out, x, mean, var, w, b, eps, training, needs=(True,) * 5):
+def _batch_norm_vjp(g, out, x, mean, var, w, b, residual=None, *, eps, training, relu=False, needs=(True,) * 5):
+  if residual is not None or relu:
+    raise RuntimeError("batch_norm: the residual and relu epilogue is made by Nova after autodiff and has no VJP")
   if not (needs[0] or needs[3] or needs[4]): return (None,) * 5  # the statistics get no gradient
   dx, dw, db = batch_norm_backward_op(g, x, mean, var, w, eps=eps, training=training, input_grad=needs[0],
                                       weight_grad=needs[3], bias_grad=needs[4])
@@ -135,7 +140,7 @@ def _batch_norm_vjp(g, out, x, mean, var, w, b, eps, training, needs=(True,) * 5
 
 
 def _batch_norm_backward_rule(g, x, mean, var, w, eps, training, input_grad, weight_grad, bias_grad):
-  _batch_norm_rule(x, mean, var, w, None, eps, training)
+  _batch_norm_rule(x, mean, var, w, None, eps=eps, training=training)
   if g.shape != x.shape: raise ShapeError(f"batch_norm_backward: gradient of shape {g.shape} for input {x.shape}")
   c = (x.shape[1],), _stats_dtype(x)
   return [(x.shape, x.dtype) if input_grad else None, c if weight_grad else None, c if bias_grad else None]
@@ -152,8 +157,10 @@ batch_norm_stats_op = op("batch_norm_stats", lambda x: [(_channels("batch_norm_s
 # each computed only when asked for; mean and var get no gradient, as in PyTorch.
 batch_norm_backward_op = op("batch_norm_backward", _batch_norm_backward_rule, multi=True, inputs="g x mean var ?weight",
                             attrs="eps:float training:bool input_grad:bool weight_grad:bool bias_grad:bool")
+# Nova folds the ReLU after a norm, and the residual add before that ReLU, into the op (passes/fuse_norms.py):
+# relu(batch_norm(x) + residual), the residual of x's shape and dtype added to the normalized value as stored.
 batch_norm_op = op("batch_norm", _batch_norm_rule, _batch_norm_vjp, saves=(0, 1, 2, 3),
-                   inputs="x mean var ?weight ?bias", attrs="eps:float training:bool")
+                   inputs="x mean var ?weight ?bias ?residual", attrs="eps:float training:bool relu:bool?")
 
 
 def batch_norm_stats(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -369,3 +369,111 @@ def test_compiled_gpt_step_with_fused_norms_equals_eager(amp, clip, tmp_path, mo
     'kernels["cross_entropy_with_grad"]', "")  # the mean's 1/count moved ahead of the loss: one kernel for both
   assert source.count('kernels["flash_attention_backward_packed"]') == 2 and 'kernels["cat"]' not in source
   assert source.count('kernels["flash_attention_transposed"]') == 2 and 'kernels["copy"]' not in source
+
+
+# *** batch norm: the residual add and the ReLU after it ***
+
+BN_X, BN_C = "tensor<4x8x6x6xf32>", "tensor<8xf32>"
+BN = "{eps = 1.000000e-05 : f64, training = true}"
+
+
+def test_residual_add_and_relu_fold_into_the_batch_norm_ir():
+  before = func(f"%x: {BN_X}, %m: {BN_C}, %v: {BN_C}, %w: {BN_C}, %b: {BN_C}, %r: {BN_X}", BN_X, f"""
+    %n = nova.batch_norm %x, %m, %v weight %w : {BN_C} bias %b : {BN_C} {BN} : {BN_X}, {BN_C}, {BN_C} -> {BN_X}
+    %e = nova.exp %r : ({BN_X}) -> {BN_X}
+    %s = nova.add %e, %n : ({BN_X}, {BN_X}) -> {BN_X}
+    %y = nova.relu %s : ({BN_X}) -> {BN_X}
+    func.return %y : {BN_X}""")
+  after = func(f"%x: {BN_X}, %m: {BN_C}, %v: {BN_C}, %w: {BN_C}, %b: {BN_C}, %r: {BN_X}", BN_X, f"""
+    %e = nova.exp %r : ({BN_X}) -> {BN_X}
+    %y = nova.batch_norm %x, %m, %v weight %w : {BN_C} bias %b : {BN_C} residual %e : {BN_X} {{eps = 1.000000e-05 : f64, training = true, relu = true}} : {BN_X}, {BN_C}, {BN_C} -> {BN_X}
+    func.return %y : {BN_X}""")
+  check((FuseNormsPass(),), before, after)
+
+
+def _bn_block(dt, bias=True, residual=True, later_residual=True, relu=True):
+  """A ResNet block's ends: n = batch_norm(x) (training form, its statistics from x), then + r (r made after the norm
+  when later_residual, as a downsample branch is) and relu, each when asked for; and the norm's backward, which reads
+  x and not n."""
+  b = Builder()
+  x, r, g = b.input((4, 8, 6, 6), dt), b.input((4, 8, 6, 6), dt), b.input((4, 8, 6, 6), dt)
+  w, bb = b.input((8,)), b.input((8,)) if bias else None
+  mean, var = b("batch_norm_stats", x)
+  out = b("batch_norm", x, mean, var, w, bb, eps=1e-5, training=True)
+  if residual: out = b("add", out, b("neg", r) if later_residual else r)
+  if relu: out = b("relu", out)
+  back = b("batch_norm_backward", g, x, mean, var, w, eps=1e-5, training=True, input_grad=True, weight_grad=True,
+           bias_grad=bias)
+  return b.output(out, *(v for v in back if v is not None))
+
+
+def _bn_args(dt):
+  rng = np.random.default_rng(6)
+  big = [(rng.standard_normal((4, 8, 6, 6)) * 3 - 1).astype(dt.np) for _ in range(3)]
+  return big + [rng.standard_normal(8).astype(np.float32) for _ in range(2)]
+
+
+@pytest.mark.parametrize("dt", [dtypes.float32, dtypes.bfloat16, dtypes.float64])
+@pytest.mark.parametrize("residual, relu", [(True, True), (False, True), (True, False)])
+def test_fused_batch_norm_computes_the_same_bits(dt, residual, relu):
+  counts = _same_bits(_bn_block(dt, residual=residual, relu=relu), _bn_args(dt))
+  assert counts == {"batch_norm_stats": 1, "batch_norm": 1, "batch_norm_backward": 1, **({"neg": 1} if residual else {})}
+
+
+@pytest.mark.parametrize("case", ["no_bias", "norm_read_twice", "broadcast", "other_dtype"])
+def test_what_must_not_fold_into_the_batch_norm(case):
+  """Without a bias the residual stays an add (the relu after it too: it reads the add); a norm output read besides
+  the add keeps both; a residual that broadcasts, or of another dtype, stays an add."""
+  b = Builder()
+  x, w = b.input((4, 8, 6, 6)), b.input((8,))
+  mean, var = b("batch_norm_stats", x)
+  n = b("batch_norm", x, mean, var, w, None if case == "no_bias" else b.input((8,)), eps=1e-5, training=True)
+  r = b.input((8, 1, 1)) if case == "broadcast" else b.input((4, 8, 6, 6), dtypes.float64 if case == "other_dtype"
+                                                             else dtypes.float32)
+  outs = [b("relu", b("add", n, r))] + ([b("neg", n)] if case == "norm_read_twice" else [])
+  module = ir.to_module(b.output(*outs))
+  assert not FuseNormsPass().run(module)
+
+
+class _Block(bt.nn.Module):
+  """A ResNet basic block with a downsample branch, whose add reads two batch norms."""
+  def __init__(self):
+    super().__init__()
+    nn = bt.nn
+    self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8)
+    self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8)
+    self.down, self.bn3 = nn.Conv2d(3, 8, 1, 2, bias=False), nn.BatchNorm2d(8)
+    self.fc = nn.Linear(8, 4)
+
+  def forward(self, x):
+    out = bt.nn.functional.relu(self.bn1(self.conv1(x)))
+    out = bt.nn.functional.relu(self.bn2(self.conv2(out)) + self.bn3(self.down(x)))
+    return self.fc(out.mean((2, 3)))
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_compiled_resnet_block_with_fused_batch_norms_equals_eager(amp, tmp_path, monkeypatch):
+  monkeypatch.setenv("BLUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+  runs = []
+  for compiled in (False, True):
+    bt.manual_seed(0)
+    model = _Block()
+    opt = bt.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+      with bt.autocast(device_type="cpu", dtype=bt.bfloat16, enabled=amp):
+        loss = bt.nn.functional.cross_entropy(model(x), y)
+      loss.backward()
+      opt.step(); opt.zero_grad()
+      return loss
+    fn = bt.compile(step) if compiled else step
+    rng = np.random.default_rng(2)
+    losses = [fn(bt.tensor(rng.standard_normal((4, 3, 8, 8)).astype(np.float32)),
+                 bt.tensor(rng.integers(0, 4, 4))).item() for _ in range(3)]
+    runs.append((losses, [p.detach().numpy() for p in model.parameters()], fn))
+  (eager_losses, eager_params, _), (losses, params, fn) = runs
+  np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
+  for a, b in zip(params, eager_params): np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  forward = [line for line in open(fn.info["source"]).read().splitlines() if 'kernels["batch_norm"]' in line]
+  assert len(forward) == 3 and sum("relu=True" in line for line in forward) == 2, forward
+  assert 'kernels["relu"]' not in open(fn.info["source"]).read()

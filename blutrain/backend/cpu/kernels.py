@@ -222,11 +222,20 @@ def _batch_norm_terms(x, mean, var, eps):
   return (x.astype(np.float64) - mean.reshape(shape)) * invstd, invstd
 
 
-def _batch_norm(x, mean, var, w, b, eps, training):
+def _batch_norm(x, mean, var, w, b, residual=None, *, eps, training, relu=False):
+  """In float64, or with Nova's epilogue (`residual`, `relu`) as the separate ops compute it: the normalized value
+  rounded to x's dtype, the residual added in float32 (halves) or x's dtype, relu of that."""
   _, shape = _channel_axes(x)
-  y, _ = _batch_norm_terms(x, mean, var, eps)
+  mean, var, w, b = (None if a is None else a.astype(np.float64) for a in (mean, var, w, b))
+  with np.errstate(all="ignore"):
+    y, _ = _batch_norm_terms(x, mean, var, eps)
   if w is not None: y = y * w.reshape(shape)
-  return y + b.reshape(shape) if b is not None else y
+  if b is not None: y = y + b.reshape(shape)
+  if residual is None and not relu: return y
+  wide = np.float32 if x.dtype in _HALF else x.dtype
+  y = y.astype(x.dtype)
+  if residual is not None: y = (y.astype(wide) + residual.astype(wide)).astype(x.dtype)
+  return np.maximum(y.astype(wide), 0).astype(x.dtype) if relu else y
 
 
 def _batch_norm_backward(g, x, mean, var, w, eps, training, input_grad, weight_grad, bias_grad):
@@ -679,7 +688,7 @@ kernels = {
   # linear algebra, normalization, losses
   "matmul": _matmul, "conv": _conv, "conv_grad_input": _conv_grad_input, "conv_grad_weight": _conv_grad_weight,
   "softmax": _softmax, "log_softmax": _log_softmax, "layer_norm": _layer_norm, "add_layer_norm": _add_layer_norm,
-  "layer_norm_backward": _layer_norm_backward, "batch_norm_stats": _batch_norm_stats, "batch_norm": _batch_norm,
+  "layer_norm_backward": _layer_norm_backward, "batch_norm_stats": _batch_norm_stats,
   "batch_norm_backward": _batch_norm_backward,
   "cross_entropy": _cross_entropy, "cross_entropy_backward": _cross_entropy_backward,
   "cross_entropy_with_stats": _cross_entropy_with_stats,
@@ -754,9 +763,9 @@ _UFUNCS = ("neg exp log sqrt abs sin cos tanh floor logical_not add sub mul div 
            "bitwise_not").split()
 kernels = {name: _writing(_upcast_halves(fn)) if name in _UFUNCS else _upcast_halves(fn) for name, fn in kernels.items()}
 kernels["full"], kernels["empty"], kernels["where"] = _fill, _empty, _where
-# NOTE: the recurrent loops take their inputs in their own dtypes: they round each step's values as the ops they stand
-# for would store them
-kernels |= {"lstm_sequence": _lstm_sequence, "lstm_sequence_backward": _lstm_sequence_backward,
+# NOTE: the recurrent loops and batch_norm take their inputs in their own dtypes: they round each step's values (the
+# norm's before its epilogue) as the ops they stand for would store them
+kernels |= {"batch_norm": _batch_norm, "lstm_sequence": _lstm_sequence, "lstm_sequence_backward": _lstm_sequence_backward,
             "gru_sequence": _gru_sequence, "gru_sequence_backward": _gru_sequence_backward}
 
 

@@ -77,12 +77,12 @@ from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, CastOp, CatOp, CopyOp, CreationOp,
+from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, BatchNormOp, CastOp, CatOp, CopyOp, CreationOp,
                                    CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, CrossEntropyOp,
                                    CrossEntropyWithGradOp, CrossEntropyWithStatsOp, ElementwiseOp, ExpandOp,
                                    FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, FlashAttentionOp,
                                    FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp, LayoutOp, PermuteOp,
-                                   ReduceOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
+                                   ReduceOp, ReluOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
@@ -175,6 +175,50 @@ class CastOfNormGradientPattern(RewritePattern):
     rewriter.insert(fused, InsertPoint.before(back))
     rewriter.replace(op, [], [fused.dx_cast])
     rewriter.replace(back, [], list(fused.results[:len(back.results)]))
+
+
+class BatchNormResidualPattern(RewritePattern):
+  """add(batch_norm(x), r) -> batch_norm(x, residual=r), when the norm's output is used by the add alone, has a bias
+  and r is of its type (not a broadcast); the fused op stands at the add, where r is made.
+
+    %n = nova.batch_norm %x, %m, %v weight %w : tensor<8xf32> bias %b : tensor<8xf32> {...} : ... -> tensor<4x8x6x6xf32>
+    %s = nova.add %n, %r : (tensor<4x8x6x6xf32>, tensor<4x8x6x6xf32>) -> tensor<4x8x6x6xf32>
+      =>   %s = nova.batch_norm %x, %m, %v weight %w : tensor<8xf32> bias %b : tensor<8xf32> residual %r :
+                tensor<4x8x6x6xf32> {...} : ... -> tensor<4x8x6x6xf32>
+
+  The kernel adds r to the normalized value rounded as the norm stored it, after the bias's add (an FMA at most), so
+  the sum is the add kernel's; without a bias the multiply before it could be contracted into an FMA with it.
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: AddOp, rewriter: PatternRewriter):
+    for n, r in ((op.x, op.y), (op.y, op.x)):
+      norm = n.owner
+      if isinstance(norm, BatchNormOp) and n.has_one_use() and norm.bias is not None and norm.residual is None and \
+         not norm.attrs().get("relu"): break
+    else: return
+    if not n.type == r.type == op.result.type or isinstance(r.owner, ExpandOp): return
+    fused = BatchNormOp.make([*norm.graph_inputs()[:5], r], norm.attrs(), [n.type])
+    rewriter.insert(fused, InsertPoint.before(op))
+    rewriter.replace(op, [], [fused.result])
+    rewriter.erase(norm)
+
+
+class BatchNormReluPattern(RewritePattern):
+  """relu(batch_norm(x, ...)) -> batch_norm(x, ..., relu=true), when the norm's output is used by the relu alone (the
+  relu's output is what its backward reads).
+
+    %n = nova.batch_norm %x, %m, %v weight %w : tensor<8xf32> bias %b : tensor<8xf32> {...} : ... -> tensor<4x8x6x6xf32>
+    %y = nova.relu %n : (tensor<4x8x6x6xf32>) -> tensor<4x8x6x6xf32>
+      =>   %y = nova.batch_norm %x, %m, %v weight %w : tensor<8xf32> bias %b : tensor<8xf32> {..., relu = true} : ...
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: ReluOp, rewriter: PatternRewriter):
+    norm = op.x.owner
+    if not isinstance(norm, BatchNormOp) or not op.x.has_one_use() or norm.attrs().get("relu"): return
+    fused = BatchNormOp.make(norm.graph_inputs(), {**norm.attrs(), "relu": True}, [op.result.type])
+    rewriter.insert(fused, InsertPoint.before(op))
+    rewriter.replace(op, [], [fused.result])
+    rewriter.erase(norm)
 
 
 class CrossEntropyStatsPattern(RewritePattern):
@@ -348,10 +392,11 @@ class ClipIntoUpdatePattern(RewritePattern):
 @dataclass(frozen=True)
 class FuseNormsPass(PatternPass):
   """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation, and
-  the half copy of the gradient autocast casts); the cross-entropy's row statistics kept for its backward;
-  attention's output written transposed and its gradients packed; clip_grad_norm_'s scale folded into the AdamW and
-  SGD updates."""
+  the half copy of the gradient autocast casts); residual adds and ReLUs after batch norms into them; the
+  cross-entropy's row statistics kept for its backward; attention's output written transposed and its gradients
+  packed; clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
   name = "fuse-norms"
   PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), CastOfNormGradientPattern(),
+              BatchNormResidualPattern(), BatchNormReluPattern(),
               CrossEntropyStatsPattern(), CrossEntropyWithGradientPattern(), PackedAttentionGradientPattern(),
               TransposedAttentionOutputPattern(), ClipIntoUpdatePattern())

@@ -608,11 +608,14 @@ def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size
                              g_r_stride0, g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4,
                              out_r_stride0, out_r_stride1, out_r_stride2, out_r_stride3, out_r_stride4,
                              x_c_stride, g_c_stride, out_c_stride, MODE: tl.constexpr, ACC: tl.constexpr,
-                             HAS_W: tl.constexpr, HAS_B: tl.constexpr, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr,
-                             R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
-  """One [BLOCK_C, BLOCK_R] tile, with invstd = 1 / sqrt(var + eps): MODE "forward" out = (x - mean) invstd w + b;
-  "train" out = dx = (g - (sum(g) + xhat sum(g xhat)) / R) invstd w from the reduction's sums; "eval" out = dx =
-  g invstd w (the statistics are constants). The blocks of R are the grid's first axis, which may pass 65535."""
+                             HAS_W: tl.constexpr, HAS_B: tl.constexpr, RESIDUAL: tl.constexpr, RELU: tl.constexpr,
+                             R_DIMS: tl.constexpr, C_UNIT: tl.constexpr, R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
+  """One [BLOCK_C, BLOCK_R] tile, with invstd = 1 / sqrt(var + eps): MODE "forward" out = (x - mean) invstd w + b,
+  then with RESIDUAL that value rounded to out's dtype plus the residual in g, with RELU relu of the rounded value (as
+  the separate add and relu kernels would compute them); "train" out = dx = (g - (sum(g) + xhat sum(g xhat)) / R)
+  invstd w from the reduction's sums; "eval" out = dx = g invstd w (the statistics are constants). The blocks of R
+  are the grid's first axis, which may pass 65535."""
   pid_r = tl.program_id(0)
   pid_c = tl.program_id(1)
   if IDX64:
@@ -627,14 +630,19 @@ def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size
   scale = invstd * tl.load(w + cs, mask=c_mask, other=0).to(ACC) if HAS_W else invstd
   x_off = _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0, x_r_stride1,
                            x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT)
+  g_at = g + _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0, g_r_stride1,
+                              g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT)
   if MODE == "forward":
     y = (tl.load(x + x_off, mask=mask, other=0).to(ACC) - mu[:, None]) * scale[:, None]
     if HAS_B:
       y += tl.load(b + cs, mask=c_mask, other=0).to(ACC)[:, None]
+    if RESIDUAL:  # y's last operation is an add (or FMA), so this add is never contracted into another FMA
+      y = y.to(out.dtype.element_ty).to(ACC) + tl.load(g_at, mask=mask, other=0).to(ACC)
+    if RELU:
+      y = y.to(out.dtype.element_ty).to(ACC)
+      y = tl.where(y < 0, 0, y)
   else:
-    y = tl.load(g + _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0, g_r_stride1,
-                                     g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT),
-                mask=mask, other=0).to(ACC)
+    y = tl.load(g_at, mask=mask, other=0).to(ACC)
     if MODE == "train":
       xhat = (tl.load(x + x_off, mask=mask, other=0).to(ACC) - mu[:, None]) * invstd[:, None]
       sgx = tl.load(sums + cs, mask=c_mask, other=0)
@@ -693,14 +701,17 @@ def batch_norm_finalize_spec(grad: bool, acc: DType, out0: DType | None, out1: D
 
 @functools.lru_cache(maxsize=4096)
 def batch_norm_apply_spec(mode: str, x: DType, g: DType | None, out: DType, mean: DType, var: DType, w: DType | None,
-                          b: DType | None, r_dims: int, c_unit: bool, r_unit: bool, C: int, R: int, i64: bool):
-  """The elementwise kernel's variant: the forward normalization, or dx ("train", "eval")."""
+                          b: DType | None, r_dims: int, c_unit: bool, r_unit: bool, C: int, R: int, i64: bool,
+                          relu: bool = False):
+  """The elementwise kernel's variant: the forward normalization (g: the residual's dtype, None without one), or dx
+  ("train", "eval")."""
   bc, br, warps = _tile(C, R, c_unit, r_unit)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
   sig = {"out": ptr(out), "x": ptr(x), "g": ptr(g or x), "mean": ptr(mean), "var": ptr(var), "w": ptr(w or mean),
          "b": ptr(b or mean), "sums": ptr(acc), "C": it, "R": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
          **{k: it for k in axis_params("r", "x", "g", "out")}, "x_c_stride": it, "g_c_stride": it, "out_c_stride": it}
   return spec(_batch_norm_apply_kernel, sig, dict(MODE=mode, ACC=TL[acc], HAS_W=w is not None, HAS_B=b is not None,
+                                                  RESIDUAL=mode == "forward" and g is not None, RELU=relu,
                                                   R_DIMS=r_dims, C_UNIT=c_unit, R_UNIT=r_unit, BLOCK_C=bc, BLOCK_R=br,
                                                   IDX64=i64), num_warps=warps)
 
@@ -724,13 +735,14 @@ def reduce_plan(grad: bool, x: DType, g: DType | None, mean: DType | None, var: 
 
 @functools.lru_cache(maxsize=4096)
 def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, var: DType, w: DType | None,
-               b: DType | None, shape, x_strides, g_strides, out_strides, eps: float):
+               b: DType | None, shape, x_strides, g_strides, out_strides, eps: float, relu: bool = False):
   """(spec, grid, scalar arguments after the pointers out, x, g, mean, var, w, b, sums) of the elementwise kernel
-  over arrays of `shape` whose layouts collapse to 5 reduced dims (g_strides: x's when there is no g)."""
+  over arrays of `shape` whose layouts collapse to 5 reduced dims (g_strides: x's when there is no g; the forward's g
+  is its residual)."""
   C, R = shape[1], math.prod(shape) // shape[1]
   rshape, rst, cst, c_unit, r_unit = _channel_problem(shape, x_strides, g_strides, out_strides)
   s = batch_norm_apply_spec(mode, x, g, out, mean, var, w, b, len(rshape), c_unit, r_unit, C, R,
-                            needs_i64(shape, x_strides, g_strides, out_strides))
+                            needs_i64(shape, x_strides, g_strides, out_strides), relu)
   bc, br = s.constexprs["BLOCK_C"], s.constexprs["BLOCK_R"]
   return s, (cdiv(R, br), cdiv(C, bc)), (C, R, float(eps), *axis_args(rshape, *rst), *cst)
 
@@ -749,9 +761,10 @@ def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, ep
   return sums
 
 
-def _channel_apply(mode: str, out: CudaArray, x: CudaArray, g: CudaArray | None, mean, var, w, b, sums, eps: float):
+def _channel_apply(mode: str, out: CudaArray, x: CudaArray, g: CudaArray | None, mean, var, w, b, sums, eps: float,
+                   relu: bool = False):
   s, grid, scalars = apply_plan(mode, x.dtype, g and g.dtype, out.dtype, mean.dtype, var.dtype, w and w.dtype,
-                                b and b.dtype, x.shape, x.strides, (g or x).strides, out.strides, eps)
+                                b and b.dtype, x.shape, x.strides, (g or x).strides, out.strides, eps, relu)
   run(s, grid, out.ptr, x.ptr, (g or x).ptr, mean.ptr, var.ptr, (w or mean).ptr, (b or mean).ptr, (sums or mean).ptr,
       *scalars)
 
@@ -779,14 +792,15 @@ def batch_norm_stats(x: CudaArray) -> tuple[CudaArray, CudaArray]:
   return mean, var
 
 
-def batch_norm(x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | None, b: CudaArray | None, eps: float,
-               training: bool) -> CudaArray:
-  """(x - mean) / sqrt(var + eps) * w + b per channel of x (N, C, *), a new array in x's dense layout."""
-  (x,) = _few_dims(x)
+def batch_norm(x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | None, b: CudaArray | None,
+               residual: CudaArray | None = None, *, eps: float, training: bool, relu: bool = False) -> CudaArray:
+  """(x - mean) / sqrt(var + eps) * w + b per channel of x (N, C, *), a new array in x's dense layout; with Nova's
+  epilogue, relu of that plus `residual` (x's shape and dtype), each when given."""
+  x, *rest = _few_dims(x, *([residual] if residual is not None else []))
   out = empty_like(x)
   if out.size == 0: return out
   mean, var, w, b = _contiguous(mean, var, w, b)
-  _channel_apply("forward", out, x, None, mean, var, w, b, None, eps)
+  _channel_apply("forward", out, x, rest[0] if rest else None, mean, var, w, b, None, eps, relu)
   return out
 
 
@@ -911,6 +925,10 @@ def _specs() -> list:
   out += [batch_norm_apply_spec("forward", f64, None, f64, f64, f64, None, None, 3, False, False, 5, 100, True),
           batch_norm_apply_spec("forward", bf16, None, bf16, bf16, bf16, bf16, None, 1, False, True, 3, 100, False),
           batch_norm_apply_spec("train", f64, f64, f64, f64, f64, f64, None, 1, True, False, 10, 64, True)]
+  # with Nova's epilogue: relu alone, and the residual add before it (NCHW float32, channels-last bf16)
+  out += [batch_norm_apply_spec("forward", f32, None, f32, f32, f32, f32, f32, 2, False, False, 64, R, False, True),
+          batch_norm_apply_spec("forward", f32, f32, f32, f32, f32, f32, f32, 2, False, False, 64, R, False, True),
+          batch_norm_apply_spec("forward", bf16, bf16, bf16, f32, f32, f32, f32, 1, True, False, 64, R, False, True)]
   return out
 
 
