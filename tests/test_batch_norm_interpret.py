@@ -1,20 +1,22 @@
 """The CUDA batch-norm kernels' values without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, since
 it must be set before Triton is imported) runs the statistics, forward and backward kernels, launched as
 `norm.reduce_plan` and `norm.apply_plan` say, on torch CPU tensors (test-only) in NCHW, channels-last and strided
-layouts, against the CPU backend's float64 kernels; the forward with Nova's epilogue (a residual added, relu) against
-the CPU kernel's; the finalize kernel alone over many splits; the running statistics' update against PyTorch's."""
+layouts, against the CPU backend's float64 kernels, the backward's g also masked by a ReLU's output; the forward with
+Nova's epilogue (a residual added, relu) against the CPU kernel's; the finalize kernel alone over many splits; the
+running statistics' update against PyTorch's."""
 import numpy as np
 
 from tests.helpers import patch_interpreter_loop_bounds, run_under_triton_interpreter
 
-CASES = [  # (shape, layout of x, layout of g, dtype, training, weight, bias, SMs the schedule is made for)
-  ((32, 2, 32, 32), "nchw", "nchw", "fp32", True, True, True, 2),  # two SMs: the reduction splits R in two
-  ((4, 6, 5, 7), "channels_last", "channels_last", "bf16", True, True, False, 132),
-  ((4, 6, 5, 7), "channels_last", "nchw", "fp32", True, False, True, 132),
-  ((3, 4, 2, 3, 5), "strided", "channels_last", "fp32", True, True, True, 132),
-  ((9, 5), "nchw", "nchw", "fp64", True, True, True, 132),
-  ((2, 3, 7), "nchw", "strided", "bf16", False, True, True, 132),  # eval: given statistics
-  ((6, 5), "nchw", "nchw", "fp32", False, False, False, 132),
+CASES = [  # (shape, layout of x, layout of g, dtype, training, weight, bias, SMs the schedule is made for, g masked
+  # by a ReLU's output laid out as g)
+  ((32, 2, 32, 32), "nchw", "nchw", "fp32", True, True, True, 2, False),  # two SMs: the reduction splits R in two
+  ((4, 6, 5, 7), "channels_last", "channels_last", "bf16", True, True, False, 132, True),
+  ((4, 6, 5, 7), "channels_last", "nchw", "fp32", True, False, True, 132, False),
+  ((3, 4, 2, 3, 5), "strided", "channels_last", "fp32", True, True, True, 132, True),
+  ((9, 5), "nchw", "nchw", "fp64", True, True, True, 132, False),
+  ((2, 3, 7), "nchw", "strided", "bf16", False, True, True, 132, True),  # eval: given statistics
+  ((6, 5), "nchw", "nchw", "fp32", False, False, False, 132, False),
 ]
 
 
@@ -26,7 +28,7 @@ def _layout(t, layout: str):
   return t
 
 
-def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> None:
+def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms, masked) -> None:
   import dataclasses
   import torch
   from blutrain import configurator, dtypes
@@ -41,9 +43,12 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> 
   C, R, eps = shape[1], int(np.prod(shape)) // shape[1], 1e-3
   x = _layout(torch.tensor(rng.standard_normal(shape) * 2 + 5).to(tdt), x_layout)  # far from 0: a stable variance
   g = _layout(torch.tensor(rng.standard_normal(shape)).to(tdt), g_layout)
+  relu_out = _layout(torch.relu(torch.tensor(rng.standard_normal(shape))).to(tdt), g_layout) if masked else None
+  assert relu_out is None or relu_out.stride() == g.stride()
   w = torch.tensor(rng.standard_normal(C), dtype=tacc) if weight else None
   b = torch.tensor(rng.standard_normal(C), dtype=tacc) if bias else None
   x64, g64 = x.double().numpy(), g.double().numpy()  # what the kernels read, rounded as they read it
+  relu64 = None if relu_out is None else relu_out.double().numpy()
   w64, b64 = (None if t is None else t.double().numpy() for t in (w, b))
   tol = {"fp32": 1e-5, "bf16": 1e-2, "fp64": 1e-12}[dtype]
 
@@ -53,12 +58,13 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> 
 
   def reduce(grad, mean=None, var=None, out0=None, out1=None):
     stats = acc if grad else None
+    mask = relu_out is not None and grad
     s, grid, scalars, S, chunk = K.reduce_plan(grad, dt, dt if grad else None, stats, stats, shape, x.stride(),
-                                               g.stride() if grad else None, eps, hw)
+                                               g.stride() if grad else None, eps, hw, dt if mask else None)
     assert S == (2 if sms == 2 else 1), f"{S} splits for {shape} on {sms} SMs"
     part = torch.empty((2, S, C), dtype=tacc)
-    s[0][grid](part[0], part[1], x, g if grad else x, part if mean is None else mean, part if var is None else var,
-               *scalars, **s.constexprs)
+    s[0][grid](part[0], part[1], x, g if grad else x, relu_out if mask else x, part if mean is None else mean,
+               part if var is None else var, *scalars, **s.constexprs)
     sums = torch.empty((2, C), dtype=tacc)
     f = K.batch_norm_finalize_spec(grad, acc, None if out0 is None else acc, None if out1 is None else acc)
     f[0][(cdiv(C, K.FINALIZE_BLOCK_C),)](part if out0 is None else out0, part if out1 is None else out1, sums, part[0],
@@ -66,11 +72,13 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> 
     return sums
 
   def apply(mode, out, mean, var, sums=None):
+    mask = relu_out is not None and mode != "forward"
     s, grid, scalars = K.apply_plan(mode, dt, None if mode == "forward" else dt, dt, acc, acc,
                                     None if w is None else acc, None if b is None else acc, shape, x.stride(),
-                                    (x if mode == "forward" else g).stride(), out.stride(), eps)
-    s[0][grid](out, x, x if mode == "forward" else g, mean, var, mean if w is None else w, mean if b is None else b,
-               mean if sums is None else sums, *scalars, **s.constexprs)
+                                    (x if mode == "forward" else g).stride(), out.stride(), eps,
+                                    relu_out=dt if mask else None)
+    s[0][grid](out, x, x if mode == "forward" else g, relu_out if mask else x, mean, var, mean if w is None else w,
+               mean if b is None else b, mean if sums is None else sums, *scalars, **s.constexprs)
     return out
 
   if training:
@@ -87,8 +95,9 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms) -> 
   out = apply("forward", torch.empty_like(x), mean, var)
   assert out.stride() == x.stride() or x_layout == "strided"
   close("out", out, cpu["batch_norm"](x64, mean64, var64, w64, b64, eps=eps, training=training), tol)
-  want_dx, want_dw, want_db = cpu["batch_norm_backward"](g64, x64, mean64, var64, w64, eps=eps, training=training,
-                                                         input_grad=True, weight_grad=True, bias_grad=True)
+  want_dx, want_dw, want_db = cpu["batch_norm_backward"](g64, x64, mean64, var64, w64, relu64, eps=eps,
+                                                         training=training, input_grad=True, weight_grad=True,
+                                                         bias_grad=True)
   dw, db = torch.empty(C, dtype=tacc), torch.empty(C, dtype=tacc)
   sums = reduce(True, mean, var, dw, db)
   close("dweight", dw, want_dw, 1e-5 if dtype != "fp64" else tol)
@@ -124,7 +133,7 @@ def _run_epilogue(shape, x_layout, r_layout, dtype, relu) -> None:
   out = torch.empty_like(x)
   s, grid, scalars = K.apply_plan("forward", dt, None if r is None else dt, dt, acc, acc, acc, acc, shape, x.stride(),
                                   (x if r is None else r).stride(), out.stride(), eps, relu)
-  s[0][grid](out, x, x if r is None else r, mean, var, w, b, mean, *scalars, **s.constexprs)
+  s[0][grid](out, x, x if r is None else r, x, mean, var, w, b, mean, *scalars, **s.constexprs)
 
   def host(t):  # the array in its own dtype, as the CPU backend holds it
     if t is None: return None

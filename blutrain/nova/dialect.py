@@ -1190,13 +1190,15 @@ class BatchNormOp(NNOp):
 @irdl_op_definition
 class BatchNormBackwardOp(MultiResultOp):
   """batch_norm's gradients, each present when asked for: dx (x's type), dweight and dbias (float32; float64 for
-  float64 x)."""
+  float64 x). With `relu_out` (the output of a ReLU after the norm) g is the ReLU's output gradient, taken as 0 where
+  relu_out <= 0 (passes/fuse_norms.py)."""
   name = "nova.batch_norm_backward"
   g = operand_def(TENSOR)
   x = operand_def(TENSOR)
   mean = operand_def(TENSOR)
   var = operand_def(TENSOR)
   weight = opt_operand_def(TENSOR)
+  relu_out = opt_operand_def(TENSOR)
   eps = prop_def(FLOAT)
   training = prop_def(BOOL)
   input_grad = prop_def(BOOL)
@@ -1207,8 +1209,9 @@ class BatchNormBackwardOp(MultiResultOp):
   dbias = opt_result_def(TENSOR)
   irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
                   ParsePropInAttrDict())
-  assembly_format = ("$g `,` $x `,` $mean `,` $var (`weight` $weight^ `:` type($weight))? attr-dict `:` type($g) `,` "
-                     "type($x) `,` type($mean) `,` type($var) `->` (`dx` type($dx)^)? (`dweight` type($dweight)^)? "
+  assembly_format = ("$g `,` $x `,` $mean `,` $var (`weight` $weight^ `:` type($weight))? "
+                     "(`relu_out` $relu_out^ `:` type($relu_out))? attr-dict `:` type($g) `,` type($x) `,` "
+                     "type($mean) `,` type($var) `->` (`dx` type($dx)^)? (`dweight` type($dweight)^)? "
                      "(`dbias` type($dbias)^)?")
 
 

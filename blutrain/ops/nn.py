@@ -139,9 +139,12 @@ def _batch_norm_vjp(g, out, x, mean, var, w, b, residual=None, *, eps, training,
   return dx, None, None, dw, db
 
 
-def _batch_norm_backward_rule(g, x, mean, var, w, eps, training, input_grad, weight_grad, bias_grad):
+def _batch_norm_backward_rule(g, x, mean, var, w, relu_out=None, *, eps, training, input_grad, weight_grad,
+                              bias_grad):
   _batch_norm_rule(x, mean, var, w, None, eps=eps, training=training)
   if g.shape != x.shape: raise ShapeError(f"batch_norm_backward: gradient of shape {g.shape} for input {x.shape}")
+  if relu_out is not None and relu_out.shape != x.shape:
+    raise ShapeError(f"batch_norm_backward: relu output of shape {relu_out.shape} for input {x.shape}")
   c = (x.shape[1],), _stats_dtype(x)
   return [(x.shape, x.dtype) if input_grad else None, c if weight_grad else None, c if bias_grad else None]
 
@@ -154,8 +157,10 @@ batch_norm_stats_op = op("batch_norm_stats", lambda x: [(_channels("batch_norm_s
 # output in x's dtype; mean, var, weight and bias (C,) of any floating dtype. `training` says that mean and var are
 # x's batch statistics (batch_norm_stats), so the gradient flows through them; otherwise they are given constants
 # (running statistics). The backward is one op: dx (x's dtype), dweight = sum(g xhat) and dbias = sum(g) (float32),
-# each computed only when asked for; mean and var get no gradient, as in PyTorch.
-batch_norm_backward_op = op("batch_norm_backward", _batch_norm_backward_rule, multi=True, inputs="g x mean var ?weight",
+# each computed only when asked for; mean and var get no gradient, as in PyTorch. With `relu_out`, the output of a
+# ReLU after the norm, g is that ReLU's output gradient (0 where relu_out <= 0): Nova folds relu's backward into it.
+batch_norm_backward_op = op("batch_norm_backward", _batch_norm_backward_rule, multi=True,
+                            inputs="g x mean var ?weight ?relu_out",
                             attrs="eps:float training:bool input_grad:bool weight_grad:bool bias_grad:bool")
 # Nova folds the ReLU after a norm, and the residual add before that ReLU, into the op (passes/fuse_norms.py):
 # relu(batch_norm(x) + residual), the residual of x's shape and dtype added to the normalized value as stored.

@@ -238,10 +238,10 @@ def _batch_norm(x, mean, var, w, b, residual=None, *, eps, training, relu=False)
   return np.maximum(y.astype(wide), 0).astype(x.dtype) if relu else y
 
 
-def _batch_norm_backward(g, x, mean, var, w, eps, training, input_grad, weight_grad, bias_grad):
+def _batch_norm_backward(g, x, mean, var, w, relu_out=None, *, eps, training, input_grad, weight_grad, bias_grad):
   axes, shape = _channel_axes(x)
   xhat, invstd = _batch_norm_terms(x, mean, var, eps)
-  g = g.astype(np.float64)
+  g = g.astype(np.float64) if relu_out is None else np.where(relu_out <= 0, 0.0, g.astype(np.float64))
   dw, db = (g * xhat).sum(axis=axes), g.sum(axis=axes)
   dx = None
   if input_grad:

@@ -1,6 +1,7 @@
-"""Norm fusion: a transformer's residual adds folded into the layer norms next to them, a cross-entropy's row
-statistics kept for its backward, attention's output and its q, k, v gradients written where the copies after them
-put them, and gradient-norm clipping's scale folded into the optimizer's update after it (AdamW's or SGD's).
+"""Norm fusion: a transformer's residual adds folded into the layer norms next to them, a ResNet's ReLUs and residual
+adds into its batch norms, a cross-entropy's row statistics kept for its backward, attention's output and its q, k, v
+gradients written where the copies after them put them, and gradient-norm clipping's scale folded into the
+optimizer's update after it (AdamW's or SGD's).
 
 Each block of a pre-norm transformer adds a branch into the residual stream and normalizes the sum for the next
 branch; the sum is used again later (the next residual add, the norm's backward), so it is written either way. One
@@ -17,6 +18,14 @@ reads the residual gradient and adds it before its one store:
 and autocast's cast of that float32 gradient for the next matmul is the same kernel's second store:
 
   c = cast(layer_norm_backward(...)[0]: f32 -> half)     ->  c = layer_norm_backward(..., cast=half)[3]
+
+A ResNet block's batch norms are followed by a ReLU, the second after a residual add; the norm's kernel applies both
+to the value it computes (adding the residual to that value rounded as the norm stored it, after the bias's add, so
+the sum is the add kernel's), and in the backward the norm's kernels read relu's mask where they read its gradient:
+
+  y = relu(add(batch_norm(x, m, v, w, b), r))          ->  y = batch_norm(x, m, v, w, b, residual=r, relu=true)
+  d = relu_backward(g, y);  batch_norm_backward(d, x, ...)  ->  batch_norm_backward(g, x, ..., relu_out=y)
+                                                             (d read by the norm's backward alone)
 
 A cross-entropy's backward computes each row's max and sum of exp(x - max) again before its one pass of stores;
 the forward, which computes the same statistics with the same tiles, keeps them (8 bytes a row) and the backward
@@ -77,12 +86,13 @@ from xdsl.pattern_rewriter import PatternRewriter, RewritePattern
 from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
-from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, BatchNormOp, CastOp, CatOp, CopyOp, CreationOp,
+from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, BatchNormBackwardOp, BatchNormOp, CastOp, CatOp,
+                                   CopyOp, CreationOp,
                                    CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, CrossEntropyOp,
                                    CrossEntropyWithGradOp, CrossEntropyWithStatsOp, ElementwiseOp, ExpandOp,
                                    FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, FlashAttentionOp,
                                    FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp, LayoutOp, PermuteOp,
-                                   ReduceOp, ReluOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
+                                   ReduceOp, ReluBackwardOp, ReluOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
 _OPERANDS = (dtypes.float32, dtypes.bfloat16, dtypes.float16)  # what the fused kernels read as float32
@@ -219,6 +229,28 @@ class BatchNormReluPattern(RewritePattern):
     rewriter.insert(fused, InsertPoint.before(op))
     rewriter.replace(op, [], [fused.result])
     rewriter.erase(norm)
+
+
+class ReluGradientIntoBatchNormPattern(RewritePattern):
+  """batch_norm_backward(relu_backward(g, y), x, ...) -> batch_norm_backward(g, x, ..., relu_out=y), when the ReLU's
+  input gradient is read by the norm's backward alone: its kernels read g and y where they read that gradient.
+
+    %d = nova.relu_backward %g, %y : (tensor<4x8x6x6xf32>, tensor<4x8x6x6xf32>) -> tensor<4x8x6x6xf32>
+    %dx, %dw, %db = nova.batch_norm_backward %d, %x, %m, %v weight %w : tensor<8xf32> {...} : ...
+      =>   %dx, %dw, %db = nova.batch_norm_backward %g, %x, %m, %v weight %w : tensor<8xf32> relu_out %y :
+                           tensor<4x8x6x6xf32> {...} : ...
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: BatchNormBackwardOp, rewriter: PatternRewriter):
+    back = op.g.owner
+    if not isinstance(back, ReluBackwardOp) or not op.g.has_one_use() or op.relu_out is not None: return
+    if not back.g.type == back.y.type == op.g.type or any(isinstance(v.owner, ExpandOp) for v in back.operands): return
+    g, x, mean, var, w, _ = op.graph_inputs()
+    fused = BatchNormBackwardOp.make([back.g, x, mean, var, w, back.y], op.attrs(),
+                                     [None if v is None else v.type for v in op.graph_outputs()])
+    rewriter.insert(fused, InsertPoint.before(op))
+    rewriter.replace(op, [], list(fused.results))
+    rewriter.erase(back)
 
 
 class CrossEntropyStatsPattern(RewritePattern):
@@ -392,11 +424,11 @@ class ClipIntoUpdatePattern(RewritePattern):
 @dataclass(frozen=True)
 class FuseNormsPass(PatternPass):
   """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation, and
-  the half copy of the gradient autocast casts); residual adds and ReLUs after batch norms into them; the
-  cross-entropy's row statistics kept for its backward; attention's output written transposed and its gradients
+  the half copy of the gradient autocast casts); residual adds and ReLUs after batch norms into them, and the ReLU's
+  backward into theirs; the cross-entropy's row statistics kept for its backward; attention's output written transposed and its gradients
   packed; clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
   name = "fuse-norms"
   PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), CastOfNormGradientPattern(),
-              BatchNormResidualPattern(), BatchNormReluPattern(),
+              BatchNormResidualPattern(), BatchNormReluPattern(), ReluGradientIntoBatchNormPattern(),
               CrossEntropyStatsPattern(), CrossEntropyWithGradientPattern(), PackedAttentionGradientPattern(),
               TransposedAttentionOutputPattern(), ClipIntoUpdatePattern())

@@ -24,6 +24,7 @@ from blutrain.backend.cuda.kernels import (TL, aligned, axis_args, axis_offsets,
                                            empty_like, max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
+from blutrain.backend.cuda.kernels.elementwise import elementwise
 from blutrain.backend.cuda.kernels.reduce import _column_sums
 from blutrain.configurator import (H200, NormBackward, norm_backward_schedule, partial_sums_schedule, reduce_schedule,
                                    row_schedule, split_rule)
@@ -491,13 +492,15 @@ def _channel_offsets(cs, rs, c_stride, r_size1, r_size2, r_size3, r_size4, r_str
 
 
 @triton.jit
-def _batch_norm_reduce_kernel(part0, part1, x, g, mean, var, C, R, chunk, eps, r_size1, r_size2, r_size3, r_size4,
-                              x_r_stride0, x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4,
+def _batch_norm_reduce_kernel(part0, part1, x, g, relu_out, mean, var, C, R, chunk, eps, r_size1, r_size2, r_size3,
+                              r_size4, x_r_stride0, x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4,
                               g_r_stride0, g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4, x_c_stride, g_c_stride,
-                              GRAD: tl.constexpr, ACC: tl.constexpr, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr,
-                              R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
+                              GRAD: tl.constexpr, MASK: tl.constexpr, ACC: tl.constexpr, R_DIMS: tl.constexpr,
+                              C_UNIT: tl.constexpr, R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                              IDX64: tl.constexpr):
   """Per channel, over the reduced positions [s chunk, (s + 1) chunk) of split s = program_id(1): the mean and M2 of
-  x into part0[s] and part1[s], or with GRAD the sums of g xhat and of g, xhat = (x - mean) / sqrt(var + eps)."""
+  x into part0[s] and part1[s], or with GRAD the sums of g xhat and of g, xhat = (x - mean) / sqrt(var + eps); with
+  MASK, g is 0 where relu_out (laid out as g) <= 0."""
   pid_c = tl.program_id(0)
   pid_s = tl.program_id(1)
   if IDX64:
@@ -527,9 +530,11 @@ def _batch_norm_reduce_kernel(part0, part1, x, g, mean, var, C, R, chunk, eps, r
                                 x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT)
     if GRAD:
       xv = tl.load(x_at, mask=mask, other=0).to(ACC)
-      gv = tl.load(g + _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0,
-                                        g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT),
-                   mask=mask, other=0).to(ACC)
+      g_off = _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0, g_r_stride1,
+                               g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT)
+      gv = tl.load(g + g_off, mask=mask, other=0).to(ACC)
+      if MASK:
+        gv = tl.where(tl.load(relu_out + g_off, mask=mask, other=0) <= 0, 0, gv)
       s1 += gv * (xv - mu[:, None])
       s2 += gv
     else:
@@ -603,19 +608,19 @@ def _batch_norm_running_stats_kernel(out_mean, out_var, running_mean, running_va
 
 
 @triton.jit
-def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size1, r_size2, r_size3, r_size4,
+def _batch_norm_apply_kernel(out, x, g, relu_out, mean, var, w, b, sums, C, R, eps, r_size1, r_size2, r_size3, r_size4,
                              x_r_stride0, x_r_stride1, x_r_stride2, x_r_stride3, x_r_stride4,
                              g_r_stride0, g_r_stride1, g_r_stride2, g_r_stride3, g_r_stride4,
                              out_r_stride0, out_r_stride1, out_r_stride2, out_r_stride3, out_r_stride4,
                              x_c_stride, g_c_stride, out_c_stride, MODE: tl.constexpr, ACC: tl.constexpr,
                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, RESIDUAL: tl.constexpr, RELU: tl.constexpr,
-                             R_DIMS: tl.constexpr, C_UNIT: tl.constexpr, R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr,
+                             MASK: tl.constexpr, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr, R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr,
                              BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
   """One [BLOCK_C, BLOCK_R] tile, with invstd = 1 / sqrt(var + eps): MODE "forward" out = (x - mean) invstd w + b,
   then with RESIDUAL that value rounded to out's dtype plus the residual in g, with RELU relu of the rounded value (as
   the separate add and relu kernels would compute them); "train" out = dx = (g - (sum(g) + xhat sum(g xhat)) / R)
-  invstd w from the reduction's sums; "eval" out = dx = g invstd w (the statistics are constants). The blocks of R
-  are the grid's first axis, which may pass 65535."""
+  invstd w from the reduction's sums; "eval" out = dx = g invstd w (the statistics are constants); with MASK, g is 0
+  where relu_out (laid out as g) <= 0. The blocks of R are the grid's first axis, which may pass 65535."""
   pid_r = tl.program_id(0)
   pid_c = tl.program_id(1)
   if IDX64:
@@ -630,19 +635,21 @@ def _batch_norm_apply_kernel(out, x, g, mean, var, w, b, sums, C, R, eps, r_size
   scale = invstd * tl.load(w + cs, mask=c_mask, other=0).to(ACC) if HAS_W else invstd
   x_off = _channel_offsets(cs, rs, x_c_stride, r_size1, r_size2, r_size3, r_size4, x_r_stride0, x_r_stride1,
                            x_r_stride2, x_r_stride3, x_r_stride4, R_DIMS, C_UNIT, R_UNIT)
-  g_at = g + _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0, g_r_stride1,
-                              g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT)
+  g_off = _channel_offsets(cs, rs, g_c_stride, r_size1, r_size2, r_size3, r_size4, g_r_stride0, g_r_stride1,
+                           g_r_stride2, g_r_stride3, g_r_stride4, R_DIMS, C_UNIT, R_UNIT)
   if MODE == "forward":
     y = (tl.load(x + x_off, mask=mask, other=0).to(ACC) - mu[:, None]) * scale[:, None]
     if HAS_B:
       y += tl.load(b + cs, mask=c_mask, other=0).to(ACC)[:, None]
     if RESIDUAL:  # y's last operation is an add (or FMA), so this add is never contracted into another FMA
-      y = y.to(out.dtype.element_ty).to(ACC) + tl.load(g_at, mask=mask, other=0).to(ACC)
+      y = y.to(out.dtype.element_ty).to(ACC) + tl.load(g + g_off, mask=mask, other=0).to(ACC)
     if RELU:
       y = y.to(out.dtype.element_ty).to(ACC)
       y = tl.where(y < 0, 0, y)
   else:
-    y = tl.load(g_at, mask=mask, other=0).to(ACC)
+    y = tl.load(g + g_off, mask=mask, other=0).to(ACC)
+    if MASK:
+      y = tl.where(tl.load(relu_out + g_off, mask=mask, other=0) <= 0, 0, y)
     if MODE == "train":
       xhat = (tl.load(x + x_off, mask=mask, other=0).to(ACC) - mu[:, None]) * invstd[:, None]
       sgx = tl.load(sums + cs, mask=c_mask, other=0)
@@ -678,16 +685,18 @@ def _tile(C: int, R: int, c_unit: bool, r_unit: bool) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def batch_norm_reduce_spec(grad: bool, x: DType, g: DType | None, mean: DType | None, var: DType | None, r_dims: int,
-                           c_unit: bool, r_unit: bool, C: int, R: int, i64: bool):
+                           c_unit: bool, r_unit: bool, C: int, R: int, i64: bool, relu_out: DType | None = None):
   """The per-channel reduction's variant: x's statistics, or with `grad` the sums of g xhat and g (mean, var: the
-  dtypes of the statistics it reads then)."""
+  dtypes of the statistics it reads then; relu_out: the dtype of the ReLU output masking g, None without)."""
   bc, br, warps = _tile(C, R, c_unit, r_unit)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
-  sig = {"part0": ptr(acc), "part1": ptr(acc), "x": ptr(x), "g": ptr(g or x), "mean": ptr(mean or acc),
+  sig = {"part0": ptr(acc), "part1": ptr(acc), "x": ptr(x), "g": ptr(g or x), "relu_out": ptr(relu_out or x),
+         "mean": ptr(mean or acc),
          "var": ptr(var or acc), "C": it, "R": it, "chunk": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
          **{k: it for k in axis_params("r", "x", "g")}, "x_c_stride": it, "g_c_stride": it}
-  return spec(_batch_norm_reduce_kernel, sig, dict(GRAD=grad, ACC=TL[acc], R_DIMS=r_dims, C_UNIT=c_unit, R_UNIT=r_unit,
-                                                   BLOCK_C=bc, BLOCK_R=br, IDX64=i64), num_warps=warps)
+  return spec(_batch_norm_reduce_kernel, sig, dict(GRAD=grad, MASK=relu_out is not None, ACC=TL[acc], R_DIMS=r_dims,
+                                                   C_UNIT=c_unit, R_UNIT=r_unit, BLOCK_C=bc, BLOCK_R=br, IDX64=i64),
+              num_warps=warps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -702,30 +711,32 @@ def batch_norm_finalize_spec(grad: bool, acc: DType, out0: DType | None, out1: D
 @functools.lru_cache(maxsize=4096)
 def batch_norm_apply_spec(mode: str, x: DType, g: DType | None, out: DType, mean: DType, var: DType, w: DType | None,
                           b: DType | None, r_dims: int, c_unit: bool, r_unit: bool, C: int, R: int, i64: bool,
-                          relu: bool = False):
+                          relu: bool = False, relu_out: DType | None = None):
   """The elementwise kernel's variant: the forward normalization (g: the residual's dtype, None without one), or dx
-  ("train", "eval")."""
+  ("train", "eval"; relu_out: the dtype of the ReLU output masking g, None without)."""
   bc, br, warps = _tile(C, R, c_unit, r_unit)
   it, acc = "i64" if i64 else "i32", stats_dtype(x)
-  sig = {"out": ptr(out), "x": ptr(x), "g": ptr(g or x), "mean": ptr(mean), "var": ptr(var), "w": ptr(w or mean),
+  sig = {"out": ptr(out), "x": ptr(x), "g": ptr(g or x), "relu_out": ptr(relu_out or x), "mean": ptr(mean),
+         "var": ptr(var), "w": ptr(w or mean),
          "b": ptr(b or mean), "sums": ptr(acc), "C": it, "R": it, "eps": "fp64" if x is dtypes.float64 else "fp32",
          **{k: it for k in axis_params("r", "x", "g", "out")}, "x_c_stride": it, "g_c_stride": it, "out_c_stride": it}
   return spec(_batch_norm_apply_kernel, sig, dict(MODE=mode, ACC=TL[acc], HAS_W=w is not None, HAS_B=b is not None,
                                                   RESIDUAL=mode == "forward" and g is not None, RELU=relu,
+                                                  MASK=relu_out is not None,
                                                   R_DIMS=r_dims, C_UNIT=c_unit, R_UNIT=r_unit, BLOCK_C=bc, BLOCK_R=br,
                                                   IDX64=i64), num_warps=warps)
 
 
 @functools.lru_cache(maxsize=4096)  # a function of layouts only: asked by every batch-norm op
 def reduce_plan(grad: bool, x: DType, g: DType | None, mean: DType | None, var: DType | None, shape, x_strides,
-                g_strides, eps: float, hw=H200):
-  """(spec, grid, scalar arguments after the pointers part0, part1, x, g, mean, var, splits S, chunk) of the
+                g_strides, eps: float, hw=H200, relu_out: DType | None = None):
+  """(spec, grid, scalar arguments after the pointers part0, part1, x, g, relu_out, mean, var, splits S, chunk) of the
   per-channel reduction over x of `shape` (and g with `grad`), whose layouts collapse to 5 reduced dims: `split_rule`
   cuts the R positions of each channel into S chunks when the channel blocks alone leave SMs idle."""
   C, R = shape[1], math.prod(shape) // shape[1]
   rshape, rst, cst, c_unit, r_unit = _channel_problem(shape, x_strides, g_strides if grad else x_strides)
   s = batch_norm_reduce_spec(grad, x, g, mean, var, len(rshape), c_unit, r_unit, C, R,
-                             needs_i64(shape, x_strides, g_strides if grad else x_strides))
+                             needs_i64(shape, x_strides, g_strides if grad else x_strides), relu_out)
   bc, br = s.constexprs["BLOCK_C"], s.constexprs["BLOCK_R"]
   pieces = split_rule(cdiv(C, bc), R, br, hw)
   chunk = cdiv(cdiv(R, pieces), br) * br
@@ -735,26 +746,32 @@ def reduce_plan(grad: bool, x: DType, g: DType | None, mean: DType | None, var: 
 
 @functools.lru_cache(maxsize=4096)
 def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, var: DType, w: DType | None,
-               b: DType | None, shape, x_strides, g_strides, out_strides, eps: float, relu: bool = False):
-  """(spec, grid, scalar arguments after the pointers out, x, g, mean, var, w, b, sums) of the elementwise kernel
+               b: DType | None, shape, x_strides, g_strides, out_strides, eps: float, relu: bool = False,
+               relu_out: DType | None = None):
+  """(spec, grid, scalar arguments after the pointers out, x, g, relu_out, mean, var, w, b, sums) of the elementwise
+  kernel
   over arrays of `shape` whose layouts collapse to 5 reduced dims (g_strides: x's when there is no g; the forward's g
   is its residual)."""
   C, R = shape[1], math.prod(shape) // shape[1]
   rshape, rst, cst, c_unit, r_unit = _channel_problem(shape, x_strides, g_strides, out_strides)
   s = batch_norm_apply_spec(mode, x, g, out, mean, var, w, b, len(rshape), c_unit, r_unit, C, R,
-                            needs_i64(shape, x_strides, g_strides, out_strides), relu)
+                            needs_i64(shape, x_strides, g_strides, out_strides), relu, relu_out)
   bc, br = s.constexprs["BLOCK_C"], s.constexprs["BLOCK_R"]
   return s, (cdiv(R, br), cdiv(C, bc)), (C, R, float(eps), *axis_args(rshape, *rst), *cst)
 
 
-def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, eps: float, out0, out1) -> CudaArray:
-  """Run the per-channel reduction and its finalize over x (and g); returns the sums buffer (2, C) of `grad`."""
+def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, eps: float, out0, out1,
+                    relu_out: CudaArray | None = None) -> CudaArray:
+  """Run the per-channel reduction and its finalize over x (and g, masked by relu_out); returns the sums buffer (2, C)
+  of `grad`."""
   s, grid, scalars, S, chunk = reduce_plan(grad, x.dtype, g and g.dtype, mean and mean.dtype, var and var.dtype,
-                                           x.shape, x.strides, g and g.strides, eps, runtime.hardware(x.device))
+                                           x.shape, x.strides, g and g.strides, eps, runtime.hardware(x.device),
+                                           relu_out and relu_out.dtype)
   C, R, acc = x.shape[1], x.size // x.shape[1], stats_dtype(x.dtype)
   part = empty((2, S, C), acc, x.device)
   part1 = part.ptr + S * C * acc.itemsize
-  run(s, grid, part.ptr, part1, x.ptr, (g or x).ptr, (mean or part).ptr, (var or part).ptr, *scalars)
+  run(s, grid, part.ptr, part1, x.ptr, (g or x).ptr, (relu_out or x).ptr, (mean or part).ptr, (var or part).ptr,
+      *scalars)
   sums = empty((2, C), acc, x.device) if grad else part
   run(batch_norm_finalize_spec(grad, acc, out0 and out0.dtype, out1 and out1.dtype), (cdiv(C, FINALIZE_BLOCK_C),),
       (out0 or part).ptr, (out1 or part).ptr, sums.ptr, part.ptr, part1, C, R, S, chunk)
@@ -762,11 +779,12 @@ def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, ep
 
 
 def _channel_apply(mode: str, out: CudaArray, x: CudaArray, g: CudaArray | None, mean, var, w, b, sums, eps: float,
-                   relu: bool = False):
+                   relu: bool = False, relu_out: CudaArray | None = None):
   s, grid, scalars = apply_plan(mode, x.dtype, g and g.dtype, out.dtype, mean.dtype, var.dtype, w and w.dtype,
-                                b and b.dtype, x.shape, x.strides, (g or x).strides, out.strides, eps, relu)
-  run(s, grid, out.ptr, x.ptr, (g or x).ptr, mean.ptr, var.ptr, (w or mean).ptr, (b or mean).ptr, (sums or mean).ptr,
-      *scalars)
+                                b and b.dtype, x.shape, x.strides, (g or x).strides, out.strides, eps, relu,
+                                relu_out and relu_out.dtype)
+  run(s, grid, out.ptr, x.ptr, (g or x).ptr, (relu_out or x).ptr, mean.ptr, var.ptr, (w or mean).ptr, (b or mean).ptr,
+      (sums or mean).ptr, *scalars)
 
 
 def _contiguous(*arrays: CudaArray | None) -> list[CudaArray | None]:
@@ -804,14 +822,18 @@ def batch_norm(x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | Non
   return out
 
 
-def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | None, *,
-                        eps: float, training: bool, input_grad: bool, weight_grad: bool,
-                        bias_grad: bool) -> tuple[CudaArray | None, ...]:
+def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | None,
+                        relu_out: CudaArray | None = None, *, eps: float, training: bool, input_grad: bool,
+                        weight_grad: bool, bias_grad: bool) -> tuple[CudaArray | None, ...]:
   """(dx, dweight, dbias) of batch_norm, each a new array when asked for (else None): dx in x's dense layout, the
   others float32 (float64 for float64 x). The sums over each channel (one split reduction) come first unless only
-  dx of the eval form is asked for."""
+  dx of the eval form is asked for. With `relu_out`, g is 0 where relu_out <= 0: read as the kernels read g when
+  both are laid out alike, else applied to g first."""
   acc = stats_dtype(x.dtype)
-  x, g = _few_dims(x, g)
+  if relu_out is not None and relu_out.strides != g.strides:
+    g, relu_out = elementwise("relu_backward", g.dtype, g, relu_out), None
+  x, g, *rest = _few_dims(x, g, *([relu_out] if relu_out is not None else []))
+  relu_out = rest[0] if rest else None
   mean, var, w = _contiguous(mean, var, w)
   dw = empty((x.shape[1],), acc, x.device) if weight_grad else None
   db = empty((x.shape[1],), acc, x.device) if bias_grad else None
@@ -822,8 +844,9 @@ def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaAr
     return dx, dw, db
   sums = None
   if weight_grad or bias_grad or (input_grad and training):
-    sums = _channel_reduce(True, x, g, mean, var, eps, dw, db)
-  if input_grad: _channel_apply("train" if training else "eval", dx, x, g, mean, var, w, None, sums, eps)
+    sums = _channel_reduce(True, x, g, mean, var, eps, dw, db, relu_out)
+  if input_grad: _channel_apply("train" if training else "eval", dx, x, g, mean, var, w, None, sums, eps,
+                                relu_out=relu_out)
   return dx, dw, db
 
 
@@ -929,6 +952,10 @@ def _specs() -> list:
   out += [batch_norm_apply_spec("forward", f32, None, f32, f32, f32, f32, f32, 2, False, False, 64, R, False, True),
           batch_norm_apply_spec("forward", f32, f32, f32, f32, f32, f32, f32, 2, False, False, 64, R, False, True),
           batch_norm_apply_spec("forward", bf16, bf16, bf16, f32, f32, f32, f32, 1, True, False, 64, R, False, True)]
+  # the backward with g masked by the ReLU's output (Nova's fold of relu's backward)
+  for x in (f32, bf16):
+    out += [batch_norm_reduce_spec(True, x, x, f32, f32, 1, True, False, 64, R, False, x),
+            batch_norm_apply_spec("train", x, x, x, f32, f32, f32, None, 1, True, False, 64, R, False, False, x)]
   return out
 
 
