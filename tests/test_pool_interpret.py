@@ -1,5 +1,6 @@
-"""The CUDA kernels of max_pool2d (`max_pool2d_indices`, `max_pool2d_values`, `max_pool2d_backward`) without a GPU: Triton's interpreter (TRITON_INTERPRET=1,
-in a subprocess, since it must be set before Triton is imported) runs the kernel as its host wrapper launches it, on
+"""The CUDA kernels of max_pool2d (`max_pool2d_indices`, also storing the maxima as `max_pool2d_with_indices`,
+`max_pool2d_values`, `max_pool2d_backward`) without a GPU: Triton's interpreter (TRITON_INTERPRET=1, in a
+subprocess, since it must be set before Triton is imported) runs the kernel as its host wrapper launches it, on
 torch CPU tensors (test-only), against the CPU backend's kernel and PyTorch's own indices: padding, dilation, strides,
 ceil_mode windows, channels-last input (written channels-last; with unit channel strides the vector variants), ties,
 NaNs, integers."""
@@ -16,7 +17,8 @@ CASES = [  # (x shape, kernel, stride, padding, dilation, ceil_mode)
 ]
 
 
-def _run_case(shape, kernel, stride, padding, dilation, ceil_mode, dtype: str, channels_last: bool) -> None:
+def _run_case(shape, kernel, stride, padding, dilation, ceil_mode, dtype: str, channels_last: bool,
+              with_values: bool) -> None:
   import torch
   from blutrain.backend.cpu.kernels import kernels as cpu
   from blutrain.backend.cuda.kernels import pool
@@ -34,15 +36,19 @@ def _run_case(shape, kernel, stride, padding, dilation, ceil_mode, dtype: str, c
   if channels_last: out = out.contiguous(memory_format=torch.channels_last)
   rows, cols = pool.tiles(tuple(out.shape), channels_last)
   vectors = channels_last and shape[1] % 16 == 0  # the variant with unit channel strides (the interpreter's values)
-  s = pool.max_pool2d_indices_spec(getattr(dtypes, dtype), rows, cols, False, channels_last, vectors)
-  s[0][pool.grid(s, rows, cols)](out, x, rows, cols, shape[1], *out_size, *shape[2:], *kernel, *stride, *padding,
-                                 *dilation, *x.stride(), **s.constexprs)
+  like = lambda t: t.contiguous(memory_format=torch.channels_last) if channels_last else t  # the kernels' layout
+  found = like(torch.empty(want.shape, dtype=x.dtype))
+  s = pool.max_pool2d_indices_spec(getattr(dtypes, dtype), rows, cols, False, channels_last, vectors, with_values)
+  s[0][pool.grid(s, rows, cols)](out, found, x, rows, cols, shape[1], *out_size, *shape[2:], *kernel, *stride,
+                                 *padding, *dilation, *x.stride(), **s.constexprs)
   host = cpu["max_pool2d_indices"](x.double().numpy(), kernel=kernel, stride=stride, padding=padding, dilation=dilation,
                                    out_size=out_size)
-  case = (shape, kernel, stride, padding, dilation, ceil_mode, dtype, channels_last)
+  case = (shape, kernel, stride, padding, dilation, ceil_mode, dtype, channels_last, with_values)
   assert np.array_equal(out.numpy(), want.numpy()), f"kernel against PyTorch: {case}"
   assert np.array_equal(host, want.numpy()), f"CPU kernel against PyTorch: {case}"
-  like = lambda t: t.contiguous(memory_format=torch.channels_last) if channels_last else t  # the kernels' layout
+  if with_values:
+    assert np.array_equal(found.double().numpy(), want_y.numpy(), equal_nan=True), f"maxima: {case}"
+    return
   n, dt = out.numel(), getattr(dtypes, dtype)
   values = like(torch.empty(want.shape, dtype=x.dtype))
   v = pool.max_pool2d_values_spec(dt, n, False, channels_last)
@@ -67,7 +73,8 @@ def main() -> None:
   for case in CASES:
     for dtype in ("float32", "float16", "int64"):  # (the interpreter holds bfloat16 as raw bits: it cannot compare them)
       for channels_last in (False, True):
-        _run_case(*case, dtype, channels_last)
+        for with_values in (False, True):
+          _run_case(*case, dtype, channels_last, with_values)
   print("ok")
 
 

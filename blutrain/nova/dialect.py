@@ -1265,6 +1265,21 @@ class MaxPool2dValuesOp(NNOp):
 
 
 @irdl_op_definition
+class MaxPool2dWithIndicesOp(MultiResultOp):
+  """max_pool2d_values and max_pool2d_indices of x (N, C, H, W) for windows of this geometry, in one pass (made by
+  passes/fuse_norms.py)."""
+  name = "nova.max_pool2d_with_indices"
+  x = operand_def(TENSOR)
+  kernel = prop_def(INTS)
+  stride = prop_def(INTS)
+  padding = prop_def(INTS)
+  dilation = prop_def(INTS)
+  out_size = prop_def(INTS)
+  values = result_def(TENSOR)
+  indices = result_def(TENSOR)
+
+
+@irdl_op_definition
 class MaxPool2dBackwardOp(NNOp):
   """The gradient of `max_pool2d_values` for an input of `size` (H, W): g summed at each position over the windows
   whose maximum it is."""
@@ -1764,7 +1779,7 @@ Nova = Dialect("nova", [
   LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormRunningStatsOp,
   BatchNormOp,
   BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, MaxPool2dValuesOp,
-  MaxPool2dBackwardOp, GatherOp, EmbeddingOp,
+  MaxPool2dWithIndicesOp, MaxPool2dBackwardOp, GatherOp, EmbeddingOp,
   EmbeddingBackwardOp, CrossEntropyOp, CrossEntropyBackwardOp, CrossEntropyWithStatsOp,
   CrossEntropyBackwardWithStatsOp, CrossEntropyWithGradOp, CrossEntropyStatsOp, CrossEntropyLseBackwardOp,
   FlashAttentionOp, FlashAttentionTransposedOp, FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp,

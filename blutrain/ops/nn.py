@@ -503,6 +503,16 @@ max_pool2d_indices_op = op("max_pool2d_indices", _max_pool2d_indices_rule, diffe
                            attrs="kernel:ints stride:ints padding:ints dilation:ints out_size:ints")
 
 
+def _max_pool2d_with_indices_rule(x, **geometry):
+  shape, _ = _max_pool2d_indices_rule(x, **geometry)
+  return [(shape, x.dtype), (shape, dtypes.int64)]
+
+
+# (max_pool2d_values, max_pool2d_indices) in one pass over x: Nova makes it of the two ops (passes/fuse_norms.py)
+max_pool2d_with_indices_op = op("max_pool2d_with_indices", _max_pool2d_with_indices_rule, multi=True, inputs="x",
+                                attrs="kernel:ints stride:ints padding:ints dilation:ints out_size:ints")
+
+
 def max_pool2d_indices(x: Tensor, kernel, stride, padding, dilation, out_size) -> Tensor:
   """The int64 flat position in H * W of each window's maximum of x (N, C, H, W) (see `max_pool2d_indices_op`)."""
   return max_pool2d_indices_op(x, kernel=tuple(kernel), stride=tuple(stride), padding=tuple(padding),

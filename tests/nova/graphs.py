@@ -240,7 +240,8 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   pool = dict(kernel=(2, 2), stride=(1, 2), padding=(1, 0), dilation=(1, 1))
   idx = b("max_pool2d_indices", image, out_size=(4, 2), **pool)
   pooled = b("max_pool2d_values", image, idx, **pool)
-  outs += [idx, pooled, b("max_pool2d_backward", pooled, idx, size=(3, 4), **pool)]
+  outs += [idx, pooled, b("max_pool2d_backward", pooled, idx, size=(3, 4), **pool),
+           *b("max_pool2d_with_indices", image, out_size=(4, 2), **pool)]
   mean, var = b("batch_norm_stats", x)  # x as (N, C) = (3, 4)
   outs += [*b("batch_norm_running_stats", b("exp", mean), b("exp", var), mean, var, momentum=0.25, count=3)]
   outs += [mean, var, b("batch_norm", x, mean, var, w, bias, eps=1e-5, training=True),

@@ -483,3 +483,28 @@ def test_compiled_resnet_block_with_fused_batch_norms_equals_eager(amp, tmp_path
   assert len(forward) == 3 and sum("relu=True" in line for line in forward) == 2, forward
   # the first block's relu backward folds into bn1's backward; the second's result is read by two norms' backwards
   assert 'kernels["relu"]' not in source and source.count("relu_backward") == 1, source
+
+
+# *** max pooling: the window search stores the maxima ***
+
+POOL = dict(kernel=(3, 3), stride=(2, 2), padding=(1, 1), dilation=(1, 1))
+
+
+def test_max_pool_values_come_out_of_the_window_search():
+  b = Builder()
+  x = b.input((2, 4, 9, 8))
+  idx = b("max_pool2d_indices", x, **POOL, out_size=(5, 4))
+  graph = b.output(b("max_pool2d_values", x, idx, **POOL), idx)
+  a = np.random.default_rng(8).standard_normal((2, 4, 9, 8)).round(1).astype(np.float32)  # rounding: ties
+  a.flat[[3, 40]] = np.nan
+  assert _same_bits(graph, [a]) == {"max_pool2d_with_indices": 1}
+
+
+@pytest.mark.parametrize("case", ["other_input", "other_geometry"])
+def test_max_pool_values_of_other_indices_stay_a_gather(case):
+  b = Builder()
+  x, y = b.input((2, 4, 9, 8)), b.input((2, 4, 9, 8))
+  idx = b("max_pool2d_indices", y if case == "other_input" else x, **POOL, out_size=(5, 4))
+  geometry = {**POOL, "dilation": (1, 2)} if case == "other_geometry" else POOL
+  module = ir.to_module(b.output(b("max_pool2d_values", x, idx, **geometry)))
+  assert not FuseNormsPass().run(module)

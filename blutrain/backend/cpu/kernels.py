@@ -359,6 +359,11 @@ def _max_pool2d_values(x, idx, **geometry):
   return np.take_along_axis(x.reshape(N, C, -1), idx.reshape(N, C, -1), 2).reshape(idx.shape)
 
 
+def _max_pool2d_with_indices(x, kernel, stride, padding, dilation, out_size):
+  idx = _max_pool2d_indices(x, kernel, stride, padding, dilation, out_size)
+  return _max_pool2d_values(x, idx), idx
+
+
 def _max_pool2d_backward(g, idx, size, **geometry):
   """g summed at each input position over the windows whose maximum it is."""
   N, C = g.shape[:2]
@@ -679,6 +684,7 @@ kernels = {
   "cumsum": _cumsum, "cumprod": lambda x, dim: np.cumprod(x, dim), "argsort": _argsort,
   "batch_norm_running_stats": _batch_norm_running_stats,
   "max_pool2d_indices": _max_pool2d_indices, "max_pool2d_values": _max_pool2d_values,
+  "max_pool2d_with_indices": _max_pool2d_with_indices,
   "max_pool2d_backward": _max_pool2d_backward,
   # movement and indexing
   "slice_backward": _slice_backward, "cat": lambda *xs, dim: np.concatenate(xs, axis=dim),

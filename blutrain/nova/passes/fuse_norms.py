@@ -1,7 +1,7 @@
 """Norm fusion: a transformer's residual adds folded into the layer norms next to them, a ResNet's ReLUs and residual
-adds into its batch norms, a cross-entropy's row statistics kept for its backward, attention's output and its q, k, v
-gradients written where the copies after them put them, and gradient-norm clipping's scale folded into the
-optimizer's update after it (AdamW's or SGD's).
+adds into its batch norms (and max pooling's two kernels into one), a cross-entropy's row statistics kept for its
+backward, attention's output and its q, k, v gradients written where the copies after them put them, and
+gradient-norm clipping's scale folded into the optimizer's update after it (AdamW's or SGD's).
 
 Each block of a pre-norm transformer adds a branch into the residual stream and normalizes the sum for the next
 branch; the sum is used again later (the next residual add, the norm's backward), so it is written either way. One
@@ -26,6 +26,11 @@ the sum is the add kernel's), and in the backward the norm's kernels read relu's
   y = relu(add(batch_norm(x, m, v, w, b), r))          ->  y = batch_norm(x, m, v, w, b, residual=r, relu=true)
   d = relu_backward(g, y);  batch_norm_backward(d, x, ...)  ->  batch_norm_backward(g, x, ..., relu_out=y)
                                                              (d read by the norm's backward alone)
+
+Max pooling is a window search for each maximum's position and a gather of x there (the gather is what autodiff
+differentiates); the search stores the maximum too, one pass over x instead of two:
+
+  i = max_pool2d_indices(x);  v = max_pool2d_values(x, i)  ->  v, i = max_pool2d_with_indices(x)
 
 A cross-entropy's backward computes each row's max and sum of exp(x - max) again before its one pass of stores;
 the forward, which computes the same statistics with the same tiles, keeps them (8 bytes a row) and the backward
@@ -91,7 +96,8 @@ from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, BatchNormBack
                                    CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, CrossEntropyOp,
                                    CrossEntropyWithGradOp, CrossEntropyWithStatsOp, ElementwiseOp, ExpandOp,
                                    FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, FlashAttentionOp,
-                                   FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp, LayoutOp, PermuteOp,
+                                   FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp, LayoutOp,
+                                   MaxPool2dIndicesOp, MaxPool2dValuesOp, MaxPool2dWithIndicesOp, PermuteOp,
                                    ReduceOp, ReluBackwardOp, ReluOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 
@@ -251,6 +257,26 @@ class ReluGradientIntoBatchNormPattern(RewritePattern):
     rewriter.insert(fused, InsertPoint.before(op))
     rewriter.replace(op, [], list(fused.results))
     rewriter.erase(back)
+
+
+class MaxPoolWithIndicesPattern(RewritePattern):
+  """max_pool2d_values(x, max_pool2d_indices(x)) -> max_pool2d_with_indices(x): the window search stores each maximum
+  as it stores its position, instead of a second kernel reading x there again (the same values: x's own).
+
+    %i = nova.max_pool2d_indices %x {kernel = ..., out_size = ...} : (tensor<8x64x112x112xf32>) -> tensor<...xi64>
+    %v = nova.max_pool2d_values %x, %i {kernel = ...} : (...) -> tensor<8x64x56x56xf32>
+      =>   %v, %i = nova.max_pool2d_with_indices %x {kernel = ..., out_size = ...} : (...) -> (..., ...)
+  """
+  @op_type_rewrite_pattern
+  def match_and_rewrite(self, op: MaxPool2dValuesOp, rewriter: PatternRewriter):
+    search = op.idx.owner
+    if not isinstance(search, MaxPool2dIndicesOp) or search.x is not op.x: return
+    geometry = search.attrs()
+    if any(geometry[k] != v for k, v in op.attrs().items()): return
+    fused = MaxPool2dWithIndicesOp.make([op.x], geometry, [op.result.type, search.result.type])
+    rewriter.insert(fused, InsertPoint.before(search))
+    rewriter.replace(search, [], [fused.indices])
+    rewriter.replace(op, [], [fused.values])
 
 
 class CrossEntropyStatsPattern(RewritePattern):
@@ -425,10 +451,11 @@ class ClipIntoUpdatePattern(RewritePattern):
 class FuseNormsPass(PatternPass):
   """Residual adds folded into the layer norms (forward) and their backward kernels (the gradient accumulation, and
   the half copy of the gradient autocast casts); residual adds and ReLUs after batch norms into them, and the ReLU's
-  backward into theirs; the cross-entropy's row statistics kept for its backward; attention's output written transposed and its gradients
-  packed; clip_grad_norm_'s scale folded into the AdamW and SGD updates."""
+  backward into theirs; max pooling's values stored by its window search; the cross-entropy's row statistics kept for
+  its backward; attention's output written transposed and its gradients packed; clip_grad_norm_'s scale folded into
+  the AdamW and SGD updates."""
   name = "fuse-norms"
   PATTERNS = (AddLayerNormPattern(), LayerNormBackwardResidualPattern(), CastOfNormGradientPattern(),
               BatchNormResidualPattern(), BatchNormReluPattern(), ReluGradientIntoBatchNormPattern(),
-              CrossEntropyStatsPattern(), CrossEntropyWithGradientPattern(), PackedAttentionGradientPattern(),
-              TransposedAttentionOutputPattern(), ClipIntoUpdatePattern())
+              MaxPoolWithIndicesPattern(), CrossEntropyStatsPattern(), CrossEntropyWithGradientPattern(),
+              PackedAttentionGradientPattern(), TransposedAttentionOutputPattern(), ClipIntoUpdatePattern())

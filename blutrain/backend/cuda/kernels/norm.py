@@ -614,8 +614,8 @@ def _batch_norm_apply_kernel(out, x, g, relu_out, mean, var, w, b, sums, C, R, e
                              out_r_stride0, out_r_stride1, out_r_stride2, out_r_stride3, out_r_stride4,
                              x_c_stride, g_c_stride, out_c_stride, MODE: tl.constexpr, ACC: tl.constexpr,
                              HAS_W: tl.constexpr, HAS_B: tl.constexpr, RESIDUAL: tl.constexpr, RELU: tl.constexpr,
-                             MASK: tl.constexpr, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr, R_UNIT: tl.constexpr, BLOCK_C: tl.constexpr,
-                             BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
+                             MASK: tl.constexpr, R_DIMS: tl.constexpr, C_UNIT: tl.constexpr, R_UNIT: tl.constexpr,
+                             BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IDX64: tl.constexpr):
   """One [BLOCK_C, BLOCK_R] tile, with invstd = 1 / sqrt(var + eps): MODE "forward" out = (x - mean) invstd w + b,
   then with RESIDUAL that value rounded to out's dtype plus the residual in g, with RELU relu of the rounded value (as
   the separate add and relu kernels would compute them); "train" out = dx = (g - (sum(g) + xhat sum(g xhat)) / R)

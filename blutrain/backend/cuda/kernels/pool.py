@@ -1,7 +1,8 @@
 """max_pool2d's three kernels, each one pass in the memory order of what it writes (NCHW, or channels-last when its
 input is): `max_pool2d_indices` finds each window's maximum's flat position in H * W (each output reading its KH x KW
-window of x, any strides) as PyTorch's kernels pick it (the first of equal maxima, the last NaN, padding never);
-`max_pool2d_values` reads x there; `max_pool2d_backward` gives each input position the sum of g over the windows
+window of x, any strides) as PyTorch's kernels pick it (the first of equal maxima, the last NaN, padding never), and
+as `max_pool2d_with_indices` (which Nova makes of the two ops) stores the maximum too; `max_pool2d_values` reads x
+there; `max_pool2d_backward` gives each input position the sum of g over the windows
 whose maximum it is (it visits only the windows that can hold it, found by one division per row: no atomics, no
 zero-filled buffer). The window search and the gradient walk tiles of rows (positions channels-last, else (n, c, h))
 by columns (channels, else w), so the divisions that locate an element are per row (`tile_schedule`); the values'
@@ -68,10 +69,11 @@ def _tile(P, Q, C, H, W, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, IDX64: tl
 
 
 @triton.jit
-def _max_pool2d_indices_kernel(out, x, P, Q, C, OH, OW, H, W, KH, KW, sh, sw, ph, pw, dh, dw, xs0, xs1, xs2, xs3,
-                               BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, IDX64: tl.constexpr,
-                               CHANNELS_LAST: tl.constexpr, C_UNIT: tl.constexpr):
-  # C_UNIT: channels at unit stride (channels-last); with the other strides promised multiples of 16, 16-byte vectors
+def _max_pool2d_indices_kernel(out, values, x, P, Q, C, OH, OW, H, W, KH, KW, sh, sw, ph, pw, dh, dw, xs0, xs1, xs2,
+                               xs3, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, IDX64: tl.constexpr,
+                               CHANNELS_LAST: tl.constexpr, C_UNIT: tl.constexpr, VALUES: tl.constexpr):
+  # C_UNIT: channels at unit stride (channels-last); with the other strides promised multiples of 16, 16-byte vectors.
+  # VALUES: the maxima also stored, into `values` laid out as out
   o, ok, b, c, oh, ow = _tile(P, Q, C, OH, OW, BLOCK_P, BLOCK_Q, IDX64, CHANNELS_LAST)
   base = x + b * xs0 + (c if C_UNIT else c * xs1)
   best = tl.zeros([BLOCK_P, BLOCK_Q], x.dtype.element_ty)
@@ -86,6 +88,8 @@ def _max_pool2d_indices_kernel(out, x, P, Q, C, OH, OW, H, W, KH, KW, sh, sw, ph
       best = tl.where(take, v, best)
       best_i = tl.where(take, (ih * W + iw).to(tl.int64), best_i)
   tl.store(out + o, best_i, mask=ok)
+  if VALUES:
+    tl.store(values + o, best, mask=ok)
 
 
 @triton.jit
@@ -124,15 +128,18 @@ def _max_pool2d_backward_kernel(dx, g, idx, P, Q, C, H, W, OH, OW, RH, RW, sh, s
 
 @functools.lru_cache(maxsize=4096)
 def max_pool2d_indices_spec(dtype: DType, rows: int, cols: int, i64: bool, channels_last: bool = False,
-                            vectors: bool = False):
+                            vectors: bool = False, values: bool = False):
   """The window search's variant for an output of `rows` x `cols` in memory (`tiles`) of an input of `dtype`;
-  `vectors` (channels-last only, `unit_channels`): 16-byte loads and stores along the channels."""
+  `vectors` (channels-last only, `unit_channels`): 16-byte loads and stores along the channels; `values`: the maxima
+  stored too."""
   block_p, block_q, warps = tile_schedule(rows, cols)
   it = "i64" if i64 else "i32"
-  sig = {"out": "*i64", "x": ptr(dtype), **dict.fromkeys(("P", "Q", "C", "OH", "OW", "H", "W", "KH", "KW", "sh", "sw",
-                                                            "ph", "pw", "dh", "dw", "xs0", "xs1", "xs2", "xs3"), it)}
-  return spec(_max_pool2d_indices_kernel, divisible(sig, ("out", "x", "Q", "xs0", "xs2", "xs3")) if vectors else sig,
-              dict(BLOCK_P=block_p, BLOCK_Q=block_q, IDX64=i64, CHANNELS_LAST=channels_last, C_UNIT=vectors),
+  sig = {"out": "*i64", "values": ptr(dtype), "x": ptr(dtype),
+         **dict.fromkeys(("P", "Q", "C", "OH", "OW", "H", "W", "KH", "KW", "sh", "sw", "ph", "pw", "dh", "dw", "xs0",
+                          "xs1", "xs2", "xs3"), it)}
+  if vectors: sig = divisible(sig, ("out", "x", "Q", "xs0", "xs2", "xs3") + (("values",) if values else ()))
+  return spec(_max_pool2d_indices_kernel, sig, dict(BLOCK_P=block_p, BLOCK_Q=block_q, IDX64=i64,
+                                                    CHANNELS_LAST=channels_last, C_UNIT=vectors, VALUES=values),
               num_warps=warps)
 
 
@@ -164,18 +171,30 @@ def _order(a: CudaArray) -> tuple[int, ...] | None:
   return CHANNELS_LAST if memory_order(a.shape, a.strides) == CHANNELS_LAST else None
 
 
-def max_pool2d_indices(x: CudaArray, kernel, stride, padding, dilation, out_size) -> CudaArray:
+def _window_search(x: CudaArray, kernel, stride, padding, dilation, out_size, values: bool):
   """The indices (N, C, *out_size), channels-last when x is (as PyTorch's max_pool2d keeps the memory format), else
-  contiguous."""
+  contiguous, and with `values` the maxima in the same layout (else None)."""
   order = _order(x)
   out = empty_ordered((*x.shape[:2], *out_size), dtypes.int64, x.device, order)
-  if out.size == 0: return out
+  vals = empty_ordered(out.shape, x.dtype, x.device, order) if values else None
+  if out.size == 0: return out, vals
   rows, cols = tiles(out.shape, order is not None)
   s = max_pool2d_indices_spec(x.dtype, rows, cols, needs_i64(x.shape, x.strides) or needs_i64(out.shape, out.strides),
-                              order is not None, order is not None and unit_channels([x, out]))
-  run(s, grid(s, rows, cols), out.ptr, x.ptr, rows, cols, x.shape[1], *out_size, *x.shape[2:], *kernel, *stride,
-      *padding, *dilation, *x.strides)
-  return out
+                              order is not None, order is not None and unit_channels([x, out]), values)
+  run(s, grid(s, rows, cols), out.ptr, (vals or x).ptr, x.ptr, rows, cols, x.shape[1], *out_size, *x.shape[2:],
+      *kernel, *stride, *padding, *dilation, *x.strides)
+  return out, vals
+
+
+def max_pool2d_indices(x: CudaArray, kernel, stride, padding, dilation, out_size) -> CudaArray:
+  """The indices (N, C, *out_size), channels-last when x is, else contiguous."""
+  return _window_search(x, kernel, stride, padding, dilation, out_size, False)[0]
+
+
+def max_pool2d_with_indices(x: CudaArray, kernel, stride, padding, dilation, out_size) -> tuple[CudaArray, CudaArray]:
+  """(the maxima, their indices), one pass over x, both laid out as `max_pool2d_indices` lays out the indices."""
+  idx, vals = _window_search(x, kernel, stride, padding, dilation, out_size, True)
+  return vals, idx
 
 
 @functools.lru_cache(maxsize=4096)
@@ -233,12 +252,14 @@ def max_pool2d_backward(g: CudaArray, idx: CudaArray, size, kernel, stride, padd
 
 
 KERNELS = {"max_pool2d_indices": max_pool2d_indices, "max_pool2d_values": max_pool2d_values,
-           "max_pool2d_backward": max_pool2d_backward}
+           "max_pool2d_backward": max_pool2d_backward, "max_pool2d_with_indices": max_pool2d_with_indices}
 SPECS = [max_pool2d_indices_spec(t, 1 << 16, 64, False) for t in (dtypes.bfloat16, dtypes.float16, dtypes.float32,
                                                                  dtypes.int64)] + \
   [max_pool2d_indices_spec(dtypes.float64, 64, 7, True),
    max_pool2d_indices_spec(dtypes.bfloat16, 1 << 16, 64, False, True),
-   max_pool2d_indices_spec(dtypes.bfloat16, 1 << 16, 64, False, True, True)] + \
+   max_pool2d_indices_spec(dtypes.bfloat16, 1 << 16, 64, False, True, True),
+   max_pool2d_indices_spec(dtypes.float32, 1 << 16, 56, False, False, False, True),
+   max_pool2d_indices_spec(dtypes.bfloat16, 1 << 16, 64, False, True, True, True)] + \
   [max_pool2d_values_spec(t, 1 << 22, False, cl) for t in (dtypes.bfloat16, dtypes.float32) for cl in (False, True)] + \
   [max_pool2d_backward_spec(t, 1 << 16, 112, False, cl) for t in (dtypes.bfloat16, dtypes.float32)
    for cl in (False, True)] + [max_pool2d_backward_spec(dtypes.bfloat16, 1 << 16, 64, False, True, True)] + \
