@@ -170,7 +170,8 @@ def _run_finalize(S: int, C: int, grad: bool) -> None:
 
 
 def _run_running_stats() -> None:
-  """The running statistics' update in place (out = the running statistics) against PyTorch's BatchNorm2d's."""
+  """The running statistics' update in place (out = the running statistics) against PyTorch's BatchNorm2d's, with the
+  batch count's increment."""
   import torch
   from blutrain import dtypes
   from blutrain.backend.cuda.kernels import norm as K
@@ -182,10 +183,12 @@ def _run_running_stats() -> None:
   rm, rv = bn.running_mean.clone(), bn.running_var.clone()
   bn.train()(x)
   mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
-  s = K.batch_norm_running_stats_spec(dtypes.float32, dtypes.float32)
-  s[0][(cdiv(1500, K.RUNNING_BLOCK),)](rm, rv, rm, rv, mean, var, 1500, 0.3, 24 / 23, 1, 1, 1, 1, 1, 1,
-                                        **s.constexprs)
+  batches = torch.tensor(41)
+  s = K.batch_norm_running_stats_spec(dtypes.float32, dtypes.float32, True)
+  s[0][(cdiv(1500, K.RUNNING_BLOCK),)](rm, rv, batches, rm, rv, mean, var, batches, 1500, 0.3, 24 / 23, 1, 1, 1, 1, 1,
+                                        1, **s.constexprs)
   assert torch.allclose(rm, bn.running_mean, rtol=1e-6, atol=1e-6) and torch.allclose(rv, bn.running_var, rtol=1e-6)
+  assert int(batches) == 42  # counted once, by one program of two
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from blutrain import dtypes, ops
 from blutrain.nn import functional as F, init
 from blutrain.nn.module import Module, Parameter
+from blutrain.nn.spatial import batch_norm_counting
 from blutrain.tensor import Tensor
 
 
@@ -56,14 +57,16 @@ class _BatchNorm(Module):
   def forward(self, input: Tensor) -> Tensor:
     if input.ndim not in self._dims:
       raise ValueError(f"expected {' or '.join(f'{d}D' for d in self._dims)} input (got {input.ndim}D input)")
-    factor = 0.0 if self.momentum is None else self.momentum
+    factor, batches = (0.0 if self.momentum is None else self.momentum), None
     if self.training and self.track_running_stats:
-      with ops.no_grad(): self.num_batches_tracked.add_(1)
-      if self.momentum is None: factor = 1.0 / self.num_batches_tracked.to(dtypes.float64)
+      if self.momentum is None:  # the factor reads the count: it moves first
+        with ops.no_grad(): self.num_batches_tracked.add_(1)
+        factor = 1.0 / self.num_batches_tracked.to(dtypes.float64)
+      else: batches = self.num_batches_tracked  # counted by the running statistics' kernel
     use_batch = self.training or self.running_mean is None
     track = not self.training or self.track_running_stats
-    return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
-                        self.weight, self.bias, use_batch, factor, self.eps)
+    return batch_norm_counting(input, self.running_mean if track else None, self.running_var if track else None,
+                               self.weight, self.bias, use_batch, factor, self.eps, batches)
 
   def extra_repr(self) -> str:
     return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "

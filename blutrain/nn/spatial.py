@@ -320,6 +320,14 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
   In training, mean and var are the batch's (var biased), and the running statistics, when given, move toward them
   in place: r = (1 - momentum) r + momentum * stat, with the unbiased variance. Otherwise the running statistics
   normalize. `momentum` may be a 0-d tensor (BatchNorm's cumulative average, 1 / batches seen)."""
+  return batch_norm_counting(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def batch_norm_counting(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                        weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
+                        momentum: float | Tensor = 0.1, eps: float = 1e-5, batches: Tensor | None = None) -> Tensor:
+  """`batch_norm`, and with `batches` (BatchNorm's num_batches_tracked, a float momentum) one more batch counted by
+  the running statistics' kernel, when they move."""
   if input.ndim < 2: raise ValueError(f"batch_norm: expected an input (N, C, *), got shape {tuple(input.shape)}")
   c = input.shape[1]
   for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
@@ -336,7 +344,9 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
           m = momentum.to(running_mean.dtype)
           running_mean.mul_(1 - m).add_(mean.to(running_mean.dtype) * m)
           running_var.mul_(1 - m).add_(var.to(running_var.dtype) * (m * count / (count - 1)))
-        else: ops.nn.batch_norm_running_stats_(running_mean, running_var, mean, var, momentum, count)
+        else: ops.nn.batch_norm_running_stats_(running_mean, running_var, mean, var, momentum, count, batches)
+    elif batches is not None:
+      with ops.no_grad(): batches.add_(1)
   else:
     if running_mean is None or running_var is None:
       raise RuntimeError("batch_norm: running_mean and running_var must be given when training=False")

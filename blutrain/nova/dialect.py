@@ -1150,20 +1150,28 @@ class BatchNormStatsOp(MultiResultOp):
 @irdl_op_definition
 class BatchNormRunningStatsOp(MultiResultOp):
   """Batch norm's running statistics moved toward a batch's: (1 - momentum) r + momentum s, with the unbiased variance
-  (var * count / (count - 1)). Results: the new running mean and variance, in their operands' types."""
+  (var * count / (count - 1)), and the batch count plus one when given. Results: the new running mean and variance,
+  in their operands' types, and the new count when given."""
   name = "nova.batch_norm_running_stats"
   running_mean = operand_def(TENSOR)
   running_var = operand_def(TENSOR)
   mean = operand_def(TENSOR)
   var = operand_def(TENSOR)
+  batches = opt_operand_def(TENSOR)
   new_mean = result_def(TENSOR)
   new_var = result_def(TENSOR)
+  new_batches = opt_result_def(TENSOR)
   momentum = prop_def(FLOAT)
   count = prop_def(INT)
+  irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
+                  ParsePropInAttrDict())
+  assembly_format = ("$running_mean `,` $running_var `,` $mean `,` $var (`batches` $batches^ `:` type($batches))? "
+                     "attr-dict `:` type($running_mean) `,` type($running_var) `,` type($mean) `,` type($var) `->` "
+                     "type($new_mean) `,` type($new_var) (`batches` type($new_batches)^)?")
 
   def updated_operands(self) -> list[int]:
-    """The operand each result is the new value of: the running mean and variance."""
-    return [0, 1]
+    """The operand each result is the new value of: the running mean and variance, and the count."""
+    return [0, 1, 4][:len(self.results)]
 
 
 @irdl_op_definition

@@ -179,8 +179,10 @@ Op.__call__ = apply  # an op is called as `add_op(x, y)`, straight into apply
 
 
 def _fits(into, avals, dev, inputs, op_: Op) -> bool:
-  """Whether `into` may take the result as the kernel writes it (`can_write_into`; each output of a multi-output op)."""
+  """Whether `into` may take the result as the kernel writes it (`can_write_into`; each output of a multi-output op
+  that it produces, in order)."""
   if not op_.multi: return can_write_into(into, avals[0], avals[1], dev, inputs)
+  avals = [a for a in avals if a is not None]
   if len(into) != len(avals): return False
   sharing: dict[int, list] = {}  # NOTE: a multi-tensor op has hundreds of outputs: check each against its own storage's
   for t in inputs:

@@ -173,28 +173,33 @@ def batch_norm_stats(x: Tensor) -> tuple[Tensor, Tensor]:
   return batch_norm_stats_op(x)
 
 
-def _running_stats_rule(running_mean, running_var, mean, var, momentum, count):
+def _running_stats_rule(running_mean, running_var, mean, var, batches=None, *, momentum, count):
   c = running_mean.shape
   if len(c) != 1 or not running_var.shape == mean.shape == var.shape == c or count < 2 or \
      not all(t.dtype.is_floating_point for t in (running_mean, running_var, mean, var)):
     raise ShapeError(f"batch_norm_running_stats: expected floating (C,) running statistics and batch statistics of "
                      f"more than one value per channel, got {running_mean.shape}, {running_var.shape}, {mean.shape}, "
                      f"{var.shape} over {count}")
-  return [(c, running_mean.dtype), (c, running_var.dtype)]
+  if batches is not None and (batches.shape != () or batches.dtype is not dtypes.int64):
+    raise ShapeError(f"batch_norm_running_stats: the batch count should be a 0-d int64 tensor, got shape "
+                     f"{batches.shape} of {batches.dtype.name}")
+  return [(c, running_mean.dtype), (c, running_var.dtype), ((), dtypes.int64) if batches is not None else None]
 
 
 # batch norm's running statistics moved toward a batch's, in one kernel: r = (1 - momentum) r + momentum s, with the
-# unbiased variance (var * count / (count - 1)); the op returns the new statistics (in place through `into`)
+# unbiased variance (var * count / (count - 1)), and the count of batches seen (BatchNorm's num_batches_tracked), when
+# given, plus one; the op returns the new values (in place through `into`)
 batch_norm_running_stats_op = op("batch_norm_running_stats", _running_stats_rule, multi=True,
-                                 inputs="running_mean running_var mean var", attrs="momentum:float count:int")
+                                 inputs="running_mean running_var mean var ?batches", attrs="momentum:float count:int")
 
 
 def batch_norm_running_stats_(running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, momentum: float,
-                              count: int) -> None:
-  """Move the running statistics toward the batch's `mean` and biased `var` over `count` values, in place."""
-  into = [running_mean, running_var]
-  new = batch_norm_running_stats_op(running_mean, running_var, mean, var, into=into, momentum=float(momentum),
-                                    count=int(count))
+                              count: int, batches: Tensor | None = None) -> None:
+  """Move the running statistics toward the batch's `mean` and biased `var` over `count` values, and add one to
+  `batches` (a 0-d int64 count) when given, in place."""
+  into = [running_mean, running_var] + ([batches] if batches is not None else [])
+  new = batch_norm_running_stats_op(running_mean, running_var, mean, var, *([batches] if batches is not None else []),
+                                    into=into, momentum=float(momentum), count=int(count))
   if new is not into:
     for t, v in zip(into, new): write(t, v)
 

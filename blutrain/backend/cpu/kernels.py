@@ -345,13 +345,14 @@ def _max_pool2d_indices(x, kernel, stride, padding, dilation, out_size):
   return np.ascontiguousarray(idx, dtype=np.int64)
 
 
-def _batch_norm_running_stats(running_mean, running_var, mean, var, momentum, count, out=None):
-  """The new running statistics, in float32 math (float64 for float64 statistics) as the CUDA kernel's."""
+def _batch_norm_running_stats(running_mean, running_var, mean, var, batches=None, *, momentum, count):
+  """The new running statistics, in float32 math (float64 for float64 statistics) as the CUDA kernel's, and the batch
+  count plus one (None without one)."""
   acc = np.float64 if running_mean.dtype == np.float64 else np.float32
   m = acc(momentum)
   new_mean = (acc(1) - m) * running_mean.astype(acc) + m * mean.astype(acc)
   new_var = (acc(1) - m) * running_var.astype(acc) + m * (var.astype(acc) * acc(count / (count - 1)))
-  return new_mean, new_var
+  return new_mean, new_var, None if batches is None else batches + 1
 
 
 def _max_pool2d_values(x, idx, **geometry):

@@ -592,10 +592,15 @@ def _batch_norm_finalize_kernel(out0, out1, sums, part0, part1, C, R, S, chunk, 
 
 
 @triton.jit
-def _batch_norm_running_stats_kernel(out_mean, out_var, running_mean, running_var, mean, var, C, momentum, factor,
-                                     s0, s1, s2, s3, s4, s5, ACC: tl.constexpr, BLOCK: tl.constexpr):
+def _batch_norm_running_stats_kernel(out_mean, out_var, out_batches, running_mean, running_var, mean, var, batches, C,
+                                     momentum, factor, s0, s1, s2, s3, s4, s5, ACC: tl.constexpr, BLOCK: tl.constexpr,
+                                     BATCHES: tl.constexpr):
   """out_mean = (1 - momentum) running_mean + momentum mean and out_var likewise with var * factor (the unbiased
-  variance), each element read before it is written (out may be the running statistics themselves)."""
+  variance), each element read before it is written (out may be the running statistics themselves); with BATCHES,
+  program 0 also stores the batch count plus one."""
+  if BATCHES:
+    if tl.program_id(0) == 0:
+      tl.store(out_batches, tl.load(batches) + 1)
   cs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
   ok = cs < C
   m = momentum  # of ACC's type, as factor
@@ -854,27 +859,33 @@ RUNNING_BLOCK = 1024  # channels per program of the running statistics' update
 
 
 @functools.lru_cache(maxsize=256)
-def batch_norm_running_stats_spec(running: DType, batch: DType):
-  """The running statistics' update for running statistics of `running` and batch statistics of `batch` dtype."""
+def batch_norm_running_stats_spec(running: DType, batch: DType, batches: bool = False):
+  """The running statistics' update for running statistics of `running` and batch statistics of `batch` dtype;
+  `batches`: the batch count's increment too."""
   wide = dtypes.float64 if dtypes.float64 in (running, batch) else dtypes.float32
   num = "fp64" if wide is dtypes.float64 else "fp32"
-  sig = {"out_mean": ptr(running), "out_var": ptr(running), "running_mean": ptr(running), "running_var": ptr(running),
-         "mean": ptr(batch), "var": ptr(batch), "C": "i32", "momentum": num, "factor": num,
-         **dict.fromkeys((f"s{i}" for i in range(6)), "i32")}
-  return spec(_batch_norm_running_stats_kernel, sig, dict(ACC=TL[wide], BLOCK=RUNNING_BLOCK), num_warps=4)
+  sig = {"out_mean": ptr(running), "out_var": ptr(running), "out_batches": "*i64", "running_mean": ptr(running),
+         "running_var": ptr(running), "mean": ptr(batch), "var": ptr(batch), "batches": "*i64", "C": "i32",
+         "momentum": num, "factor": num, **dict.fromkeys((f"s{i}" for i in range(6)), "i32")}
+  return spec(_batch_norm_running_stats_kernel, sig, dict(ACC=TL[wide], BLOCK=RUNNING_BLOCK, BATCHES=batches),
+              num_warps=4)
 
 
-def batch_norm_running_stats(running_mean: CudaArray, running_var: CudaArray, mean: CudaArray, var: CudaArray, *,
-                             momentum: float, count: int, out=None) -> tuple[CudaArray, CudaArray]:
-  """The `batch_norm_running_stats` op: the new running mean and variance, new arrays or written into `out` (the
-  running statistics themselves, in place), in one launch."""
-  new_mean, new_var = out or (empty_like(running_mean), empty_like(running_var))
+def batch_norm_running_stats(running_mean: CudaArray, running_var: CudaArray, mean: CudaArray, var: CudaArray,
+                             batches: CudaArray | None = None, *, momentum: float, count: int,
+                             out=None) -> tuple[CudaArray, CudaArray, CudaArray | None]:
+  """The `batch_norm_running_stats` op: the new running mean and variance and, with `batches`, the batch count plus
+  one, new arrays or written into `out` (the running statistics and count themselves, in place), in one launch."""
+  new_mean, new_var, *rest = out or (empty_like(running_mean), empty_like(running_var),
+                                     *([empty_like(batches)] if batches is not None else []))
+  new_batches = rest[0] if rest else None
   C = running_mean.shape[0]
-  if C:
-    run(batch_norm_running_stats_spec(running_mean.dtype, mean.dtype), (cdiv(C, RUNNING_BLOCK),), new_mean.ptr,
-        new_var.ptr, running_mean.ptr, running_var.ptr, mean.ptr, var.ptr, C, float(momentum), count / (count - 1),
+  if C or batches is not None:
+    run(batch_norm_running_stats_spec(running_mean.dtype, mean.dtype, batches is not None),
+        (max(cdiv(C, RUNNING_BLOCK), 1),), new_mean.ptr, new_var.ptr, (new_batches or new_mean).ptr, running_mean.ptr,
+        running_var.ptr, mean.ptr, var.ptr, (batches or mean).ptr, C, float(momentum), count / (count - 1),
         *(a.strides[0] for a in (new_mean, new_var, running_mean, running_var, mean, var)))
-  return new_mean, new_var
+  return new_mean, new_var, new_batches
 
 
 batch_norm_running_stats.writes_out = True
@@ -938,6 +949,7 @@ def _specs() -> list:
           batch_norm_reduce_spec(True, f64, f64, f64, bf16, 1, True, False, 10, 64, False),
           batch_norm_finalize_spec(False, f32, f32, f32), batch_norm_finalize_spec(True, f32, f32, f32),
           batch_norm_running_stats_spec(f32, f32), batch_norm_running_stats_spec(f64, f64),
+          batch_norm_running_stats_spec(f32, f32, True),
           batch_norm_finalize_spec(True, f32, None, f32), batch_norm_finalize_spec(True, f64, f64, None)]
   for mode, x, g in (("forward", f32, None), ("forward", bf16, None), ("train", f32, f32), ("train", bf16, bf16),
                      ("eval", bf16, bf16)):
