@@ -92,12 +92,11 @@ from xdsl.rewriter import InsertPoint
 
 from blutrain import dtypes
 from blutrain.nova.dialect import (AddLayerNormOp, AddOp, AdamwOp, BatchNormBackwardOp, BatchNormOp, CastOp, CatOp,
-                                   CopyOp, CreationOp,
-                                   CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, CrossEntropyOp,
-                                   CrossEntropyWithGradOp, CrossEntropyWithStatsOp, ElementwiseOp, ExpandOp,
-                                   FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp, FlashAttentionOp,
-                                   FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp, LayoutOp,
-                                   MaxPool2dIndicesOp, MaxPool2dValuesOp, MaxPool2dWithIndicesOp, PermuteOp,
+                                   CopyOp, CreationOp, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp,
+                                   CrossEntropyOp, CrossEntropyWithGradOp, CrossEntropyWithStatsOp, ElementwiseOp,
+                                   ExpandOp, FlashAttentionBackwardOp, FlashAttentionBackwardPackedOp,
+                                   FlashAttentionOp, FlashAttentionTransposedOp, LayerNormBackwardOp, LayerNormOp,
+                                   LayoutOp, MaxPool2dIndicesOp, MaxPool2dValuesOp, MaxPool2dWithIndicesOp, PermuteOp,
                                    ReduceOp, ReluBackwardOp, ReluOp, ScaleOp, SgdOp, ViewOp, aval, decode, tensor_type)
 from blutrain.nova.passes.base import PatternPass, op_type_rewrite_pattern
 

@@ -796,12 +796,12 @@ def _contiguous(*arrays: CudaArray | None) -> list[CudaArray | None]:
   return [a if a is None or a.is_contiguous() else copy(a) for a in arrays]
 
 
-def _few_dims(x: CudaArray, *others: CudaArray) -> list[CudaArray]:
-  """x and arrays of its shape, copied contiguous when their reduced dims, with those of a contiguous output, would not
-  collapse to 5 (7-D and more)."""
-  if _channel_problem(x.shape, x.strides, *(a.strides for a in others), contiguous_strides(x.shape)) is not None:
-    return [x, *others]
-  return [copy(a) for a in (x, *others)]
+def _few_dims(x: CudaArray, *others: CudaArray | None) -> list[CudaArray | None]:
+  """x and arrays of its shape (None passes through), copied contiguous when their reduced dims, with those of a
+  contiguous output, would not collapse to 5 (7-D and more)."""
+  given = [a.strides for a in others if a is not None]
+  if _channel_problem(x.shape, x.strides, *given, contiguous_strides(x.shape)) is not None: return [x, *others]
+  return [a if a is None else copy(a) for a in (x, *others)]
 
 
 def batch_norm_stats(x: CudaArray) -> tuple[CudaArray, CudaArray]:
@@ -819,11 +819,11 @@ def batch_norm(x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | Non
                residual: CudaArray | None = None, *, eps: float, training: bool, relu: bool = False) -> CudaArray:
   """(x - mean) / sqrt(var + eps) * w + b per channel of x (N, C, *), a new array in x's dense layout; with Nova's
   epilogue, relu of that plus `residual` (x's shape and dtype), each when given."""
-  x, *rest = _few_dims(x, *([residual] if residual is not None else []))
+  x, residual = _few_dims(x, residual)
   out = empty_like(x)
   if out.size == 0: return out
   mean, var, w, b = _contiguous(mean, var, w, b)
-  _channel_apply("forward", out, x, rest[0] if rest else None, mean, var, w, b, None, eps, relu)
+  _channel_apply("forward", out, x, residual, mean, var, w, b, None, eps, relu)
   return out
 
 
@@ -837,8 +837,7 @@ def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaAr
   acc = stats_dtype(x.dtype)
   if relu_out is not None and relu_out.strides != g.strides:
     g, relu_out = elementwise("relu_backward", g.dtype, g, relu_out), None
-  x, g, *rest = _few_dims(x, g, *([relu_out] if relu_out is not None else []))
-  relu_out = rest[0] if rest else None
+  x, g, relu_out = _few_dims(x, g, relu_out)
   mean, var, w = _contiguous(mean, var, w)
   dw = empty((x.shape[1],), acc, x.device) if weight_grad else None
   db = empty((x.shape[1],), acc, x.device) if bias_grad else None
@@ -876,9 +875,8 @@ def batch_norm_running_stats(running_mean: CudaArray, running_var: CudaArray, me
                              out=None) -> tuple[CudaArray, CudaArray, CudaArray | None]:
   """The `batch_norm_running_stats` op: the new running mean and variance and, with `batches`, the batch count plus
   one, new arrays or written into `out` (the running statistics and count themselves, in place), in one launch."""
-  new_mean, new_var, *rest = out or (empty_like(running_mean), empty_like(running_var),
-                                     *([empty_like(batches)] if batches is not None else []))
-  new_batches = rest[0] if rest else None
+  new_mean, new_var, new_batches = (*out, None)[:3] if out else \
+    (empty_like(running_mean), empty_like(running_var), None if batches is None else empty_like(batches))
   C = running_mean.shape[0]
   if C or batches is not None:
     run(batch_norm_running_stats_spec(running_mean.dtype, mean.dtype, batches is not None),
