@@ -227,15 +227,15 @@ def _batch_norm(x, mean, var, w, b, residual=None, *, eps, training, relu=False)
   rounded to x's dtype, the residual added in float32 (halves) or x's dtype, relu of that."""
   _, shape = _channel_axes(x)
   mean, var, w, b = (None if a is None else a.astype(np.float64) for a in (mean, var, w, b))
-  with np.errstate(all="ignore"):
+  with np.errstate(all="ignore"):  # IEEE results (inf, nan) without numpy's warnings, as the other kernels
     y, _ = _batch_norm_terms(x, mean, var, eps)
-  if w is not None: y = y * w.reshape(shape)
-  if b is not None: y = y + b.reshape(shape)
-  if residual is None and not relu: return y
-  wide = np.float32 if x.dtype in _HALF else x.dtype
-  y = y.astype(x.dtype)
-  if residual is not None: y = (y.astype(wide) + residual.astype(wide)).astype(x.dtype)
-  return np.maximum(y.astype(wide), 0).astype(x.dtype) if relu else y
+    if w is not None: y = y * w.reshape(shape)
+    if b is not None: y = y + b.reshape(shape)
+    if residual is None and not relu: return y
+    wide = np.float32 if x.dtype in _HALF else x.dtype
+    y = y.astype(x.dtype)
+    if residual is not None: y = (y.astype(wide) + residual.astype(wide)).astype(x.dtype)
+    return np.maximum(y.astype(wide), 0).astype(x.dtype) if relu else y
 
 
 def _batch_norm_backward(g, x, mean, var, w, relu_out=None, *, eps, training, input_grad, weight_grad, bias_grad):
