@@ -148,6 +148,20 @@ def test_adaptive_avg_pool_matches_torch(size):
   helper_test_op([(2, 3, 10)], lambda x: TF.adaptive_avg_pool1d(x, 4), lambda x: F.adaptive_avg_pool1d(x, 4))
 
 
+@pytest.mark.parametrize("size", [(1, 1), (2, 3), (3, 4)])
+def test_adaptive_avg_pool_keeps_dtype_and_channels_last(size):
+  """bf16 in, bf16 out (autocast or not), as PyTorch's; a channels-last input pools as a contiguous one."""
+  x = np.random.default_rng(0).standard_normal((2, 5, 6, 6)).astype(np.float32)
+  ref = TF.adaptive_avg_pool2d(torch.from_numpy(x).double(), size).numpy()
+  xb = bt.tensor(x).to(bt.bfloat16)
+  with bt.autocast(device_type="cpu", dtype=bt.bfloat16):
+    y = F.adaptive_avg_pool2d(xb, size)
+  assert y.dtype == bt.bfloat16 and F.adaptive_avg_pool2d(xb, size).dtype == bt.bfloat16
+  np.testing.assert_allclose(y.float().numpy(), ref, rtol=2e-2, atol=2e-2)
+  cl = F.adaptive_avg_pool2d(bt.tensor(x).contiguous(memory_format=bt.channels_last), size)
+  np.testing.assert_allclose(cl.numpy(), ref, rtol=1e-6, atol=1e-6)
+
+
 def test_pool_errors():
   with pytest.raises(RuntimeError, match="pad should be at most half"): F.max_pool2d(bt.randn(1, 1, 5, 5), 2, padding=2)
   with pytest.raises(RuntimeError): TF.max_pool2d(torch.randn(1, 1, 5, 5), 2, padding=2)

@@ -296,17 +296,20 @@ def adaptive_avg_pool1d(input: Tensor, output_size) -> Tensor:
 
 
 def adaptive_avg_pool2d(input: Tensor, output_size) -> Tensor:
-  """(N, C, H, W) -> (N, C, *output_size) (None keeps that dim): the mean over nearly equal windows, as two matmuls
-  with averaging matrices."""
+  """(N, C, H, W) -> (N, C, *output_size) (None keeps that dim): the mean over nearly equal windows. Windows that
+  tile the input (a global pool among them) are one mean over a view; others are two matmuls with averaging
+  matrices."""
   x, unbatched = _batched("adaptive_avg_pool2d", input, 2)
   sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size, output_size)
-  oh, ow = (n if o is None else int(o) for n, o in zip(x.shape[2:], sizes))
-  if x.shape[2] == 0 or x.shape[3] == 0:
+  (n, c, h, w), (oh, ow) = x.shape, (d if o is None else int(o) for d, o in zip(x.shape[2:], sizes))
+  if h == 0 or w == 0:
     raise RuntimeError(f"adaptive_avg_pool2d: expected input to have non-zero size for non-batch dimensions, but "
                        f"input has sizes {list(x.shape)}")
-  mh = _adaptive_matrix(x.shape[2], oh, x.dtype, x.device)
-  mw = _adaptive_matrix(x.shape[3], ow, x.dtype, x.device)
-  y = ops.matmul(ops.matmul(mh, x), mw.mT)
+  if oh and ow and h % oh == 0 and w % ow == 0:
+    y = x.reshape(n, c, oh, h // oh, ow, w // ow).mean((3, 5)).to(x.dtype)  # autocast sums in float32
+  else:
+    y = ops.matmul(ops.matmul(_adaptive_matrix(h, oh, x.dtype, x.device), x),
+                   _adaptive_matrix(w, ow, x.dtype, x.device).mT)
   return y.squeeze(0) if unbatched else y
 
 
