@@ -5,8 +5,8 @@ device milliseconds and launches per step, averaged over 3 steps after 4 warm-up
   python benchmarks/kernel_profile.py --against torch_compile [--precision bf16|tf32] [--model gpt2|resnet18|lstm]
       blutrain compiled against torch.compile, same model, batch and optimizer (ResNet-18 and the LSTM LM as
       benchmarks/resnet_lstm.py builds and feeds them)
-  python benchmarks/kernel_profile.py --against torch_eager [--precision bf16|tf32]
-      GPT-2's eager step, blutrain against PyTorch eager (where an eager step's GPU time differs)
+  python benchmarks/kernel_profile.py --against torch_eager [--precision bf16|tf32] [--model gpt2|resnet18|lstm]
+      the eager step, blutrain against PyTorch eager (where an eager step's GPU time differs)
   NCCL_NVLS_ENABLE=0 python benchmarks/kernel_profile.py --against ddp [--precision tf32]
       the plain compiled step against the same step under DistributedDataParallel at world size 1 (NCCL), sorted by
       the difference: what the wrapper costs, kernel by kernel
@@ -80,9 +80,9 @@ def torch_step(precision: str, compiled: bool = True):
   return lambda: step(x, x)
 
 
-def resnet_lstm_steps(model: str, precision: str, channels_last: bool = False) -> dict:
-  """blutrain's and torch.compile's compiled steps of benchmarks/resnet_lstm.py's `model`, same weights and batch
-  (images and weights channels-last with `channels_last`)."""
+def resnet_lstm_steps(model: str, precision: str, channels_last: bool = False, compiled: bool = True) -> dict:
+  """blutrain's and torch.compile's compiled steps of benchmarks/resnet_lstm.py's `model` (or both eager steps), same
+  weights and batch (images and weights channels-last with `channels_last`)."""
   from benchmarks.resnet_lstm import SHAPES, batches, build, make_step
   s = SHAPES[model][0]
   bt.manual_seed(0)
@@ -90,8 +90,9 @@ def resnet_lstm_steps(model: str, precision: str, channels_last: bool = False) -
   data = batches(model, s, 1)
   steps = {}
   for framework in ("blutrain", "torch"):
-    step, dev, sync, _ = make_step(framework, model, s, state, data, precision, "cuda", True, channels_last)
-    steps["blutrain" if framework == "blutrain" else "torch_compile"] = (lambda st=step, b=dev[0]: st(*b), sync)
+    step, dev, sync, _ = make_step(framework, model, s, state, data, precision, "cuda", compiled, channels_last)
+    name = "blutrain" if framework == "blutrain" else "torch_compile" if compiled else "torch_eager"
+    steps[name] = (lambda st=step, b=dev[0]: st(*b), sync)
   return steps
 
 
@@ -114,8 +115,9 @@ def main() -> None:
     dist.init_process_group("nccl")
   runs = {}
   if args.model != "gpt2":
-    if args.against != "torch_compile": ap.error("--model resnet18 and lstm profile against torch_compile only")
-    for name, (fn, sync) in resnet_lstm_steps(args.model, args.precision, args.channels_last).items():
+    if args.against == "ddp": ap.error("--model resnet18 and lstm profile against torch_compile or torch_eager")
+    compiled = args.against == "torch_compile"
+    for name, (fn, sync) in resnet_lstm_steps(args.model, args.precision, args.channels_last, compiled).items():
       runs[name] = kernels(fn, sync)
   for name in ("blutrain", args.against) if args.model == "gpt2" else ():
     eager = args.against == "torch_eager"
