@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from blutrain import dtypes
-from blutrain.backend.cuda import launch, runtime
+from blutrain.backend.cuda import launch, launcher, runtime
 from blutrain.backend.cuda.array import CudaArray
 
 
@@ -177,6 +177,51 @@ def test_a_launch_on_another_stream_records_its_arrays_there(monkeypatch):
   assert [ctypes.c_uint64.from_address(params[i]).value for i in range(3)] == [1 << 40, 3 << 40, 2 << 40]
   k((4,), x, 3 << 40, out, 10, 2.5, stream=side)
   assert a.uses == b.uses == [side] and launched[-1][1] == "side"
+
+
+def _c_driver(slots: int) -> tuple:
+  """A C-callable cuLaunchKernel recording its calls with their first `slots` parameters (read during the call: they
+  live on the C packer's stack), kept alive by the caller, and `launch_args` bound to it."""
+  calls = []
+
+  @ctypes.CFUNCTYPE(ctypes.c_int, *launcher.LAUNCH_ARGTYPES)
+  def driver(*args):
+    read = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
+    calls.append((*args[:9], b"".join(ctypes.string_at(read[i], 8) for i in range(slots))))
+    return 0
+  try: return driver, calls, launcher.c_launch_args(ctypes.cast(driver, ctypes.c_void_p).value)
+  except Exception as e: pytest.skip(f"the C launcher does not build here: {e}")
+
+
+def test_a_launch_packs_in_c_and_leaves_what_c_refuses_to_python(monkeypatch):
+  k = launch.compile(add_kernel, ADD_SIG, {"BLOCK": 1024})
+  assert k._kinds == b"pppif"
+  compute = types.SimpleNamespace(device=0, is_default=True, handle=0x5000)
+  side = types.SimpleNamespace(device=0, is_default=False, handle=0x6000)
+  launched = _stubbed(k, monkeypatch, (4,), {0: compute})
+  k._launches[(4,)] = (0, 4, (0xF00, 4, 1, 1, 128, 1, 1, 0))
+  driver, calls, k._launch_args = _c_driver(5)
+  x, y, out = array(1 << 40, 10), array(2 << 40, 10), array(3 << 40, 10)
+  k((4,), x, y, out, 10, 2.5)
+  assert launched == [] and len(calls) == 1 and calls[0][:9] == (0xF00, 4, 1, 1, 128, 1, 1, 0, 0x5000)
+  assert struct.unpack("<QQQi4xf4x", calls[0][9]) == packed(k, x, y, out, 10, 2.5)
+  k((4,), x, y, out, 10, 1e39)  # float32 overflow: C refuses, Python converts it as numpy does
+  assert len(calls) == 1 and len(launched) == 1
+  params = ctypes.cast(launched[-1][2], ctypes.POINTER(ctypes.c_void_p))
+  assert ctypes.c_float.from_address(params[4]).value == np.inf
+  k((4,), x, y, out, 10, 2.5, stream=side)  # another stream: Python records the arrays' uses there
+  assert len(calls) == 1 and len(launched) == 2 and launched[-1][1] == 0x6000
+  with pytest.raises(TypeError, match="add_kernel: argument 'y_ptr' is a pointer; got str"):
+    k((4,), x, "y", out, 10, 2.5)
+  assert len(calls) == 1 and len(launched) == 2
+
+
+def test_kernels_with_half_scalars_or_scratch_pack_in_python():
+  half = launch.compile(scale_kernel, {"x_ptr": "*fp32", "n": "i64", "a": "bf16", "b": "fp16", "flag": "i1"},
+                        {"BLOCK": 128})
+  tma = launch.compile(tma_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32"},
+                       {"BM": 64, "BN": 64}, num_stages=1)
+  assert half._kinds is None and tma._kinds is None
 
 
 def test_threads_pack_into_buffers_of_their_own(monkeypatch):

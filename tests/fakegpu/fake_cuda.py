@@ -15,7 +15,7 @@ import types
 
 import cuda.core
 
-from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda import launcher, runtime
 from blutrain.backend.cuda.allocator import CachingAllocator
 from blutrain.backend.cuda.kernels import cublaslt
 
@@ -119,10 +119,27 @@ def fake_launch_kernel(head, stream, params) -> int:
   return 0
 
 
+@ctypes.CFUNCTYPE(ctypes.c_int, *launcher.LAUNCH_ARGTYPES)
+def fake_cu_launch_kernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+  """The driver's cuLaunchKernel as `launch_args` (the launcher's C packing) calls it: counted and checked as
+  fake_launch_kernel checks, returning CUDA_ERROR_INVALID_VALUE (1) where it would fail."""
+  launches[0] += 1
+  ok = min(gx, gy, gz, bx, by, bz) > 0 and bx <= 1024 and shared <= 227 << 10 and stream and params
+  return 0 if ok and extra is None else 1
+
+
+def fake_launch_args():
+  """`launch_args` packing in C and calling fake_cu_launch_kernel; None where the C extension does not build."""
+  try: return launcher.c_launch_args(ctypes.cast(fake_cu_launch_kernel, ctypes.c_void_p).value)
+  except Exception: return None  # noqa: BLE001 (as the launcher's own fallback)
+
+
 def install() -> None:
   drv = FakeDriver()
   runtime.driver = lambda: drv
   runtime.launch_function = lambda: fake_launch_kernel
+  launch_args = fake_launch_args()
+  runtime.launch_args_function = lambda: launch_args
   runtime._probe = (True, "")
   cuda.core.ObjectCode = FakeObjectCode
   st = object.__new__(runtime._DeviceState)

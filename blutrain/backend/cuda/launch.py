@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from blutrain import backend
-from blutrain.backend.cuda import runtime
+from blutrain.backend.cuda import launcher, runtime
 from blutrain.backend.cuda.array import CudaArray
 
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size: the H100/H200
@@ -232,6 +232,8 @@ class Kernel:
     self._buffers: dict[int, _Parameters] = {}  # thread id -> its parameter buffer
     self._scratch = c.global_scratch_size > 0 or c.profile_scratch_size > 0
     self._n_params = len(c.params)
+    self._kinds = None if self._scratch else launcher.kinds([t for _, t in c.params])  # None: pack in Python
+    self._launch_args: launcher.LaunchArgs | None = None
     self._pack, self._owners = self._codegen(c)
 
   def _codegen(self, c: Compiled):
@@ -311,6 +313,7 @@ class Kernel:
     g = self._grid_dims(grid)
     drv = runtime.driver()
     self._launch = runtime.launch_function()
+    if self._kinds is not None: self._launch_args = runtime.launch_args_function()
     fn = runtime.check(drv.cuKernelGetFunction(drv.CUkernel(int(self._load(device).handle))),
                        f"{self.name}: cuKernelGetFunction on cuda:{device}")
     head = (int(fn), *g, 32 * self.num_warps, 1, 1, self.shared)
@@ -328,6 +331,16 @@ class Kernel:
     if entry is None or entry[0] != s.device: entry = self._prepare(grid, s.device)
     _, programs, head = entry
     if not programs: return
+    err = None
+    if self._launch_args is not None and s.is_default:  # packed in C; what it refuses, Python packs or explains
+      try: err = self._launch_args(head, s.handle, self._kinds, args)
+      except (TypeError, OverflowError): pass
+    if err is None: err = self._launch_packed(s, programs, head, args)
+    if err: runtime.check((err,), f"launching {self.name} on cuda:{s.device}")
+
+  def _launch_packed(self, s: runtime.Stream, programs: int, head: tuple, args: tuple) -> int:
+    """Launch with the arguments packed in Python, into this thread's parameter buffer; arguments' memory used on a
+    stream other than its own is recorded there, and scratch buffers are allocated when the kernel has them."""
     buf = self._buffers.get(threading.get_ident()) or self._parameters()
     try: self._pack(buf.slots, *args)
     except (struct.error, TypeError, OverflowError): self._pack_checked(buf.slots, args)
@@ -338,8 +351,7 @@ class Kernel:
       c = self.compiled
       scratch = [s.allocator.malloc(programs * size, s) for size in (c.global_scratch_size, c.profile_scratch_size)]
       _SCRATCH.pack_into(buf.slots, 8 * self._n_params, scratch[0].ptr, scratch[1].ptr)
-    err = self._launch(head, s.handle, buf.address)
-    if err: runtime.check((err,), f"launching {self.name} on cuda:{s.device}")
+    return self._launch(head, s.handle, buf.address)
 
   def __repr__(self) -> str:
     c = self.compiled

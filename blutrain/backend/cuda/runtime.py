@@ -78,6 +78,13 @@ def launch_function() -> launcher.Launch:
   return launcher.driver_launch()
 
 
+@functools.cache
+def launch_args_function() -> launcher.LaunchArgs | None:
+  """The driver's cuLaunchKernel as `launch_args(head, stream, kinds, args)`, packing in C (see `launcher`), made
+  once; None where the C extension does not build."""
+  return launcher.driver_launch_args()
+
+
 def device_count() -> int:
   """The number of GPUs the driver sees (0 when CUDA is not available)."""
   return check(driver().cuDeviceGetCount(), "cuDeviceGetCount") if is_available() else 0
