@@ -81,10 +81,14 @@ def _readable(a: CudaArray) -> CudaArray:
 
 
 @functools.lru_cache(maxsize=1024)
-def _graph(kind: str, dtype: DType, a: tuple, b: tuple, out: tuple, stride: tuple, padding: tuple, dilation: tuple,
+def _graph(kind: str, dtype: DType, a_shape: tuple, a_strides: tuple, b_shape: tuple, b_strides: tuple,
+           out_shape: tuple, out_strides: tuple, stride: tuple, padding: tuple, dilation: tuple,
            device: int) -> tuple[Any, tuple[int, int, int], int]:
-  """(graph, uids of a, b and out, workspace bytes) of one problem; a, b, out are (shape, strides) in 4-D or 5-D.
-  fwd: a = x, b = w, out = y; dgrad: a = g, b = w, out = dx; wgrad: a = x, b = g, out = dw."""
+  """(graph, uids of a, b and out, workspace bytes) of one problem: operands a, b, out by shape and strides (1-D
+  convolutions as 2-D ones of height 1, `_as4d`). fwd: a = x, b = w, out = y; dgrad: a = g, b = w, out = dx; wgrad:
+  a = x, b = g, out = dw."""
+  if len(out_shape) == 3: stride, padding, dilation = (1, *stride), (0, *padding), (1, *dilation)
+  a, b, out = (_as4d(*t) for t in ((a_shape, a_strides), (b_shape, b_strides), (out_shape, out_strides)))
   cudnn = _cudnn()
   io = {dtypes.bfloat16: cudnn.data_type.BFLOAT16, dtypes.float16: cudnn.data_type.HALF,
         dtypes.float32: cudnn.data_type.FLOAT}[dtype]
@@ -115,17 +119,17 @@ def _graph(kind: str, dtype: DType, a: tuple, b: tuple, out: tuple, stride: tupl
 
 
 def _run(kind: str, a: CudaArray, b: CudaArray, out: CudaArray, stride, padding, dilation) -> CudaArray:
-  """Run one problem into `out` on the current stream."""
+  """Run one problem into `out` on the current stream. The graph's C++ `_execute` is called with the uids' pointers
+  directly (the frontend's Python `execute` maps tensors to uids first: 1-2 us of a call's host time)."""
   a, b = _readable(a), _readable(b)
-  if len(out.shape) == 3: stride, padding, dilation = (1, *stride), (0, *padding), (1, *dilation)  # see _as4d
-  g, uids, ws_bytes = _graph(kind, a.dtype, *(_as4d(t.shape, t.strides) for t in (a, b, out)), tuple(stride),
-                             tuple(padding), tuple(dilation), out.device)
+  g, (ua, ub, uo), ws_bytes = _graph(kind, a.dtype, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides,
+                                     tuple(stride), tuple(padding), tuple(dilation), out.device)
   h, stream = _handle(out.device), runtime.launch_stream()
   if _streams.get(h) != stream.handle:  # cudnnSetStream queries the driver: only when the stream changes
     _cudnn().set_stream(h, stream.handle)
     _streams[h] = stream.handle
-  ws = empty((max(ws_bytes, 1),), dtypes.uint8, out.device)
-  g.execute({uids[0]: a.ptr, uids[1]: b.ptr, uids[2]: out.ptr}, ws.ptr, h)
+  ws = empty((ws_bytes,), dtypes.uint8, out.device) if ws_bytes else None  # kept until the call is queued
+  g._execute({ua: a.ptr, ub: b.ptr, uo: out.ptr}, ws.ptr if ws is not None else 0, h)
   return out
 
 
