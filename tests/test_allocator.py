@@ -107,8 +107,10 @@ def test_freed_blocks_are_kept_for_their_size_and_merged_before_a_new_segment(al
   d = alloc.malloc(900, "s")
   assert d.ptr == pb  # the last freed block of that size and stream, as it is
   d.free()
+  alloc.set_memory_limit(2 * MiB)  # no new segment (the cache would grow, 2x its peak allowing it)
   e = alloc.malloc(2000, "s")
   assert e.ptr == pa  # no 2 KiB block is kept and the pool is empty: the kept ones merge into [a+b], which fits
+  alloc.set_memory_limit(None)
   assert stat(alloc, "num_device_alloc") == 1 and stat(alloc, "active.all.current") == 3
   f = alloc.malloc(1000, "s")
   assert stat(alloc, "num_device_alloc") == 2 and stat(alloc, "inactive_split.all.current") == 1

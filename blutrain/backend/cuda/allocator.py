@@ -10,7 +10,7 @@ runs (and is tested) on the CPU with a fake driver:
   it back without a search, split or merge (a training step asks for the same sizes every time);
 - any other request takes the smallest free block of its pool that was allocated on the same stream (best fit);
   a block larger than needed is split when the remainder is worth keeping (>= 512 B small, > 1 MiB large). When
-  none fits, a new segment serves it while the memory reserved stays within GROWTH (1.5) times the peak of allocated
+  none fits, a new segment serves it while the memory reserved stays within GROWTH (2) times the peak of allocated
   memory, so that kept blocks stay with their sizes and a repeating step stops searching after a step or two; past
   that, the smallest kept block of a larger size serves it, then the pool's kept blocks join the pool, each merged
   with its free neighbours of the same segment, and the search runs again, and only then is the driver asked;
@@ -40,7 +40,7 @@ SMALL_SEGMENT = 2 * MiB      # the small pool's segment size
 MIN_LARGE_ALLOC = 10 * MiB   # requests under this get a MID_SEGMENT of their own
 MID_SEGMENT = 20 * MiB
 ROUND_LARGE = 2 * MiB        # larger segments are rounded up to this
-GROWTH = 1.5                 # the reserve may grow to this many times the peak of allocated memory before kept blocks
+GROWTH = 2.0                 # the reserve may grow to this many times the peak of allocated memory before kept blocks
                              # serve other sizes (`CachingAllocator._may_grow`)
 
 
@@ -148,6 +148,7 @@ class CachingAllocator:
     self._joint, self._joint_lock = _Stat(), threading.Lock()  # on the root: reserved by it and those sharing it
     if sharing is not None: self.root.pools.add(self)
     self.frozen = False  # keep free segments reserved (a CUDA graph replays in them)
+    self._growing = True  # new segments may serve requests that kept blocks of other sizes could (`_may_grow`)
     self._pools: dict[bool, list[int]] = {True: [], False: []}  # small? -> sorted keys of its free blocks
     self._free: dict[int, _Block] = {}
     self._kept: dict[int, list[_Block]] = {}   # _key(stream id, size, 0) -> freed blocks of that size, not pooled yet
@@ -193,7 +194,9 @@ class CachingAllocator:
     segment. Split to `size` when the rest is worth keeping."""
     small, seg = size <= SMALL_SIZE, segment_size(size)
     b = self._take_pooled(small, sid, size)
-    if b is None and self._may_grow(seg): b = self._new_segment(seg, stream, sid, small)
+    if b is None and self._may_grow(seg):
+      b = self._new_segment(seg, stream, sid, small)
+      self._growing = b is not None  # a refusal (the limit, the driver) stops growth until the cache is emptied
     if b is None: b = self._take(small, sid, size)
     if b is None and self._kept:
       self._pool_kept(small)
@@ -222,9 +225,10 @@ class CachingAllocator:
     the memory reserved stays within GROWTH times the peak of allocated memory. Kept blocks then stay with their
     sizes, so a repeating training step finds each request's size kept from its last step after a step or two;
     taking them for other sizes (and merging them when none fits) moves memory between sizes step after step, each
-    time through this search (ResNet-18 on the H200: ~100 of its ~415 requests a step, and 2-3 merges of every kept
-    block of a pool)."""
-    return self._stats["reserved"].current + seg <= GROWTH * self._allocated.peak
+    time through this search (ResNet-18 on the H200: ~70-100 of its ~415 requests a step, and 1-3 merges of every
+    kept block of a pool; its cache settles at 1.45 times its peak, its stem's 196 MiB activation the last to grow).
+    Once the limit or the driver refuses a segment, the cache stops growing until `empty_cache`."""
+    return self._growing and self._stats["reserved"].current + seg <= GROWTH * self._allocated.peak
 
   def _take_pooled(self, small: bool, sid: int, size: int) -> _Block | None:
     """The smallest block of this stream's pool that fits, out of the pool."""
@@ -360,6 +364,7 @@ class CachingAllocator:
   def _release_cached(self, wait: bool) -> None:
     """Return every fully free segment to the driver (none when `frozen`); with `wait`, first wait for pending
     cross-stream frees."""
+    self._growing = True
     if wait:
       for b in self._pending:
         for e in b.events: e.synchronize()
