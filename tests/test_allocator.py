@@ -347,6 +347,17 @@ def test_random_sequences_reusing_kept_blocks_keep_the_invariants(ops):
   _run_sequence(ops, stats_every_step=False)
 
 
+def test_a_graph_pool_reuses_kept_blocks_of_other_sizes_before_growing(alloc, drv):
+  pool = CachingAllocator(drv, device=0, sharing=alloc)  # a CUDA graph pool's: one capture, no steps to settle
+  blocks = [pool.malloc(n, "p") for n in (16 * KiB, MiB, MiB - 16 * KiB)]  # the 2 MiB segment full
+  kept = blocks[0].ptr
+  blocks[0].free()
+  assert pool.malloc(10 * KiB, "p").ptr == kept and len(drv.live) == 1
+  grown = [alloc.malloc(n, "s") for n in (16 * KiB, MiB, MiB - 16 * KiB)]
+  grown[0].free()
+  assert alloc.malloc(10 * KiB, "s").ptr != grown[0].ptr and len(drv.live) == 3  # the device's grows instead
+
+
 def test_best_fit_takes_the_smallest_kept_size_and_skips_emptied_ones(alloc, drv):
   small, mid, big = (alloc.malloc(n, "s") for n in (4 * KiB, 16 * KiB, 64 * KiB))
   seps = [alloc.malloc(512, "s") for _ in range(3)]  # noqa: F841 (keep the freed blocks apart)

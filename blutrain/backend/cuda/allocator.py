@@ -148,7 +148,9 @@ class CachingAllocator:
     self._joint, self._joint_lock = _Stat(), threading.Lock()  # on the root: reserved by it and those sharing it
     if sharing is not None: self.root.pools.add(self)
     self.frozen = False  # keep free segments reserved (a CUDA graph replays in them)
-    self._growing = True  # new segments may serve requests that kept blocks of other sizes could (`_may_grow`)
+    # new segments may serve requests that kept blocks of other sizes could (`_may_grow`): on a device's allocator,
+    # whose steps repeat; a graph pool's serves one capture, whose memory it keeps
+    self._growing = sharing is None
     self._pools: dict[bool, list[int]] = {True: [], False: []}  # small? -> sorted keys of its free blocks
     self._free: dict[int, _Block] = {}
     self._kept: dict[int, list[_Block]] = {}   # _key(stream id, size, 0) -> freed blocks of that size, not pooled yet
@@ -227,7 +229,8 @@ class CachingAllocator:
     taking them for other sizes (and merging them when none fits) moves memory between sizes step after step, each
     time through this search (ResNet-18 on the H200: ~70-100 of its ~415 requests a step, and 1-3 merges of every
     kept block of a pool; its cache settles at 1.45 times its peak, its stem's 196 MiB activation the last to grow).
-    Once the limit or the driver refuses a segment, the cache stops growing until `empty_cache`."""
+    Once the limit or the driver refuses a segment, the cache stops growing until `empty_cache`. A CUDA graph pool's
+    allocator (`sharing` another's limit) never grows so: a capture runs once, and its pool keeps what it reserved."""
     return self._growing and self._stats["reserved"].current + seg <= GROWTH * self._allocated.peak
 
   def _take_pooled(self, small: bool, sid: int, size: int) -> _Block | None:
@@ -364,7 +367,7 @@ class CachingAllocator:
   def _release_cached(self, wait: bool) -> None:
     """Return every fully free segment to the driver (none when `frozen`); with `wait`, first wait for pending
     cross-stream frees."""
-    self._growing = True
+    self._growing = self.root is self
     if wait:
       for b in self._pending:
         for e in b.events: e.synchronize()
