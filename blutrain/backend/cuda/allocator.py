@@ -11,9 +11,10 @@ runs (and is tested) on the CPU with a fake driver:
 - any other request takes the smallest free block of its pool that was allocated on the same stream (best fit);
   a block larger than needed is split when the remainder is worth keeping (>= 512 B small, > 1 MiB large). When
   none fits, a new segment serves it while the memory reserved stays within GROWTH (2) times the peak of allocated
-  memory, so that kept blocks stay with their sizes and a repeating step stops searching after a step or two; past
-  that, the smallest kept block of a larger size serves it, then the pool's kept blocks join the pool, each merged
-  with its free neighbours of the same segment, and the search runs again, and only then is the driver asked;
+  memory (on a device's allocator, not a CUDA graph pool's), so that kept blocks stay with their sizes and a
+  repeating step stops searching after a step or two; past that, the smallest kept block of a larger size serves
+  it, then the pool's kept blocks join the pool, each merged with its free neighbours of the same segment, and the
+  search runs again, and only then is the driver asked;
 - a block is reused only in the order of the stream it was allocated on. When it was also used on other
   streams (`Block.record_stream`), its free records an event on each of them and the block is kept (as above)
   once every event has completed, which is checked by querying at the next allocation, never by waiting;
