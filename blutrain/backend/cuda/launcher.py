@@ -76,6 +76,21 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
 /* One argument into its 8-byte slot as the kernel's parameter `kind` reads it (`KINDS`): a pointer from a CudaArray
    (`array_type`, its `ptr`), an int or None; an integer in its type's range; a float32 or float64. TypeError or
    OverflowError for anything else, as `struct` raises them. */
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the parameter slots hold little-endian values, as the GPU reads them"
+#endif
+
+/* the bytes of an integer kind */
+static int width(char kind) {
+  switch (kind) { case 'b': case 'B': return 1; case 'h': case 'H': return 2; case 'i': case 'I': return 4; }
+  return 8;
+}
+
+static int out_of_range(void) {
+  PyErr_SetString(PyExc_OverflowError, "integer argument out of its type's range");
+  return -1;
+}
+
 static int pack(char kind, PyObject *v, PyObject *array_type, uint64_t *slot) {
   long long i = 0;
   unsigned long long u = 0;
@@ -93,18 +108,12 @@ static int pack(char kind, PyObject *v, PyObject *array_type, uint64_t *slot) {
       if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
       *slot = u;
       return 0;
-    case 'b': case 'h': case 'i': case 'q':
+    case 'b': case 'h': case 'i': case 'q':  /* the value's low `width` bytes: little-endian two's complement */
       i = PyLong_AsLongLong(v);
       if (i == -1 && PyErr_Occurred()) return -1;
-      if ((kind == 'b' && (i < INT8_MIN || i > INT8_MAX)) || (kind == 'h' && (i < INT16_MIN || i > INT16_MAX)) ||
-          (kind == 'i' && (i < INT32_MIN || i > INT32_MAX))) {
-        PyErr_SetString(PyExc_OverflowError, "integer argument out of its type's range");
-        return -1;
-      }
-      if (kind == 'b') { int8_t x = (int8_t)i; memcpy(slot, &x, 1); }
-      else if (kind == 'h') { int16_t x = (int16_t)i; memcpy(slot, &x, 2); }
-      else if (kind == 'i') { int32_t x = (int32_t)i; memcpy(slot, &x, 4); }
-      else memcpy(slot, &i, 8);
+      if (width(kind) < 8 && (i < -(1LL << (8 * width(kind) - 1)) || i >= (1LL << (8 * width(kind) - 1))))
+        return out_of_range();
+      memcpy(slot, &i, width(kind));
       return 0;
     case 'B': case 'H': case 'I': case 'Q':
       if (PyLong_Check(v)) u = PyLong_AsUnsignedLongLong(v);  /* OverflowError when negative */
@@ -115,14 +124,8 @@ static int pack(char kind, PyObject *v, PyObject *array_type, uint64_t *slot) {
         Py_DECREF(index);
       }
       if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-      if ((kind == 'B' && u > UINT8_MAX) || (kind == 'H' && u > UINT16_MAX) || (kind == 'I' && u > UINT32_MAX)) {
-        PyErr_SetString(PyExc_OverflowError, "integer argument out of its type's range");
-        return -1;
-      }
-      if (kind == 'B') { uint8_t x = (uint8_t)u; memcpy(slot, &x, 1); }
-      else if (kind == 'H') { uint16_t x = (uint16_t)u; memcpy(slot, &x, 2); }
-      else if (kind == 'I') { uint32_t x = (uint32_t)u; memcpy(slot, &x, 4); }
-      else memcpy(slot, &u, 8);
+      if (width(kind) < 8 && u >> (8 * width(kind))) return out_of_range();
+      memcpy(slot, &u, width(kind));
       return 0;
     case 'f': case 'd':
       d = PyFloat_AsDouble(v);
