@@ -21,7 +21,7 @@ from blutrain import dtypes
 from blutrain.backend.cuda import runtime
 from blutrain.backend.cuda.array import CudaArray
 from blutrain.backend.cuda.kernels import (TL, aligned, axis_args, axis_offsets, axis_params, collapse, divisible, empty,
-                                           empty_like, max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided)
+                                           empty_like, max_nan, needs_i64, ptr, run, spec, sqrt_rn, strided, view)
 from blutrain.backend.cuda.kernels.copy import copy
 from blutrain.backend.cuda.kernels.creation import fill
 from blutrain.backend.cuda.kernels.elementwise import elementwise
@@ -766,21 +766,24 @@ def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, va
 
 
 def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, eps: float, out0, out1,
-                    relu_out: CudaArray | None = None) -> CudaArray:
-  """Run the per-channel reduction and its finalize over x (and g, masked by relu_out); returns the sums buffer (2, C)
-  of `grad`."""
+                    relu_out: CudaArray | None = None) -> tuple[CudaArray, CudaArray, CudaArray]:
+  """Run the per-channel reduction and its finalize over x (and g, masked by relu_out) into out0 and out1; returns
+  them and the sums (2, C) of `grad`. The statistics (not `grad`) go to two new (C,) arrays; with `grad`, None
+  outputs are not computed. New outputs, the sums and the splits' partials share one allocation."""
   s, grid, scalars, S, chunk = reduce_plan(grad, x.dtype, g and g.dtype, mean and mean.dtype, var and var.dtype,
                                            x.shape, x.strides, g and g.strides, eps, runtime.hardware(x.device),
                                            relu_out and relu_out.dtype)
   C, R, acc = x.shape[1], x.size // x.shape[1], stats_dtype(x.dtype)
-  part = empty((2, S, C), acc, x.device)
+  new = 0 if grad else 2
+  buf = empty(((new + 2 + 2 * S) * C,), acc, x.device)
+  if new: out0, out1 = view(buf, (C,), (1,)), view(buf, (C,), (1,), C)
+  sums, part = view(buf, (2, C), (C, 1), new * C), view(buf, (2, S, C), (S * C, C, 1), (new + 2) * C)
   part1 = part.ptr + S * C * acc.itemsize
   run(s, grid, part.ptr, part1, x.ptr, (g or x).ptr, (relu_out or x).ptr, (mean or part).ptr, (var or part).ptr,
       *scalars)
-  sums = empty((2, C), acc, x.device) if grad else part
   run(batch_norm_finalize_spec(grad, acc, out0 and out0.dtype, out1 and out1.dtype), (cdiv(C, FINALIZE_BLOCK_C),),
       (out0 or part).ptr, (out1 or part).ptr, sums.ptr, part.ptr, part1, C, R, S, chunk)
-  return sums
+  return out0, out1, sums
 
 
 def _channel_apply(mode: str, out: CudaArray, x: CudaArray, g: CudaArray | None, mean, var, w, b, sums, eps: float,
@@ -807,11 +810,10 @@ def _few_dims(x: CudaArray, *others: CudaArray | None) -> list[CudaArray | None]
 def batch_norm_stats(x: CudaArray) -> tuple[CudaArray, CudaArray]:
   """The mean and biased variance of each channel of x (N, C, *), float32 (float64 for float64 x), new arrays: a
   split reduction (`reduce_schedule`, `split_rule`) leaves per-split means and M2s that a second kernel merges."""
-  acc = stats_dtype(x.dtype)
-  mean, var = empty((x.shape[1],), acc, x.device), empty((x.shape[1],), acc, x.device)
-  if x.size == 0: return fill(mean, float("nan")), fill(var, float("nan"))
+  if x.size == 0:
+    return tuple(fill(empty((x.shape[1],), stats_dtype(x.dtype), x.device), float("nan")) for _ in range(2))
   (x,) = _few_dims(x)
-  _channel_reduce(False, x, None, None, None, 0.0, mean, var)
+  mean, var, _ = _channel_reduce(False, x, None, None, None, 0.0, None, None)
   return mean, var
 
 
@@ -848,7 +850,7 @@ def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaAr
     return dx, dw, db
   sums = None
   if weight_grad or bias_grad or (input_grad and training):
-    sums = _channel_reduce(True, x, g, mean, var, eps, dw, db, relu_out)
+    _, _, sums = _channel_reduce(True, x, g, mean, var, eps, dw, db, relu_out)
   if input_grad: _channel_apply("train" if training else "eval", dx, x, g, mean, var, w, None, sums, eps,
                                 relu_out=relu_out)
   return dx, dw, db
