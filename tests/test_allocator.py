@@ -5,7 +5,8 @@ import gc
 import pytest
 from hypothesis import given, strategies as st
 
-from blutrain.backend.cuda.allocator import (MiB, CachingAllocator, OutOfMemoryError, round_size, segment_size)
+from blutrain.backend.cuda.allocator import (MiB, CachingAllocator, OutOfMemoryError, _native, round_size,
+                                             segment_size)
 
 KiB = 1024
 
@@ -45,8 +46,15 @@ class FakeDriver:
 def drv(): return FakeDriver()
 
 
+@pytest.fixture(params=[True, False], ids=["c_front", "python"])
+def native(request):
+  """Each test runs on the allocator with its C front (allocator_front.py) and on the Python one alone."""
+  if request.param and _native() is None: pytest.skip("the allocator's C front does not build on this machine")
+  return request.param
+
+
 @pytest.fixture
-def alloc(drv): return CachingAllocator(drv, device=0)
+def alloc(drv, native): return CachingAllocator(drv, device=0, native=native)
 
 
 def stat(a, key): return a.memory_stats()[key]
@@ -263,10 +271,10 @@ def test_memory_limit_oom_message_and_retry_after_releasing_the_cache(alloc, drv
   with pytest.raises(ValueError): alloc.set_memory_limit(-1)
 
 
-def test_one_limit_caps_the_device_allocator_and_the_pools_sharing_it(alloc, drv):
+def test_one_limit_caps_the_device_allocator_and_the_pools_sharing_it(alloc, drv, native):
   """A graph pool's allocator shares the device allocator's limit: what they reserve together is capped, the message
   gives both reserves, an OOM in one releases the others' free segments, and a frozen pool keeps its own."""
-  pool = CachingAllocator(drv, device=0, sharing=alloc)
+  pool = CachingAllocator(drv, device=0, sharing=alloc, native=native)
   alloc.set_memory_limit(50 * MiB)
   assert pool.limit == 50 * MiB
   a = alloc.malloc(25 * MiB, "s")              # 26 MiB
@@ -295,9 +303,9 @@ def test_one_limit_caps_the_device_allocator_and_the_pools_sharing_it(alloc, drv
   assert not drv.live
 
 
-def test_driver_out_of_memory_waits_for_pending_frees_then_raises():
+def test_driver_out_of_memory_waits_for_pending_frees_then_raises(native):
   drv = FakeDriver(total=24 * MiB)
-  alloc = CachingAllocator(drv, device=3)
+  alloc = CachingAllocator(drv, device=3, native=native)
   a = alloc.malloc(15 * MiB, "s1")             # 16 MiB segment
   a.record_stream("s2")
   a.free()                                     # pending on s2's event
@@ -312,9 +320,9 @@ OPS = st.lists(st.tuples(st.booleans(), st.integers(1, 24 * MiB), st.sampled_fro
                min_size=1, max_size=60)
 
 
-def _run_sequence(ops, stats_every_step: bool) -> None:
+def _run_sequence(ops, stats_every_step: bool, native: bool) -> None:
   drv = FakeDriver(total=1 << 30)
-  alloc = CachingAllocator(drv)
+  alloc = CachingAllocator(drv, native=native)
   live = []
   for is_alloc, size, stream, pick in ops:
     if is_alloc or not live:
@@ -339,16 +347,18 @@ def _run_sequence(ops, stats_every_step: bool) -> None:
 
 @given(OPS)
 def test_random_sequences_keep_the_invariants(ops):
-  _run_sequence(ops, stats_every_step=True)
+  _run_sequence(ops, stats_every_step=True, native=_native() is not None)
+  _run_sequence(ops, stats_every_step=True, native=False)
 
 
 @given(OPS)
 def test_random_sequences_reusing_kept_blocks_keep_the_invariants(ops):
-  _run_sequence(ops, stats_every_step=False)
+  _run_sequence(ops, stats_every_step=False, native=_native() is not None)
+  _run_sequence(ops, stats_every_step=False, native=False)
 
 
-def test_a_graph_pool_reuses_kept_blocks_of_other_sizes_before_growing(alloc, drv):
-  pool = CachingAllocator(drv, device=0, sharing=alloc)  # a CUDA graph pool's: one capture, no steps to settle
+def test_a_graph_pool_reuses_kept_blocks_of_other_sizes_before_growing(alloc, drv, native):
+  pool = CachingAllocator(drv, device=0, sharing=alloc, native=native)  # a CUDA graph pool's: one capture, no steps to settle
   blocks = [pool.malloc(n, "p") for n in (16 * KiB, MiB, MiB - 16 * KiB)]  # the 2 MiB segment full
   kept = blocks[0].ptr
   blocks[0].free()
@@ -373,13 +383,13 @@ def test_best_fit_takes_the_smallest_kept_size_and_skips_emptied_ones(alloc, drv
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_repeating_step_stops_searching_after_two_steps(seed, drv, monkeypatch):
+def test_a_repeating_step_stops_searching_after_two_steps(seed, drv, native, monkeypatch):
   """Requests of a training step's pattern (activations in, gradients out in reverse) find their sizes kept from the
   last step once the cache has grown, within GROWTH times the peak allocated (and a segment). (Taking kept blocks for other sizes
   first kept searching 8 times a step with seed 1, forever.)"""
   import random
   from blutrain.backend.cuda import allocator
-  alloc = CachingAllocator(drv, device=0)
+  alloc = CachingAllocator(drv, device=0, native=native)
   rng = random.Random(seed)
   sizes = [rng.choice([512, 1536, 2560, 9000, 40 * KiB, 200 * KiB, 700 * KiB, 1000 * KiB, 3 * MiB]) for _ in range(60)]
   searches = []
@@ -401,3 +411,78 @@ def test_a_repeating_step_stops_searching_after_two_steps(seed, drv, monkeypatch
   assert counts[0] > 0 and counts[2:] == [0, 0, 0]
   bound = allocator.GROWTH * stat(alloc, "allocated_bytes.all.peak") + allocator.MID_SEGMENT  # a segment's rounding
   assert stat(alloc, "reserved_bytes.all.current") <= bound
+
+
+# *** the C front (allocator_front.py) ***
+
+needs_front = pytest.mark.skipif(_native() is None, reason="the allocator's C front does not build on this machine")
+
+
+@needs_front
+@given(OPS)
+def test_the_c_front_hands_out_what_the_python_allocator_does(ops):
+  """The same requests and frees give the same addresses and statistics with the C front as in Python alone."""
+  allocs = [CachingAllocator(FakeDriver(total=1 << 30), native=n) for n in (True, False)]
+  live: list[list] = [[], []]
+  for is_alloc, size, stream, pick in ops:
+    for a, blocks in zip(allocs, live):
+      if is_alloc or not blocks: blocks.append(a.malloc(size if pick < 3 else size % (64 * KiB) + 1, stream))
+      else: blocks.pop(pick % len(blocks)).free()
+    assert [b.ptr for b in live[0]] == [b.ptr for b in live[1]]
+    assert [(a._allocated.current, a._requested.current, a._active.current, a._allocated.peak) for a in allocs][0] == \
+      [(a._allocated.current, a._requested.current, a._active.current, a._allocated.peak) for a in allocs][1]
+  assert allocs[0].memory_stats() == allocs[1].memory_stats()
+
+
+class _Counting(CachingAllocator):
+  """Counts the requests and frees that reach the Python methods."""
+  calls = {"malloc": 0, "release": 0}
+
+  def malloc(self, nbytes, stream):
+    _Counting.calls["malloc"] += 1
+    return super().malloc(nbytes, stream)
+
+  def _release(self, b):
+    _Counting.calls["release"] += 1
+    return super()._release(b)
+
+
+@needs_front
+def test_the_c_front_serves_kept_hits_and_leaves_the_rest_to_python(drv):
+  alloc = _Counting(drv)
+  calls = _Counting.calls
+  calls.update(malloc=0, release=0)
+  a = alloc.malloc(5000, "s")              # a new size: Python's best fit, a new segment
+  a.free()                                 # no list kept for its key yet: Python's _release
+  assert calls == {"malloc": 1, "release": 1}
+  for _ in range(3):
+    b = alloc.malloc(4700, "s")            # the same rounded size, kept: the front alone
+    assert b.ptr == a.ptr and b._alloc is alloc and type(b).__module__ == "blutrain_alloc"
+    assert alloc._requested.current == 4700  # (memory_stats would pool the kept blocks)
+    del b                                  # collected: the front keeps it
+  assert calls == {"malloc": 1, "release": 1} and alloc._active.current == 0
+  c = alloc.malloc(5000, "s2")             # another stream: Python
+  c.record_stream("s3")
+  c.free()                                 # used on another stream: Python waits for its event
+  assert calls == {"malloc": 2, "release": 2} and len(alloc._pending) == 1
+  alloc.malloc(4700, "s")                  # frees wait for their events: Python processes them first
+  assert calls["malloc"] == 3
+  assert alloc.malloc(0, "s").nbytes == 0 and calls["malloc"] == 4  # zero bytes: Python's null block
+
+
+@needs_front
+def test_c_blocks_behave_as_python_blocks(drv):
+  import weakref
+  alloc = CachingAllocator(drv)
+  b = alloc.malloc(3000, "s")
+  assert (b.nbytes, b.device, b.stream) == (3000, 0, "s") and repr(b) == f"Block(ptr=0x{b.ptr:x}, nbytes=3000, device=0)"
+  ref = weakref.ref(b)
+  b.free()
+  assert b._b is None and stat(alloc, "allocated_bytes.all.current") == 0
+  b.free()                                 # a second free does nothing
+  b.record_stream("other")                 # nor a use recorded after the free
+  assert stat(alloc, "active.all.current") == 0 and ref() is b
+  with pytest.raises(AttributeError):
+    b.ptr = 0                              # read-only, as the memory it names
+  del b
+  assert ref() is None

@@ -1,7 +1,8 @@
 """The caching allocator: device memory cut from large driver segments and reused without driver calls.
 
 The design is PyTorch's CUDACachingAllocator, in Python, over a small `Driver` protocol so that the bookkeeping
-runs (and is tested) on the CPU with a fake driver:
+runs (and is tested) on the CPU with a fake driver; its hot path (a request served by a kept block of its size, and
+the free that keeps it) runs in C where the C front builds (`allocator_front.py`), on the same state:
 
 - sizes are rounded up to 512 B; requests up to 1 MiB come from the small pool, whose segments are 2 MiB;
   larger ones from the large pool, whose segments are 20 MiB for requests under 10 MiB and the request rounded
@@ -29,10 +30,14 @@ segments stay reserved, since the graph replays in them.
 from __future__ import annotations
 
 import bisect
+import functools
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any, Protocol
+
+from blutrain.backend.cuda import allocator_front
 
 MiB = 1 << 20
 MIN_BLOCK = 512              # every size is rounded up to a multiple of this
@@ -127,6 +132,17 @@ class Block:
     return f"Block(ptr=0x{self.ptr:x}, nbytes={self.nbytes}, device={self.device})"
 
 
+@functools.cache
+def _native():
+  """The C front's module (`allocator_front`), or None where it does not build: the allocator then runs in Python
+  alone, which costs ~1 us more a request (with a warning saying why)."""
+  try: return allocator_front.build()
+  except Exception as e:  # noqa: BLE001 (no compiler, headers or cache: any of them only costs speed)
+    warnings.warn(f"blutrain: the allocator's C front did not build ({type(e).__name__}: {e}); allocating in Python "
+                  f"alone. Install a C compiler (gcc or clang) to build it.", RuntimeWarning, stacklevel=3)
+    return None
+
+
 class _Stat:
   __slots__ = ("current", "peak")
 
@@ -141,7 +157,8 @@ class CachingAllocator:
   """A stream-aware caching allocator for one device over `driver`; with `sharing`, under that allocator's limit,
   which then caps what both (and every other allocator sharing it) reserve together."""
 
-  def __init__(self, driver: Driver, device: int = 0, sharing: CachingAllocator | None = None):
+  def __init__(self, driver: Driver, device: int = 0, sharing: CachingAllocator | None = None, native: bool = True):
+    native = _native() if native else None
     self.driver, self.device = driver, device
     self.root = self if sharing is None else sharing.root  # the allocator that holds the limit
     self._limit: int | None = None
@@ -160,14 +177,25 @@ class CachingAllocator:
     self._sids: dict[Any, int] = {}
     self._lock = threading.Lock()
     self._deferred: list[_Block] = []           # frees that arrived while the lock was held (GC, other threads)
-    self._stats = {k: _Stat() for k in ("allocated", "reserved", "active", "requested", "segments")}
+    stat = native.Stat if native else _Stat
+    self._stats = {k: stat() for k in ("allocated", "reserved", "active", "requested", "segments")}
     self._allocated, self._requested, self._active = (self._stats[k] for k in ("allocated", "requested", "active"))
     self._counts = {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0, "num_ooms": 0}
+    # the C front serves kept hits (allocator_front.py) and calls the methods below for the rest; Blocks made here
+    # give their memory back through it
+    self._front, self._block = None, Block
+    if native:
+      self._block, self._front = native.Block, native.Front(
+        self, type(self).malloc, type(self)._release, self._kept, self._sids, self._deferred, self._pending,
+        self._lock.locked, self._allocated, self._requested, self._active, device, MIN_BLOCK, _SID_SHIFT,
+        _SIZE_SHIFT)
+      self.malloc = self._front
 
   # *** allocation ***
 
   def malloc(self, nbytes: int, stream: Any) -> Block:
-    """A block of at least `nbytes` bytes usable in the order of `stream`."""
+    """A block of at least `nbytes` bytes usable in the order of `stream`. (With the C front, `malloc` is the front,
+    which serves a kept block of the request's size itself and calls this for the rest.)"""
     if nbytes == 0: return Block(0, 0, self.device, stream, None, None)
     size = (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK  # round_size(nbytes > 0), inline: the hot path
     with self._lock:
@@ -188,7 +216,7 @@ class CachingAllocator:
       st.current += 1
       if st.current > st.peak: st.peak = st.current
     if self._deferred: self._try_drain()
-    return Block(b.ptr, nbytes, self.device, stream, b, self)
+    return self._block(b.ptr, nbytes, self.device, stream, b, self)
 
   def _best_fit(self, nbytes: int, size: int, stream: Any, sid: int) -> _Block:
     """A block for a request of `size` (nbytes rounded) that no kept block of its size serves: the smallest free
@@ -346,7 +374,7 @@ class CachingAllocator:
         b.events = None
         self._keep(b)
       else: still.append(b)
-    self._pending = still
+    self._pending[:] = still  # the same list: the C front reads it
 
   def _drain(self) -> None:
     while self._deferred: self._free_block(self._deferred.pop())
