@@ -75,9 +75,9 @@ def _as4d(shape, strides) -> tuple[tuple[int, ...], tuple[int, ...]]:
   return (*shape[:2], 1, shape[2]), (*strides[:2], shape[2] * strides[2], strides[2])
 
 
-def _readable(a: CudaArray) -> CudaArray:
-  """a, or a contiguous copy when cuDNN could not read it as it is (a gap or overlap, or off 16 bytes)."""
-  return a if a.ptr % 16 == 0 and is_dense(a) else copy(a)
+def _readable(a: CudaArray) -> bool:
+  """Whether cuDNN reads a as it is: dense (no gap or overlap) and 16-byte aligned; others are copied contiguous."""
+  return a.ptr % 16 == 0 and is_dense(a)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -118,12 +118,25 @@ def _graph(kind: str, dtype: DType, a_shape: tuple, a_strides: tuple, b_shape: t
                      f"set bt.backends.conv = 'triton' to run blutrain's own kernels") from last
 
 
+_problems: dict[tuple, tuple] = {}  # (kind, the operands' layout keys, geometry) -> `_graph`'s answer
+
+
 def _run(kind: str, a: CudaArray, b: CudaArray, out: CudaArray, stride, padding, dilation) -> CudaArray:
-  """Run one problem into `out` on the current stream. The graph's C++ `_execute` is called with the uids' pointers
-  directly (the frontend's Python `execute` maps tensors to uids first: 1-2 us of a call's host time)."""
-  a, b = _readable(a), _readable(b)
-  g, (ua, ub, uo), ws_bytes = _graph(kind, a.dtype, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides,
-                                     tuple(stride), tuple(padding), tuple(dilation), out.device)
+  """Run one problem into `out` on the current stream. A problem whose operands cuDNN reads as they are finds its
+  graph by their layout keys (one dict lookup; `_graph`'s key is a dozen tuples). The graph's C++ `_execute` is
+  called with the uids' pointers directly (the frontend's Python `execute` maps tensors to uids first)."""
+  key = (kind, a.layout_key or a.key(), b.layout_key or b.key(), out.layout_key or out.key(), stride, padding,
+         dilation, out.device)
+  found = _problems.get(key)
+  if found is None:
+    cached = _readable(a) and _readable(b)
+    if not cached: a, b = (x if _readable(x) else copy(x) for x in (a, b))
+    found = _graph(kind, a.dtype, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, tuple(stride),
+                   tuple(padding), tuple(dilation), out.device)
+    if cached:
+      if len(_problems) >= 4096: _problems.clear()  # layouts of a long-gone model
+      _problems[key] = found
+  g, (ua, ub, uo), ws_bytes = found
   h, stream = _handle(out.device), runtime.launch_stream()
   if _streams.get(h) != stream.handle:  # cudnnSetStream queries the driver: only when the stream changes
     _cudnn().set_stream(h, stream.handle)
