@@ -21,6 +21,11 @@ class Size(tuple):
 
 def contiguous_strides(shape: Sequence[int]) -> Shape:
   """Row-major strides in elements; a size-0 dim counts as 1, as PyTorch's do."""
+  return _contiguous_strides(shape if shape.__class__ is tuple else tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)  # asked for by every new array and layout check of a step, for a few shapes
+def _contiguous_strides(shape: Shape) -> Shape:
   strides, acc = [], 1
   for n in reversed(shape):
     strides.append(acc)
