@@ -110,6 +110,7 @@ class Module:
     raise NotImplementedError(f'Module [{type(self).__name__}] is missing the required "forward" function')
 
   def __call__(self, *args, **kwargs) -> Any:
+    if not (self._forward_pre_hooks or self._forward_hooks): return self.forward(*args, **kwargs)
     for hook in list(self._forward_pre_hooks.values()):
       out = hook(self, args)
       if out is not None: args = out if isinstance(out, tuple) else (out,)
