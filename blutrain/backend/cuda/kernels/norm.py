@@ -768,8 +768,9 @@ def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, va
 def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, eps: float, out0, out1,
                     relu_out: CudaArray | None = None) -> tuple[CudaArray, CudaArray, CudaArray]:
   """Run the per-channel reduction and its finalize over x (and g, masked by relu_out) into out0 and out1; returns
-  them and the sums (2, C) of `grad`. The statistics (not `grad`) go to two new (C,) arrays; with `grad`, None
-  outputs are not computed. New outputs, the sums and the splits' partials share one allocation."""
+  them and the buffer whose first (new) 2C elements are the sums (2, C) of `grad`. The statistics (not `grad`) go to
+  two new (C,) arrays; with `grad`, None outputs are not computed. New outputs, the sums and the splits' partials
+  (2, S, C) share one allocation."""
   s, grid, scalars, S, chunk = reduce_plan(grad, x.dtype, g and g.dtype, mean and mean.dtype, var and var.dtype,
                                            x.shape, x.strides, g and g.strides, eps, runtime.hardware(x.device),
                                            relu_out and relu_out.dtype)
@@ -777,22 +778,23 @@ def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, ep
   new = 0 if grad else 2
   buf = empty(((new + 2 + 2 * S) * C,), acc, x.device)
   if new: out0, out1 = view(buf, (C,), (1,)), view(buf, (C,), (1,), C)
-  sums, part = view(buf, (2, C), (C, 1), new * C), view(buf, (2, S, C), (S * C, C, 1), (new + 2) * C)
-  part1 = part.ptr + S * C * acc.itemsize
-  run(s, grid, part.ptr, part1, x.ptr, (g or x).ptr, (relu_out or x).ptr, (mean or part).ptr, (var or part).ptr,
-      *scalars)
+  item = acc.itemsize
+  sums = buf.ptr + new * C * item
+  part0 = sums + 2 * C * item
+  part1 = part0 + S * C * item
+  run(s, grid, part0, part1, x.ptr, (g or x).ptr, (relu_out or x).ptr, (mean or buf).ptr, (var or buf).ptr, *scalars)
   run(batch_norm_finalize_spec(grad, acc, out0 and out0.dtype, out1 and out1.dtype), (cdiv(C, FINALIZE_BLOCK_C),),
-      (out0 or part).ptr, (out1 or part).ptr, sums.ptr, part.ptr, part1, C, R, S, chunk)
-  return out0, out1, sums
+      (out0 or buf).ptr, (out1 or buf).ptr, sums, part0, part1, C, R, S, chunk)
+  return out0, out1, buf
 
 
-def _channel_apply(mode: str, out: CudaArray, x: CudaArray, g: CudaArray | None, mean, var, w, b, sums, eps: float,
-                   relu: bool = False, relu_out: CudaArray | None = None):
+def _channel_apply(mode: str, out: CudaArray, x: CudaArray, g: CudaArray | None, mean, var, w, b, sums: int,
+                   eps: float, relu: bool = False, relu_out: CudaArray | None = None):
   s, grid, scalars = apply_plan(mode, x.dtype, g and g.dtype, out.dtype, mean.dtype, var.dtype, w and w.dtype,
                                 b and b.dtype, x.shape, x.strides, (g or x).strides, out.strides, eps, relu,
                                 relu_out and relu_out.dtype)
   run(s, grid, out.ptr, x.ptr, (g or x).ptr, (relu_out or x).ptr, mean.ptr, var.ptr, (w or mean).ptr, (b or mean).ptr,
-      (sums or mean).ptr, *scalars)
+      sums or mean.ptr, *scalars)
 
 
 def _contiguous(*arrays: CudaArray | None) -> list[CudaArray | None]:
@@ -802,6 +804,7 @@ def _contiguous(*arrays: CudaArray | None) -> list[CudaArray | None]:
 def _few_dims(x: CudaArray, *others: CudaArray | None) -> list[CudaArray | None]:
   """x and arrays of its shape (None passes through), copied contiguous when their reduced dims, with those of a
   contiguous output, would not collapse to 5 (7-D and more)."""
+  if len(x.shape) <= 6: return [x, *others]  # at most 5 reduced dims to begin with
   given = [a.strides for a in others if a is not None]
   if _channel_problem(x.shape, x.strides, *given, contiguous_strides(x.shape)) is not None: return [x, *others]
   return [a if a is None else copy(a) for a in (x, *others)]
@@ -848,9 +851,10 @@ def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaAr
     for p in (dw, db):
       if p is not None: fill(p, 0)
     return dx, dw, db
-  sums = None
+  sums = buf = None
   if weight_grad or bias_grad or (input_grad and training):
-    _, _, sums = _channel_reduce(True, x, g, mean, var, eps, dw, db, relu_out)
+    _, _, buf = _channel_reduce(True, x, g, mean, var, eps, dw, db, relu_out)
+    sums = buf.ptr  # (buf kept until the apply is queued)
   if input_grad: _channel_apply("train" if training else "eval", dx, x, g, mean, var, w, None, sums, eps,
                                 relu_out=relu_out)
   return dx, dw, db
