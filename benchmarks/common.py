@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NOMINAL_COPY_GBPS = 4300.0  # H200 device-to-device copy, the anchor in DESIGN.md
 PAD_COPIES = 400            # at most this many copies queued ahead (CUDA's launch queue holds about a thousand)
+SLEEP_CYCLES = 300_000_000  # a sleep kernel of ~150 ms at the H200's 1.98 GHz, for `host_and_gpu_ms`
 
 
 def require_gpu(device: str) -> None:
@@ -94,6 +95,37 @@ def host_speed_us(calls: int = 100, reps: int = 200, trials: int = 5) -> float:
         _two(1, 2)
     best = min(best, (time.perf_counter() - t0) / reps * 1e6)
   return best
+
+
+def host_and_gpu_ms(framework: str, step, steps: int = 3) -> dict:
+  """A CUDA step's host time and GPU time apart, in ms per step: `enqueue_ms`, the wall time of queuing `steps` steps
+  with no sync (the host's work; a host-bound step's GPU waits on it), and `gpu_ms`, the GPU time of `steps` steps
+  queued behind a sleep kernel (~150 ms), so that the GPU runs them back to back whatever the host's speed (timed by
+  events on the framework's stream, which waits for PyTorch's sleep). `step()` queues one step. Exact while the steps'
+  launches fit CUDA's launch queue (about a thousand: a ResNet-18 step makes ~1,000); past that the host waits for
+  room and `gpu_ms` is an upper bound."""
+  import torch
+  import blutrain as bt
+  from cuda.bindings import driver
+  bt.cuda.synchronize(); torch.cuda.synchronize()
+  t0 = time.perf_counter()
+  for _ in range(steps): step()
+  enqueue = (time.perf_counter() - t0) / steps * 1e3
+  bt.cuda.synchronize(); torch.cuda.synchronize()
+  torch.cuda._sleep(SLEEP_CYCLES)
+  slept = torch.cuda.Event()
+  slept.record()
+  if framework == "blutrain":
+    (err,) = driver.cuStreamWaitEvent(driver.CUstream(bt.cuda.current_stream().handle), driver.CUevent(slept.cuda_event),
+                                      0)
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    start, end = bt.cuda.Event(enable_timing=True), bt.cuda.Event(enable_timing=True)
+  else: start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  start.record()
+  for _ in range(steps): step()
+  end.record()
+  bt.cuda.synchronize(); torch.cuda.synchronize()
+  return {"enqueue_ms": enqueue, "gpu_ms": start.elapsed_time(end) / steps}
 
 
 def metadata(benchmark: str, device: str) -> dict:

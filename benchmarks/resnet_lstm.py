@@ -9,6 +9,7 @@ PyTorch eager, compiled >= 1.0x torch.compile. Writes benchmarks/results/resnet_
   python benchmarks/resnet_lstm.py --order blutrain_eager --profile   # and blutrain's eager step op by op
   python benchmarks/resnet_lstm.py --models resnet18 --channels-last   # images and weights channels-last in every framework
   python benchmarks/resnet_lstm.py --repeat 3 ...   # the order three times, interleaved: each round's ratio and host speed
+  python benchmarks/resnet_lstm.py --split ...      # and each eager step's host and GPU time apart
 
 The models are written once against PyTorch's nn API (`resnet18(nn)`, `LSTMLM(nn)`) and built from `blutrain.nn` and
 `torch.nn`; the torch copy loads blutrain's initial state dict, so both start from the same weights.
@@ -29,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import host_speed_us, metadata, require_gpu, spread  # noqa: E402
+from benchmarks.common import host_and_gpu_ms, host_speed_us, metadata, require_gpu, spread  # noqa: E402
 
 
 # *** the models, written against PyTorch's nn API ***
@@ -156,10 +157,12 @@ def make_step(framework: str, model: str, s: dict, state: dict, data: list, prec
 
 
 def run(framework: str, model: str, s: dict, state: dict, data: list, precision: str, device: str, warmup: int,
-        compiled: bool, profile: bool = False, channels_last: bool = False) -> dict:
-  """One (framework, compiled) run of `model`'s training step."""
+        compiled: bool, profile: bool = False, channels_last: bool = False, split: bool = False) -> dict:
+  """One (framework, compiled) run of `model`'s training step; with `split`, an eager step's host and GPU time apart
+  (`host_and_gpu_ms`)."""
   step, dev, sync, eager = make_step(framework, model, s, state, data, precision, device, compiled, channels_last)
   out = timed(step, dev, warmup, sync)
+  if split and device == "cuda" and not compiled: out.update(host_and_gpu_ms(framework, lambda: eager(*dev[-1])))
   if profile and framework == "blutrain" and not compiled:  # one more eager step, op by op
     import blutrain as bt
     with bt.profiler.profile() as prof: eager(*dev[0]).item()
@@ -184,6 +187,8 @@ def main() -> None:
                   "ratio of every round with the host's Python speed (the first round's results are the runs')")
   ap.add_argument("--channels-last", action="store_true",
                   help="ResNet's images (so its activations) and weights channels-last")
+  ap.add_argument("--split", action="store_true", help="after each eager run, its step's host time (queuing with no "
+                  "sync) and GPU time (queued behind a sleep kernel) apart: which of them bounds the step")
   args = ap.parse_args()
   require_gpu(args.device)
   steps = 2 if args.quick else args.steps
@@ -203,13 +208,13 @@ def main() -> None:
         try:
           host_us = host_speed_us()
           r = run(framework, model, s, state, data, precision, args.device, warmup, mode == "compile",
-                  args.profile and rep == 0, args.channels_last)
+                  args.profile and rep == 0, args.channels_last, args.split)
           r["items_per_s"], r["host_us"] = s["batch"] / r["step_s"], [host_us, host_speed_us()]
         except Exception as e:  # a failed run is reported, not hidden
           r = {"error": f"{type(e).__name__}: {e}"}
         if rep == 0: result["runs"][f"{model}/{precision}/{name}"] = r
         result["repeats"].setdefault(f"{name}/{model}/{precision}", []).append(
-          {k: r[k] for k in ("step_s", "items_per_s", "host_us") if k in r})
+          {k: r[k] for k in ("step_s", "items_per_s", "host_us", "enqueue_ms", "gpu_ms") if k in r})
         print(model, precision, name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()
                                        if k not in ("losses", "step_times_s")}, flush=True)
       for ours, ref in (("blutrain_eager", "torch_eager"), ("blutrain_compile", "torch_compile")):
