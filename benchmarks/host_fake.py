@@ -4,13 +4,15 @@ on the host runs: allocator, launch planning, argument packing, autograd, autoca
 step (bf16 autocast or TF32; forward, backward, clipping, fused AdamW); medians and bests of the trials, with the Python
 function calls of each (cProfile's count, which noise does not move). With --profile, the profiles by own time.
 With --resnet, only the kernel launches of a ResNet-18 eager step with SGD (momentum, weight decay), its update per
-parameter (fused=False) and multi-tensor (the default).
+parameter (fused=False) and multi-tensor (the default). With --resnet-step, the host time of a channels-last bf16
+ResNet-18 eager step (batch 8, 64x64 images, SGD), its convolutions through a stand-in cuDNN frontend
+(tests/fakegpu/fake_cudnn.py), as they run on the GPU: the step #17's eager benchmark measures, host side.
 Runs on any machine, so a change to the host path can be measured without a GPU. Times are this thread's CPU time
 (`time.thread_time`): nothing waits on a fake device, and CPU time is far less disturbed than wall-clock time by
 other work on a shared machine; still, compare figures of one run.
 
   python benchmarks/host_fake.py [--calls 5000] [--trials 5] [--steps 3] [--layers 12] [--precision bf16|tf32]
-                                 [--profile] [--rows 30] [--skip-step] [--resnet]
+                                 [--profile] [--rows 30] [--skip-step] [--resnet] [--resnet-step]
 """
 from __future__ import annotations
 
@@ -79,6 +81,41 @@ def resnet_sgd_launches() -> None:
           f"(forward and backward {backward - before}, opt.step() {fake_cuda.launches[0] - backward})", flush=True)
 
 
+def resnet_step_host(steps: int, trials: int, rows: int) -> None:
+  """Host milliseconds of a channels-last bf16 ResNet-18 eager training step (forward, backward, SGD), its
+  convolutions on the stand-in cuDNN frontend; medians and bests of `trials` runs of `steps` steps, after 8 steps (the
+  caching allocator settles by the 7th)."""
+  import gc
+  import fake_cudnn
+  from benchmarks.resnet_lstm import resnet18
+  fake_cudnn.install()
+  bt.manual_seed(0)
+  cl = bt.channels_last
+  model = resnet18(bt.nn, 10).to("cuda").to(memory_format=cl).train()
+  opt = bt.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+  x, y = bt.randn(8, 3, 64, 64).to("cuda").contiguous(memory_format=cl), bt.randint(10, (8,)).to("cuda")
+
+  def one_step():
+    with bt.autocast(device_type="cuda", dtype=bt.bfloat16):
+      loss = bt.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+  for _ in range(8): one_step()
+  gc.collect()
+  times = []
+  for _ in range(trials):
+    t0 = time.thread_time()
+    for _ in range(steps): one_step()
+    times.append((time.thread_time() - t0) / steps * 1e3)
+  before = fake_cuda.launches[0]
+  n = profiled(one_step, 1, rows)
+  print(f"bf16 channels-last ResNet-18 eager step (B=8, 64x64): {statistics.median(times):.2f} ms of host time "
+        f"(median of {trials} runs of {steps}; best {min(times):.2f}), {n:,.0f} Python calls, "
+        f"{fake_cuda.launches[0] - before} launches, {len(fake_cudnn.executed) // (9 + trials * steps)} cuDNN calls",
+        flush=True)
+
+
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--calls", type=int, default=5000)
@@ -92,8 +129,11 @@ def main() -> None:
   ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16", help="bf16 autocast, or float32 with TF32")
   ap.add_argument("--skip-step", action="store_true")
   ap.add_argument("--resnet", action="store_true", help="only the launches of a ResNet-18 step with SGD")
+  ap.add_argument("--resnet-step", action="store_true", help="only the host time of a channels-last bf16 ResNet-18 "
+                  "eager step (--trials runs of 30 steps)")
   args = ap.parse_args()
   if args.resnet: return resnet_sgd_launches()
+  if args.resnet_step: return resnet_step_host(30, args.trials, args.rows if args.profile else 0)
   x, y = bt.randn(4096, device="cuda"), bt.randn(4096, device="cuda")
   for name, fn in CASES.items():
     us, best = per_call_us(lambda: fn(x, y), args.calls, args.trials)

@@ -787,3 +787,38 @@ buf = out[0].owner
 assert all(o.owner is buf for o in out) and buf.nbytes == 96, buf
 assert [o.ptr - out[0].ptr for o in out] == [0, 20, 0, 0] and [o.strides for o in out[:2]] == [(6, 1), (6, -1)]
 """, tmp_path)
+
+
+def test_cudnn_convolutions_build_a_graph_once_per_layout_and_pass_the_operands(tmp_path):
+  """The cuDNN path (kernels/cudnn_conv.py) over a stand-in frontend (fakegpu/fake_cudnn.py): one graph per problem,
+  found again by the operands' layouts; the operands' pointers handed to `_execute`; a workspace only when the graph
+  asks for one; an operand off 16 bytes copied first."""
+  out = _run_fake("""
+import fake_cudnn; fake_cudnn.install()
+import blutrain as bt
+from blutrain.backend.cuda.kernels import conv
+cl = bt.channels_last
+x = bt.randn(2, 16, 8, 8).to("cuda").to(bt.bfloat16).contiguous(memory_format=cl)
+w = bt.randn(32, 16, 3, 3).to("cuda").to(bt.bfloat16).contiguous(memory_format=cl)
+xa, wa = x._array(), w._array()
+geometry = ((1, 1), (1, 1), (1, 1), 1)
+y = conv.conv(xa, wa, *geometry)
+assert y.shape == (2, 32, 8, 8) and y.strides == (2048, 1, 256, 32), y.strides   # channels-last in, channels-last out
+ua, ub, uo = (t.uid for t in fake_cudnn.graphs[-1].tensors[:3])   # the graph's a, b and out
+graph, pack, ws, handle = fake_cudnn.executed[-1]
+assert graph.kind == "fwd" and pack == {ua: xa.ptr, ub: wa.ptr, uo: y.ptr} and ws == 0, (pack, ws)
+for _ in range(3): conv.conv(bt.randn(2, 16, 8, 8).to("cuda").to(bt.bfloat16).contiguous(memory_format=cl)._array(),
+                             wa, *geometry)
+assert len(fake_cudnn.graphs) == 1 and len(fake_cudnn.executed) == 4   # one graph, found by the layouts
+dw = conv.conv_grad_weight(y, xa, tuple(wa.shape), *geometry)
+graph, pack, ws, _ = fake_cudnn.executed[-1]
+assert graph.kind == "wgrad" and ws != 0 and dw.strides == wa.strides, (ws, dw.strides)   # its 1 MiB workspace
+flat = bt.randn(2 * 16 * 8 * 8 + 1).to("cuda").to(bt.bfloat16)
+off = flat[1:].view(2, 8, 8, 16).permute(0, 3, 1, 2)._array()   # channels-last, 2 bytes off 16
+conv.conv(off, wa, *geometry)
+graph, pack, _, _ = fake_cudnn.executed[-1]
+a_uid = graph.tensors[0].uid
+assert pack[a_uid] != off.ptr and pack[a_uid] % 16 == 0   # read through an aligned copy
+print("ok", len(fake_cudnn.graphs))
+""", tmp_path)
+  assert out.split()[-2:] == ["ok", "3"], out
