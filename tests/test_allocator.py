@@ -461,13 +461,18 @@ def test_the_c_front_serves_kept_hits_and_leaves_the_rest_to_python(drv):
     assert alloc._requested.current == 4700  # (memory_stats would pool the kept blocks)
     del b                                  # collected: the front keeps it
   assert calls == {"malloc": 1, "release": 1} and alloc._active.current == 0
+  b = alloc.malloc(4700, "s")              # kept hit
+  with alloc._lock:                        # another thread (or the GC) inside the allocator: the front leaves the free
+    del b                                  # to Python, which defers it
+    assert calls == {"malloc": 1, "release": 2} and len(alloc._deferred) == 1
+  assert alloc.malloc(4700, "s").ptr == a.ptr and calls["malloc"] == 2 and not alloc._deferred  # Python drains it
   c = alloc.malloc(5000, "s2")             # another stream: Python
   c.record_stream("s3")
   c.free()                                 # used on another stream: Python waits for its event
-  assert calls == {"malloc": 2, "release": 2} and len(alloc._pending) == 1
+  assert calls == {"malloc": 3, "release": 3} and len(alloc._pending) == 1
   alloc.malloc(4700, "s")                  # frees wait for their events: Python processes them first
-  assert calls["malloc"] == 3
-  assert alloc.malloc(0, "s").nbytes == 0 and calls["malloc"] == 4  # zero bytes: Python's null block
+  assert calls["malloc"] == 4
+  assert alloc.malloc(0, "s").nbytes == 0 and calls["malloc"] == 5  # zero bytes: Python's null block
 
 
 @needs_front
@@ -486,3 +491,50 @@ def test_c_blocks_behave_as_python_blocks(drv):
     b.ptr = 0                              # read-only, as the memory it names
   del b
   assert ref() is None
+
+
+def test_threads_allocating_and_freeing_at_once_keep_the_books(native):
+  """Several threads taking and freeing blocks of the same sizes (kept hits through the C front, searches through the
+  lock), blocks dropped to the GC from other threads: every block handed out is distinct while held, and the
+  statistics return to zero."""
+  import random
+  import threading
+  alloc = CachingAllocator(FakeDriver(total=1 << 34), native=native)
+  errors: list[BaseException] = []
+  handed: dict[int, int] = {}
+  handed_lock = threading.Lock()
+
+  def work(seed: int) -> None:
+    rng = random.Random(seed)
+    held = []
+    try:
+      for _ in range(1500):
+        if held and rng.random() < 0.5:
+          b = held.pop(rng.randrange(len(held)))
+          with handed_lock: del handed[b.ptr]
+          if rng.random() < 0.5: b.free()
+          else: del b                            # collected, maybe amid another thread's request
+        else:
+          b = alloc.malloc(rng.choice([512, 4096, 70_000, 3 * MiB]), "s")
+          with handed_lock:
+            assert b.ptr not in handed, "one address handed out twice"
+            handed[b.ptr] = b.nbytes
+          held.append(b)
+      for b in held:
+        with handed_lock: del handed[b.ptr]
+      held.clear()
+    except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+      errors.append(e)
+
+  import sys
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)  # threads switch inside the allocator's Python paths, not only between requests
+  try:
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+  finally: sys.setswitchinterval(interval)
+  gc.collect()
+  assert not errors, errors
+  assert stat(alloc, "allocated_bytes.all.current") == 0 and stat(alloc, "active.all.current") == 0
+  assert stat(alloc, "requested_bytes.all.current") == 0
