@@ -68,7 +68,7 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms, mas
     sums = torch.empty((2, C), dtype=tacc)
     f = K.batch_norm_finalize_spec(grad, acc, None if out0 is None else acc, None if out1 is None else acc)
     f[0][(cdiv(C, K.FINALIZE_BLOCK_C),)](part if out0 is None else out0, part if out1 is None else out1, sums, part[0],
-                                          part[1], C, R, S, chunk, **f.constexprs)
+                                          part[1], C, R, S, chunk, *_no_running(part), **f.constexprs)
     return sums
 
   def apply(mode, out, mean, var, sums=None):
@@ -84,7 +84,7 @@ def _run_case(shape, x_layout, g_layout, dtype, training, weight, bias, sms, mas
   if training:
     mean, var = torch.empty(C, dtype=tacc), torch.empty(C, dtype=tacc)
     reduce(False, out0=mean, out1=var)
-    want_mean, want_var = cpu["batch_norm_stats"](x64)
+    want_mean, want_var = cpu["batch_norm_stats"](x64)[:2]
     close("mean", mean, want_mean, tol if dtype != "bf16" else 1e-5)  # halves are read exactly: float32 stats
     close("var", var, want_var, tol if dtype != "bf16" else 1e-5)
     mean64, var64 = want_mean, want_var
@@ -159,7 +159,8 @@ def _run_finalize(S: int, C: int, grad: bool) -> None:
   part = torch.tensor(np.stack([p0, p1]), dtype=torch.float32)
   out0, out1, sums = torch.empty(C), torch.empty(C), torch.empty((2, C))
   f = K.batch_norm_finalize_spec(grad, dtypes.float32, dtypes.float32, dtypes.float32)
-  f[0][(cdiv(C, K.FINALIZE_BLOCK_C),)](out0, out1, sums, part[0], part[1], C, R, S, chunk, **f.constexprs)
+  f[0][(cdiv(C, K.FINALIZE_BLOCK_C),)](out0, out1, sums, part[0], part[1], C, R, S, chunk, *_no_running(part),
+                                        **f.constexprs)
   p0, p1 = part[0].double().numpy(), part[1].double().numpy()
   if grad: want = (p0.sum(0), p1.sum(0))
   else:
@@ -169,26 +170,41 @@ def _run_finalize(S: int, C: int, grad: bool) -> None:
     assert np.allclose(got.double().numpy(), w, rtol=1e-5, atol=1e-6), (S, C, grad)
 
 
-def _run_running_stats() -> None:
-  """The running statistics' update in place (out = the running statistics) against PyTorch's BatchNorm2d's, with the
-  batch count's increment."""
+def _no_running(buffer) -> tuple:
+  """The finalize kernel's running-statistics arguments when it moves none."""
+  return (buffer,) * 6 + (0.0, 0.0, 0, 0, 0, 0)
+
+
+def _run_running_stats(in_place: bool) -> None:
+  """The finalize kernel's running-statistics update (from one split's mean and M2 per channel) against PyTorch's
+  BatchNorm2d's, with the batch count's increment counted once by one program of two: in place (out = the running
+  statistics, strided) or into new arrays."""
   import torch
   from blutrain import dtypes
   from blutrain.backend.cuda.kernels import norm as K
   from blutrain.shapes import cdiv
-  x = torch.tensor(np.random.default_rng(5).standard_normal((6, 1500, 2, 2)), dtype=torch.float32) * 3 + 1
-  bn = torch.nn.BatchNorm2d(1500, momentum=0.3)
+  C = 100
+  x = torch.tensor(np.random.default_rng(5).standard_normal((6, C, 2, 2)), dtype=torch.float32) * 3 + 1
+  R = x.numel() // C
+  bn = torch.nn.BatchNorm2d(C, momentum=0.3)
   bn.running_mean.uniform_(-1, 1)
   bn.running_var.uniform_(0.5, 2)
-  rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+  rm, rv = torch.empty(2 * C)[::2], torch.empty(3 * C)[::3]  # strided running statistics
+  rm.copy_(bn.running_mean)
+  rv.copy_(bn.running_var)
   bn.train()(x)
-  mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
-  batches = torch.tensor(41)
-  s = K.batch_norm_running_stats_spec(dtypes.float32, dtypes.float32, True)
-  s[0][(cdiv(1500, K.RUNNING_BLOCK),)](rm, rv, batches, rm, rv, mean, var, batches, 1500, 0.3, 24 / 23, 1, 1, 1, 1, 1,
-                                        1, **s.constexprs)
-  assert torch.allclose(rm, bn.running_mean, rtol=1e-6, atol=1e-6) and torch.allclose(rv, bn.running_var, rtol=1e-6)
-  assert int(batches) == 42  # counted once, by one program of two
+  mean, m2 = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False) * R
+  part, out0, out1, sums = torch.stack([mean, m2])[:, None], torch.empty(C), torch.empty(C), torch.empty((2, C))
+  batches, new_batches = torch.tensor(41), torch.tensor(41) if in_place else torch.tensor(0)
+  new_mean, new_var = (rm, rv) if in_place else (torch.empty(C), torch.empty(C))
+  f = K.batch_norm_finalize_spec(False, dtypes.float32, dtypes.float32, dtypes.float32, dtypes.float32, True)
+  f[0][(cdiv(C, K.FINALIZE_BLOCK_C),)](out0, out1, sums, part[0], part[1], C, R, 1, R, new_mean, new_var,
+                                        batches if in_place else new_batches, rm, rv, batches, 0.3, R / (R - 1),
+                                        *(t.stride(0) for t in (new_mean, new_var, rm, rv)), **f.constexprs)
+  assert torch.allclose(out0, mean, rtol=1e-6) and torch.allclose(out1, m2 / R, rtol=1e-6)
+  assert torch.allclose(new_mean, bn.running_mean, rtol=1e-6, atol=1e-6)
+  assert torch.allclose(new_var, bn.running_var, rtol=1e-6)
+  assert int(batches if in_place else new_batches) == 42 and (in_place or int(batches) == 41)
 
 
 def main() -> None:
@@ -196,7 +212,7 @@ def main() -> None:
   for case in CASES: _run_case(*case)
   for case in EPILOGUES: _run_epilogue(*case)
   for S, C, grad in ((70, 70, False), (70, 70, True), (1, 3, False)): _run_finalize(S, C, grad)
-  _run_running_stats()
+  for in_place in (True, False): _run_running_stats(in_place)
   print("ok")
 
 

@@ -159,11 +159,43 @@ def test_modules_over_steps_match_torch(cls, shape):
   with pytest.raises(ValueError, match=r"expected 5D input \(got 4D input\)"): nn.BatchNorm3d(4)(bt.randn(2, 4, 3, 3))
 
 
+@pytest.mark.parametrize("running_dtype", [bt.float32, bt.float64])
+def test_statistics_move_running_statistics_in_place(running_dtype):
+  """batch_norm_stats with running statistics (strided views into one buffer) and a batch count: the statistics are
+  new tensors, the running ones move as PyTorch's BatchNorm moves them, each in its own memory (the rest of the buffer
+  untouched, versions bumped), float64 ones kept float64."""
+  rng = np.random.default_rng(3)
+  a = (rng.standard_normal((5, 4, 3)) * 2 + 1).astype(np.float32)
+  start = rng.uniform(0.5, 2, 12)
+  buf = bt.tensor(start, dtype=running_dtype)
+  rm, rv, batches = buf[0:8:2], buf[1:9:2], bt.tensor(6)
+  versions = rm._storage.version
+  mean, var = ops.nn.batch_norm_stats(bt.tensor(a), rm, rv, batches, momentum=0.3)
+  tm = torch.nn.BatchNorm1d(4, momentum=0.3).double()
+  with torch.no_grad(): tm.running_mean.copy_(torch.tensor(start[0:8:2])), tm.running_var.copy_(torch.tensor(start[1:9:2]))
+  tm.train()(torch.tensor(a, dtype=torch.float64))
+  np.testing.assert_allclose(mean.numpy(), a.mean((0, 2)), rtol=1e-6)
+  np.testing.assert_allclose(var.numpy(), a.var((0, 2)), rtol=1e-5)
+  np.testing.assert_allclose(rm.numpy(), tm.running_mean.numpy(), rtol=1e-6)  # from float32 statistics
+  np.testing.assert_allclose(rv.numpy(), tm.running_var.numpy(), rtol=1e-6)
+  np.testing.assert_array_equal(buf.numpy()[8:], start[8:].astype(buf.numpy().dtype))
+  assert batches.item() == 7 and rm._storage.version > versions
+  assert mean.dtype is bt.float32 and rm.dtype is running_dtype
+
+
 def test_errors():
   with pytest.raises(RuntimeError, match="batch_norm: mean should be a floating tensor of 3 elements"):
     ops.nn.batch_norm(bt.randn(2, 3), bt.randn(4), bt.ones(3))
   with pytest.raises(RuntimeError, match="batch_norm_stats: expected a floating input"):
     ops.nn.batch_norm_stats(bt.randn(3))
+  x, c = bt.randn(4, 3), bt.ones(3)
+  with pytest.raises(RuntimeError, match=r"batch_norm_stats: expected floating running statistics of shape \(3,\), a "
+                                         r"momentum .* got float32\[3\], float32\[2\], momentum 0.1 over 4 values"):
+    ops.nn.batch_norm_stats(x, c, bt.ones(2), momentum=0.1)
+  with pytest.raises(RuntimeError, match="a momentum .* momentum None"): ops.nn.batch_norm_stats(x, c, c.clone())
+  with pytest.raises(RuntimeError, match="over 1 values"): ops.nn.batch_norm_stats(x[:1], c, c.clone(), momentum=0.1)
+  with pytest.raises(RuntimeError, match=r"the batch count should be a 0-d int64 tensor, got float32\[\]"):
+    ops.nn.batch_norm_stats(x, c, c.clone(), bt.tensor(1.0), momentum=0.1)
 
 
 class _Net(nn.Module):

@@ -5,8 +5,8 @@ Convolution is the op library's `conv` primitive (its gradients `conv_grad_input
 conv_transpose is `conv_grad_input`): the backends' kernels are implicit GEMMs, so no (N, C, K, *out) column buffer
 is built. Here are PyTorch's argument forms and messages ('same' padding, unbatched inputs, bias). Pooling takes one
 strided slice of the padded input per kernel offset, stacked into (N, C, K, *out), and reduces them. Batch norm is
-the op library's `batch_norm_stats` and `batch_norm` primitives (one `batch_norm_backward`), with the running
-statistics' update here.
+the op library's `batch_norm_stats` (which also moves the running statistics) and `batch_norm` primitives (one
+`batch_norm_backward`); a cumulative average (momentum None) updates them here.
 """
 from __future__ import annotations
 
@@ -340,16 +340,17 @@ def batch_norm_counting(input: Tensor, running_mean: Tensor | None, running_var:
     count = input.numel() // c if c else 0
     if count <= 1:
       raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(input.shape)}")
-    mean, var = ops.nn.batch_norm_stats(input)
-    if running_mean is not None and running_var is not None:
+    tracked = running_mean is not None and running_var is not None
+    if tracked and not isinstance(momentum, Tensor):  # the statistics' kernel moves them, and counts the batch
+      mean, var = ops.nn.batch_norm_stats(input, running_mean, running_var, batches, momentum)
+    else:
+      mean, var = ops.nn.batch_norm_stats(input)
       with ops.no_grad():
-        if isinstance(momentum, Tensor):  # a cumulative average: the factor is a tensor
+        if tracked:  # a cumulative average: the factor is a tensor
           m = momentum.to(running_mean.dtype)
           running_mean.mul_(1 - m).add_(mean.to(running_mean.dtype) * m)
           running_var.mul_(1 - m).add_(var.to(running_var.dtype) * (m * count / (count - 1)))
-        else: ops.nn.batch_norm_running_stats_(running_mean, running_var, mean, var, momentum, count, batches)
-    elif batches is not None:
-      with ops.no_grad(): batches.add_(1)
+        elif batches is not None: batches.add_(1)
   else:
     if running_mean is None or running_var is None:
       raise RuntimeError("batch_norm: running_mean and running_var must be given when training=False")

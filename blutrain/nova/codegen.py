@@ -82,9 +82,10 @@ def _out(op: NovaOp, names: dict, in_place: dict, kernels: dict) -> str | None:
   if isinstance(op, (ElementwiseOp, CrossEntropyBackwardOp, CrossEntropyBackwardWithStatsOp, CrossEntropyWithGradOp)):
     u = in_place.get(op.results[-1])  # (the gradient, the cross-entropy's last result)
     return None if u is None else names[u]
-  if hasattr(op, "updated_operands"):
-    updated = [op.operands[j] for j in op.updated_operands()]
-    if [in_place.get(r) for r in op.results] == updated: return f"({', '.join(names[u] for u in updated)},)"
+  if hasattr(op, "updated_operands"):  # None where a result is always a new value (batch_norm_stats' statistics)
+    updated = [None if j is None else op.operands[j] for j in op.updated_operands()]
+    if any(updated) and [in_place.get(r) for r in op.results] == updated:
+      return f"({', '.join('None' if u is None else names[u] for u in updated)},)"
   return None
 
 

@@ -1140,38 +1140,30 @@ class LayerNormBackwardOp(MultiResultOp):
 
 @irdl_op_definition
 class BatchNormStatsOp(MultiResultOp):
-  """The mean and biased variance of each channel (dim 1) of x (N, C, *), float32 (float64 for float64 x)."""
+  """The mean and biased variance of each channel (dim 1) of x (N, C, *), float32 (float64 for float64 x). Given the
+  running statistics (and the batch count), also their new values: (1 - momentum) r + momentum s, with the unbiased
+  variance (var * count / (count - 1)), in their operands' types, and the count plus one."""
   name = "nova.batch_norm_stats"
   x = operand_def(TENSOR)
+  running_mean = opt_operand_def(TENSOR)
+  running_var = opt_operand_def(TENSOR)
+  batches = opt_operand_def(TENSOR)
   mean = result_def(TENSOR)
   var = result_def(TENSOR)
-
-
-@irdl_op_definition
-class BatchNormRunningStatsOp(MultiResultOp):
-  """Batch norm's running statistics moved toward a batch's: (1 - momentum) r + momentum s, with the unbiased variance
-  (var * count / (count - 1)), and the batch count plus one when given. Results: the new running mean and variance,
-  in their operands' types, and the new count when given."""
-  name = "nova.batch_norm_running_stats"
-  running_mean = operand_def(TENSOR)
-  running_var = operand_def(TENSOR)
-  mean = operand_def(TENSOR)
-  var = operand_def(TENSOR)
-  batches = opt_operand_def(TENSOR)
-  new_mean = result_def(TENSOR)
-  new_var = result_def(TENSOR)
+  new_mean = opt_result_def(TENSOR)
+  new_var = opt_result_def(TENSOR)
   new_batches = opt_result_def(TENSOR)
-  momentum = prop_def(FLOAT)
-  count = prop_def(INT)
+  momentum = opt_prop_def(FLOAT | NONE)
   irdl_options = (AttrSizedOperandSegments(as_property=True), AttrSizedResultSegments(as_property=True),
                   ParsePropInAttrDict())
-  assembly_format = ("$running_mean `,` $running_var `,` $mean `,` $var (`batches` $batches^ `:` type($batches))? "
-                     "attr-dict `:` type($running_mean) `,` type($running_var) `,` type($mean) `,` type($var) `->` "
-                     "type($new_mean) `,` type($new_var) (`batches` type($new_batches)^)?")
+  assembly_format = ("$x (`running` $running_mean^ `,` $running_var `:` type($running_mean) `,` type($running_var))? "
+                     "(`batches` $batches^ `:` type($batches))? attr-dict `:` type($x) `->` type($mean) `,` "
+                     "type($var) (`running` type($new_mean)^ `,` type($new_var))? (`batches` type($new_batches)^)?")
 
-  def updated_operands(self) -> list[int]:
-    """The operand each result is the new value of: the running mean and variance, and the count."""
-    return [0, 1, 4][:len(self.results)]
+  def updated_operands(self) -> list[int | None]:
+    """The operand each result is the new value of (None: the statistics, new values): the running mean and
+    variance, and the count."""
+    return [None, None, 1, 2, 3][:len(self.results)]
 
 
 @irdl_op_definition
@@ -1784,7 +1776,7 @@ Nova = Dialect("nova", [
   AminOp, ArgmaxOp, ArgminOp, CumsumOp, CumprodOp, ArgsortOp, ViewOp, PermuteOp, ExpandOp, SliceOp, SliceBackwardOp,
   CatOp, IndexOp, IndexBackwardOp, IndexPutOp, MatmulOp, LinearOp, LinearBackwardOp, GemmOp, WeightGradOp, ConvOp, ConvGradInputOp, ConvGradWeightOp,
   SoftmaxOp,
-  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp, BatchNormRunningStatsOp,
+  LogSoftmaxOp, LayerNormOp, AddLayerNormOp, LayerNormBackwardOp, BatchNormStatsOp,
   BatchNormOp,
   BatchNormBackwardOp, ScatterAddOp, ScatterReduceOp, MaxPool2dIndicesOp, MaxPool2dValuesOp,
   MaxPool2dWithIndicesOp, MaxPool2dBackwardOp, GatherOp, EmbeddingOp,

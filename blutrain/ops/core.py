@@ -133,7 +133,9 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
   `into` (in-place ops pass their tensor, or a sequence of tensors for a multi-output op) may receive the result
   instead of a new tensor: when the backend's kernel writes into an `out=` array (its `writes_out`), no node is
   needed and `can_write_into` allows it, the result is stored in into's memory (cast to its dtype), its version is
-  bumped and `into` is returned. Otherwise new tensors are returned, which the caller writes (`ops.inplace`)."""
+  bumped and `into` is returned. Otherwise new tensors are returned, which the caller writes (`ops.inplace`). A
+  multi-output op's `into` has one entry per present output, None for one that is always new (its kernel's `out`
+  holds None there): the result is then a tuple of into's tensors and new ones."""
   h = hooks
   if h.autocast is not None: inputs = h.autocast(op_.name, inputs)
   record = False
@@ -164,8 +166,16 @@ def apply(op_: Op, *inputs: Tensor | None, into=None, device=None, rng=None, **a
     if in_place: attrs["out"] = _out_arrays(into, op_)
     result = kernel(*arrays, **attrs) if h.profile is None else _profiled(op_, kernel, dev, inputs, arrays, attrs)
     if in_place:
-      for t in (into if op_.multi else (into,)): t._storage.version += 1
-      return into
+      if not op_.multi:
+        into._storage.version += 1
+        return into
+      partial = False
+      for t in into:
+        if t is None: partial = True
+        else: t._storage.version += 1
+      if not partial: return into
+      present = [(r, a) for r, a in zip(result, avals) if a is not None]  # as into: None where made new
+      return tuple(Tensor._wrap(r, dev, a[1]) if t is None else t for t, (r, a) in zip(into, present))
     out_dev = attrs["target"] if op_.transfer else dev
     if op_.multi:  # an absent optional output is None in the rule's list and the kernel's tuple
       return tuple(None if r is None else Tensor._wrap(r, out_dev, a[1]) for r, a in zip(result, avals))
@@ -182,12 +192,13 @@ def _fits(into, avals, dev, inputs, op_: Op) -> bool:
   """Whether `into` may take the result as the kernel writes it (`can_write_into`; each output of a multi-output op
   that it produces, in order)."""
   if not op_.multi: return can_write_into(into, avals[0], avals[1], dev, inputs)
-  avals = [a for a in avals if a is not None]
+  avals = _present(avals)
   if len(into) != len(avals): return False
   sharing: dict[int, list] = {}  # NOTE: a multi-tensor op has hundreds of outputs: check each against its own storage's
   for t in inputs:
     if t is not None: sharing.setdefault(id(t._storage), []).append(t)
   for t, (s, d) in zip(into, avals):
+    if t is None: continue
     users = sharing.get(id(t._storage), ())
     if len(users) == 1 and users[0] is t and t.dtype is d and t.shape == s and (t._storage.device is dev) and \
        0 not in t._strides: continue  # an input updated in place, element for element (can_write_into's answer)
@@ -196,7 +207,12 @@ def _fits(into, avals, dev, inputs, op_: Op) -> bool:
 
 
 def _out_arrays(into, op_: Op):
-  return [t._array() for t in into] if op_.multi else into._array()
+  return [None if t is None else t._array() for t in into] if op_.multi else into._array()
+
+
+def _present(values) -> list:
+  """A multi-output op's outputs (or avals) that are there, in order."""
+  return [v for v in values if v is not None]
 
 
 def can_cast(src: DType, dst: DType) -> bool:

@@ -139,6 +139,27 @@ def _batch_norm_vjp(g, out, x, mean, var, w, b, residual=None, *, eps, training,
   return dx, None, None, dw, db
 
 
+def _batch_norm_stats_rule(x, running_mean=None, running_var=None, batches=None, *, momentum=None):
+  stats = (_channels("batch_norm_stats", x), _stats_dtype(x))
+  if running_mean is None and running_var is None and batches is None and momentum is None:
+    return [stats, stats, None, None, None]
+  c, count = stats[0], math.prod(x.shape) // x.shape[1] if x.shape[1] else 0
+  if running_mean is None or running_var is None or momentum is None or count < 2 or \
+     not running_mean.shape == running_var.shape == c or \
+     not (running_mean.dtype.is_floating_point and running_var.dtype.is_floating_point):
+    raise ShapeError(f"batch_norm_stats: expected floating running statistics of shape {c}, a momentum and more than "
+                     f"one value per channel, got {_described(running_mean)}, {_described(running_var)}, momentum "
+                     f"{momentum} over {count} values")
+  if batches is not None and (batches.shape != () or batches.dtype is not dtypes.int64):
+    raise ShapeError(f"batch_norm_stats: the batch count should be a 0-d int64 tensor, got {_described(batches)}")
+  return [stats, stats, (c, running_mean.dtype), (c, running_var.dtype),
+          ((), dtypes.int64) if batches is not None else None]
+
+
+def _described(t) -> str:
+  return "none" if t is None else f"{t.dtype.name}{list(t.shape)}"
+
+
 def _batch_norm_backward_rule(g, x, mean, var, w, relu_out=None, *, eps, training, input_grad, weight_grad,
                               bias_grad):
   _batch_norm_rule(x, mean, var, w, None, eps=eps, training=training)
@@ -150,9 +171,13 @@ def _batch_norm_backward_rule(g, x, mean, var, w, relu_out=None, *, eps, trainin
 
 
 # Per-channel statistics of x (N, C, *) over all dims but 1: the mean and the biased variance, float32 (float64 for
-# float64 x; halves read as float32). Not differentiable: batch_norm's VJP in training form accounts for them.
-batch_norm_stats_op = op("batch_norm_stats", lambda x: [(_channels("batch_norm_stats", x), _stats_dtype(x))] * 2,
-                         multi=True, inputs="x")
+# float64 x; halves read as float32). Not differentiable: batch_norm's VJP in training form accounts for them. Given
+# running statistics (C,) (and BatchNorm's 0-d int64 num_batches_tracked), the op also returns them moved toward the
+# batch's, as PyTorch's native_batch_norm moves them: r = (1 - momentum) r + momentum s, with the unbiased variance
+# (var * count / (count - 1), count = x.numel() / C), and the batch count plus one: new values, or in place through
+# `into` (`batch_norm_stats` below), written by the kernel that merges the statistics.
+batch_norm_stats_op = op("batch_norm_stats", _batch_norm_stats_rule, multi=True,
+                         inputs="x ?running_mean ?running_var ?batches", attrs="momentum:float?")
 # (x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1) of x (N, C, *), in float32 math for halves, the
 # output in x's dtype; mean, var, weight and bias (C,) of any floating dtype. `training` says that mean and var are
 # x's batch statistics (batch_norm_stats), so the gradient flows through them; otherwise they are given constants
@@ -168,40 +193,18 @@ batch_norm_op = op("batch_norm", _batch_norm_rule, _batch_norm_vjp, saves=(0, 1,
                    inputs="x mean var ?weight ?bias ?residual", attrs="eps:float training:bool relu:bool?")
 
 
-def batch_norm_stats(x: Tensor) -> tuple[Tensor, Tensor]:
-  """The mean and biased variance of each channel (dim 1) of x (N, C, *), float32 (float64 for float64 x)."""
-  return batch_norm_stats_op(x)
-
-
-def _running_stats_rule(running_mean, running_var, mean, var, batches=None, *, momentum, count):
-  c = running_mean.shape
-  if len(c) != 1 or not running_var.shape == mean.shape == var.shape == c or count < 2 or \
-     not all(t.dtype.is_floating_point for t in (running_mean, running_var, mean, var)):
-    raise ShapeError(f"batch_norm_running_stats: expected floating (C,) running statistics and batch statistics of "
-                     f"more than one value per channel, got {running_mean.shape}, {running_var.shape}, {mean.shape}, "
-                     f"{var.shape} over {count}")
-  if batches is not None and (batches.shape != () or batches.dtype is not dtypes.int64):
-    raise ShapeError(f"batch_norm_running_stats: the batch count should be a 0-d int64 tensor, got shape "
-                     f"{batches.shape} of {batches.dtype.name}")
-  return [(c, running_mean.dtype), (c, running_var.dtype), ((), dtypes.int64) if batches is not None else None]
-
-
-# batch norm's running statistics moved toward a batch's, in one kernel: r = (1 - momentum) r + momentum s, with the
-# unbiased variance (var * count / (count - 1)), and the count of batches seen (BatchNorm's num_batches_tracked), when
-# given, plus one; the op returns the new values (in place through `into`)
-batch_norm_running_stats_op = op("batch_norm_running_stats", _running_stats_rule, multi=True,
-                                 inputs="running_mean running_var mean var ?batches", attrs="momentum:float count:int")
-
-
-def batch_norm_running_stats_(running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, momentum: float,
-                              count: int, batches: Tensor | None = None) -> None:
-  """Move the running statistics toward the batch's `mean` and biased `var` over `count` values, and add one to
-  `batches` (a 0-d int64 count) when given, in place."""
-  into = [running_mean, running_var] + ([batches] if batches is not None else [])
-  new = batch_norm_running_stats_op(running_mean, running_var, mean, var, *([batches] if batches is not None else []),
-                                    into=into, momentum=float(momentum), count=int(count))
-  if new is not into:
-    for t, v in zip(into, new): write(t, v)
+def batch_norm_stats(x: Tensor, running_mean: Tensor | None = None, running_var: Tensor | None = None,
+                     batches: Tensor | None = None, momentum: float | None = None) -> tuple[Tensor, Tensor]:
+  """The mean and biased variance of each channel (dim 1) of x (N, C, *), float32 (float64 for float64 x). Given
+  the running statistics (both) and a float `momentum`, they move toward the batch's in place (with the unbiased
+  variance), and `batches` (a 0-d int64 count), when given, counts one more batch."""
+  if running_mean is None and running_var is None: return batch_norm_stats_op(x)[:2]
+  into = [None, None, running_mean, running_var] + ([batches] if batches is not None else [])
+  new = batch_norm_stats_op(x, running_mean, running_var, batches, into=into,
+                            momentum=None if momentum is None else float(momentum))
+  for t, v in zip(into[2:], new[2:]):
+    if v is not t: write(t, v)
+  return new[0], new[1]
 
 
 def batch_norm(x: Tensor, mean: Tensor, var: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,

@@ -38,6 +38,31 @@ def test_batch_norm_matches_the_cpu(shape, layout, dtype, training):
     np.testing.assert_allclose(g, w, rtol=0, atol=tol * max(1.0, float(np.abs(w).max())), err_msg=f"{name} {shape}")
 
 
+@pytest.mark.parametrize("running_dtype", [bt.float32, bt.float64])
+def test_statistics_move_strided_running_statistics_as_the_cpu(running_dtype):
+  """batch_norm_stats' finalize moving running statistics (strided views into one buffer) and counting the batch, in
+  place through the op and into new arrays through the kernel alone, against the CPU backend."""
+  from blutrain.backend.cuda.kernels import norm
+  rng = np.random.default_rng(7)
+  a, start = rng.standard_normal((6, 300, 5)) * 2 + 1, rng.uniform(0.5, 2, 700)
+  results = []
+  for dev in ("cpu", "cuda"):
+    x, buf, batches = bt.tensor(a, dtype=bt.float32, device=dev), bt.tensor(start, dtype=running_dtype, device=dev), \
+      bt.tensor(6, device=dev)
+    rm, rv = buf[0:600:2], buf[1:601:2]
+    results.append((*bt.ops.nn.batch_norm_stats(x, rm, rv, batches, momentum=0.3), buf, batches))
+  assert int(results[1][3].item()) == 7
+  mean, var, buf, _ = (t.cpu().double().numpy() for t in results[1])
+  before = buf.copy()
+  new = norm.batch_norm_stats(x._array(), rm._array(), rv._array(), batches._array(), momentum=0.5)
+  got = [bt.Tensor._wrap(arr, x.device, d).cpu().double().numpy()
+         for arr, d in zip(new[2:], (running_dtype, running_dtype, bt.int64))]
+  want = (0.5 * before[0:600:2] + 0.5 * mean, 0.5 * before[1:601:2] + 0.5 * var * 30 / 29, 8)
+  for name, g, w in zip(("new mean", "new var", "new count"), got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-6, err_msg=name)
+  np.testing.assert_array_equal(results[1][2].cpu().double().numpy(), before)  # new arrays: the buffer untouched
+
+
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_batch_norm_with_residual_and_relu_matches_the_cpu(dtype, layout):

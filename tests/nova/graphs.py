@@ -242,10 +242,10 @@ def every_op() -> tuple[Graph, list[np.ndarray]]:
   pooled = b("max_pool2d_values", image, idx, **pool)
   outs += [idx, pooled, b("max_pool2d_backward", pooled, idx, size=(3, 4), **pool),
            *b("max_pool2d_with_indices", image, out_size=(4, 2), **pool)]
-  mean, var = b("batch_norm_stats", x)  # x as (N, C) = (3, 4)
+  mean, var = b("batch_norm_stats", x)[:2]  # x as (N, C) = (3, 4)
   batches = arg(np.array(7, np.int64))
-  outs += [*b("batch_norm_running_stats", b("exp", mean), b("exp", var), mean, var, momentum=0.25, count=3)[:2],
-           *b("batch_norm_running_stats", b("exp", mean), b("exp", var), mean, var, batches, momentum=0.5, count=3)]
+  outs += [*b("batch_norm_stats", x, b("exp", mean), b("exp", var), momentum=0.25)[:4],
+           *b("batch_norm_stats", pos, b("exp", mean), b("exp", var), batches, momentum=0.5)]
   outs += [b("batch_norm", x, mean, var, w, bias, pos, eps=1e-5, training=True, relu=True),  # Nova's epilogue
            *b("batch_norm_backward", pos, x, mean, var, w, b("neg", x), eps=1e-5, training=True, input_grad=True,
               weight_grad=False, bias_grad=False)[:1]]

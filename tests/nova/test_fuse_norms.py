@@ -399,7 +399,7 @@ def _bn_block(dt, bias=True, residual=True, later_residual=True, relu=True):
   b = Builder()
   x, r, g = b.input((4, 8, 6, 6), dt), b.input((4, 8, 6, 6), dt), b.input((4, 8, 6, 6), dt)
   w, bb = b.input((8,)), b.input((8,)) if bias else None
-  mean, var = b("batch_norm_stats", x)
+  mean, var = b("batch_norm_stats", x)[:2]
   out = b("batch_norm", x, mean, var, w, bb, eps=1e-5, training=True)
   if residual: out = b("add", out, b("neg", r) if later_residual else r)
   if relu: out = b("relu", out)
@@ -430,7 +430,7 @@ def test_what_must_not_fold_into_the_batch_norm(case):
   the add keeps both; a residual that broadcasts, or of another dtype, stays an add."""
   b = Builder()
   x, w = b.input((4, 8, 6, 6)), b.input((8,))
-  mean, var = b("batch_norm_stats", x)
+  mean, var = b("batch_norm_stats", x)[:2]
   n = b("batch_norm", x, mean, var, w, None if case == "no_bias" else b.input((8,)), eps=1e-5, training=True)
   r = b.input((8, 1, 1)) if case == "broadcast" else b.input((4, 8, 6, 6), dtypes.float64 if case == "other_dtype"
                                                              else dtypes.float32)

@@ -207,12 +207,23 @@ def _channel_axes(x):
   return (0,) + tuple(range(2, x.ndim)), (1, x.shape[1]) + (1,) * (x.ndim - 2)
 
 
-def _batch_norm_stats(x):
+def _batch_norm_stats(x, running_mean=None, running_var=None, batches=None, *, momentum=None):
+  """The statistics (in float64, kept in float32 or float64 as the op's rule says) and, given running statistics,
+  their update in float32 math (float64 when the running or the batch statistics are float64), as the CUDA kernel's,
+  and the batch count plus one."""
   axes, shape = _channel_axes(x)
+  stats = np.float64 if x.dtype == np.float64 else np.float32
   x = x.astype(np.float64)
   mean = x.mean(axis=axes)
   xc = x - mean.reshape(shape)
-  return mean, (xc * xc).mean(axis=axes)
+  mean, var = mean.astype(stats), (xc * xc).mean(axis=axes).astype(stats)
+  if running_mean is None: return mean, var, None, None, None
+  acc = np.float64 if np.float64 in (running_mean.dtype, stats) else np.float32
+  count = x.size // x.shape[1]
+  m = acc(momentum)
+  new_mean = (acc(1) - m) * running_mean.astype(acc) + m * mean.astype(acc)
+  new_var = (acc(1) - m) * running_var.astype(acc) + m * (var.astype(acc) * acc(count / (count - 1)))
+  return mean, var, new_mean, new_var, None if batches is None else batches + 1
 
 
 def _batch_norm_terms(x, mean, var, eps):
@@ -343,16 +354,6 @@ def _max_pool2d_indices(x, kernel, stride, padding, dilation, out_size):
     take = inside & (~seen | (v > best) | (v != v))
     best, idx, seen = np.where(take, v, best), np.where(take, pos, idx), seen | take
   return np.ascontiguousarray(idx, dtype=np.int64)
-
-
-def _batch_norm_running_stats(running_mean, running_var, mean, var, batches=None, *, momentum, count):
-  """The new running statistics, in float32 math (float64 for float64 statistics) as the CUDA kernel's, and the batch
-  count plus one (None without one)."""
-  acc = np.float64 if running_mean.dtype == np.float64 else np.float32
-  m = acc(momentum)
-  new_mean = (acc(1) - m) * running_mean.astype(acc) + m * mean.astype(acc)
-  new_var = (acc(1) - m) * running_var.astype(acc) + m * (var.astype(acc) * acc(count / (count - 1)))
-  return new_mean, new_var, None if batches is None else batches + 1
 
 
 def _max_pool2d_values(x, idx, **geometry):
@@ -683,7 +684,6 @@ kernels = {
   "argmax": lambda x, dim, keepdim: np.argmax(x, axis=dim, keepdims=keepdim),
   "argmin": lambda x, dim, keepdim: np.argmin(x, axis=dim, keepdims=keepdim),
   "cumsum": _cumsum, "cumprod": lambda x, dim: np.cumprod(x, dim), "argsort": _argsort,
-  "batch_norm_running_stats": _batch_norm_running_stats,
   "max_pool2d_indices": _max_pool2d_indices, "max_pool2d_values": _max_pool2d_values,
   "max_pool2d_with_indices": _max_pool2d_with_indices,
   "max_pool2d_backward": _max_pool2d_backward,

@@ -555,19 +555,26 @@ def _batch_norm_reduce_kernel(part0, part1, x, g, relu_out, mean, var, C, R, chu
 
 
 @triton.jit
-def _batch_norm_finalize_kernel(out0, out1, sums, part0, part1, C, R, S, chunk, GRAD: tl.constexpr,
-                                HAS0: tl.constexpr, HAS1: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def _batch_norm_finalize_kernel(out0, out1, sums, part0, part1, C, R, S, chunk, new_mean, new_var, new_batches,
+                                running_mean, running_var, batches, momentum, factor, s0, s1, s2, s3,
+                                GRAD: tl.constexpr, HAS0: tl.constexpr, HAS1: tl.constexpr, RUNNING: tl.constexpr,
+                                BATCHES: tl.constexpr, RACC: tl.constexpr, BLOCK_C: tl.constexpr,
+                                BLOCK_S: tl.constexpr):
   """The S splits' partial results per channel merged: the mean and the biased variance into out0 and out1, or with
   GRAD the sums of g xhat and of g into sums[0] and sums[1] (the dx kernel reads them) and out0 (dweight) and out1
   (dbias) in their dtypes, each when HAS0 / HAS1. BLOCK_S splits at a time in lanes of their own, merged at the end
-  (a channels-last reduction has hundreds of splits: one at a time, the loop's loads were the kernel's time)."""
+  (a channels-last reduction has hundreds of splits: one at a time, the loop's loads were the kernel's time).
+  With RUNNING, the running statistics (strides s2, s3) move toward the stored mean and variance in RACC:
+  new = (1 - momentum) running + momentum stat, the variance times `factor` (R / (R - 1), unbiased), into new_mean and
+  new_var (strides s0, s1; each element read before it is written: they may be the running statistics themselves);
+  with BATCHES, program 0 also stores the batch count plus one."""
   cs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
   c_mask = cs < C
   a = tl.zeros([BLOCK_S, BLOCK_C], part0.dtype.element_ty)
   b = tl.zeros([BLOCK_S, BLOCK_C], part0.dtype.element_ty)
   cnt = tl.zeros([BLOCK_S, BLOCK_C], part0.dtype.element_ty)
-  for s0 in range(0, S, BLOCK_S):
-    ss = s0 + tl.arange(0, BLOCK_S)
+  for s0_ in range(0, S, BLOCK_S):
+    ss = s0_ + tl.arange(0, BLOCK_S)
     mask = (ss < S)[:, None] & c_mask[None, :]
     p0 = tl.load(part0 + ss[:, None] * C + cs[None, :], mask=mask, other=0)
     p1 = tl.load(part1 + ss[:, None] * C + cs[None, :], mask=mask, other=0)
@@ -587,29 +594,19 @@ def _batch_norm_finalize_kernel(out0, out1, sums, part0, part1, C, R, S, chunk, 
       tl.store(out1 + cs, b.to(out1.dtype.element_ty), mask=c_mask)
   else:
     a, b, _ = tl.reduce((a, b, cnt), 0, _welford_combine)
-    tl.store(out0 + cs, a.to(out0.dtype.element_ty), mask=c_mask)
-    tl.store(out1 + cs, (b / R).to(out1.dtype.element_ty), mask=c_mask)
-
-
-@triton.jit
-def _batch_norm_running_stats_kernel(out_mean, out_var, out_batches, running_mean, running_var, mean, var, batches, C,
-                                     momentum, factor, s0, s1, s2, s3, s4, s5, ACC: tl.constexpr, BLOCK: tl.constexpr,
-                                     BATCHES: tl.constexpr):
-  """out_mean = (1 - momentum) running_mean + momentum mean and out_var likewise with var * factor (the unbiased
-  variance), each element read before it is written (out may be the running statistics themselves); with BATCHES,
-  program 0 also stores the batch count plus one."""
-  if BATCHES:
-    if tl.program_id(0) == 0:
-      tl.store(out_batches, tl.load(batches) + 1)
-  cs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-  ok = cs < C
-  m = momentum  # of ACC's type, as factor
-  rm = tl.load(running_mean + cs * s2, mask=ok).to(ACC)
-  rv = tl.load(running_var + cs * s3, mask=ok).to(ACC)
-  mu = tl.load(mean + cs * s4, mask=ok).to(ACC)
-  v = tl.load(var + cs * s5, mask=ok).to(ACC)
-  tl.store(out_mean + cs * s0, ((1 - m) * rm + m * mu).to(out_mean.dtype.element_ty), mask=ok)
-  tl.store(out_var + cs * s1, ((1 - m) * rv + m * (v * factor)).to(out_var.dtype.element_ty), mask=ok)
+    mean, var = a.to(out0.dtype.element_ty), (b / R).to(out1.dtype.element_ty)
+    tl.store(out0 + cs, mean, mask=c_mask)
+    tl.store(out1 + cs, var, mask=c_mask)
+    if RUNNING:
+      if BATCHES:
+        if tl.program_id(0) == 0:
+          tl.store(new_batches, tl.load(batches) + 1)
+      rm = tl.load(running_mean + cs * s2, mask=c_mask).to(RACC)
+      rv = tl.load(running_var + cs * s3, mask=c_mask).to(RACC)
+      tl.store(new_mean + cs * s0, ((1 - momentum) * rm + momentum * mean.to(RACC)).to(new_mean.dtype.element_ty),
+               mask=c_mask)
+      tl.store(new_var + cs * s1, ((1 - momentum) * rv + momentum * (var.to(RACC) * factor))
+               .to(new_var.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit
@@ -705,11 +702,19 @@ def batch_norm_reduce_spec(grad: bool, x: DType, g: DType | None, mean: DType | 
 
 
 @functools.lru_cache(maxsize=256)
-def batch_norm_finalize_spec(grad: bool, acc: DType, out0: DType | None, out1: DType | None):
-  """The kernel merging the reduction's splits (out0, out1: mean and var, or dweight and dbias, None when absent)."""
+def batch_norm_finalize_spec(grad: bool, acc: DType, out0: DType | None, out1: DType | None,
+                             running: DType | None = None, batches: bool = False):
+  """The kernel merging the reduction's splits (out0, out1: mean and var, or dweight and dbias, None when absent);
+  `running`: the dtype of running statistics moved toward the batch's (None without), `batches` a count's increment
+  with them."""
+  racc = dtypes.float64 if dtypes.float64 in (running, acc) else dtypes.float32
+  stat, num = ptr(running or acc), "fp64" if racc is dtypes.float64 else "fp32"
   sig = {"out0": ptr(out0 or acc), "out1": ptr(out1 or acc), "sums": ptr(acc), "part0": ptr(acc), "part1": ptr(acc),
-         "C": "i32", "R": "i64", "S": "i32", "chunk": "i64"}
+         "C": "i32", "R": "i64", "S": "i32", "chunk": "i64", "new_mean": stat, "new_var": stat, "new_batches": "*i64",
+         "running_mean": stat, "running_var": stat, "batches": "*i64", "momentum": num, "factor": num,
+         **dict.fromkeys(("s0", "s1", "s2", "s3"), "i32")}
   return spec(_batch_norm_finalize_kernel, sig, dict(GRAD=grad, HAS0=out0 is not None, HAS1=out1 is not None,
+                                                     RUNNING=running is not None, BATCHES=batches, RACC=TL[racc],
                                                      BLOCK_C=FINALIZE_BLOCK_C, BLOCK_S=FINALIZE_BLOCK_S), num_warps=4)
 
 
@@ -766,11 +771,12 @@ def apply_plan(mode: str, x: DType, g: DType | None, out: DType, mean: DType, va
 
 
 def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, eps: float, out0, out1,
-                    relu_out: CudaArray | None = None) -> tuple[CudaArray, CudaArray, CudaArray]:
+                    relu_out: CudaArray | None = None, running: tuple = ()) -> tuple[CudaArray, CudaArray, CudaArray]:
   """Run the per-channel reduction and its finalize over x (and g, masked by relu_out) into out0 and out1; returns
   them and the buffer whose first (new) 2C elements are the sums (2, C) of `grad`. The statistics (not `grad`) go to
   two new (C,) arrays; with `grad`, None outputs are not computed. New outputs, the sums and the splits' partials
-  (2, S, C) share one allocation."""
+  (2, S, C) share one allocation. `running`: (new mean, new var, new count or None, running mean, running var, count
+  or None, momentum), the running statistics' update the finalize makes with the statistics."""
   s, grid, scalars, S, chunk = reduce_plan(grad, x.dtype, g and g.dtype, mean and mean.dtype, var and var.dtype,
                                            x.shape, x.strides, g and g.strides, eps, runtime.hardware(x.device),
                                            relu_out and relu_out.dtype)
@@ -783,8 +789,14 @@ def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, ep
   part0 = sums + 2 * C * item
   part1 = part0 + S * C * item
   run(s, grid, part0, part1, x.ptr, (g or x).ptr, (relu_out or x).ptr, (mean or buf).ptr, (var or buf).ptr, *scalars)
-  run(batch_norm_finalize_spec(grad, acc, out0 and out0.dtype, out1 and out1.dtype), (cdiv(C, FINALIZE_BLOCK_C),),
-      (out0 or buf).ptr, (out1 or buf).ptr, sums, part0, part1, C, R, S, chunk)
+  if running:
+    new_mean, new_var, new_batches, rm, rv, batches, momentum = running
+    update = (new_mean.ptr, new_var.ptr, (new_batches or buf).ptr, rm.ptr, rv.ptr, (batches or buf).ptr,
+              float(momentum), R / (R - 1), *(a.strides[0] for a in (new_mean, new_var, rm, rv)))
+  else: update = (buf.ptr,) * 6 + (0.0, 0.0, 0, 0, 0, 0)
+  run(batch_norm_finalize_spec(grad, acc, out0 and out0.dtype, out1 and out1.dtype, running and running[3].dtype,
+                               bool(running) and running[5] is not None),
+      (cdiv(C, FINALIZE_BLOCK_C),), (out0 or buf).ptr, (out1 or buf).ptr, sums, part0, part1, C, R, S, chunk, *update)
   return out0, out1, buf
 
 
@@ -810,14 +822,28 @@ def _few_dims(x: CudaArray, *others: CudaArray | None) -> list[CudaArray | None]
   return [a if a is None else copy(a) for a in (x, *others)]
 
 
-def batch_norm_stats(x: CudaArray) -> tuple[CudaArray, CudaArray]:
-  """The mean and biased variance of each channel of x (N, C, *), float32 (float64 for float64 x), new arrays: a
-  split reduction (`reduce_schedule`, `split_rule`) leaves per-split means and M2s that a second kernel merges."""
-  if x.size == 0:
-    return tuple(fill(empty((x.shape[1],), stats_dtype(x.dtype), x.device), float("nan")) for _ in range(2))
+def batch_norm_stats(x: CudaArray, running_mean: CudaArray | None = None, running_var: CudaArray | None = None,
+                     batches: CudaArray | None = None, *, momentum: float | None = None,
+                     out=None) -> tuple[CudaArray | None, ...]:
+  """The `batch_norm_stats` op: the mean and biased variance of each channel of x (N, C, *), float32 (float64 for
+  float64 x), new arrays: a split reduction (`reduce_schedule`, `split_rule`) leaves per-split means and M2s that a
+  second kernel merges. Given running statistics, that kernel also moves them toward the batch's (and counts the
+  batch), into new arrays or `out`'s (None, None, running mean, running var[, count]): the update in place."""
+  if running_mean is None:
+    if x.size == 0:
+      return (*(fill(empty((x.shape[1],), stats_dtype(x.dtype), x.device), float("nan")) for _ in range(2)),
+              None, None, None)
+    (x,) = _few_dims(x)
+    return (*_channel_reduce(False, x, None, None, None, 0.0, None, None)[:2], None, None, None)
+  new_mean, new_var, new_batches = (*out[2:], None)[:3] if out else \
+    (empty_like(running_mean), empty_like(running_var), None if batches is None else empty_like(batches))
   (x,) = _few_dims(x)
-  mean, var, _ = _channel_reduce(False, x, None, None, None, 0.0, None, None)
-  return mean, var
+  mean, var, _ = _channel_reduce(False, x, None, None, None, 0.0, None, None, None,
+                                 (new_mean, new_var, new_batches, running_mean, running_var, batches, momentum))
+  return mean, var, new_mean, new_var, new_batches
+
+
+batch_norm_stats.writes_out = True
 
 
 def batch_norm(x: CudaArray, mean: CudaArray, var: CudaArray, w: CudaArray | None, b: CudaArray | None,
@@ -860,40 +886,6 @@ def batch_norm_backward(g: CudaArray, x: CudaArray, mean: CudaArray, var: CudaAr
   return dx, dw, db
 
 
-RUNNING_BLOCK = 1024  # channels per program of the running statistics' update
-
-
-@functools.lru_cache(maxsize=256)
-def batch_norm_running_stats_spec(running: DType, batch: DType, batches: bool = False):
-  """The running statistics' update for running statistics of `running` and batch statistics of `batch` dtype;
-  `batches`: the batch count's increment too."""
-  wide = dtypes.float64 if dtypes.float64 in (running, batch) else dtypes.float32
-  num = "fp64" if wide is dtypes.float64 else "fp32"
-  sig = {"out_mean": ptr(running), "out_var": ptr(running), "out_batches": "*i64", "running_mean": ptr(running),
-         "running_var": ptr(running), "mean": ptr(batch), "var": ptr(batch), "batches": "*i64", "C": "i32",
-         "momentum": num, "factor": num, **dict.fromkeys((f"s{i}" for i in range(6)), "i32")}
-  return spec(_batch_norm_running_stats_kernel, sig, dict(ACC=TL[wide], BLOCK=RUNNING_BLOCK, BATCHES=batches),
-              num_warps=4)
-
-
-def batch_norm_running_stats(running_mean: CudaArray, running_var: CudaArray, mean: CudaArray, var: CudaArray,
-                             batches: CudaArray | None = None, *, momentum: float, count: int,
-                             out=None) -> tuple[CudaArray, CudaArray, CudaArray | None]:
-  """The `batch_norm_running_stats` op: the new running mean and variance and, with `batches`, the batch count plus
-  one, new arrays or written into `out` (the running statistics and count themselves, in place), in one launch."""
-  new_mean, new_var, new_batches = (*out, None)[:3] if out else \
-    (empty_like(running_mean), empty_like(running_var), None if batches is None else empty_like(batches))
-  C = running_mean.shape[0]
-  if C or batches is not None:
-    run(batch_norm_running_stats_spec(running_mean.dtype, mean.dtype, batches is not None),
-        (max(cdiv(C, RUNNING_BLOCK), 1),), new_mean.ptr, new_var.ptr, (new_batches or new_mean).ptr, running_mean.ptr,
-        running_var.ptr, mean.ptr, var.ptr, (batches or mean).ptr, C, float(momentum), count / (count - 1),
-        *(a.strides[0] for a in (new_mean, new_var, running_mean, running_var, mean, var)))
-  return new_mean, new_var, new_batches
-
-
-batch_norm_running_stats.writes_out = True
-
 KERNELS = {
   "softmax": lambda x, dim: _softmax(x, dim, False),
   "log_softmax": lambda x, dim: _softmax(x, dim, True),
@@ -903,7 +895,6 @@ KERNELS = {
   "batch_norm_stats": batch_norm_stats,
   "batch_norm": batch_norm,
   "batch_norm_backward": batch_norm_backward,
-  "batch_norm_running_stats": batch_norm_running_stats,
 }
 
 
@@ -952,8 +943,8 @@ def _specs() -> list:
   out += [batch_norm_reduce_spec(False, f64, None, None, None, 1, False, True, 3, 100, True),
           batch_norm_reduce_spec(True, f64, f64, f64, bf16, 1, True, False, 10, 64, False),
           batch_norm_finalize_spec(False, f32, f32, f32), batch_norm_finalize_spec(True, f32, f32, f32),
-          batch_norm_running_stats_spec(f32, f32), batch_norm_running_stats_spec(f64, f64),
-          batch_norm_running_stats_spec(f32, f32, True),
+          batch_norm_finalize_spec(False, f32, f32, f32, f32), batch_norm_finalize_spec(False, f64, f64, f64, f64),
+          batch_norm_finalize_spec(False, f32, f32, f32, f32, True), batch_norm_finalize_spec(False, f32, f32, f32, f64),
           batch_norm_finalize_spec(True, f32, None, f32), batch_norm_finalize_spec(True, f64, f64, None)]
   for mode, x, g in (("forward", f32, None), ("forward", bf16, None), ("train", f32, f32), ("train", bf16, bf16),
                      ("eval", bf16, bf16)):
