@@ -23,6 +23,7 @@ of 4 (`_vectors`, checked on the host), the VECTORS variant says so (`_at`) and 
 from __future__ import annotations
 
 import functools
+import math
 from collections import OrderedDict
 
 import numpy as np
@@ -149,13 +150,14 @@ def adamw_spec(param, grad, decay: bool, lr_on_device: bool = False, clip: bool 
 
 
 _STEPS = spec(_steps_kernel, {"table": "*i64", "T": "i32"}, dict(BLOCK=256))
-_tables: OrderedDict = OrderedDict()  # (device, rows) -> the rows' table on the device, the most recent last
+_tables: OrderedDict = OrderedDict()  # (device, width, walked, rows) -> the rows' device table, `_vectors`; newest last
 _chunk_tables: OrderedDict = OrderedDict()  # (device, sizes) -> the chunks' table on the device, likewise
 
 
-def host_tables(rows: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
-  """The int64 table of rows (pointers ending in the tensor's size) and that of (tensor, start) chunks, on the host."""
-  return np.array(rows, np.int64).reshape(len(rows), -1), _host_chunks(tuple(r[-1] for r in rows))
+def host_tables(rows: list[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+  """The int64 table of rows (their flat list, `width` entries a row: pointers ending in the tensor's size) and that of
+  (tensor, start) chunks, on the host."""
+  return np.array(rows, np.int64).reshape(-1, width), _host_chunks(tuple(rows[width - 1::width]))
 
 
 @functools.lru_cache(maxsize=64)
@@ -165,18 +167,25 @@ def _host_chunks(sizes: tuple[int, ...]) -> np.ndarray:
   return np.stack([np.repeat(np.arange(len(sizes)), counts), (np.arange(int(counts.sum())) - first) * CHUNK], axis=1)
 
 
-def _tables_for(rows: list[tuple[int, ...]], device: int, walked: int) -> tuple[CudaArray, CudaArray, bool]:
-  """The device tables of rows of pointers ending in the tensor's size and of its (tensor, start) chunks, and whether
-  the kernels may take the tensors in 16-byte vectors (`_vectors`). The tables are cached (not in a dry run: its pointers are
-  scratch, and the tables would hold its pool's memory); the chunks depend on the sizes only and are kept apart: a
-  step's new gradients change the rows, never the chunks (~2,000 for GPT-2 124M)."""
+def _tables_for(rows: list[int], width: int, device: int, walked: int) -> tuple[CudaArray, CudaArray, bool]:
+  """The device tables of rows (their flat list, `width` entries a row: pointers ending in the tensor's size) and of
+  their (tensor, start) chunks, and whether the kernels may take the tensors in 16-byte vectors (`_vectors`). The
+  tables are cached (not in a dry run: its pointers are scratch, and the tables would hold its pool's memory); the
+  chunks depend on the sizes only and are kept apart: a step's new gradients change the rows, never the chunks
+  (~2,000 for GPT-2 124M)."""
   if dry():
-    host, chunks = host_tables(rows)
-    table, chunks = memory.from_numpy(host, device), memory.from_numpy(chunks, device)
-  else:
-    table, host = _cached(_tables, (device, tuple(rows)), lambda rows: np.array(rows, np.int64).reshape(len(rows), -1))
-    chunks = _cached(_chunk_tables, (device, tuple(r[-1] for r in rows)), _host_chunks)[0]
-  return table, chunks, _vectors(host, walked)
+    host, chunks = host_tables(rows, width)
+    return memory.from_numpy(host, device), memory.from_numpy(chunks, device), _vectors(host, walked)
+  table, vectors = _cached(_tables, (device, width, walked, tuple(rows)),
+                           lambda: _device_table(rows, width, device, walked))
+  sizes = tuple(rows[width - 1::width])
+  return table, _cached(_chunk_tables, (device, sizes), lambda: memory.from_numpy(_host_chunks(sizes), device)), vectors
+
+
+def _device_table(rows: list[int], width: int, device: int, walked: int) -> tuple[CudaArray, bool]:
+  """The table of rows (their flat list) on the device, and `_vectors` of it."""
+  host = np.array(rows, np.int64).reshape(-1, width)
+  return memory.from_numpy(host, device), _vectors(host, walked)
 
 
 def _vectors(table: np.ndarray, walked: int) -> bool:
@@ -185,39 +194,60 @@ def _vectors(table: np.ndarray, walked: int) -> bool:
   return bool((table[:, -1] % 4 == 0).all() and (table[:, :walked] % 16 == 0).all())
 
 
-def _cached(cache: OrderedDict, key: tuple, host) -> tuple[CudaArray, np.ndarray]:
-  """cache[key]: the host array `host(key[1])` and its copy on the device key[0], kept (the 16 newest)."""
+def _cached(cache: OrderedDict, key: tuple, make):
+  """cache[key], made by `make()` (its device arrays kept) on a miss and kept (the 16 newest)."""
   hit = cache.get(key)
   if hit is not None:
     cache.move_to_end(key)
     return hit
-  a = host(key[1])
   with memory.kept():
-    hit = cache[key] = (memory.from_numpy(a, key[0]), a)
+    hit = cache[key] = make()
   if len(cache) > 16: cache.popitem(last=False)
   return hit
 
 
-def _param_rows(params: list[CudaArray], grads: list[CudaArray], *state: list[CudaArray]) -> dict[tuple, list]:
-  """Table rows (the pointers of param, grad and each state tensor, then the size) grouped by (param dtype, grad dtype,
-  device), one launch each; empty tensors have none."""
-  groups: dict[tuple, list[tuple[int, ...]]] = {}
-  for p, g, *s in zip(params, grads, *state, strict=True):
-    if p.size: groups.setdefault((p.dtype, g.dtype, p.device), []).append((p.ptr, g.ptr, *(x.ptr for x in s), p.size))
+def _laid_out_as(g: CudaArray, p: CudaArray) -> CudaArray:
+  """g (of p's shape), or a copy of g in p's dense layout when they differ (a channels-last parameter's transposed
+  gradient)."""
+  if same_layout(p.shape, p.strides, g.strides): return g
+  return copy(g, empty_like(p, g.dtype))
+
+
+def _adamw_rows(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[CudaArray],
+                exp_avg_sqs: list[CudaArray], steps: list[CudaArray]) -> dict[tuple, list[int]]:
+  """`fused_adamw`'s table rows (param, grad, exp_avg, exp_avg_sq and step pointers, then the size; flat), grouped by
+  (param dtype, grad dtype, device), one launch each; empty tensors have none. One pass checks each param's operands
+  (ValueError naming their shapes, dtypes and strides) and reads a grad laid out unlike its param through a copy."""
+  groups: dict[tuple, list[int]] = {}
+  for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+    shape, strides, dt = p.shape, p.strides, p.dtype
+    if not (g.shape == shape == m.shape == v.shape and dt is m.dtype is v.dtype and s.dtype is dtypes.float64
+            and (m.strides == strides or same_layout(shape, strides, m.strides))
+            and (v.strides == strides or same_layout(shape, strides, v.strides)) and is_dense(shape, strides)):
+      raise ValueError(f"fused_adamw: needs a dense param, a grad of its shape and moments of its shape, dtype and "
+                       f"layout, and a float64 step; got {p.shape} {p.dtype.name} strides {p.strides}, {g.shape} "
+                       f"{g.dtype.name}, {m.shape} {m.dtype.name} strides {m.strides}, {v.shape} {v.dtype.name} "
+                       f"strides {v.strides}, step {s.dtype.name}")
+    if g.strides != strides: g = _laid_out_as(g, p)
+    if size := math.prod(shape):
+      groups.setdefault((dt, g.dtype, p.device), []).extend((p.ptr, g.ptr, m.ptr, v.ptr, s.ptr, size))
   return groups
 
 
-def _walkable(p: CudaArray, *states: CudaArray) -> bool:
-  """Whether a kernel walking p's memory flat meets the same elements in each state: p dense, the states of its shape
-  and layout."""
-  return is_dense(p.shape, p.strides) and all(s.shape == p.shape and same_layout(p.shape, p.strides, s.strides)
-                                              for s in states)
-
-
-def _laid_out_as(g: CudaArray, p: CudaArray) -> CudaArray:
-  """g, or a copy of g in p's dense layout when they differ (a channels-last parameter's transposed gradient)."""
-  if g.shape == p.shape and same_layout(p.shape, p.strides, g.strides): return g
-  return copy(g, empty_like(p, g.dtype))
+def _sgd_rows(params: list[CudaArray], grads: list[CudaArray], bufs: list[CudaArray]) -> dict[tuple, list[int]]:
+  """`fused_sgd`'s table rows (param, grad and momentum buffer pointers, then the size; flat), grouped and checked as
+  `_adamw_rows` does."""
+  groups: dict[tuple, list[int]] = {}
+  for p, g, b in zip(params, grads, bufs, strict=True):
+    shape, strides = p.shape, p.strides
+    if not (g.shape == shape == b.shape and b.dtype is p.dtype
+            and (b.strides == strides or same_layout(shape, strides, b.strides)) and is_dense(shape, strides)):
+      raise ValueError(f"fused_sgd: needs a dense param, a grad of its shape and a momentum buffer of its shape, dtype "
+                       f"and layout; got {p.shape} {p.dtype.name} strides {p.strides}, {g.shape} {g.dtype.name}, "
+                       f"{b.shape} {b.dtype.name} strides {b.strides}")
+    if g.strides != strides: g = _laid_out_as(g, p)
+    if size := math.prod(shape): groups.setdefault((p.dtype, g.dtype, p.device), []).extend((p.ptr, g.ptr, b.ptr, size))
+  return groups
 
 
 def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[CudaArray], exp_avg_sqs: list[CudaArray],
@@ -226,21 +256,13 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
   """AdamW on every (param, grad, exp_avg, exp_avg_sq, step) in place: steps (0-d float64) are incremented first.
   Params are dense (any memory order) and moments share their dtype and layout; grads may have another floating dtype
   and any layout (one unlike its param's is read through a copy in the param's). One launch per (param dtype, grad
-  dtype) group, plus one that
-  increments the steps. `lr` is a number, or a 0-d float64 device array read by the kernel (no host sync: a CUDA graph
-  captures the read, not the value). `clip`, a float32 device array of one element, scales every gradient as it is
-  read (clip_grad_norm_'s factor, folded by Nova)."""
-  grads = [_laid_out_as(g, p) for g, p in zip(grads, params, strict=True)]
-  for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-    if not (_walkable(p, m, v) and p.shape == g.shape and p.dtype is m.dtype is v.dtype) or s.dtype is not dtypes.float64:
-      raise ValueError(f"fused_adamw: needs a dense param, a grad of its shape and moments of its shape, dtype and "
-                       f"layout, and a float64 step; got {p.shape} {p.dtype.name} strides {p.strides}, {g.shape} "
-                       f"{g.dtype.name}, {m.shape} {m.dtype.name} strides {m.strides}, {v.shape} {v.dtype.name} "
-                       f"strides {v.strides}, step {s.dtype.name}")
+  dtype) group, plus one that increments the steps. `lr` is a number, or a 0-d float64 device array read by the
+  kernel (no host sync: a CUDA graph captures the read, not the value). `clip`, a float32 device array of one element,
+  scales every gradient as it is read (clip_grad_norm_'s factor, folded by Nova)."""
   on_device = isinstance(lr, CudaArray)
-  for (pd, gd, device), rows in _param_rows(params, grads, exp_avgs, exp_avg_sqs, steps).items():
-    table, chunks, vectors = _tables_for(rows, device, 4)
-    run(_STEPS, (1,), table, len(rows))
+  for (pd, gd, device), rows in _adamw_rows(params, grads, exp_avgs, exp_avg_sqs, steps).items():
+    table, chunks, vectors = _tables_for(rows, 6, device, 4)
+    run(_STEPS, (1,), table, len(rows) // 6)
     run(adamw_spec(pd, gd, weight_decay != 0, on_device, clip is not None, vectors), (chunks.shape[0],),
         table, chunks,
         0 if on_device else f64_bits(lr), lr.ptr if on_device else 0, 0 if clip is None else clip.ptr,
@@ -306,16 +328,10 @@ def fused_sgd(params: list[CudaArray], grads: list[CudaArray], momentum_buffers:
   are written, not read). Params are dense (any memory order) and buffers share their dtype and layout; grads as
   `fused_adamw` takes them. One launch per (param dtype, grad dtype) group; `lr` and `clip` as `fused_adamw` takes
   them."""
-  grads = [_laid_out_as(g, p) for g, p in zip(grads, params, strict=True)]
-  bufs = momentum_buffers if momentum != 0 else params  # the rows' third pointer, never read without momentum
-  for p, g, b in zip(params, grads, bufs, strict=True):
-    if not (_walkable(p, b) and p.shape == g.shape) or b.dtype is not p.dtype:
-      raise ValueError(f"fused_sgd: needs a dense param, a grad of its shape and a momentum buffer of its shape, dtype "
-                       f"and layout; got {p.shape} {p.dtype.name} strides {p.strides}, {g.shape} {g.dtype.name}, "
-                       f"{b.shape} {b.dtype.name} strides {b.strides}")
   on_device = isinstance(lr, CudaArray)
-  for (pd, gd, device), rows in _param_rows(params, grads, bufs).items():
-    table, chunks, vectors = _tables_for(rows, device, 3)
+  bufs = momentum_buffers if momentum != 0 else params  # the rows' third pointer, never read without momentum
+  for (pd, gd, device), rows in _sgd_rows(params, grads, bufs).items():
+    table, chunks, vectors = _tables_for(rows, 4, device, 3)
     run(sgd_spec(pd, gd, momentum != 0, is_first_step, dampening != 0, nesterov, maximize, weight_decay != 0,
                  on_device, clip is not None, vectors), (chunks.shape[0],), table, chunks,
         0 if on_device else f64_bits(lr),
@@ -378,12 +394,12 @@ def cast_many(*xs: CudaArray, dtype) -> tuple:
   and device; a tensor with gaps or overlaps goes through the copy kernel of its own. The results are allocated
   first, in order (a compiled step's memory plan places them so)."""
   outs = [empty_like(x, dtype) for x in xs]
-  groups: dict[tuple, list[tuple[int, int, int]]] = {}
+  groups: dict[tuple, list[int]] = {}  # (dtype, device) -> flat table rows
   for x, y in zip(xs, outs):
     if not is_dense(x.shape, x.strides): copy(x, out=y)
-    elif x.size: groups.setdefault((x.dtype, x.device), []).append((x.ptr, y.ptr, x.size))
+    elif size := x.size: groups.setdefault((x.dtype, x.device), []).extend((x.ptr, y.ptr, size))
   for (src, dev), rows in groups.items():
-    table, chunks, vectors = _tables_for(rows, dev, 2)
+    table, chunks, vectors = _tables_for(rows, 3, dev, 2)
     run(cast_spec(src, dtype, vectors), (chunks.shape[0],), table, chunks)
   return tuple(outs)
 
@@ -396,13 +412,14 @@ def multi_tensor_spec(kernel: str, dtype, vectors: bool = False):
               dict(G=TL[dtype], CHUNK=CHUNK, BLOCK=block, VECTORS=vectors), num_warps=warps)
 
 
-def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[tuple[int, int]]]:
-  groups: dict[tuple, list[tuple[int, int]]] = {}
+def _groups(tensors: list[CudaArray], op: str) -> dict[tuple, list[int]]:
+  """Flat table rows (pointer, size) of the tensors by (dtype, device), one launch each; empty tensors have none."""
+  groups: dict[tuple, list[int]] = {}
   for x in tensors:
     if not is_dense(x.shape, x.strides) or not x.dtype.is_floating_point or x.dtype is dtypes.float64:
       raise ValueError(f"{op}: needs dense float32/float16/bfloat16 tensors, got {x.shape} {x.dtype.name} with "
                        f"strides {x.strides}")
-    if x.size: groups.setdefault((x.dtype, x.device), []).append((x.ptr, x.size))
+    if size := x.size: groups.setdefault((x.dtype, x.device), []).extend((x.ptr, size))
   return groups
 
 
@@ -413,7 +430,7 @@ def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
   parts = []
   tensors = [x if is_dense(x.shape, x.strides) else copy(x) for x in tensors]
   for (dtype, dev), rows in _groups(tensors, "sum_squares").items():
-    table, chunks, vectors = _tables_for(rows, dev, 1)
+    table, chunks, vectors = _tables_for(rows, 2, dev, 1)
     out = memory.empty((chunks.shape[0],), dtypes.float32, dev)
     run(multi_tensor_spec("sum_squares", dtype, vectors), (chunks.shape[0],), table, chunks, out)
     parts.append(out)
@@ -425,7 +442,7 @@ def sum_squares(tensors: list[CudaArray], device: int) -> CudaArray:
 def scale_(tensors: list[CudaArray], scale: CudaArray) -> None:
   """tensors[i] *= scale (a float32 array of one element on their device) in place, one launch per dtype."""
   for (dtype, dev), rows in _groups(tensors, "scale_").items():
-    table, chunks, vectors = _tables_for(rows, dev, 1)
+    table, chunks, vectors = _tables_for(rows, 2, dev, 1)
     run(multi_tensor_spec("scale", dtype, vectors), (chunks.shape[0],), table, chunks, scale)
 
 
@@ -435,14 +452,13 @@ def _working(xs, out, like) -> tuple[list[CudaArray], list[tuple[CudaArray, Cuda
   compiled step's planned buffer for a channels-last parameter's state) is updated through a copy: returns the
   arrays and the (copy, out) pairs to write back after the update."""
   work, back = [], []
-  for i, (x, target) in enumerate(zip(xs, like, strict=True)):
-    o = None if out is None else out[i]
-    if o is not None and same_layout(target.shape, target.strides, o.strides):
+  for x, o, target in zip(xs, out or [None] * len(xs), like, strict=True):
+    if o is not None and (o.strides == target.strides or same_layout(target.shape, target.strides, o.strides)):
       if o.ptr != x.ptr: memory.copy_into(o, x)
       work.append(o)
-      continue
-    work.append(copy(x, empty_like(target, x.dtype)))
-    if o is not None: back.append((work[-1], o))
+    else:
+      work.append(copy(x, empty_like(target, x.dtype)))
+      if o is not None: back.append((work[-1], o))
   return work, back
 
 
