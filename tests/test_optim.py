@@ -239,6 +239,37 @@ def test_multi_tensor_sgd_float64_and_strided_gradients():
     np.testing.assert_allclose(p.detach().numpy(), t.detach().numpy(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls,kwargs,state", [
+  (optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01), "momentum_buffer"),
+  (optim.AdamW, dict(lr=0.01, weight_decay=0.1), "exp_avg_sq")], ids=("SGD", "AdamW"))
+def test_multi_tensor_updates_leave_a_group_they_cannot_walk_to_the_per_parameter_one(cls, kwargs, state, monkeypatch):
+  """A group with a state laid out unlike its parameter (a contiguous buffer of a channels-last parameter, as a
+  loaded state may be) or a parameter with gaps takes the per-parameter update, with its results: no multi-tensor
+  op (`multi_tensor_ready`)."""
+  rng = np.random.default_rng(3)
+  init = [rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 4, 5), (4, 6), (7,))]
+  grads = [[rng.standard_normal(a.shape).astype(np.float32) for a in init] for _ in range(3)]
+  calls = []
+  for name in ("sgd_", "adamw_"):
+    op = getattr(bt.ops, name)
+    monkeypatch.setattr(bt.ops, name, lambda *a, op=op, **kw: calls.append(len(a[0])) or op(*a, **kw))
+  for case in ("state", "gaps"):
+    runs = []
+    for fused in (None, False):
+      params = [nn.Parameter(bt.tensor(init[0]).contiguous(memory_format=bt.channels_last)),
+                nn.Parameter(bt.tensor(init[1])[:, ::2] if case == "gaps" else bt.tensor(init[1])),
+                nn.Parameter(bt.tensor(init[2]))]
+      opt = cls(params, **kwargs, fused=fused)
+      for k, step in enumerate(grads):
+        for p, g in zip(params, step): p.grad = bt.tensor(g[:, ::2] if p.shape != g.shape else g)
+        del calls[:]
+        opt.step()
+        if k == 0 and case == "state": opt.state[params[0]][state] = opt.state[params[0]][state].contiguous()
+        assert calls == ([3] if fused is None and case == "state" and k == 0 else []), (case, k, calls)
+      runs.append(params)
+    for p, q in zip(*runs): np.testing.assert_array_equal(p.detach().numpy(), q.detach().numpy(), err_msg=case)
+
+
 def test_multi_tensor_sgd_bfloat16():
   """bfloat16 parameters: the op computes in float32 and rounds each result once, the per-parameter update after each
   of its ops (within a few ulps of 2^-8); buffers in bfloat16 either way."""

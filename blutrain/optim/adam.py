@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import dtypes, ops
-from blutrain.optim.optimizer import Optimizer, ParamsT, laid_out_like, multi_tensor_ready
+from blutrain.optim.optimizer import Optimizer, ParamsT, multi_tensor_ready
 from blutrain.tensor import Tensor
 
 
@@ -55,24 +55,25 @@ class Adam(Optimizer):
     if group["amsgrad"]: state["max_exp_avg_sq"] = ops.zeros_like(p)
 
   def _step_group(self, group: dict[str, Any]) -> None:
+    if not self._fusable(group): return super()._step_group(group)
     params = [p for p in group["params"] if p.grad is not None]
-    if not self._fusable(group, params): return super()._step_group(group)
     states = [self.state[p] for p in params]
-    for p, state in zip(params, states): self._init_state(p, state, group)
-    if not all(laid_out_like(s["exp_avg"], p) and laid_out_like(s["exp_avg_sq"], p) for p, s in zip(params, states)):
-      return super()._step_group(group)
+    for p, state in zip(params, states):
+      if not state: self._init_state(p, state, group)
+    grads, exp_avgs = [p.grad for p in params], [s["exp_avg"] for s in states]
+    exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+    if not multi_tensor_ready(params, grads, exp_avgs, exp_avg_sqs): return super()._step_group(group)
     (beta1, beta2), device = group["betas"], params[0].device
-    ops.adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-               [s["step"] for s in states], ops.dynamic_scalar(lambda: group["lr"], device), beta1=beta1, beta2=beta2,
-               eps=group["eps"], weight_decay=group["weight_decay"])
+    ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, [s["step"] for s in states],
+               ops.dynamic_scalar(lambda: group["lr"], device), beta1=beta1, beta2=beta2, eps=group["eps"],
+               weight_decay=group["weight_decay"])
 
   @staticmethod
-  def _fusable(group: dict[str, Any], params: list[Tensor]) -> bool:
-    """Whether `ops.adamw_` can update the group: AdamW's update of dense float32/16 parameters and grads on one
-    device."""
+  def _fusable(group: dict[str, Any]) -> bool:
+    """Whether `ops.adamw_` can update the group, as far as its hyperparameters tell: AdamW's update (the parameters
+    and gradients are checked by `multi_tensor_ready`)."""
     return (group["fused"] is not False and not group["amsgrad"] and not group["maximize"]
-            and (group["decoupled_weight_decay"] or group["weight_decay"] == 0)
-            and multi_tensor_ready(params))
+            and (group["decoupled_weight_decay"] or group["weight_decay"] == 0))
 
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     (beta1, beta2), weight_decay = group["betas"], group["weight_decay"]

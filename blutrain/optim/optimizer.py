@@ -131,18 +131,25 @@ class Optimizer:
 MULTI_TENSOR_DTYPES = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
 
 
-def multi_tensor_ready(params: list[Tensor]) -> bool:
-  """Whether a multi-tensor update (`ops.adamw_`, `ops.sgd_`) can take these parameters with their gradients: dense
-  float32/16 parameters (contiguous, channels-last, any order without gaps) on one device, with float32/16 gradients
-  of their shapes (in any layout: one unlike its parameter's is read through a copy in the parameter's)."""
-  return bool(params) and all(p.device == params[0].device and p.dtype in MULTI_TENSOR_DTYPES
-                              and shapes.is_dense(p.shape, p.stride()) and p.grad.dtype in MULTI_TENSOR_DTYPES
-                              and p.grad.shape == p.shape for p in params)
-
-
-def laid_out_like(state: Tensor, p: Tensor) -> bool:
-  """Whether an optimizer state has p's shape, dtype and memory layout (what the multi-tensor updates walk)."""
-  return state.shape == p.shape and state.dtype is p.dtype and shapes.same_layout(p.shape, p.stride(), state.stride())
+def multi_tensor_ready(params: list[Tensor], grads: list[Tensor], *states: list[Tensor | None]) -> bool:
+  """Whether a multi-tensor update (`ops.adamw_`, `ops.sgd_`) can take these parameters with their gradients and
+  states: dense float32/16 parameters (contiguous, channels-last, any order without gaps) on one device, with
+  float32/16 gradients of their shapes (in any layout: one unlike its parameter's is read through a copy in the
+  parameter's) and, in each list of `states`, a state of its parameter's shape, dtype and layout (what the updates
+  walk) or None (not made yet)."""
+  if not params: return False
+  dev = params[0].device
+  for p, g in zip(params, grads, strict=True):
+    shape, d = p.shape, p.device
+    if not (p.dtype in MULTI_TENSOR_DTYPES and g.dtype in MULTI_TENSOR_DTYPES and g.shape == shape
+            and (d is dev or d == dev) and shapes.is_dense(shape, p.stride())): return False
+  for ss in states:  # a list at a time (unpacking all of them per parameter costs more)
+    for p, s in zip(params, ss, strict=True):
+      if s is None: continue
+      shape, strides, st = p.shape, p.stride(), s.stride()
+      if not (s.shape == shape and s.dtype is p.dtype and (st == strides or shapes.same_layout(shape, strides, st))):
+        return False
+  return True
 
 
 def _load_value(p: Tensor, key: str, value: Any) -> Any:

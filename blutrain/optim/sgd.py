@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from blutrain import ops
-from blutrain.optim.optimizer import Optimizer, ParamsT, laid_out_like, multi_tensor_ready
+from blutrain.optim.optimizer import Optimizer, ParamsT, multi_tensor_ready
 from blutrain.tensor import Tensor
 
 
@@ -43,24 +43,24 @@ class SGD(Optimizer):
                                   nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused))
 
   def _step_group(self, group: dict[str, Any]) -> None:
+    if group["foreach"] is False or group["fused"] is False: return super()._step_group(group)
     params = [p for p in group["params"] if p.grad is not None]
-    if group["foreach"] is False or group["fused"] is False or not multi_tensor_ready(params):
-      return super()._step_group(group)
-    momentum = group["momentum"]
+    grads, momentum = [p.grad for p in params], group["momentum"]
     states = [self.state[p] for p in params]
     bufs = [s.get("momentum_buffer") for s in states] if momentum != 0 else [None] * len(params)
-    if any(b is not None and not laid_out_like(b, p) for p, b in zip(params, bufs)):
-      return super()._step_group(group)
+    if not multi_tensor_ready(params, grads, bufs): return super()._step_group(group)
     lr = ops.dynamic_scalar(lambda: group["lr"], params[0].device)
     kw = {k: group[k] for k in ("momentum", "dampening", "weight_decay", "nesterov", "maximize")}
-    if momentum == 0: return ops.sgd_(params, [p.grad for p in params], [], lr, **kw)
-    for first in (False, True):  # the parameters with a buffer, then those stepped for the first time
-      todo = [i for i, b in enumerate(bufs) if (b is None) == first]
+    if momentum == 0: return ops.sgd_(params, grads, [], lr, **kw)
+    new = [i for i, b in enumerate(bufs) if b is None]
+    if not new: return ops.sgd_(params, grads, bufs, lr, **kw, is_first_step=False)
+    # the parameters with a buffer, then those stepped for the first time
+    for first, todo in ((False, [i for i, b in enumerate(bufs) if b is not None]), (True, new)):
       if not todo: continue
       if first:  # PyTorch's first buffer is a copy of the gradient: the op writes it, reading nothing here
         for i in todo: states[i]["momentum_buffer"] = ops.zeros_like(params[i])
-      ops.sgd_([params[i] for i in todo], [params[i].grad for i in todo],
-               [states[i]["momentum_buffer"] for i in todo], lr, **kw, is_first_step=first)
+      ops.sgd_([params[i] for i in todo], [grads[i] for i in todo], [states[i]["momentum_buffer"] for i in todo], lr,
+               **kw, is_first_step=first)
 
   def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     momentum, weight_decay = group["momentum"], group["weight_decay"]
