@@ -127,6 +127,33 @@ print("ok")
   assert "ok" in _run_fake(code, tmp_path)
 
 
+def test_multi_tensor_updates_keep_every_relaid_gradient_alive_until_queued_on_the_fake_gpu(tmp_path):
+  """SGD and AdamW read each gradient laid out unlike its parameter through a copy in the parameter's layout: every
+  copy lives until the update is queued, so copies of same-sized gradients never share memory (one freed as the next
+  is made would give it its block, and the update would read the last copy for all)."""
+  code = """
+import blutrain as bt
+from blutrain.backend.cuda.kernels import optim
+tables = []
+def spy(rows, width, *rest):
+  tables.append((list(rows), width))
+  return real(rows, width, *rest)
+real, optim._tables_for = optim._tables_for, spy
+ps = [bt.randn(64, 32, device="cuda", requires_grad=True) for _ in range(3)]
+for make in (lambda: bt.optim.SGD(ps, lr=0.1, momentum=0.9), lambda: bt.optim.AdamW(ps, lr=1e-3)):
+  opt = make()
+  for _ in range(2):
+    for p in ps: p.grad = bt.ones(32, 64, device="cuda").t()
+    tables.clear()
+    opt.step()
+    (rows, width), = tables
+    grads = rows[1::width]
+    assert len(set(grads)) == 3 and not set(grads) & {p.grad._array().ptr for p in ps}, grads
+print("ok")
+"""
+  assert "ok" in _run_fake(code, tmp_path)
+
+
 def test_sgd_is_one_launch_per_dtype_group_eager_and_compiled_on_the_fake_gpu(tmp_path):
   """SGD with momentum on the fake device: eagerly one launch a step per (param, grad) dtype pair once the buffers
   exist (a gradient laid out unlike its parameter copied first; a channels-last parameter with a channels-last

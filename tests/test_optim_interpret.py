@@ -38,7 +38,7 @@ def _run_case(momentum, dampening, nesterov, weight_decay, maximize, first, lr_o
                     maximize=maximize, is_first_step=first)
   strides = lambda t: tuple(t.stride()) if t.numel() else contiguous_strides(tuple(t.shape))  # torch's empty: 0s
   arrays = lambda ts, dt: [CudaArray(t.data_ptr(), tuple(t.shape), strides(t), ty[dt][1], 0, t) for t in ts]
-  rows = optim._sgd_rows(arrays(params, pdt), arrays(grads, gdt), arrays(state or params, pdt))
+  rows = optim._sgd_rows(arrays(params, pdt), arrays(grads, gdt), arrays(state or params, pdt), [])
   ((p_dt, g_dt, _), group), = rows.items()
   host, chunks = optim.host_tables(group, 4)
   table, chunks = torch.from_numpy(host), torch.from_numpy(chunks)
@@ -114,15 +114,15 @@ def test_rows_check_each_param_with_its_operands():
   f32, bf16, f64 = dtypes.float32, dtypes.bfloat16, dtypes.float64
   a = lambda strides=(3, 1), dtype=f32, shape=(4, 3), ptr=4096: CudaArray(ptr, shape, strides, dtype, 0, None)
   p, g, b, s, empty = a(), a(ptr=8192), a(ptr=12288), a((), f64, (), 256), a(shape=(0, 3))
-  assert optim._sgd_rows([p, empty], [g, empty], [b, empty]) == {(f32, f32, 0): [4096, 8192, 12288, 12]}
-  assert optim._adamw_rows([p], [g], [b], [b], [s]) == {(f32, f32, 0): [4096, 8192, 12288, 12288, 256, 12]}
+  assert optim._sgd_rows([p, empty], [g, empty], [b, empty], []) == {(f32, f32, 0): [4096, 8192, 12288, 12]}
+  assert optim._adamw_rows([p], [g], [b], [b], [s], []) == {(f32, f32, 0): [4096, 8192, 12288, 12288, 256, 12]}
   gaps, flipped = a((6, 1)), a((1, 4))
   for args, got in ((([gaps], [g], [gaps]), r"\(4, 3\) float32 strides \(6, 1\)"),
                     (([p], [a((4, 1), shape=(3, 4))], [b]), r"\(3, 4\) float32, \(4, 3\)"),
                     (([p], [g], [a(dtype=bf16)]), r"\(4, 3\) bfloat16 strides"),
                     (([p], [g], [flipped]), r"\(4, 3\) float32 strides \(1, 4\)$")):
-    with pytest.raises(ValueError, match="fused_sgd: needs a dense param.*" + got): optim._sgd_rows(*args)
+    with pytest.raises(ValueError, match="fused_sgd: needs a dense param.*" + got): optim._sgd_rows(*args, [])
   for args, got in ((([gaps], [g], [gaps], [gaps], [s]), r"\(4, 3\) float32 strides \(6, 1\), \(4, 3\)"),
                     (([p], [g], [b], [flipped], [s]), r"strides \(1, 4\), step float64$"),
                     (([p], [g], [b], [b], [a((), f32, ())]), "step float32$")):
-    with pytest.raises(ValueError, match="fused_adamw: needs a dense param.*" + got): optim._adamw_rows(*args)
+    with pytest.raises(ValueError, match="fused_adamw: needs a dense param.*" + got): optim._adamw_rows(*args, [])

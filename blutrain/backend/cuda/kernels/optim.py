@@ -214,10 +214,12 @@ def _laid_out_as(g: CudaArray, p: CudaArray) -> CudaArray:
 
 
 def _adamw_rows(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[CudaArray],
-                exp_avg_sqs: list[CudaArray], steps: list[CudaArray]) -> dict[tuple, list[int]]:
+                exp_avg_sqs: list[CudaArray], steps: list[CudaArray], copies: list) -> dict[tuple, list[int]]:
   """`fused_adamw`'s table rows (param, grad, exp_avg, exp_avg_sq and step pointers, then the size; flat), grouped by
   (param dtype, grad dtype, device), one launch each; empty tensors have none. One pass checks each param's operands
-  (ValueError naming their shapes, dtypes and strides) and reads a grad laid out unlike its param through a copy."""
+  (ValueError naming their shapes, dtypes and strides) and reads a grad laid out unlike its param through a copy,
+  appended to `copies`: the caller holds them until the update is queued (a copy freed sooner would give its memory
+  to the next one)."""
   groups: dict[tuple, list[int]] = {}
   for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
     shape, strides, dt = p.shape, p.strides, p.dtype
@@ -228,13 +230,14 @@ def _adamw_rows(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
                        f"layout, and a float64 step; got {p.shape} {p.dtype.name} strides {p.strides}, {g.shape} "
                        f"{g.dtype.name}, {m.shape} {m.dtype.name} strides {m.strides}, {v.shape} {v.dtype.name} "
                        f"strides {v.strides}, step {s.dtype.name}")
-    if g.strides != strides: g = _laid_out_as(g, p)
+    if g.strides != strides: copies.append(g := _laid_out_as(g, p))
     if size := math.prod(shape):
       groups.setdefault((dt, g.dtype, p.device), []).extend((p.ptr, g.ptr, m.ptr, v.ptr, s.ptr, size))
   return groups
 
 
-def _sgd_rows(params: list[CudaArray], grads: list[CudaArray], bufs: list[CudaArray]) -> dict[tuple, list[int]]:
+def _sgd_rows(params: list[CudaArray], grads: list[CudaArray], bufs: list[CudaArray],
+              copies: list) -> dict[tuple, list[int]]:
   """`fused_sgd`'s table rows (param, grad and momentum buffer pointers, then the size; flat), grouped and checked as
   `_adamw_rows` does."""
   groups: dict[tuple, list[int]] = {}
@@ -245,7 +248,7 @@ def _sgd_rows(params: list[CudaArray], grads: list[CudaArray], bufs: list[CudaAr
       raise ValueError(f"fused_sgd: needs a dense param, a grad of its shape and a momentum buffer of its shape, dtype "
                        f"and layout; got {p.shape} {p.dtype.name} strides {p.strides}, {g.shape} {g.dtype.name}, "
                        f"{b.shape} {b.dtype.name} strides {b.strides}")
-    if g.strides != strides: g = _laid_out_as(g, p)
+    if g.strides != strides: copies.append(g := _laid_out_as(g, p))
     if size := math.prod(shape): groups.setdefault((p.dtype, g.dtype, p.device), []).extend((p.ptr, g.ptr, b.ptr, size))
   return groups
 
@@ -260,7 +263,8 @@ def fused_adamw(params: list[CudaArray], grads: list[CudaArray], exp_avgs: list[
   kernel (no host sync: a CUDA graph captures the read, not the value). `clip`, a float32 device array of one element,
   scales every gradient as it is read (clip_grad_norm_'s factor, folded by Nova)."""
   on_device = isinstance(lr, CudaArray)
-  for (pd, gd, device), rows in _adamw_rows(params, grads, exp_avgs, exp_avg_sqs, steps).items():
+  copies: list[CudaArray] = []  # grads laid out as their params, alive until the launches are queued
+  for (pd, gd, device), rows in _adamw_rows(params, grads, exp_avgs, exp_avg_sqs, steps, copies).items():
     table, chunks, vectors = _tables_for(rows, 6, device, 4)
     run(_STEPS, (1,), table, len(rows) // 6)
     run(adamw_spec(pd, gd, weight_decay != 0, on_device, clip is not None, vectors), (chunks.shape[0],),
@@ -330,7 +334,8 @@ def fused_sgd(params: list[CudaArray], grads: list[CudaArray], momentum_buffers:
   them."""
   on_device = isinstance(lr, CudaArray)
   bufs = momentum_buffers if momentum != 0 else params  # the rows' third pointer, never read without momentum
-  for (pd, gd, device), rows in _sgd_rows(params, grads, bufs).items():
+  copies: list[CudaArray] = []  # grads laid out as their params, alive until the launches are queued
+  for (pd, gd, device), rows in _sgd_rows(params, grads, bufs, copies).items():
     table, chunks, vectors = _tables_for(rows, 4, device, 3)
     run(sgd_spec(pd, gd, momentum != 0, is_first_step, dampening != 0, nesterov, maximize, weight_decay != 0,
                  on_device, clip is not None, vectors), (chunks.shape[0],), table, chunks,
