@@ -84,8 +84,9 @@ def _out(op: NovaOp, names: dict, in_place: dict, kernels: dict) -> str | None:
     return None if u is None else names[u]
   if hasattr(op, "updated_operands"):  # None where a result is always a new value (batch_norm_stats' statistics)
     updated = [None if j is None else op.operands[j] for j in op.updated_operands()]
-    if any(updated) and [in_place.get(r) for r in op.results] == updated:
-      return f"({', '.join('None' if u is None else names[u] for u in updated)},)"
+    placed = [in_place.get(r) for r in op.results]  # None where the plan gives the result a buffer of its own
+    if any(placed) and all(p is None or p is u for p, u in zip(placed, updated)):
+      return f"({', '.join('None' if p is None else names[p] for p in placed)},)"
   return None
 
 

@@ -779,8 +779,9 @@ kernels |= {"batch_norm": _batch_norm, "lstm_sequence": _lstm_sequence, "lstm_se
 # *** multi-tensor kernels (the optimizer's update, gradient norms and scaling) ***
 
 def _store(out, i: int, value: np.ndarray, like: np.ndarray) -> np.ndarray:
-  """value in like's dtype, written into out[i] when given (`out=`: the op's in-place form) or returned new."""
-  if out is None: return value.astype(like.dtype)
+  """value in like's dtype, written into out[i] when given (`out=`: the op's in-place form; None where a result is
+  new) or returned new."""
+  if out is None or out[i] is None: return value.astype(like.dtype)
   np.copyto(out[i], value, casting="unsafe")
   return out[i]
 

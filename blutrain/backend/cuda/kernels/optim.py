@@ -468,8 +468,9 @@ def _working(xs, out, like) -> tuple[list[CudaArray], list[tuple[CudaArray, Cuda
 
 
 def _updated(work, back, out) -> tuple:
+  """The results: out's arrays, and the new ones where out has None (or is None)."""
   for w, o in back: memory.copy_into(o, w)
-  return tuple(work if out is None else out)
+  return tuple(work if out is None else (w if o is None else o for w, o in zip(work, out)))
 
 
 def adamw(*xs, n: int, beta1: float, beta2: float, eps: float, weight_decay: float, clip: bool | None = None,
