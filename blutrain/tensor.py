@@ -150,6 +150,11 @@ class Tensor:
     return (self[i] for i in range(self.shape[0]))
   def __hash__(self) -> int: return id(self)
 
+  def data_ptr(self) -> int:
+    """The address of the tensor's first element (its storage's plus its offset), 0 when it has none, as
+    `torch.Tensor.data_ptr`: tensors sharing memory compare by it."""
+    return 0 if 0 in self.shape else backend.get(self.device).data_ptr(self._array())
+
   def __dlpack__(self, stream: Any = None, **kw) -> Any:
     return backend.get(self.device).dlpack(self._array(), stream=stream, **kw)
 

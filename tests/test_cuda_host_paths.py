@@ -148,7 +148,7 @@ for make in (lambda: bt.optim.SGD(ps, lr=0.1, momentum=0.9), lambda: bt.optim.Ad
     opt.step()
     (rows, width), = tables
     grads = rows[1::width]
-    assert len(set(grads)) == 3 and not set(grads) & {p.grad._array().ptr for p in ps}, grads
+    assert len(set(grads)) == 3 and not set(grads) & {p.grad.data_ptr() for p in ps}, grads
 print("ok")
 """
   assert "ok" in _run_fake(code, tmp_path)

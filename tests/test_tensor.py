@@ -350,6 +350,17 @@ def test_item_tolist():
   assert bt.tensor([1.0], dtype=bt.bfloat16).item() == 1.0
 
 
+def test_data_ptr_is_the_first_elements_address_as_torchs():
+  """data_ptr: a view's is its storage's plus its offset in bytes (PyTorch's figure for the same view), views of one
+  storage at one offset share it, a copy has its own, an empty tensor's is 0; numpy agrees for shared memory."""
+  a = np.arange(24, dtype=np.float32).reshape(4, 6)
+  x, t = bt.from_numpy(a), torch.from_numpy(a)
+  for view, tview in ((x, t), (x[1:, 2:], t[1:, 2:]), (x.T[3], t.T[3]), (x.reshape(6, 4)[2], t.reshape(6, 4)[2])):
+    assert view.data_ptr() - x.data_ptr() == tview.data_ptr() - t.data_ptr(), view.shape
+  assert x.data_ptr() == a.ctypes.data and x[0].data_ptr() == x.data_ptr() and x.clone().data_ptr() != x.data_ptr()
+  assert bt.zeros(0, 3).data_ptr() == 0 and x[:, 6:].data_ptr() == 0
+
+
 @pytest.mark.parametrize("dt", [bt.float32, bt.float64, bt.float16, bt.int32, bt.int64, bt.bool])
 def test_dlpack_round_trip(dt):
   x = bt.tensor([[1, 0, 3], [4, 5, 0]], dtype=dt)

@@ -364,9 +364,6 @@ TORCH = {dtypes.bool_: "bool", dtypes.uint8: "uint8", dtypes.int8: "int8", dtype
          dtypes.float64: "float64"}
 
 
-def dev_ptr(t: bt.Tensor) -> int: return t._array().ptr
-
-
 @pytest.mark.parametrize("dtype", dtypes.all_dtypes, ids=lambda d: d.name)
 def test_dlpack_to_torch_shares_memory(torch_cuda, dtype):
   torch = torch_cuda
@@ -374,11 +371,11 @@ def test_dlpack_to_torch_shares_memory(torch_cuda, dtype):
   t = bt.from_numpy(x).cuda()
   tt = torch.from_dlpack(t)
   assert tt.device.type == "cuda" and tt.dtype == getattr(torch, TORCH[dtype]) and tuple(tt.shape) == (6, 8)
-  assert tt.data_ptr() == dev_ptr(t)
+  assert tt.data_ptr() == t.data_ptr()
   same(tt.cpu().view(torch.int16).numpy().view(x.dtype) if dtype is dtypes.bfloat16 else tt.cpu().numpy(), x)
   v = t[1:, ::2]
   tv = torch.from_dlpack(v)
-  assert tv.data_ptr() == dev_ptr(v) and tv.stride() == v.stride() and tuple(tv.shape) == v.shape
+  assert tv.data_ptr() == v.data_ptr() and tv.stride() == v.stride() and tuple(tv.shape) == v.shape
   if dtype is dtypes.float32:
     tt.add_(1.0)
     torch.cuda.synchronize()
@@ -397,7 +394,7 @@ def test_dlpack_from_torch_shares_memory(torch_cuda, dtype):
   tv = tt[1:, 2::3]
   b = bt.from_dlpack(tv)
   assert b.device == bt.device("cuda", 0) and b.dtype is dtype and b.shape == tuple(tv.shape)
-  assert b.stride() == tv.stride() and dev_ptr(b) == tv.data_ptr()
+  assert b.stride() == tv.stride() and b.data_ptr() == tv.data_ptr()
   want = tv.cpu()
   same(b.numpy(), want.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if dtype is dtypes.bfloat16 else want.numpy())
   if dtype is dtypes.float32:
@@ -430,10 +427,10 @@ def test_dlpack_with_cupy():
   x = rand((4, 6), dtypes.float32)
   c = cp.asarray(x)
   b = bt.from_dlpack(c)
-  assert dev_ptr(b) == c.data.ptr
+  assert b.data_ptr() == c.data.ptr
   same(b.numpy(), x)
   c2 = cp.from_dlpack(b)
-  assert c2.data.ptr == dev_ptr(b)
+  assert c2.data.ptr == b.data_ptr()
   same(cp.asnumpy(c2), x)
 
 

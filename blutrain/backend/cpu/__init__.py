@@ -49,6 +49,11 @@ def to_device(x: np.ndarray, target) -> object:
 kernels["to_device"] = to_device
 
 
+def data_ptr(array: np.ndarray) -> int:
+  """The address of an array's first element."""
+  return array.__array_interface__["data"][0]
+
+
 def dlpack(array: np.ndarray, stream=None, **kw):
   if array.dtype.kind == "V" or array.dtype.name == "bfloat16":
     raise TypeError("DLPack export of bfloat16 CPU tensors is not supported by numpy; convert with .float() first")

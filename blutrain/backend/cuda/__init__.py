@@ -97,6 +97,11 @@ def wrap(array: CudaArray, dtype: DType) -> tuple:
   return owner, array.shape, array.strides, offset, array
 
 
+def data_ptr(array: CudaArray) -> int:
+  """The device address of an array's first element."""
+  return array.ptr
+
+
 def dlpack(array: CudaArray, stream: int | None = None, **kw):
   """A DLPack capsule sharing `array`'s memory (the consumer's stream waits for our current stream)."""
   return interop.to_dlpack(array, stream, **kw)
