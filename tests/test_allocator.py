@@ -5,8 +5,8 @@ import gc
 import pytest
 from hypothesis import given, strategies as st
 
-from blutrain.backend.cuda.allocator import (MiB, CachingAllocator, OutOfMemoryError, _native, round_size,
-                                             segment_size)
+from blutrain.backend.cuda.allocator import (MiB, CachingAllocator, OutOfMemoryError, _native, reserve_for,
+                                             round_size, segment_size)
 
 KiB = 1024
 
@@ -66,6 +66,23 @@ def test_rounding_and_segment_sizes():
   assert segment_size(MiB + 512) == segment_size(10 * MiB - 512) == 20 * MiB
   assert segment_size(10 * MiB) == 10 * MiB
   assert segment_size(11 * MiB + 512) == 12 * MiB
+
+
+def test_reserve_for_packs_requests_as_new_segments():
+  """reserve_for: small requests four to a 2 MiB segment, 9 MiB ones two to a 20 MiB segment (a third opens another),
+  a large one its size rounded to 2 MiB, the pools apart."""
+  assert reserve_for([512 * KiB] * 5) == 4 * MiB and reserve_for([9 * MiB] * 3) == 40 * MiB
+  assert reserve_for([30 * MiB + 1]) == 32 * MiB and reserve_for([9 * MiB, 512 * KiB, 9 * MiB]) == 22 * MiB
+  assert reserve_for([]) == 0
+
+
+@given(st.lists(st.integers(1, 40 * MiB), max_size=40))
+def test_reserve_for_bounds_what_a_fresh_allocator_reserves(sizes):
+  """New requests served in order from an empty allocator and all kept take at most reserve_for's bytes (best fit may
+  place one in an earlier segment's room)."""
+  alloc = CachingAllocator(FakeDriver(), device=0)
+  blocks = [alloc.malloc(n, "s") for n in sizes]
+  assert stat(alloc, "reserved_bytes.all.current") <= reserve_for(sizes), (sizes, len(blocks))
 
 
 def test_zero_bytes_is_a_null_block(alloc, drv):

@@ -455,10 +455,13 @@ def _conv_images(trace: Trace, spec: list) -> frozenset[int]:
 
 def held_outside(trace: Trace, leaves: list) -> int:
   """Bytes under the device's memory limit that a step captured on the GPU cannot plan into: what the device allocator
-  holds besides the step's inputs that live across calls (parameters, optimizer state: they count as the step's), what
-  graph pools reserve (other compiled steps), and the cuBLASLt workspace the step's own pool makes for its stream.
+  holds besides the step's inputs that live across calls (parameters, optimizer state: they count as the step's), the
+  free memory in its segments that also hold allocations (which the arena cannot take, nor the cache give back), what
+  graph pools reserve (other compiled steps), and what the step's own pool makes besides its arena: the cuBLASLt
+  workspace for its stream and a segment for kernels' own temporaries (split reductions' partials, a few MiB).
   0 when no limit is set (nothing is then read)."""
   from blutrain.backend.cuda import runtime
+  from blutrain.backend.cuda.allocator import MID_SEGMENT
   from blutrain.backend.cuda.kernels.cublaslt import WORKSPACE
   allocator = runtime.state(trace.graph.device.index).allocator
   if allocator.limit is None: return 0
@@ -466,7 +469,8 @@ def held_outside(trace: Trace, leaves: list) -> int:
   inputs = {(a.ptr, a.nbytes) for a in (s.tensor(leaves)._array() for s in trace.sources
                                         if not isinstance(s, Arg) and not hasattr(s, "array"))}
   own = sum(n for _, n in inputs)
-  return max(stats["allocated_bytes.all.current"] - own, 0) + stats["pools_reserved_bytes.all.current"] + WORKSPACE
+  return (max(stats["allocated_bytes.all.current"] - own, 0) + stats["inactive_split_bytes.all.current"]
+          + stats["pools_reserved_bytes.all.current"] + WORKSPACE + MID_SEGMENT)
 
 
 # *** compile with a disk cache ***
@@ -607,10 +611,14 @@ class Compiled:
     capture_s = time.perf_counter() - t0
     written = {k: _position(trace.sources, where) for k, (kind, where) in enumerate(spec) if kind == "write"}
     from blutrain.nova.budget import step_budget
-    # the tensors a graph creates are copied out of its arena at its end (on the GPU): the plan leaves room for them
-    created_bytes = sum(t.numel() * t.dtype.itemsize for t in created)
+    # the tensors a graph creates are copied out of its arena at its end (on the GPU): the plan leaves room for them,
+    # as the device allocator's segments hold them (GPT-2's 9 MiB moments two to a 20 MiB segment)
+    sizes = [t.numel() * t.dtype.itemsize for t in created]
+    created_bytes = sum(sizes)
     budget = step_budget(self.memory_budget, device, held_outside(trace, leaves) if device.type == "cuda" else 0)
-    if budget is not None: budget = max(budget - created_bytes, 0)
+    if budget is not None:
+      from blutrain.backend.cuda.allocator import reserve_for
+      budget = max(budget - (reserve_for(sizes) if device.type == "cuda" else created_bytes), 0)
     try:
       fn, info = build(trace.graph, self.dump_ir or os.environ.get("BLUTRAIN_DUMP_IR"), written, budget, device.type)
     except BaseException:

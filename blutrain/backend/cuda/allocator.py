@@ -74,6 +74,21 @@ def segment_size(size: int) -> int:
   return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
 
 
+def reserve_for(sizes) -> int:
+  """The bytes of the segments that new requests of `sizes` bytes, made in order from empty pools and all kept, take:
+  the small and the mid-sized ones packed into their pools' segments one after another, each large one a segment of
+  its own. What the allocator reserves to hold them, at most (cached blocks may serve some)."""
+  total, room = 0, {SMALL_SEGMENT: 0, MID_SEGMENT: 0}
+  for n in sizes:
+    size = round_size(n)
+    seg = segment_size(size)
+    if size >= MIN_LARGE_ALLOC: total += seg
+    else:
+      if room[seg] < size: total, room[seg] = total + seg, seg
+      room[seg] -= size
+  return total
+
+
 def format_size(n: int) -> str:
   for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
     if abs(n) >= scale: return f"{n / scale:.2f} {unit}"
