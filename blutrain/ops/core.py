@@ -192,7 +192,7 @@ def _fits(into, avals, dev, inputs, op_: Op) -> bool:
   """Whether `into` may take the result as the kernel writes it (`can_write_into`; each output of a multi-output op
   that it produces, in order)."""
   if not op_.multi: return can_write_into(into, avals[0], avals[1], dev, inputs)
-  avals = _present(avals)
+  avals = [a for a in avals if a is not None]
   if len(into) != len(avals): return False
   sharing: dict[int, list] = {}  # NOTE: a multi-tensor op has hundreds of outputs: check each against its own storage's
   for t in inputs:
@@ -208,11 +208,6 @@ def _fits(into, avals, dev, inputs, op_: Op) -> bool:
 
 def _out_arrays(into, op_: Op):
   return [None if t is None else t._array() for t in into] if op_.multi else into._array()
-
-
-def _present(values) -> list:
-  """A multi-output op's outputs (or avals) that are there, in order."""
-  return [v for v in values if v is not None]
 
 
 def can_cast(src: DType, dst: DType) -> bool:
