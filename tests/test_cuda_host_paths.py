@@ -542,6 +542,12 @@ import fake_cuda
 import blutrain as bt
 from blutrain import nn
 from blutrain.nn import functional as F
+from blutrain.backend.cuda.kernels import norm
+finalized, real_run = [], norm.run
+def run(s, *a, **k):
+  if s[0] is norm._batch_norm_finalize_kernel: finalized.append(s.constexprs["RUNNING"])
+  return real_run(s, *a, **k)
+norm.run = run
 for shape, perm in (((8, 16, 6, 5), None), ((8, 6, 5, 16), (0, 3, 1, 2)), ((2, 3, 4, 2, 3, 2, 3), None)):
   base = bt.randn(*shape, device="cuda", requires_grad=True)
   x = base.permute(*perm) if perm else base
@@ -552,6 +558,8 @@ for shape, perm in (((8, 16, 6, 5), None), ((8, 6, 5, 16), (0, 3, 1, 2)), ((2, 3
   n1 = fake_cuda.launches[0]
   y.backward(g)
   assert (n1 - n0, fake_cuda.launches[0] - n1) == (3, 3), (shape, n1 - n0, fake_cuda.launches[0] - n1)
+  assert finalized == [False, False], finalized  # no running statistics: the finalize moves none (nor writes for them)
+  finalized.clear()
   assert y.stride() == x.stride() and base.grad.stride() == base.stride() and w.grad.dtype is bt.float32
   with bt.no_grad():
     running_var = b.detach().abs()
@@ -561,8 +569,9 @@ for shape, perm in (((8, 16, 6, 5), None), ((8, 6, 5, 16), (0, 3, 1, 2)), ((2, 3
 conv, bn = nn.Conv2d(3, 8, 3).cuda(), nn.BatchNorm2d(8).cuda()
 h = conv(bt.randn(2, 3, 8, 8, device="cuda")).detach()
 n0 = fake_cuda.launches[0]
+finalized.clear()
 bn(h)  # the statistics (2; the finalize moves the running statistics and counts the batch), the normalization (1)
-assert fake_cuda.launches[0] - n0 == 3, fake_cuda.launches[0] - n0
+assert fake_cuda.launches[0] - n0 == 3 and finalized == [True], (fake_cuda.launches[0] - n0, finalized)
 with bt.autocast("cuda", dtype=bt.bfloat16):
   y = bn(conv(bt.randn(2, 3, 8, 8, device="cuda")))
 assert y.dtype is bt.bfloat16 and bn.running_var.dtype is bt.float32

@@ -794,8 +794,8 @@ def _channel_reduce(grad: bool, x: CudaArray, g: CudaArray | None, mean, var, ep
     update = (new_mean.ptr, new_var.ptr, (new_batches or buf).ptr, rm.ptr, rv.ptr, (batches or buf).ptr,
               float(momentum), R / (R - 1), *(a.strides[0] for a in (new_mean, new_var, rm, rv)))
   else: update = (buf.ptr,) * 6 + (0.0, 0.0, 0, 0, 0, 0)
-  run(batch_norm_finalize_spec(grad, acc, out0 and out0.dtype, out1 and out1.dtype, running and running[3].dtype,
-                               bool(running) and running[5] is not None),
+  run(batch_norm_finalize_spec(grad, acc, out0 and out0.dtype, out1 and out1.dtype,
+                               running[3].dtype if running else None, bool(running) and running[5] is not None),
       (cdiv(C, FINALIZE_BLOCK_C),), (out0 or buf).ptr, (out1 or buf).ptr, sums, part0, part1, C, R, S, chunk, *update)
   return out0, out1, buf
 
